@@ -1,0 +1,22 @@
+"""agl_lab: step the agentic GRPO loop cell by cell and look at everything.
+
+    from agl_lab import Trainer
+    trainer = Trainer.from_config("configs/cpu_tiny.yaml")
+    ro = trainer.rollout(); b = trainer.build_batch(); u = trainer.update()
+
+Importing agl_lab registers the `per_rollout_mean` policy loss in verl's registry (lazily,
+the first time `agl_lab.algorithms` is imported).
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # Lazy public API: `import agl_lab` stays cheap (no torch/verl import) for the CLI and agents.
+    if name == "Trainer":
+        from agl_lab.trainer import Trainer
+
+        return Trainer
+    raise AttributeError(f"module 'agl_lab' has no attribute {name!r}")

@@ -1,0 +1,1 @@
+"""Engines own the policy weights and the OpenAI-compatible inference endpoints."""

@@ -1,0 +1,207 @@
+"""Wire schemas shared by the server, the client, the runner and the trainer.
+
+These pydantic models are byte-compatible with Agent Lightning v1 (`agentlightning/schemas.py`),
+so an AGL agent, controller or trainer talks to an agl_lab server unchanged:
+
+    Rollout  = {rollout_id, input, is_train, config, metadata, status}
+    Event    = {event_type, rollout_id, attempt_id, timestamp, data}
+    Model    = {model, endpoint, version}
+
+A rollout moves queuing -> running -> succeeded | failed (or queuing -> failed); the store
+enforces these transitions and answers 409 for anything else.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+import uuid
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+DEFAULT_ATTEMPT_ID = "0"
+
+
+class RolloutState(str, enum.Enum):
+    QUEUING = "queuing"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+    def __str__(self) -> str:  # behave like a StrEnum in f-strings and error texts
+        return self.value
+
+
+TERMINAL_STATES = frozenset({RolloutState.SUCCEEDED, RolloutState.FAILED})
+
+VALID_TRANSITIONS: dict[RolloutState, frozenset[RolloutState]] = {
+    RolloutState.QUEUING: frozenset({RolloutState.RUNNING, RolloutState.FAILED}),
+    RolloutState.RUNNING: frozenset({RolloutState.SUCCEEDED, RolloutState.FAILED}),
+    RolloutState.SUCCEEDED: frozenset(),
+    RolloutState.FAILED: frozenset(),
+}
+
+
+def new_rollout_id() -> str:
+    """A server- or client-generated rollout id: 32 hex characters."""
+    return uuid.uuid4().hex
+
+
+# ---------------------------------------------------------------------------------------------
+# Rollouts
+# ---------------------------------------------------------------------------------------------
+
+
+class RolloutLocalConfig(BaseModel):
+    agent_class: str | None = None
+    env_map: dict[str, str] = Field(default_factory=dict)
+
+
+class RolloutK8sConfig(BaseModel):
+    job_template: str | None = None
+
+
+class RolloutConfig(BaseModel):
+    timeout_seconds: int = 3600
+    local: RolloutLocalConfig | None = None
+    k8s: RolloutK8sConfig | None = None
+
+
+class RolloutMetadata(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    batch_idx: int | None = None
+    sample_idx_in_batch: int | None = None
+
+
+class RolloutLifecycleStatus(BaseModel):
+    state: RolloutState = RolloutState.QUEUING
+    k8s_job_name: str | None = None
+    last_attempt_id: str | None = None
+    error_message: str | None = None
+    version: int = 1
+    created_at: float
+    updated_at: float
+
+
+class Rollout(BaseModel):
+    rollout_id: str
+    input: Any = None
+    is_train: bool = True
+    config: RolloutConfig = Field(default_factory=RolloutConfig)
+    metadata: RolloutMetadata = Field(default_factory=RolloutMetadata)
+    status: RolloutLifecycleStatus
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.status.state in TERMINAL_STATES
+
+
+class RolloutCreate(BaseModel):
+    input: Any
+    is_train: bool = True
+    config: RolloutConfig | None = None
+    metadata: RolloutMetadata | dict[str, Any] | None = None
+    rollout_id: str | None = None
+
+    def to_rollout(self, now: float | None = None) -> Rollout:
+        """The stored rollout this request creates (defaults filled in, fresh status)."""
+        now = time.time() if now is None else now
+        metadata = self.metadata
+        if isinstance(metadata, dict):
+            metadata = RolloutMetadata(**metadata)
+        return Rollout(
+            rollout_id=self.rollout_id or new_rollout_id(),
+            input=self.input,
+            is_train=self.is_train,
+            config=self.config or RolloutConfig(),
+            metadata=metadata or RolloutMetadata(),
+            status=RolloutLifecycleStatus(created_at=now, updated_at=now),
+        )
+
+
+class RolloutStatusPatch(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    state: RolloutState | None = None
+    k8s_job_name: str | None = None
+    last_attempt_id: str | None = None
+    error_message: str | None = None
+
+
+class RolloutPatch(BaseModel):
+    status: RolloutStatusPatch | None = None
+
+
+class TerminalItem(BaseModel):
+    rollout_id: str
+    state: RolloutState
+    data_id: str
+    is_train: bool
+
+
+class TerminalPage(BaseModel):
+    items: list[TerminalItem]
+    next_after: int
+    total_terminal: int
+
+
+def data_id_of(rollout_input: Any) -> str:
+    """The group key projected into the terminal cursor: `input.data_id` or `input.instance_id`."""
+    if not isinstance(rollout_input, dict):
+        return ""
+    return str(rollout_input.get("data_id") or rollout_input.get("instance_id") or "")
+
+
+# ---------------------------------------------------------------------------------------------
+# Events
+# ---------------------------------------------------------------------------------------------
+
+
+class EventCreate(BaseModel):
+    event_type: str
+    data: dict[str, Any] = Field(default_factory=dict)
+
+
+class Event(BaseModel):
+    event_type: str
+    rollout_id: str
+    attempt_id: str
+    timestamp: float
+    data: dict[str, Any] = Field(default_factory=dict)
+
+
+class RewardData(BaseModel):
+    value: float
+    message: str | None = None
+    source: str | None = None
+    reason: str | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Model registry
+# ---------------------------------------------------------------------------------------------
+
+
+class Model(BaseModel):
+    model: str
+    endpoint: str
+    version: int = 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Gateway pause state
+# ---------------------------------------------------------------------------------------------
+
+
+class PauseRequest(BaseModel):
+    retry_after_seconds: int = 5
+    reason: str | None = None
+
+
+class PauseState(BaseModel):
+    paused: bool
+    retry_after_seconds: int
+    reason: str | None
+    inflight: int
