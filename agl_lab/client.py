@@ -1,0 +1,615 @@
+"""HTTP client of the agl server: retries where they are safe, cursor-based waiting.
+
+Two clients with the same methods — `AglClient` (sync, used by the rollout managers and the
+trainer) and `AsyncAglClient` (async, used by runners) — speak the AGL v1 wire protocol
+(`agl_lab.protocol`). Three choices differ from AGL v1's client, each on purpose:
+
+1. **Retry only what can succeed on retry.** Idempotent calls (every GET, the batch
+   `POST /api/rollouts` with client-assigned ids, `POST /api/models` upserts, pause/resume,
+   DELETEs) retry transport errors, 429 and 5xx with capped exponential backoff
+   `min(backoff_base * 2**attempt, backoff_cap)` (a `Retry-After` header lengthens the wait).
+   Other 4xx fail at once: AGL v1 retried a 401 for ~3.5 minutes before surfacing it.
+   Non-idempotent calls (status PATCH, event POST) are sent once.
+2. **Errors carry the server's words.** `AglHTTPError` holds method, path, status and the
+   server's `detail`; a 401 is an `AglAuthError` that names the config key to fix.
+3. **One request per poll.** `wait_for_terminal` follows the append-only terminal log
+   (`GET /api/rollouts/terminal?after=cursor`) instead of one GET per rollout per second, and
+   its timeout error names the unfinished rollouts with their current states.
+
+The request/response shapes live in small pure helpers (`_Call` builders and parsers) shared
+by both clients, so the sync and async classes are thin and cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import httpx
+
+from agl_lab.protocol import (
+    Event,
+    EventCreate,
+    Model,
+    PauseRequest,
+    PauseState,
+    Rollout,
+    RolloutCreate,
+    RolloutState,
+    RolloutStatusPatch,
+    TerminalItem,
+    TerminalPage,
+)
+
+logger = logging.getLogger(__name__)
+
+AUTH_FIX = "agl server rejected the API key (401): check agentlightning.agl_key / --key"
+TERMINAL_PAGE_LIMIT = 1000
+_MAX_NAMED_IN_ERROR = 20
+
+
+# =============================================================================================
+# Errors
+# =============================================================================================
+
+
+class AglHTTPError(RuntimeError):
+    """A non-2xx answer of the agl server; `detail` is the server's own explanation."""
+
+    def __init__(self, method: str, path: str, status_code: int, detail: str, attempts: int = 1):
+        self.method, self.path, self.status_code, self.detail = method, path, status_code, detail
+        self.attempts = attempts
+        tries = f" after {attempts} attempts" if attempts > 1 else ""
+        super().__init__(f"{method} {path} -> {status_code}{tries}: {detail}")
+
+
+class AglAuthError(AglHTTPError):
+    """401: the key the client sends does not match the server's `key`."""
+
+    def __init__(self, method: str, path: str, detail: str):
+        super().__init__(method, path, 401, detail)
+        self.args = (f"{AUTH_FIX} [{method} {path}: {detail}]",)
+
+
+class AglConnectionError(ConnectionError):
+    """The server could not be reached (transport error or timeout on every attempt)."""
+
+
+class RolloutWaitTimeout(TimeoutError):
+    """Rollouts did not all reach a terminal state in time.
+
+    `unfinished` maps each unfinished rollout id to its current state as the server reports
+    it (`"missing"` when the server no longer knows the id).
+    """
+
+    def __init__(self, timeout: float, unfinished: dict[str, str], n_total: int):
+        self.timeout, self.unfinished, self.n_total = timeout, dict(unfinished), n_total
+        named = list(self.unfinished.items())[:_MAX_NAMED_IN_ERROR]
+        listing = ", ".join(f"{rid} ({state})" for rid, state in named)
+        more = len(self.unfinished) - len(named)
+        if more > 0:
+            listing += f", ... and {more} more"
+        super().__init__(
+            f"timed out after {timeout:g}s waiting for {len(self.unfinished)} of {n_total} "
+            f"rollouts to finish: {listing}. Are runners connected to this server, and is "
+            f"each rollout's config.timeout_seconds enforced by them?"
+        )
+
+
+def _detail_of(response: httpx.Response) -> str:
+    """The server's `detail` (FastAPI), `error` (gateway) or raw text of an error response."""
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text.strip() or response.reason_phrase
+    if isinstance(body, dict):
+        for key in ("detail", "error"):
+            if key in body:
+                return str(body[key])
+    return str(body)
+
+
+# =============================================================================================
+# Calls: what to send (pure) and how to read the answer (pure)
+# =============================================================================================
+
+
+@dataclass(frozen=True)
+class _Call:
+    method: str
+    path: str
+    params: Any = None
+    json: Any = None
+    retry: bool = False  # idempotent: safe to resend after a lost or 429/5xx answer
+    timeout: float | None = None
+
+
+def _create_rollouts_call(requests: Sequence[RolloutCreate]) -> _Call:
+    body = [r.model_dump(mode="json", exclude_none=True) for r in requests]
+    # Critical: retrying is only safe because every request carries its own rollout_id.
+    return _Call("POST", "/api/rollouts", json=body, retry=all(r.rollout_id for r in requests))
+
+
+def _parse_rollouts(body: Any, expected: int | None = None) -> list[Rollout]:
+    rollouts = [Rollout.model_validate(r) for r in body]
+    if expected is not None and len(rollouts) != expected:
+        raise RuntimeError(f"agl server returned {len(rollouts)} rollouts, expected {expected}")
+    return rollouts
+
+
+def _parse_rollout_with_attempts(body: Any) -> tuple[Rollout, list[str]]:
+    if isinstance(body, dict) and "rollout" in body:  # AGL v1 shape; a bare rollout also works
+        return Rollout.model_validate(body["rollout"]), list(body.get("attempts") or [])
+    return Rollout.model_validate(body), []
+
+
+def _patch_status_call(rollout_id: str, fields: dict[str, Any]) -> _Call:
+    patch = RolloutStatusPatch(**fields)  # unknown fields fail here, naming the field
+    body = {"status": patch.model_dump(mode="json", exclude_unset=True)}
+    return _Call("PATCH", f"/api/rollouts/{rollout_id}", json=body)
+
+
+def _events_call(rollout_id: str, event_type: str | None, fmt: str | None) -> _Call:
+    params = {k: v for k, v in (("event_type", event_type), ("format", fmt)) if v is not None}
+    return _Call("GET", f"/api/rollouts/{rollout_id}/events", params=params, retry=True)
+
+
+def _add_event_call(rollout_id: str, attempt_id: str, event_type: str, data: dict) -> _Call:
+    body = EventCreate(event_type=event_type, data=dict(data or {})).model_dump(mode="json")
+    return _Call("POST", f"/api/rollouts/{rollout_id}/attempt/{attempt_id}/events", json=body)
+
+
+def _terminal_call(after: int, limit: int) -> _Call:
+    return _Call("GET", "/api/rollouts/terminal", params={"after": after, "limit": limit}, retry=True)
+
+
+def _pause_call(reason: str | None, retry_after_seconds: int, timeout: float) -> _Call:
+    body = PauseRequest(retry_after_seconds=retry_after_seconds, reason=reason).model_dump()
+    return _Call("POST", "/proxy/pause", json=body, retry=True, timeout=timeout)
+
+
+def _select_terminal(page: TerminalPage, wanted: set[str]) -> list[TerminalItem]:
+    return [item for item in page.items if item.rollout_id in wanted]
+
+
+def _page_is_full(page: TerminalPage) -> bool:
+    return page.next_after < page.total_terminal
+
+
+# =============================================================================================
+# Retry policy shared by both clients
+# =============================================================================================
+
+
+class _RetryPolicy:
+    def __init__(self, max_retries: int, backoff_base: float, backoff_cap: float):
+        if max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+        self.max_retries, self.backoff_base, self.backoff_cap = max_retries, backoff_base, backoff_cap
+
+    def attempts(self, call: _Call) -> int:
+        return self.max_retries + 1 if call.retry else 1
+
+    @staticmethod
+    def retryable(status: int) -> bool:
+        return status == 429 or status >= 500
+
+    def delay(self, attempt: int, response: httpx.Response | None) -> float:
+        delay = min(self.backoff_base * 2**attempt, self.backoff_cap)
+        retry_after = response.headers.get("retry-after") if response is not None else None
+        if retry_after is not None:
+            try:
+                delay = max(delay, min(float(retry_after), self.backoff_cap))
+            except ValueError:
+                pass
+        return delay
+
+    def check(self, call: _Call, response: httpx.Response, attempt: int) -> bool:
+        """True when `response` is final (2xx); raise for errors that must not be retried."""
+        if response.is_success:
+            return True
+        if response.status_code == 401:
+            raise AglAuthError(call.method, call.path, _detail_of(response))
+        last = attempt + 1 >= self.attempts(call)
+        if not self.retryable(response.status_code) or last:
+            raise AglHTTPError(
+                call.method, call.path, response.status_code, _detail_of(response), attempt + 1
+            )
+        return False
+
+    def log_retry(self, call: _Call, attempt: int, what: str, delay: float) -> None:
+        logger.warning(
+            "%s %s failed (attempt %d/%d): %s; retrying in %.2fs",
+            call.method, call.path, attempt + 1, self.attempts(call), what, delay,
+        )
+
+
+def _auth_headers(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def _unreachable(base_url: str, call: _Call, attempts: int, exc: Exception) -> AglConnectionError:
+    return AglConnectionError(
+        f"cannot reach the agl server at {base_url} ({call.method} {call.path}) after "
+        f"{attempts} attempt(s): {type(exc).__name__}: {exc}"
+    )
+
+
+# =============================================================================================
+# Sync client
+# =============================================================================================
+
+
+class AglClient:
+    """Blocking client of one agl server (or an AGL v1 server).
+
+    Args:
+        base_url: server root, e.g. `http://127.0.0.1:8080` (no `/api`).
+        key: bearer key; empty sends no Authorization header.
+        timeout: per-request timeout in seconds.
+        max_retries: extra attempts for idempotent calls (11 attempts in all by default).
+        backoff_base, backoff_cap: wait `min(backoff_base * 2**attempt, backoff_cap)` seconds
+            between attempts (tests pass a tiny base).
+        transport, event_hooks: passed to `httpx.Client` (tests count requests with them).
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        key: str = "",
+        timeout: float = 120.0,
+        max_retries: int = 10,
+        backoff_base: float = 1.0,
+        backoff_cap: float = 30.0,
+        *,
+        transport: httpx.BaseTransport | None = None,
+        event_hooks: dict[str, list] | None = None,
+    ):
+        self.base_url = base_url.rstrip("/")
+        self._policy = _RetryPolicy(max_retries, backoff_base, backoff_cap)
+        self.http = httpx.Client(
+            base_url=self.base_url, headers=_auth_headers(key), timeout=timeout,
+            transport=transport, event_hooks=event_hooks,
+        )
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    def _send(self, call: _Call) -> Any:
+        """Send `call` with the retry policy; return the decoded JSON body (None if empty)."""
+        n = self._policy.attempts(call)
+        for attempt in range(n):
+            try:
+                response = self.http.request(
+                    call.method, call.path, params=call.params, json=call.json,
+                    timeout=call.timeout if call.timeout is not None else httpx.USE_CLIENT_DEFAULT,
+                )
+            except httpx.TransportError as exc:
+                if attempt + 1 >= n:
+                    raise _unreachable(self.base_url, call, n, exc) from exc
+                delay = self._policy.delay(attempt, None)
+                self._policy.log_retry(call, attempt, repr(exc), delay)
+                time.sleep(delay)
+                continue
+            if self._policy.check(call, response, attempt):
+                return response.json() if response.content else None
+            delay = self._policy.delay(attempt, response)
+            self._policy.log_retry(call, attempt, f"HTTP {response.status_code}", delay)
+            time.sleep(delay)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _best_effort(self, call: _Call) -> bool:
+        try:
+            self._send(call)
+            return True
+        except AglAuthError:
+            raise  # a wrong key is a configuration error, never "best effort"
+        except (AglHTTPError, AglConnectionError) as exc:
+            logger.warning("best-effort %s %s failed: %s", call.method, call.path, exc)
+            return False
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> "AglClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- rollouts ------------------------------------------------------------------------
+
+    def create_rollouts(self, requests: Sequence[RolloutCreate]) -> list[Rollout]:
+        """POST /api/rollouts; retried when every request carries a `rollout_id`."""
+        return _parse_rollouts(self._send(_create_rollouts_call(requests)), len(requests))
+
+    def get_rollout(self, rollout_id: str) -> tuple[Rollout, list[str]]:
+        """GET /api/rollouts/{id} -> (rollout, attempt ids that have events)."""
+        return _parse_rollout_with_attempts(
+            self._send(_Call("GET", f"/api/rollouts/{rollout_id}", retry=True))
+        )
+
+    def list_rollouts(self, states: Iterable[str | RolloutState], limit: int = 500) -> list[Rollout]:
+        params = {"state_in": [str(s) for s in states], "limit": limit}
+        return _parse_rollouts(self._send(_Call("GET", "/api/rollouts", params=params, retry=True)))
+
+    def patch_status(self, rollout_id: str, **fields: Any) -> Rollout:
+        """PATCH the status (state, last_attempt_id, error_message, k8s_job_name); sent once."""
+        return Rollout.model_validate(self._send(_patch_status_call(rollout_id, fields)))
+
+    def delete_rollout(self, rollout_id: str) -> bool:
+        """Best-effort DELETE (the server answers 204 even for unknown ids)."""
+        return self._best_effort(_Call("DELETE", f"/api/rollouts/{rollout_id}", retry=True))
+
+    # -- events --------------------------------------------------------------------------
+
+    def add_event(self, rollout_id: str, attempt_id: str, event_type: str, data: dict) -> Event:
+        return Event.model_validate(self._send(_add_event_call(rollout_id, attempt_id, event_type, data)))
+
+    def get_events(
+        self, rollout_id: str, event_type: str | None = None, fmt: str | None = None
+    ) -> list[dict[str, Any]]:
+        """Events of the rollout's last attempt, in insertion order; `fmt="triplet"` reduces them."""
+        return list(self._send(_events_call(rollout_id, event_type, fmt)))
+
+    # -- completion ----------------------------------------------------------------------
+
+    def terminal_page(self, after: int = 0, limit: int = TERMINAL_PAGE_LIMIT) -> TerminalPage:
+        return TerminalPage.model_validate(self._send(_terminal_call(after, limit)))
+
+    def poll_terminal(self, ids: Iterable[str], after: int) -> tuple[list[TerminalItem], int]:
+        """Terminal items among `ids` logged at or after cursor `after`, and the new cursor.
+
+        One request, unless more than `TERMINAL_PAGE_LIMIT` rollouts finished since `after`.
+        """
+        wanted, found = set(ids), []
+        while True:
+            page = self.terminal_page(after)
+            found += _select_terminal(page, wanted)
+            after = page.next_after
+            if not _page_is_full(page):
+                return found, after
+
+    def wait_for_terminal(
+        self,
+        ids: Iterable[str],
+        timeout: float | None = None,
+        poll_interval: float = 0.2,
+        after: int = 0,
+    ) -> tuple[list[TerminalItem], int]:
+        """Wait until every id is terminal; return their terminal items and the new cursor.
+
+        Raises `RolloutWaitTimeout` (naming unfinished rollouts and states) after `timeout` s.
+        """
+        pending, items = set(ids), []
+        n_total = len(pending)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            new, after = self.poll_terminal(pending, after)
+            items += new
+            pending -= {item.rollout_id for item in new}
+            if not pending:
+                return items, after
+            if deadline is not None and time.monotonic() >= deadline:
+                raise RolloutWaitTimeout(timeout, self.states_of(pending), n_total)
+            time.sleep(poll_interval)
+
+    def states_of(self, ids: Iterable[str], limit: int = _MAX_NAMED_IN_ERROR) -> dict[str, str]:
+        """Current state of (at most `limit` of) `ids`, `"missing"` for unknown ids (for errors)."""
+        ids = sorted(ids)
+        states: dict[str, str] = {}
+        for rid in ids[:limit]:
+            try:
+                states[rid] = str(self.get_rollout(rid)[0].status.state)
+            except AglHTTPError as exc:
+                states[rid] = "missing" if exc.status_code == 404 else f"unknown ({exc.status_code})"
+        states.update({rid: "not fetched" for rid in ids[limit:]})
+        return states
+
+    # -- models and gateway ----------------------------------------------------------------
+
+    def register_models(self, models: Sequence[Model]) -> list[Model]:
+        body = [m.model_dump(mode="json") for m in models]
+        return [Model.model_validate(m) for m in self._send(_Call("POST", "/api/models", json=body, retry=True))]
+
+    def delete_models(self) -> bool:
+        """Best-effort DELETE /api/models (clears every registered model)."""
+        return self._best_effort(_Call("DELETE", "/api/models", retry=True))
+
+    def pause(self, reason: str | None = None, retry_after_seconds: int = 5, timeout: float = 300.0) -> PauseState:
+        return PauseState.model_validate(self._send(_pause_call(reason, retry_after_seconds, timeout)))
+
+    def resume(self) -> PauseState:
+        return PauseState.model_validate(self._send(_Call("POST", "/proxy/resume", retry=True)))
+
+    def proxy_state(self) -> PauseState:
+        return PauseState.model_validate(self._send(_Call("GET", "/proxy/state", retry=True)))
+
+    def drain(self, timeout: float = 300.0, poll_interval: float = 0.25) -> float:
+        """Wait until no proxied call is in flight; return the seconds waited (bounded)."""
+        start = time.monotonic()
+        while (state := self.proxy_state()).inflight > 0:
+            if time.monotonic() - start >= timeout:
+                raise TimeoutError(
+                    f"gateway still has {state.inflight} in-flight model calls after {timeout:g}s "
+                    f"of draining; raise the drain timeout or check the engine"
+                )
+            time.sleep(poll_interval)
+        return time.monotonic() - start
+
+    def healthz(self) -> dict[str, Any]:
+        return self._send(_Call("GET", "/healthz", retry=True))
+
+
+# =============================================================================================
+# Async client (same methods, awaited)
+# =============================================================================================
+
+
+class AsyncAglClient:
+    """`AglClient` for asyncio code (runners); same arguments, methods are coroutines."""
+
+    def __init__(
+        self,
+        base_url: str,
+        key: str = "",
+        timeout: float = 120.0,
+        max_retries: int = 10,
+        backoff_base: float = 1.0,
+        backoff_cap: float = 30.0,
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,
+        event_hooks: dict[str, list] | None = None,
+    ):
+        self.base_url = base_url.rstrip("/")
+        self._policy = _RetryPolicy(max_retries, backoff_base, backoff_cap)
+        self.http = httpx.AsyncClient(
+            base_url=self.base_url, headers=_auth_headers(key), timeout=timeout,
+            transport=transport, event_hooks=event_hooks,
+        )
+
+    async def _send(self, call: _Call) -> Any:
+        n = self._policy.attempts(call)
+        for attempt in range(n):
+            try:
+                response = await self.http.request(
+                    call.method, call.path, params=call.params, json=call.json,
+                    timeout=call.timeout if call.timeout is not None else httpx.USE_CLIENT_DEFAULT,
+                )
+            except httpx.TransportError as exc:
+                if attempt + 1 >= n:
+                    raise _unreachable(self.base_url, call, n, exc) from exc
+                delay = self._policy.delay(attempt, None)
+                self._policy.log_retry(call, attempt, repr(exc), delay)
+                await asyncio.sleep(delay)
+                continue
+            if self._policy.check(call, response, attempt):
+                return response.json() if response.content else None
+            delay = self._policy.delay(attempt, response)
+            self._policy.log_retry(call, attempt, f"HTTP {response.status_code}", delay)
+            await asyncio.sleep(delay)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _best_effort(self, call: _Call) -> bool:
+        try:
+            await self._send(call)
+            return True
+        except AglAuthError:
+            raise
+        except (AglHTTPError, AglConnectionError) as exc:
+            logger.warning("best-effort %s %s failed: %s", call.method, call.path, exc)
+            return False
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    async def __aenter__(self) -> "AsyncAglClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def create_rollouts(self, requests: Sequence[RolloutCreate]) -> list[Rollout]:
+        return _parse_rollouts(await self._send(_create_rollouts_call(requests)), len(requests))
+
+    async def get_rollout(self, rollout_id: str) -> tuple[Rollout, list[str]]:
+        return _parse_rollout_with_attempts(
+            await self._send(_Call("GET", f"/api/rollouts/{rollout_id}", retry=True))
+        )
+
+    async def list_rollouts(self, states: Iterable[str | RolloutState], limit: int = 500) -> list[Rollout]:
+        params = {"state_in": [str(s) for s in states], "limit": limit}
+        return _parse_rollouts(await self._send(_Call("GET", "/api/rollouts", params=params, retry=True)))
+
+    async def patch_status(self, rollout_id: str, **fields: Any) -> Rollout:
+        return Rollout.model_validate(await self._send(_patch_status_call(rollout_id, fields)))
+
+    async def delete_rollout(self, rollout_id: str) -> bool:
+        return await self._best_effort(_Call("DELETE", f"/api/rollouts/{rollout_id}", retry=True))
+
+    async def add_event(self, rollout_id: str, attempt_id: str, event_type: str, data: dict) -> Event:
+        body = await self._send(_add_event_call(rollout_id, attempt_id, event_type, data))
+        return Event.model_validate(body)
+
+    async def get_events(
+        self, rollout_id: str, event_type: str | None = None, fmt: str | None = None
+    ) -> list[dict[str, Any]]:
+        return list(await self._send(_events_call(rollout_id, event_type, fmt)))
+
+    async def terminal_page(self, after: int = 0, limit: int = TERMINAL_PAGE_LIMIT) -> TerminalPage:
+        return TerminalPage.model_validate(await self._send(_terminal_call(after, limit)))
+
+    async def poll_terminal(self, ids: Iterable[str], after: int) -> tuple[list[TerminalItem], int]:
+        wanted, found = set(ids), []
+        while True:
+            page = await self.terminal_page(after)
+            found += _select_terminal(page, wanted)
+            after = page.next_after
+            if not _page_is_full(page):
+                return found, after
+
+    async def wait_for_terminal(
+        self,
+        ids: Iterable[str],
+        timeout: float | None = None,
+        poll_interval: float = 0.2,
+        after: int = 0,
+    ) -> tuple[list[TerminalItem], int]:
+        pending, items = set(ids), []
+        n_total = len(pending)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            new, after = await self.poll_terminal(pending, after)
+            items += new
+            pending -= {item.rollout_id for item in new}
+            if not pending:
+                return items, after
+            if deadline is not None and time.monotonic() >= deadline:
+                raise RolloutWaitTimeout(timeout, await self.states_of(pending), n_total)
+            await asyncio.sleep(poll_interval)
+
+    async def states_of(self, ids: Iterable[str], limit: int = _MAX_NAMED_IN_ERROR) -> dict[str, str]:
+        ids = sorted(ids)
+        states: dict[str, str] = {}
+        for rid in ids[:limit]:
+            try:
+                states[rid] = str((await self.get_rollout(rid))[0].status.state)
+            except AglHTTPError as exc:
+                states[rid] = "missing" if exc.status_code == 404 else f"unknown ({exc.status_code})"
+        states.update({rid: "not fetched" for rid in ids[limit:]})
+        return states
+
+    async def register_models(self, models: Sequence[Model]) -> list[Model]:
+        body = [m.model_dump(mode="json") for m in models]
+        answer = await self._send(_Call("POST", "/api/models", json=body, retry=True))
+        return [Model.model_validate(m) for m in answer]
+
+    async def delete_models(self) -> bool:
+        return await self._best_effort(_Call("DELETE", "/api/models", retry=True))
+
+    async def pause(
+        self, reason: str | None = None, retry_after_seconds: int = 5, timeout: float = 300.0
+    ) -> PauseState:
+        return PauseState.model_validate(await self._send(_pause_call(reason, retry_after_seconds, timeout)))
+
+    async def resume(self) -> PauseState:
+        return PauseState.model_validate(await self._send(_Call("POST", "/proxy/resume", retry=True)))
+
+    async def proxy_state(self) -> PauseState:
+        return PauseState.model_validate(await self._send(_Call("GET", "/proxy/state", retry=True)))
+
+    async def drain(self, timeout: float = 300.0, poll_interval: float = 0.25) -> float:
+        start = time.monotonic()
+        while (state := await self.proxy_state()).inflight > 0:
+            if time.monotonic() - start >= timeout:
+                raise TimeoutError(
+                    f"gateway still has {state.inflight} in-flight model calls after {timeout:g}s "
+                    f"of draining; raise the drain timeout or check the engine"
+                )
+            await asyncio.sleep(poll_interval)
+        return time.monotonic() - start
+
+    async def healthz(self) -> dict[str, Any]:
+        return await self._send(_Call("GET", "/healthz", retry=True))

@@ -1,0 +1,267 @@
+"""One config language: verl's `ppo_trainer` defaults + `agentlightning:` + `agl_lab:`.
+
+The composition mirrors Agent Lightning v1, so an AGL training config loads unchanged:
+
+    verl ppo_trainer defaults          (verl/trainer/config/_generated_ppo_trainer.yaml)
+      └─ AGL overrides + `agentlightning:` section   (same keys and defaults as AGL v1)
+          └─ `agl_lab:` section         (engine, model, task, gateway, loss divisor, …)
+              └─ the user's YAML file, then `key=value` overrides
+
+Every key the user sets must exist in the composed defaults (a typo fails with the key's name
+and the closest known key); a few verl sub-trees are free-form (engine kwargs, override
+configs) and accept anything. `validate()` then rejects contradictory settings with the fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+# ---------------------------------------------------------------------------------------------
+# Defaults
+# ---------------------------------------------------------------------------------------------
+
+# Keys AGL v1 adds to or changes in verl's ppo_trainer (upstream config.yaml).
+AGL_DEFAULTS: dict[str, Any] = {
+    # verl defaults to gae, which rollout-level advantage rejects; every AGL example sets grpo.
+    "algorithm": {"enable_rollout_level_advantage": True, "adv_estimator": "grpo"},
+    "data": {"filter_overlong_prompts": False},
+    "actor_rollout_ref": {
+        "actor": {"calculate_entropy": True, "policy_loss": {"loss_mode": "per_rollout_mean"}},
+        "rollout": {"mode": "async"},
+    },
+    "agentlightning": {
+        "agl_base_url": "http://localhost:8080",
+        "agl_key": "",
+        "hooks": None,
+        "rollout_timeout_seconds": 1800,
+        "local": {"agent_class": None, "env_map": {}},
+        "k8s": {"job_template_path": None},
+        "reward_fillna_value": 0.0,
+        "max_ppo_update_times": None,
+        "trace_aggregator": {
+            "level": "trajectory",
+            "trajectory_max_prompt_length": 2048,
+            "trajectory_max_response_length": 8192,
+            # agl_lab: keep several open segments so interleaved sub-agent calls still merge
+            "multi_segment": False,
+        },
+        "async_rollout": {"enabled": False, "async_train_batch_size": None},
+    },
+}
+
+# The agl_lab section: what AGL leaves to separate processes (server, controller) and what we
+# add (engine choice, built-in tasks, the loss divisor, bounded waits).
+AGL_LAB_DEFAULTS: dict[str, Any] = {
+    "agl_lab": {
+        "engine": "local",  # local | verl
+        "seed": 0,
+        "run_dir": None,  # default: runs/<experiment_name>-<timestamp>
+        "model": {
+            "path": None,  # None → the built-in tiny model (built from config, cached)
+            "device": None,  # None → cuda if available else cpu
+            "max_model_len": 1024,
+            "warm_start_steps": 0,  # supervised warm start on the task's transcripts (tiny model)
+        },
+        "task": {"name": "lookup", "n_train": 256, "n_val": 32},
+        "server": {
+            "embedded": True,  # start store + gateway in process; false → use agl_base_url
+            "store": "memory",  # memory | sqlite:///path.db
+            "include_log_probs": True,
+            "val_temperature": 0.7,
+            "token_preserving": False,
+        },
+        "runner": {"enabled": True, "concurrency": 32, "agent_timeout_seconds": None},
+        "rollout": {"wait_timeout_seconds": 600, "poll_interval_seconds": 0.05},
+        "update": {
+            "normalize_by": "rollouts",  # rollouts (tech report Eq. 16) | rows (AGL v1 parity)
+            "small_batch": "train",  # train a batch smaller than one mini-batch | skip the step
+            "drain_timeout_seconds": 60,
+        },
+        "engine_options": {"batch_window_ms": 3, "max_batch_size": 64},
+        "wandb": {"mode": "disabled"},  # disabled | offline | online
+    }
+}
+
+# verl sub-trees whose keys are free-form (anything goes below them).
+_OPEN_PREFIXES = (
+    "actor_rollout_ref.rollout.engine_kwargs",
+    "actor_rollout_ref.model.override_config",
+    "critic.model.override_config",
+    "ray_kwargs",
+    "agentlightning.local.env_map",
+    "custom_reward_function",
+    "reward",
+    "global_profiler",
+)
+
+
+class ConfigError(ValueError):
+    """A config key is unknown, has a bad value, or contradicts another key."""
+
+
+def verl_defaults_path() -> Path:
+    """verl's generated, flat `ppo_trainer` config (no Hydra composition needed)."""
+    spec = importlib.util.find_spec("verl")
+    if spec is None or spec.origin is None:
+        raise ConfigError("verl is not installed: pip install -e '.[dev]' (it pins verl)")
+    return Path(spec.origin).parent / "trainer" / "config" / "_generated_ppo_trainer.yaml"
+
+
+def default_config() -> DictConfig:
+    base = OmegaConf.load(verl_defaults_path())
+    return OmegaConf.merge(base, AGL_DEFAULTS, AGL_LAB_DEFAULTS)
+
+
+# ---------------------------------------------------------------------------------------------
+# Composition
+# ---------------------------------------------------------------------------------------------
+
+
+def _leaf_paths(node: Any, prefix: str = "") -> Iterable[str]:
+    if isinstance(node, (DictConfig, Mapping)):
+        items = node.items_ex(resolve=False) if isinstance(node, DictConfig) else node.items()
+        for key, value in items:
+            path = f"{prefix}.{key}" if prefix else str(key)
+            if isinstance(value, (DictConfig, Mapping)) and len(value) > 0:
+                yield from _leaf_paths(value, path)
+            else:
+                yield path
+    elif prefix:
+        yield prefix
+
+
+def _known(defaults: DictConfig, path: str) -> bool:
+    if any(path == p or path.startswith(p + ".") for p in _OPEN_PREFIXES):
+        return True
+    node: Any = defaults
+    for part in path.split("."):
+        if isinstance(node, DictConfig):
+            if part not in node:
+                return False
+            node = node._get_node(part)  # keep interpolations unresolved
+            if isinstance(node, DictConfig) and len(node) == 0:
+                return True  # an empty default dict is a free-form mapping
+        else:
+            return False
+    return True
+
+
+def check_unknown_keys(defaults: DictConfig, user: DictConfig, source: str) -> None:
+    """Raise ConfigError naming every key of `user` that the defaults do not have."""
+    all_known = list(_leaf_paths(defaults))
+    bad = [p for p in _leaf_paths(user) if not _known(defaults, p)]
+    if not bad:
+        return
+    lines = []
+    for path in bad:
+        close = difflib.get_close_matches(path, all_known, n=1, cutoff=0.75)
+        hint = f" — did you mean '{close[0]}'?" if close else ""
+        lines.append(f"  unknown key '{path}' (from {source}){hint}")
+    raise ConfigError("Config has unknown keys:\n" + "\n".join(lines))
+
+
+def load_config(
+    path: str | os.PathLike | Mapping | DictConfig | None = None,
+    overrides: Iterable[str] | Mapping | None = None,
+) -> DictConfig:
+    """Compose defaults + a YAML file (or mapping) + `key=value` overrides, then validate.
+
+    >>> cfg = load_config("configs/cpu_tiny.yaml", ["data.train_batch_size=8"])
+    """
+    cfg = default_config()
+    layers: list[tuple[str, DictConfig]] = []
+    if path is not None:
+        if isinstance(path, (str, os.PathLike)):
+            if not Path(path).exists():
+                raise ConfigError(f"config file not found: {path}")
+            layers.append((str(path), OmegaConf.load(path)))
+        else:
+            layers.append(("the config mapping", OmegaConf.create(dict(path))))
+    if overrides:
+        if isinstance(overrides, Mapping):
+            layers.append(("overrides", OmegaConf.create(dict(overrides))))
+        else:
+            overrides = list(overrides)
+            for item in overrides:
+                if "=" not in item:
+                    raise ConfigError(f"override {item!r} is not key=value (e.g. data.train_batch_size=8)")
+            layers.append(("command-line overrides", OmegaConf.from_dotlist(overrides)))
+    for source, layer in layers:
+        check_unknown_keys(cfg, layer, source)
+        cfg = OmegaConf.merge(cfg, layer)
+    validate(cfg)
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation: contradictions, with the fix
+# ---------------------------------------------------------------------------------------------
+
+_CHOICES = {
+    "agl_lab.engine": ("local", "verl"),
+    "agl_lab.update.normalize_by": ("rollouts", "rows"),
+    "agl_lab.update.small_batch": ("train", "skip"),
+    "agl_lab.wandb.mode": ("disabled", "offline", "online"),
+    "agentlightning.trace_aggregator.level": ("transition", "trajectory"),
+}
+
+
+def validate(cfg: DictConfig) -> None:
+    for key, choices in _CHOICES.items():
+        value = OmegaConf.select(cfg, key)
+        if value not in choices:
+            raise ConfigError(f"{key}={value!r} is not one of {list(choices)}")
+    agl = cfg.agentlightning
+    if agl.async_rollout.enabled:
+        a, b = agl.async_rollout.async_train_batch_size, cfg.data.train_batch_size
+        if a is None or a <= b:
+            raise ConfigError(
+                f"agentlightning.async_rollout.async_train_batch_size ({a}) must be > "
+                f"data.train_batch_size ({b}) when async_rollout.enabled=true; "
+                f"AGL recommends 2 × train_batch_size (e.g. {2 * b})"
+            )
+    if cfg.actor_rollout_ref.rollout.n < 1:
+        raise ConfigError("actor_rollout_ref.rollout.n must be >= 1 (the GRPO group size)")
+    rc = cfg.algorithm.get("rollout_correction") or {}
+    if rc.get("bypass_mode") and not cfg.agl_lab.server.include_log_probs:
+        raise ConfigError(
+            "algorithm.rollout_correction.bypass_mode=true needs sampling logprobs: "
+            "set agl_lab.server.include_log_probs=true"
+        )
+    estimator = str(cfg.algorithm.adv_estimator).lower()
+    if cfg.algorithm.enable_rollout_level_advantage and estimator == "gae":
+        raise ConfigError(
+            "algorithm.adv_estimator=gae gives token-varying advantages, which rollout-level "
+            "advantage cannot broadcast: set algorithm.adv_estimator=grpo (or rloo, …) or "
+            "algorithm.enable_rollout_level_advantage=false"
+        )
+    if estimator == "remax":
+        raise ConfigError("algorithm.adv_estimator=remax is not supported (as in AGL v1): use grpo")
+    mini = cfg.actor_rollout_ref.actor.ppo_mini_batch_size
+    if mini is None or mini < 1:
+        raise ConfigError("actor_rollout_ref.actor.ppo_mini_batch_size must be a positive number of tasks")
+
+
+def to_container(cfg: DictConfig) -> dict[str, Any]:
+    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+
+
+def trace_limits(cfg: DictConfig) -> tuple[int, int]:
+    """(max_prompt_length, max_response_length) for the batch builder, as AGL picks them."""
+    ta = cfg.agentlightning.trace_aggregator
+    if str(ta.level).startswith("trajectory"):
+        return int(ta.trajectory_max_prompt_length), int(ta.trajectory_max_response_length)
+    return int(cfg.data.max_prompt_length), int(cfg.data.max_response_length)
+
+
+def as_listconfig_free(value: Any) -> Any:
+    """Plain Python value of a config node (lists and dicts resolved)."""
+    if isinstance(value, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(value, resolve=True)
+    return value

@@ -1,0 +1,51 @@
+"""Task feeding: an endless, seeded walk over a dataset, one epoch after another.
+
+Sync mode takes `train_batch_size` tasks per step; async mode tops up only the groups that
+finished (`take(k)` with any k), which AGL implements with a leftover buffer of split
+batches. A cursor (epoch, position) over a per-epoch permutation gives the same sequence of
+tasks with far less state, and it is what a checkpoint saves.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+
+class TaskFeeder:
+    """Yields tasks in a per-epoch shuffled order; `state_dict()` resumes the same sequence."""
+
+    def __init__(self, dataset: Sequence[dict[str, Any]], *, seed: int = 0, shuffle: bool = True):
+        if len(dataset) == 0:
+            raise ValueError("train dataset is empty: give at least one task")
+        self.dataset = list(dataset)
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.position = 0
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(len(self.dataset))
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.dataset))
+
+    def take(self, k: int) -> list[dict[str, Any]]:
+        """The next `k` tasks (crossing epoch boundaries as needed)."""
+        if k <= 0:
+            raise ValueError(f"size must be > 0, got {k}")
+        out: list[dict[str, Any]] = []
+        while len(out) < k:
+            order = self._order(self.epoch)
+            room = min(k - len(out), len(order) - self.position)
+            out.extend(dict(self.dataset[i]) for i in order[self.position:self.position + room])
+            self.position += room
+            if self.position == len(order):
+                self.epoch, self.position = self.epoch + 1, 0
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.position, self.seed = state["epoch"], state["position"], state["seed"]

@@ -1,0 +1,124 @@
+"""What each stage of a training step returns: plain objects that display well in Jupyter.
+
+    RolloutResult  .rollouts (list[CompletedRollout]) .triplets .lifecycle .groups .metrics
+    BatchResult    .data (verl DataProto) .rows .merges .groups .metrics
+    UpdateResult   .metrics .advantages .dropped .skipped
+
+DataFrames are computed on first access from the stage's own data (`agl_lab.views`), so a
+result is cheap to create and can be rebuilt with other settings from the same rollouts.
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import pandas as pd
+
+from agl_lab.rollout import CompletedRollout
+
+
+def _metrics_table(metrics: dict[str, Any], keys: list[str]) -> str:
+    rows = "".join(
+        f"<tr><td>{html.escape(k)}</td><td>{metrics[k]:.4g}</td></tr>"
+        if isinstance(metrics[k], float) else
+        f"<tr><td>{html.escape(k)}</td><td>{html.escape(str(metrics[k]))}</td></tr>"
+        for k in keys if k in metrics
+    )
+    return f"<table>{rows}</table>"
+
+
+def _summary_html(title: str, lines: list[str], metrics: dict[str, Any], keys: list[str]) -> str:
+    items = "".join(f"<li>{line}</li>" for line in lines)
+    return f"<div><b>{html.escape(title)}</b><ul>{items}</ul>{_metrics_table(metrics, keys)}</div>"
+
+
+@dataclass
+class RolloutResult:
+    """The completed rollouts of one rollout phase."""
+
+    step: int
+    rollouts: list[CompletedRollout]
+    metrics: dict[str, Any]
+    is_train: bool = True
+    carry_over: list[dict[str, Any]] = field(default_factory=list)
+
+    @cached_property
+    def triplets(self) -> pd.DataFrame:
+        from agl_lab.views import triplets_df
+
+        return triplets_df(self.rollouts)
+
+    @cached_property
+    def lifecycle(self) -> pd.DataFrame:
+        from agl_lab.views import lifecycle_df
+
+        return lifecycle_df(self.rollouts)
+
+    @cached_property
+    def groups(self) -> pd.DataFrame:
+        from agl_lab.views import groups_df
+
+        return groups_df(self.rollouts)
+
+    def _repr_html_(self) -> str:
+        n_failed = sum(r.state == "failed" for r in self.rollouts)
+        n_calls = sum(len(r.triplets) for r in self.rollouts)
+        lines = [
+            f"step {self.step} · {'train' if self.is_train else 'validation'}",
+            f"{len(self.rollouts)} rollouts in {len({r.data_id for r in self.rollouts})} groups, "
+            f"{n_failed} failed, {n_calls} model calls",
+        ]
+        if self.carry_over:
+            lines.append(f"{len(self.carry_over)} groups carried over to the next step")
+        keys = ["training/reward", "val/reward", "timing/rollout_total_s/p50", "timing/rollout_total_s/max"]
+        return _summary_html("RolloutResult", lines, self.metrics, keys)
+
+
+@dataclass
+class BatchResult:
+    """Training rows built from a rollout phase, as a verl DataProto plus views."""
+
+    step: int
+    data: Any
+    rows: pd.DataFrame
+    merges: pd.DataFrame
+    metrics: dict[str, Any]
+    rollouts: list[CompletedRollout] = field(default_factory=list)
+
+    @cached_property
+    def groups(self) -> pd.DataFrame:
+        from agl_lab.views import groups_df
+
+        return groups_df(self.rollouts, self.rows)
+
+    def _repr_html_(self) -> str:
+        n_rows = len(self.data) if self.data is not None else 0
+        lines = [
+            f"step {self.step} · {n_rows} rows from {len(self.rollouts)} rollouts",
+            f"{len(self.merges)} merge breaks",
+        ]
+        keys = ["training/n_sample", "training/n_unmerged_rollouts", "training/n_truncated_sample",
+                "training/n_trace_merge_mismatch_rows"]
+        return _summary_html("BatchResult", lines, self.metrics, keys)
+
+
+@dataclass
+class UpdateResult:
+    """One policy update: metrics, per-rollout advantages/weights and every dropped row."""
+
+    step: int
+    metrics: dict[str, Any]
+    advantages: pd.DataFrame
+    dropped: pd.DataFrame
+    skipped: bool = False
+    policy_version: int = 0
+
+    def _repr_html_(self) -> str:
+        state = "skipped (no trainable rows)" if self.skipped else f"policy version → {self.policy_version}"
+        lines = [f"step {self.step} · {state}", f"{len(self.dropped)} dropped rollouts"]
+        keys = ["training/n_sample_trained", "training/n_zero_adv_groups", "actor/pg_loss",
+                "actor/grad_norm", "actor/entropy", "training/rollout_probs_diff_max"]
+        return _summary_html("UpdateResult", lines, self.metrics, keys)

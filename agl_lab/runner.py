@@ -1,0 +1,624 @@
+"""Runner: turns queued rollouts into agent executions and reports how each one ended.
+
+The runner is the local controller of Agent Lightning v1 (`runner_type=local`), made
+usable from a notebook. A daemon thread polls the store, claims queued rollouts and runs
+an agent for each; every rollout it claims ends `succeeded` or `failed` with an
+`error_message` that says why. It records nothing else: model calls are captured by the
+gateway, rewards are posted by the agent (or by the runner for a callable's return value).
+
+Two kinds of agents
+    callable     `agent(task, ctx) -> float | None`, run in a thread of this process.
+                 `task` is the rollout's input; `ctx` (`AgentContext`) carries the gateway
+                 base URL of this rollout, the event URL and key, `emit()` and
+                 `openai_client()`. A returned number is posted as the `reward` event
+                 `{"value": r}` before the rollout is marked succeeded.
+    class name   `"module:Class"` / `"module.Class"` (the runner's `agent`, else the
+                 rollout's `config.local.agent_class`), run as an AGL agent in a subprocess
+                 of its own session with `AGL_OPENAI_BASE_URL`, `AGL_EVENT_URL`, `AGL_KEY`
+                 and the rollout's `config.local.env_map` in its environment.
+
+Lifecycle of one rollout (attempt "0", as every AGL v1 controller)
+
+    queuing --PATCH running(last_attempt_id="0")--> running --> succeeded | failed
+                 409 = another runner claimed it: skip
+
+Design decisions
+- One supervisor thread per claimed rollout decides the outcome exactly once (the first
+  decision wins: agent finished, timeout, external termination or runner shutdown) and
+  PATCHes it with retries, so slow server calls never delay other rollouts.
+- A callable runs in its own daemon thread, not in a `ThreadPoolExecutor`: a hanging agent
+  is abandoned at its timeout (its later gateway calls for the terminal rollout are refused
+  by the gateway) and can neither hold a pool slot nor block interpreter exit.
+- A subprocess agent runs in a new session; timeout, shutdown and completion kill its whole
+  process group, so tool servers it started do not outlive it. The last 2000 characters of
+  its stderr are quoted in the error message of a failed rollout.
+- The per-rollout timeout is `min(config.timeout_seconds, rollout_timeout_seconds)`.
+- A rollout this runner runs that the store reports terminal or deleted (e.g. failed by a
+  trainer's bounded wait) is stopped and its slot freed (checked about once a second).
+- Server hiccups are logged (throttled) and the poll loop keeps going; `stop()` is bounded
+  and leaves no rollout of this runner in `running`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+import math
+import numbers
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import IO, Any, Callable, Union
+
+import httpx
+
+from agl_lab._agent_bootstrap import _await
+from agl_lab.protocol import DEFAULT_ATTEMPT_ID
+
+log = logging.getLogger(__name__)
+
+AgentFn = Callable[[Any, "AgentContext"], Union[float, None]]
+AgentSpec = Union[AgentFn, str, None]
+
+STDERR_TAIL_CHARS = 2000
+KILL_WAIT_SECONDS = 5.0
+RECONCILE_INTERVAL_SECONDS = 1.0
+SHUTDOWN_MESSAGE = "runner shutdown"
+_LIST_LIMIT = 500
+
+
+# ---------------------------------------------------------------------------------------------
+# What the agent receives (pure)
+# ---------------------------------------------------------------------------------------------
+
+
+def agent_urls(server_url: str, rollout_id: str, is_train: bool,
+               attempt_id: str = DEFAULT_ATTEMPT_ID) -> tuple[str, str]:
+    """`(openai_base_url, event_url)` of one rollout, exactly as AGL v1 injects them."""
+    base = server_url.rstrip("/")
+    mode = "train" if is_train else "val"
+    return (
+        f"{base}/proxy/rollout/{rollout_id}/attempt/{attempt_id}/mode/{mode}/openai/v1",
+        f"{base}/api/rollouts/{rollout_id}/attempt/{attempt_id}/events",
+    )
+
+
+def resolve_env_path(path: str, rollout_input: Any) -> Any:
+    """Value of one `env_map` entry: `"input"`, `"input.a.b.0"` (dict keys / list indices),
+    or any other string used literally. A missing step raises
+    `ValueError("local.env_map path not found: {path}")`."""
+    if path == "input":
+        return rollout_input
+    if not path.startswith("input."):
+        return path
+    value = rollout_input
+    for part in path.split(".")[1:]:
+        if isinstance(value, dict) and part in value:
+            value = value[part]
+        elif isinstance(value, list) and part.isdigit() and int(part) < len(value):
+            value = value[int(part)]
+        else:
+            raise ValueError(f"local.env_map path not found: {path}")
+    return value
+
+
+def resolve_env_map(env_map: dict[str, str], rollout_input: Any) -> dict[str, str]:
+    """`{VAR: path}` -> `{VAR: value}`; non-string values are JSON-dumped (`ensure_ascii=False`)."""
+    resolved = {}
+    for name, path in env_map.items():
+        value = resolve_env_path(path, rollout_input)
+        resolved[name] = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    return resolved
+
+
+def agent_env(rollout: dict[str, Any], server_url: str, key: str) -> dict[str, str]:
+    """The AGL variables of one rollout plus its resolved `config.local.env_map`.
+
+    The three `AGL_*` variables are the contract and win over an `env_map` entry of the
+    same name."""
+    local = (rollout.get("config") or {}).get("local") or {}
+    env = resolve_env_map(local.get("env_map") or {}, rollout.get("input"))
+    base_url, event_url = agent_urls(server_url, rollout["rollout_id"], rollout.get("is_train", True))
+    env.update(AGL_OPENAI_BASE_URL=base_url, AGL_EVENT_URL=event_url, AGL_KEY=key)
+    return env
+
+
+def auth_headers(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+# ---------------------------------------------------------------------------------------------
+# AgentContext: what a callable agent gets besides its task
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class AgentContext:
+    """Everything a callable agent needs to talk to the gateway and the store.
+
+    | field      | meaning                                                                  |
+    |------------|--------------------------------------------------------------------------|
+    | base_url   | OpenAI base URL of this rollout: {server}/proxy/rollout/{rid}/attempt/0/mode/{train,val}/openai/v1 |
+    | api_key    | the server key ("" when auth is off)                                     |
+    | event_url  | {server}/api/rollouts/{rid}/attempt/0/events                             |
+    | rollout    | the rollout as the store returned it (dict)                              |
+    | cancelled  | set when the runner gave up on this rollout (timeout, shutdown, external) |
+    """
+
+    rollout_id: str
+    attempt_id: str
+    is_train: bool
+    base_url: str
+    event_url: str
+    api_key: str
+    rollout: dict[str, Any] = field(default_factory=dict, repr=False)
+    cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
+    http: httpx.Client | None = field(default=None, repr=False)
+
+    @property
+    def mode(self) -> str:
+        return "train" if self.is_train else "val"
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The AGL environment variables a subprocess agent of this rollout would get."""
+        return {"AGL_OPENAI_BASE_URL": self.base_url, "AGL_EVENT_URL": self.event_url,
+                "AGL_KEY": self.api_key}
+
+    def emit(self, event_type: str, data: dict[str, Any] | None = None) -> dict[str, Any]:
+        """POST one event of this rollout (e.g. `emit("reward", {"value": 1.0})`); returns it."""
+        body = {"event_type": event_type, "data": dict(data or {})}
+        if self.http is not None:
+            resp = self.http.post(self.event_url, json=body, headers=auth_headers(self.api_key))
+        else:
+            resp = httpx.post(self.event_url, json=body, headers=auth_headers(self.api_key), timeout=30)
+        resp.raise_for_status()
+        return resp.json()
+
+    def openai_client(self, max_retries: int = 6, timeout: float = 300.0, **kwargs: Any) -> Any:
+        """An `openai.OpenAI` client bound to this rollout's gateway URL."""
+        import openai
+
+        return openai.OpenAI(base_url=self.base_url, api_key=self.api_key or "EMPTY",
+                             max_retries=max_retries, timeout=timeout, **kwargs)
+
+    def async_openai_client(self, max_retries: int = 6, timeout: float = 300.0, **kwargs: Any) -> Any:
+        """An `openai.AsyncOpenAI` client bound to this rollout's gateway URL."""
+        import openai
+
+        return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key or "EMPTY",
+                                  max_retries=max_retries, timeout=timeout, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# One claimed rollout
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Execution:
+    rollout: dict[str, Any]
+    timeout: float
+    claimed_at: float  # time.monotonic() of the successful claim
+    ctx: AgentContext | None = None
+    proc: subprocess.Popen | None = None
+    thread: threading.Thread | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    wake: threading.Event = field(default_factory=threading.Event)  # set by the outcome decision
+    finished: bool = False
+
+    @property
+    def rollout_id(self) -> str:
+        return self.rollout["rollout_id"]
+
+
+def _fmt_seconds(seconds: float) -> str:
+    return f"{seconds:g}"
+
+
+def _read_tail(fh: IO[bytes] | None, limit: int = STDERR_TAIL_CHARS) -> str:
+    """Last `limit` characters of a binary temp file (stderr of an agent subprocess)."""
+    if fh is None:
+        return ""
+    try:
+        fh.flush()
+        size = fh.seek(0, os.SEEK_END)
+        fh.seek(max(0, size - 4 * limit))
+        text = fh.read().decode("utf-8", errors="replace")
+    except (OSError, ValueError):
+        return ""
+    return text[-limit:].strip()
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the agent's process group (it leads its own session) and reap the leader."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=KILL_WAIT_SECONDS)
+    except subprocess.TimeoutExpired:
+        log.error("agent subprocess %d did not die within %ss of SIGKILL", proc.pid, KILL_WAIT_SECONDS)
+
+
+def _child_pythonpath() -> str:
+    """PYTHONPATH for an agent subprocess: the runner's cwd and import path (a notebook's
+    `sys.path` edits included), so the class the user names imports there as it does here."""
+    parts = [os.getcwd()] + [p for p in sys.path if p and os.path.isdir(p)]
+    if os.environ.get("PYTHONPATH"):
+        parts.append(os.environ["PYTHONPATH"])
+    return os.pathsep.join(dict.fromkeys(parts))
+
+
+def _is_retryable(exc: Exception) -> bool:
+    if isinstance(exc, httpx.HTTPStatusError):
+        return exc.response.status_code >= 500 or exc.response.status_code == 429
+    return isinstance(exc, httpx.TransportError)
+
+
+def _retrying(fn: Callable[[], Any], attempts: int = 5, base_delay: float = 0.1) -> Any:
+    """Call `fn` until it does not raise a transport error / 5xx / 429; re-raise the last one."""
+    for i in range(attempts):
+        try:
+            return fn()
+        except Exception as exc:
+            if not _is_retryable(exc) or i == attempts - 1:
+                raise
+            time.sleep(base_delay * 2**i)
+    raise AssertionError("unreachable")
+
+
+# ---------------------------------------------------------------------------------------------
+# Runner
+# ---------------------------------------------------------------------------------------------
+
+
+class Runner:
+    """Claims queued rollouts from an agl_lab / AGL server and runs an agent for each.
+
+        with Runner(server.url, key=server.key, agent=my_agent, concurrency=8):
+            ...  # rollouts created meanwhile are executed in the background
+
+    | argument                | meaning                                                          |
+    |-------------------------|------------------------------------------------------------------|
+    | server_url              | server the runner polls and patches                              |
+    | key                     | bearer key for the runner and injected into agents (`AGL_KEY`)  |
+    | agent                   | callable `agent(task, ctx) -> float | None`, or `"module:Class"`, or None = each rollout's `config.local.agent_class` |
+    | concurrency             | most agents running at once                                      |
+    | poll_interval           | seconds between polls of the queue                               |
+    | rollout_timeout_seconds | caps every rollout's `config.timeout_seconds`                    |
+    | agent_server_url        | server URL put in the agents' URLs (default `server_url`)        |
+    | request_timeout         | seconds per HTTP request of the runner                           |
+    """
+
+    def __init__(
+        self,
+        server_url: str,
+        key: str = "",
+        agent: AgentSpec = None,
+        concurrency: int = 16,
+        poll_interval: float = 0.05,
+        rollout_timeout_seconds: float | None = None,
+        agent_server_url: str | None = None,
+        request_timeout: float = 10.0,
+    ):
+        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+            raise ValueError(f"Runner(concurrency=...) must be an int >= 1, got {concurrency!r}")
+        if not poll_interval > 0:
+            raise ValueError(f"Runner(poll_interval=...) must be > 0 seconds, got {poll_interval!r}")
+        if rollout_timeout_seconds is not None and not rollout_timeout_seconds > 0:
+            raise ValueError(
+                f"Runner(rollout_timeout_seconds=...) must be > 0 or None, got {rollout_timeout_seconds!r}"
+            )
+        if isinstance(agent, str):
+            from agl_lab._agent_bootstrap import split_agent_class
+
+            split_agent_class(agent)  # a malformed class name fails here, not per rollout
+        elif agent is not None and not callable(agent):
+            raise TypeError(
+                f"Runner(agent=...) must be a callable agent(task, ctx), a 'module:Class' string "
+                f"or None (use each rollout's config.local.agent_class), got {type(agent).__name__}"
+            )
+        self.server_url = server_url.rstrip("/")
+        self.agent_server_url = (agent_server_url or server_url).rstrip("/")
+        self.key = key or ""
+        self.agent = agent
+        self.concurrency = concurrency
+        self.poll_interval = float(poll_interval)
+        self.rollout_timeout_seconds = rollout_timeout_seconds
+        self.request_timeout = float(request_timeout)
+        self._live: dict[str, _Execution] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._http: httpx.Client | None = None
+        self._counts = {"claimed": 0, "succeeded": 0, "failed": 0, "abandoned": 0}
+        self._last_reconcile = 0.0
+        self._last_warning: dict[str, float] = {}
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> "Runner":
+        """Start polling in a daemon thread; returns self."""
+        if self._thread is not None:
+            raise RuntimeError("this Runner was already started; create a new Runner after stop()")
+        self._http = httpx.Client(base_url=self.server_url, headers=auth_headers(self.key),
+                                  timeout=self.request_timeout)
+        self._thread = threading.Thread(target=self._poll_loop, name="agl-runner-poll", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop claiming, kill live agents, fail their rollouts with "runner shutdown".
+
+        Bounded: waits at most about `timeout` seconds for threads; idempotent."""
+        if self._thread is None or self._http is None or self._stop.is_set():
+            return
+        deadline = time.monotonic() + timeout
+        self._stop.set()
+        self._thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        live = self._live_snapshot()
+        for ex in live:
+            self._finish(ex, "failed", SHUTDOWN_MESSAGE)
+        for ex in live:
+            if ex.thread is not None:
+                ex.thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        if self._thread.is_alive():
+            log.warning("runner poll thread still busy after %ss (a slow server call)", timeout)
+        self._http.close()
+
+    def __enter__(self) -> "Runner":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    @property
+    def running(self) -> list[str]:
+        """Ids of the rollouts this runner is executing now."""
+        with self._lock:
+            return list(self._live)
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Counts since start: claimed, succeeded, failed, abandoned (terminated outside), running."""
+        with self._lock:
+            return {**self._counts, "running": len(self._live)}
+
+    # -- polling -----------------------------------------------------------------------------
+
+    def _poll_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._tick()
+            except Exception as exc:  # server hiccup: log and keep polling
+                self._warn("poll", f"runner poll of {self.server_url} failed, retrying: {exc!r}")
+            self._stop.wait(self.poll_interval)
+
+    def _tick(self) -> None:
+        started = time.monotonic()
+        if self._live and started - self._last_reconcile >= RECONCILE_INTERVAL_SECONDS:
+            self._reconcile(started)
+            self._last_reconcile = started
+        free = self.concurrency - len(self._live)
+        if free <= 0:
+            return
+        for rollout in self._list_rollouts("queuing"):
+            if free <= 0 or self._stop.is_set():
+                break
+            if rollout["rollout_id"] in self._live:
+                continue
+            claimed = self._claim(rollout)
+            if claimed is not None:
+                self._launch(claimed)
+                free -= 1
+
+    def _list_rollouts(self, state: str) -> list[dict[str, Any]]:
+        assert self._http is not None
+        resp = self._http.get("/api/rollouts", params={"state_in": state, "limit": _LIST_LIMIT})
+        resp.raise_for_status()
+        return resp.json()
+
+    def _claim(self, rollout: dict[str, Any]) -> dict[str, Any] | None:
+        """PATCH queuing -> running(attempt "0"); the claimed rollout, or None if taken/deleted."""
+        assert self._http is not None
+        body = {"status": {"state": "running", "last_attempt_id": DEFAULT_ATTEMPT_ID}}
+        resp = self._http.patch(f"/api/rollouts/{rollout['rollout_id']}", json=body)
+        if resp.status_code in (404, 409):  # deleted, or another runner claimed it first
+            return None
+        resp.raise_for_status()
+        return resp.json()
+
+    def _reconcile(self, started: float) -> None:
+        """Stop agents whose rollout the store no longer has running (terminated outside)."""
+        running = self._list_rollouts("running")
+        if len(running) >= _LIST_LIMIT:
+            return  # a full page proves nothing about the rollouts beyond it
+        alive = {r["rollout_id"] for r in running}
+        for ex in self._live_snapshot():
+            # Critical: only rollouts claimed before this listing was requested can be judged.
+            if ex.claimed_at < started and ex.rollout_id not in alive:
+                log.info("rollout %s was terminated or deleted outside the runner; stopping its agent",
+                         ex.rollout_id)
+                self._finish(ex, None, None)
+
+    def _live_snapshot(self) -> list[_Execution]:
+        with self._lock:
+            return list(self._live.values())
+
+    def _warn(self, key: str, message: str, every: float = 10.0) -> None:
+        now = time.monotonic()
+        if now - self._last_warning.get(key, -math.inf) >= every:
+            self._last_warning[key] = now
+            log.warning(message)
+
+    # -- executions --------------------------------------------------------------------------
+
+    def _timeout_of(self, rollout: dict[str, Any]) -> float:
+        timeout = float((rollout.get("config") or {}).get("timeout_seconds") or 3600)
+        if self.rollout_timeout_seconds is not None:
+            timeout = min(timeout, float(self.rollout_timeout_seconds))
+        return timeout
+
+    def _launch(self, rollout: dict[str, Any]) -> None:
+        ex = _Execution(rollout=rollout, timeout=self._timeout_of(rollout), claimed_at=time.monotonic())
+        with self._lock:
+            self._live[ex.rollout_id] = ex
+            self._counts["claimed"] += 1
+        if self._stop.is_set():  # claimed while stop() was starting: give it straight back
+            self._finish(ex, "failed", SHUTDOWN_MESSAGE)
+            return
+        target = self._supervise_callable if callable(self.agent) else self._supervise_subprocess
+        ex.thread = threading.Thread(target=target, args=(ex,), daemon=True,
+                                     name=f"agl-rollout-{ex.rollout_id[:8]}")
+        ex.thread.start()
+
+    def _context(self, rollout: dict[str, Any]) -> AgentContext:
+        rid, is_train = rollout["rollout_id"], bool(rollout.get("is_train", True))
+        base_url, event_url = agent_urls(self.agent_server_url, rid, is_train)
+        return AgentContext(rollout_id=rid, attempt_id=DEFAULT_ATTEMPT_ID, is_train=is_train,
+                            base_url=base_url, event_url=event_url, api_key=self.key,
+                            rollout=rollout, http=self._http)
+
+    def _supervise_callable(self, ex: _Execution) -> None:
+        """Run the callable in an abandonable daemon thread; decide on its outcome."""
+        ctx = ex.ctx = self._context(ex.rollout)
+        outcome: dict[str, Any] = {}
+        done = threading.Event()
+
+        def work() -> None:
+            try:
+                value = self.agent(ex.rollout.get("input"), ctx)  # type: ignore[misc]
+                if inspect.isawaitable(value):  # an `async def` agent
+                    value = asyncio.run(_await(value))
+                outcome["value"] = value
+            except BaseException as exc:  # noqa: BLE001 - any agent failure fails the rollout
+                outcome["error"], outcome["traceback"] = exc, traceback.format_exc()
+            finally:
+                done.set()
+                ex.wake.set()
+
+        threading.Thread(target=work, daemon=True, name=f"agl-agent-{ex.rollout_id[:8]}").start()
+        ex.wake.wait(ex.timeout)
+        if ex.finished:  # decided elsewhere: shutdown or terminated outside
+            return
+        if not done.is_set():
+            self._finish(ex, "failed", f"agent timed out after {_fmt_seconds(ex.timeout)} s")
+            return
+        state, message = self._judge_callable(ex, outcome)
+        self._finish(ex, state, message)
+
+    def _judge_callable(self, ex: _Execution, outcome: dict[str, Any]) -> tuple[str, str | None]:
+        """(state, error_message) from what the callable returned; posts a returned reward."""
+        if "error" in outcome:
+            exc = outcome["error"]
+            tb = outcome["traceback"].strip()[-STDERR_TAIL_CHARS:]
+            return "failed", f"agent raised {type(exc).__name__}: {exc}\n{tb}"
+        value = outcome.get("value")
+        if value is None:
+            return "succeeded", None
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            return "failed", (f"agent returned {type(value).__name__} {value!r:.80}; "
+                              "return a float reward (posted as the reward event) or None")
+        if not math.isfinite(value):
+            return "failed", f"agent returned a non-finite reward {value}; return a finite float or None"
+        assert ex.ctx is not None
+        try:
+            _retrying(lambda: ex.ctx.emit("reward", {"value": float(value)}))  # type: ignore[union-attr]
+        except Exception as exc:
+            return "failed", f"could not record the agent's reward {value}: {exc!r}"
+        return "succeeded", None
+
+    def _agent_class_of(self, rollout: dict[str, Any]) -> str:
+        if isinstance(self.agent, str):
+            return self.agent
+        local = (rollout.get("config") or {}).get("local") or {}
+        if not local.get("agent_class"):
+            raise ValueError(
+                "invalid rollout config: missing config.local.agent_class (set "
+                "agentlightning.local.agent_class in the config, or pass Runner(agent=...))"
+            )
+        return local["agent_class"]
+
+    def _spawn(self, ex: _Execution, stderr_file: IO[bytes]) -> subprocess.Popen:
+        spec = self._agent_class_of(ex.rollout)
+        env = {**os.environ, "PYTHONPATH": _child_pythonpath(),
+               **agent_env(ex.rollout, self.agent_server_url, self.key)}
+        argv = [sys.executable, "-m", "agl_lab._agent_bootstrap", spec]
+        return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stderr=stderr_file,
+                                start_new_session=True)
+
+    def _supervise_subprocess(self, ex: _Execution) -> None:
+        """Spawn the AGL agent class in its own session; wait, time out or report its exit."""
+        with tempfile.TemporaryFile(prefix="agl-agent-stderr-") as stderr_file:
+            try:
+                proc = self._spawn(ex, stderr_file)
+            except Exception as exc:
+                self._finish(ex, "failed", f"local subprocess spawn failed: {exc}")
+                return
+            with ex.lock:
+                ex.proc, decided = proc, ex.finished
+            if decided:  # shutdown raced the spawn
+                _kill_group(proc)
+                return
+            try:
+                rc = proc.wait(timeout=ex.timeout)
+            except subprocess.TimeoutExpired:
+                self._finish(ex, "failed", f"local subprocess timed out after {_fmt_seconds(ex.timeout)} s")
+                return
+            if rc == 0:
+                self._finish(ex, "succeeded", None)
+                return
+            tail = _read_tail(stderr_file)
+            self._finish(ex, "failed", f"subprocess exited with code {rc}" + (f"; stderr tail:\n{tail}" if tail else ""))
+
+    def _finish(self, ex: _Execution, state: str | None, message: str | None) -> bool:
+        """Decide the outcome of `ex` once: stop its agent, PATCH `state` (None = no PATCH,
+        the store already ended it), free its slot. False if it was already decided."""
+        with ex.lock:
+            if ex.finished:
+                return False
+            ex.finished = True
+            proc = ex.proc
+        if ex.ctx is not None:
+            ex.ctx.cancelled.set()
+        ex.wake.set()
+        try:
+            if proc is not None:
+                _kill_group(proc)  # the leader has exited or must; its tool processes go too
+            if state is not None:
+                self._patch_terminal(ex.rollout_id, state, message)
+        finally:
+            with self._lock:
+                self._live.pop(ex.rollout_id, None)
+                self._counts[state or "abandoned"] += 1
+        return True
+
+    def _patch_terminal(self, rollout_id: str, state: str, message: str | None) -> None:
+        assert self._http is not None
+        status: dict[str, Any] = {"state": state}
+        if message is not None:
+            status["error_message"] = message
+        http = self._http
+
+        def patch() -> None:
+            resp = http.patch(f"/api/rollouts/{rollout_id}", json={"status": status})
+            if resp.status_code in (404, 409):  # deleted, or already terminal (decided elsewhere)
+                log.info("rollout %s: PATCH %s answered %d; leaving it", rollout_id, state, resp.status_code)
+                return
+            resp.raise_for_status()
+
+        try:
+            _retrying(patch, attempts=2 if self._stop.is_set() else 5)
+        except Exception as exc:
+            log.error("rollout %s: could not PATCH %s (%r); it stays running on the server",
+                      rollout_id, state, exc)

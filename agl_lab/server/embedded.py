@@ -1,0 +1,217 @@
+"""Run the server in the background of a notebook or a test, or in the foreground (`agl-lab serve`).
+
+    with EmbeddedServer(key="k", default_proxy={"model_name": "tiny"}) as server:
+        server.url        # http://127.0.0.1:PORT   (a free loopback port unless `port=` is given)
+        server.store      # the same Store the routes use: read it directly from the notebook
+        ...
+
+uvicorn runs `serve()` on its own event loop in a daemon thread, so it works when the main
+thread already runs a loop (Jupyter) and installs no signal handlers (uvicorn only does that
+on the main thread). The socket is bound before the thread starts, so the port is known and
+free-port races are impossible; start-up waits for `/healthz`.
+
+`ThreadedUvicorn` is the reusable part (any ASGI app on a loopback port in a thread); the fake
+OpenAI upstream of the tests and benchmarks runs on it too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import socket
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+import uvicorn
+
+from agl_lab.server.app import ServerConfig, create_app, load_server_config
+from agl_lab.server.store import Store, open_store
+
+logger = logging.getLogger("agl_lab.server")
+
+
+class ThreadedUvicorn:
+    """Serve an ASGI app with uvicorn in a daemon thread on an already-bound socket."""
+
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, *, log_level: str = "warning",
+                 health_path: str | None = None, start_timeout: float = 20.0):
+        self.app, self.host = app, host
+        self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
+        self.port: int = self._sock.getsockname()[1]
+        config = uvicorn.Config(app, log_level=log_level, timeout_keep_alive=120, lifespan="on",
+                                access_log=False)
+        self._server = uvicorn.Server(config)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"uvicorn:{self.port}", daemon=True)
+        self._thread.start()
+        self._wait_started(health_path, start_timeout)
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._server.serve(sockets=[self._sock]))
+        except BaseException as exc:  # surfaced by _wait_started / stop
+            self._error = exc
+
+    def _wait_started(self, health_path: str | None, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"server on {self.url} did not start within {timeout:.0f}s") from self._error
+            time.sleep(0.005)
+        if health_path is None:
+            return
+        with httpx.Client(trust_env=False, timeout=5.0) as client:
+            while True:  # started means the socket listens; /healthz means the routes answer
+                try:
+                    if client.get(self.url + health_path).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"{self.url}{health_path} did not answer 200 within {timeout:.0f}s")
+                time.sleep(0.01)
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Ask uvicorn to exit, wait for the thread, close the socket. Idempotent."""
+        self._server.should_exit = True
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+        self._sock.close()
+
+
+class EmbeddedServer:
+    """The agl_lab server (store + API + gateway) in a background thread.
+
+    `EmbeddedServer(config=None, *, store=None, rewriters=(), **overrides)`: `overrides` are
+    ServerConfig keys (nested mappings such as `default_proxy={"model_name": ...}` are merged
+    key by key). The port is free unless `port` is given (as an override or a set config field).
+    A store opened here (from `config.store`) is closed by `stop()`; a passed-in store is not.
+    """
+
+    def __init__(self, config: ServerConfig | Mapping[str, Any] | None = None, *, store: Store | None = None,
+                 rewriters: tuple[Any, ...] | list[Any] = (), log_level: str = "warning", **overrides: Any):
+        base = load_server_config(config if config is not None else {})
+        port_given = "port" in overrides or "port" in base.model_fields_set
+        merged = _deep_merge(base.model_dump(exclude_unset=True), overrides)
+        self.config: ServerConfig = load_server_config(merged)
+        self._owns_store = store is None
+        self.store: Store = store if store is not None else open_store(
+            self.config.store, terminal_log_limit=self.config.terminal_log_limit)
+        self.app = create_app(self.config, store=self.store, rewriters=rewriters)
+        try:
+            self._uvicorn = ThreadedUvicorn(self.app, self.config.host, self.config.port if port_given else 0,
+                                            log_level=log_level, health_path="/healthz")
+        except BaseException:
+            if self._owns_store:
+                self.store.close()
+            raise
+        self.config = self.config.model_copy(update={"port": self._uvicorn.port})
+        self._stopped = False
+
+    @property
+    def url(self) -> str:
+        return self._uvicorn.url
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """Auth headers for this server ({} when no key is set)."""
+        return {"Authorization": f"Bearer {self.config.key}"} if self.config.key else {}
+
+    @property
+    def gateway(self) -> Any:
+        return self.app.state.gateway
+
+    def stop(self) -> None:
+        """Stop serving and close the store this server opened. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._uvicorn.stop()
+        if self._owns_store:
+            self.store.close()
+
+    def __enter__(self) -> EmbeddedServer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = "stopped" if self._stopped else "running"
+        return f"EmbeddedServer({self.url}, store={self.store!r}, {state})"
+
+
+def _deep_merge(base: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = _deep_merge(dict(out[key]), value)
+        elif hasattr(value, "model_dump"):
+            out[key] = value.model_dump()
+        else:
+            out[key] = value
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# agl-lab serve
+# ---------------------------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="agl-lab serve", description="Run the rollout store + LLM gateway.")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; 0.0.0.0 for all)")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--key", default="", help="API key (empty disables auth)")
+    p.add_argument("--model-name", default=None, help="default_proxy.model_name: the model engines register")
+    p.add_argument("--store", default="memory", help="'memory' or 'sqlite:///path/to/store.db'")
+    p.add_argument("--train-temperature", type=float, default=None)
+    p.add_argument("--val-temperature", type=float, default=None)
+    p.add_argument("--no-log-probs", action="store_true", help="do not ask upstream for logprobs in train mode")
+    p.add_argument("--token-preserving", action="store_true")
+    p.add_argument("--terminal-log-limit", type=int, default=None)
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def serve_main(argv: list[str]) -> int:
+    """`agl-lab serve ...`: run the server in the foreground until interrupted."""
+    args = _parser().parse_args(argv)
+    proxy: dict[str, Any] = {"include_log_probs": not args.no_log_probs}
+    if args.model_name is not None:
+        proxy["model_name"] = args.model_name
+    if args.train_temperature is not None:
+        proxy["train"] = {"temperature": args.train_temperature}
+    if args.val_temperature is not None:
+        proxy["val"] = {"temperature": args.val_temperature}
+    raw: dict[str, Any] = {"host": args.host, "port": args.port, "key": args.key, "store": args.store,
+                           "default_proxy": proxy, "token_preserving": args.token_preserving}
+    if args.terminal_log_limit is not None:
+        raw["terminal_log_limit"] = args.terminal_log_limit
+    config = load_server_config(raw)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    store = open_store(config.store, terminal_log_limit=config.terminal_log_limit)
+    try:
+        app = create_app(config, store=store)
+        uvicorn.run(app, host=config.host, port=config.port, workers=1, timeout_keep_alive=120,
+                    log_level=args.log_level)
+    finally:
+        store.close()
+    return 0

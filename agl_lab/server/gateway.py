@@ -1,0 +1,354 @@
+"""The LLM gateway: an OpenAI-compatible reverse proxy that records every call of a rollout.
+
+An agent gets `{server}/proxy/rollout/{rid}/attempt/{aid}/mode/{train|val}/openai/v1` as its
+OpenAI `base_url`; the URL path alone attributes the call to the rollout. Per call (AGL v1,
+upstream-reference §2.5, in this order):
+
+    validate  mode -> upstream path -> rollout exists -> (agl_lab) rollout not terminal
+              -> client configured -> JSON body -> a server registered for the model
+    rewrite   train: model, temperature, return_token_ids, logprobs ; val: no logprobs
+              then the pluggable request rewriters (e.g. the token-preserving mode)
+    gate      paused -> 429 + Retry-After + X-Agl-Paused, nothing recorded ; else inflight += 1
+    forward   stream:true -> 400 ; POST with retries on timeouts, transport errors, 408, 409,
+              429 and >= 500, backoff min(base*2^i, max)*U(0.75, 1.25)
+    record    one `model_request` event (errors too), then answer with the upstream JSON
+
+Server choice is pinned per rollout: the pool of endpoints registered for the model, sorted
+by endpoint, indexed by the first 8 bytes of sha256(rollout_id) (big-endian) mod its size, so
+every turn of a rollout hits the same replica's prefix cache.
+
+Departures from AGL (ARCHITECTURE.md): a call for a rollout already succeeded/failed answers
+409 and records nothing; a rollout deleted while its call was in flight still gets the
+upstream answer (AGL answered 404 after a successful generation); `model_version` is the
+registered Model's version, which agl_lab engines set to the policy version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import inspect
+import logging
+import random
+import threading
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import httpx
+from fastapi import APIRouter, HTTPException, Request, Response
+from fastapi.responses import JSONResponse
+
+from agl_lab.protocol import Model, PauseRequest, PauseState, Rollout
+from agl_lab.server.store import RolloutNotFound, Store
+
+if TYPE_CHECKING:
+    from agl_lab.server.app import DefaultProxyConfig, ServerConfig
+
+try:  # orjson parses/serialises the request and response bodies several times faster
+    import orjson
+
+    _dumps, _loads = orjson.dumps, orjson.loads
+except ImportError:  # pragma: no cover - orjson is optional
+    import json
+
+    def _dumps(obj: Any) -> bytes:
+        return json.dumps(obj, separators=(",", ":")).encode()
+
+    _loads = json.loads
+
+logger = logging.getLogger("agl_lab.server.gateway")
+
+MODES = ("train", "val")
+UPSTREAM_PATHS = ("chat/completions", "completions")
+RETRYABLE_STATUS = frozenset({408, 409, 429})
+_JSON_HEADERS = {"content-type": "application/json"}
+
+
+def proxy_base_url(server_url: str, rollout_id: str, attempt_id: str = "0", mode: str = "train") -> str:
+    """The OpenAI `base_url` an agent uses for one rollout attempt (AGL_OPENAI_BASE_URL)."""
+    return f"{server_url.rstrip('/')}/proxy/rollout/{rollout_id}/attempt/{attempt_id}/mode/{mode}/openai/v1"
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure pieces: server pinning, body rewrite, backoff
+# ---------------------------------------------------------------------------------------------
+
+
+def select_server(pool: Sequence[Model], rollout_id: str) -> Model:
+    """Pin a rollout to one endpoint: sha256(rollout_id)[:8] big-endian mod len(pool)."""
+    ordered = sorted(pool, key=lambda m: m.endpoint)
+    digest = hashlib.sha256(rollout_id.encode()).digest()
+    return ordered[int.from_bytes(digest[:8], "big") % len(ordered)]
+
+
+def rewrite_request(body: dict[str, Any], mode: str, proxy: DefaultProxyConfig) -> dict[str, Any]:
+    """Shallow-merge the forced sampling parameters over the agent's body."""
+    if mode == "train":
+        forced: dict[str, Any] = {
+            "model": proxy.model_name,
+            "temperature": proxy.train.temperature,
+            "return_token_ids": True,
+        }
+        if proxy.include_log_probs:
+            forced["logprobs"] = True
+    elif mode == "val":
+        forced = {"model": proxy.model_name, "temperature": proxy.val.temperature, "return_token_ids": True}
+    else:
+        raise ValueError(f"Unsupported proxy mode: {mode} (use one of {MODES})")
+    return {**body, **forced}
+
+
+def backoff_seconds(attempt: int, base: float, cap: float, rng: random.Random) -> float:
+    """Sleep before retry `attempt` (0-based): min(base * 2^attempt, cap) * U(0.75, 1.25)."""
+    return min(base * 2.0**attempt, cap) * rng.uniform(0.75, 1.25)
+
+
+# ---------------------------------------------------------------------------------------------
+# Request rewriters (the plug-in point of the token-preserving mode)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ProxyCall:
+    """One proxied call as a rewriter sees it, after the standard rewrite, before forwarding.
+
+    A rewriter may replace or mutate `request` (the body sent upstream and recorded as the
+    event's `request`) and add keys to `annotations`, which are merged into the recorded
+    `model_request` data (the gateway's own keys win on a clash).
+    """
+
+    rollout: Rollout
+    attempt_id: str
+    mode: str
+    upstream_path: str
+    server: Model
+    request: dict[str, Any]
+    store: Store
+    annotations: dict[str, Any] = field(default_factory=dict)
+
+
+RequestRewriter = Callable[[ProxyCall], Awaitable[None] | None]
+
+
+# ---------------------------------------------------------------------------------------------
+# Pause gate
+# ---------------------------------------------------------------------------------------------
+
+
+class PauseGate:
+    """Pause flag + inflight counter. A thread lock (not an asyncio one): the trainer may flip
+    it from a notebook thread while the server's loop admits calls."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.paused, self.retry_after_seconds, self.reason, self.inflight = False, 5, None, 0
+
+    def state(self) -> PauseState:
+        with self._lock:
+            return self._state()
+
+    def _state(self) -> PauseState:
+        return PauseState(paused=self.paused, retry_after_seconds=self.retry_after_seconds,
+                          reason=self.reason, inflight=self.inflight)
+
+    def pause(self, retry_after_seconds: int = 5, reason: str | None = None) -> PauseState:
+        with self._lock:
+            self.paused, self.retry_after_seconds, self.reason = True, retry_after_seconds, reason
+            return self._state()
+
+    def resume(self) -> PauseState:
+        with self._lock:
+            self.paused, self.reason = False, None
+            return self._state()
+
+    def enter(self) -> PauseState | None:
+        """Admit a call (inflight += 1, returns None) or return the state that refused it."""
+        with self._lock:
+            if self.paused:
+                return self._state()
+            self.inflight += 1
+            return None
+
+    def leave(self) -> None:
+        with self._lock:
+            self.inflight = max(0, self.inflight - 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The gateway
+# ---------------------------------------------------------------------------------------------
+
+
+class Gateway:
+    """Validates, rewrites, gates, forwards and records proxied calls; owns the pause gate.
+
+    `client` (one shared httpx.AsyncClient) is set by the app's lifespan.
+    """
+
+    def __init__(self, config: ServerConfig, store: Store, rewriters: Sequence[RequestRewriter] = ()):
+        self.config, self.store = config, store
+        self.rewriters: list[RequestRewriter] = list(rewriters)
+        self.gate = PauseGate()
+        self.client: httpx.AsyncClient | None = None
+        self._rng = random.Random()
+
+    async def handle(self, request: Request, rollout_id: str, attempt_id: str, mode: str,
+                     upstream_path: str) -> Response:
+        """The proxy route: validate in AGL's order, then forward (`_forward`)."""
+        if mode not in MODES:
+            raise HTTPException(404, f"Unsupported proxy mode: {mode}")
+        if upstream_path not in UPSTREAM_PATHS:
+            raise HTTPException(404, f"Unsupported upstream path: {upstream_path}")
+        rollout = self.store.get_rollout(rollout_id)
+        if rollout is None:
+            raise HTTPException(404, f"Rollout not found: {rollout_id}")
+        if rollout.is_terminal:
+            raise HTTPException(409, f"Rollout {rollout_id} is {rollout.status.state}: the gateway only "
+                                     "forwards calls of queuing or running rollouts (create a new rollout "
+                                     "to run the task again)")
+        if self.client is None:
+            raise HTTPException(503, "Proxy not configured")
+        body = _parse_body(await request.body())
+        model_name = self.config.default_proxy.model_name
+        pool = self.store.models_for(model_name)
+        if not pool:
+            raise HTTPException(503, f"No servers available for model '{model_name}'")
+        server = select_server(pool, rollout_id)
+        call = ProxyCall(rollout=rollout, attempt_id=attempt_id, mode=mode, upstream_path=upstream_path,
+                         server=server, request=rewrite_request(body, mode, self.config.default_proxy),
+                         store=self.store)
+        for rewriter in self.rewriters:
+            result = rewriter(call)
+            if inspect.isawaitable(result):
+                await result
+        return await self._forward(call)
+
+    async def _forward(self, call: ProxyCall) -> Response:
+        refused = self.gate.enter()
+        if refused is not None:  # paused: the agent retries after Retry-After; nothing recorded
+            return JSONResponse(
+                {"error": "gateway paused", "reason": refused.reason}, status_code=429,
+                headers={"Retry-After": str(refused.retry_after_seconds), "X-Agl-Paused": "true"},
+            )
+        try:
+            if call.request.get("stream"):
+                raise HTTPException(400, "Streaming responses are not supported")
+            url = call.server.endpoint.rstrip("/") + "/" + call.upstream_path
+            started = time.perf_counter()
+            upstream, retry_count = await self._send_with_retries(url, _dumps(call.request))
+            latency_ms = (time.perf_counter() - started) * 1000.0
+            content, payload = _json_of(upstream)
+            self._record(call, payload, upstream.status_code, latency_ms, retry_count)
+            return Response(content=content, status_code=upstream.status_code, media_type="application/json")
+        finally:
+            self.gate.leave()
+
+    async def _send_with_retries(self, url: str, payload: bytes) -> tuple[httpx.Response, int]:
+        """POST until a non-retryable answer or the last attempt; returns (response, retry_count)."""
+        assert self.client is not None
+        attempts = self.config.upstream_max_attempts
+        for attempt in range(attempts):
+            last = attempt == attempts - 1
+            try:
+                response = await self.client.post(url, content=payload, headers=_JSON_HEADERS)
+            except httpx.TimeoutException as exc:
+                if last:
+                    raise HTTPException(504, "Upstream model server timed out") from exc
+                reason = f"timeout ({type(exc).__name__})"
+            except (httpx.HTTPError, httpx.InvalidURL) as exc:
+                if last:
+                    raise HTTPException(502, "Upstream model server request failed") from exc
+                reason = f"transport error ({type(exc).__name__}: {exc})"
+            else:
+                retryable = response.status_code in RETRYABLE_STATUS or response.status_code >= 500
+                if last or not retryable:
+                    return response, attempt
+                reason = f"HTTP {response.status_code}"
+                await response.aclose()
+            delay = backoff_seconds(attempt, self.config.upstream_backoff_base_seconds,
+                                    self.config.upstream_backoff_max_seconds, self._rng)
+            logger.warning("Retrying upstream request to %s after %s (attempt %d/%d, sleeping %.2fs)",
+                           url, reason, attempt + 1, attempts, delay)
+            await asyncio.sleep(delay)
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _record(self, call: ProxyCall, response: Any, http_status: int, latency_ms: float,
+                retry_count: int) -> None:
+        """Append the model_request event (AGL's data dict + rewriter annotations)."""
+        server = call.server
+        choices = response.get("choices") if isinstance(response, dict) else None
+        first = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+        finish_reason = first.get("finish_reason")
+        usage = response.get("usage") if isinstance(response, dict) else None
+        data = {
+            **call.annotations,
+            "model": server.model,
+            "model_version": server.version,
+            "request": call.request,
+            "response": response,
+            "server": {"model": server.model, "endpoint": server.endpoint, "version": server.version},
+            "latency_ms": latency_ms,
+            "http_status": http_status,
+            "status": "ok" if http_status < 400 else "error",
+            "retry_count": retry_count,
+            "usage": usage if isinstance(usage, dict) else None,
+            "finish_reason": finish_reason if isinstance(finish_reason, str) and finish_reason else None,
+        }
+        try:
+            self.store.append_event(call.rollout.rollout_id, call.attempt_id, "model_request", data)
+        except RolloutNotFound:
+            logger.warning("Rollout %s was deleted while its model call was in flight: the answer is "
+                           "returned to the agent but no model_request event is recorded",
+                           call.rollout.rollout_id)
+
+
+def _parse_body(raw: bytes) -> dict[str, Any]:
+    if not raw.strip():
+        return {}
+    try:
+        body = _loads(raw)
+    except ValueError:  # orjson.JSONDecodeError and json.JSONDecodeError are ValueErrors
+        raise HTTPException(400, "Invalid JSON in request body") from None
+    if not isinstance(body, dict):
+        raise HTTPException(400, f"Request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _json_of(response: httpx.Response) -> tuple[bytes, Any]:
+    """(bytes to return, parsed JSON); a non-JSON upstream answer counts as `{}` like AGL."""
+    if response.headers.get("content-type", "").startswith("application/json"):
+        try:
+            return response.content, _loads(response.content)
+        except ValueError:
+            logger.warning("Upstream answered invalid JSON with status %d", response.status_code)
+    return b"{}", {}
+
+
+# ---------------------------------------------------------------------------------------------
+# Routes (mounted under /proxy with auth by the app)
+# ---------------------------------------------------------------------------------------------
+
+
+def gateway_router(gateway: Gateway) -> APIRouter:
+    router = APIRouter(tags=["proxy"])
+
+    @router.post("/rollout/{rollout_id}/attempt/{attempt_id}/mode/{mode}/openai/v1/{upstream_path:path}")
+    async def proxy(request: Request, rollout_id: str, attempt_id: str, mode: str, upstream_path: str) -> Response:
+        return await gateway.handle(request, rollout_id, attempt_id, mode, upstream_path)
+
+    @router.post("/pause", response_model=PauseState)
+    async def pause(body: PauseRequest | None = None) -> PauseState:
+        body = body or PauseRequest()
+        return gateway.gate.pause(body.retry_after_seconds, body.reason)
+
+    @router.post("/resume", response_model=PauseState)
+    async def resume() -> PauseState:
+        return gateway.gate.resume()
+
+    @router.get("/state", response_model=PauseState)
+    async def state() -> PauseState:
+        return gateway.gate.state()
+
+    return router

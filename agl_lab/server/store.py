@@ -1,0 +1,690 @@
+"""The rollout store: the ledger of rollouts, their events, the model registry and the
+terminal-order log.
+
+One `Store` interface, two backends chosen by URL (`open_store`):
+
+    "memory" | None          -> MemoryStore   (default; lost when the process ends)
+    "sqlite:///path/to.db"   -> SqliteStore   (a restarted kernel re-attaches to it)
+
+The semantics (AGL v1, upstream-reference §1) live once, in the `Store` base class; a backend
+only implements storage primitives (`_load`, `_insert`, `_append_event`, ...). So both
+backends answer every question identically, and the tests run the same suite on both.
+
+    rollouts   rollout_id -> Rollout                 (creation order kept)
+    events     rollout_id -> attempt_id -> [Event]   (append-only; position is identity)
+    models     model name -> endpoint -> Model       (upsert by (model, endpoint))
+    terminal   [rollout_id]                          (appended on each terminal transition)
+
+Design decisions:
+- Thread-safe: every public method holds one re-entrant lock, because the embedded server's
+  event loop and a notebook thread may use the same store at once. Each call is short.
+- The terminal log is bounded (`terminal_log_limit`): cursor indices stay absolute, entries
+  older than the retained window are gone, and a cursor behind the window restarts at the
+  oldest retained entry. `total_terminal` is the absolute count of terminal transitions.
+- No HTTP here: errors are `RolloutNotFound` / `InvalidTransition`, mapped to 404 / 409 by
+  `agl_lab.server.app`. The triplet view (`triplet_events`) is a pure function over events.
+- Objects returned by `MemoryStore` are the stored ones: treat them as read-only.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import itertools
+import json
+import math
+import os
+import sqlite3
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+from agl_lab.protocol import (
+    DEFAULT_ATTEMPT_ID,
+    TERMINAL_STATES,
+    VALID_TRANSITIONS,
+    Event,
+    Model,
+    Rollout,
+    RolloutCreate,
+    RolloutState,
+    RolloutStatusPatch,
+    TerminalItem,
+    TerminalPage,
+    data_id_of,
+)
+
+try:  # orjson is ~5x faster for the event payloads the SQLite backend writes on every call
+    import orjson
+
+    def _dumps(obj: Any) -> str:
+        try:
+            return orjson.dumps(obj).decode()
+        except TypeError:  # e.g. non-str keys: fall back to the stdlib encoder
+            return json.dumps(obj)
+
+    _loads = orjson.loads
+except ImportError:  # pragma: no cover - orjson is optional
+    _dumps, _loads = json.dumps, json.loads
+
+DEFAULT_TERMINAL_LOG_LIMIT = 100_000
+
+
+class StoreError(Exception):
+    """Base class of the store's errors (mapped to HTTP codes by the app)."""
+
+
+class RolloutNotFound(StoreError, LookupError):
+    def __init__(self, rollout_id: str):
+        super().__init__(f"Rollout not found: {rollout_id}")
+        self.rollout_id = rollout_id
+
+
+class InvalidTransition(StoreError, ValueError):
+    def __init__(self, rollout_id: str, current: RolloutState, target: RolloutState | None):
+        super().__init__(f"Rollout {rollout_id}: cannot transition {current} -> {target}")
+        self.rollout_id, self.current, self.target = rollout_id, current, target
+
+
+# ---------------------------------------------------------------------------------------------
+# The interface and its semantics
+# ---------------------------------------------------------------------------------------------
+
+
+class Store(ABC):
+    """The ledger. Public methods implement AGL v1 semantics over a backend's primitives."""
+
+    def __init__(self, terminal_log_limit: int = DEFAULT_TERMINAL_LOG_LIMIT):
+        if int(terminal_log_limit) < 1:
+            raise ValueError(
+                f"terminal_log_limit must be >= 1, got {terminal_log_limit}: "
+                f"set it to the number of terminal ids a client may lag behind (default "
+                f"{DEFAULT_TERMINAL_LOG_LIMIT})"
+            )
+        self.terminal_log_limit = int(terminal_log_limit)
+        self._lock = threading.RLock()
+
+    # --- rollouts ---------------------------------------------------------------------------
+
+    def create_rollouts(self, creates: Sequence[RolloutCreate]) -> list[Rollout]:
+        """Create rollouts in order; a client id that exists returns the existing rollout."""
+        now = time.time()
+        out: list[Rollout] = []
+        with self._lock, self._transaction():
+            for create in creates:
+                existing = self._load(create.rollout_id) if create.rollout_id else None
+                if existing is not None:  # idempotent retry: never reset a started rollout
+                    out.append(existing)
+                    continue
+                rollout = create.to_rollout(now)
+                self._insert(rollout)
+                out.append(rollout)
+        return out
+
+    def get_rollout(self, rollout_id: str) -> Rollout | None:
+        with self._lock:
+            return self._load(rollout_id)
+
+    def list_rollouts(self, states: Iterable[RolloutState | str], limit: int = 500) -> list[Rollout]:
+        """Rollouts whose state is in `states`, in creation order, at most `limit`."""
+        wanted = [RolloutState(s) for s in states]
+        if limit <= 0 or not wanted:
+            return []
+        with self._lock:
+            return self._list(wanted, limit)
+
+    def patch_status(self, rollout_id: str, patch: RolloutStatusPatch) -> Rollout:
+        """Apply the explicitly set fields of `patch`; bump version/updated_at if any.
+
+        Raises RolloutNotFound, or InvalidTransition when `state` is set (even to None) and
+        the move is not in VALID_TRANSITIONS.
+        """
+        updates = patch.model_dump(exclude_unset=True)
+        with self._lock, self._transaction():
+            rollout = self._load(rollout_id)
+            if rollout is None:
+                raise RolloutNotFound(rollout_id)
+            if not updates:
+                return rollout
+            current = rollout.status.state
+            if "state" in updates and updates["state"] not in VALID_TRANSITIONS[current]:
+                raise InvalidTransition(rollout_id, current, updates["state"])
+            status = rollout.status.model_copy(
+                update={**updates, "version": rollout.status.version + 1, "updated_at": time.time()}
+            )
+            rollout = rollout.model_copy(update={"status": status})
+            self._replace(rollout)
+            # exactly once per rollout life: terminal states have no transitions out
+            if "state" in updates and status.state in TERMINAL_STATES:
+                self._terminal_append(rollout_id)
+                self._terminal_trim()
+            return rollout
+
+    def delete_rollout(self, rollout_id: str) -> None:
+        """Remove a rollout and all its events (idempotent); the terminal log keeps its id."""
+        with self._lock, self._transaction():
+            self._remove(rollout_id)
+
+    # --- events -----------------------------------------------------------------------------
+
+    def append_event(
+        self, rollout_id: str, attempt_id: str, event_type: str, data: dict[str, Any] | None = None
+    ) -> Event:
+        """Append one event (timestamped now) under (rollout, attempt); RolloutNotFound if unknown."""
+        if data is not None and not isinstance(data, dict):
+            raise TypeError(f"event data must be a dict, got {type(data).__name__}")
+        with self._lock, self._transaction():
+            if not self._exists(rollout_id):
+                raise RolloutNotFound(rollout_id)
+            event = Event.model_construct(
+                event_type=event_type,
+                rollout_id=rollout_id,
+                attempt_id=attempt_id,
+                timestamp=time.time(),
+                data={} if data is None else data,
+            )
+            self._append_event(event)
+            return event
+
+    def events(
+        self, rollout_id: str, *, event_type: str | None = None, attempt_id: str | None = None
+    ) -> list[Event]:
+        """Events of one attempt in insertion order (default: `last_attempt_id or "0"`)."""
+        with self._lock:
+            rollout = self._load(rollout_id)
+            if rollout is None:
+                raise RolloutNotFound(rollout_id)
+            if attempt_id is None:
+                attempt_id = rollout.status.last_attempt_id or DEFAULT_ATTEMPT_ID
+            events = self._events(rollout_id, attempt_id)
+        if event_type is not None:
+            events = [e for e in events if e.event_type == event_type]
+        return events
+
+    def attempts(self, rollout_id: str) -> list[str]:
+        """Attempt ids with >= 1 event, ordered by their first event; RolloutNotFound if unknown."""
+        with self._lock:
+            if not self._exists(rollout_id):
+                raise RolloutNotFound(rollout_id)
+            return self._attempts(rollout_id)
+
+    # --- terminal-order log -----------------------------------------------------------------
+
+    def terminal_page(self, after: int = 0, limit: int = 1000) -> TerminalPage:
+        """One page of the completion-ordered log, starting at absolute index `after`.
+
+        `after < 0 -> 0`, `limit < 1 -> 1`; a cursor older than the retained window restarts
+        at the oldest retained entry. Deleted (or re-created, not yet terminal) rollouts are
+        skipped but consumed.
+        """
+        after, limit = max(0, int(after)), max(1, int(limit))
+        with self._lock:
+            total = self._terminal_total()
+            start = max(after, total - self._terminal_len())
+            ids = self._terminal_slice(start, start + limit) if start < total else []
+            rollouts = self._load_many(ids)
+        items = []
+        for rid in ids:
+            rollout = rollouts.get(rid)
+            if rollout is None or rollout.status.state not in TERMINAL_STATES:
+                continue
+            items.append(
+                TerminalItem(
+                    rollout_id=rid,
+                    state=rollout.status.state,
+                    data_id=data_id_of(rollout.input),
+                    is_train=rollout.is_train,
+                )
+            )
+        return TerminalPage(items=items, next_after=start + len(ids), total_terminal=total)
+
+    # --- model registry ---------------------------------------------------------------------
+
+    def upsert_models(self, models: Sequence[Model]) -> list[Model]:
+        with self._lock, self._transaction():
+            for model in models:
+                self._put_model(model)
+        return list(models)
+
+    def clear_models(self) -> None:
+        with self._lock, self._transaction():
+            self._clear_models()
+
+    def models_for(self, model_name: str) -> list[Model]:
+        """The endpoints registered for `model_name`, sorted by endpoint string."""
+        with self._lock:
+            return sorted(self._models(model_name), key=lambda m: m.endpoint)
+
+    def close(self) -> None:
+        """Release resources (SQLite connection); the in-memory store has none."""
+
+    # --- backend primitives (called with the lock held) -------------------------------------
+
+    def _transaction(self) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    @abstractmethod
+    def _load(self, rollout_id: str) -> Rollout | None: ...
+
+    @abstractmethod
+    def _load_many(self, rollout_ids: Sequence[str]) -> dict[str, Rollout]: ...
+
+    @abstractmethod
+    def _exists(self, rollout_id: str) -> bool: ...
+
+    @abstractmethod
+    def _insert(self, rollout: Rollout) -> None: ...
+
+    @abstractmethod
+    def _replace(self, rollout: Rollout) -> None: ...
+
+    @abstractmethod
+    def _remove(self, rollout_id: str) -> None: ...
+
+    @abstractmethod
+    def _list(self, states: list[RolloutState], limit: int) -> list[Rollout]: ...
+
+    @abstractmethod
+    def _append_event(self, event: Event) -> None: ...
+
+    @abstractmethod
+    def _events(self, rollout_id: str, attempt_id: str) -> list[Event]: ...
+
+    @abstractmethod
+    def _attempts(self, rollout_id: str) -> list[str]: ...
+
+    @abstractmethod
+    def _terminal_append(self, rollout_id: str) -> None: ...
+
+    @abstractmethod
+    def _terminal_trim(self) -> None: ...
+
+    @abstractmethod
+    def _terminal_total(self) -> int: ...
+
+    @abstractmethod
+    def _terminal_len(self) -> int: ...
+
+    @abstractmethod
+    def _terminal_slice(self, start: int, stop: int) -> list[str]: ...
+
+    @abstractmethod
+    def _put_model(self, model: Model) -> None: ...
+
+    @abstractmethod
+    def _clear_models(self) -> None: ...
+
+    @abstractmethod
+    def _models(self, model_name: str) -> list[Model]: ...
+
+
+# ---------------------------------------------------------------------------------------------
+# In-memory backend
+# ---------------------------------------------------------------------------------------------
+
+
+class MemoryStore(Store):
+    """Plain dicts; the terminal log is a bounded deque plus an absolute count."""
+
+    def __init__(self, terminal_log_limit: int = DEFAULT_TERMINAL_LOG_LIMIT):
+        super().__init__(terminal_log_limit)
+        self._rollouts: dict[str, Rollout] = {}
+        self._event_log: dict[str, dict[str, list[Event]]] = {}
+        self._model_map: dict[str, dict[str, Model]] = {}
+        self._terminal: collections.deque[str] = collections.deque(maxlen=self.terminal_log_limit)
+        self._terminal_count = 0
+
+    def __repr__(self) -> str:
+        return f"MemoryStore(rollouts={len(self._rollouts)}, terminal={self._terminal_count})"
+
+    def _load(self, rollout_id: str) -> Rollout | None:
+        return self._rollouts.get(rollout_id)
+
+    def _load_many(self, rollout_ids: Sequence[str]) -> dict[str, Rollout]:
+        return {rid: self._rollouts[rid] for rid in rollout_ids if rid in self._rollouts}
+
+    def _exists(self, rollout_id: str) -> bool:
+        return rollout_id in self._rollouts
+
+    def _insert(self, rollout: Rollout) -> None:
+        self._rollouts[rollout.rollout_id] = rollout
+        self._event_log[rollout.rollout_id] = {}
+
+    def _replace(self, rollout: Rollout) -> None:
+        self._rollouts[rollout.rollout_id] = rollout  # same key: creation order is kept
+
+    def _remove(self, rollout_id: str) -> None:
+        self._rollouts.pop(rollout_id, None)
+        self._event_log.pop(rollout_id, None)
+
+    def _list(self, states: list[RolloutState], limit: int) -> list[Rollout]:
+        matching = (r for r in self._rollouts.values() if r.status.state in states)
+        return list(itertools.islice(matching, limit))
+
+    def _append_event(self, event: Event) -> None:
+        attempts = self._event_log.setdefault(event.rollout_id, {})
+        attempts.setdefault(event.attempt_id, []).append(event)
+
+    def _events(self, rollout_id: str, attempt_id: str) -> list[Event]:
+        return list(self._event_log.get(rollout_id, {}).get(attempt_id, []))
+
+    def _attempts(self, rollout_id: str) -> list[str]:
+        buckets = self._event_log.get(rollout_id, {})
+        firsts = [(evs[0].timestamp, i, aid) for i, (aid, evs) in enumerate(buckets.items()) if evs]
+        return [aid for _, _, aid in sorted(firsts)]
+
+    def _terminal_append(self, rollout_id: str) -> None:
+        self._terminal.append(rollout_id)  # the deque drops the oldest entry at its limit
+        self._terminal_count += 1
+
+    def _terminal_trim(self) -> None:
+        pass  # bounded by the deque's maxlen
+
+    def _terminal_total(self) -> int:
+        return self._terminal_count
+
+    def _terminal_len(self) -> int:
+        return len(self._terminal)
+
+    def _terminal_slice(self, start: int, stop: int) -> list[str]:
+        base = self._terminal_count - len(self._terminal)  # absolute index of _terminal[0]
+        return list(itertools.islice(self._terminal, start - base, stop - base))
+
+    def _put_model(self, model: Model) -> None:
+        self._model_map.setdefault(model.model, {})[model.endpoint] = model
+
+    def _clear_models(self) -> None:
+        self._model_map.clear()
+
+    def _models(self, model_name: str) -> list[Model]:
+        return list(self._model_map.get(model_name, {}).values())
+
+
+# ---------------------------------------------------------------------------------------------
+# SQLite backend
+# ---------------------------------------------------------------------------------------------
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS rollouts (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,   -- creation order (a re-created id goes last)
+    rollout_id TEXT NOT NULL UNIQUE,
+    state TEXT NOT NULL,
+    body TEXT NOT NULL                       -- Rollout as JSON
+);
+CREATE INDEX IF NOT EXISTS rollouts_state ON rollouts (state, seq);
+CREATE TABLE IF NOT EXISTS events (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,   -- insertion order
+    rollout_id TEXT NOT NULL,
+    attempt_id TEXT NOT NULL,
+    event_type TEXT NOT NULL,
+    timestamp REAL NOT NULL,
+    data TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS events_rollout ON events (rollout_id, attempt_id, seq);
+CREATE TABLE IF NOT EXISTS models (
+    model TEXT NOT NULL, endpoint TEXT NOT NULL, version INTEGER NOT NULL,
+    PRIMARY KEY (model, endpoint)
+);
+CREATE TABLE IF NOT EXISTS terminal_log (
+    idx INTEGER PRIMARY KEY,                 -- absolute position in the completion order
+    rollout_id TEXT NOT NULL
+);
+"""
+
+
+class SqliteStore(Store):
+    """One SQLite file (WAL mode); one connection shared under the store's lock."""
+
+    def __init__(self, path: str, terminal_log_limit: int = DEFAULT_TERMINAL_LOG_LIMIT):
+        super().__init__(terminal_log_limit)
+        self.path = path
+        if path != ":memory:":
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")  # durable across process crashes
+        self._db.executescript(_SCHEMA)
+        with self._lock:
+            self._terminal_trim()  # a smaller limit on reopen applies at once
+
+    def __repr__(self) -> str:
+        return f"SqliteStore({self.path!r})"
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[None]:
+        if self._db.in_transaction:  # re-entrant use under the RLock
+            yield
+            return
+        self._db.execute("BEGIN")
+        try:
+            yield
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    def _load(self, rollout_id: str) -> Rollout | None:
+        row = self._db.execute("SELECT body FROM rollouts WHERE rollout_id=?", (rollout_id,)).fetchone()
+        return None if row is None else Rollout.model_validate_json(row[0])
+
+    def _load_many(self, rollout_ids: Sequence[str]) -> dict[str, Rollout]:
+        out: dict[str, Rollout] = {}
+        for chunk in _chunks(list(dict.fromkeys(rollout_ids)), 500):
+            marks = ",".join("?" * len(chunk))
+            sql = f"SELECT rollout_id, body FROM rollouts WHERE rollout_id IN ({marks})"
+            for rid, body in self._db.execute(sql, chunk):
+                out[rid] = Rollout.model_validate_json(body)
+        return out
+
+    def _exists(self, rollout_id: str) -> bool:
+        sql = "SELECT 1 FROM rollouts WHERE rollout_id=?"
+        return self._db.execute(sql, (rollout_id,)).fetchone() is not None
+
+    def _insert(self, rollout: Rollout) -> None:
+        self._db.execute(
+            "INSERT INTO rollouts (rollout_id, state, body) VALUES (?, ?, ?)",
+            (rollout.rollout_id, rollout.status.state.value, rollout.model_dump_json()),
+        )
+
+    def _replace(self, rollout: Rollout) -> None:
+        self._db.execute(
+            "UPDATE rollouts SET state=?, body=? WHERE rollout_id=?",
+            (rollout.status.state.value, rollout.model_dump_json(), rollout.rollout_id),
+        )
+
+    def _remove(self, rollout_id: str) -> None:
+        self._db.execute("DELETE FROM rollouts WHERE rollout_id=?", (rollout_id,))
+        self._db.execute("DELETE FROM events WHERE rollout_id=?", (rollout_id,))
+
+    def _list(self, states: list[RolloutState], limit: int) -> list[Rollout]:
+        marks = ",".join("?" * len(states))
+        sql = f"SELECT body FROM rollouts WHERE state IN ({marks}) ORDER BY seq LIMIT ?"
+        rows = self._db.execute(sql, [s.value for s in states] + [limit])
+        return [Rollout.model_validate_json(body) for (body,) in rows]
+
+    def _append_event(self, event: Event) -> None:
+        self._db.execute(
+            "INSERT INTO events (rollout_id, attempt_id, event_type, timestamp, data) VALUES (?,?,?,?,?)",
+            (event.rollout_id, event.attempt_id, event.event_type, event.timestamp, _dumps(event.data)),
+        )
+
+    def _events(self, rollout_id: str, attempt_id: str) -> list[Event]:
+        sql = (
+            "SELECT event_type, timestamp, data FROM events "
+            "WHERE rollout_id=? AND attempt_id=? ORDER BY seq"
+        )
+        return [
+            Event.model_construct(
+                event_type=etype, rollout_id=rollout_id, attempt_id=attempt_id,
+                timestamp=ts, data=_loads(data),
+            )
+            for etype, ts, data in self._db.execute(sql, (rollout_id, attempt_id))
+        ]
+
+    def _attempts(self, rollout_id: str) -> list[str]:
+        sql = (
+            "SELECT attempt_id, MIN(timestamp) AS t, MIN(seq) AS s FROM events "
+            "WHERE rollout_id=? GROUP BY attempt_id ORDER BY t, s"
+        )
+        return [aid for aid, _, _ in self._db.execute(sql, (rollout_id,))]
+
+    def _terminal_append(self, rollout_id: str) -> None:
+        total = self._terminal_total()
+        self._db.execute("INSERT INTO terminal_log (idx, rollout_id) VALUES (?, ?)", (total, rollout_id))
+
+    def _terminal_trim(self) -> None:
+        oldest_kept = self._terminal_total() - self.terminal_log_limit
+        if oldest_kept > 0:
+            self._db.execute("DELETE FROM terminal_log WHERE idx < ?", (oldest_kept,))
+
+    def _terminal_total(self) -> int:
+        (top,) = self._db.execute("SELECT MAX(idx) FROM terminal_log").fetchone()
+        return 0 if top is None else top + 1  # the newest entry is never trimmed
+
+    def _terminal_len(self) -> int:
+        (n,) = self._db.execute("SELECT COUNT(*) FROM terminal_log").fetchone()
+        return n
+
+    def _terminal_slice(self, start: int, stop: int) -> list[str]:
+        sql = "SELECT rollout_id FROM terminal_log WHERE idx >= ? AND idx < ? ORDER BY idx"
+        return [rid for (rid,) in self._db.execute(sql, (start, stop))]
+
+    def _put_model(self, model: Model) -> None:
+        self._db.execute(
+            "INSERT OR REPLACE INTO models (model, endpoint, version) VALUES (?, ?, ?)",
+            (model.model, model.endpoint, model.version),
+        )
+
+    def _clear_models(self) -> None:
+        self._db.execute("DELETE FROM models")
+
+    def _models(self, model_name: str) -> list[Model]:
+        sql = "SELECT model, endpoint, version FROM models WHERE model=?"
+        return [Model(model=m, endpoint=e, version=v) for m, e, v in self._db.execute(sql, (model_name,))]
+
+
+def _chunks(items: list[str], size: int) -> Iterator[list[str]]:
+    for i in range(0, len(items), size):
+        yield items[i : i + size]
+
+
+def open_store(url: str | None = None, *, terminal_log_limit: int = DEFAULT_TERMINAL_LOG_LIMIT) -> Store:
+    """`None`/"memory" -> MemoryStore; "sqlite:///rel/path.db" or "sqlite:////abs/path.db" -> SqliteStore."""
+    if url is None or url in ("memory", "memory://", ""):
+        return MemoryStore(terminal_log_limit)
+    if url.startswith("sqlite:///"):
+        path = url[len("sqlite:///"):]
+        if not path:
+            raise ValueError(f"store url {url!r} names no file: use 'sqlite:///path/to/store.db'")
+        return SqliteStore(path, terminal_log_limit)
+    raise ValueError(
+        f"unknown store url {url!r}: use 'memory' (default) or 'sqlite:///path/to/store.db'"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Triplet view (GET /api/rollouts/{id}/events?format=triplet)
+# ---------------------------------------------------------------------------------------------
+
+
+def triplet_events(events: Sequence[Event]) -> list[Event]:
+    """Trim events for the learning side, then keep the last model_request per prompt.
+
+    model_request -> {prompt_token_ids, response_token_ids, response_log_probs,
+                      server: {model, version}, [http_status], [status], [error]}
+    reward        -> {value, [source], [reason]}
+    other types   -> unchanged
+    Among model_requests only the last event per distinct prompt_token_ids survives (an agent
+    retrying a prompt keeps its final answer); other events are never removed.
+    """
+    trimmed = [_trim_event(e) for e in events]
+    last_by_prompt: dict[tuple[Any, ...], int] = {}
+    for i, event in enumerate(trimmed):
+        if event.event_type == "model_request":
+            prompt = event.data.get("prompt_token_ids")
+            last_by_prompt[tuple(prompt) if isinstance(prompt, list) else ()] = i
+    keep = set(last_by_prompt.values())
+    return [e for i, e in enumerate(trimmed) if e.event_type != "model_request" or i in keep]
+
+
+def _trim_event(event: Event) -> Event:
+    if event.event_type == "model_request":
+        return event.model_copy(update={"data": _trim_model_request(event.data)})
+    if event.event_type == "reward":
+        data = {"value": event.data.get("value")}
+        data.update({k: event.data[k] for k in ("source", "reason") if k in event.data})
+        return event.model_copy(update={"data": data})
+    return event
+
+
+def _trim_model_request(data: dict[str, Any]) -> dict[str, Any]:
+    response = data.get("response")
+    prompt_ids: Any = []
+    response_ids: Any = []
+    log_probs: list[float] | None = None
+    if isinstance(response, dict):
+        prompt_ids = response.get("prompt_token_ids") or []  # chat: top level
+        choices = response.get("choices")
+        first = choices[0] if isinstance(choices, list) and choices else None
+        if isinstance(first, dict):  # only the first choice is captured (n > 1 unsupported)
+            prompt_ids = prompt_ids or first.get("prompt_token_ids") or []  # completions
+            response_ids = first.get("token_ids") or []
+            log_probs = extract_log_probs(first)
+    elif isinstance(response, list):  # legacy: raw stream chunks
+        response_ids = []
+        for chunk in response:
+            if not isinstance(chunk, dict):
+                continue
+            if not prompt_ids and chunk.get("prompt_token_ids"):
+                prompt_ids = chunk["prompt_token_ids"]
+            choices = chunk.get("choices")
+            if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+                response_ids.extend(choices[0].get("token_ids") or [])
+    server = data.get("server") if isinstance(data.get("server"), dict) else {}
+    out: dict[str, Any] = {
+        "prompt_token_ids": prompt_ids,
+        "response_token_ids": response_ids,
+        "response_log_probs": log_probs,
+        "server": {"model": server.get("model"), "version": server.get("version")},
+    }
+    out.update({k: data[k] for k in ("http_status", "status") if k in data})
+    if isinstance(response, dict) and "error" in response:
+        out["error"] = response["error"]
+    return out
+
+
+def extract_log_probs(choice: dict[str, Any]) -> list[float] | None:
+    """Chosen-token logprobs of one choice, or None if missing/odd. Never raises.
+
+    chat schema:        choice.logprobs.content = [{"logprob": float, ...}, ...]
+    completions schema: choice.logprobs.token_logprobs = [float, ...]
+    Any value that is not a finite float makes the whole list None.
+    """
+    lp = choice.get("logprobs")
+    if not isinstance(lp, dict):
+        return None
+    if isinstance(lp.get("content"), list):
+        items = lp["content"]
+        if not all(isinstance(it, dict) and "logprob" in it for it in items):
+            return None
+        raw = [it["logprob"] for it in items]
+    elif isinstance(lp.get("token_logprobs"), list):
+        raw = lp["token_logprobs"]
+    else:
+        return None
+    out: list[float] = []
+    for value in raw:
+        try:
+            f = float(value)
+        except (TypeError, ValueError, OverflowError):
+            return None
+        if not math.isfinite(f):
+            return None
+        out.append(f)
+    return out
