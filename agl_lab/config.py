@@ -142,9 +142,10 @@ def _known(defaults: DictConfig, path: str) -> bool:
     node: Any = defaults
     for part in path.split("."):
         if isinstance(node, DictConfig):
-            if part not in node:
+            child = node._get_node(part)  # `in` is False for '???' values: ask for the node
+            if child is None:
                 return False
-            node = node._get_node(part)  # keep interpolations unresolved
+            node = child
             if isinstance(node, DictConfig) and len(node) == 0:
                 return True  # an empty default dict is a free-form mapping
         else:
