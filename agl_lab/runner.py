@@ -37,6 +37,9 @@ Design decisions
   trainer's bounded wait) is stopped and its slot freed (checked about once a second).
 - Server hiccups are logged (throttled) and the poll loop keeps going; `stop()` is bounded
   and leaves no rollout of this runner in `running`.
+- Unlike AGL's local controller, a `running` rollout the runner does not know is left alone
+  (several runners may share one server); a runner that died without `stop()` leaves its
+  rollouts to the trainer's bounded wait.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ from typing import IO, Any, Callable, Union
 
 import httpx
 
-from agl_lab._agent_bootstrap import _await
+from agl_lab._agent_bootstrap import _await, split_agent_class
 from agl_lab.protocol import DEFAULT_ATTEMPT_ID
 
 log = logging.getLogger(__name__)
@@ -146,7 +149,8 @@ class AgentContext:
 
     | field      | meaning                                                                  |
     |------------|--------------------------------------------------------------------------|
-    | base_url   | OpenAI base URL of this rollout: {server}/proxy/rollout/{rid}/attempt/0/mode/{train,val}/openai/v1 |
+    | base_url   | OpenAI base URL of this rollout:                                         |
+    |            | {server}/proxy/rollout/{rid}/attempt/0/mode/{train,val}/openai/v1         |
     | api_key    | the server key ("" when auth is off)                                     |
     | event_url  | {server}/api/rollouts/{rid}/attempt/0/events                             |
     | rollout    | the rollout as the store returned it (dict)                              |
@@ -285,14 +289,15 @@ def _retrying(fn: Callable[[], Any], attempts: int = 5, base_delay: float = 0.1)
 class Runner:
     """Claims queued rollouts from an agl_lab / AGL server and runs an agent for each.
 
-        with Runner(server.url, key=server.key, agent=my_agent, concurrency=8):
+        with Runner(server.url, key=server.config.key, agent=my_agent, concurrency=8):
             ...  # rollouts created meanwhile are executed in the background
 
     | argument                | meaning                                                          |
     |-------------------------|------------------------------------------------------------------|
     | server_url              | server the runner polls and patches                              |
     | key                     | bearer key for the runner and injected into agents (`AGL_KEY`)  |
-    | agent                   | callable `agent(task, ctx) -> float | None`, or `"module:Class"`, or None = each rollout's `config.local.agent_class` |
+    | agent                   | callable `agent(task, ctx) -> float | None`; or `"module:Class"`  |
+    |                         | (subprocess); or None = each rollout's `config.local.agent_class` |
     | concurrency             | most agents running at once                                      |
     | poll_interval           | seconds between polls of the queue                               |
     | rollout_timeout_seconds | caps every rollout's `config.timeout_seconds`                    |
@@ -320,8 +325,6 @@ class Runner:
                 f"Runner(rollout_timeout_seconds=...) must be > 0 or None, got {rollout_timeout_seconds!r}"
             )
         if isinstance(agent, str):
-            from agl_lab._agent_bootstrap import split_agent_class
-
             split_agent_class(agent)  # a malformed class name fails here, not per rollout
         elif agent is not None and not callable(agent):
             raise TypeError(
@@ -372,15 +375,22 @@ class Runner:
         for ex in live:
             if ex.thread is not None:
                 ex.thread.join(timeout=max(0.0, deadline - time.monotonic()))
-        if self._thread.is_alive():
-            log.warning("runner poll thread still busy after %ss (a slow server call)", timeout)
-        self._http.close()
+        if self._thread.is_alive():  # stuck in a slow server call: it exits at its timeout
+            log.warning("runner poll thread still busy after %ss; leaving its HTTP client open", timeout)
+        else:
+            self._http.close()
 
     def __enter__(self) -> "Runner":
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+    def __repr__(self) -> str:
+        agent = self.agent if isinstance(self.agent, str) or self.agent is None else getattr(
+            self.agent, "__name__", type(self.agent).__name__)
+        state = "stopped" if self._stop.is_set() else "polling" if self._thread else "not started"
+        return f"Runner({self.server_url}, agent={agent!r}, concurrency={self.concurrency}, {state}, {self.stats})"
 
     @property
     def running(self) -> list[str]:
@@ -412,7 +422,7 @@ class Runner:
         free = self.concurrency - len(self._live)
         if free <= 0:
             return
-        for rollout in self._list_rollouts("queuing"):
+        for rollout in self._list_rollouts("queuing", limit=free + 16):
             if free <= 0 or self._stop.is_set():
                 break
             if rollout["rollout_id"] in self._live:
@@ -422,9 +432,12 @@ class Runner:
                 self._launch(claimed)
                 free -= 1
 
-    def _list_rollouts(self, state: str) -> list[dict[str, Any]]:
+    def _list_rollouts(self, state: str, limit: int = _LIST_LIMIT) -> list[dict[str, Any]]:
+        """One page of rollouts in `state`, creation order. The queue page is kept small (free
+        slots + a margin for rollouts other runners claim first): the server's event loop is
+        shared with the gateway, so a 20 Hz poll must not serialise the whole queue."""
         assert self._http is not None
-        resp = self._http.get("/api/rollouts", params={"state_in": state, "limit": _LIST_LIMIT})
+        resp = self._http.get("/api/rollouts", params={"state_in": state, "limit": min(limit, _LIST_LIMIT)})
         resp.raise_for_status()
         return resp.json()
 
@@ -579,7 +592,8 @@ class Runner:
                 self._finish(ex, "succeeded", None)
                 return
             tail = _read_tail(stderr_file)
-            self._finish(ex, "failed", f"subprocess exited with code {rc}" + (f"; stderr tail:\n{tail}" if tail else ""))
+            message = f"subprocess exited with code {rc}" + (f"; stderr tail:\n{tail}" if tail else "")
+            self._finish(ex, "failed", message)
 
     def _finish(self, ex: _Execution, state: str | None, message: str | None) -> bool:
         """Decide the outcome of `ex` once: stop its agent, PATCH `state` (None = no PATCH,

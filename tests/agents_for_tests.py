@@ -1,0 +1,113 @@
+"""Agents the runner tests run: AGL agent classes (for subprocesses) and one multi-turn episode.
+
+Every class follows the Agent Lightning contract: no-argument constructor, `run()` (sync or
+async), task from environment variables, reward POSTed to `AGL_EVENT_URL`. They report what
+they saw as events so the tests assert on the store, the way a user would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+
+OBSERVATION = "Observation: the calculator says 42."
+
+
+def _post_event(event_type: str, data: dict) -> None:
+    key = os.environ["AGL_KEY"]
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    resp = httpx.post(os.environ["AGL_EVENT_URL"], json={"event_type": event_type, "data": data},
+                      headers=headers, timeout=10)
+    resp.raise_for_status()
+
+
+class EnvReportAgent:
+    """Posts its AGL_* and T_* environment as an `env` event, then reward 1.0."""
+
+    def run(self) -> None:
+        env = {k: v for k, v in os.environ.items() if k.startswith(("AGL_", "T_"))}
+        _post_event("env", env)
+        _post_event("reward", {"value": 1.0})
+
+
+class AsyncRewardAgent:
+    """An `async def run()` agent: the bootstrap must await it."""
+
+    async def run(self) -> None:
+        await asyncio.sleep(0)
+        key = os.environ["AGL_KEY"]
+        async with httpx.AsyncClient(headers={"Authorization": f"Bearer {key}"} if key else {}) as client:
+            resp = await client.post(os.environ["AGL_EVENT_URL"],
+                                     json={"event_type": "reward", "data": {"value": 0.25}})
+            resp.raise_for_status()
+
+
+class CrashAgent:
+    """Raises: the bootstrap prints the traceback and exits 1."""
+
+    def run(self) -> None:
+        print("about to crash", file=sys.stderr)
+        raise RuntimeError("agent crashed on purpose")
+
+
+class ExitCodeAgent:
+    """Exits with code 3 after a line on stderr."""
+
+    def run(self) -> None:
+        print("bad configuration: giving up", file=sys.stderr, flush=True)
+        sys.exit(3)
+
+
+class HangAgent:
+    """Starts a 'tool server' child, reports both pids, then hangs until killed."""
+
+    def run(self) -> None:
+        tool = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        _post_event("pids", {"agent": os.getpid(), "tool": tool.pid})
+        time.sleep(120)
+
+
+class SleepAgent:
+    """Sleeps `T_SLEEP` seconds (default 0.3), then posts reward 1.0."""
+
+    def run(self) -> None:
+        time.sleep(float(os.environ.get("T_SLEEP", "0.3")))
+        _post_event("reward", {"value": 1.0})
+
+
+# ---------------------------------------------------------------------------------------------
+# A multi-turn agent written with the openai SDK (two chat calls with an observation between)
+# ---------------------------------------------------------------------------------------------
+
+
+def multi_turn_episode(client, question: str) -> float:
+    """Ask, append the reply and an observation, ask again; reward 1.0 if the second reply
+    came back (the fake upstream names the turn it answers)."""
+    messages = [{"role": "system", "content": "You are a careful calculator agent."},
+                {"role": "user", "content": question}]
+    first = client.chat.completions.create(model="auto", messages=messages, max_tokens=16)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": OBSERVATION}]
+    second = client.chat.completions.create(model="auto", messages=messages, max_tokens=16)
+    return 1.0 if second.choices[0].message.content.startswith("reply-4") else 0.0
+
+
+def multi_turn_agent(task: dict, ctx) -> float:
+    """Callable form for `Runner(agent=multi_turn_agent)`."""
+    return multi_turn_episode(ctx.openai_client(max_retries=2), task["question"])
+
+
+class MultiTurnOpenAIAgent:
+    """AGL class form: the same episode through `AGL_OPENAI_BASE_URL`, reward POSTed."""
+
+    def run(self) -> None:
+        import openai
+
+        client = openai.OpenAI(base_url=os.environ["AGL_OPENAI_BASE_URL"],
+                               api_key=os.environ["AGL_KEY"] or "EMPTY", max_retries=2)
+        _post_event("reward", {"value": multi_turn_episode(client, os.environ["T_QUESTION"])})
