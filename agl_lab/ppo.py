@@ -1,0 +1,463 @@
+"""The local engine's policy update: PPO epochs over mini-batches, verl's losses, one device.
+
+The verl engine runs this step on FSDP workers; the local engine (a transformers model on
+CPU or one GPU) runs it here, with the *same* loss functions: the policy loss is looked up
+in verl's registry by `loss_mode` (`per_rollout_mean` from `agl_lab.algorithms`, `vanilla`,
+or any other registered one), entropy and KL terms go through verl's `agg_loss` and
+`kl_penalty`. What this module adds is only the loop verl's actor would run:
+
+    for epoch:                          ppo_epochs
+      for mini-batch (rows):            one optimiser step each
+        for micro-batch (rows):         forward + backward, gradients accumulate
+        clip grad norm → AdamW step
+
+**Gradient accumulation ≡ one big batch.** Like verl 0.9.1's engine path, every micro-batch
+loss is normalised by the *mini-batch* totals (`config.global_batch_info`: token count,
+row count, dp_size = 1), so the summed micro-batch gradients equal the gradient of one
+forward over the whole mini-batch, exactly, for every `loss_agg_mode`. `per_rollout_mean`
+is a plain token sum (its normalisation is already in the advantages): it is *not*
+divided again. tests/test_ppo.py checks the equivalence on a real model.
+
+Tensors (N rows, P prompt, R response positions, L = P + R):
+
+| key                 | shape  | meaning                                                     |
+|---------------------|--------|-------------------------------------------------------------|
+| `input_ids`         | [N, L] | left-padded prompt + right-padded response                  |
+| `attention_mask`    | [N, L] | 1 on real tokens (observations included)                    |
+| `position_ids`      | [N, L] | cumsum(mask) − 1 (computed if absent)                       |
+| `responses`         | [N, R] | the response window                                         |
+| `response_mask`     | [N, R] | 1 on sampled tokens: the loss tokens                        |
+| `old_log_probs`     | [N, R] | log π_old (`prepare_old_log_probs`)                         |
+| `advantages`        | [N, R] | from `agl_lab.algorithms` (normalised for per_rollout_mean) |
+| `rollout_log_probs` | [N, R] | sampling logprobs from the engine (optional: mismatch)      |
+| `ref_log_prob`      | [N, R] | reference logprobs (optional; else `ref_model`)             |
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import numpy as np
+import torch
+from verl import DataProto
+from verl.trainer.ppo.core_algos import agg_loss, get_policy_loss_fn, kl_penalty
+from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
+
+import agl_lab.algorithms  # noqa: F401  (registers per_rollout_mean)
+
+logger = logging.getLogger(__name__)
+
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                  "seq-mean-token-sum-norm")
+_PREFIX = "actor_rollout_ref.actor."
+
+
+# =============================================================================================
+# Config: the actor keys of verl's ppo_trainer, in rows
+# =============================================================================================
+
+
+@dataclass
+class ActorUpdateConfig:
+    """What one policy update needs. Sizes are in **rows** (verl's mini-batch is in tasks).
+
+    `ppo_micro_batch_size_per_gpu=None` means one micro-batch per mini-batch; `grad_clip`
+    None or ≤ 0 disables clipping (the norm is still reported). `lr`, `weight_decay` and
+    `betas` are for `build_optimizer`; `policy_loss_options` are extra fields of verl's
+    `PolicyLossConfig` (e.g. `clip_cov_ratio` for loss_mode=clip_cov).
+    """
+
+    ppo_epochs: int = 1
+    ppo_mini_batch_size: int = 256
+    ppo_micro_batch_size_per_gpu: int | None = None
+    loss_mode: str = "per_rollout_mean"
+    clip_ratio: float = 0.2
+    clip_ratio_low: float | None = None
+    clip_ratio_high: float | None = None
+    clip_ratio_c: float = 3.0
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    grad_clip: float | None = 1.0
+    temperature: float = 1.0
+    loss_agg_mode: str = "token-mean"
+    loss_scale_factor: int | None = None
+    shuffle: bool = False
+    seed: int = 42
+    lr: float = 1e-6
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.999)
+    policy_loss_options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for key in ("ppo_epochs", "ppo_mini_batch_size"):
+            if int(getattr(self, key)) <= 0:
+                raise ValueError(f"{_PREFIX}{key} must be a positive integer, got {getattr(self, key)}")
+        micro = self.ppo_micro_batch_size_per_gpu
+        if micro is not None and micro <= 0:
+            raise ValueError(f"{_PREFIX}ppo_micro_batch_size_per_gpu must be positive or null, got {micro}")
+        if self.loss_agg_mode not in LOSS_AGG_MODES:
+            raise ValueError(f"{_PREFIX}loss_agg_mode={self.loss_agg_mode!r} is not one of {list(LOSS_AGG_MODES)}")
+        if self.temperature <= 0:
+            raise ValueError(f"actor_rollout_ref.rollout.temperature must be > 0 for training, got {self.temperature}")
+        if self.clip_ratio_c <= 1.0:
+            raise ValueError(f"{_PREFIX}clip_ratio_c must be greater than 1.0, got {self.clip_ratio_c}")
+        self.betas = tuple(self.betas)  # type: ignore[assignment]
+
+    @property
+    def micro_batch_rows(self) -> int:
+        return self.ppo_micro_batch_size_per_gpu or self.ppo_mini_batch_size
+
+    @classmethod
+    def from_verl_actor_config(
+        cls, actor: Any, *, rollout_n: int = 1, temperature: float = 1.0, **overrides: Any
+    ) -> ActorUpdateConfig:
+        """Map `actor_rollout_ref.actor.*` (dict, DictConfig or verl dataclass) to this config.
+
+        verl's `ppo_mini_batch_size` counts tasks: rows = it × `rollout_n`
+        (`actor_rollout_ref.rollout.n`). `temperature` is `actor_rollout_ref.rollout.temperature`
+        (the sampling temperature; logprobs are recomputed at it). Unknown keys are ignored.
+        """
+        micro = _get(actor, "ppo_micro_batch_size_per_gpu")
+        if micro is None:
+            micro = _get(actor, "ppo_micro_batch_size")  # deprecated verl key
+        grad_clip = _get(actor, "grad_clip")
+        if grad_clip is None:
+            grad_clip = _get(actor, "optim.clip_grad", 1.0)
+        loss_options = _plain(_get(actor, "policy_loss", {}) or {})
+        loss_options = {k: v for k, v in loss_options.items() if not k.startswith("_") and k != "rollout_correction"}
+        kwargs: dict[str, Any] = dict(
+            ppo_epochs=int(_get(actor, "ppo_epochs", 1)),
+            ppo_mini_batch_size=int(_get(actor, "ppo_mini_batch_size", 256)) * int(rollout_n),
+            ppo_micro_batch_size_per_gpu=None if micro is None else int(micro),
+            loss_mode=str(loss_options.pop("loss_mode", "vanilla")),
+            grad_clip=grad_clip,
+            temperature=float(temperature),
+            seed=int(_get(actor, "data_loader_seed", 42)),
+            lr=float(_get(actor, "optim.lr", 1e-6)),
+            weight_decay=float(_get(actor, "optim.weight_decay", 0.01)),
+            betas=tuple(_get(actor, "optim.betas", (0.9, 0.999))),
+            policy_loss_options=loss_options,
+        )
+        for key in ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "entropy_coeff",
+                    "use_kl_loss", "kl_loss_coef", "kl_loss_type", "loss_agg_mode", "loss_scale_factor",
+                    "shuffle"):
+            value = _get(actor, key)
+            if value is not None:
+                kwargs[key] = value
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    def to_verl_actor_config(self) -> Any:
+        """The verl `FSDPActorConfig` verl's policy losses read (clip ratios, global_batch_info)."""
+        from verl.workers.config import FSDPActorConfig, PolicyLossConfig
+
+        known = {f.name for f in fields(PolicyLossConfig)} - {"loss_mode"}
+        unknown = sorted(set(self.policy_loss_options) - known)
+        if unknown:
+            raise ValueError(f"{_PREFIX}policy_loss has unknown keys {unknown}; verl's PolicyLossConfig "
+                             f"accepts {sorted(known)}")
+        return FSDPActorConfig(
+            strategy="fsdp", rollout_n=1, ppo_epochs=self.ppo_epochs, shuffle=self.shuffle,
+            ppo_mini_batch_size=self.ppo_mini_batch_size, ppo_micro_batch_size_per_gpu=self.micro_batch_rows,
+            clip_ratio=self.clip_ratio, clip_ratio_low=self.clip_ratio_low, clip_ratio_high=self.clip_ratio_high,
+            clip_ratio_c=self.clip_ratio_c, loss_agg_mode=self.loss_agg_mode,
+            loss_scale_factor=self.loss_scale_factor, entropy_coeff=self.entropy_coeff,
+            use_kl_loss=self.use_kl_loss, kl_loss_coef=self.kl_loss_coef, kl_loss_type=self.kl_loss_type,
+            grad_clip=self.grad_clip, data_loader_seed=self.seed,
+            policy_loss=PolicyLossConfig(loss_mode=self.loss_mode, **self.policy_loss_options),
+        )
+
+
+def _get(cfg: Any, dotted: str, default: Any = None) -> Any:
+    """`cfg.a.b` for dicts, DictConfigs and dataclasses; `default` when a part is missing."""
+    node = cfg
+    for part in dotted.split("."):
+        if isinstance(node, Mapping):
+            node = node.get(part, None)
+        else:
+            node = getattr(node, part, None)
+        if node is None:
+            return default
+    return node
+
+
+def _plain(node: Any) -> dict[str, Any]:
+    if isinstance(node, Mapping):
+        return {k: node[k] for k in node}
+    return {f.name: getattr(node, f.name) for f in fields(node) if not f.name.startswith("_")}
+
+
+def build_optimizer(model: torch.nn.Module, cfg: ActorUpdateConfig) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters with `cfg.lr`, `weight_decay`, `betas`."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas)
+
+
+# =============================================================================================
+# Log-probabilities of the response tokens
+# =============================================================================================
+
+
+def _position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    return torch.clamp(attention_mask.long().cumsum(-1) - 1, min=0)
+
+
+def _response_forward(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      position_ids: torch.Tensor, response_length: int, temperature: float,
+                      entropy: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One forward → (logprobs [n, R], entropy [n, R] | None); entropy: none | grad | detached."""
+    device = next(model.parameters()).device
+    out = model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                position_ids=position_ids.to(device), use_cache=False, logits_to_keep=response_length + 1)
+    # Critical: position t predicts token t+1, so the R logits before the last one score the
+    # R response tokens; the last position predicts past the end and is dropped.
+    logits = out.logits[:, -(response_length + 1):-1, :].float() / temperature
+    labels = input_ids[:, -response_length:].to(device)
+    logprobs = logprobs_from_logits(logits, labels)
+    if entropy == "none":
+        return logprobs, None
+    if entropy == "detached":
+        with torch.no_grad():
+            return logprobs, entropy_from_logits(logits.detach())
+    return logprobs, entropy_from_logits(logits)
+
+
+def sequence_log_probs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    response_length: int,
+    temperature: float = 1.0,
+    micro_batch_size: int | None = None,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log π(response token | everything before it) at `temperature`: ([N, R], entropy [N, R] | None).
+
+    `input_ids`/`attention_mask`/`position_ids` are [N, L] with the response in the last R
+    columns; logits are divided by the temperature before log-softmax (the distribution the
+    engine sampled from). `model` is a transformers causal LM (called with `logits_to_keep`,
+    so only the R + 1 last positions are projected to the vocabulary). Rows go through the
+    model `micro_batch_size` at a time. Gradients
+    flow when the caller has grad enabled; wrap in `torch.no_grad()` for inference. Results
+    are on the model's device, float32.
+    """
+    if position_ids is None:
+        position_ids = _position_ids(attention_mask)
+    n = input_ids.shape[0]
+    step = micro_batch_size or max(n, 1)
+    logps, ents = [], []
+    for s in range(0, n, step):
+        sl = slice(s, s + step)
+        lp, ent = _response_forward(model, input_ids[sl], attention_mask[sl], position_ids[sl],
+                                    response_length, temperature, "grad" if with_entropy else "none")
+        logps.append(lp)
+        ents.append(ent)
+    return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
+
+
+def _batch_logprobs(model: torch.nn.Module, data: DataProto, temperature: float,
+                    micro_batch_size: int | None) -> torch.Tensor:
+    b = data.batch
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            pos = b["position_ids"] if "position_ids" in b.keys() else None
+            logp, _ = sequence_log_probs(model, b["input_ids"], b["attention_mask"], pos,
+                                         b["responses"].shape[-1], temperature, micro_batch_size)
+    finally:
+        model.train(was_training)
+    return logp.cpu()
+
+
+def prepare_old_log_probs(
+    model: torch.nn.Module,
+    data: DataProto,
+    temperature: float,
+    micro_batch_size: int | None = None,
+    bypass_mode: bool = False,
+) -> DataProto:
+    """Write `old_log_probs` [N, R]: recomputed at the sampling temperature, or (bypass) the
+    engine's own `rollout_log_probs`. Returns `data` (modified in place)."""
+    if bypass_mode:
+        if "rollout_log_probs" not in data.batch.keys():
+            raise RuntimeError("bypass_mode requires rollout_log_probs in batch")
+        rollout = data.batch["rollout_log_probs"]
+        if not torch.isfinite(rollout).all():
+            raise RuntimeError("bypass_mode requires finite rollout_log_probs everywhere")
+        data.batch["old_log_probs"] = rollout.clone().float()
+        return data
+    data.batch["old_log_probs"] = _batch_logprobs(model, data, temperature, micro_batch_size)
+    return data
+
+
+def rollout_mismatch_metrics(data: DataProto) -> dict[str, float]:
+    """How far the trainer's old logprobs are from the engine's sampling logprobs.
+
+    `training/rollout_probs_diff_*` and `training/rollout_actor_probs_pearson_corr` are verl's
+    own (`calculate_debug_metrics`: |π_old − π_rollout| in *probability* space, same names as
+    a verl run); `training/rollout_logprobs_diff_{mean,max}` are |log π_old − log π_rollout|
+    over `response_mask`. `{}` without `rollout_log_probs`.
+    """
+    b = data.batch
+    if "rollout_log_probs" not in b.keys() or "old_log_probs" not in b.keys():
+        return {}
+    from verl.utils.debug.metrics import calculate_debug_metrics
+
+    metrics = {k: float(v) for k, v in calculate_debug_metrics(data).items()}
+    diff = (b["old_log_probs"].float() - b["rollout_log_probs"].float()).abs()[b["response_mask"].bool()]
+    if diff.numel():
+        metrics["training/rollout_logprobs_diff_mean"] = diff.mean().item()
+        metrics["training/rollout_logprobs_diff_max"] = diff.max().item()
+    return metrics
+
+
+# =============================================================================================
+# The update loop
+# =============================================================================================
+
+_NEEDED = ("input_ids", "attention_mask", "responses", "response_mask", "old_log_probs", "advantages")
+
+
+def _update_tensors(model: torch.nn.Module, data: DataProto, cfg: ActorUpdateConfig,
+                    ref_model: torch.nn.Module | None) -> dict[str, torch.Tensor]:
+    """The tensors of the loop, checked, with reference logprobs when the KL loss is on."""
+    b = data.batch
+    if "response_mask" not in b.keys():
+        b["response_mask"] = b["attention_mask"][:, -b["responses"].shape[-1]:]
+    for key in _NEEDED:
+        if key not in b.keys():
+            hint = (" (call prepare_old_log_probs(model, data, temperature) first)" if key == "old_log_probs"
+                    else " (compute them with agl_lab.algorithms first)" if key == "advantages" else "")
+            raise KeyError(f"ppo_update needs {key!r} in data.batch{hint}")
+    meta_t = data.meta_info.get("temperature")
+    if meta_t is not None and not math.isclose(float(meta_t), cfg.temperature):
+        raise ValueError(f"data.meta_info['temperature']={meta_t} differs from the update temperature "
+                         f"{cfg.temperature}: set both to actor_rollout_ref.rollout.temperature")
+    t = {k: b[k] for k in _NEEDED}
+    t["position_ids"] = b["position_ids"] if "position_ids" in b.keys() else _position_ids(b["attention_mask"])
+    if "rollout_is_weights" in b.keys():
+        t["rollout_is_weights"] = b["rollout_is_weights"]
+    if cfg.use_kl_loss:
+        if "ref_log_prob" in b.keys():
+            t["ref_log_prob"] = b["ref_log_prob"]
+        elif ref_model is not None:
+            t["ref_log_prob"] = _batch_logprobs(ref_model, data, cfg.temperature, cfg.micro_batch_rows)
+        else:
+            raise ValueError(f"{_PREFIX}use_kl_loss=true needs ref_log_prob in the batch or a ref_model")
+    return t
+
+
+def _micro_loss(model: torch.nn.Module, mb: dict[str, torch.Tensor], cfg: ActorUpdateConfig,
+                verl_cfg: Any, loss_fn: Any) -> tuple[torch.Tensor, dict[str, float]]:
+    """Loss of one micro-batch, normalised by the mini-batch totals in `verl_cfg.global_batch_info`."""
+    response_length = mb["responses"].shape[-1]
+    logp, ent = _response_forward(model, mb["input_ids"], mb["attention_mask"], mb["position_ids"],
+                                  response_length, cfg.temperature,
+                                  "grad" if cfg.entropy_coeff != 0 else "detached")
+    device = logp.device
+    mask = mb["response_mask"].to(device).bool()
+    pg_loss, pg_metrics = loss_fn(
+        old_log_prob=mb["old_log_probs"].to(device), log_prob=logp, advantages=mb["advantages"].to(device),
+        response_mask=mask, loss_agg_mode=cfg.loss_agg_mode, config=verl_cfg,
+        rollout_is_weights=mb["rollout_is_weights"].to(device) if "rollout_is_weights" in mb else None)
+    info = verl_cfg.global_batch_info
+    tokens = float(mask.sum())
+    stats = {f"{k}*tokens": float(v) * tokens for k, v in pg_metrics.items()}
+    stats.update({"actor/pg_loss": pg_loss.item(), "entropy_sum": float((ent.detach() * mask).sum())})
+    loss = pg_loss
+    if cfg.entropy_coeff != 0:
+        entropy_loss = agg_loss(loss_mat=ent, loss_mask=mask, loss_agg_mode=cfg.loss_agg_mode, **info)
+        loss = loss - cfg.entropy_coeff * entropy_loss
+        stats["actor/entropy_loss"] = entropy_loss.item()
+    if cfg.use_kl_loss:
+        kld = kl_penalty(logprob=logp, ref_logprob=mb["ref_log_prob"].to(device), kl_penalty=cfg.kl_loss_type)
+        kl_loss = agg_loss(loss_mat=kld, loss_mask=mask, loss_agg_mode=cfg.loss_agg_mode, **info)
+        loss = loss + cfg.kl_loss_coef * kl_loss
+        stats["actor/kl_loss"] = kl_loss.item()
+    return loss, stats
+
+
+def _mini_batch_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mb: dict[str, torch.Tensor],
+                     cfg: ActorUpdateConfig, verl_cfg: Any, loss_fn: Any) -> dict[str, float]:
+    """Micro-batches → accumulated gradient → clip → optimiser step; the mini-batch's metrics."""
+    rows, mask = mb["input_ids"].shape[0], mb["response_mask"]
+    tokens = max(int(mask.sum()), 1)
+    # Critical: every micro-batch is normalised by the mini-batch totals → accumulation is exact.
+    verl_cfg.global_batch_info.update(dp_size=1, batch_num_tokens=tokens, global_batch_size=rows,
+                                      loss_scale_factor=cfg.loss_scale_factor)
+    optimizer.zero_grad(set_to_none=True)
+    totals: dict[str, float] = {}
+    for s in range(0, rows, cfg.micro_batch_rows):
+        micro = {k: v[s:s + cfg.micro_batch_rows] for k, v in mb.items()}
+        loss, stats = _micro_loss(model, micro, cfg, verl_cfg, loss_fn)
+        loss.backward()
+        for k, v in stats.items():
+            totals[k] = totals.get(k, 0.0) + v
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    max_norm = cfg.grad_clip if cfg.grad_clip and cfg.grad_clip > 0 else math.inf
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm))
+    nonfinite = not math.isfinite(grad_norm)
+    if nonfinite:
+        logger.warning("skipping an optimiser step: gradient norm is %s", grad_norm)
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        optimizer.step()
+    out = {k: v for k, v in totals.items() if k.startswith("actor/")}
+    out.update({k[:-len("*tokens")]: v / tokens for k, v in totals.items() if k.endswith("*tokens")})
+    out["actor/entropy"] = totals["entropy_sum"] / tokens
+    out["actor/grad_norm"] = grad_norm
+    out["actor/nonfinite_grad_steps"] = float(nonfinite)
+    return out
+
+
+def _row_order(n: int, cfg: ActorUpdateConfig, epoch: int) -> torch.Tensor:
+    if not cfg.shuffle:
+        return torch.arange(n)
+    return torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + epoch))
+
+
+def ppo_update(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data: DataProto,
+    cfg: ActorUpdateConfig,
+    ref_model: torch.nn.Module | None = None,
+) -> dict[str, float]:
+    """PPO epochs over mini-batches (one optimiser step each) of `data`; returns metrics.
+
+    Needs `old_log_probs` and `advantages` in the batch (the trainer prepares them). The last
+    mini-batch may be smaller than `ppo_mini_batch_size` (after whole-rollout drops).
+    Metrics (averaged over optimiser steps): actor/{pg_loss, pg_clipfrac, ppo_kl,
+    pg_clipfrac_lower, entropy, grad_norm, [entropy_loss], [kl_loss, kl_coef]}, actor/lr,
+    actor/n_updates, actor/nonfinite_grad_steps, and the rollout/trainer logprob mismatch
+    (`rollout_mismatch_metrics`, measured before the first step).
+    """
+    tensors = _update_tensors(model, data, cfg, ref_model)
+    metrics: dict[str, float] = rollout_mismatch_metrics(data)
+    verl_cfg = cfg.to_verl_actor_config()
+    loss_fn = get_policy_loss_fn(cfg.loss_mode)
+    n = len(data)
+    steps: list[dict[str, float]] = []
+    model.train()
+    for epoch in range(cfg.ppo_epochs):
+        order = _row_order(n, cfg, epoch)
+        for s in range(0, n, cfg.ppo_mini_batch_size):
+            idx = order[s:s + cfg.ppo_mini_batch_size]
+            mb = {k: v[idx] for k, v in tensors.items()}
+            steps.append(_mini_batch_step(model, optimizer, mb, cfg, verl_cfg, loss_fn))
+    for key in dict.fromkeys(k for step in steps for k in step):
+        values = [step[key] for step in steps if key in step]
+        metrics[key] = float(np.mean(values)) if key != "actor/nonfinite_grad_steps" else float(sum(values))
+    if cfg.use_kl_loss:
+        metrics["actor/kl_coef"] = cfg.kl_loss_coef
+    metrics["actor/lr"] = float(optimizer.param_groups[0]["lr"])
+    metrics["actor/n_updates"] = len(steps)
+    return metrics

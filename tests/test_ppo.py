@@ -1,0 +1,243 @@
+"""agl_lab.ppo on a real tiny Qwen2 (2 layers, hidden 64, vocab 300, built from a config).
+
+The batch is sampled from the model itself with HF `generate` (logprobs from its raw
+logits, like the local engine's server), so the trainer/rollout logprob mismatch must be ~0.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+from transformers import Qwen2Config, Qwen2ForCausalLM
+from verl import DataProto
+
+import agl_lab.algorithms as alg
+from agl_lab.ppo import (
+    ActorUpdateConfig,
+    build_optimizer,
+    ppo_update,
+    prepare_old_log_probs,
+    rollout_mismatch_metrics,
+    sequence_log_probs,
+)
+
+P, R, T = 6, 8, 0.7
+ROLLOUTS = ["r0", "r0", "r1", "r2", "r3", "r3", "r4", "r5"]  # r0 and r3 have two rows each
+GROUPS = ["g0"] * 4 + ["g1"] * 4
+REWARD = {"r0": 1.0, "r1": 0.0, "r2": 1.0, "r3": 0.0, "r4": 1.0, "r5": 0.0}
+RESPONSE_LEN = [8, 5, 8, 3, 6, 8, 2, 7]  # right padding after these many response tokens
+
+
+def tiny_qwen2() -> Qwen2ForCausalLM:
+    config = Qwen2Config(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+                         max_position_embeddings=128)
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(config).eval()
+
+
+def sample_batch(model: Qwen2ForCausalLM) -> DataProto:
+    """8 rows sampled at temperature T: left-padded prompts, right-padded responses, an
+    observation (attended, loss-masked) at response position 2 of the first row of each group."""
+    n = len(ROLLOUTS)
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.zeros(n, P, dtype=torch.long)
+    prompt_mask = torch.zeros(n, P, dtype=torch.long)
+    for i, length in enumerate([6, 3, 4, 5, 2, 6, 4, 3]):
+        prompts[i, P - length:] = torch.randint(3, 300, (length,), generator=g)
+        prompt_mask[i, P - length:] = 1
+    torch.manual_seed(2)
+    out = model.generate(input_ids=prompts, attention_mask=prompt_mask, do_sample=True, temperature=T, top_k=0,
+                         top_p=1.0, max_new_tokens=R, min_new_tokens=R, eos_token_id=None, pad_token_id=0,
+                         output_logits=True, return_dict_in_generate=True)
+    responses = out.sequences[:, P:].clone()
+    logits = torch.stack(out.logits, 1).float() / T
+    rollout_lp = torch.log_softmax(logits, -1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+    attn = torch.zeros(n, R, dtype=torch.long)
+    for i, length in enumerate(RESPONSE_LEN):
+        attn[i, :length] = 1
+    responses[attn == 0] = 0
+    rollout_lp[attn == 0] = 0.0
+    loss_mask = attn.clone().float()
+    loss_mask[[0, 4], 2] = 0.0  # observation tokens
+    scores = torch.zeros(n, R)
+    for i, rid in enumerate(ROLLOUTS):
+        scores[i, RESPONSE_LEN[i] - 1] = REWARD[rid]
+    attention = torch.cat([prompt_mask, attn], 1)
+    tensors = {"prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
+               "attention_mask": attention, "position_ids": torch.clamp(attention.cumsum(-1) - 1, min=0),
+               "response_mask": loss_mask, "token_level_scores": scores, "rollout_log_probs": rollout_lp}
+    non_tensors = {"rollout_id_list": np.array(ROLLOUTS, dtype=object), "data_id_list": np.array(GROUPS, dtype=object)}
+    return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors)
+
+
+@pytest.fixture(scope="module")
+def base() -> tuple[Qwen2ForCausalLM, DataProto]:
+    model = tiny_qwen2()
+    return model, sample_batch(model)
+
+
+def prepared(model, data: DataProto, loss_mode: str = "per_rollout_mean") -> DataProto:
+    """The trainer's chain: advantages (verl GRPO, rollout level) → normalisation → old logprobs."""
+    out, _, _ = alg.prepare_update_batch(copy.deepcopy(data), mini_batch_rows=4, num_repeat=4, loss_mode=loss_mode)
+    return prepare_old_log_probs(model, out, temperature=T, micro_batch_size=3)
+
+
+def params(model) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+# ---------------------------------------------------------------------------------------------
+# Log-probabilities
+# ---------------------------------------------------------------------------------------------
+
+
+def test_sequence_log_probs_match_sampling_logprobs(base):
+    model, data = base
+    b = data.batch
+    with torch.no_grad():
+        whole, ent = sequence_log_probs(model, b["input_ids"], b["attention_mask"], b["position_ids"], R,
+                                        temperature=T, with_entropy=True)
+        micro, _ = sequence_log_probs(model, b["input_ids"], b["attention_mask"], None, R, temperature=T,
+                                      micro_batch_size=3)
+        hot, _ = sequence_log_probs(model, b["input_ids"], b["attention_mask"], b["position_ids"], R)
+    on = b["response_mask"].bool()
+    assert whole.shape == (8, R) and ent.shape == (8, R)
+    assert (whole - b["rollout_log_probs"])[on].abs().max() < 1e-5
+    torch.testing.assert_close(micro, whole, atol=1e-6, rtol=0)
+    assert (hot - whole)[on].abs().max() > 1e-2  # the temperature really divides the logits
+    assert ((ent > 0) & (ent < np.log(300) + 1e-4))[on].all()
+
+
+def test_prepare_old_log_probs_recompute_and_bypass(base):
+    model, data = base
+    d = prepare_old_log_probs(model, copy.deepcopy(data), temperature=T, micro_batch_size=4)
+    m = rollout_mismatch_metrics(d)
+    assert m["training/rollout_logprobs_diff_max"] < 1e-5 and m["training/rollout_logprobs_diff_mean"] < 1e-6
+    assert m["training/rollout_probs_diff_max"] < 1e-5 and m["training/rollout_probs_diff_valid"] == 1
+    d = prepare_old_log_probs(model, copy.deepcopy(data), temperature=T, bypass_mode=True)
+    torch.testing.assert_close(d.batch["old_log_probs"], data.batch["rollout_log_probs"])
+    missing = copy.deepcopy(data)
+    missing.batch.pop("rollout_log_probs")
+    with pytest.raises(RuntimeError, match="bypass_mode requires rollout_log_probs in batch"):
+        prepare_old_log_probs(model, missing, temperature=T, bypass_mode=True)
+    bad = copy.deepcopy(data)
+    bad.batch["rollout_log_probs"][0, 0] = float("nan")
+    with pytest.raises(RuntimeError, match="bypass_mode requires finite rollout_log_probs everywhere"):
+        prepare_old_log_probs(model, bad, temperature=T, bypass_mode=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The update
+# ---------------------------------------------------------------------------------------------
+
+
+def test_ppo_update_moves_the_policy_along_the_advantages(base):
+    model = copy.deepcopy(base[0])
+    data = prepared(model, base[1])
+    cfg = ActorUpdateConfig(ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2, temperature=T, lr=1e-2)
+    before = params(model)
+    metrics = ppo_update(model, build_optimizer(model, cfg), data, cfg)
+    assert not torch.equal(before, params(model))
+    for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower", "actor/entropy",
+                "actor/grad_norm", "actor/lr", "training/rollout_probs_diff_mean", "training/rollout_probs_diff_max",
+                "training/rollout_logprobs_diff_mean", "training/rollout_logprobs_diff_max"):
+        assert key in metrics and np.isfinite(metrics[key]), key
+    assert metrics["actor/n_updates"] == 2 and metrics["actor/lr"] == 1e-2
+    assert metrics["training/rollout_logprobs_diff_max"] < 1e-5  # same model sampled the batch
+    assert metrics["actor/entropy"] > 0 and metrics["actor/grad_norm"] > 0
+    # the first mini-batch starts at ratio 1: the loss is −Σ Â (per_rollout_mean sums tokens)
+    # and the policy moved towards positive-advantage tokens
+    b = data.batch
+    with torch.no_grad():
+        after, _ = sequence_log_probs(model, b["input_ids"], b["attention_mask"], b["position_ids"], R, temperature=T)
+    gain = ((after - b["old_log_probs"]) * b["rollout_advantages"] * b["response_mask"]).sum()
+    assert gain > 0
+
+
+@pytest.mark.parametrize("loss_mode,agg,entropy_coeff", [
+    ("per_rollout_mean", "token-mean", 0.0),
+    ("vanilla", "token-mean", 0.01),
+    ("vanilla", "seq-mean-token-mean", 0.0),
+])
+def test_grad_accumulation_equals_one_big_batch(base, loss_mode, agg, entropy_coeff):
+    data = prepared(base[0], base[1], loss_mode=loss_mode)
+    # old logprobs off the current policy, so ratios leave the clip range and clipping is exercised
+    g = torch.Generator().manual_seed(3)
+    data.batch["old_log_probs"] = data.batch["old_log_probs"] + 0.4 * torch.randn(8, R, generator=g)
+    results = []
+    for micro in (1, 4):
+        model = copy.deepcopy(base[0])
+        cfg = ActorUpdateConfig(ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=micro, loss_mode=loss_mode,
+                                loss_agg_mode=agg, entropy_coeff=entropy_coeff, temperature=T, grad_clip=None)
+        # SGD: the parameter change is the gradient itself (Adam's first step would hide its scale)
+        metrics = ppo_update(model, torch.optim.SGD(model.parameters(), lr=1.0), data, cfg)
+        results.append((params(model), metrics))
+    (p1, m1), (p4, m4) = results
+    moved = (p4 - params(base[0])).abs().max()
+    assert moved > 1e-3
+    torch.testing.assert_close(p1, p4, atol=1e-6, rtol=0)
+    for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm"):
+        assert m1[key] == pytest.approx(m4[key], rel=1e-4, abs=1e-6), key
+    assert m4["actor/pg_clipfrac"] > 0
+
+
+def test_kl_loss_against_a_frozen_reference(base):
+    model = copy.deepcopy(base[0])
+    ref = copy.deepcopy(base[0])
+    data = prepared(model, base[1])
+    cfg = ActorUpdateConfig(ppo_epochs=2, ppo_mini_batch_size=8, use_kl_loss=True, kl_loss_coef=0.1,
+                            temperature=T, lr=1e-2)
+    metrics = ppo_update(model, build_optimizer(model, cfg), data, cfg, ref_model=ref)
+    assert metrics["actor/kl_loss"] > 0 and metrics["actor/kl_coef"] == 0.1  # epoch 2 has moved from ref
+    assert metrics["actor/n_updates"] == 2
+    with pytest.raises(ValueError, match="use_kl_loss=true needs ref_log_prob"):
+        ppo_update(model, build_optimizer(model, cfg), prepared(model, base[1]), cfg)
+
+
+def test_ppo_update_errors_name_the_fix(base):
+    model = copy.deepcopy(base[0])
+    cfg = ActorUpdateConfig(ppo_mini_batch_size=4, temperature=T)
+    data, _, _ = alg.prepare_update_batch(copy.deepcopy(base[1]), mini_batch_rows=4, num_repeat=4)
+    with pytest.raises(KeyError, match="prepare_old_log_probs"):
+        ppo_update(model, build_optimizer(model, cfg), data, cfg)
+    data = prepared(model, base[1])
+    data.meta_info["temperature"] = 1.0
+    with pytest.raises(ValueError, match="actor_rollout_ref.rollout.temperature"):
+        ppo_update(model, build_optimizer(model, cfg), data, cfg)
+    with pytest.raises(ValueError, match="actor_rollout_ref.actor.loss_agg_mode"):
+        ActorUpdateConfig(loss_agg_mode="mean")
+    with pytest.raises(ValueError, match="Unsupported loss mode"):
+        ppo_update(model, build_optimizer(model, cfg), prepared(model, base[1]),
+                   ActorUpdateConfig(ppo_mini_batch_size=4, temperature=T, loss_mode="nope"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Config mapping
+# ---------------------------------------------------------------------------------------------
+
+
+def test_from_verl_actor_config_reads_verl_defaults():
+    import verl
+
+    path = Path(verl.__file__).parent / "trainer/config/_generated_ppo_trainer.yaml"
+    actor = OmegaConf.load(path).actor_rollout_ref.actor
+    cfg = ActorUpdateConfig.from_verl_actor_config(actor, rollout_n=4, temperature=0.9)
+    assert cfg.ppo_mini_batch_size == 256 * 4 and cfg.ppo_epochs == 1 and cfg.loss_mode == "vanilla"
+    assert (cfg.clip_ratio, cfg.clip_ratio_c, cfg.grad_clip, cfg.lr) == (0.2, 3.0, 1.0, 1e-6)
+    assert cfg.temperature == 0.9 and cfg.kl_loss_type == "low_var_kl" and cfg.loss_agg_mode == "token-mean"
+    assert "rollout_correction" not in cfg.policy_loss_options and "_target_" not in cfg.policy_loss_options
+    verl_cfg = cfg.to_verl_actor_config()
+    assert verl_cfg.policy_loss.loss_mode == "vanilla" and verl_cfg.ppo_micro_batch_size_per_gpu == 1024
+    agl = {"ppo_mini_batch_size": 2, "ppo_micro_batch_size_per_gpu": 1, "clip_ratio_high": 0.28,
+           "policy_loss": {"loss_mode": "per_rollout_mean"}, "optim": {"lr": 3e-4, "clip_grad": 0.5}}
+    cfg = ActorUpdateConfig.from_verl_actor_config(agl, rollout_n=4)
+    assert (cfg.ppo_mini_batch_size, cfg.micro_batch_rows, cfg.loss_mode) == (8, 1, "per_rollout_mean")
+    assert (cfg.clip_ratio_high, cfg.lr, cfg.grad_clip) == (0.28, 3e-4, 0.5)
+    with pytest.raises(ValueError, match="policy_loss has unknown keys"):
+        ActorUpdateConfig(policy_loss_options={"bogus": 1}).to_verl_actor_config()
