@@ -87,12 +87,13 @@ class BatchResult:
     merges: pd.DataFrame
     metrics: dict[str, Any]
     rollouts: list[CompletedRollout] = field(default_factory=list)
+    build: Any = None  # the `agl_lab.batch.BatchResult` behind this result (rows, trajectories)
 
     @cached_property
     def groups(self) -> pd.DataFrame:
         from agl_lab.views import groups_df
 
-        return groups_df(self.rollouts, self.rows)
+        return groups_df(self.rollouts, self.build)
 
     def _repr_html_(self) -> str:
         n_rows = len(self.data) if self.data is not None else 0

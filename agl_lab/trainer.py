@@ -309,7 +309,7 @@ class Trainer:
         kwargs.update(options)
         res = build_batch(rollout.rollouts, **kwargs)
         result = BatchResult(step=rollout.step, data=res.data, rows=res.rows, merges=res.merges,
-                             metrics=dict(res.metrics), rollouts=rollout.rollouts)
+                             metrics=dict(res.metrics), rollouts=rollout.rollouts, build=res)
         if rollout is self._last_rollout:
             self._last_batch = result
         return result

@@ -1,0 +1,84 @@
+"""Stage 3 of a step, engine-agnostic: from a built batch to new serving weights.
+
+    marked rows dropped → rollout-level advantage on the whole batch → group metrics →
+    zero-advantage-first mini-batch alignment → per-rollout normalisation   (algorithms)
+    → old logprobs: recomputed by the engine at the sampling temperature, or bypass
+    → engine.update (PPO epochs)  → engine.sync_weights (policy_version += 1)
+
+The pure part lives in `agl_lab.algorithms.prepare_update_batch`; this module maps config
+keys onto it and drives the engine.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pandas as pd
+import torch
+
+from agl_lab.results import BatchResult, UpdateResult
+
+_DROP_COLUMNS = ["rollout_id", "data_id", "rows", "reason"]
+
+
+def update_options(cfg) -> dict[str, Any]:
+    """`prepare_update_batch` keyword arguments from the composed config."""
+    actor, algo = cfg.actor_rollout_ref.actor, cfg.algorithm
+    n = int(cfg.actor_rollout_ref.rollout.n)
+    max_updates = cfg.agentlightning.max_ppo_update_times
+    return dict(
+        mini_batch_rows=int(actor.ppo_mini_batch_size) * n,  # verl counts mini-batches in tasks
+        adv_estimator=str(algo.adv_estimator),
+        gamma=float(algo.gamma),
+        lam=float(algo.lam),
+        num_repeat=n,
+        norm_adv_by_std_in_grpo=bool(algo.norm_adv_by_std_in_grpo),
+        rollout_level_advantage=bool(algo.enable_rollout_level_advantage),
+        algo_config=algo,
+        max_ppo_update_times=None if max_updates is None else int(max_updates),
+        small_batch=str(cfg.agl_lab.update.small_batch),
+        loss_mode=str(actor.policy_loss.loss_mode),
+        divisor=str(cfg.agl_lab.update.normalize_by),
+    )
+
+
+def run_update(cfg, engine, batch: BatchResult, *, step: int) -> UpdateResult:
+    from agl_lab.algorithms import prepare_update_batch, rollout_weights_table
+
+    opts = update_options(cfg)
+    data = batch.data.select_idxs(list(range(len(batch.data))))  # never mutate the caller's batch
+    t0 = time.time()
+    prepared, records, metrics = prepare_update_batch(data, seed=int(cfg.agl_lab.seed) + step, **opts)
+    dropped = pd.DataFrame(records, columns=_DROP_COLUMNS)
+    metrics["timing_s/adv"] = time.time() - t0
+    if prepared is None:
+        print(f"step {step}: no trainable rows after drops; the step is skipped "
+              f"(see UpdateResult.dropped)", flush=True)
+        return UpdateResult(step=step, metrics=metrics, advantages=pd.DataFrame(), dropped=dropped,
+                            skipped=True, policy_version=engine.policy_version)
+
+    temperature = float(cfg.actor_rollout_ref.rollout.temperature)
+    prepared.meta_info["temperature"] = temperature
+    t0 = time.time()
+    if bool(cfg.algorithm.rollout_correction.get("bypass_mode", False)):
+        from agl_lab.ppo import prepare_old_log_probs
+
+        prepare_old_log_probs(None, prepared, temperature, bypass_mode=True)
+    else:
+        with torch.no_grad():
+            prepared.batch["old_log_probs"] = engine.compute_log_probs(prepared, temperature=temperature)
+    metrics["timing_s/old_log_prob"] = time.time() - t0
+
+    t0 = time.time()
+    metrics.update(engine.update(prepared))
+    metrics["timing_s/update_actor"] = time.time() - t0
+    t0 = time.time()
+    engine.sync_weights()
+    metrics["timing_s/update_weights"] = time.time() - t0
+    metrics["training/policy_version"] = engine.policy_version
+
+    advantages = rollout_weights_table(prepared, loss_mode=opts["loss_mode"], divisor=opts["divisor"],
+                                       num_trained_rows=len(prepared))
+    return UpdateResult(step=step, metrics=metrics, advantages=advantages, dropped=dropped,
+                        policy_version=engine.policy_version)
