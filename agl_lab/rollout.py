@@ -3,12 +3,50 @@
 A `Triplet` is one LLM call of a rollout reduced to token ids; a `CompletedRollout` is one
 terminal rollout with its triplets, final reward and lifecycle timestamps. The batch builder
 (`agl_lab.batch`) turns a list of completed rollouts into training rows.
+
+Below the dataclasses, in three stages:
+
+1. **Events -> CompletedRollout** (pure, AGL v1 parity): error calls and calls without
+   response tokens are skipped, the last reward event wins and lands on the last triplet,
+   malformed logprobs become None, `policy_version` is the oldest `model_version` the
+   rollout's calls were served with.
+2. **Lifecycle metrics** (pure): queue wait, run duration and total time per rollout.
+3. **Managers** (HTTP): `SyncRolloutManager` enqueues `n` rollouts per task and waits for
+   all of them; `AsyncRolloutManager` keeps `async_train_batch_size` groups in flight and
+   hands out `train_batch_size` whole groups per step, carrying the rest over. Both wait on
+   the server's terminal cursor (one request per poll, not one per rollout), process each
+   terminal rollout exactly once (hook -> events -> CompletedRollout -> DELETE), and bound
+   the wait with an error that names the unfinished rollouts.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import math
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from agl_lab.client import RolloutWaitTimeout
+from agl_lab.hooks import BufferedTraceWriter, RolloutHooks
+from agl_lab.protocol import (
+    Event,
+    Rollout,
+    RolloutConfig,
+    RolloutCreate,
+    RolloutState,
+)
+
+if TYPE_CHECKING:
+    from agl_lab.client import AglClient
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -55,3 +93,668 @@ class CompletedRollout:
     policy_version: int | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     events: list[dict[str, Any]] = field(default_factory=list)
+    triplet_events: list[dict[str, Any]] = field(default_factory=list)
+    enqueue_policy_version: int | None = None
+
+
+# =============================================================================================
+# Stage 1 — events -> CompletedRollout (pure)
+# =============================================================================================
+
+
+def _is_number(value: Any) -> bool:
+    # Critical: bool is an int subclass; a `True` reward is a bug in the agent, not 1.0.
+    return isinstance(value, (int, float, np.number)) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_error_call(data: Mapping[str, Any]) -> bool:
+    status = data.get("http_status")
+    return data.get("status") == "error" or (_is_number(status) and int(status) >= 400)
+
+
+def clean_logprobs(value: Any, n_tokens: int) -> list[float] | None:
+    """`value` as a list of `n_tokens` finite floats, or None if it is anything else."""
+    if not isinstance(value, (list, tuple)) or len(value) != n_tokens:
+        return None
+    out = []
+    for v in value:
+        if not _is_number(v) or not math.isfinite(float(v)):
+            return None
+        out.append(float(v))
+    return out
+
+
+def triplets_from_events(triplet_events: Sequence[Mapping[str, Any]]) -> list[Triplet]:
+    """The rollout's usable model calls, in order (events in the server's `format=triplet`).
+
+    Skipped: `status == "error"` or `http_status >= 400` (e.g. context overflow), and calls
+    without response tokens. Rewards are not set here.
+    """
+    triplets = []
+    for event in triplet_events:
+        data = event.get("data") or {}
+        if event.get("event_type") != "model_request" or _is_error_call(data):
+            continue
+        response_ids = [int(t) for t in data.get("response_token_ids") or []]
+        if not response_ids:
+            continue
+        triplets.append(
+            Triplet(
+                prompt_ids=[int(t) for t in data.get("prompt_token_ids") or []],
+                response_ids=response_ids,
+                logprobs=clean_logprobs(data.get("response_log_probs"), len(response_ids)),
+                metadata={"server": data.get("server")},
+            )
+        )
+    return triplets
+
+
+def final_reward_from_events(events: Sequence[Mapping[str, Any]]) -> float | None:
+    """Value of the **last** `reward` event if it is a number (not a bool), else None."""
+    rewards = [e for e in events if e.get("event_type") == "reward"]
+    if not rewards:
+        return None
+    value = (rewards[-1].get("data") or {}).get("value")
+    return float(value) if _is_number(value) else None
+
+
+def policy_version_from_events(raw_events: Sequence[Mapping[str, Any]]) -> int | None:
+    """Oldest `model_version` among the rollout's model calls (None if no call carries one)."""
+    versions = [
+        int(v)
+        for e in raw_events
+        if e.get("event_type") == "model_request"
+        and _is_number(v := (e.get("data") or {}).get("model_version"))
+    ]
+    return min(versions) if versions else None
+
+
+def events_to_completed_rollout(
+    rollout: Rollout,
+    raw_events: Sequence[Mapping[str, Any]],
+    triplet_events: Sequence[Mapping[str, Any]],
+    *,
+    data_id: str,
+    step: int,
+    sample_idx: int,
+    enqueue_time: float | None = None,
+    running_at: float | None = None,
+    finished_at: float | None = None,
+    enqueue_policy_version: int | None = None,
+) -> CompletedRollout:
+    """Reduce a terminal rollout and its events to what the batch builder needs.
+
+    The final reward goes on the last triplet (AGL v1); FAILED rollouts are built the same
+    way — they are trained with the calls they made (`state` lets the trainer filter them).
+    """
+    triplets = triplets_from_events(triplet_events)
+    final_reward = final_reward_from_events(triplet_events)
+    if triplets and final_reward is not None:
+        triplets[-1].reward = final_reward
+    return CompletedRollout(
+        rollout_id=rollout.rollout_id,
+        data_id=data_id,
+        step=step,
+        sample_idx=sample_idx,
+        triplets=triplets,
+        final_reward=final_reward,
+        state=str(rollout.status.state),
+        error_message=rollout.status.error_message,
+        input=rollout.input,
+        enqueue_time=enqueue_time,
+        running_at=running_at,
+        finished_at=finished_at if finished_at is not None else rollout.status.updated_at,
+        policy_version=policy_version_from_events(raw_events),
+        metadata=rollout.metadata.model_dump(mode="json"),
+        events=[dict(e) for e in raw_events],
+        triplet_events=[dict(e) for e in triplet_events],
+        enqueue_policy_version=enqueue_policy_version,
+    )
+
+
+def completed_rollout_to_dict(completed: CompletedRollout) -> dict[str, Any]:
+    """JSON-ready dict of a completed rollout (for checkpoints)."""
+    return dataclasses.asdict(completed)
+
+
+def completed_rollout_from_dict(data: Mapping[str, Any]) -> CompletedRollout:
+    fields = dict(data)
+    fields["triplets"] = [Triplet(**t) for t in fields.get("triplets") or []]
+    return CompletedRollout(**fields)
+
+
+# =============================================================================================
+# Stage 2 — lifecycle metrics (pure)
+# =============================================================================================
+
+LIFECYCLE_PREFIXES = ("timing/rollout_queue_wait_s", "timing/rollout_run_duration_s", "timing/rollout_total_s")
+
+
+def _summary(prefix: str, values: list[float]) -> dict[str, float]:
+    arr = np.asarray(values, dtype=np.float64)
+    return {
+        f"{prefix}/mean": float(arr.mean()),
+        f"{prefix}/p50": float(np.percentile(arr, 50)),
+        f"{prefix}/p90": float(np.percentile(arr, 90)),
+        f"{prefix}/max": float(arr.max()),
+    }
+
+
+def lifecycle_metrics(completed: Sequence[CompletedRollout]) -> dict[str, float]:
+    """Queue wait (`running_at - enqueue_time`), run (`finished_at - running_at`) and total.
+
+    `enqueue_time` is the trainer's clock, `running_at`/`finished_at` the server's (same
+    host assumed). A summary is emitted only for non-empty lists, as in AGL v1.
+    """
+    spans: dict[str, list[float]] = {p: [] for p in LIFECYCLE_PREFIXES}
+    n_missing_running = 0
+    for c in completed:
+        n_missing_running += c.running_at is None
+        pairs = ((c.enqueue_time, c.running_at), (c.running_at, c.finished_at), (c.enqueue_time, c.finished_at))
+        for prefix, (start, end) in zip(LIFECYCLE_PREFIXES, pairs):
+            if start is not None and end is not None:
+                spans[prefix].append(end - start)
+    metrics: dict[str, float] = {"timing/rollout_n_missing_running_ts": float(n_missing_running)}
+    for prefix, values in spans.items():
+        if values:
+            metrics.update(_summary(prefix, values))
+    return metrics
+
+
+# =============================================================================================
+# Stage 3 — managers: enqueue, wait on the terminal cursor, collect each rollout once
+# =============================================================================================
+
+
+@dataclass
+class _Entry:
+    """A rollout the manager enqueued and has not collected yet."""
+
+    rollout_id: str
+    data_id: str
+    step: int
+    sample_idx: int
+    copy_idx: int
+    enqueue_time: float
+    enqueue_policy_version: int | None = None
+    running_at: float | None = None  # server `updated_at` when first seen running
+
+
+def _as_rollout_config(config: RolloutConfig | Mapping[str, Any] | None) -> RolloutConfig:
+    if config is None:
+        return RolloutConfig()
+    if isinstance(config, RolloutConfig):
+        return config
+    return RolloutConfig.model_validate(dict(config))
+
+
+def _check_n(n: int) -> int:
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"n (actor_rollout_ref.rollout.n, rollouts per task) must be an int >= 1, got {n!r}")
+    return n
+
+
+def _make_requests(
+    tasks: Sequence[Mapping[str, Any]],
+    *,
+    n: int,
+    is_train: bool,
+    config: RolloutConfig,
+    step: int,
+    hooks: RolloutHooks | None = None,
+    policy_version: int | None = None,
+) -> list[tuple[_Entry, RolloutCreate]]:
+    """`n` rollout requests per task, each with a fresh group key `data_id` per task.
+
+    `input` = the task plus `data_id`. `hooks.on_enqueue` runs before the id is assigned
+    (so a hook cannot break idempotent creation); ids are `uuid4().hex`.
+    """
+    out = []
+    for sample_idx, task in enumerate(tasks):
+        if not isinstance(task, Mapping):
+            raise TypeError(f"task {sample_idx} must be a dict (a dataset row), got {type(task).__name__}")
+        data_id = str(uuid.uuid4())
+        for copy_idx in range(n):
+            request = RolloutCreate(
+                input={**task, "data_id": data_id},
+                is_train=is_train,
+                config=config,
+                metadata={"batch_idx": step, "sample_idx_in_batch": sample_idx, "copy_idx": copy_idx},
+            )
+            if hooks is not None:
+                request = hooks.on_enqueue(request)
+                if not isinstance(request, RolloutCreate):
+                    raise TypeError(
+                        f"{type(hooks).__name__}.on_enqueue must return a RolloutCreate, "
+                        f"got {type(request).__name__}"
+                    )
+            request = request.model_copy(update={"rollout_id": uuid.uuid4().hex})
+            entry = _Entry(request.rollout_id, data_id, step, sample_idx, copy_idx, time.time(), policy_version)
+            out.append((entry, request))
+    return out
+
+
+def _events_by_attempt(rollout: Rollout, raw_events: Sequence[Mapping[str, Any]]) -> dict[str, list[Event]]:
+    grouped: dict[str, list[Event]] = {}
+    for e in raw_events:
+        event = Event.model_validate(e)
+        grouped.setdefault(event.attempt_id, []).append(event)
+    return grouped or {rollout.status.last_attempt_id or "unknown": []}
+
+
+class _Collector:
+    """Shared core: follow the terminal cursor and turn each terminal rollout into a result.
+
+    One poll = one `GET /api/rollouts/terminal` (plus, while some pending rollout has not
+    been seen running, one `GET /api/rollouts?state_in=running` for the running timestamp).
+    """
+
+    def __init__(self, client: AglClient, hooks: RolloutHooks | None, poll_interval: float, track_running: bool):
+        self.client, self.hooks = client, hooks
+        self.poll_interval, self.track_running = poll_interval, track_running
+        self.cursor: int | None = None
+        self.pending: dict[str, _Entry] = {}
+        self.n_hook_errors = 0
+
+    def start(self) -> None:
+        """Place the cursor before creating rollouts (kept while rollouts are pending)."""
+        total = self.client.terminal_page(after=0, limit=1).total_terminal
+        if not self.pending or self.cursor is None:
+            self.cursor = total
+        elif self.cursor > total:
+            logger.warning(
+                "terminal log has %d entries but the cursor is at %d (server restarted?); "
+                "re-reading the log from 0", total, self.cursor,
+            )
+            self.cursor = 0
+
+    def submit(self, pairs: Sequence[tuple[_Entry, RolloutCreate]]) -> None:
+        if not pairs:
+            return
+        self.client.create_rollouts([request for _, request in pairs])
+        self.pending.update({entry.rollout_id: entry for entry, _ in pairs})
+
+    # -- polling ----------------------------------------------------------------------------
+
+    def poll(self) -> list[CompletedRollout]:
+        """One poll: collect every pending rollout the terminal log reports since the cursor."""
+        items, self.cursor = self.client.poll_terminal(self.pending, self.cursor or 0)
+        if self.track_running and any(e.running_at is None for e in self.pending.values()):
+            self._observe_running()
+        collected = []
+        for item in items:
+            entry = self.pending.get(item.rollout_id)
+            if entry is not None and (completed := self._collect(entry)) is not None:
+                collected.append(completed)
+        return collected
+
+    def _observe_running(self) -> None:
+        limit = max(500, 2 * len(self.pending))
+        for rollout in self.client.list_rollouts([RolloutState.RUNNING], limit=limit):
+            entry = self.pending.get(rollout.rollout_id)
+            if entry is not None and entry.running_at is None:
+                entry.running_at = rollout.status.updated_at
+
+    def wait(
+        self,
+        done: Callable[[], bool],
+        on_collected: Callable[[CompletedRollout], None],
+        timeout: float | None,
+        waiting_for: Callable[[], set[str]],
+        n_total: int,
+        label: str,
+    ) -> None:
+        """Poll until `done()`; raise `RolloutWaitTimeout` naming `waiting_for()` after `timeout` s."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            for completed in self.poll():
+                on_collected(completed)
+            if done():
+                return
+            if deadline is not None and time.monotonic() >= deadline:
+                unfinished = waiting_for()
+                raise RolloutWaitTimeout(timeout, self.client.states_of(unfinished), n_total)
+            logger.debug("%s: %d rollouts pending", label, len(self.pending))
+            time.sleep(self.poll_interval)
+
+    # -- collecting one rollout ------------------------------------------------------------
+
+    def _collect(self, entry: _Entry) -> CompletedRollout | None:
+        """Hook -> events -> CompletedRollout -> DELETE, exactly once per rollout."""
+        rollout, _ = self.client.get_rollout(entry.rollout_id)
+        if not rollout.is_terminal:  # the id was deleted and re-created by someone else
+            return None
+        del self.pending[entry.rollout_id]
+        # Server-authoritative timestamps; a rollout never seen running gets the terminal
+        # time as its running time (AGL v1 rule for polls that skip straight to terminal).
+        finished_at = rollout.status.updated_at
+        running_at = entry.running_at if entry.running_at is not None else finished_at
+        raw_events = self.client.get_events(rollout.rollout_id)
+        n_written, hook_error = self._run_hook(rollout, raw_events)
+        if n_written:  # the hook's events belong to the rollout's record too
+            raw_events = self.client.get_events(rollout.rollout_id)
+        triplet_events = self.client.get_events(rollout.rollout_id, fmt="triplet")
+        completed = events_to_completed_rollout(
+            rollout, raw_events, triplet_events,
+            data_id=entry.data_id, step=entry.step, sample_idx=entry.sample_idx,
+            enqueue_time=entry.enqueue_time, running_at=running_at, finished_at=finished_at,
+            enqueue_policy_version=entry.enqueue_policy_version,
+        )
+        completed.metadata.setdefault("copy_idx", entry.copy_idx)
+        if hook_error is not None:
+            completed.metadata["hook_error"] = hook_error
+        self.client.delete_rollout(rollout.rollout_id)  # bound the store by what is in flight
+        return completed
+
+    def _run_hook(self, rollout: Rollout, raw_events: list[dict[str, Any]]) -> tuple[int, str | None]:
+        """Run on_succeeded/on_failed; flush its buffered events only if it returned."""
+        if self.hooks is None:
+            return 0, None
+        writer = BufferedTraceWriter()
+        succeeded = rollout.status.state == RolloutState.SUCCEEDED
+        name = "on_succeeded" if succeeded else "on_failed"
+        try:
+            if succeeded:
+                self.hooks.on_succeeded(rollout, _events_by_attempt(rollout, raw_events), writer)
+            else:
+                self.hooks.on_failed(rollout, writer)
+        except Exception as exc:  # user code: report, drop its events, keep training
+            return 0, self._hook_failed(name, rollout.rollout_id, exc, "its buffered events were dropped")
+        try:
+            return writer.flush(self.client), None
+        except Exception as exc:
+            return 1, self._hook_failed(name, rollout.rollout_id, exc, "writing its events failed")
+
+    def _hook_failed(self, name: str, rollout_id: str, exc: Exception, consequence: str) -> str:
+        self.n_hook_errors += 1
+        message = f"RolloutManager: {name} hook failed for rollout {rollout_id}"
+        logger.error(message, exc_info=exc)
+        warnings.warn(f"{message}: {type(exc).__name__}: {exc} ({consequence})", RuntimeWarning, stacklevel=3)
+        return f"{name}: {type(exc).__name__}: {exc}"
+
+
+def _progress(label: str, collected: Sequence[CompletedRollout], total: int) -> None:
+    n_failed = sum(c.state == RolloutState.FAILED.value for c in collected)
+    logger.info(
+        "%s: completed=%d/%d succeeded=%d failed=%d",
+        label, len(collected), total, len(collected) - n_failed, n_failed,
+    )
+
+
+class SyncRolloutManager:
+    """Enqueue `n` rollouts per task (1 for validation) and wait for every one of them.
+
+    Args:
+        client: an `AglClient` of the server.
+        n: rollouts per task for training (`actor_rollout_ref.rollout.n`).
+        step: trainer step recorded on every rollout (`CompletedRollout.step`).
+        rollout_config: `RolloutConfig` (or its dict) copied into every rollout.
+        hooks: optional `RolloutHooks`.
+        timeout_seconds: bound on one `run`'s wait (None = unbounded); on expiry
+            `RolloutWaitTimeout` names the unfinished rollouts, which stay in the store.
+        poll_interval: seconds between polls of the terminal cursor.
+        track_running: also poll the running list to record when each rollout started.
+    """
+
+    label = "SyncRolloutManager"
+
+    def __init__(
+        self,
+        client: AglClient,
+        *,
+        n: int,
+        step: int,
+        rollout_config: RolloutConfig | Mapping[str, Any] | None,
+        hooks: RolloutHooks | None = None,
+        timeout_seconds: float | None = None,
+        poll_interval: float = 0.2,
+        track_running: bool = True,
+    ):
+        self.n, self.step = _check_n(n), step
+        self.rollout_config = _as_rollout_config(rollout_config)
+        self.timeout_seconds = timeout_seconds
+        self._collector = _Collector(client, hooks, poll_interval, track_running)
+
+    @property
+    def n_hook_errors(self) -> int:
+        return self._collector.n_hook_errors
+
+    def run(self, tasks: Sequence[Mapping[str, Any]], is_train: bool) -> list[CompletedRollout]:
+        """Run one rollout phase; return completed rollouts in (sample_idx, copy) order."""
+        collector = self._collector
+        collector.pending.clear()  # a timed-out earlier run is abandoned, not waited for
+        collector.start()
+        pairs = _make_requests(
+            tasks, n=self.n if is_train else 1, is_train=is_train, config=self.rollout_config,
+            step=self.step, hooks=collector.hooks,
+        )
+        collector.submit(pairs)
+        collected: list[CompletedRollout] = []
+
+        def on_collected(completed: CompletedRollout) -> None:
+            collected.append(completed)
+            _progress(self.label, collected, len(pairs))
+
+        collector.wait(
+            done=lambda: not collector.pending,
+            on_collected=on_collected,
+            timeout=self.timeout_seconds,
+            waiting_for=lambda: set(collector.pending),
+            n_total=len(pairs),
+            label=self.label,
+        )
+        order = {entry.rollout_id: i for i, (entry, _) in enumerate(pairs)}
+        return sorted(collected, key=lambda c: order[c.rollout_id])
+
+
+# ---------------------------------------------------------------------------------------------
+# Async: keep `async_train_batch_size` groups in flight, train on `train_batch_size` per step
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Group:
+    """One task's `n` rollouts; complete when every member is terminal (FAILED counts)."""
+
+    data_id: str
+    step: int
+    sample_idx: int
+    policy_version: int | None
+    rollout_ids: list[str]
+    finished: dict[str, CompletedRollout] = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.finished) == len(self.rollout_ids)
+
+    def members(self) -> list[CompletedRollout]:
+        return [self.finished[rid] for rid in self.rollout_ids]
+
+
+def _check_async_sizes(train_batch_size: int, async_train_batch_size: int | None) -> None:
+    key = "agentlightning.async_rollout.async_train_batch_size"
+    if not isinstance(train_batch_size, int) or train_batch_size < 1:
+        raise ValueError(f"data.train_batch_size must be an int >= 1, got {train_batch_size!r}")
+    if async_train_batch_size is None:
+        raise ValueError(
+            f"{key} is not set; async rollout needs it > data.train_batch_size "
+            f"({train_batch_size}), e.g. {2 * train_batch_size} (2 x train_batch_size)"
+        )
+    if not isinstance(async_train_batch_size, int) or async_train_batch_size <= train_batch_size:
+        raise ValueError(
+            f"{key} ({async_train_batch_size!r}) must be an int > data.train_batch_size "
+            f"({train_batch_size}); set it to e.g. {2 * train_batch_size} (2 x train_batch_size)"
+        )
+
+
+class AsyncRolloutManager:
+    """Carry-over rollout collection: train on the first groups to finish, keep the rest.
+
+    `async_train_batch_size` groups are in flight at all times; each `run` tops them up with
+    new tasks (`n_new_tasks_needed()`), waits until `train_batch_size` groups are complete,
+    returns the oldest `train_batch_size` complete groups and carries every other group over
+    intact. A member that finished early is collected (hook run, rollout deleted) at once
+    and kept in memory, so its hook runs exactly once however long its group is carried.
+
+    Long-lived: create one per training run; `state_dict()`/`load_state_dict()` checkpoint
+    the carry-over (group bookkeeping, finished members, pending ids, terminal cursor).
+    """
+
+    label = "AsyncRolloutManager"
+
+    def __init__(
+        self,
+        client: AglClient,
+        *,
+        n: int,
+        train_batch_size: int,
+        async_train_batch_size: int | None,
+        rollout_config: RolloutConfig | Mapping[str, Any] | None,
+        hooks: RolloutHooks | None = None,
+        timeout_seconds: float | None = None,
+        poll_interval: float = 0.2,
+        track_running: bool = True,
+    ):
+        _check_async_sizes(train_batch_size, async_train_batch_size)
+        self.n = _check_n(n)
+        self.train_batch_size, self.async_train_batch_size = train_batch_size, async_train_batch_size
+        self.rollout_config = _as_rollout_config(rollout_config)
+        self.timeout_seconds = timeout_seconds
+        self._collector = _Collector(client, hooks, poll_interval, track_running)
+        self._groups: dict[str, _Group] = {}  # insertion order = enqueue order (oldest first)
+
+    @property
+    def n_hook_errors(self) -> int:
+        return self._collector.n_hook_errors
+
+    def n_new_tasks_needed(self) -> int:
+        """How many new tasks the next `run` takes: async_train_batch_size - groups in flight."""
+        return self.async_train_batch_size - len(self._groups)
+
+    def carry_over_groups(self) -> list[dict[str, Any]]:
+        """The groups in flight, oldest first (for views)."""
+        return [
+            {"data_id": g.data_id, "step": g.step, "policy_version": g.policy_version,
+             "n_finished": len(g.finished), "n": len(g.rollout_ids)}
+            for g in self._groups.values()
+        ]
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def run(
+        self, tasks: Sequence[Mapping[str, Any]], step: int, policy_version: int | None = None
+    ) -> tuple[list[CompletedRollout], dict[str, float]]:
+        """Enqueue `tasks` as new groups, wait for `train_batch_size` complete groups.
+
+        Returns the completed rollouts of the oldest `train_batch_size` complete groups, in
+        (step, sample_idx, copy) order, and the `training/async/*` metrics.
+        """
+        needed = self.n_new_tasks_needed()
+        if len(tasks) > needed:
+            raise ValueError(
+                f"{self.label}.run got {len(tasks)} new tasks but only {needed} fit "
+                f"(async_train_batch_size {self.async_train_batch_size} - {len(self._groups)} "
+                f"groups in flight); pass n_new_tasks_needed() tasks"
+            )
+        if len(self._groups) + len(tasks) < self.train_batch_size:
+            raise ValueError(
+                f"{self.label}.run: {len(self._groups) + len(tasks)} groups in flight cannot fill "
+                f"data.train_batch_size ({self.train_batch_size}); pass n_new_tasks_needed() = {needed} tasks"
+            )
+        carried = list(self._groups.values())
+        self._enqueue(tasks, step, policy_version)
+        self._collector.wait(
+            done=lambda: self._n_complete() >= self.train_batch_size,
+            on_collected=self._on_collected,
+            timeout=self.timeout_seconds,
+            waiting_for=lambda: set(self._collector.pending),
+            n_total=sum(len(g.rollout_ids) for g in self._groups.values()),
+            label=self.label,
+        )
+        taken = [g for g in self._groups.values() if g.complete][: self.train_batch_size]
+        for group in taken:
+            del self._groups[group.data_id]
+        completed = [c for g in taken for c in g.members()]
+        return completed, self._metrics(carried, completed, step, policy_version)
+
+    def _enqueue(self, tasks: Sequence[Mapping[str, Any]], step: int, policy_version: int | None) -> None:
+        collector = self._collector
+        collector.start()
+        pairs = _make_requests(
+            tasks, n=self.n, is_train=True, config=self.rollout_config, step=step,
+            hooks=collector.hooks, policy_version=policy_version,
+        )
+        for entry, _ in pairs:
+            group = self._groups.get(entry.data_id)
+            if group is None:
+                group = self._groups[entry.data_id] = _Group(
+                    entry.data_id, step, entry.sample_idx, policy_version, []
+                )
+            group.rollout_ids.append(entry.rollout_id)
+        collector.submit(pairs)
+
+    def _on_collected(self, completed: CompletedRollout) -> None:
+        self._groups[completed.data_id].finished[completed.rollout_id] = completed
+        n_done = sum(len(g.finished) for g in self._groups.values())
+        n_all = sum(len(g.rollout_ids) for g in self._groups.values())
+        logger.info(
+            "%s: completed_groups=%d/%d finished_rollouts=%d/%d",
+            self.label, self._n_complete(), self.train_batch_size, n_done, n_all,
+        )
+
+    def _n_complete(self) -> int:
+        return sum(g.complete for g in self._groups.values())
+
+    def _metrics(
+        self, carried: list[_Group], completed: list[CompletedRollout], step: int, policy_version: int | None
+    ) -> dict[str, float]:
+        remaining = list(self._groups.values())
+        version_ages = [
+            policy_version - g.policy_version
+            for g in remaining
+            if policy_version is not None and g.policy_version is not None
+        ]
+        return {
+            "training/async/n_prev_carry_over_rollouts": float(sum(len(g.rollout_ids) for g in carried)),
+            "training/async/n_completed_rollouts": float(len(completed)),
+            "training/async/n_new_carry_over_rollouts": float(sum(len(g.rollout_ids) for g in remaining)),
+            "training/async/new_carry_over_age_max_steps": float(max((step - g.step for g in remaining), default=0)),
+            "training/async/carry_over_age_max_versions": float(max(version_ages, default=0)),
+        }
+
+    # -- checkpoint -------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-ready carry-over state: groups, finished members, pending ids, cursor."""
+        pending = self._collector.pending
+        return {
+            "n": self.n,
+            "cursor": self._collector.cursor,
+            "groups": [
+                {
+                    "data_id": g.data_id, "step": g.step, "sample_idx": g.sample_idx,
+                    "policy_version": g.policy_version, "rollout_ids": list(g.rollout_ids),
+                    "finished": [completed_rollout_to_dict(c) for c in g.finished.values()],
+                    "pending": [dataclasses.asdict(pending[r]) for r in g.rollout_ids if r in pending],
+                }
+                for g in self._groups.values()
+            ],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Replace the carry-over with a `state_dict()` (the server must still hold the pending ids)."""
+        if state.get("n") != self.n:
+            raise ValueError(
+                f"carry-over checkpoint was taken with n={state.get('n')} rollouts per task but this "
+                f"manager has n={self.n} (actor_rollout_ref.rollout.n); resume with the same n"
+            )
+        self._groups, pending = {}, {}
+        for g in state["groups"]:
+            finished = [completed_rollout_from_dict(c) for c in g["finished"]]
+            self._groups[g["data_id"]] = _Group(
+                g["data_id"], g["step"], g["sample_idx"], g["policy_version"], list(g["rollout_ids"]),
+                {c.rollout_id: c for c in finished},
+            )
+            pending.update({e["rollout_id"]: _Entry(**e) for e in g["pending"]})
+        self._collector.pending = pending
+        self._collector.cursor = state.get("cursor")

@@ -198,7 +198,7 @@ class Trainer:
                 from agl_lab.hooks import load_hooks
 
                 self._hooks = load_hooks(str(self.cfg.agentlightning.hooks))
-                self._hooks.on_startup()
+                self._hooks.on_startup(self.client)  # AGL passes no store (flaw §8.23)
         return self._hooks
 
     def _make_async_manager(self):
