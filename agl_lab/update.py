@@ -48,8 +48,20 @@ def run_update(cfg, engine, batch: BatchResult, *, step: int) -> UpdateResult:
 
     opts = update_options(cfg)
     data = batch.data.select_idxs(list(range(len(batch.data))))  # never mutate the caller's batch
+    temperature = float(cfg.actor_rollout_ref.rollout.temperature)
+    data.meta_info["temperature"] = temperature
+    metrics: dict[str, Any] = {}
+    engine_prepares = hasattr(engine, "prepare")
+    if engine_prepares:
+        # verl: old/ref logprobs, critic values, KL-in-reward and rollout correction must exist
+        # before the advantage is computed, so the engine prepares the whole batch first.
+        t0 = time.time()
+        data, prep_metrics = engine.prepare(data)
+        metrics.update(prep_metrics)
+        metrics["timing_s/old_log_prob"] = time.time() - t0
     t0 = time.time()
-    prepared, records, metrics = prepare_update_batch(data, seed=int(cfg.agl_lab.seed) + step, **opts)
+    prepared, records, adv_metrics = prepare_update_batch(data, seed=int(cfg.agl_lab.seed) + step, **opts)
+    metrics.update(adv_metrics)
     dropped = pd.DataFrame(records, columns=_DROP_COLUMNS)
     metrics["timing_s/adv"] = time.time() - t0
     if prepared is None:
@@ -58,17 +70,18 @@ def run_update(cfg, engine, batch: BatchResult, *, step: int) -> UpdateResult:
         return UpdateResult(step=step, metrics=metrics, advantages=pd.DataFrame(), dropped=dropped,
                             skipped=True, policy_version=engine.policy_version)
 
-    temperature = float(cfg.actor_rollout_ref.rollout.temperature)
-    prepared.meta_info["temperature"] = temperature
     t0 = time.time()
-    if bool(cfg.algorithm.rollout_correction.get("bypass_mode", False)):
+    if engine_prepares:
+        pass
+    elif bool(cfg.algorithm.rollout_correction.get("bypass_mode", False)):
         from agl_lab.ppo import prepare_old_log_probs
 
         prepare_old_log_probs(None, prepared, temperature, bypass_mode=True)
     else:
         with torch.no_grad():
             prepared.batch["old_log_probs"] = engine.compute_log_probs(prepared, temperature=temperature)
-    metrics["timing_s/old_log_prob"] = time.time() - t0
+    if not engine_prepares:
+        metrics["timing_s/old_log_prob"] = time.time() - t0
 
     t0 = time.time()
     metrics.update(engine.update(prepared))

@@ -1,0 +1,383 @@
+"""verl-side classes of the verl engine: in-memory dataset, phase-split RayPPOTrainer, builder.
+
+Imported only when a `VerlEngine` is built, and by tests: importing it imports verl (seconds),
+never vLLM (verl loads its vLLM replica class lazily when replicas are created) and needs
+no GPU. Every verl symbol comes from `VERL_API` through `verl_import` (see
+agl_lab/engines/verl.py for the table, the phase order and the replica state machine).
+
+`AglRayPPOTrainer` keeps verl's heavy lifting (FSDP workers, critic, KL, rollout correction,
+checkpoints, weight sync) and replaces verl's `fit()` loop by phases:
+
+    serving:   server_addresses · resume_generation · abort_generation · sleep_rollout_replicas · push_weights
+    learning:  compute_old_log_probs · prepare_for_advantage · update_policy
+    state:     save_to · load_from · close
+
+Advantages and per-rollout normalisation are *not* here: they are pure functions of
+`agl_lab.algorithms` that the Trainer runs between `prepare_for_advantage` and
+`update_policy`.
+"""
+
+from __future__ import annotations
+
+import copy
+import numbers
+import os
+import time
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from agl_lab.engines.verl import call_replicas, verl_import
+
+RLHFDataset = verl_import("RLHFDataset")
+RayPPOTrainer = verl_import("RayPPOTrainer")
+
+#: agl_lab's own checkpoint state, next to verl's actor/, critic/ and data.pt
+AGL_STATE_FILE = "agl_lab_state.pt"
+
+# ------------------------------------------------------------------------------------------
+# Datasets passed in memory
+# ------------------------------------------------------------------------------------------
+
+
+class InMemoryDataset(RLHFDataset):
+    """verl `RLHFDataset` over task rows held in memory: no file round trip, no tokenisation.
+
+    verl's dataloader wants an `RLHFDataset`; agl_lab tasks are plain dicts that go to agents
+    untouched, so the file copy (`_download`) and parquet read + prompt filtering
+    (`_read_files_and_tokenize`) are skipped. Each item is the row plus
+
+    | key          | value                                                                        |
+    |--------------|------------------------------------------------------------------------------|
+    | index        | `row["extra_info"]["index"]`, else the row's position (`extra_info: None` ok) |
+    | dummy_tensor | `uint8 [1]` — verl's name: a DataProto needs at least one tensor               |
+    | (any key of another row) | None — verl's `collate_fn` needs the same keys in every row of a batch |
+
+    Rows are pickled inline (`serialize_dataset=True`) so Ray and dataloader checkpoints carry them.
+    """
+
+    def __init__(self, rows: Sequence[Mapping[str, Any]], tokenizer: Any = None, config: Any = None,
+                 processor: Any = None, *, name: str = "dataset"):
+        rows = list(rows)
+        if not rows:
+            raise ValueError(f"{name} must be non-empty: pass at least one task row (a dict)")
+        for i, row in enumerate(rows):
+            if not isinstance(row, Mapping):
+                raise TypeError(f"{name}[{i}] must be a mapping (one task as a dict), got {type(row).__name__}")
+        self._rows = [dict(row) for row in rows]
+        self._keys = list(dict.fromkeys(key for row in self._rows for key in row))  # union, first-seen order
+        config = config if config is not None else {}
+        super().__init__(data_files=[], tokenizer=tokenizer, config=config, processor=processor)
+        self.serialize_dataset = True
+
+    def _download(self, use_origin_parquet: bool = False) -> None:
+        """No files to copy."""
+
+    def _read_files_and_tokenize(self) -> None:
+        self.dataframe = self._rows
+
+    def resume_dataset_state(self) -> None:
+        self.serialize_dataset = True  # the rows are in the pickle; there is no file to re-read
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __getitem__(self, item: int) -> dict[str, Any]:
+        row = {key: None for key in self._keys}
+        row.update(self._rows[item])
+        extra = row.get("extra_info")
+        if extra is not None and not isinstance(extra, Mapping):
+            raise TypeError(f"row {item}: extra_info must be a mapping or None, got {type(extra).__name__}")
+        index = (extra or {}).get("index")
+        row["index"] = item if index is None else index
+        row["dummy_tensor"] = torch.tensor([0], dtype=torch.uint8)
+        return row
+
+
+# ------------------------------------------------------------------------------------------
+# The phase-split trainer
+# ------------------------------------------------------------------------------------------
+
+
+class AglRayPPOTrainer(RayPPOTrainer):
+    """verl's RayPPOTrainer driven phase by phase by agl_lab's stepwise Trainer."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        with warnings.catch_warnings():
+            # verl 0.9.1 marks the legacy trainer deprecated in favour of V1 (see verl.py docstring)
+            warnings.simplefilter("ignore", FutureWarning)
+            super().__init__(*args, **kwargs)
+        self.global_steps = 0
+
+    def fit(self) -> None:
+        raise NotImplementedError(
+            "AglRayPPOTrainer is stepped by agl_lab.Trainer (rollout → build_batch → update); "
+            "call agl_lab.Trainer.fit(), not verl's fit()")
+
+    # --- serving ---------------------------------------------------------------------------
+
+    def rollout_replicas(self) -> list[Any]:
+        return list(self.llm_server_manager.get_replicas())
+
+    def server_addresses(self) -> list[str]:
+        """`host:port` of each replica's OpenAI server (`[v6]:port` for IPv6)."""
+        return list(self.llm_server_manager.get_addresses())
+
+    def resume_generation(self) -> None:
+        call_replicas(self.rollout_replicas(), "RolloutReplica.resume_generation")
+
+    def abort_generation(self) -> int:
+        """Abort in-flight requests on every replica; the number aborted (0 if a backend cannot tell)."""
+        results = call_replicas(self.rollout_replicas(), "RolloutReplica.abort_all_requests", reject_request=False)
+        return sum(int(r.get("aborted_count", 0)) for r in results if isinstance(r, Mapping))
+
+    def sleep_rollout_replicas(self) -> None:
+        self.checkpoint_manager.sleep_replicas()
+
+    def weight_sync_needs_sleep(self) -> bool:
+        # backend "naive" (colocated, sync training) loads weights into sleeping replicas only
+        return self.config.actor_rollout_ref.rollout.checkpoint_engine.backend == "naive"
+
+    def push_weights(self) -> dict[str, Any]:
+        """Trained weights → replicas, tagged with `global_steps`; wakes sleeping replicas."""
+        return self.checkpoint_manager.update_weights(global_steps=self.global_steps) or {}
+
+    # --- learning --------------------------------------------------------------------------
+
+    def data_parallel_size(self) -> int:
+        return self._get_dp_size(self.actor_rollout_wg, "actor")
+
+    def compute_old_log_probs(self, batch: Any) -> tuple[Any, float]:
+        """`_compute_old_log_prob` on a batch padded to the DP size → (DataProto [N rows], mfu)."""
+        if "response_mask" not in batch.batch.keys():
+            batch.batch["response_mask"] = verl_import("compute_response_mask")(batch)
+        return self._run_padded(self._compute_old_log_prob, batch)
+
+    def prepare_for_advantage(self, batch: Any) -> tuple[Any, dict[str, float]]:
+        """Old logprobs (recomputed, or `rollout_log_probs` in bypass mode), ref logprobs,
+        values, `token_level_rewards` (KL-in-reward) and rollout-correction weights.
+
+        Needs `token_level_scores`, `responses`, `attention_mask`, `input_ids`, `position_ids`
+        (agl_lab.batch builds them). Idempotent: a prepared batch is returned unchanged.
+        """
+        if batch.meta_info.get("agl_lab_prepared"):
+            return batch, {}
+        if "token_level_scores" not in batch.batch.keys():
+            raise ValueError("batch.batch['token_level_scores'] is missing: "
+                             "build the batch with agl_lab.batch.build_batch")
+        if "response_mask" not in batch.batch.keys():
+            batch.batch["response_mask"] = verl_import("compute_response_mask")(batch)
+        batch.meta_info.setdefault("temperature", self.config.actor_rollout_ref.rollout.temperature)
+        metrics: dict[str, float] = {}
+        batch = self._attach_log_probs(batch, metrics)
+        if self.use_critic and "values" not in batch.batch.keys():
+            batch = self._timed(metrics, "values", lambda: batch.union(self._run_padded(self._compute_values, batch)))
+        batch = self._rewards_and_correction(batch, metrics)
+        batch.meta_info["agl_lab_prepared"] = True
+        return batch, metrics
+
+    def update_policy(self, batch: Any) -> dict[str, float]:
+        """Critic then actor update of step `global_steps + 1`; returns reduced worker metrics.
+
+        Old logprobs (and ref logprobs when a reference policy is used) missing from the batch
+        are computed here, so `compute_log_probs` + advantage + `update` works like on the
+        local engine; critic values must come from `prepare_for_advantage` (GAE needs them).
+        """
+        metrics: dict[str, Any] = {}
+        if "response_mask" not in batch.batch.keys():
+            batch.batch["response_mask"] = verl_import("compute_response_mask")(batch)
+        batch = self._attach_log_probs(batch, metrics)
+        self._check_update_batch(batch)
+        self.global_steps += 1
+        reduce_metrics = verl_import("reduce_metrics")
+        metrics["training/global_step"] = self.global_steps
+        # _balance_batch reorders rows in place: work on a shallow copy so the caller's batch
+        # (and the row views built on it) keeps its order
+        batch = copy.copy(batch)
+        batch.meta_info = dict(batch.meta_info)
+        if self.config.trainer.balance_batch:
+            self._balance_batch(batch, metrics=metrics)
+        batch.meta_info["global_token_num"] = torch.sum(batch.batch["attention_mask"], dim=-1).tolist()
+        if self.use_critic:
+            out = self._timed(metrics, "update_critic", lambda: self._update_critic(batch))
+            metrics.update(reduce_metrics(out.meta_info["metrics"]))
+        if self.config.trainer.critic_warmup <= self.global_steps:
+            out = self._timed(metrics, "update_actor", lambda: self._update_actor(batch))
+            metrics.update(reduce_metrics(out.meta_info["metrics"]))
+        return {k: float(v) for k, v in metrics.items() if isinstance(v, numbers.Real)}
+
+    # --- checkpoints -----------------------------------------------------------------------
+
+    def save_to(self, path: str, agl_state: Mapping[str, Any] | None = None) -> str:
+        """verl `_save_checkpoint` under `path/global_step_N` (+ agl_lab state); returns that folder."""
+        with open_dict(self.config):
+            self.config.trainer.default_local_dir = path
+        self._save_checkpoint()
+        folder = os.path.join(path, f"global_step_{self.global_steps}")
+        if agl_state is not None:
+            torch.save(dict(agl_state), os.path.join(folder, AGL_STATE_FILE))
+        return folder
+
+    def load_from(self, path: str) -> dict[str, Any] | None:
+        """verl `_load_checkpoint` from `path/global_step_N` (or the latest under `path`)."""
+        folder = path if os.path.basename(os.path.normpath(path)).startswith("global_step_") else \
+            verl_import("find_latest_ckpt_path")(path)
+        if folder is None or not os.path.isdir(folder):
+            raise FileNotFoundError(f"no checkpoint at {path!r}: expected PATH/global_step_N "
+                                    "written by engine.save(PATH)")
+        with open_dict(self.config):
+            self.config.trainer.resume_mode = "resume_path"
+            self.config.trainer.resume_from_path = os.path.abspath(folder)
+        self._load_checkpoint()
+        state_file = os.path.join(folder, AGL_STATE_FILE)
+        return torch.load(state_file, weights_only=False) if os.path.exists(state_file) else None
+
+    def close(self) -> None:
+        self._shutdown_dump_executor()
+
+    # --- helpers ---------------------------------------------------------------------------
+
+    def _run_padded(self, fn: Callable[[Any], Any], batch: Any) -> Any:
+        """Run an inference phase on `batch` padded (by repeating rows) to a multiple of the DP size.
+
+        Worker groups split a batch into DP chunks and need `len % dp == 0`; the padding rows
+        are cut from the output (DataProto, or the first item of a tuple).
+        """
+        pad_to, unpad = verl_import("pad_dataproto_to_divisor"), verl_import("unpad_dataproto")
+        padded, pad_size = pad_to(batch, self.data_parallel_size())
+        padded.meta_info["global_token_num"] = torch.sum(padded.batch["attention_mask"], dim=-1).tolist()
+        out = fn(padded)
+        if isinstance(out, tuple):
+            return (unpad(out[0], pad_size), *out[1:])
+        return unpad(out, pad_size)
+
+    def _attach_log_probs(self, batch: Any, metrics: dict[str, float]) -> Any:
+        """Old logprobs, and ref logprobs when a reference policy is used, unless present."""
+        if "old_log_probs" not in batch.batch.keys():
+            batch = self._attach_old_log_probs(batch, metrics)
+        if self.use_reference_policy and "ref_log_prob" not in batch.batch.keys():
+            ref = self._timed(metrics, "ref", lambda: self._run_padded(self._compute_ref_log_prob, batch))
+            batch = batch.union(ref)
+        return batch
+
+    def _attach_old_log_probs(self, batch: Any, metrics: dict[str, float]) -> Any:
+        corr = self.config.algorithm.get("rollout_correction", None)
+        if corr is not None and corr.get("bypass_mode", False):
+            # Bypass: sampling logprobs are the old logprobs. Not verl's apply_bypass_mode, which
+            # also rewrites policy_loss.loss_mode to "bypass_mode" (dropping per_rollout_mean).
+            rollout_lp = batch.batch["rollout_log_probs"] if "rollout_log_probs" in batch.batch.keys() else None
+            if rollout_lp is None:
+                raise RuntimeError("algorithm.rollout_correction.bypass_mode=true needs rollout_log_probs in "
+                                   "the batch: every captured call must carry sampling logprobs "
+                                   "(agl_lab.server.include_log_probs=true)")
+            if not torch.isfinite(rollout_lp).all():
+                raise RuntimeError("bypass_mode needs finite rollout_log_probs everywhere (padding included)")
+            batch.batch["old_log_probs"] = rollout_lp.clone()
+            return batch
+        start = time.perf_counter()
+        output, mfu = self.compute_old_log_probs(batch)
+        metrics["timing_s/old_log_prob"] = time.perf_counter() - start
+        actor = self.config.actor_rollout_ref.actor
+        entropy = verl_import("agg_loss")(loss_mat=output.batch["entropys"], loss_mask=batch.batch["response_mask"],
+                                          loss_agg_mode=actor.loss_agg_mode, loss_scale_factor=actor.loss_scale_factor)
+        metrics.update({"actor/entropy": float(entropy.detach().item()), "perf/mfu/actor_infer": float(mfu)})
+        output.batch.pop("entropys")
+        batch = batch.union(output)
+        if "rollout_log_probs" in batch.batch.keys():
+            metrics.update(verl_import("calculate_debug_metrics")(batch))
+        return batch
+
+    def _rewards_and_correction(self, batch: Any, metrics: dict[str, float]) -> Any:
+        if self.config.algorithm.use_kl_in_reward:
+            batch, kl_metrics = verl_import("apply_kl_penalty")(
+                batch, kl_ctrl=self.kl_ctrl_in_reward, kl_penalty=self.config.algorithm.kl_penalty)
+            metrics.update(kl_metrics)
+        else:
+            batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
+        corr = self.config.algorithm.get("rollout_correction", None)
+        if corr is not None and not corr.get("bypass_mode", False) and "rollout_log_probs" in batch.batch.keys():
+            batch, is_metrics = verl_import("compute_rollout_correction_and_add_to_batch")(batch, corr)
+            metrics.update(is_metrics)
+        return batch
+
+    def _check_update_batch(self, batch: Any) -> None:
+        keys = batch.batch.keys()
+        missing = [k for k in ("old_log_probs", "advantages", "response_mask") if k not in keys]
+        if self.use_critic:
+            missing += [k for k in ("values", "returns") if k not in keys]
+        if missing:
+            raise ValueError(f"update(batch) is missing {missing}: run engine.prepare(batch), then the advantage "
+                             "(agl_lab.algorithms), before engine.update(batch)")
+        rows, mini, dp = len(batch), self.mini_batch_rows(), self.data_parallel_size()
+        # Critical: verl's train_mini_batch runs rows // mini_batch iterations, so a partial
+        # mini-batch is silently not trained (0 updates below one mini-batch): refuse instead.
+        if rows == 0 or rows % mini or rows % dp:
+            raise ValueError(
+                f"update(batch) got {rows} rows: the verl engine needs a positive multiple of the PPO "
+                f"mini-batch (actor_rollout_ref.actor.ppo_mini_batch_size × rollout.n = {mini}) and of the "
+                f"DP size ({dp}); align the batch first (agl_lab.algorithms.select_for_update with "
+                f"mini_batch_rows={mini}; agl_lab.update.small_batch=skip for smaller batches)")
+
+    def mini_batch_rows(self) -> int:
+        """Rows per PPO mini-batch: verl counts `ppo_mini_batch_size` in tasks, × `rollout.n`."""
+        return int(self.config.actor_rollout_ref.actor.ppo_mini_batch_size * self.config.actor_rollout_ref.rollout.n)
+
+    @staticmethod
+    def _timed(metrics: dict[str, Any], name: str, fn: Callable[[], Any]) -> Any:
+        start = time.perf_counter()
+        out = fn()
+        metrics[f"timing_s/{name}"] = time.perf_counter() - start
+        return out
+
+
+# ------------------------------------------------------------------------------------------
+# Building the stack (verl's TaskRunner.run, in the driver process, without fit())
+# ------------------------------------------------------------------------------------------
+
+
+def apply_agl_lab_keys(cfg: DictConfig) -> None:
+    """Map the engine-independent `agl_lab:` keys onto verl's (same YAML for both engines).
+
+    `agl_lab.model.path` (when set) becomes `actor_rollout_ref.model.path`. Everything else,
+    including `critic.model.path` for a GAE critic, is read from verl's own keys.
+    """
+    model_path = OmegaConf.select(cfg, "agl_lab.model.path", default=None)
+    if model_path is not None:
+        with open_dict(cfg):
+            cfg.actor_rollout_ref.model.path = str(model_path)
+
+
+def build_trainer(config: Any, train_dataset: Sequence[Mapping[str, Any]],
+                  val_dataset: Sequence[Mapping[str, Any]] | None = None) -> tuple[AglRayPPOTrainer, str]:
+    """Role mapping, resource pools, tokenizer and datasets → an `AglRayPPOTrainer` (workers not
+    yet spawned: call `init_workers()`), and the model name vLLM serves (its local path).
+
+    `val_dataset=None` reuses the train rows: verl's trainer insists on a non-empty validation
+    dataloader, but agl_lab validates through its own Trainer.
+    """
+    # a copy: verl resolves and edits its config (total_training_steps, pools); the caller's stays as is
+    cfg = copy.deepcopy(config) if isinstance(config, DictConfig) else OmegaConf.create(config)
+    apply_agl_lab_keys(cfg)
+    verl_import("auto_set_device")(cfg)
+    OmegaConf.resolve(cfg)
+    runner = verl_import("BaseTaskRunner")()
+    _, worker_group_cls = runner.add_actor_rollout_worker(cfg)
+    runner.add_critic_worker(cfg)
+    runner.add_reward_model_resource_pool(cfg)
+    runner.add_teacher_model_resource_pool(cfg)
+    verl_import("validate_config")(config=cfg, use_reference_policy=verl_import("need_reference_policy")(cfg),
+                                   use_critic=verl_import("need_critic")(cfg))
+    model_config = verl_import("omega_conf_to_dataclass")(cfg.actor_rollout_ref.model)
+    tokenizer, processor = model_config.tokenizer, model_config.processor
+    train_ds = InMemoryDataset(train_dataset, tokenizer, cfg.data, processor, name="train_dataset")
+    val_ds = InMemoryDataset(val_dataset if val_dataset is not None else train_dataset, tokenizer, cfg.data,
+                             processor, name="val_dataset")
+    trainer = AglRayPPOTrainer(
+        config=cfg, tokenizer=tokenizer, role_worker_mapping=runner.role_worker_mapping,
+        resource_pool_manager=runner.init_resource_pool_mgr(cfg), ray_worker_group_cls=worker_group_cls,
+        processor=processor, train_dataset=train_ds, val_dataset=val_ds,
+        collate_fn=verl_import("collate_fn"), train_sampler=verl_import("create_rl_sampler")(cfg.data, train_ds))
+    return trainer, str(model_config.local_path)
