@@ -260,7 +260,7 @@ def _per_rollout_divisor(
             raise ValueError("num_rollouts must be positive")
         return d
     raise ValueError(
-        f"divisor={divisor!r} is not one of {list(DIVISORS)} (config key agl_lab.update.normalize_by): "
+        f"divisor={divisor!r} is not one of {list(DIVISORS)} (config key agl_lab.algorithm.normalize_by): "
         "'rollouts' follows the tech report (Eq. 16), 'rows' reproduces AGL v1")
 
 
@@ -479,7 +479,7 @@ def _check_selection_args(mini_batch_rows: int, max_ppo_update_times: int | None
         raise ValueError(f"policy={policy!r} is not one of {list(SELECTION_POLICIES)}")
     if small_batch not in SMALL_BATCH_CHOICES:
         raise ValueError(f"small_batch={small_batch!r} is not one of {list(SMALL_BATCH_CHOICES)} "
-                         "(config key agl_lab.update.small_batch)")
+                         "(config key agl_lab.algorithm.small_batch)")
 
 
 def select_for_update(
@@ -518,7 +518,7 @@ def select_for_update(
             logger.warning("skipping this training step: no trainable rows left after the marked drop")
         else:
             logger.warning("skipping this training step: %d trainable rows is fewer than one mini-batch "
-                           "(%d rows) and agl_lab.update.small_batch='skip'", n, mini_batch_rows)
+                           "(%d rows) and agl_lab.algorithm.small_batch='skip'", n, mini_batch_rows)
     else:
         if n < mini_batch_rows:
             logger.info("training %d rows as one mini-batch smaller than ppo_mini_batch_size × n = %d rows",

@@ -77,11 +77,12 @@ AGL_LAB_DEFAULTS: dict[str, Any] = {
             "token_preserving": False,
         },
         "runner": {"enabled": True, "concurrency": 32, "agent_timeout_seconds": None},
-        "rollout": {"wait_timeout_seconds": 600, "poll_interval_seconds": 0.05},
-        "update": {
+        "rollout": {"wait_timeout_seconds": 600, "poll_interval_seconds": 0.05,
+                    "drain_timeout_seconds": 60},
+        # (not named `update`: DictConfig attribute access would hit dict.update)
+        "algorithm": {
             "normalize_by": "rollouts",  # rollouts (tech report Eq. 16) | rows (AGL v1 parity)
             "small_batch": "train",  # train a batch smaller than one mini-batch | skip the step
-            "drain_timeout_seconds": 60,
         },
         "engine_options": {"batch_window_ms": 3, "max_batch_size": 64},
         "wandb": {"mode": "disabled"},  # disabled | offline | online
@@ -206,8 +207,8 @@ def load_config(
 
 _CHOICES = {
     "agl_lab.engine": ("local", "verl"),
-    "agl_lab.update.normalize_by": ("rollouts", "rows"),
-    "agl_lab.update.small_batch": ("train", "skip"),
+    "agl_lab.algorithm.normalize_by": ("rollouts", "rows"),
+    "agl_lab.algorithm.small_batch": ("train", "skip"),
     "agl_lab.wandb.mode": ("disabled", "offline", "online"),
     "agentlightning.trace_aggregator.level": ("transition", "trajectory"),
 }

@@ -160,7 +160,6 @@ class Trainer:
                     "val": {"temperature": float(lab.server.val_temperature)},
                 },
             )
-            self.server.start()
             self._closers.append(self.server.stop)
             if lab.server.token_preserving and hasattr(self.server, "set_tokenizer"):
                 self.server.set_tokenizer(self.engine.model_name, self.tokenizer)
@@ -275,13 +274,13 @@ class Trainer:
         t0 = time.time()
         state = self.client.pause(reason=reason, retry_after_seconds=5)
         inflight_at_pause = state.inflight
-        deadline = t0 + float(self.cfg.agl_lab.update.drain_timeout_seconds)
+        deadline = t0 + float(self.cfg.agl_lab.rollout.drain_timeout_seconds)
         while state.inflight > 0:
             if time.time() > deadline:
                 raise TimeoutError(
                     f"gateway still has {state.inflight} calls in flight after "
-                    f"{self.cfg.agl_lab.update.drain_timeout_seconds} s of draining; raise "
-                    "agl_lab.update.drain_timeout_seconds or check the engine")
+                    f"{self.cfg.agl_lab.rollout.drain_timeout_seconds} s of draining; raise "
+                    "agl_lab.rollout.drain_timeout_seconds or check the engine")
             time.sleep(0.05)
             state = self.client.proxy_state()
         return {"training/async/proxy_inflight_at_pause": inflight_at_pause,
@@ -438,8 +437,10 @@ class Trainer:
         self.close()
 
     def __del__(self):
-        with contextlib.suppress(Exception):
+        try:
             self.close()
+        except Exception:  # interpreter shutdown: modules may already be gone
+            pass
 
 
 # ---------------------------------------------------------------------------------------------

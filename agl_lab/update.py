@@ -37,9 +37,9 @@ def update_options(cfg) -> dict[str, Any]:
         rollout_level_advantage=bool(algo.enable_rollout_level_advantage),
         algo_config=algo,
         max_ppo_update_times=None if max_updates is None else int(max_updates),
-        small_batch=str(cfg.agl_lab.update.small_batch),
+        small_batch=str(cfg.agl_lab.algorithm.small_batch),
         loss_mode=str(actor.policy_loss.loss_mode),
-        divisor=str(cfg.agl_lab.update.normalize_by),
+        divisor=str(cfg.agl_lab.algorithm.normalize_by),
     )
 
 

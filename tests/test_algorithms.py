@@ -182,7 +182,7 @@ def test_normalize_validates_inputs():  # §7.5
     with pytest.raises(ValueError, match="num_trained_rows"):
         alg.normalize_advantages_by_rollout(torch.ones(3, 3), MASK_753, ["A", "A", "B"], num_trained_rows=0,
                                             divisor="rows")
-    with pytest.raises(ValueError, match="agl_lab.update.normalize_by"):
+    with pytest.raises(ValueError, match="agl_lab.algorithm.normalize_by"):
         alg.normalize_advantages_by_rollout(torch.ones(3, 3), MASK_753, ["A", "A", "B"], divisor="tokens")
 
 
@@ -369,7 +369,7 @@ def test_small_batch_is_trained_or_skipped_loudly(caplog):
     assert [r["reason"] for r in records] == ["small_batch_skip"] * 3
     assert metrics["training/n_sample_dropped/small_batch"] == 3
     assert "skipping this training step" in caplog.text
-    with pytest.raises(ValueError, match="agl_lab.update.small_batch"):
+    with pytest.raises(ValueError, match="agl_lab.algorithm.small_batch"):
         alg.select_for_update(data, mini_batch_rows=8, small_batch="drop")
 
 

@@ -52,7 +52,7 @@ def test_free_form_subtrees_accept_any_key():
     (["algorithm.adv_estimator=gae"], r"adv_estimator=gae"),
     (["algorithm.adv_estimator=remax"], r"remax is not supported"),
     (["agl_lab.engine=tpu"], r"agl_lab\.engine='tpu' is not one of"),
-    (["agl_lab.update.normalize_by=tokens"], r"normalize_by"),
+    (["agl_lab.algorithm.normalize_by=tokens"], r"normalize_by"),
     (["agentlightning.trace_aggregator.level=segment"], r"trace_aggregator\.level"),
     (["algorithm.rollout_correction.bypass_mode=true", "agl_lab.server.include_log_probs=false"],
      r"bypass_mode=true needs sampling logprobs"),

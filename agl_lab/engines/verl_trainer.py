@@ -319,7 +319,7 @@ class AglRayPPOTrainer(RayPPOTrainer):
                 f"update(batch) got {rows} rows: the verl engine needs a positive multiple of the PPO "
                 f"mini-batch (actor_rollout_ref.actor.ppo_mini_batch_size × rollout.n = {mini}) and of the "
                 f"DP size ({dp}); align the batch first (agl_lab.algorithms.select_for_update with "
-                f"mini_batch_rows={mini}; agl_lab.update.small_batch=skip for smaller batches)")
+                f"mini_batch_rows={mini}; agl_lab.algorithm.small_batch=skip for smaller batches)")
 
     def mini_batch_rows(self) -> int:
         """Rows per PPO mini-batch: verl counts `ppo_mini_batch_size` in tasks, × `rollout.n`."""
