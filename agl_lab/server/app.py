@@ -15,16 +15,19 @@ Routes (upstream-reference §2; paths, JSON shapes, codes and error texts are AG
     GET    /api/rollouts/{id}/events?event_type=&format=triplet
     POST   /api/models                    [Model]           201 echo (upsert)
     DELETE /api/models                                      {"status": "ok"}
-    POST   /proxy/rollout/{id}/attempt/{aid}/mode/{train|val}/openai/v1/{path}   (gateway.py)
+    POST   /proxy/rollout/{id}/attempt/{aid}/mode/{train|val}/openai/v1/{path}   (gateway.py;
+                                                     a plain Starlette route, not in /openapi.json)
     POST   /proxy/pause | /proxy/resume, GET /proxy/state                       (gateway.py)
 
 Everything but /healthz requires `Authorization: Bearer <key>` or `x-api-key: <key>` when a
 key is configured. Handlers are `async` and call the store directly: store calls are short
 and lock-protected, and skipping the thread pool keeps the per-call overhead low.
 
-Two departures from AGL, both for clearer errors: a body that is not JSON answers 400
-"Invalid JSON in request body" on every route (FastAPI would say 422), and unknown config
-keys are rejected with the key's name instead of being ignored.
+Departures from AGL: a body that is not JSON answers 400 "Invalid JSON in request body" on
+every route (FastAPI would say 422); unknown config keys are rejected with the key's name;
+`host` defaults to 127.0.0.1; the store can be SQLite (`store: sqlite:///f.db`) and its
+terminal log is bounded (`terminal_log_limit`); the upstream retry policy and client are
+configurable (`upstream_*`).
 """
 
 from __future__ import annotations
@@ -32,10 +35,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
-from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from typing import Any, Literal
 
-import httpx
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi.exception_handlers import request_validation_exception_handler
 from fastapi.exceptions import RequestValidationError
@@ -53,7 +55,7 @@ from agl_lab.protocol import (
     RolloutStatusPatch,
     TerminalPage,
 )
-from agl_lab.server.gateway import Gateway, gateway_router
+from agl_lab.server.gateway import Gateway, RequestRewriter, gateway_router, open_upstream_client, proxy_route
 from agl_lab.server.store import (
     DEFAULT_TERMINAL_LOG_LIMIT,
     InvalidTransition,
@@ -105,6 +107,7 @@ class ServerConfig(_Strict):
     upstream_max_attempts: int = Field(6, ge=1)
     upstream_backoff_base_seconds: float = Field(0.5, ge=0)  # retry i sleeps min(base*2^i, max)*U(.75,1.25)
     upstream_backoff_max_seconds: float = Field(8.0, ge=0)
+    upstream_client: Literal["auto", "aiohttp", "httpx"] = "auto"  # auto: aiohttp if installed (faster)
     token_preserving: bool = False  # flag only; the mode plugs in as a gateway request rewriter
 
 
@@ -149,38 +152,40 @@ def create_app(
     config: ServerConfig | Mapping[str, Any] | None,
     *,
     store: Store | None = None,
-    rewriters: Sequence[Any] = (),
+    rewriters: Sequence[RequestRewriter] = (),
 ) -> FastAPI:
     """Build the server. `store` defaults to `open_store(config.store)`; `rewriters` are the
-    gateway's request rewriters (see `agl_lab.server.gateway.RequestRewriter`).
+    gateway's request rewriters (see `agl_lab.server.gateway.RequestRewriter`); with
+    `token_preserving: true` and none given, the token-preserving rewriter is installed.
 
     The app exposes `app.state.config`, `app.state.store` and `app.state.gateway`.
     """
     cfg = load_server_config(config)
     store = store if store is not None else open_store(cfg.store, terminal_log_limit=cfg.terminal_log_limit)
+    if cfg.token_preserving and not rewriters:
+        from agl_lab.server.token_preserving import TokenPreservingRewriter
+
+        rewriters = [TokenPreservingRewriter()]  # tokenizers: EmbeddedServer.set_tokenizer / --tokenizer-path
     gateway = Gateway(cfg, store, rewriters=rewriters)
     if not cfg.key:
         logger.warning(NO_KEY_WARNING)
-    if cfg.token_preserving and not rewriters:
-        logger.warning("token_preserving is set but no request rewriter is installed: "
-                       "requests are forwarded with the standard rewrite only")
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
-        async with httpx.AsyncClient(
-            timeout=cfg.upstream_timeout_seconds, limits=limits, trust_env=False
-        ) as client:
-            gateway.client = client
-            try:
-                yield
-            finally:
-                gateway.client = None
+        gateway.client = open_upstream_client(cfg.upstream_client, cfg.upstream_timeout_seconds)
+        try:
+            yield
+        finally:
+            client, gateway.client = gateway.client, None
+            await client.aclose()
 
     app = FastAPI(title="Agent Lightning", version="1.0.0", lifespan=lifespan)
     app.state.config, app.state.store, app.state.gateway = cfg, store, gateway
     _install_error_handlers(app)
-    auth = [Depends(_auth_dependency(cfg.key))]
+    check_key = key_checker(cfg.key)
+    auth = [Depends(_auth_dependency(check_key))]
+    # the hot path first, as a plain Starlette route: no route scan, no dependency solving
+    app.router.routes.append(proxy_route(gateway, check_key))
 
     @app.get("/healthz", tags=["health"])
     async def healthz() -> dict[str, str]:
@@ -193,11 +198,12 @@ def create_app(
     return app
 
 
-def _auth_dependency(key: str):
-    """Accept `Authorization: Bearer <key>` or `x-api-key: <key>`; no-op for an empty key."""
+def key_checker(key: str) -> Callable[[Request], None]:
+    """`check(request)` raises 401 unless `Authorization: Bearer <key>` or `x-api-key: <key>`
+    matches; a no-op for an empty key."""
     expected = key.encode()
 
-    async def require_key(request: Request) -> None:
+    def check(request: Request) -> None:
         if not key:
             return
         bearer = request.headers.get("authorization", "")
@@ -207,6 +213,13 @@ def _auth_dependency(key: str):
         if api_key is not None and secrets.compare_digest(api_key.encode(), expected):
             return
         raise HTTPException(status_code=401, detail="Invalid or missing API key")
+
+    return check
+
+
+def _auth_dependency(check: Callable[[Request], None]) -> Callable[[Request], Awaitable[None]]:
+    async def require_key(request: Request) -> None:
+        check(request)
 
     return require_key
 

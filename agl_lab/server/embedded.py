@@ -40,12 +40,16 @@ class ThreadedUvicorn:
     def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, *, log_level: str = "warning",
                  health_path: str | None = None, start_timeout: float = 20.0):
         self.app, self.host = app, host
-        self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY only on sockets that declare it,
+        # and without it every response waits ~40 ms for a delayed ACK (Nagle).
+        self._sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
         self.port: int = self._sock.getsockname()[1]
-        config = uvicorn.Config(app, log_level=log_level, timeout_keep_alive=120, lifespan="on",
-                                access_log=False)
+        # log_config=None: leave the host program's (notebook's) logging configuration alone
+        config = uvicorn.Config(app, log_level=log_level, log_config=None, timeout_keep_alive=120,
+                                lifespan="on", access_log=False)
         self._server = uvicorn.Server(config)
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"uvicorn:{self.port}", daemon=True)
@@ -102,11 +106,15 @@ class EmbeddedServer:
     `EmbeddedServer(config=None, *, store=None, rewriters=(), **overrides)`: `overrides` are
     ServerConfig keys (nested mappings such as `default_proxy={"model_name": ...}` are merged
     key by key). The port is free unless `port` is given (as an override or a set config field).
-    A store opened here (from `config.store`) is closed by `stop()`; a passed-in store is not.
+    `store` is a Store object to share, or a store URL (the `store` config key). A store opened
+    here is closed by `stop()`; a passed-in Store object is not.
     """
 
-    def __init__(self, config: ServerConfig | Mapping[str, Any] | None = None, *, store: Store | None = None,
-                 rewriters: tuple[Any, ...] | list[Any] = (), log_level: str = "warning", **overrides: Any):
+    def __init__(self, config: ServerConfig | Mapping[str, Any] | None = None, *,
+                 store: Store | str | None = None, rewriters: tuple[Any, ...] | list[Any] = (),
+                 log_level: str = "warning", **overrides: Any):
+        if isinstance(store, str):
+            overrides["store"], store = store, None
         base = load_server_config(config if config is not None else {})
         port_given = "port" in overrides or "port" in base.model_fields_set
         merged = _deep_merge(base.model_dump(exclude_unset=True), overrides)
@@ -138,6 +146,10 @@ class EmbeddedServer:
     def gateway(self) -> Any:
         return self.app.state.gateway
 
+    def set_tokenizer(self, model_name: str, tokenizer: Any) -> None:
+        """Give the token-preserving mode the tokenizer (with chat template) of `model_name`."""
+        set_tokenizer(self.gateway, model_name, tokenizer)
+
     def stop(self) -> None:
         """Stop serving and close the store this server opened. Idempotent."""
         if self._stopped:
@@ -156,6 +168,16 @@ class EmbeddedServer:
     def __repr__(self) -> str:
         state = "stopped" if self._stopped else "running"
         return f"EmbeddedServer({self.url}, store={self.store!r}, {state})"
+
+
+def set_tokenizer(gateway: Any, model_name: str, tokenizer: Any) -> None:
+    """Register `tokenizer` with every gateway rewriter that takes one (the token-preserving mode)."""
+    takers = [r for r in gateway.rewriters if callable(getattr(r, "set_tokenizer", None))]
+    if not takers:
+        raise ValueError("set_tokenizer: no rewriter of this server takes a tokenizer; start it with "
+                         "token_preserving=True (agl-lab serve --token-preserving)")
+    for rewriter in takers:
+        rewriter.set_tokenizer(model_name, tokenizer)
 
 
 def _deep_merge(base: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
@@ -186,6 +208,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--val-temperature", type=float, default=None)
     p.add_argument("--no-log-probs", action="store_true", help="do not ask upstream for logprobs in train mode")
     p.add_argument("--token-preserving", action="store_true")
+    p.add_argument("--tokenizer-path", default=None,
+                   help="tokenizer (with chat template) of --model-name, for --token-preserving")
+    p.add_argument("--upstream-client", default="auto", choices=["auto", "aiohttp", "httpx"])
     p.add_argument("--terminal-log-limit", type=int, default=None)
     p.add_argument("--log-level", default="info")
     return p
@@ -202,14 +227,22 @@ def serve_main(argv: list[str]) -> int:
     if args.val_temperature is not None:
         proxy["val"] = {"temperature": args.val_temperature}
     raw: dict[str, Any] = {"host": args.host, "port": args.port, "key": args.key, "store": args.store,
-                           "default_proxy": proxy, "token_preserving": args.token_preserving}
+                           "default_proxy": proxy, "token_preserving": args.token_preserving,
+                           "upstream_client": args.upstream_client}
     if args.terminal_log_limit is not None:
         raw["terminal_log_limit"] = args.terminal_log_limit
     config = load_server_config(raw)
+    if args.tokenizer_path and not config.token_preserving:
+        raise SystemExit("agl-lab serve: --tokenizer-path is only used with --token-preserving")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     store = open_store(config.store, terminal_log_limit=config.terminal_log_limit)
     try:
         app = create_app(config, store=store)
+        if args.tokenizer_path:
+            from transformers import AutoTokenizer
+
+            set_tokenizer(app.state.gateway, config.default_proxy.model_name,
+                          AutoTokenizer.from_pretrained(args.tokenizer_path))
         uvicorn.run(app, host=config.host, port=config.port, workers=1, timeout_keep_alive=120,
                     log_level=args.log_level)
     finally:

@@ -175,9 +175,7 @@ class Store(ABC):
         """Append one event (timestamped now) under (rollout, attempt); RolloutNotFound if unknown."""
         if data is not None and not isinstance(data, dict):
             raise TypeError(f"event data must be a dict, got {type(data).__name__}")
-        with self._lock, self._transaction():
-            if not self._exists(rollout_id):
-                raise RolloutNotFound(rollout_id)
+        with self._lock:
             event = Event.model_construct(
                 event_type=event_type,
                 rollout_id=rollout_id,
@@ -185,7 +183,8 @@ class Store(ABC):
                 timestamp=time.time(),
                 data={} if data is None else data,
             )
-            self._append_event(event)
+            if not self._append_event(event):
+                raise RolloutNotFound(rollout_id)
             return event
 
     def events(
@@ -287,7 +286,8 @@ class Store(ABC):
     def _list(self, states: list[RolloutState], limit: int) -> list[Rollout]: ...
 
     @abstractmethod
-    def _append_event(self, event: Event) -> None: ...
+    def _append_event(self, event: Event) -> bool:
+        """Append if the rollout exists (atomically); False if it does not."""
 
     @abstractmethod
     def _events(self, rollout_id: str, attempt_id: str) -> list[Event]: ...
@@ -363,9 +363,12 @@ class MemoryStore(Store):
         matching = (r for r in self._rollouts.values() if r.status.state in states)
         return list(itertools.islice(matching, limit))
 
-    def _append_event(self, event: Event) -> None:
-        attempts = self._event_log.setdefault(event.rollout_id, {})
+    def _append_event(self, event: Event) -> bool:
+        attempts = self._event_log.get(event.rollout_id)
+        if attempts is None or event.rollout_id not in self._rollouts:
+            return False
         attempts.setdefault(event.attempt_id, []).append(event)
+        return True
 
     def _events(self, rollout_id: str, attempt_id: str) -> list[Event]:
         return list(self._event_log.get(rollout_id, {}).get(attempt_id, []))
@@ -508,11 +511,15 @@ class SqliteStore(Store):
         rows = self._db.execute(sql, [s.value for s in states] + [limit])
         return [Rollout.model_validate_json(body) for (body,) in rows]
 
-    def _append_event(self, event: Event) -> None:
-        self._db.execute(
-            "INSERT INTO events (rollout_id, attempt_id, event_type, timestamp, data) VALUES (?,?,?,?,?)",
-            (event.rollout_id, event.attempt_id, event.event_type, event.timestamp, _dumps(event.data)),
+    def _append_event(self, event: Event) -> bool:
+        # one autocommitted statement (the hot path of every model call): insert if the rollout exists
+        cursor = self._db.execute(
+            "INSERT INTO events (rollout_id, attempt_id, event_type, timestamp, data) "
+            "SELECT ?, ?, ?, ?, ? WHERE EXISTS (SELECT 1 FROM rollouts WHERE rollout_id = ?)",
+            (event.rollout_id, event.attempt_id, event.event_type, event.timestamp, _dumps(event.data),
+             event.rollout_id),
         )
+        return cursor.rowcount == 1
 
     def _events(self, rollout_id: str, attempt_id: str) -> list[Event]:
         sql = (

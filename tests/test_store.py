@@ -1,0 +1,263 @@
+"""The store's semantics on both backends, persistence, the bounded terminal log, the triplet view."""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import pytest
+
+from agl_lab.protocol import Event, Model, RolloutCreate, RolloutState, RolloutStatusPatch
+from agl_lab.server.store import (
+    InvalidTransition,
+    MemoryStore,
+    RolloutNotFound,
+    SqliteStore,
+    extract_log_probs,
+    open_store,
+    triplet_events,
+)
+
+RUNNING = RolloutStatusPatch(state=RolloutState.RUNNING)
+SUCCEEDED = RolloutStatusPatch(state=RolloutState.SUCCEEDED)
+
+
+@pytest.fixture
+def store(store_url):
+    s = open_store(store_url, terminal_log_limit=4)
+    yield s
+    s.close()
+
+
+def create(store, rid, **input_):
+    return store.create_rollouts([RolloutCreate(rollout_id=rid, input=input_ or {"data_id": rid})])[0]
+
+
+def finish(store, rid):
+    store.patch_status(rid, RUNNING)
+    return store.patch_status(rid, SUCCEEDED)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rollouts
+# ---------------------------------------------------------------------------------------------
+
+
+def test_open_store_urls(tmp_path):
+    assert isinstance(open_store(None), MemoryStore)
+    assert isinstance(open_store("memory"), MemoryStore)
+    s = open_store(f"sqlite:///{tmp_path}/sub/dir/x.db")
+    assert isinstance(s, SqliteStore) and (tmp_path / "sub/dir/x.db").exists()
+    s.close()
+    with pytest.raises(ValueError, match="sqlite:///path/to/store.db"):
+        open_store("postgres://x")
+    with pytest.raises(ValueError, match="terminal_log_limit must be >= 1"):
+        open_store("memory", terminal_log_limit=0)
+
+
+def test_create_is_idempotent_and_keeps_creation_order(store):
+    first = create(store, "a", x=1)
+    server_id = store.create_rollouts([RolloutCreate(input=2)])[0]
+    assert len(server_id.rollout_id) == 32 and server_id.status.state == "queuing"
+    store.patch_status("a", RUNNING)
+    again = store.create_rollouts([RolloutCreate(rollout_id="a", input={"x": 99})])[0]
+    assert again.input == {"x": 1} and again.status.state == "running"
+    assert first.status.created_at == first.status.updated_at
+    listed = store.list_rollouts(["queuing", "running"])
+    assert [r.rollout_id for r in listed] == ["a", server_id.rollout_id]
+    assert [r.rollout_id for r in store.list_rollouts(["running"], limit=1)] == ["a"]
+    assert store.list_rollouts(["queuing", "running"], limit=0) == []
+
+
+def test_patch_transitions_version_and_updated_at(store):
+    r = create(store, "a")
+    assert store.patch_status("a", RolloutStatusPatch()) == r  # nothing set: unchanged, no bump
+    running = store.patch_status("a", RolloutStatusPatch(state="running", k8s_job_name="job-1"))
+    assert (running.status.version, running.status.k8s_job_name) == (2, "job-1")
+    assert running.status.updated_at >= r.status.updated_at
+    with pytest.raises(InvalidTransition, match=r"^Rollout a: cannot transition running -> queuing$"):
+        store.patch_status("a", RolloutStatusPatch(state="queuing"))
+    with pytest.raises(InvalidTransition, match="running -> running"):
+        store.patch_status("a", RUNNING)
+    with pytest.raises(InvalidTransition, match="running -> None"):
+        store.patch_status("a", RolloutStatusPatch(state=None))
+    done = store.patch_status("a", SUCCEEDED)
+    # non-state fields can still be patched in a terminal state, and bump the version
+    noted = store.patch_status("a", RolloutStatusPatch(error_message="late note"))
+    assert (done.status.version, noted.status.version, noted.status.state) == (3, 4, "succeeded")
+    assert store.get_rollout("a").status.error_message == "late note"
+    create(store, "q")
+    with pytest.raises(InvalidTransition, match="queuing -> succeeded"):
+        store.patch_status("q", SUCCEEDED)
+    with pytest.raises(RolloutNotFound, match="Rollout not found: nope"):
+        store.patch_status("nope", RUNNING)
+
+
+def test_delete_removes_rollout_and_events_but_not_terminal_entry(store):
+    create(store, "a")
+    store.append_event("a", "0", "reward", {"value": 1.0})
+    finish(store, "a")
+    store.delete_rollout("a")
+    store.delete_rollout("a")  # idempotent
+    assert store.get_rollout("a") is None
+    with pytest.raises(RolloutNotFound):
+        store.events("a")
+    page = store.terminal_page()
+    assert (page.items, page.next_after, page.total_terminal) == ([], 1, 1)
+    create(store, "a")  # re-created: fresh, no events, not listed as terminal while queuing
+    assert store.events("a") == [] and store.terminal_page().items == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Events
+# ---------------------------------------------------------------------------------------------
+
+
+def test_events_follow_last_attempt_and_filter(store):
+    create(store, "a")
+    with pytest.raises(RolloutNotFound):
+        store.append_event("zz", "0", "reward", {})
+    store.append_event("a", "1", "custom", {"n": 0})
+    store.append_event("a", "0", "reward", {"value": 0.5})
+    store.append_event("a", "0", "model_request", {"n": 1})
+    e = store.append_event("a", "1", "custom", {"n": 2})
+    assert isinstance(e, Event) and e.timestamp > 0
+    assert store.attempts("a") == ["1", "0"]  # ordered by first event
+    assert [x.event_type for x in store.events("a")] == ["reward", "model_request"]  # attempt "0"
+    assert [x.data for x in store.events("a", event_type="reward")] == [{"value": 0.5}]
+    store.patch_status("a", RolloutStatusPatch(last_attempt_id="1"))
+    assert [x.data["n"] for x in store.events("a")] == [0, 2]
+    with pytest.raises(TypeError, match="event data must be a dict"):
+        store.append_event("a", "0", "reward", [1])  # type: ignore[arg-type]
+
+
+def test_concurrent_appends_from_threads(store):
+    create(store, "a")
+
+    def work(k):
+        for i in range(50):
+            store.append_event("a", "0", "custom", {"k": k, "i": i})
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    events = store.events("a")
+    assert len(events) == 200
+    for k in range(4):  # each thread's events keep their relative order
+        assert [e.data["i"] for e in events if e.data["k"] == k] == list(range(50))
+
+
+# ---------------------------------------------------------------------------------------------
+# Terminal log (limit 4 in this file's fixture)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_terminal_cursor_window_is_bounded(store):
+    for i in range(6):
+        create(store, f"r{i}", data_id=f"d{i}")
+    for i in [1, 0, 2, 3, 4, 5]:  # completion order differs from creation order
+        finish(store, f"r{i}")
+    page = store.terminal_page(after=0, limit=3)
+    # entries 0 and 1 fell out of the 4-entry window: the cursor restarts at index 2
+    assert [it.rollout_id for it in page.items] == ["r2", "r3", "r4"]
+    assert (page.next_after, page.total_terminal) == (5, 6)
+    page = store.terminal_page(after=page.next_after, limit=3)
+    assert [it.data_id for it in page.items] == ["d5"] and page.next_after == 6
+    assert store.terminal_page(after=6).model_dump() == {"items": [], "next_after": 6, "total_terminal": 6}
+    assert store.terminal_page(after=-5, limit=0).items[0].rollout_id == "r2"  # clamped to 0, 1
+
+
+def test_sqlite_reopen_keeps_everything(tmp_path):
+    url = f"sqlite:///{tmp_path}/ledger.db"
+    s = open_store(url, terminal_log_limit=3)
+    for i in range(4):
+        create(s, f"r{i}", data_id=f"d{i}")
+        s.append_event(f"r{i}", "0", "reward", {"value": float(i)})
+        finish(s, f"r{i}")
+    create(s, "pending")
+    s.upsert_models([Model(model="m", endpoint="http://b/v1", version=2), Model(model="m", endpoint="http://a/v1")])
+    before = (s.list_rollouts(["queuing", "succeeded"]), s.events("r3"), s.terminal_page())
+    s.close()
+
+    s2 = open_store(url, terminal_log_limit=3)
+    after = (s2.list_rollouts(["queuing", "succeeded"]), s2.events("r3"), s2.terminal_page())
+    assert after == before
+    assert [it.rollout_id for it in after[2].items] == ["r1", "r2", "r3"] and after[2].total_terminal == 4
+    assert [(m.endpoint, m.version) for m in s2.models_for("m")] == [("http://a/v1", 0), ("http://b/v1", 2)]
+    finish(s2, "pending")  # the absolute index continues after a reopen
+    assert s2.terminal_page(after=4).items[0].rollout_id == "pending"
+    s2.close()
+    s3 = open_store(url, terminal_log_limit=1)  # a smaller limit trims at once
+    page = s3.terminal_page()
+    assert [it.rollout_id for it in page.items] == ["pending"] and page.total_terminal == 5
+    s3.close()
+
+
+def test_model_registry_upsert_sorted_and_clear(store):
+    store.upsert_models([Model(model="m", endpoint="http://z/v1"), Model(model="m", endpoint="http://a/v1")])
+    store.upsert_models([Model(model="m", endpoint="http://z/v1", version=5), Model(model="o", endpoint="http://o")])
+    assert [(m.endpoint, m.version) for m in store.models_for("m")] == [("http://a/v1", 0), ("http://z/v1", 5)]
+    store.clear_models()
+    assert store.models_for("m") == [] and store.models_for("o") == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Triplet view
+# ---------------------------------------------------------------------------------------------
+
+
+def ev(event_type, data):
+    return Event(event_type=event_type, rollout_id="r", attempt_id="0", timestamp=1.0, data=data)
+
+
+def mr(prompt, response, **extra):
+    body = {"prompt_token_ids": prompt, "choices": [{"token_ids": response}]}
+    return ev("model_request", {"response": body, "server": {"model": "m", "endpoint": "e", "version": 3}, **extra})
+
+
+def test_triplet_keeps_last_model_request_per_prompt():
+    events = [mr([1, 2], [10]), ev("reward", {"value": 0.5, "message": "m", "source": "agent"}),
+              mr([3, 4], [20]), mr([1, 2], [30]), ev("custom", {"x": 1})]
+    out = triplet_events(events)
+    assert [e.event_type for e in out] == ["reward", "model_request", "model_request", "custom"]
+    assert out[0].data == {"value": 0.5, "source": "agent"}
+    assert [e.data["prompt_token_ids"] for e in out[1:3]] == [[3, 4], [1, 2]]
+    assert [e.data["response_token_ids"] for e in out[1:3]] == [[20], [30]]
+    assert out[1].data["server"] == {"model": "m", "version": 3} and out[3].data == {"x": 1}
+
+
+def test_triplet_shapes_completions_errors_and_legacy_chunks():
+    completions = ev("model_request", {"response": {"choices": [
+        {"prompt_token_ids": [7], "token_ids": [8, 9], "logprobs": {"token_logprobs": [-1, -2.5]}}]},
+        "http_status": 200, "status": "ok"})
+    error = ev("model_request", {"response": {"error": {"message": "too long"}}, "http_status": 400, "status": "error"})
+    legacy = ev("model_request", {"response": [{"prompt_token_ids": [5], "choices": [{"token_ids": [1]}]},
+                                               {"choices": [{"token_ids": [2]}]}, "junk"]})
+    broken = ev("model_request", {"response": {"choices": ["not a dict"]}})
+    out = triplet_events([completions, error, legacy, broken])
+    assert out[0].data == {"prompt_token_ids": [7], "response_token_ids": [8, 9], "response_log_probs": [-1.0, -2.5],
+                           "server": {"model": None, "version": None}, "http_status": 200, "status": "ok"}
+    # the error and the broken call both have empty prompt ids: only the last of them is kept
+    assert [e.data["prompt_token_ids"] for e in out] == [[7], [5], []]
+    assert out[1].data["response_token_ids"] == [1, 2] and out[1].data["response_log_probs"] is None
+    assert triplet_events([error])[0].data["error"] == {"message": "too long"}
+
+
+@pytest.mark.parametrize("logprobs, expected", [
+    ({"content": [{"logprob": -0.5}, {"logprob": "-1"}]}, [-0.5, -1.0]),  # chat schema
+    ({"token_logprobs": [-0.25]}, [-0.25]),  # completions schema
+    ({"content": [{"logprob": float("nan")}]}, None),
+    ({"token_logprobs": [None]}, None),
+    ({"content": [{"token": "x"}]}, None),
+    ({"content": ["x"]}, None),
+    ({"other": 1}, None),
+    ("not a dict", None),
+    ({"token_logprobs": [float("inf")]}, None),
+    ({"token_logprobs": ["abc"]}, None),
+])
+def test_extract_log_probs_never_raises(logprobs, expected):
+    got = extract_log_probs({"logprobs": logprobs})
+    assert got == expected and (got is None or all(math.isfinite(x) for x in got))
+    assert extract_log_probs({}) is None
