@@ -1,0 +1,223 @@
+"""The tensor side of continuous batching: a left-padded decode batch, its KV slab, sampling.
+
+Pure torch, no threads: `scheduler.py` owns requests and time; this module owns rows.
+
+A `DecodeBatch` of B rows holds, per row, a *pending* token — sampled, not yet in the KV
+cache — and its position id:
+
+| field       | shape            | meaning                                                |
+|-------------|------------------|--------------------------------------------------------|
+| `layers`    | per layer [B,H,cap,D] | KV slabs; the first `length` columns are filled   |
+| `mask`      | [B, length]      | 1 where a cached column is a real token of the row     |
+| `tokens`    | [B]              | pending token of each row                              |
+| `positions` | [B]              | its position id = number of real tokens before it      |
+| `temps`     | [B]              | sampling temperature (1.0 for greedy rows)             |
+| `top_p`     | [B]              | nucleus mass                                           |
+| `greedy`    | [B] bool         | temperature 0 → argmax                                 |
+
+Rows are left-padded, so every row's newest column is the last one and a decode step is a
+single forward of B tokens. Positions count real tokens only (`cumsum(mask) − 1`), so a row
+computes the same numbers whatever its neighbours. Two batches merge by left-padding the
+shorter cache with zero, masked columns — exact, because cached keys already carry RoPE.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+_HEADROOM = 64  # spare cache columns allocated with a slab, so most steps write in place
+
+
+# ---------------------------------------------------------------------------------------
+# KV slab: an HF cache layer writing into a growing buffer
+# ---------------------------------------------------------------------------------------
+
+
+class SlabLayer(CacheLayerMixin):
+    """HF cache layer that writes new keys/values into a preallocated buffer.
+
+    HF's `DynamicLayer` `torch.cat`s the whole cache at every step (O(B·L) copies per
+    token); this layer copies only the new column and doubles the buffer when it is full.
+    """
+
+    is_sliding = False
+
+    def __init__(self, kbuf: torch.Tensor | None = None, vbuf: torch.Tensor | None = None, length: int = 0):
+        super().__init__()
+        self.kbuf, self.vbuf, self.length = kbuf, vbuf, length
+        if kbuf is not None:
+            self._publish()
+
+    def _publish(self) -> None:
+        self.is_initialized = True
+        self.keys = self.kbuf[:, :, : self.length]
+        self.values = self.vbuf[:, :, : self.length]
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, h, n, _ = key_states.shape
+        # zeros, not empty: masked columns must hold finite numbers (0 · NaN = NaN in attention)
+        self.kbuf = key_states.new_zeros((b, h, n + _HEADROOM, key_states.shape[-1]))
+        self.vbuf = value_states.new_zeros((b, h, n + _HEADROOM, value_states.shape[-1]))
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        if self.kbuf is None:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        if end > self.kbuf.shape[2]:
+            self.kbuf, self.vbuf = (_pad_slab(buf, self.length, self.length, 2 * end) for buf in (self.kbuf, self.vbuf))
+        self.kbuf[:, :, self.length : end] = key_states
+        self.vbuf[:, :, self.length : end] = value_states
+        self.length = end
+        self._publish()
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int, *args: Any) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_cache_shape(self) -> int:
+        return -1
+
+
+def _pad_slab(buf: torch.Tensor, length: int, target: int, capacity: int) -> torch.Tensor:
+    """[b, H, cap, D] holding `length` columns → [b, H, capacity, D] holding them so they end at `target`."""
+    out = buf.new_zeros((*buf.shape[:2], capacity, buf.shape[3]))
+    out[:, :, target - length : target] = buf[:, :, :length]
+    return out
+
+
+def _left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists → (input_ids [b, L], attention_mask [b, L]), padded on the left."""
+    length = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), length), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, length - len(s) :] = torch.tensor(s, dtype=torch.long)
+        mask[i, length - len(s) :] = 1
+    return ids, mask
+
+
+# ---------------------------------------------------------------------------------------
+# Sampling: all rows at once, each with its own uniform draw
+# ---------------------------------------------------------------------------------------
+
+
+def sample_tokens(
+    logits: torch.Tensor, temps: torch.Tensor, top_p: torch.Tensor, greedy: torch.Tensor,
+    uniforms: torch.Tensor, nucleus: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row and the log-probabilities it was drawn from.
+
+    logits [b, V], temps [b] (> 0), top_p [b] in (0, 1], greedy [b] bool, uniforms [b] in
+    [0, 1) → (tokens [b], logp [b, V] = log_softmax(logits / T) in float32).
+
+    Inverse-CDF sampling: a row keeps the smallest prefix of its sorted distribution whose
+    mass reaches top_p and picks the first token whose cumulative kept mass exceeds
+    u · (kept mass). `nucleus=False` (every top_p is 1) skips the sort.
+    """
+    logits = logits.float()
+    # Critical: the reported logprobs are the un-truncated temperature-scaled distribution;
+    # top-p only decides what may be drawn, it never renormalises these numbers.
+    logp = torch.log_softmax(logits / temps[:, None], dim=-1)
+    probs = logp.exp()
+    if nucleus:
+        probs, order = probs.sort(dim=-1, descending=True)
+        before = probs.cumsum(-1) - probs  # mass strictly before each token
+        probs = probs.masked_fill(before >= top_p[:, None], 0.0)  # the top token always stays
+    cdf = probs.cumsum(-1)
+    target = (uniforms.to(cdf.dtype) * cdf[:, -1])[:, None]
+    # right=True: the first index whose CDF exceeds u — never a zero-mass token
+    idx = torch.searchsorted(cdf, target, right=True).clamp(max=probs.shape[-1] - 1)
+    tokens = (order.gather(1, idx) if nucleus else idx)[:, 0]
+    return torch.where(greedy, logits.argmax(-1), tokens), logp
+
+
+# ---------------------------------------------------------------------------------------
+# The batch
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class DecodeBatch:
+    """B left-padded rows with their KV slabs and pending tokens (see the module table)."""
+
+    layers: list[SlabLayer]
+    mask: torch.Tensor
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    temps: torch.Tensor
+    top_p: torch.Tensor
+    greedy: torch.Tensor
+
+    @property
+    def size(self) -> int:
+        return int(self.mask.shape[0])
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length
+
+    @property
+    def nucleus(self) -> bool:
+        return bool((self.top_p < 1.0).any())
+
+    @classmethod
+    def prefill(cls, model: Any, prompts: list[list[int]], temps: list[float], top_p: list[float],
+                greedy: list[bool], pad_id: int) -> tuple[DecodeBatch, torch.Tensor]:
+        """One forward over the left-padded prompts → (batch with no pending tokens yet, logits [b, V])."""
+        device = next(model.parameters()).device
+        ids, mask = (t.to(device) for t in _left_pad(prompts, pad_id))
+        cache = Cache(layer_class_to_replicate=SlabLayer)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                    past_key_values=cache, use_cache=True, logits_to_keep=1)
+        batch = cls(
+            layers=list(cache.layers), mask=mask,
+            tokens=torch.zeros(len(prompts), dtype=torch.long, device=device),
+            positions=torch.tensor([len(p) for p in prompts], device=device),
+            temps=torch.tensor(temps, device=device), top_p=torch.tensor(top_p, device=device),
+            greedy=torch.tensor(greedy, device=device),
+        )
+        return batch, out.logits[:, -1, :]
+
+    def decode(self, model: Any) -> torch.Tensor:
+        """Forward the pending tokens (they enter the cache) → next-token logits [B, V]."""
+        mask = torch.cat([self.mask, self.mask.new_ones((self.size, 1))], dim=1)
+        out = model(input_ids=self.tokens[:, None], attention_mask=mask, position_ids=self.positions[:, None],
+                    past_key_values=Cache(layers=self.layers), use_cache=True, logits_to_keep=1)
+        self.mask, self.positions = mask, self.positions + 1
+        return out.logits[:, -1, :]
+
+    def merge(self, other: DecodeBatch) -> DecodeBatch:
+        """Rows of `self` then rows of `other`, the shorter cache left-padded with masked zeros."""
+        length = max(self.length, other.length)
+        capacity = length + _HEADROOM
+        layers = []
+        for la, lb in zip(self.layers, other.layers):
+            k = torch.cat([_pad_slab(x.kbuf, x.length, length, capacity) for x in (la, lb)])
+            v = torch.cat([_pad_slab(x.vbuf, x.length, length, capacity) for x in (la, lb)])
+            layers.append(SlabLayer(k, v, length))
+
+        def left(m: torch.Tensor) -> torch.Tensor:
+            return torch.cat([m.new_zeros((m.shape[0], length - m.shape[1])), m], dim=1)
+
+        return DecodeBatch(
+            layers=layers, mask=torch.cat([left(self.mask), left(other.mask)]),
+            **{f: torch.cat([getattr(self, f), getattr(other, f)]) for f in _ROW_FIELDS},
+        )
+
+    def select(self, keep: list[int]) -> DecodeBatch:
+        """Only rows `keep`; leading columns that are padding in every kept row are dropped."""
+        rows = torch.tensor(keep, device=self.mask.device)
+        mask = self.mask[rows]
+        first = int((mask.sum(0) > 0).nonzero()[0])
+        layers = [SlabLayer(l.kbuf[rows, :, first:], l.vbuf[rows, :, first:], l.length - first) for l in self.layers]
+        return replace(self, layers=layers, mask=mask[:, first:], **{f: getattr(self, f)[rows] for f in _ROW_FIELDS})
+
+
+_ROW_FIELDS = ("tokens", "positions", "temps", "top_p", "greedy")

@@ -1,0 +1,233 @@
+"""LocalEngine: one transformers model that both serves (OpenAI-style) and trains, in process.
+
+The CPU path of agl_lab — and the one-GPU path for small models — needs no Ray, no vLLM
+and no weight transfer: the OpenAI server's scheduler and the PPO update hold the *same*
+`torch.nn.Module`. What keeps that safe is one lock (`weights_lock`): every decode step
+runs under it, and so do `compute_log_probs`, `update` and `load`; a forward therefore
+never sees half-updated weights. `sync_weights()` has nothing to copy and only bumps
+`policy_version` (the gateway stamps it on every model_request as `model_version`).
+
+    engine = LocalEngine()                        # tiny model, served on a free port
+    engine.endpoints()                            # ['http://127.0.0.1:PORT/v1']
+    old = engine.compute_log_probs(batch, 1.0)    # [N, R]
+    metrics = engine.update(batch)                # agl_lab.ppo.ppo_update
+    engine.sync_weights()                         # policy_version += 1
+
+Device: `device=None` → CUDA if available (bfloat16 weights), else CPU (float32).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Mapping
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from agl_lab.engines.base import Engine
+from agl_lab.engines.openai_server import OpenAIServer
+from agl_lab.engines.tiny import DEFAULT_MODEL_NAME, load_model_and_tokenizer
+
+_STATE_FILE = "engine_state.pt"
+DEFAULT_TINY_LR = 1e-3  # the tiny model learns at this rate; verl's 1e-6 default would not move it
+
+
+def actor_config(actor: Any = None, lr: float | None = None) -> Any:
+    """`ActorUpdateConfig` from None, an ActorUpdateConfig, its field dict, or a verl actor section."""
+    from agl_lab.ppo import ActorUpdateConfig
+
+    if actor is None:
+        cfg = ActorUpdateConfig(lr=DEFAULT_TINY_LR)
+    elif isinstance(actor, ActorUpdateConfig):
+        cfg = actor
+    elif isinstance(actor, Mapping) and set(actor) <= {f.name for f in fields(ActorUpdateConfig)}:
+        cfg = ActorUpdateConfig(**dict(actor))
+    else:  # `actor_rollout_ref.actor` of a verl config (dict, DictConfig or dataclass)
+        cfg = ActorUpdateConfig.from_verl_actor_config(actor)
+    if lr is not None:
+        cfg.lr = float(lr)
+    return cfg
+
+
+class LocalEngine(Engine):
+    """A transformers model served by `OpenAIServer` and trained by `agl_lab.ppo.ppo_update`."""
+
+    def __init__(
+        self,
+        model_path: str | None = None,
+        *,
+        device: str | None = None,
+        dtype: Any = None,
+        seed: int = 0,
+        max_model_len: int = 1024,
+        actor: Any = None,
+        lr: float | None = None,
+        model_name: str | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        batch_window_ms: float = 3.0,
+        max_batch_size: int = 64,
+        log_prob_micro_batch_size: int | None = 16,
+    ):
+        self.model, self.tokenizer = load_model_and_tokenizer(model_path, device=device, dtype=dtype, seed=seed)
+        self.device = next(self.model.parameters()).device
+        self.model_name = model_name or (Path(model_path).resolve().name if model_path else DEFAULT_MODEL_NAME)
+        self.actor_cfg = actor_config(actor, lr)
+        from agl_lab.ppo import build_optimizer
+
+        self.optimizer = build_optimizer(self.model, self.actor_cfg)
+        self.ref_model = self._frozen_copy() if self.actor_cfg.use_kl_loss else None
+        self.log_prob_micro_batch_size = log_prob_micro_batch_size
+        self.weights_lock = threading.RLock()
+        self._policy_version = 0
+        self._closed = False
+        self.server = OpenAIServer(
+            self.model, self.tokenizer, model_name=self.model_name, host=host, port=port,
+            max_model_len=max_model_len, batch_window_ms=batch_window_ms, max_batch_size=max_batch_size,
+            weights_lock=self.weights_lock)
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "LocalEngine":
+        """Build from a composed agl_lab config (`agl_lab.model.*`, `agl_lab.engine_options.*`,
+        `actor_rollout_ref.actor.*`, `actor_rollout_ref.rollout.{n,temperature}`)."""
+        from agl_lab.ppo import ActorUpdateConfig
+
+        lab, rollout = cfg.agl_lab, cfg.actor_rollout_ref.rollout
+        actor = ActorUpdateConfig.from_verl_actor_config(
+            cfg.actor_rollout_ref.actor, rollout_n=int(rollout.n), temperature=float(rollout.temperature))
+        opts = lab.get("engine_options", {}) or {}
+        log_prob_micro = rollout.get("log_prob_micro_batch_size_per_gpu") or actor.ppo_micro_batch_size_per_gpu
+        return cls(
+            lab.model.path, device=lab.model.device, seed=int(lab.seed), max_model_len=int(lab.model.max_model_len),
+            actor=actor, model_name=lab.model.get("name"),
+            batch_window_ms=float(opts.get("batch_window_ms", 3.0)), max_batch_size=int(opts.get("max_batch_size", 64)),
+            log_prob_micro_batch_size=int(log_prob_micro) if log_prob_micro else 16)
+
+    def _frozen_copy(self) -> torch.nn.Module:
+        import copy
+
+        ref = copy.deepcopy(self.model).eval()
+        for p in ref.parameters():
+            p.requires_grad_(False)
+        return ref
+
+    # --- serving --------------------------------------------------------------------------
+
+    @property
+    def policy_version(self) -> int:
+        return self._policy_version
+
+    def endpoints(self) -> list[str]:
+        return [self.server.base_url]
+
+    def pause(self, timeout: float | None = 300.0) -> None:
+        """Admit no new generation and wait until the running ones have finished."""
+        self.server.pause(wait=True, timeout=timeout)
+
+    def resume(self) -> None:
+        self.server.resume()
+
+    def abort(self) -> int:
+        return self.server.abort()
+
+    # --- training -------------------------------------------------------------------------
+
+    def compute_log_probs(self, data: Any, temperature: float = 1.0) -> torch.Tensor:
+        """log π(responses) under the current weights at `temperature`: float32 [N, R] on CPU.
+
+        Reads `input_ids`, `attention_mask`, `position_ids` (optional) and `responses` from
+        `data.batch`; the response occupies the last R columns of `input_ids`.
+        """
+        from agl_lab.ppo import sequence_log_probs
+
+        b = data.batch
+        position_ids = b["position_ids"] if "position_ids" in b.keys() else None
+        with self.weights_lock:
+            was_training = self.model.training
+            self.model.eval()
+            try:
+                with torch.no_grad():
+                    logp, _ = sequence_log_probs(
+                        self.model, b["input_ids"], b["attention_mask"], position_ids,
+                        b["responses"].shape[-1], temperature, self.log_prob_micro_batch_size)
+            finally:
+                self.model.train(was_training)
+        return logp.float().cpu()
+
+    def update(self, data: Any) -> dict[str, float]:
+        """One PPO update (`agl_lab.ppo.ppo_update`) on a prepared batch; returns its metrics."""
+        from agl_lab.ppo import ppo_update
+
+        with self.weights_lock:
+            try:
+                return ppo_update(self.model, self.optimizer, data, self.actor_cfg, ref_model=self.ref_model)
+            finally:
+                self.model.eval()  # the scheduler serves in eval mode
+
+    def sync_weights(self) -> None:
+        """The server serves this very module: nothing to copy, the version moves on."""
+        self._policy_version += 1
+
+    # --- checkpoints ----------------------------------------------------------------------
+
+    def save(self, path: str) -> None:
+        """`path/` = a loadable HF model dir (weights + tokenizer) + `engine_state.pt`
+        (optimizer, policy_version, RNG states)."""
+        out = Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        with self.weights_lock:
+            self.model.save_pretrained(out)
+            self.tokenizer.save_pretrained(out)
+            state = {
+                "optimizer": self.optimizer.state_dict(),
+                "policy_version": self._policy_version,
+                "model_name": self.model_name,
+                "rng": _rng_state(),
+            }
+            torch.save(state, out / _STATE_FILE)
+
+    def load(self, path: str) -> None:
+        """Restore `save(path)` in place: the server keeps serving the same (now loaded) module."""
+        from transformers import AutoModelForCausalLM
+
+        src = Path(path)
+        if not (src / _STATE_FILE).exists():
+            raise FileNotFoundError(f"{src} has no {_STATE_FILE}; pass a directory written by LocalEngine.save")
+        dtype = next(self.model.parameters()).dtype
+        loaded = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, local_files_only=True)
+        state = torch.load(src / _STATE_FILE, weights_only=False, map_location="cpu")
+        with self.weights_lock:
+            self.model.load_state_dict(loaded.state_dict())
+            self.optimizer.load_state_dict(state["optimizer"])
+            self._policy_version = int(state["policy_version"])
+            _set_rng_state(state["rng"])
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.server.stop()
+
+    def __enter__(self) -> "LocalEngine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

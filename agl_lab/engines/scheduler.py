@@ -1,0 +1,358 @@
+"""Continuous-batching generation for an in-process transformers model, with true logprobs.
+
+The OpenAI server (`openai_server.py`) turns HTTP requests into `submit(prompt_ids, params)`
+calls; one scheduler thread runs every admitted request in a single left-padded batch:
+
+    idle ──(first request; wait `batch_window_ms` for company)──▶ prefill new requests
+    running ──▶ one decode forward for the whole batch ──▶ sample per request
+            ──▶ admit arrivals (their own prefill forward, then merged into the batch)
+            ──▶ finished requests leave the batch (their KV rows are dropped)
+
+Design decisions, each forced by what RL training needs from the engine:
+
+* **True logprobs.** The reported logprob of a sampled token is
+  `log_softmax(logits / T)[token]` (T = 1 for greedy) in float32, computed from the very
+  logits the sample was drawn from. top-p filtering decides *what* may be sampled but
+  never renormalises the reported number, so the trainer's recomputation
+  (`log_softmax(model(x) / T)`) matches to ~1e-6 on CPU float32.
+* **Batch-independent sampling.** Every request owns a CPU `torch.Generator` (seeded from
+  `seed`, else from OS entropy) that supplies its uniforms; the batch then samples all rows
+  at once by inverse CDF (`decode_batch.sample_tokens`). The same seed yields the same
+  completion whether it ran alone or among 31 others.
+* **Left padding, explicit positions, a slab KV cache** — see `decode_batch.py`: one
+  decode step is one forward for the whole batch, and merging arrivals into a running
+  batch is exact.
+* **One intra-op thread by default.** A decode step of a small model is a chain of tiny
+  kernels; an OpenMP team on a busy 2-core machine spends more time at barriers than in
+  them (measured: 2 threads ran 5-10× *slower* under load). `torch.set_num_threads` in the
+  scheduler thread is per thread, so training keeps torch's default. Raise `num_threads`
+  for bigger models on CPU.
+* **A weights lock.** The model module is shared with the trainer. Each scheduler step
+  (forward + sampling) runs under `weights_lock`; the trainer holds the same lock around
+  an update, so no forward ever sees half-updated weights.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from agl_lab.engines.decode_batch import DecodeBatch, sample_tokens
+
+
+class GenerationAborted(RuntimeError):
+    """Raised into the future of a request that `BatchScheduler.abort()` ended."""
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling settings (already validated by the HTTP layer)."""
+
+    max_tokens: int
+    temperature: float = 1.0  # 0 → greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    top_logprobs: int = 0  # alternatives to report per position (0 → none)
+
+
+@dataclass
+class GenerationResult:
+    """What one request produced. `token_ids` include the EOS / stop token (as vLLM does)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]] | None
+    text: str  # decoded without special tokens; cut before a matched stop string
+    finish_reason: str  # "stop" | "length"
+    stop_reason: str | int | None = None
+
+
+# ---------------------------------------------------------------------------------------
+# One request in flight
+# ---------------------------------------------------------------------------------------
+
+
+class _Sequence:
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, future: concurrent.futures.Future):
+        self.prompt_ids, self.params, self.future = prompt_ids, params, future
+        # Own CPU generator → the draws of a request do not depend on its batch neighbours.
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
+        self.generator = torch.Generator().manual_seed(seed % 2**63)  # any int → torch's seed range
+        self._uniforms: list[float] = []
+        self.out_ids: list[int] = []
+        self.out_logprobs: list[float] = []
+        self.out_top: list[list[tuple[int, float]]] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.stop_at: int | None = None  # char index where a stop string begins
+
+    def next_uniform(self) -> float:
+        """The next U[0, 1) draw of this request (drawn 64 at a time: one call per 64 tokens)."""
+        if not self._uniforms:
+            self._uniforms = torch.rand(64, generator=self.generator, dtype=torch.float64).tolist()[::-1]
+        return self._uniforms.pop()
+
+
+# ---------------------------------------------------------------------------------------
+# The scheduler
+# ---------------------------------------------------------------------------------------
+
+
+class BatchScheduler:
+    """Runs submitted requests in one continuously batched decode loop on a background thread.
+
+    `model` is any HF causal LM accepting `past_key_values`, `attention_mask`, `position_ids`
+    and `logits_to_keep`; `tokenizer` decodes (stop strings, final text).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        batch_window_ms: float = 3.0,
+        max_batch_size: int = 64,
+        weights_lock: threading.RLock | None = None,
+        num_threads: int | None = 1,
+    ):
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size={max_batch_size} must be ≥ 1")
+        self.model, self.tokenizer = model, tokenizer
+        self.batch_window_s = batch_window_ms / 1000.0
+        self.max_batch_size = max_batch_size
+        self.num_threads = num_threads
+        self.weights_lock = weights_lock or threading.RLock()
+        self.device = next(model.parameters()).device
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.eos_ids = _eos_ids(model, tokenizer)
+        self._cond = threading.Condition()
+        self._queue: deque[_Sequence] = deque()
+        self._running: list[_Sequence] = []  # rows of the batch, in order
+        self._batch: DecodeBatch | None = None
+        self._paused = False
+        self._closed = False
+        # counters for benchmarks and tests: forwards, tokens, time inside forward / whole steps
+        self.stats: dict[str, float] = {"steps": 0, "prefills": 0, "merges": 0, "tokens": 0, "aborted": 0,
+                                        "max_batch": 0, "forward_s": 0.0, "step_s": 0.0}
+        self._thread = threading.Thread(target=self._loop, name="agl-lab-scheduler", daemon=True)
+        self._thread.start()
+
+    # --- public control -------------------------------------------------------------
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> concurrent.futures.Future:
+        """Queue one request; the future resolves to a `GenerationResult` (or GenerationAborted)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        seq = _Sequence(list(prompt_ids), params, future)
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the scheduler is closed; start a new server")
+            self._queue.append(seq)
+            self._cond.notify_all()
+        return future
+
+    def pause(self, wait: bool = True, timeout: float | None = None) -> None:
+        """Admit no new request; with `wait`, block until the running ones have finished."""
+        with self._cond:
+            self._paused = True
+            if wait and not self._cond.wait_for(lambda: not self._running, timeout=timeout):
+                raise TimeoutError(f"{len(self._running)} generations still running after {timeout} s")
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def abort(self) -> int:
+        """Fail every queued and running request with GenerationAborted; returns how many."""
+        with self.weights_lock:  # between two steps: the batch is consistent
+            with self._cond:
+                victims = list(self._queue) + self._running
+                self._queue.clear()
+                self._running, self._batch = [], None
+                self._cond.notify_all()
+        for seq in victims:
+            if not seq.future.done():
+                seq.future.set_exception(GenerationAborted("generation aborted"))
+        self.stats["aborted"] += len(victims)
+        return len(victims)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=10)
+        self.abort()
+
+    def num_pending(self) -> tuple[int, int]:
+        """(queued, running) request counts."""
+        with self._cond:
+            return len(self._queue), len(self._running)
+
+    # --- the loop -----------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        if self.num_threads:
+            # Per-thread setting (OpenMP ICV): the trainer's threads keep torch's default.
+            torch.set_num_threads(self.num_threads)
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._closed or self._running or (self._queue and not self._paused))
+                if self._closed:
+                    return
+                idle = not self._running
+            if idle and self.batch_window_s > 0:
+                time.sleep(self.batch_window_s)  # let concurrent requests arrive together
+            try:
+                with self.weights_lock, torch.inference_mode():
+                    t0 = time.perf_counter()
+                    self._step()
+                    self.stats["step_s"] += time.perf_counter() - t0
+            except Exception as exc:  # a model error must not kill the server: fail the batch
+                self._fail_all(exc)
+
+    def _step(self) -> None:
+        with self._cond:
+            room = self.max_batch_size - len(self._running)
+            admitted = []
+            while room > 0 and self._queue and not self._paused:
+                seq = self._queue.popleft()
+                if seq.future.set_running_or_notify_cancel():  # skip requests cancelled while queued
+                    admitted.append(seq)
+                    room -= 1
+        if self._running:
+            self._decode()  # first: a stream of arrivals must never stall the running rows
+        if admitted:
+            try:
+                self._prefill(admitted)  # their first token, then they join the batch
+            except Exception as exc:
+                for seq in admitted:
+                    if not seq.future.done():
+                        seq.future.set_exception(exc)
+                raise
+        self._retire_finished()
+
+    def _prefill(self, new: list[_Sequence]) -> None:
+        ps = [s.params for s in new]
+        t0 = time.perf_counter()
+        batch, logits = DecodeBatch.prefill(
+            self.model, [s.prompt_ids for s in new], temps=[p.temperature or 1.0 for p in ps],
+            top_p=[p.top_p for p in ps], greedy=[p.temperature == 0 for p in ps], pad_id=self.pad_id)
+        self.stats["forward_s"] += time.perf_counter() - t0
+        self._sample(logits, new, batch)
+        if self._batch is not None:
+            self.stats["merges"] += 1
+            batch = self._batch.merge(batch)
+        self._batch = batch
+        with self._cond:
+            self._running = self._running + new
+        self.stats["prefills"] += 1
+        self.stats["max_batch"] = max(self.stats["max_batch"], len(self._running))
+
+    def _decode(self) -> None:
+        t0 = time.perf_counter()
+        logits = self._batch.decode(self.model)
+        self.stats["forward_s"] += time.perf_counter() - t0
+        self._sample(logits, self._running, self._batch)
+        self.stats["steps"] += 1
+
+    # --- sampling and stopping ------------------------------------------------------------
+
+    def _sample(self, logits: torch.Tensor, seqs: list[_Sequence], batch: DecodeBatch) -> None:
+        """logits [b, V] of `batch` (rows aligned with `seqs`) → the next pending token of each row."""
+        uniforms = torch.tensor([s.next_uniform() for s in seqs], dtype=torch.float64, device=logits.device)
+        tokens, logp = sample_tokens(logits, batch.temps, batch.top_p, batch.greedy, uniforms, batch.nucleus)
+        batch.tokens = tokens
+        chosen, chosen_lp = tokens.tolist(), logp.gather(1, tokens[:, None])[:, 0].tolist()
+        k = max(s.params.top_logprobs for s in seqs)
+        top_vals = top_ids = None
+        if k > 0:
+            top = logp.topk(k, dim=-1)
+            top_vals, top_ids = top.values.tolist(), top.indices.tolist()
+        for i, s in enumerate(seqs):
+            s.out_ids.append(chosen[i])
+            s.out_logprobs.append(chosen_lp[i])
+            if s.params.top_logprobs:
+                n = s.params.top_logprobs
+                s.out_top.append(list(zip(top_ids[i][:n], top_vals[i][:n])))
+            self._check_stop(s)
+        self.stats["tokens"] += len(seqs)
+
+    def _check_stop(self, s: _Sequence) -> None:
+        token, p = s.out_ids[-1], s.params
+        if not p.ignore_eos and token in self.eos_ids:
+            s.finish_reason = "stop"
+        elif token in p.stop_token_ids:
+            s.finish_reason, s.stop_reason = "stop", token
+        elif p.stop and self._find_stop(s):
+            s.finish_reason = "stop"
+        elif len(s.out_ids) >= p.max_tokens:
+            s.finish_reason = "length"
+
+    def _find_stop(self, s: _Sequence) -> bool:
+        text = self.tokenizer.decode(s.out_ids, skip_special_tokens=True)
+        hits = [(text.find(stop), stop) for stop in s.params.stop if stop and stop in text]
+        if not hits:
+            return False
+        s.stop_at, s.stop_reason = min(hits)
+        return True
+
+    def _retire_finished(self) -> None:
+        keep = [i for i, s in enumerate(self._running) if s.finish_reason is None]
+        if len(keep) == len(self._running):
+            return
+        finished = [s for s in self._running if s.finish_reason is not None]
+        self._batch = self._batch.select(keep) if keep else None
+        with self._cond:
+            self._running = [self._running[i] for i in keep]
+            self._cond.notify_all()  # pause(wait=True) may be waiting for an empty batch
+        for s in finished:
+            s.future.set_result(self._result(s))
+
+    def _result(self, s: _Sequence) -> GenerationResult:
+        text = self.tokenizer.decode(s.out_ids, skip_special_tokens=True)
+        if s.stop_at is not None:
+            text = text[: s.stop_at]
+        return GenerationResult(
+            token_ids=list(s.out_ids),
+            logprobs=list(s.out_logprobs),
+            top_logprobs=list(s.out_top) if s.params.top_logprobs else None,
+            text=text,
+            finish_reason=s.finish_reason or "length",
+            stop_reason=s.stop_reason,
+        )
+
+    def _fail_all(self, exc: Exception) -> None:
+        with self._cond:
+            victims = self._running
+            self._running, self._batch = [], None
+        for s in victims:
+            if not s.future.done():
+                s.future.set_exception(exc)
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    """EOS ids from the generation config (int or list) plus the tokenizer's eos."""
+    ids: set[int] = set()
+    gen = getattr(model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif eos:
+        ids.update(int(e) for e in eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)

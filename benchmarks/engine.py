@@ -1,0 +1,96 @@
+"""Generated tokens/s of the local engine: dynamic batching vs one request at a time.
+
+    python benchmarks/engine.py                      # tiny model, CPU, ~40 s
+    python benchmarks/engine.py --max-tokens 64 --requests-per-client 4
+
+Each client is a thread with its own httpx client sending chat completions back to back
+(`ignore_eos`, fixed `max_tokens`, so every request generates the same number of tokens).
+Rows: 1, 8 and 32 concurrent clients with dynamic batching (max_batch_size=64), and 32
+clients against a server that runs one request at a time (max_batch_size=1). The speed-up
+column is tokens/s relative to one-at-a-time at 32 clients; "in forward" / "in step" are
+the shares of wall time the scheduler spent in model forwards / in whole steps (forward +
+sampling + batch bookkeeping) — the rest is HTTP, JSON and waiting for requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+
+import httpx
+import torch
+
+from agl_lab.engines.openai_server import OpenAIServer
+from agl_lab.engines.tiny import load_model_and_tokenizer
+
+
+def run_clients(base_url: str, clients: int, requests_per_client: int, max_tokens: int) -> tuple[int, float]:
+    """→ (generated tokens, wall seconds) for `clients` threads × `requests_per_client` calls."""
+    totals = [0] * clients
+    errors: list[str] = []
+
+    def client(i: int) -> None:
+        with httpx.Client(base_url=base_url, timeout=300) as http:
+            for r in range(requests_per_client):
+                body = {
+                    "model": "agl-lab-tiny", "max_tokens": max_tokens, "temperature": 1.0, "seed": 1000 * i + r,
+                    "ignore_eos": True, "logprobs": True, "return_token_ids": True,
+                    "messages": [{"role": "user", "content": f"client {i} request {r}: lookup the value of key {i}"}],
+                }
+                resp = http.post("/chat/completions", json=body)
+                if resp.status_code != 200:
+                    errors.append(resp.text)
+                    return
+                totals[i] += len(resp.json()["choices"][0]["token_ids"])
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise RuntimeError(f"{len(errors)} requests failed, first: {errors[0]}")
+    return sum(totals), time.perf_counter() - t0
+
+
+def measure(model, tokenizer, *, max_batch_size: int, clients: int, args: argparse.Namespace) -> dict:
+    with OpenAIServer(model, tokenizer, max_batch_size=max_batch_size, num_threads=args.num_threads) as server:
+        run_clients(server.base_url, min(clients, 4), 1, 8)  # warm-up (first forward, connections)
+        s0 = dict(server.scheduler.stats)
+        tokens, wall = run_clients(server.base_url, clients, args.requests_per_client, args.max_tokens)
+        s1 = server.scheduler.stats
+        steps = s1["steps"] - s0["steps"] + s1["prefills"] - s0["prefills"]
+    return {"clients": clients, "max_batch_size": max_batch_size, "tokens": tokens, "seconds": wall,
+            "tok_per_s": tokens / wall, "tokens_per_forward": tokens / max(steps, 1),
+            "forward_share": (s1["forward_s"] - s0["forward_s"]) / wall,
+            "step_share": (s1["step_s"] - s0["step_s"]) / wall}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--requests-per-client", type=int, default=6)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--num-threads", type=int, default=1, help="torch threads of the decode loop")
+    args = parser.parse_args()
+    model, tokenizer = load_model_and_tokenizer(device=args.device)
+
+    rows = [measure(model, tokenizer, max_batch_size=64, clients=c, args=args) for c in (1, 8, 32)]
+    rows.append(measure(model, tokenizer, max_batch_size=1, clients=32, args=args))
+    serial = rows[-1]["tok_per_s"]
+
+    print(f"\nlocal engine, tiny model on {args.device} ({args.num_threads} decode thread(s)), "
+          f"{args.max_tokens} tokens/request, {args.requests_per_client} requests/client")
+    print(f"{'clients':>8} {'batching':>14} {'tokens':>8} {'seconds':>8} {'tok/s':>9} {'tok/forward':>12} "
+          f"{'in forward':>11} {'in step':>8} {'vs 1-at-a-time@32':>18}")
+    for r in rows:
+        mode = "dynamic (64)" if r["max_batch_size"] > 1 else "one at a time"
+        print(f"{r['clients']:>8} {mode:>14} {r['tokens']:>8} {r['seconds']:>8.2f} {r['tok_per_s']:>9.0f} "
+              f"{r['tokens_per_forward']:>12.1f} {r['forward_share']:>10.0%} {r['step_share']:>8.0%} "
+              f"{r['tok_per_s'] / serial:>17.1f}x")
+
+
+if __name__ == "__main__":
+    main()
