@@ -138,8 +138,11 @@ class ValidationResult:
 
 
 def sort_rollouts(completed: Sequence[CompletedRollout]) -> list[CompletedRollout]:
-    """Order by (step, sample_idx, rollout_id): carry-overs first, completion order ignored."""
-    return sorted(completed, key=lambda r: (r.step, r.sample_idx, r.rollout_id))
+    """Order by (step, sample_idx, copy_idx, rollout_id): carry-overs first, completion order
+    ignored, and (with the copy index the rollout managers record) independent of the random
+    rollout ids, so a seeded run builds the same batch every time."""
+    return sorted(completed, key=lambda r: (r.step, r.sample_idx, int(r.metadata.get("copy_idx") or 0),
+                                            r.rollout_id))
 
 
 def rollout_reward(rollout: CompletedRollout, reward_fillna_value: float) -> float:

@@ -242,7 +242,7 @@ def serve_main(argv: list[str]) -> int:
             from transformers import AutoTokenizer
 
             set_tokenizer(app.state.gateway, config.default_proxy.model_name,
-                          AutoTokenizer.from_pretrained(args.tokenizer_path))
+                          AutoTokenizer.from_pretrained(args.tokenizer_path, local_files_only=True))
         uvicorn.run(app, host=config.host, port=config.port, workers=1, timeout_keep_alive=120,
                     log_level=args.log_level)
     finally:
