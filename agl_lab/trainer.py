@@ -128,7 +128,9 @@ class Trainer:
         if lab.engine == "verl":
             from agl_lab.engines.verl import VerlEngine
 
-            return VerlEngine(self.cfg, train_dataset=self.train_dataset, val_dataset=self.val_dataset)
+            engine = VerlEngine(self.cfg, train_dataset=self.train_dataset, val_dataset=self.val_dataset)
+            self._closers.append(engine.close)  # its workers, replicas and the Ray cluster it started
+            return engine
         from agl_lab.engines.local import LocalEngine
 
         engine = LocalEngine.from_config(self.cfg)
@@ -325,13 +327,15 @@ class Trainer:
 
         batch = batch or self._require(self._last_batch, "trainer.build_batch()")
         t0 = time.time()
-        self.engine.pause()
-        try:
-            result = run_update(self.cfg, self.engine, batch, step=self.global_step)
+        try:  # run_update pauses the engine once it knows the step trains
+            result = run_update(self.cfg, self.engine, batch, step=batch.step)
         finally:
             self.engine.resume()
         result.metrics["timing_s/update"] = time.time() - t0
         self._last_update = result
+        # The step ends with the weight sync (or its skip): stage-by-stage use in a notebook
+        # advances the step exactly like `step()`, so carry-over ages and logs stay right.
+        self.global_step = batch.step + 1
         return result
 
     # ------------------------------------------------------------------ loops
@@ -344,10 +348,9 @@ class Trainer:
         u = self.update(b)
         metrics = {**ro.metrics, **b.metrics, **u.metrics, "timing_s/step": time.time() - t0}
         test_freq = int(self.cfg.trainer.test_freq)
-        if test_freq > 0 and self.val_dataset and (self.global_step + 1) % test_freq == 0:
+        if test_freq > 0 and self.val_dataset and (ro.step + 1) % test_freq == 0:
             metrics.update(self.validate())
-        self.metrics_logger.log(self.global_step, metrics)
-        self.global_step += 1
+        self.metrics_logger.log(ro.step, metrics)
         return metrics
 
     def fit(self, steps: int | None = None, *, progress: bool = True) -> list[dict[str, Any]]:

@@ -44,12 +44,20 @@ def update_options(cfg) -> dict[str, Any]:
 
 
 def run_update(cfg, engine, batch: BatchResult, *, step: int) -> UpdateResult:
-    from agl_lab.algorithms import prepare_update_batch, rollout_weights_table
+    from agl_lab.algorithms import prepare_update_batch, rollout_weights_table, select_for_update
 
     opts = update_options(cfg)
     data = batch.data.select_idxs(list(range(len(batch.data))))  # never mutate the caller's batch
     temperature = float(cfg.actor_rollout_ref.rollout.temperature)
     data.meta_info["temperature"] = temperature
+    # Row counts alone decide a skip: decide it before the engine stops serving (verl would
+    # sleep the replicas, recompute logprobs and push the same weights back for nothing).
+    _, records, early = select_for_update(
+        data, mini_batch_rows=opts["mini_batch_rows"], max_ppo_update_times=opts["max_ppo_update_times"],
+        small_batch=opts["small_batch"])
+    if early["training/skipped_steps"]:
+        return _skipped(step, early, records, engine)
+    engine.pause()  # no generation crosses the update (verl: the replicas sleep); Trainer.update resumes
     metrics: dict[str, Any] = {}
     engine_prepares = hasattr(engine, "prepare")
     if engine_prepares:
@@ -65,10 +73,7 @@ def run_update(cfg, engine, batch: BatchResult, *, step: int) -> UpdateResult:
     dropped = pd.DataFrame(records, columns=_DROP_COLUMNS)
     metrics["timing_s/adv"] = time.time() - t0
     if prepared is None:
-        print(f"step {step}: no trainable rows after drops; the step is skipped "
-              f"(see UpdateResult.dropped)", flush=True)
-        return UpdateResult(step=step, metrics=metrics, advantages=pd.DataFrame(), dropped=dropped,
-                            skipped=True, policy_version=engine.policy_version)
+        return _skipped(step, metrics, records, engine)
 
     t0 = time.time()
     if engine_prepares:
@@ -94,4 +99,12 @@ def run_update(cfg, engine, batch: BatchResult, *, step: int) -> UpdateResult:
     advantages = rollout_weights_table(prepared, loss_mode=opts["loss_mode"], divisor=opts["divisor"],
                                        num_trained_rows=len(prepared))
     return UpdateResult(step=step, metrics=metrics, advantages=advantages, dropped=dropped,
+                        policy_version=engine.policy_version)
+
+
+def _skipped(step: int, metrics: dict[str, Any], records: list[dict[str, Any]], engine) -> UpdateResult:
+    print(f"step {step}: no trainable rows after drops; the step is skipped "
+          f"(see UpdateResult.dropped)", flush=True)
+    return UpdateResult(step=step, metrics=metrics, advantages=pd.DataFrame(),
+                        dropped=pd.DataFrame(records, columns=_DROP_COLUMNS), skipped=True,
                         policy_version=engine.policy_version)

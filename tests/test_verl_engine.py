@@ -10,10 +10,7 @@ the actor worker group computes log-probs as a fixed function of the next token
 
 from __future__ import annotations
 
-import asyncio
-import os
 import pickle
-import time
 from pathlib import Path
 
 import numpy as np
@@ -22,102 +19,14 @@ import torch
 from omegaconf import OmegaConf
 
 from agl_lab.engines.verl import VerlEngine, verl_import
-from agl_lab.engines.verl_trainer import AGL_STATE_FILE, AglRayPPOTrainer, InMemoryDataset
+from agl_lab.engines.verl_trainer import AGL_STATE_FILE, InMemoryDataset
+from tests.verl_fakes import fake_verl_trainer
 
 import verl  # noqa: E402  (tests may import verl directly; the engine may not)
 from verl import DataProto  # noqa: E402
 from verl.trainer.ppo.utils import Role  # noqa: E402
-from verl.utils import tensordict_utils as tu  # noqa: E402
 
-DP = 2
 P, R = 4, 3  # prompt / response widths of the hand-built batch
-
-# ------------------------------------------------------------------------------------------
-# Fakes for what needs GPUs
-# ------------------------------------------------------------------------------------------
-
-
-class FakeActorGroup:
-    """The actor worker group's data-parallel surface: dispatch info, log-probs, update, ckpt."""
-
-    def __init__(self, dp: int = DP):
-        self.dp, self._dispatch_info, self.calls = dp, {}, []
-
-    def _query_dispatch_info(self, role):
-        return list(range(self.dp))
-
-    def compute_log_prob(self, td):
-        assert len(td) % self.dp == 0, "verl splits the batch into equal DP chunks"
-        ids = td["input_ids"]  # jagged: one sequence per row, padding removed
-        values, offsets = ids.values(), ids.offsets()
-        lp = torch.zeros(values.shape, dtype=torch.float32)
-        for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
-            lp[a:b - 1] = -values[a + 1:b].float() / 1000  # position t predicts token t+1
-        self.calls.append(("compute_log_prob", len(td), tu.get(td, "temperature")))
-        nested = torch.nested.nested_tensor_from_jagged(lp, offsets=offsets)
-        entropy = torch.nested.nested_tensor_from_jagged(torch.full_like(lp, 0.5), offsets=offsets)
-        return tu.get_tensordict({"log_probs": nested, "entropy": entropy}, non_tensor_dict={"metrics": {"mfu": 0.25}})
-
-    def update_actor(self, td):
-        assert len(td) % self.dp == 0
-        self.calls.append(("update_actor", len(td), {k: tu.get(td, k) for k in ("global_batch_size", "epochs")},
-                           sorted(td.keys())))
-        return tu.get_tensordict({}, non_tensor_dict={"metrics": {"pg_loss": [0.5, 0.7], "mfu": 0.3}})
-
-    def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None):
-        os.makedirs(local_path, exist_ok=True)
-        Path(local_path, "weights.txt").write_text(str(global_step))
-        self.calls.append(("save_checkpoint", local_path))
-
-    def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=False):
-        self.calls.append(("load_checkpoint", local_path, Path(local_path, "weights.txt").read_text()))
-
-
-class FakeReplica:
-    """A replica whose coroutine methods only return once *every* replica has entered them:
-    called one after another they time out, so the test proves the calls are concurrent."""
-
-    def __init__(self, group: list, aborted: int):
-        self.group, self.aborted, self.calls = group, aborted, []
-
-    async def _rendezvous(self, name: str) -> None:
-        self.calls.append(name)
-        deadline = time.monotonic() + 2.0
-        while sum(name in r.calls[-1:] for r in self.group) < len(self.group):
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{name} was not called on all replicas concurrently")
-            await asyncio.sleep(0.001)
-
-    async def abort_all_requests(self, reject_request: bool = False):
-        await self._rendezvous("abort_all_requests")
-        return {"aborted_count": self.aborted, "request_ids": [f"r{i}" for i in range(self.aborted)]}
-
-    async def resume_generation(self):
-        await self._rendezvous("resume_generation")
-
-
-class FakeServerManager:
-    def __init__(self, replicas):
-        self.replicas = replicas
-
-    def get_replicas(self):
-        return self.replicas
-
-    def get_addresses(self):
-        return ["127.0.0.1:8001", "[::1]:8002"]
-
-
-class FakeCheckpointManager:
-    def __init__(self):
-        self.calls = []
-
-    def sleep_replicas(self):
-        self.calls.append(("sleep_replicas",))
-
-    def update_weights(self, global_steps=None):
-        self.calls.append(("update_weights", global_steps))
-        return {}
-
 
 # ------------------------------------------------------------------------------------------
 # Fixtures: verl's config, a trainer over the fakes, hand-built batches
@@ -144,17 +53,8 @@ TASKS = [{"question": f"q{i}", "extra_info": {"index": 100 + i}} for i in range(
 
 def make_engine(cfg=None, *, awake=False):
     cfg = cfg if cfg is not None else verl_config()
-    ds = InMemoryDataset(TASKS, None, cfg.data, name="train_dataset")
-    trainer = AglRayPPOTrainer(
-        config=cfg, tokenizer=None, role_worker_mapping={Role.ActorRollout: object}, resource_pool_manager=None,
-        train_dataset=ds, val_dataset=ds, collate_fn=verl_import("collate_fn"),
-        train_sampler=verl_import("create_rl_sampler")(cfg.data, ds))
-    replicas: list = []
-    replicas += [FakeReplica(replicas, aborted=3), FakeReplica(replicas, aborted=4)]
-    trainer.actor_rollout_wg = FakeActorGroup()
-    trainer.llm_server_manager = FakeServerManager(replicas)
-    trainer.checkpoint_manager = FakeCheckpointManager()
-    return VerlEngine.wrap(trainer, "fake-model", replicas_awake=awake), trainer, replicas
+    trainer = fake_verl_trainer(cfg, TASKS)
+    return VerlEngine.wrap(trainer, "fake-model", replicas_awake=awake), trainer, trainer.llm_server_manager.replicas
 
 
 def make_batch(n: int, *, rollout_log_probs: torch.Tensor | None = None) -> DataProto:
@@ -281,15 +181,29 @@ def test_update_computes_missing_old_log_probs_like_the_local_engine():
     assert [c[0] for c in trainer.actor_rollout_wg.calls] == ["compute_log_prob", "update_actor"]
 
 
-def test_update_rejects_a_batch_it_cannot_split_into_mini_batches():
-    engine, _, _ = make_engine()
+def test_update_pads_a_partial_mini_batch_with_zero_weight_rows():
+    engine, trainer, _ = make_engine()
     batch, _ = engine.prepare(make_batch(3))
     batch.batch["advantages"] = torch.ones(3, R)
     assert engine.mini_batch_rows == 2 * 2
-    with pytest.raises(ValueError, match="ppo_mini_batch_size"):
-        engine.update(batch)
+    loss_tokens = batch.batch["response_mask"].sum(-1).tolist()
+    metrics = engine.update(batch)
+    assert metrics["training/n_sample_padded"] == 1.0 and len(batch) == 3  # the caller's batch is untouched
+    name, rows, _, _ = trainer.actor_rollout_wg.calls[-1]
+    assert (name, rows) == ("update_actor", 4)  # verl's worker gets whole mini-batches
+    # the padding row carries no loss token; the real rows keep theirs (balancing may reorder)
+    assert sorted(trainer.actor_rollout_wg.loss_tokens) == sorted(loss_tokens + [0])
+
+
+def test_update_rejects_an_empty_or_unprepared_batch():
+    engine, _, _ = make_engine()
     with pytest.raises(ValueError, match="advantages"):
         engine.update(engine.prepare(make_batch(4))[0])
+    empty, _ = engine.prepare(make_batch(4))
+    empty = empty.select_idxs([])
+    empty.batch["advantages"] = torch.ones(0, R)
+    with pytest.raises(ValueError, match="0 rows"):
+        engine.update(empty)
 
 
 # ------------------------------------------------------------------------------------------

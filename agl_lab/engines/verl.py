@@ -34,15 +34,17 @@ in 0.9.1; the contract test fails loudly the day it changes or goes away.
  7. rollout-level advantage — `agl_lab.algorithms` (pure, in the Trainer)
  8. per-rollout normalisation — `agl_lab.algorithms` (pure, in the Trainer)
  9. critic/actor update — `engine.update(batch) -> metrics`
-    ← `_balance_batch`, `_update_critic`, `_update_actor`, `reduce_metrics`
+    ← zero-weight padding to whole mini-batches, `_balance_batch`, `_update_critic`,
+      `_update_actor`, `reduce_metrics`
 10. push weights — `engine.sync_weights()` ← `CheckpointEngineManager.update_weights(global_steps)`
 
 Step 4 is load-bearing (AGL #589/#590: with verl 0.7 + vLLM 0.8.5 `abort_all_requests`
 silently did nothing and orphaned generations ran into the FSDP update → CUDA illegal memory
 access). Here `abort()` returns the number of aborted requests summed over replicas, so a
 no-op abort is visible, and the contract test checks the vLLM methods verl calls for it.
-In sync mode, pausing the gateway *before* `abort()` closes the window in which a stray
-agent's request reaches a paused vLLM engine and waits there until the next resume.
+In sync mode every rollout is terminal when `abort()` runs and the gateway refuses calls of
+terminal rollouts (409), so only a call admitted just before its rollout ended can reach a
+replica after the abort: verl parks it (`reject_request=False`) until the next resume.
 
 Replica state machine (checkpoint backend `naive`, the default hybrid engine):
 `init_workers` leaves replicas asleep → `sync_weights` wakes them with the trained weights
@@ -466,7 +468,7 @@ class VerlEngine(Engine):
 
     @property
     def mini_batch_rows(self) -> int:
-        """Rows per PPO mini-batch; `update` takes only positive multiples of it."""
+        """Rows per PPO mini-batch; `update` pads a batch to a multiple of it with zero-weight rows."""
         return self.trainer.mini_batch_rows()
 
     def prepare(self, data: Any) -> tuple[Any, dict[str, float]]:
@@ -477,7 +479,8 @@ class VerlEngine(Engine):
         """One critic/actor update (step `global_steps + 1`) on a batch with advantages.
 
         Old (and, when a reference policy is used, ref) logprobs missing from the batch are
-        computed first; critic values must come from `prepare` (they feed the advantage).
+        computed first; critic values must come from `prepare` (they feed the advantage). A
+        partial last mini-batch is completed with zero-weight rows (`training/n_sample_padded`).
         """
         return self.trainer.update_policy(data)
 

@@ -185,12 +185,15 @@ class AglRayPPOTrainer(RayPPOTrainer):
         Old logprobs (and ref logprobs when a reference policy is used) missing from the batch
         are computed here, so `compute_log_probs` + advantage + `update` works like on the
         local engine; critic values must come from `prepare_for_advantage` (GAE needs them).
+        A batch that is not a whole number of PPO mini-batches is padded with zero-weight
+        rows (`pad_to_mini_batches`; metric `training/n_sample_padded`).
         """
         metrics: dict[str, Any] = {}
         if "response_mask" not in batch.batch.keys():
             batch.batch["response_mask"] = verl_import("compute_response_mask")(batch)
         batch = self._attach_log_probs(batch, metrics)
         self._check_update_batch(batch)
+        batch, metrics["training/n_sample_padded"] = self.pad_to_mini_batches(batch)
         self.global_steps += 1
         reduce_metrics = verl_import("reduce_metrics")
         metrics["training/global_step"] = self.global_steps
@@ -311,15 +314,38 @@ class AglRayPPOTrainer(RayPPOTrainer):
         if missing:
             raise ValueError(f"update(batch) is missing {missing}: run engine.prepare(batch), then the advantage "
                              "(agl_lab.algorithms), before engine.update(batch)")
-        rows, mini, dp = len(batch), self.mini_batch_rows(), self.data_parallel_size()
-        # Critical: verl's train_mini_batch runs rows // mini_batch iterations, so a partial
-        # mini-batch is silently not trained (0 updates below one mini-batch): refuse instead.
-        if rows == 0 or rows % mini or rows % dp:
+        if len(batch) == 0:
+            raise ValueError("update(batch) got 0 rows: skip the step instead (agl_lab.algorithms.prepare_update_batch "
+                             "returns None when nothing is trainable)")
+        mini, dp = self.mini_batch_rows(), self.data_parallel_size()
+        if mini % dp:
             raise ValueError(
-                f"update(batch) got {rows} rows: the verl engine needs a positive multiple of the PPO "
-                f"mini-batch (actor_rollout_ref.actor.ppo_mini_batch_size × rollout.n = {mini}) and of the "
-                f"DP size ({dp}); align the batch first (agl_lab.algorithms.select_for_update with "
-                f"mini_batch_rows={mini}; agl_lab.algorithm.small_batch=skip for smaller batches)")
+                f"a PPO mini-batch of actor_rollout_ref.actor.ppo_mini_batch_size × rollout.n = {mini} rows cannot be "
+                f"split over {dp} data-parallel ranks: make ppo_mini_batch_size × n a multiple of {dp}")
+
+    def pad_to_mini_batches(self, batch: Any) -> tuple[Any, int]:
+        """`batch` grown to a whole number of PPO mini-batches with zero-weight rows → (batch, n_pad).
+
+        verl's worker asserts `rows % mini_batch_rows == 0`, while agl_lab's alignment may
+        leave a partial last mini-batch (a batch smaller than one mini-batch with
+        `agl_lab.algorithm.small_batch=train`, or whole multi-row rollouts that cannot hit the
+        target exactly) — which the local engine trains as a smaller mini-batch. Padding rows
+        are copies of the first rows with `response_mask` and `advantages` zeroed: no loss
+        token, so the per_rollout_mean loss (a token sum) and the critic loss ignore them.
+        Returns the caller's batch unchanged when it is already aligned.
+        """
+        rows, mini = len(batch), self.mini_batch_rows()
+        # Critical: n_pad < mini, so every global mini-batch keeps at least one real row and
+        # verl's token-mean terms (entropy, KL loss) never divide by zero loss tokens.
+        n_pad = -rows % mini
+        if n_pad == 0:
+            return batch, 0
+        pad = batch.select_idxs(torch.arange(n_pad) % rows)
+        for key in ("response_mask", "advantages"):
+            pad.batch[key] = torch.zeros_like(pad.batch[key])
+        padded = batch.concat([batch, pad])
+        padded.meta_info = dict(batch.meta_info)
+        return padded, n_pad
 
     def mini_batch_rows(self) -> int:
         """Rows per PPO mini-batch: verl counts `ppo_mini_batch_size` in tasks, × `rollout.n`."""
