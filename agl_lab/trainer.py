@@ -459,7 +459,7 @@ def train_main(argv: list[str]) -> int:
     parser.add_argument("--run-dir", default=None, help="where metrics.jsonl and plots go")
     parser.add_argument("--steps", type=int, default=None, help="number of steps (default: from config)")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides may come before or after options
     try:
         cfg = config_mod.load_config(args.config, args.overrides)
     except config_mod.ConfigError as e:
