@@ -16,6 +16,7 @@ SMALL = [
     "agl_lab.task.n_train=16",
     "agl_lab.task.n_val=4",
     "agl_lab.runner.concurrency=8",
+    "agl_lab.model.warm_start_steps=0",
 ]
 
 
