@@ -75,6 +75,7 @@ AGL_LAB_DEFAULTS: dict[str, Any] = {
             "include_log_probs": True,
             "val_temperature": 0.7,
             "token_preserving": False,
+            "seed_calls": True,  # calls without a seed get one from their position: reproducible runs
         },
         "runner": {"enabled": True, "concurrency": 32, "agent_timeout_seconds": None},
         "rollout": {"wait_timeout_seconds": 600, "poll_interval_seconds": 0.05,

@@ -29,6 +29,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import pandas as pd
 import torch
+from omegaconf import OmegaConf
 
 from agl_lab import config as config_mod
 from agl_lab.data import TaskFeeder
@@ -153,6 +154,7 @@ class Trainer:
                 key=str(agl.agl_key or ""),
                 store=str(lab.server.store),
                 token_preserving=bool(lab.server.token_preserving),
+                call_seed=int(lab.seed) if lab.server.seed_calls else None,
                 default_proxy={
                     "model_name": self.engine.model_name,
                     "include_log_probs": bool(lab.server.include_log_probs),
@@ -399,15 +401,20 @@ class Trainer:
                     "torch": torch.get_rng_state()},
         }
         torch.save(state, path / "trainer_state.pt")
-        (path / "config.json").write_text(json.dumps(config_mod.to_container(self.cfg), indent=1))
+        OmegaConf.save(self.cfg, path / "config.yaml", resolve=False)  # interpolations kept
         return path
 
     @classmethod
     def load(cls, path: str | os.PathLike, overrides: Sequence[str] | None = None, **kwargs) -> "Trainer":
         """A Trainer that continues exactly where `save(path)` left off."""
         path = Path(path)
-        saved = json.loads((path / "config.json").read_text())
-        trainer = cls.from_config(saved, overrides, **kwargs)
+        cfg = OmegaConf.load(path / "config.yaml")
+        if overrides:
+            layer = OmegaConf.from_dotlist(list(overrides))
+            config_mod.check_unknown_keys(cfg, layer, "overrides")
+            cfg = OmegaConf.merge(cfg, layer)
+        config_mod.validate(cfg)
+        trainer = cls(cfg, **kwargs)
         trainer.engine.load(str(path / "engine"))
         state = torch.load(path / "trainer_state.pt", weights_only=False)
         trainer.global_step = state["global_step"]

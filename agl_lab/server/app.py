@@ -109,6 +109,7 @@ class ServerConfig(_Strict):
     upstream_backoff_max_seconds: float = Field(8.0, ge=0)
     upstream_client: Literal["auto", "aiohttp", "httpx"] = "auto"  # auto: aiohttp if installed (faster)
     token_preserving: bool = False  # flag only; the mode plugs in as a gateway request rewriter
+    call_seed: int | None = None  # seed calls that carry none from their position (server/seeding.py)
 
 
 def load_server_config(config: ServerConfig | Mapping[str, Any] | None) -> ServerConfig:
@@ -162,10 +163,15 @@ def create_app(
     """
     cfg = load_server_config(config)
     store = store if store is not None else open_store(cfg.store, terminal_log_limit=cfg.terminal_log_limit)
-    if cfg.token_preserving and not rewriters:
+    rewriters = list(rewriters)
+    if cfg.call_seed is not None:
+        from agl_lab.server.seeding import SeededCallsRewriter
+
+        rewriters.insert(0, SeededCallsRewriter(cfg.call_seed))  # before any rewriter copies the body
+    if cfg.token_preserving and not any(hasattr(r, "set_tokenizer") for r in rewriters):
         from agl_lab.server.token_preserving import TokenPreservingRewriter
 
-        rewriters = [TokenPreservingRewriter()]  # tokenizers: EmbeddedServer.set_tokenizer / --tokenizer-path
+        rewriters.append(TokenPreservingRewriter())  # tokenizers: EmbeddedServer.set_tokenizer / --tokenizer-path
     gateway = Gateway(cfg, store, rewriters=rewriters)
     if not cfg.key:
         logger.warning(NO_KEY_WARNING)
