@@ -35,7 +35,11 @@ def _summary_html(title: str, lines: list[str], metrics: dict[str, Any], keys: l
     return f"<div><b>{html.escape(title)}</b><ul>{items}</ul>{_metrics_table(metrics, keys)}</div>"
 
 
-@dataclass
+def _short_repr(obj: Any, parts: list[str]) -> str:
+    return f"{type(obj).__name__}({', '.join(parts)})"
+
+
+@dataclass(repr=False)
 class RolloutResult:
     """The completed rollouts of one rollout phase."""
 
@@ -63,6 +67,11 @@ class RolloutResult:
 
         return groups_df(self.rollouts)
 
+    def __repr__(self) -> str:
+        reward = self.metrics.get("training/reward", self.metrics.get("val/reward"))
+        return _short_repr(self, [f"step={self.step}", f"rollouts={len(self.rollouts)}",
+                                  f"carry_over_groups={len(self.carry_over)}", f"reward={reward}"])
+
     def _repr_html_(self) -> str:
         n_failed = sum(r.state == "failed" for r in self.rollouts)
         n_calls = sum(len(r.triplets) for r in self.rollouts)
@@ -77,7 +86,7 @@ class RolloutResult:
         return _summary_html("RolloutResult", lines, self.metrics, keys)
 
 
-@dataclass
+@dataclass(repr=False)
 class BatchResult:
     """Training rows built from a rollout phase, as a verl DataProto plus views."""
 
@@ -95,6 +104,11 @@ class BatchResult:
 
         return groups_df(self.rollouts, self.build)
 
+    def __repr__(self) -> str:
+        n_rows = len(self.data) if self.data is not None else 0
+        return _short_repr(self, [f"step={self.step}", f"rows={n_rows}", f"rollouts={len(self.rollouts)}",
+                                  f"merge_breaks={len(self.merges)}"])
+
     def _repr_html_(self) -> str:
         n_rows = len(self.data) if self.data is not None else 0
         lines = [
@@ -106,7 +120,7 @@ class BatchResult:
         return _summary_html("BatchResult", lines, self.metrics, keys)
 
 
-@dataclass
+@dataclass(repr=False)
 class UpdateResult:
     """One policy update: metrics, per-rollout advantages/weights and every dropped row."""
 
@@ -116,6 +130,10 @@ class UpdateResult:
     dropped: pd.DataFrame
     skipped: bool = False
     policy_version: int = 0
+
+    def __repr__(self) -> str:
+        return _short_repr(self, [f"step={self.step}", f"skipped={self.skipped}",
+                                  f"policy_version={self.policy_version}", f"dropped={len(self.dropped)}"])
 
     def _repr_html_(self) -> str:
         state = "skipped (no trainable rows)" if self.skipped else f"policy version → {self.policy_version}"

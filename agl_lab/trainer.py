@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import random
+import secrets
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -147,11 +148,14 @@ class Trainer:
         lab, agl = self.cfg.agl_lab, self.cfg.agentlightning
         from agl_lab.client import AglClient
 
+        # An embedded server is never left open: without a configured key it gets a fresh one
+        # (agents receive it through their context / AGL_KEY like any other key).
+        self.key = str(agl.agl_key or "") or (secrets.token_hex(16) if lab.server.embedded else "")
         if lab.server.embedded:
             from agl_lab.server.embedded import EmbeddedServer
 
             self.server = EmbeddedServer(
-                key=str(agl.agl_key or ""),
+                key=self.key,
                 store=str(lab.server.store),
                 token_preserving=bool(lab.server.token_preserving),
                 call_seed=int(lab.seed) if lab.server.seed_calls else None,
@@ -171,14 +175,14 @@ class Trainer:
         else:
             self.server = None
             self.base_url = str(agl.agl_base_url).rstrip("/")
-        self.client = AglClient(self.base_url, key=str(agl.agl_key or ""))
+        self.client = AglClient(self.base_url, key=self.key)
         self._closers.append(self.client.close)
         self.runner = None
         if lab.runner.enabled and (self.agent is not None or agl.local.agent_class):
             from agl_lab.runner import Runner
 
             timeout = lab.runner.agent_timeout_seconds
-            self.runner = Runner(self.base_url, key=str(agl.agl_key or ""), agent=self.agent,
+            self.runner = Runner(self.base_url, key=self.key, agent=self.agent,
                                  concurrency=int(lab.runner.concurrency),
                                  rollout_timeout_seconds=None if timeout is None else float(timeout))
             self.runner.start()
