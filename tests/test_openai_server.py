@@ -235,7 +235,7 @@ def test_stop_token_ids(http):
 
 
 def test_tool_call_blocks_become_tool_calls():
-    from agl_lab.engines.openai_server import _parse_tool_calls
+    from agl_lab.chat_format import parse_tool_calls as _parse_tool_calls
 
     content, calls = _parse_tool_calls('Let me check.\n<tool_call>{"name": "lookup", "arguments": {"key": "x"}}'
                                        '</tool_call>')

@@ -26,8 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
-import json
-import re
 import threading
 import time
 import uuid
@@ -36,6 +34,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from agl_lab.chat_format import parse_tool_calls
 from agl_lab.engines.scheduler import BatchScheduler, GenerationAborted, GenerationResult, SamplingParams
 from agl_lab.server.embedded import ThreadedUvicorn
 
@@ -211,26 +210,6 @@ def _completion_logprobs(token_text: _TokenText, result: GenerationResult) -> di
             "top_logprobs": top, "text_offset": offsets}
 
 
-_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-
-
-def _parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
-    """`<tool_call>{"name", "arguments"}</tool_call>` blocks → (content before them, tool_calls)."""
-    calls = []
-    for block in _TOOL_CALL.findall(text):
-        try:
-            obj = json.loads(block)
-            name, args = obj["name"], obj.get("arguments", {})
-        except (ValueError, KeyError, TypeError):
-            return text, []  # any malformed block: leave the text alone, as a parser would
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": str(name), "arguments": args if isinstance(args, str) else json.dumps(args)}})
-    if not calls:
-        return text, []
-    content = text[: text.index("<tool_call>")].strip()
-    return content or None, calls
-
-
 # ---------------------------------------------------------------------------------------
 # The FastAPI app
 # ---------------------------------------------------------------------------------------
@@ -269,7 +248,7 @@ class _Handler:
         prompt_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         params = _sampling(body, len(prompt_ids), self.max_model_len, self.default_max_tokens, k)
         result = await self._generate(prompt_ids, params)
-        content, tool_calls = (_parse_tool_calls(result.text) if tools else (result.text, []))
+        content, tool_calls = (parse_tool_calls(result.text) if tools else (result.text, []))
         finish = "tool_calls" if tool_calls and result.finish_reason == "stop" else result.finish_reason
         ids = bool(body.get("return_token_ids"))
         choice = {

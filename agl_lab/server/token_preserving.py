@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import copy
 import json
-import re
 import threading
 import time
 import uuid
@@ -62,6 +61,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from agl_lab.chat_format import parse_tool_calls
 
 # ---------------------------------------------------------------------------------------------
 # Request keys
@@ -371,29 +372,6 @@ def completions_request(body: Mapping[str, Any], prompt_ids: Sequence[int]) -> d
         out["logprobs"] = int(body.get("top_logprobs") or 0)  # the sampled token's logprob is always included
     out["return_token_ids"] = True
     return out
-
-
-_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-
-
-def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """Hermes-style `<tool_call>{"name", "arguments"}</tool_call>` blocks → (content, tool_calls).
-
-    Any malformed block leaves the text alone (no calls), as a chat server's parser would.
-    """
-    calls = []
-    for block in _TOOL_CALL.findall(text):
-        try:
-            obj = json.loads(block)
-            name, args = obj["name"], obj.get("arguments", {})
-        except (ValueError, KeyError, TypeError):
-            return text, []
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": str(name), "arguments": args if isinstance(args, str) else json.dumps(args)}})
-    if not calls:
-        return text, []
-    content = text[: text.index("<tool_call>")].strip()
-    return content or None, calls
 
 
 def chat_logprobs(logprobs: Mapping[str, Any] | None, top_k: int) -> dict[str, Any] | None:
