@@ -18,7 +18,6 @@ engine's OpenAI server. With `agl_lab.server.embedded=false` they are external p
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import random
@@ -28,7 +27,6 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
-import pandas as pd
 import torch
 from omegaconf import OmegaConf
 
