@@ -173,7 +173,8 @@ def test_batched_logprobs_equal_a_fresh_forward(server, http, tiny, temperature,
 def test_arrivals_merge_into_a_running_batch(server, http, tiny):
     """Requests admitted while others decode join the batch; their logprobs stay exact."""
     model, _ = tiny
-    long = [{"prompt": "lookup " * (3 + i), "max_tokens": 40, "seed": i, "logprobs": 0, "ignore_eos": True,
+    # long enough that they are still decoding when the late ones queue, even on a loaded machine
+    long = [{"prompt": "lookup " * (3 + i), "max_tokens": 300, "seed": i, "logprobs": 0, "ignore_eos": True,
              "return_token_ids": True} for i in range(3)]
     late = [{"prompt": "value " * (20 - 5 * i), "max_tokens": 8, "seed": 10 + i, "logprobs": 0,
              "ignore_eos": True, "return_token_ids": True, "temperature": 0.7} for i in range(3)]
