@@ -255,10 +255,11 @@ def to_container(cfg: DictConfig) -> dict[str, Any]:
     return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
 
 
-def trace_limits(cfg: DictConfig) -> tuple[int, int]:
-    """(max_prompt_length, max_response_length) for the batch builder, as AGL picks them."""
+def trace_limits(cfg: DictConfig, level: str | None = None) -> tuple[int, int]:
+    """(max_prompt_length, max_response_length) for the batch builder at `level` (default: the
+    configured level), as AGL picks them: trajectory limits for trajectory, `data.*` otherwise."""
     ta = cfg.agentlightning.trace_aggregator
-    if str(ta.level).startswith("trajectory"):
+    if str(level or ta.level).startswith("trajectory"):
         return int(ta.trajectory_max_prompt_length), int(ta.trajectory_max_response_length)
     return int(cfg.data.max_prompt_length), int(cfg.data.max_response_length)
 

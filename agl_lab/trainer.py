@@ -301,13 +301,7 @@ class Trainer:
         rollout = rollout or self._require(self._last_rollout, "trainer.rollout()")
         agl = self.cfg.agentlightning
         level = options.pop("level", str(agl.trace_aggregator.level))
-        max_prompt, max_response = config_mod.trace_limits(self.cfg)
-        if level != str(agl.trace_aggregator.level):
-            max_prompt, max_response = (
-                (int(agl.trace_aggregator.trajectory_max_prompt_length),
-                 int(agl.trace_aggregator.trajectory_max_response_length))
-                if level == "trajectory" else
-                (int(self.cfg.data.max_prompt_length), int(self.cfg.data.max_response_length)))
+        max_prompt, max_response = config_mod.trace_limits(self.cfg, level)
         kwargs = dict(level=level, max_prompt_length=max_prompt, max_response_length=max_response,
                       pad_token_id=self._pad_token_id(), reward_fillna_value=float(agl.reward_fillna_value),
                       tokenizer=self.tokenizer, multi_segment=bool(agl.trace_aggregator.multi_segment))

@@ -70,22 +70,13 @@ def run_update(cfg, engine, batch: BatchResult, *, step: int) -> UpdateResult:
     t0 = time.time()
     prepared, records, adv_metrics = prepare_update_batch(data, seed=int(cfg.agl_lab.seed) + step, **opts)
     metrics.update(adv_metrics)
-    dropped = pd.DataFrame(records, columns=_DROP_COLUMNS)
     metrics["timing_s/adv"] = time.time() - t0
     if prepared is None:
         return _skipped(step, metrics, records, engine)
 
-    t0 = time.time()
-    if engine_prepares:
-        pass
-    elif bool(cfg.algorithm.rollout_correction.get("bypass_mode", False)):
-        from agl_lab.ppo import prepare_old_log_probs
-
-        prepare_old_log_probs(None, prepared, temperature, bypass_mode=True)
-    else:
-        with torch.no_grad():
-            prepared.batch["old_log_probs"] = engine.compute_log_probs(prepared, temperature=temperature)
-    if not engine_prepares:
+    if not engine_prepares:  # local engine: old logprobs of the kept rows only
+        t0 = time.time()
+        _old_log_probs(cfg, engine, prepared, temperature)
         metrics["timing_s/old_log_prob"] = time.time() - t0
 
     t0 = time.time()
@@ -98,8 +89,19 @@ def run_update(cfg, engine, batch: BatchResult, *, step: int) -> UpdateResult:
 
     advantages = rollout_weights_table(prepared, loss_mode=opts["loss_mode"], divisor=opts["divisor"],
                                        num_trained_rows=len(prepared))
-    return UpdateResult(step=step, metrics=metrics, advantages=advantages, dropped=dropped,
-                        policy_version=engine.policy_version)
+    return UpdateResult(step=step, metrics=metrics, advantages=advantages,
+                        dropped=pd.DataFrame(records, columns=_DROP_COLUMNS), policy_version=engine.policy_version)
+
+
+def _old_log_probs(cfg, engine, data, temperature: float) -> None:
+    """`old_log_probs` [N, R]: the engine's sampling logprobs (bypass mode) or recomputed."""
+    if bool(cfg.algorithm.rollout_correction.get("bypass_mode", False)):
+        from agl_lab.ppo import prepare_old_log_probs
+
+        prepare_old_log_probs(None, data, temperature, bypass_mode=True)
+        return
+    with torch.no_grad():
+        data.batch["old_log_probs"] = engine.compute_log_probs(data, temperature=temperature)
 
 
 def _skipped(step: int, metrics: dict[str, Any], records: list[dict[str, Any]], engine) -> UpdateResult:
