@@ -12,7 +12,7 @@ rollout are merged while each prompt starts, token for token, with the previous 
 (observations: tool results, user turns, template scaffolding) enter the response with
 attention 1 and loss mask 0, logprob 0.0. A call whose prompt does not extend the context is a
 **merge break**: the running row is emitted and a new one starts (AGL v1 behaviour). Each
-break is diagnosed (`agl_lab.diagnose`) and listed in `BatchResult.merges`.
+break is diagnosed (`agl_lab.diagnose`) and listed in `BuiltBatch.breaks`.
 
 With ``multi_segment=True`` several rows stay open per rollout, so interleaved sub-agent
 calls each continue their own prefix chain (rllm #773): a call extends the open row whose
@@ -30,35 +30,28 @@ trainable token is skipped (``training/n_skipped_empty_rows``).
 are never mutated (AGL extends the first triplet's logprob list in place); merge breaks are
 classified instead of all being "others".
 
-The core does no I/O; `log_batch_artifacts` uploads the W&B tables/artifacts of AGL v1 from a
-finished result.
+`build_batch` returns a plain record, `BuiltBatch(rollouts, rows, breaks, level, data,
+metrics)`: no DataFrames (`agl_lab.views` builds those from `Row`/`BreakRecord`; the
+notebook-facing `agl_lab.results.BatchResult` caches them) and no W&B (the metrics logger
+uploads AGL's side tables from the result). The core does no I/O.
 """
 
 from __future__ import annotations
 
-import io
-import json
-import os
-import re
-import tempfile
-import warnings
-import zipfile
+from collections import Counter
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any, Sequence
 
 import numpy as np
-import pandas as pd
 import torch
 
 from agl_lab.diagnose import KINDS, MergeBreak, common_prefix_len, decode_ids, diagnose_break
-from agl_lab.rollout import CompletedRollout, Triplet
-from agl_lab.views import merges_frame, rows_frame
+from agl_lab.records import CompletedRollout, Triplet, sort_rollouts
 
 LEVELS = ("transition", "trajectory")
-TRAIN_TRAJECTORY_RECORDS = 24  # compact train trajectories uploaded per step (AGL v1)
-MISMATCH_TABLE_ROWS = 100  # merge-break rows in the W&B table per batch (AGL v1)
-TRACE_TEXT_LIMIT = 4000  # characters of a decoded trace kept in the mismatch table
+MISMATCH_TABLE_ROWS = 100  # merge breaks AGL v1 puts in its W&B table per batch (a metric counts them)
+TRACE_TEXT_LIMIT = 4000  # characters of a decoded trace kept per merge break
 
 
 # =========================================================================== records
@@ -70,7 +63,7 @@ class Row:
 
     rollout_id: str
     data_id: str
-    turns: list[int]
+    calls: list[int]  # the calls (triplet indices in the rollout) merged into this row
     prompt_ids: list[int]
     response_ids: list[int]
     response_mask: list[int]
@@ -85,64 +78,49 @@ class Row:
 
 @dataclass
 class BreakRecord:
-    """One merge break: call `turn_index` did not extend the row ending at `against_turn`."""
+    """One merge break: call `call` did not extend the row ending at call `against_call`."""
 
     rollout_id: str
     data_id: str
-    turn_index: int
-    against_turn: int
-    prompt_length: int
-    response_length: int
-    previous_trace_length: int
-    current_trace_length: int
+    call: int
+    against_call: int
+    prompt_tokens: int
+    response_tokens: int
+    previous_trace_tokens: int
+    current_trace_tokens: int
     previous_trace: str
     current_trace: str
     diagnosis: MergeBreak | None
 
 
 @dataclass
-class RowPlan:
-    """Rows (incl. skipped ones) and merge breaks of a list of rollouts, before padding."""
+class BuiltBatch:
+    """What `build_batch` returns: the DataProto of the kept rows and the records behind it.
 
-    rollouts: list[CompletedRollout]  # sorted
-    rows: list[Row]
+    `plan_rows` returns the same record without tensors (`data` None, `metrics` empty).
+    """
+
+    rollouts: list[CompletedRollout]  # sorted, as the rows were built
+    rows: list[Row]  # every row, skipped ones included (batch_index -1)
     breaks: list[BreakRecord]
     level: str
-
-
-@dataclass
-class BatchResult:
-    """What `build_batch` returns: the DataProto plus everything a notebook wants to look at."""
-
-    data: Any  # verl.DataProto
-    metrics: dict[str, float]
-    rows: pd.DataFrame
-    merges: pd.DataFrame
-    trajectories: list[dict[str, Any]]
-    level: str
+    data: Any = None  # verl.DataProto of the N kept rows
+    metrics: dict[str, float] = field(default_factory=dict)
 
     def __repr__(self) -> str:
         n = len(self.data) if self.data is not None else 0
-        return f"BatchResult(level={self.level!r}, rows={n}, merge_breaks={len(self.merges)})"
-
-
-@dataclass
-class ValidationResult:
-    """What `build_validation` returns: the `val/*` metrics and all compact trajectories."""
-
-    metrics: dict[str, float]
-    trajectories: list[dict[str, Any]]
+        return f"BuiltBatch(level={self.level!r}, rows={n}, breaks={len(self.breaks)})"
 
 
 # =========================================================================== rows per rollout
 
 
-def sort_rollouts(completed: Sequence[CompletedRollout]) -> list[CompletedRollout]:
-    """Order by (step, sample_idx, copy_idx, rollout_id): carry-overs first, completion order
-    ignored, and (with the copy index the rollout managers record) independent of the random
-    rollout ids, so a seeded run builds the same batch every time."""
-    return sorted(completed, key=lambda r: (r.step, r.sample_idx, int(r.metadata.get("copy_idx") or 0),
-                                            r.rollout_id))
+def check_level(level: str) -> str:
+    """`level` if it is one of `LEVELS`; else ValueError naming the config key (config.py calls this too)."""
+    if level not in LEVELS:
+        raise ValueError(f"Unknown trace_aggregator_level: {level!r}; set agentlightning.trace_aggregator.level "
+                         f"to one of {list(LEVELS)}.")
+    return level
 
 
 def rollout_reward(rollout: CompletedRollout, reward_fillna_value: float) -> float:
@@ -158,13 +136,13 @@ class _Segment:
     response: list[int]
     mask: list[int]
     logprobs: list[float] | None
-    turns: list[int] = field(default_factory=list)
+    calls: list[int] = field(default_factory=list)
 
     @classmethod
-    def start(cls, turn: int, t: Triplet) -> "_Segment":
+    def start(cls, call: int, t: Triplet) -> "_Segment":
         r = list(t.response_ids)
         lp = list(t.logprobs) if t.logprobs is not None and len(t.logprobs) == len(r) else None
-        return cls(list(t.prompt_ids), r, [1] * len(r), lp, [turn])
+        return cls(list(t.prompt_ids), r, [1] * len(r), lp, [call])
 
     def context_len(self) -> int:
         return len(self.prompt) + len(self.response)
@@ -174,7 +152,7 @@ class _Segment:
         n, k = self.context_len(), len(self.prompt)
         return len(prompt) >= n and prompt[:k] == self.prompt and prompt[k:n] == self.response
 
-    def extend(self, turn: int, t: Triplet) -> None:
+    def extend(self, call: int, t: Triplet) -> None:
         obs = t.prompt_ids[self.context_len() :]  # observation: attended, loss-masked
         r = t.response_ids
         self.response += list(obs) + list(r)
@@ -182,8 +160,8 @@ class _Segment:
         if self.logprobs is not None and t.logprobs is not None and len(t.logprobs) == len(r):
             self.logprobs += [0.0] * len(obs) + list(t.logprobs)
         else:
-            self.logprobs = None  # one turn without (matching) logprobs → the row has none
-        self.turns.append(turn)
+            self.logprobs = None  # one call without (matching) logprobs → the row has none
+        self.calls.append(call)
 
     def context(self) -> list[int]:
         return self.prompt + self.response
@@ -198,7 +176,7 @@ def merge_triplets(
     """Trajectory merge of one rollout's calls.
 
     Returns the segments (rows, ordered by first call) and the merge breaks as
-    ``(turn_index, against_turn, previous context ids, its model mask)``; the break is
+    ``(call, against_call, previous context ids, its model mask)``; the break is
     measured against the open segment sharing the longest id prefix with the prompt.
     """
     segments: list[_Segment] = []
@@ -212,7 +190,7 @@ def merge_triplets(
             continue
         if open_:
             against = max(open_, key=lambda s: common_prefix_len(s.context(), prompt))
-            breaks.append((i, against.turns[-1], against.context(), against.model_mask()))
+            breaks.append((i, against.calls[-1], against.context(), against.model_mask()))
         segment = _Segment.start(i, t)
         open_ = open_ + [segment] if multi_segment else [segment]
         segments.append(segment)
@@ -223,7 +201,7 @@ def _limit_row(segment: _Segment, rollout: CompletedRollout, reward: float,
                max_prompt_length: int | None, max_response_length: int | None) -> Row:
     """Apply the prompt/response limits and the empty-row rule to one segment."""
     prompt, response, mask, lp = segment.prompt, segment.response, segment.mask, segment.logprobs
-    row = Row(rollout.rollout_id, rollout.data_id, list(segment.turns), prompt, response, mask, lp, reward)
+    row = Row(rollout.rollout_id, rollout.data_id, list(segment.calls), prompt, response, mask, lp, reward)
     if max_prompt_length is not None and len(prompt) > max_prompt_length:
         row.tokens_cut += len(prompt) - max_prompt_length
         row.prompt_ids, row.is_drop = prompt[:max_prompt_length], True  # marked, dropped later
@@ -246,13 +224,9 @@ def plan_rows(
     multi_segment: bool = False,
     tokenizer: Any = None,
     diagnose: bool = True,
-) -> RowPlan:
-    """Rows and merge breaks of the sorted rollouts (no padding, no tensors)."""
-    if level not in LEVELS:
-        raise ValueError(
-            f"Unknown trace_aggregator_level: {level!r}; set agentlightning.trace_aggregator.level "
-            f"to one of {LEVELS}."
-        )
+) -> BuiltBatch:
+    """Rows and merge breaks of the sorted rollouts (no padding, no tensors, no metrics)."""
+    check_level(level)
     rollouts = sort_rollouts(completed)
     rows: list[Row] = []
     breaks: list[BreakRecord] = []
@@ -268,18 +242,18 @@ def plan_rows(
     kept = [r for r in rows if not r.skipped_empty]
     for index, row in enumerate(kept):
         row.batch_index = index
-    return RowPlan(rollouts, rows, breaks, level)
+    return BuiltBatch(rollouts, rows, breaks, level)
 
 
 def _break_record(rollout: CompletedRollout, raw: tuple, tokenizer: Any, diagnose: bool) -> BreakRecord:
-    turn, against, context, model_mask = raw
-    t = rollout.triplets[turn]
+    call, against, context, model_mask = raw
+    t = rollout.triplets[call]
     current = list(t.prompt_ids) + list(t.response_ids)
     diagnosis = diagnose_break(context, t.prompt_ids, tokenizer, model_mask=model_mask) if diagnose else None
     return BreakRecord(
-        rollout.rollout_id, rollout.data_id, turn, against,
-        prompt_length=len(t.prompt_ids), response_length=len(t.response_ids),
-        previous_trace_length=len(context), current_trace_length=len(current),
+        rollout.rollout_id, rollout.data_id, call, against,
+        prompt_tokens=len(t.prompt_ids), response_tokens=len(t.response_ids),
+        previous_trace_tokens=len(context), current_trace_tokens=len(current),
         previous_trace=_trace_text(context, tokenizer), current_trace=_trace_text(current, tokenizer),
         diagnosis=diagnosis,
     )
@@ -379,7 +353,7 @@ def to_dataproto(rows: Sequence[Row], arrays: dict[str, np.ndarray]) -> tuple[An
     non_tensors = {
         "data_id_list": data_ids,
         "rollout_id_list": np.array([r.rollout_id for r in rows], dtype=object),
-        "turn_index_list": np.array([r.turns[0] for r in rows], dtype=object),
+        "turn_index_list": np.array([r.calls[0] for r in rows], dtype=object),  # AGL's key name
         "uid": data_ids.copy(),
     }
     data = DataProto.from_dict({k: torch.from_numpy(v) for k, v in tensors.items()}, non_tensors)
@@ -389,7 +363,7 @@ def to_dataproto(rows: Sequence[Row], arrays: dict[str, np.ndarray]) -> tuple[An
 # =========================================================================== metrics
 
 
-def train_metrics(plan: RowPlan, reward_fillna_value: float, n_without_logprobs: int) -> dict[str, float]:
+def train_metrics(plan: BuiltBatch, reward_fillna_value: float, n_without_logprobs: int) -> dict[str, float]:
     """The `training/*` metrics of AGL v1's rollout adapter plus agl_lab's merge-break counts."""
     rollouts, kept = plan.rollouts, [r for r in plan.rows if not r.skipped_empty]
     lengths = [len(t.response_ids) for r in rollouts for t in (r.triplets or [])]
@@ -409,33 +383,14 @@ def train_metrics(plan: RowPlan, reward_fillna_value: float, n_without_logprobs:
         "response_length/training/min_by_turn": int(np.min(lengths)),
     }
     if plan.level == "trajectory":
-        rows_per_rollout = pd.Series([r.rollout_id for r in plan.rows]).value_counts()
-        metrics["training/n_unmerged_rollouts"] = int((rows_per_rollout > 1).sum())
+        rows_per_rollout = Counter(r.rollout_id for r in plan.rows)
+        metrics["training/n_unmerged_rollouts"] = sum(n > 1 for n in rows_per_rollout.values())
         metrics["training/n_trace_merge_mismatch_rows"] = min(len(plan.breaks), MISMATCH_TABLE_ROWS)
         metrics["training/n_merge_breaks"] = len(plan.breaks)
         kinds = [b.diagnosis.kind for b in plan.breaks if b.diagnosis is not None]
         for kind in KINDS:
             metrics[f"training/merge_breaks/{kind}"] = kinds.count(kind)
     return metrics
-
-
-def compact_trajectories(rollouts: Sequence[CompletedRollout], reward_fillna_value: float,
-                         tokenizer: Any = None, limit: int | None = None) -> list[dict[str, Any]]:
-    """{rollout_id, reward, prompt, response} of each rollout's last call (sorted, with trace)."""
-    records = []
-    for r in sort_rollouts(rollouts):
-        if not r.triplets:
-            continue
-        if limit is not None and len(records) >= limit:
-            break
-        last = r.triplets[-1]
-        records.append({
-            "rollout_id": r.rollout_id,
-            "reward": rollout_reward(r, reward_fillna_value),
-            "prompt": decode_ids(last.prompt_ids, tokenizer),
-            "response": decode_ids(last.response_ids, tokenizer),
-        })
-    return records
 
 
 # =========================================================================== entry points
@@ -452,8 +407,8 @@ def build_batch(
     tokenizer: Any = None,
     multi_segment: bool = False,
     diagnose: bool = True,
-) -> BatchResult:
-    """Completed rollouts → `BatchResult(data, metrics, rows, merges, trajectories)`.
+) -> BuiltBatch:
+    """Completed rollouts → `BuiltBatch(rollouts, rows, breaks, level, data, metrics)`.
 
     `tokenizer` (optional) only serves the diagnostics: merge-break classes and decoded texts.
     Raises RuntimeError when no row has a trainable token.
@@ -466,117 +421,14 @@ def build_batch(
                      multi_segment=multi_segment, tokenizer=tokenizer, diagnose=diagnose)
     kept = [r for r in plan.rows if not r.skipped_empty]
     if not kept:
+        n_traced = sum(bool(r.triplets) for r in plan.rollouts)
         raise RuntimeError(
-            "get_train_data_batch emitted zero training rows. "
-            f"({len(plan.rollouts)} rollouts, {sum(bool(r.triplets) for r in plan.rollouts)} with calls, "
-            f"{len(plan.rows)} rows all without a trainable token.)"
+            f"zero training rows: {len(plan.rollouts)} rollouts, {n_traced} with model calls, "
+            f"{len(plan.rows)} rows without a trainable token. Likely causes: the agents do not call "
+            "the model through the gateway (use the base_url their rollout gives them), or every "
+            "call returned an empty response (check the agent's max_tokens and the response limits)."
         )
     arrays = pad_rows(kept, max_prompt_length, max_response_length, pad_token_id)
-    data, n_without = to_dataproto(kept, arrays)
-    return BatchResult(
-        data=data,
-        metrics=train_metrics(plan, reward_fillna_value, n_without),
-        rows=rows_frame(plan.rows),
-        merges=merges_frame(plan.breaks),
-        trajectories=compact_trajectories(plan.rollouts, reward_fillna_value, tokenizer, TRAIN_TRAJECTORY_RECORDS),
-        level=level,
-    )
-
-
-def build_validation(completed: Sequence[CompletedRollout], reward_fillna_value: float = 0.0,
-                     tokenizer: Any = None) -> ValidationResult:
-    """`val/*` metrics of AGL v1 (`get_test_metrics`) and every compact trajectory."""
-    rollouts = sort_rollouts(completed)
-    traced = [r for r in rollouts if r.triplets]
-    if not traced:
-        raise RuntimeError("get_test_metrics received zero completed rollouts with trace.")
-    totals = [sum(len(t.response_ids) for t in r.triplets) for r in traced]
-    metrics = {
-        "val/reward": float(np.mean([rollout_reward(r, reward_fillna_value) for r in rollouts])),
-        "val/n_rollouts": len(rollouts),
-        "val/n_rollouts_w_trace": len(traced),
-        "val/n_rollouts_w_reward": sum(r.final_reward is not None for r in rollouts),
-        "val/mean_response_length_per_turn": float(np.mean([t / len(r.triplets) for t, r in zip(totals, traced)])),
-        "val/mean_total_response_length_per_rollout": float(np.mean(totals)),
-        "val/turn_count": float(np.mean([len(r.triplets) for r in traced])),
-    }
-    return ValidationResult(metrics, compact_trajectories(rollouts, reward_fillna_value, tokenizer))
-
-
-def validation_metrics(completed: Sequence[CompletedRollout], reward_fillna_value: float = 0.0) -> dict[str, float]:
-    """The `val/*` metrics only (see `build_validation`)."""
-    return build_validation(completed, reward_fillna_value).metrics
-
-
-# =========================================================================== W&B side-uploads
-
-
-MISMATCH_COLUMNS = [
-    "global_steps", "rollout_id", "data_id", "turn_index", "template_mismatch", "retoken_mismatch",
-    "others_mismatch", "prompt_length", "response_length", "previous_trace_length",
-    "current_trace_length", "previous_trace", "current_trace",
-]
-TRAJECTORY_TABLE_COLUMNS = ["global_steps", "trajectory_artifact", "trajectory_artifact_path", "row_count"]
-
-
-def mismatch_table_rows(merges: pd.DataFrame, step: int) -> list[list[Any]]:
-    """AGL v1's `training/trace_merge_mismatches` rows (first 100 breaks), flags from the diagnosis."""
-    out = []
-    for b in merges.head(MISMATCH_TABLE_ROWS).itertuples(index=False):
-        out.append([
-            step, b.rollout_id, b.data_id, b.turn_index, b.kind == "template", b.kind == "retokenization",
-            b.kind not in ("template", "retokenization"), b.prompt_length, b.response_length,
-            b.previous_trace_length, b.current_trace_length, b.previous_trace, b.current_trace,
-        ])
-    return out
-
-
-def trajectories_zip(records: Sequence[dict[str, Any]], member: str) -> bytes:
-    """One JSONL member (compact separators, UTF-8) in a deflate zip."""
-    lines = "".join(json.dumps(r, separators=(",", ":"), ensure_ascii=False) + "\n" for r in records)
-    buffer = io.BytesIO()
-    with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_DEFLATED) as zf:
-        zf.writestr(member, lines.encode("utf-8"))
-    return buffer.getvalue()
-
-
-def log_batch_artifacts(run: Any, result: BatchResult | ValidationResult, step: int, split: str = "train",
-                        *, wandb_module: Any = None) -> None:
-    """Upload AGL v1's side tables to a W&B run (`run.log`, `run.log_artifact`, `run.id`).
-
-    train: `training/trace_merge_mismatches` (always, ≤100 rows) and the 24 compact
-    trajectories; validation: all compact trajectories. `wandb_module` supplies `Table` and
-    `Artifact` (default: `import wandb`). An upload failure warns and never stops training.
-    """
-    if split not in ("train", "validation"):
-        raise ValueError(f"log_batch_artifacts: split must be 'train' or 'validation', got {split!r}.")
-    if split == "train" and not isinstance(result, BatchResult):
-        raise TypeError("log_batch_artifacts: split 'train' needs the BatchResult of build_batch.")
-    if wandb_module is None:
-        import wandb as wandb_module
-    try:
-        if split == "train":
-            rows = mismatch_table_rows(result.merges, step)
-            table = wandb_module.Table(columns=list(MISMATCH_COLUMNS), data=rows)
-            run.log({"training/trace_merge_mismatches": table}, step=step)
-        _log_trajectories(run, result.trajectories, step, split, wandb_module)
-    except Exception as exc:  # noqa: BLE001 - W&B side-uploads are best effort, like AGL v1
-        warnings.warn(f"log_batch_artifacts: W&B upload for step {step} failed: {exc!r}", stacklevel=2)
-
-
-def _log_trajectories(run: Any, records: list[dict[str, Any]], step: int, split: str, wandb_module: Any) -> None:
-    """The jsonl.zip artifact of compact trajectories and its one-row pointer table."""
-    safe_id = re.sub(r"[^A-Za-z0-9_.-]", "_", str(getattr(run, "id", None) or "run"))
-    name = f"{split}-trajectories-{safe_id}-step-{step}"
-    path = f"step_{step}/{split}_trajectories.jsonl.zip"
-    artifact = wandb_module.Artifact(name=name, type=f"{split}_trajectories",
-                                     metadata={"global_steps": step, "row_count": len(records), "format": "jsonl.zip"})
-    with tempfile.TemporaryDirectory() as tmp:
-        local = os.path.join(tmp, os.path.basename(path))
-        with open(local, "wb") as fh:
-            fh.write(trajectories_zip(records, f"{split}_trajectories.jsonl"))
-        artifact.add_file(local, name=path)  # wandb copies the file here (policy "mutable")
-        run.log_artifact(artifact)
-    key = "training/rollout_trajectories" if split == "train" else "val/rollout_trajectories"
-    table = wandb_module.Table(columns=list(TRAJECTORY_TABLE_COLUMNS), data=[[step, name, path, len(records)]])
-    run.log({key: table}, step=step)
+    plan.data, n_without = to_dataproto(kept, arrays)
+    plan.metrics = train_metrics(plan, reward_fillna_value, n_without)
+    return plan

@@ -9,20 +9,24 @@ trainer) and `AsyncAglClient` (async, used by runners) — speak the AGL v1 wire
    DELETEs) retry transport errors, 429 and 5xx with capped exponential backoff
    `min(backoff_base * 2**attempt, backoff_cap)` (a `Retry-After` header lengthens the wait).
    Other 4xx fail at once: AGL v1 retried a 401 for ~3.5 minutes before surfacing it.
-   Non-idempotent calls (status PATCH, event POST) are sent once.
+   Non-idempotent calls (status PATCH, event POST) are sent once unless the caller passes
+   `retry=True` because it can tolerate a resend (the runner's terminal PATCH and reward).
 2. **Errors carry the server's words.** `AglHTTPError` holds method, path, status and the
    server's `detail`; a 401 is an `AglAuthError` that names the config key to fix.
 3. **One request per poll.** `wait_for_terminal` follows the append-only terminal log
    (`GET /api/rollouts/terminal?after=cursor`) instead of one GET per rollout per second, and
    its timeout error names the unfinished rollouts with their current states.
 
-The request/response shapes live in small pure helpers (`_Call` builders and parsers) shared
-by both clients, so the sync and async classes are thin and cannot drift apart.
+The request/response shapes live in small pure helpers (`_Call` builders and parsers) and the
+retry decisions in one `_RetryPolicy.outcome`, shared by both clients: the sync and async
+`_send` are the same five-line loop (one blocks, one awaits) and cannot drift apart. The
+runner talks to the server through an `AglClient` too, so there is one request/retry path.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -146,10 +150,10 @@ def _parse_rollout_with_attempts(body: Any) -> tuple[Rollout, list[str]]:
     return Rollout.model_validate(body), []
 
 
-def _patch_status_call(rollout_id: str, fields: dict[str, Any]) -> _Call:
+def _patch_status_call(rollout_id: str, fields: dict[str, Any], retry: bool = False) -> _Call:
     patch = RolloutStatusPatch(**fields)  # unknown fields fail here, naming the field
     body = {"status": patch.model_dump(mode="json", exclude_unset=True)}
-    return _Call("PATCH", f"/api/rollouts/{rollout_id}", json=body)
+    return _Call("PATCH", f"/api/rollouts/{rollout_id}", json=body, retry=retry)
 
 
 def _events_call(rollout_id: str, event_type: str | None, fmt: str | None) -> _Call:
@@ -157,9 +161,9 @@ def _events_call(rollout_id: str, event_type: str | None, fmt: str | None) -> _C
     return _Call("GET", f"/api/rollouts/{rollout_id}/events", params=params, retry=True)
 
 
-def _add_event_call(rollout_id: str, attempt_id: str, event_type: str, data: dict) -> _Call:
+def _add_event_call(rollout_id: str, attempt_id: str, event_type: str, data: dict, retry: bool = False) -> _Call:
     body = EventCreate(event_type=event_type, data=dict(data or {})).model_dump(mode="json")
-    return _Call("POST", f"/api/rollouts/{rollout_id}/attempt/{attempt_id}/events", json=body)
+    return _Call("POST", f"/api/rollouts/{rollout_id}/attempt/{attempt_id}/events", json=body, retry=retry)
 
 
 def _terminal_call(after: int, limit: int) -> _Call:
@@ -180,7 +184,7 @@ def _page_is_full(page: TerminalPage) -> bool:
 
 
 # =============================================================================================
-# Retry policy shared by both clients
+# Retry policy and request arguments shared by both clients (and, through AglClient, the runner)
 # =============================================================================================
 
 
@@ -207,24 +211,41 @@ class _RetryPolicy:
                 pass
         return delay
 
-    def check(self, call: _Call, response: httpx.Response, attempt: int) -> bool:
-        """True when `response` is final (2xx); raise for errors that must not be retried."""
-        if response.is_success:
-            return True
-        if response.status_code == 401:
-            raise AglAuthError(call.method, call.path, _detail_of(response))
-        last = attempt + 1 >= self.attempts(call)
-        if not self.retryable(response.status_code) or last:
-            raise AglHTTPError(
-                call.method, call.path, response.status_code, _detail_of(response), attempt + 1
-            )
-        return False
+    def outcome(self, base_url: str, call: _Call, attempt: int, answer: httpx.Response | Exception) -> tuple[bool, Any]:
+        """What to do after attempt `attempt` of `call` got `answer` (a response or a transport error).
 
-    def log_retry(self, call: _Call, attempt: int, what: str, delay: float) -> None:
+        `(True, body)`: done, `body` is the decoded JSON (None if empty). `(False, delay)`: wait
+        `delay` seconds and send again. Raises `AglAuthError` (401, never retried),
+        `AglHTTPError` (other errors, or the last attempt) or `AglConnectionError`.
+        """
+        last = attempt + 1 >= self.attempts(call)
+        if isinstance(answer, Exception):
+            if last:
+                raise _unreachable(base_url, call, attempt + 1, answer) from answer
+            delay = self.delay(attempt, None)
+            self._log_retry(call, attempt, repr(answer), delay)
+            return False, delay
+        if answer.is_success:
+            return True, answer.json() if answer.content else None
+        if answer.status_code == 401:
+            raise AglAuthError(call.method, call.path, _detail_of(answer))
+        if not self.retryable(answer.status_code) or last:
+            raise AglHTTPError(call.method, call.path, answer.status_code, _detail_of(answer), attempt + 1)
+        delay = self.delay(attempt, answer)
+        self._log_retry(call, attempt, f"HTTP {answer.status_code}", delay)
+        return False, delay
+
+    def _log_retry(self, call: _Call, attempt: int, what: str, delay: float) -> None:
         logger.warning(
             "%s %s failed (attempt %d/%d): %s; retrying in %.2fs",
             call.method, call.path, attempt + 1, self.attempts(call), what, delay,
         )
+
+
+def _request_args(call: _Call) -> dict[str, Any]:
+    """Keyword arguments of `httpx.(Async)Client.request` for `call` (one place for both clients)."""
+    timeout = call.timeout if call.timeout is not None else httpx.USE_CLIENT_DEFAULT
+    return {"method": call.method, "url": call.path, "params": call.params, "json": call.json, "timeout": timeout}
 
 
 def _auth_headers(key: str) -> dict[str, str]:
@@ -279,25 +300,15 @@ class AglClient:
 
     def _send(self, call: _Call) -> Any:
         """Send `call` with the retry policy; return the decoded JSON body (None if empty)."""
-        n = self._policy.attempts(call)
-        for attempt in range(n):
+        for attempt in itertools.count():
             try:
-                response = self.http.request(
-                    call.method, call.path, params=call.params, json=call.json,
-                    timeout=call.timeout if call.timeout is not None else httpx.USE_CLIENT_DEFAULT,
-                )
+                answer: httpx.Response | Exception = self.http.request(**_request_args(call))
             except httpx.TransportError as exc:
-                if attempt + 1 >= n:
-                    raise _unreachable(self.base_url, call, n, exc) from exc
-                delay = self._policy.delay(attempt, None)
-                self._policy.log_retry(call, attempt, repr(exc), delay)
-                time.sleep(delay)
-                continue
-            if self._policy.check(call, response, attempt):
-                return response.json() if response.content else None
-            delay = self._policy.delay(attempt, response)
-            self._policy.log_retry(call, attempt, f"HTTP {response.status_code}", delay)
-            time.sleep(delay)
+                answer = exc
+            done, value = self._policy.outcome(self.base_url, call, attempt, answer)
+            if done:
+                return value
+            time.sleep(value)
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _best_effort(self, call: _Call) -> bool:
@@ -335,9 +346,13 @@ class AglClient:
         params = {"state_in": [str(s) for s in states], "limit": limit}
         return _parse_rollouts(self._send(_Call("GET", "/api/rollouts", params=params, retry=True)))
 
-    def patch_status(self, rollout_id: str, **fields: Any) -> Rollout:
-        """PATCH the status (state, last_attempt_id, error_message, k8s_job_name); sent once."""
-        return Rollout.model_validate(self._send(_patch_status_call(rollout_id, fields)))
+    def patch_status(self, rollout_id: str, *, retry: bool = False, **fields: Any) -> Rollout:
+        """PATCH the status (state, last_attempt_id, error_message, k8s_job_name).
+
+        Sent once unless `retry`: resending a terminal PATCH is safe when the caller reads a
+        409 on the resend as "already done" (the runner does).
+        """
+        return Rollout.model_validate(self._send(_patch_status_call(rollout_id, fields, retry)))
 
     def delete_rollout(self, rollout_id: str) -> bool:
         """Best-effort DELETE (the server answers 204 even for unknown ids)."""
@@ -345,8 +360,11 @@ class AglClient:
 
     # -- events --------------------------------------------------------------------------
 
-    def add_event(self, rollout_id: str, attempt_id: str, event_type: str, data: dict) -> Event:
-        return Event.model_validate(self._send(_add_event_call(rollout_id, attempt_id, event_type, data)))
+    def add_event(
+        self, rollout_id: str, attempt_id: str, event_type: str, data: dict, *, retry: bool = False
+    ) -> Event:
+        """POST one event; sent once unless `retry` (a resend may record the event twice)."""
+        return Event.model_validate(self._send(_add_event_call(rollout_id, attempt_id, event_type, data, retry)))
 
     def get_events(
         self, rollout_id: str, event_type: str | None = None, fmt: str | None = None
@@ -471,25 +489,16 @@ class AsyncAglClient:
         )
 
     async def _send(self, call: _Call) -> Any:
-        n = self._policy.attempts(call)
-        for attempt in range(n):
+        """`AglClient._send`, awaited: same request, same retry decisions."""
+        for attempt in itertools.count():
             try:
-                response = await self.http.request(
-                    call.method, call.path, params=call.params, json=call.json,
-                    timeout=call.timeout if call.timeout is not None else httpx.USE_CLIENT_DEFAULT,
-                )
+                answer: httpx.Response | Exception = await self.http.request(**_request_args(call))
             except httpx.TransportError as exc:
-                if attempt + 1 >= n:
-                    raise _unreachable(self.base_url, call, n, exc) from exc
-                delay = self._policy.delay(attempt, None)
-                self._policy.log_retry(call, attempt, repr(exc), delay)
-                await asyncio.sleep(delay)
-                continue
-            if self._policy.check(call, response, attempt):
-                return response.json() if response.content else None
-            delay = self._policy.delay(attempt, response)
-            self._policy.log_retry(call, attempt, f"HTTP {response.status_code}", delay)
-            await asyncio.sleep(delay)
+                answer = exc
+            done, value = self._policy.outcome(self.base_url, call, attempt, answer)
+            if done:
+                return value
+            await asyncio.sleep(value)
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def _best_effort(self, call: _Call) -> bool:
@@ -523,14 +532,16 @@ class AsyncAglClient:
         params = {"state_in": [str(s) for s in states], "limit": limit}
         return _parse_rollouts(await self._send(_Call("GET", "/api/rollouts", params=params, retry=True)))
 
-    async def patch_status(self, rollout_id: str, **fields: Any) -> Rollout:
-        return Rollout.model_validate(await self._send(_patch_status_call(rollout_id, fields)))
+    async def patch_status(self, rollout_id: str, *, retry: bool = False, **fields: Any) -> Rollout:
+        return Rollout.model_validate(await self._send(_patch_status_call(rollout_id, fields, retry)))
 
     async def delete_rollout(self, rollout_id: str) -> bool:
         return await self._best_effort(_Call("DELETE", f"/api/rollouts/{rollout_id}", retry=True))
 
-    async def add_event(self, rollout_id: str, attempt_id: str, event_type: str, data: dict) -> Event:
-        body = await self._send(_add_event_call(rollout_id, attempt_id, event_type, data))
+    async def add_event(
+        self, rollout_id: str, attempt_id: str, event_type: str, data: dict, *, retry: bool = False
+    ) -> Event:
+        body = await self._send(_add_event_call(rollout_id, attempt_id, event_type, data, retry))
         return Event.model_validate(body)
 
     async def get_events(

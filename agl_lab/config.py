@@ -22,6 +22,15 @@ from typing import Any, Iterable, Mapping
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from agl_lab.algorithms import (
+    DIVISORS,
+    SMALL_BATCH_CHOICES,
+    check_divisor,
+    check_estimator,
+    check_selection_args,
+)
+from agl_lab.batch import LEVELS, check_level
+
 # ---------------------------------------------------------------------------------------------
 # Defaults
 # ---------------------------------------------------------------------------------------------
@@ -206,20 +215,30 @@ def load_config(
 # Validation: contradictions, with the fix
 # ---------------------------------------------------------------------------------------------
 
-_CHOICES = {
-    "agl_lab.engine": ("local", "verl"),
-    "agl_lab.algorithm.normalize_by": ("rollouts", "rows"),
-    "agl_lab.algorithm.small_batch": ("train", "skip"),
-    "agl_lab.wandb.mode": ("disabled", "offline", "online"),
-    "agentlightning.trace_aggregator.level": ("transition", "trajectory"),
+# Allowed values. The learning rules' tuples and checks live in the pure modules that apply
+# them (batch, algorithms); `validate` calls those checks, so each rule has one message.
+ENGINES = ("local", "verl")
+WANDB_MODES = ("disabled", "offline", "online")
+CHOICES = {
+    "agl_lab.engine": ENGINES,
+    "agl_lab.wandb.mode": WANDB_MODES,
+    "agl_lab.algorithm.normalize_by": DIVISORS,
+    "agl_lab.algorithm.small_batch": SMALL_BATCH_CHOICES,
+    "agentlightning.trace_aggregator.level": LEVELS,
 }
 
 
 def validate(cfg: DictConfig) -> None:
-    for key, choices in _CHOICES.items():
+    for key in ("agl_lab.engine", "agl_lab.wandb.mode"):
         value = OmegaConf.select(cfg, key)
-        if value not in choices:
-            raise ConfigError(f"{key}={value!r} is not one of {list(choices)}")
+        if value not in CHOICES[key]:
+            raise ConfigError(f"{key}={value!r} is not one of {list(CHOICES[key])}")
+    if cfg.actor_rollout_ref.rollout.n < 1:
+        raise ConfigError("actor_rollout_ref.rollout.n must be >= 1 (the GRPO group size)")
+    try:
+        _check_learning_rules(cfg)
+    except (ValueError, NotImplementedError) as e:
+        raise ConfigError(str(e)) from None
     agl = cfg.agentlightning
     if agl.async_rollout.enabled:
         a, b = agl.async_rollout.async_train_batch_size, cfg.data.train_batch_size
@@ -229,26 +248,24 @@ def validate(cfg: DictConfig) -> None:
                 f"data.train_batch_size ({b}) when async_rollout.enabled=true; "
                 f"AGL recommends 2 × train_batch_size (e.g. {2 * b})"
             )
-    if cfg.actor_rollout_ref.rollout.n < 1:
-        raise ConfigError("actor_rollout_ref.rollout.n must be >= 1 (the GRPO group size)")
     rc = cfg.algorithm.get("rollout_correction") or {}
     if rc.get("bypass_mode") and not cfg.agl_lab.server.include_log_probs:
         raise ConfigError(
             "algorithm.rollout_correction.bypass_mode=true needs sampling logprobs: "
             "set agl_lab.server.include_log_probs=true"
         )
-    estimator = str(cfg.algorithm.adv_estimator).lower()
-    if cfg.algorithm.enable_rollout_level_advantage and estimator == "gae":
-        raise ConfigError(
-            "algorithm.adv_estimator=gae gives token-varying advantages, which rollout-level "
-            "advantage cannot broadcast: set algorithm.adv_estimator=grpo (or rloo, …) or "
-            "algorithm.enable_rollout_level_advantage=false"
-        )
-    if estimator == "remax":
-        raise ConfigError("algorithm.adv_estimator=remax is not supported (as in AGL v1): use grpo")
+
+
+def _check_learning_rules(cfg: DictConfig) -> None:
+    """The checks of the modules that apply the rules (their ValueError names the config key)."""
+    check_level(cfg.agentlightning.trace_aggregator.level)
+    check_divisor(cfg.agl_lab.algorithm.normalize_by)
+    check_estimator(cfg.algorithm.adv_estimator, rollout_level=bool(cfg.algorithm.enable_rollout_level_advantage))
     mini = cfg.actor_rollout_ref.actor.ppo_mini_batch_size
-    if mini is None or mini < 1:
-        raise ConfigError("actor_rollout_ref.actor.ppo_mini_batch_size must be a positive number of tasks")
+    n = cfg.actor_rollout_ref.rollout.n
+    max_updates = cfg.agentlightning.max_ppo_update_times
+    check_selection_args(int(mini or 0) * int(n), None if max_updates is None else int(max_updates),
+                         small_batch=str(cfg.agl_lab.algorithm.small_batch))
 
 
 def to_container(cfg: DictConfig) -> dict[str, Any]:

@@ -3,15 +3,44 @@
 W&B is off by default (`agl_lab.wandb.mode: disabled`); `offline` writes a local run that
 `wandb sync` can upload later, `online` needs an API key. Nothing here is imported by the
 pure core.
+
+With W&B on, the Trainer also uploads AGL v1's side tables through `MetricsLogger.log_tables`
+(`log_batch_tables` below), built from the stage results:
+
+| W&B key                              | when       | content                                       |
+|--------------------------------------|------------|-----------------------------------------------|
+| `training/trace_merge_mismatches`    | each step  | the first 100 merge breaks (AGL's columns)    |
+| `training/rollout_trajectories`      | each step  | pointer to a jsonl.zip of 24 compact rollouts |
+| `val/rollout_trajectories`           | validation | pointer to a jsonl.zip of every val rollout   |
+
+A compact trajectory is `{rollout_id, reward, prompt, response}` of a rollout's last call.
+An upload failure warns and never stops training (as in AGL v1).
 """
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
+import re
+import tempfile
+import warnings
+import zipfile
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
+
+from agl_lab.batch import MISMATCH_TABLE_ROWS, BreakRecord
+from agl_lab.results import BatchResult
+from agl_lab.validation import compact_trajectories
+
+TRAIN_TRAJECTORY_RECORDS = 24  # compact train trajectories uploaded per step (AGL v1)
+MISMATCH_COLUMNS = [
+    "global_steps", "rollout_id", "data_id", "turn_index", "template_mismatch", "retoken_mismatch",
+    "others_mismatch", "prompt_length", "response_length", "previous_trace_length",
+    "current_trace_length", "previous_trace", "current_trace",
+]  # AGL v1's column names, kept for dashboards built on them
+TRAJECTORY_TABLE_COLUMNS = ["global_steps", "trajectory_artifact", "trajectory_artifact_path", "row_count"]
 
 # The keys the console line shows, in order, with their short labels.
 CONSOLE_KEYS = (
@@ -75,6 +104,14 @@ class MetricsLogger:
     def wandb_run(self):
         return self._wandb_run
 
+    def log_tables(self, step: int, result: Any, split: str = "train", *, tokenizer: Any = None,
+                   reward_fillna_value: float = 0.0) -> None:
+        """AGL v1's W&B side tables of a `BatchResult` (train) or `ValidationResult`; no-op
+        without W&B."""
+        if self._wandb_run is not None:
+            log_batch_tables(self._wandb_run, result, step, split, tokenizer=tokenizer,
+                             reward_fillna_value=reward_fillna_value)
+
     def close(self) -> None:
         if self._wandb_run is not None:
             self._wandb_run.finish()
@@ -85,3 +122,76 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     """The records of a `metrics.jsonl` file, in order."""
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+# =========================================================================== W&B side tables
+
+
+def mismatch_table_rows(breaks: Sequence[BreakRecord], step: int) -> list[list[Any]]:
+    """AGL v1's `training/trace_merge_mismatches` rows (first 100 breaks), flags from the diagnosis."""
+    out = []
+    for b in breaks[:MISMATCH_TABLE_ROWS]:
+        kind = b.diagnosis.kind if b.diagnosis is not None else None
+        out.append([
+            step, b.rollout_id, b.data_id, b.call, kind == "template", kind == "retokenization",
+            kind not in ("template", "retokenization"), b.prompt_tokens, b.response_tokens,
+            b.previous_trace_tokens, b.current_trace_tokens, b.previous_trace, b.current_trace,
+        ])
+    return out
+
+
+def trajectories_zip(records: Sequence[dict[str, Any]], member: str) -> bytes:
+    """One JSONL member (compact separators, UTF-8) in a deflate zip."""
+    lines = "".join(json.dumps(r, separators=(",", ":"), ensure_ascii=False) + "\n" for r in records)
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr(member, lines.encode("utf-8"))
+    return buffer.getvalue()
+
+
+def log_batch_tables(run: Any, result: Any, step: int, split: str = "train", *, tokenizer: Any = None,
+                     reward_fillna_value: float = 0.0, wandb_module: Any = None) -> None:
+    """Upload AGL v1's side tables to a W&B run (`run.log`, `run.log_artifact`, `run.id`).
+
+    train (`result`: `agl_lab.results.BatchResult`): `training/trace_merge_mismatches`
+    (always, ≤100 rows) and the first 24 compact trajectories, decoded with `tokenizer`;
+    validation (`result`: `agl_lab.validation.ValidationResult`): all its compact trajectories.
+    `wandb_module` supplies `Table` and `Artifact` (default: `import wandb`).
+    """
+    if split not in ("train", "validation"):
+        raise ValueError(f"log_batch_tables: split must be 'train' or 'validation', got {split!r}.")
+    if split == "train" and not isinstance(result, BatchResult):
+        raise TypeError("log_batch_tables: split 'train' needs the BatchResult of Trainer.build_batch "
+                        "(or agl_lab.results.BatchResult(agl_lab.batch.build_batch(...))).")
+    if wandb_module is None:
+        import wandb as wandb_module
+    try:
+        if split == "train":
+            table = wandb_module.Table(columns=list(MISMATCH_COLUMNS),
+                                       data=mismatch_table_rows(result.built.breaks, step))
+            run.log({"training/trace_merge_mismatches": table}, step=step)
+            records = compact_trajectories(result.rollouts, reward_fillna_value, tokenizer,
+                                           TRAIN_TRAJECTORY_RECORDS)
+        else:
+            records = result.trajectories
+        _log_trajectories(run, records, step, split, wandb_module)
+    except Exception as exc:  # noqa: BLE001 - W&B side-uploads are best effort, like AGL v1
+        warnings.warn(f"log_batch_tables: W&B upload for step {step} failed: {exc!r}", stacklevel=2)
+
+
+def _log_trajectories(run: Any, records: list[dict[str, Any]], step: int, split: str, wandb_module: Any) -> None:
+    """The jsonl.zip artifact of compact trajectories and its one-row pointer table."""
+    safe_id = re.sub(r"[^A-Za-z0-9_.-]", "_", str(getattr(run, "id", None) or "run"))
+    name = f"{split}-trajectories-{safe_id}-step-{step}"
+    path = f"step_{step}/{split}_trajectories.jsonl.zip"
+    artifact = wandb_module.Artifact(name=name, type=f"{split}_trajectories",
+                                     metadata={"global_steps": step, "row_count": len(records), "format": "jsonl.zip"})
+    with tempfile.TemporaryDirectory() as tmp:
+        local = os.path.join(tmp, os.path.basename(path))
+        with open(local, "wb") as fh:
+            fh.write(trajectories_zip(records, f"{split}_trajectories.jsonl"))
+        artifact.add_file(local, name=path)  # wandb copies the file here (policy "mutable")
+        run.log_artifact(artifact)
+    key = "training/rollout_trajectories" if split == "train" else "val/rollout_trajectories"
+    table = wandb_module.Table(columns=list(TRAJECTORY_TABLE_COLUMNS), data=[[step, name, path, len(records)]])
+    run.log({key: table}, step=step)

@@ -1,23 +1,32 @@
 """What each stage of a training step returns: plain objects that display well in Jupyter.
 
     RolloutResult  .rollouts (list[CompletedRollout]) .triplets .lifecycle .groups .metrics
-    BatchResult    .data (verl DataProto) .rows .merges .groups .metrics
-    UpdateResult   .metrics .advantages .dropped .skipped
+    BatchResult    .data (verl DataProto) .rows .breaks .groups .metrics .built (the records)
+    UpdateResult   .metrics .weights .dropped .skipped
 
-DataFrames are computed on first access from the stage's own data (`agl_lab.views`), so a
-result is cheap to create and can be rebuilt with other settings from the same rollouts.
+DataFrames are computed on first access from the stage's own records (`agl_lab.views`) and
+cached, so a result is cheap to create and can be rebuilt with other settings from the same
+rollouts. Outside a Trainer, wrap the batch builder's record yourself:
+`BatchResult(agl_lab.batch.build_batch(rollouts, ...))`.
+
+Deprecated for one release: `BatchResult.merges` (use `.breaks`) and `UpdateResult.advantages`
+(use `.weights`); both warn with DeprecationWarning.
 """
 
 from __future__ import annotations
 
 import html
+import warnings
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from agl_lab.rollout import CompletedRollout
+from agl_lab.records import CompletedRollout
+
+if TYPE_CHECKING:  # batch imports torch; the results only hold its record
+    from agl_lab.batch import BuiltBatch
 
 
 def _metrics_table(metrics: dict[str, Any], keys: list[str]) -> str:
@@ -37,6 +46,11 @@ def _summary_html(title: str, lines: list[str], metrics: dict[str, Any], keys: l
 
 def _short_repr(obj: Any, parts: list[str]) -> str:
     return f"{type(obj).__name__}({', '.join(parts)})"
+
+
+def _deprecated(old: str, new: str) -> None:
+    warnings.warn(f"{old} is deprecated and will be removed in the next release; use {new}",
+                  DeprecationWarning, stacklevel=3)
 
 
 @dataclass(repr=False)
@@ -88,32 +102,67 @@ class RolloutResult:
 
 @dataclass(repr=False)
 class BatchResult:
-    """Training rows built from a rollout phase, as a verl DataProto plus views."""
+    """Training rows built from a rollout phase: the verl DataProto, its records and views.
 
-    step: int
-    data: Any
-    rows: pd.DataFrame
-    merges: pd.DataFrame
-    metrics: dict[str, Any]
-    rollouts: list[CompletedRollout] = field(default_factory=list)
-    build: Any = None  # the `agl_lab.batch.BatchResult` behind this result (rows, trajectories)
+    `built` is the batch builder's plain record (`agl_lab.batch.BuiltBatch`); `.rows`,
+    `.breaks` and `.groups` are DataFrames built from it on first access.
+    """
+
+    built: "BuiltBatch"
+    step: int = 0
+    metrics: dict[str, Any] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = dict(self.built.metrics)
+
+    @property
+    def data(self) -> Any:
+        """The verl DataProto of the kept rows."""
+        return self.built.data
+
+    @property
+    def level(self) -> str:
+        return self.built.level
+
+    @property
+    def rollouts(self) -> list[CompletedRollout]:
+        """The rollouts the rows came from, sorted as the batch builder sorts them."""
+        return self.built.rollouts
+
+    @cached_property
+    def rows(self) -> pd.DataFrame:
+        from agl_lab.views import rows_frame
+
+        return rows_frame(self.built.rows)
+
+    @cached_property
+    def breaks(self) -> pd.DataFrame:
+        from agl_lab.views import breaks_frame
+
+        return breaks_frame(self.built.breaks)
+
+    @property
+    def merges(self) -> pd.DataFrame:
+        """Deprecated alias of `.breaks`."""
+        _deprecated("BatchResult.merges", "BatchResult.breaks")
+        return self.breaks
 
     @cached_property
     def groups(self) -> pd.DataFrame:
         from agl_lab.views import groups_df
 
-        return groups_df(self.rollouts, self.build)
+        return groups_df(self.rollouts, self.built)
 
     def __repr__(self) -> str:
         n_rows = len(self.data) if self.data is not None else 0
         return _short_repr(self, [f"step={self.step}", f"rows={n_rows}", f"rollouts={len(self.rollouts)}",
-                                  f"merge_breaks={len(self.merges)}"])
+                                  f"breaks={len(self.built.breaks)}"])
 
     def _repr_html_(self) -> str:
         n_rows = len(self.data) if self.data is not None else 0
         lines = [
-            f"step {self.step} · {n_rows} rows from {len(self.rollouts)} rollouts",
-            f"{len(self.merges)} merge breaks",
+            f"step {self.step} · {n_rows} rows from {len(self.rollouts)} rollouts ({self.level} level)",
+            f"{len(self.built.breaks)} merge breaks",
         ]
         keys = ["training/n_sample", "training/n_unmerged_rollouts", "training/n_truncated_sample",
                 "training/n_trace_merge_mismatch_rows"]
@@ -122,14 +171,24 @@ class BatchResult:
 
 @dataclass(repr=False)
 class UpdateResult:
-    """One policy update: metrics, per-rollout advantages/weights and every dropped row."""
+    """One policy update: metrics, the per-rollout loss-weight table and every dropped row.
+
+    `weights`: one line per trained rollout with its advantage and the loss weight it carries
+    (`agl_lab.algorithms.rollout_weights_table`); empty when the step was skipped.
+    """
 
     step: int
     metrics: dict[str, Any]
-    advantages: pd.DataFrame
+    weights: pd.DataFrame
     dropped: pd.DataFrame
     skipped: bool = False
     policy_version: int = 0
+
+    @property
+    def advantages(self) -> pd.DataFrame:
+        """Deprecated alias of `.weights`."""
+        _deprecated("UpdateResult.advantages", "UpdateResult.weights")
+        return self.weights
 
     def __repr__(self) -> str:
         return _short_repr(self, [f"step={self.step}", f"skipped={self.skipped}",

@@ -1,37 +1,26 @@
-"""Rollout phase: the data that comes back from agents, and the managers that collect it.
+"""Rollout phase over HTTP: the managers that enqueue rollouts and collect them.
 
-A `Triplet` is one LLM call of a rollout reduced to token ids; a `CompletedRollout` is one
-terminal rollout with its triplets, final reward and lifecycle timestamps. The batch builder
-(`agl_lab.batch`) turns a list of completed rollouts into training rows.
+What a collected rollout becomes (`Triplet`, `CompletedRollout`, events -> completed rollout,
+lifecycle metrics) is pure and lives in `agl_lab.records`; this module is the I/O around it.
 
-Below the dataclasses, in three stages:
-
-1. **Events -> CompletedRollout** (pure, AGL v1 parity): error calls and calls without
-   response tokens are skipped, the last reward event wins and lands on the last triplet,
-   malformed logprobs become None, `policy_version` is the oldest `model_version` the
-   rollout's calls were served with.
-2. **Lifecycle metrics** (pure): queue wait, run duration and total time per rollout.
-3. **Managers** (HTTP): `SyncRolloutManager` enqueues `n` rollouts per task and waits for
-   all of them; `AsyncRolloutManager` keeps `async_train_batch_size` groups in flight and
-   hands out `train_batch_size` whole groups per step, carrying the rest over. Both wait on
-   the server's terminal cursor (one request per poll, not one per rollout), process each
-   terminal rollout exactly once (hook -> events -> CompletedRollout -> DELETE), and bound
-   the wait with an error that names the unfinished rollouts.
+`SyncRolloutManager` enqueues `n` rollouts per task and waits for all of them;
+`AsyncRolloutManager` keeps `async_train_batch_size` groups in flight and hands out
+`train_batch_size` whole groups per step, carrying the rest over. Both wait on the server's
+terminal cursor (one request per poll, not one per rollout), process each terminal rollout
+exactly once (hook -> events -> CompletedRollout -> DELETE), and bound the wait with an
+error that names the unfinished rollouts.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
 import uuid
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
-
-import numpy as np
 
 from agl_lab.client import RolloutWaitTimeout
 from agl_lab.hooks import BufferedTraceWriter, RolloutHooks
@@ -42,6 +31,12 @@ from agl_lab.protocol import (
     RolloutCreate,
     RolloutState,
 )
+from agl_lab.records import (
+    CompletedRollout,
+    completed_rollout_from_dict,
+    completed_rollout_to_dict,
+    events_to_completed_rollout,
+)
 
 if TYPE_CHECKING:
     from agl_lab.client import AglClient
@@ -49,220 +44,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class Triplet:
-    """One model call: prompt ids, sampled response ids (+ their logprobs), reward.
-
-    | field        | type              | meaning                                              |
-    |--------------|-------------------|------------------------------------------------------|
-    | prompt_ids   | list[int] (P,)    | the ids the server saw as the prompt                 |
-    | response_ids | list[int] (R,)    | the ids the server sampled                           |
-    | logprobs     | list[float] (R,)  | sampling logprobs of `response_ids`, or None         |
-    | reward       | float | None      | set on the last triplet of a rollout (final reward)  |
-    | metadata     | dict              | `{"server": {"model", "version"}}` from the gateway  |
-    """
-
-    prompt_ids: list[int]
-    response_ids: list[int]
-    logprobs: list[float] | None = None
-    reward: float | None = None
-    metadata: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class CompletedRollout:
-    """A terminal rollout as the learning side sees it.
-
-    `step` is the trainer step at which the rollout was enqueued and `sample_idx` its task's
-    position in that step's batch; the batch builder sorts by `(step, sample_idx)` so the
-    order of completion never changes the batch.
-    """
-
-    rollout_id: str
-    data_id: str
-    step: int
-    sample_idx: int
-    triplets: list[Triplet] = field(default_factory=list)
-    final_reward: float | None = None
-    state: str = "succeeded"
-    error_message: str | None = None
-    input: Any = None
-    enqueue_time: float | None = None
-    running_at: float | None = None
-    finished_at: float | None = None
-    policy_version: int | None = None
-    metadata: dict[str, Any] = field(default_factory=dict)
-    events: list[dict[str, Any]] = field(default_factory=list)
-    triplet_events: list[dict[str, Any]] = field(default_factory=list)
-    enqueue_policy_version: int | None = None
-
-
 # =============================================================================================
-# Stage 1 — events -> CompletedRollout (pure)
-# =============================================================================================
-
-
-def _is_number(value: Any) -> bool:
-    # Critical: bool is an int subclass; a `True` reward is a bug in the agent, not 1.0.
-    return isinstance(value, (int, float, np.number)) and not isinstance(value, (bool, np.bool_))
-
-
-def _is_error_call(data: Mapping[str, Any]) -> bool:
-    status = data.get("http_status")
-    return data.get("status") == "error" or (_is_number(status) and int(status) >= 400)
-
-
-def clean_logprobs(value: Any, n_tokens: int) -> list[float] | None:
-    """`value` as a list of `n_tokens` finite floats, or None if it is anything else."""
-    if not isinstance(value, (list, tuple)) or len(value) != n_tokens:
-        return None
-    out = []
-    for v in value:
-        if not _is_number(v) or not math.isfinite(float(v)):
-            return None
-        out.append(float(v))
-    return out
-
-
-def triplets_from_events(triplet_events: Sequence[Mapping[str, Any]]) -> list[Triplet]:
-    """The rollout's usable model calls, in order (events in the server's `format=triplet`).
-
-    Skipped: `status == "error"` or `http_status >= 400` (e.g. context overflow), and calls
-    without response tokens. Rewards are not set here.
-    """
-    triplets = []
-    for event in triplet_events:
-        data = event.get("data") or {}
-        if event.get("event_type") != "model_request" or _is_error_call(data):
-            continue
-        response_ids = [int(t) for t in data.get("response_token_ids") or []]
-        if not response_ids:
-            continue
-        triplets.append(
-            Triplet(
-                prompt_ids=[int(t) for t in data.get("prompt_token_ids") or []],
-                response_ids=response_ids,
-                logprobs=clean_logprobs(data.get("response_log_probs"), len(response_ids)),
-                metadata={"server": data.get("server")},
-            )
-        )
-    return triplets
-
-
-def final_reward_from_events(events: Sequence[Mapping[str, Any]]) -> float | None:
-    """Value of the **last** `reward` event if it is a number (not a bool), else None."""
-    rewards = [e for e in events if e.get("event_type") == "reward"]
-    if not rewards:
-        return None
-    value = (rewards[-1].get("data") or {}).get("value")
-    return float(value) if _is_number(value) else None
-
-
-def policy_version_from_events(raw_events: Sequence[Mapping[str, Any]]) -> int | None:
-    """Oldest `model_version` among the rollout's model calls (None if no call carries one)."""
-    versions = [
-        int(v)
-        for e in raw_events
-        if e.get("event_type") == "model_request"
-        and _is_number(v := (e.get("data") or {}).get("model_version"))
-    ]
-    return min(versions) if versions else None
-
-
-def events_to_completed_rollout(
-    rollout: Rollout,
-    raw_events: Sequence[Mapping[str, Any]],
-    triplet_events: Sequence[Mapping[str, Any]],
-    *,
-    data_id: str,
-    step: int,
-    sample_idx: int,
-    enqueue_time: float | None = None,
-    running_at: float | None = None,
-    finished_at: float | None = None,
-    enqueue_policy_version: int | None = None,
-) -> CompletedRollout:
-    """Reduce a terminal rollout and its events to what the batch builder needs.
-
-    The final reward goes on the last triplet (AGL v1); FAILED rollouts are built the same
-    way — they are trained with the calls they made (`state` lets the trainer filter them).
-    """
-    triplets = triplets_from_events(triplet_events)
-    final_reward = final_reward_from_events(triplet_events)
-    if triplets and final_reward is not None:
-        triplets[-1].reward = final_reward
-    return CompletedRollout(
-        rollout_id=rollout.rollout_id,
-        data_id=data_id,
-        step=step,
-        sample_idx=sample_idx,
-        triplets=triplets,
-        final_reward=final_reward,
-        state=str(rollout.status.state),
-        error_message=rollout.status.error_message,
-        input=rollout.input,
-        enqueue_time=enqueue_time,
-        running_at=running_at,
-        finished_at=finished_at if finished_at is not None else rollout.status.updated_at,
-        policy_version=policy_version_from_events(raw_events),
-        metadata=rollout.metadata.model_dump(mode="json"),
-        events=[dict(e) for e in raw_events],
-        triplet_events=[dict(e) for e in triplet_events],
-        enqueue_policy_version=enqueue_policy_version,
-    )
-
-
-def completed_rollout_to_dict(completed: CompletedRollout) -> dict[str, Any]:
-    """JSON-ready dict of a completed rollout (for checkpoints)."""
-    return dataclasses.asdict(completed)
-
-
-def completed_rollout_from_dict(data: Mapping[str, Any]) -> CompletedRollout:
-    fields = dict(data)
-    fields["triplets"] = [Triplet(**t) for t in fields.get("triplets") or []]
-    return CompletedRollout(**fields)
-
-
-# =============================================================================================
-# Stage 2 — lifecycle metrics (pure)
-# =============================================================================================
-
-LIFECYCLE_PREFIXES = ("timing/rollout_queue_wait_s", "timing/rollout_run_duration_s", "timing/rollout_total_s")
-
-
-def _summary(prefix: str, values: list[float]) -> dict[str, float]:
-    arr = np.asarray(values, dtype=np.float64)
-    return {
-        f"{prefix}/mean": float(arr.mean()),
-        f"{prefix}/p50": float(np.percentile(arr, 50)),
-        f"{prefix}/p90": float(np.percentile(arr, 90)),
-        f"{prefix}/max": float(arr.max()),
-    }
-
-
-def lifecycle_metrics(completed: Sequence[CompletedRollout]) -> dict[str, float]:
-    """Queue wait (`running_at - enqueue_time`), run (`finished_at - running_at`) and total.
-
-    `enqueue_time` is the trainer's clock, `running_at`/`finished_at` the server's (same
-    host assumed). A summary is emitted only for non-empty lists, as in AGL v1.
-    """
-    spans: dict[str, list[float]] = {p: [] for p in LIFECYCLE_PREFIXES}
-    n_missing_running = 0
-    for c in completed:
-        n_missing_running += c.running_at is None
-        pairs = ((c.enqueue_time, c.running_at), (c.running_at, c.finished_at), (c.enqueue_time, c.finished_at))
-        for prefix, (start, end) in zip(LIFECYCLE_PREFIXES, pairs):
-            if start is not None and end is not None:
-                spans[prefix].append(end - start)
-    metrics: dict[str, float] = {"timing/rollout_n_missing_running_ts": float(n_missing_running)}
-    for prefix, values in spans.items():
-        if values:
-            metrics.update(_summary(prefix, values))
-    return metrics
-
-
-# =============================================================================================
-# Stage 3 — managers: enqueue, wait on the terminal cursor, collect each rollout once
+# Shared core: enqueue, wait on the terminal cursor, collect each rollout once
 # =============================================================================================
 
 
@@ -436,11 +219,10 @@ class _Collector:
         triplet_events = self.client.get_events(rollout.rollout_id, fmt="triplet")
         completed = events_to_completed_rollout(
             rollout, raw_events, triplet_events,
-            data_id=entry.data_id, step=entry.step, sample_idx=entry.sample_idx,
+            data_id=entry.data_id, step=entry.step, sample_idx=entry.sample_idx, copy_idx=entry.copy_idx,
             enqueue_time=entry.enqueue_time, running_at=running_at, finished_at=finished_at,
             enqueue_policy_version=entry.enqueue_policy_version,
         )
-        completed.metadata.setdefault("copy_idx", entry.copy_idx)
         if hook_error is not None:
             completed.metadata["hook_error"] = hook_error
         self.client.delete_rollout(rollout.rollout_id)  # bound the store by what is in flight

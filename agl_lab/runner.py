@@ -35,6 +35,8 @@ Design decisions
 - The per-rollout timeout is `min(config.timeout_seconds, rollout_timeout_seconds)`.
 - A rollout this runner runs that the store reports terminal or deleted (e.g. failed by a
   trainer's bounded wait) is stopped and its slot freed (checked about once a second).
+- Every server call goes through one `AglClient` (`agl_lab.client`): the same request and
+  retry code as the trainer's; idempotent calls are retried, the claim PATCH is sent once.
 - Server hiccups are logged (throttled) and the poll loop keeps going; `stop()` is bounded
   and leaves no rollout of this runner in `running`.
 - Unlike AGL's local controller, a `running` rollout the runner does not know is left alone
@@ -61,9 +63,8 @@ import traceback
 from dataclasses import dataclass, field
 from typing import IO, Any, Callable, Union
 
-import httpx
-
 from agl_lab._agent_bootstrap import _await, split_agent_class
+from agl_lab.client import AglClient, AglHTTPError
 from agl_lab.protocol import DEFAULT_ATTEMPT_ID
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,9 @@ KILL_WAIT_SECONDS = 5.0
 RECONCILE_INTERVAL_SECONDS = 1.0
 SHUTDOWN_MESSAGE = "runner shutdown"
 _LIST_LIMIT = 500
+# The runner's AglClient: 5 attempts 0.1, 0.2, 0.4, 0.8 s apart for idempotent calls (and for
+# the terminal PATCH and the reward, which the runner resends on purpose).
+_RETRIES = {"max_retries": 4, "backoff_base": 0.1, "backoff_cap": 2.0}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -134,10 +138,6 @@ def agent_env(rollout: dict[str, Any], server_url: str, key: str) -> dict[str, s
     return env
 
 
-def auth_headers(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"} if key else {}
-
-
 # ---------------------------------------------------------------------------------------------
 # AgentContext: what a callable agent gets besides its task
 # ---------------------------------------------------------------------------------------------
@@ -165,7 +165,7 @@ class AgentContext:
     api_key: str
     rollout: dict[str, Any] = field(default_factory=dict, repr=False)
     cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
-    http: httpx.Client | None = field(default=None, repr=False)
+    client: AglClient | None = field(default=None, repr=False)
 
     @property
     def mode(self) -> str:
@@ -178,14 +178,17 @@ class AgentContext:
                 "AGL_KEY": self.api_key}
 
     def emit(self, event_type: str, data: dict[str, Any] | None = None) -> dict[str, Any]:
-        """POST one event of this rollout (e.g. `emit("reward", {"value": 1.0})`); returns it."""
-        body = {"event_type": event_type, "data": dict(data or {})}
-        if self.http is not None:
-            resp = self.http.post(self.event_url, json=body, headers=auth_headers(self.api_key))
+        """POST one event of this rollout (e.g. `emit("reward", {"value": 1.0})`); returns it.
+
+        Sent through the runner's `AglClient` (without one: a client of `event_url`'s server).
+        """
+        if self.client is not None:
+            event = self.client.add_event(self.rollout_id, self.attempt_id, event_type, dict(data or {}))
         else:
-            resp = httpx.post(self.event_url, json=body, headers=auth_headers(self.api_key), timeout=30)
-        resp.raise_for_status()
-        return resp.json()
+            server = self.event_url.partition("/api/rollouts/")[0]
+            with AglClient(server, key=self.api_key, timeout=30) as client:
+                event = client.add_event(self.rollout_id, self.attempt_id, event_type, dict(data or {}))
+        return event.model_dump(mode="json")
 
     def openai_client(self, max_retries: int = 6, timeout: float = 300.0, **kwargs: Any) -> Any:
         """An `openai.OpenAI` client bound to this rollout's gateway URL."""
@@ -263,24 +266,6 @@ def _child_pythonpath() -> str:
     return os.pathsep.join(dict.fromkeys(parts))
 
 
-def _is_retryable(exc: Exception) -> bool:
-    if isinstance(exc, httpx.HTTPStatusError):
-        return exc.response.status_code >= 500 or exc.response.status_code == 429
-    return isinstance(exc, httpx.TransportError)
-
-
-def _retrying(fn: Callable[[], Any], attempts: int = 5, base_delay: float = 0.1) -> Any:
-    """Call `fn` until it does not raise a transport error / 5xx / 429; re-raise the last one."""
-    for i in range(attempts):
-        try:
-            return fn()
-        except Exception as exc:
-            if not _is_retryable(exc) or i == attempts - 1:
-                raise
-            time.sleep(base_delay * 2**i)
-    raise AssertionError("unreachable")
-
-
 # ---------------------------------------------------------------------------------------------
 # Runner
 # ---------------------------------------------------------------------------------------------
@@ -343,7 +328,7 @@ class Runner:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._http: httpx.Client | None = None
+        self._client: AglClient | None = None
         self._counts = {"claimed": 0, "succeeded": 0, "failed": 0, "abandoned": 0}
         self._last_reconcile = 0.0
         self._last_warning: dict[str, float] = {}
@@ -354,8 +339,7 @@ class Runner:
         """Start polling in a daemon thread; returns self."""
         if self._thread is not None:
             raise RuntimeError("this Runner was already started; create a new Runner after stop()")
-        self._http = httpx.Client(base_url=self.server_url, headers=auth_headers(self.key),
-                                  timeout=self.request_timeout)
+        self._client = AglClient(self.server_url, key=self.key, timeout=self.request_timeout, **_RETRIES)
         self._thread = threading.Thread(target=self._poll_loop, name="agl-runner-poll", daemon=True)
         self._thread.start()
         return self
@@ -364,7 +348,7 @@ class Runner:
         """Stop claiming, kill live agents, fail their rollouts with "runner shutdown".
 
         Bounded: waits at most about `timeout` seconds for threads; idempotent."""
-        if self._thread is None or self._http is None or self._stop.is_set():
+        if self._thread is None or self._client is None or self._stop.is_set():
             return
         deadline = time.monotonic() + timeout
         self._stop.set()
@@ -378,7 +362,7 @@ class Runner:
         if self._thread.is_alive():  # stuck in a slow server call: it exits at its timeout
             log.warning("runner poll thread still busy after %ss; leaving its HTTP client open", timeout)
         else:
-            self._http.close()
+            self._client.close()
 
     def __enter__(self) -> "Runner":
         return self.start()
@@ -436,20 +420,22 @@ class Runner:
         """One page of rollouts in `state`, creation order. The queue page is kept small (free
         slots + a margin for rollouts other runners claim first): the server's event loop is
         shared with the gateway, so a 20 Hz poll must not serialise the whole queue."""
-        assert self._http is not None
-        resp = self._http.get("/api/rollouts", params={"state_in": state, "limit": min(limit, _LIST_LIMIT)})
-        resp.raise_for_status()
-        return resp.json()
+        assert self._client is not None
+        rollouts = self._client.list_rollouts([state], limit=min(limit, _LIST_LIMIT))
+        return [r.model_dump(mode="json") for r in rollouts]
 
     def _claim(self, rollout: dict[str, Any]) -> dict[str, Any] | None:
         """PATCH queuing -> running(attempt "0"); the claimed rollout, or None if taken/deleted."""
-        assert self._http is not None
-        body = {"status": {"state": "running", "last_attempt_id": DEFAULT_ATTEMPT_ID}}
-        resp = self._http.patch(f"/api/rollouts/{rollout['rollout_id']}", json=body)
-        if resp.status_code in (404, 409):  # deleted, or another runner claimed it first
-            return None
-        resp.raise_for_status()
-        return resp.json()
+        assert self._client is not None
+        try:
+            claimed = self._client.patch_status(
+                rollout["rollout_id"], state="running", last_attempt_id=DEFAULT_ATTEMPT_ID
+            )
+        except AglHTTPError as exc:
+            if exc.status_code in (404, 409):  # deleted, or another runner claimed it first
+                return None
+            raise
+        return claimed.model_dump(mode="json")
 
     def _reconcile(self, started: float) -> None:
         """Stop agents whose rollout the store no longer has running (terminated outside)."""
@@ -500,7 +486,7 @@ class Runner:
         base_url, event_url = agent_urls(self.agent_server_url, rid, is_train)
         return AgentContext(rollout_id=rid, attempt_id=DEFAULT_ATTEMPT_ID, is_train=is_train,
                             base_url=base_url, event_url=event_url, api_key=self.key,
-                            rollout=rollout, http=self._http)
+                            rollout=rollout, client=self._client)
 
     def _supervise_callable(self, ex: _Execution) -> None:
         """Run the callable in an abandonable daemon thread; decide on its outcome."""
@@ -544,9 +530,9 @@ class Runner:
                               "return a float reward (posted as the reward event) or None")
         if not math.isfinite(value):
             return "failed", f"agent returned a non-finite reward {value}; return a finite float or None"
-        assert ex.ctx is not None
-        try:
-            _retrying(lambda: ex.ctx.emit("reward", {"value": float(value)}))  # type: ignore[union-attr]
+        assert self._client is not None
+        try:  # resent on failure: a duplicate reward event carries the same value (last one wins)
+            self._client.add_event(ex.rollout_id, DEFAULT_ATTEMPT_ID, "reward", {"value": float(value)}, retry=True)
         except Exception as exc:
             return "failed", f"could not record the agent's reward {value}: {exc!r}"
         return "succeeded", None
@@ -618,21 +604,15 @@ class Runner:
         return True
 
     def _patch_terminal(self, rollout_id: str, state: str, message: str | None) -> None:
-        assert self._http is not None
-        status: dict[str, Any] = {"state": state}
+        assert self._client is not None
+        fields: dict[str, Any] = {"state": state}
         if message is not None:
-            status["error_message"] = message
-        http = self._http
-
-        def patch() -> None:
-            resp = http.patch(f"/api/rollouts/{rollout_id}", json={"status": status})
-            if resp.status_code in (404, 409):  # deleted, or already terminal (decided elsewhere)
-                log.info("rollout %s: PATCH %s answered %d; leaving it", rollout_id, state, resp.status_code)
-                return
-            resp.raise_for_status()
-
-        try:
-            _retrying(patch, attempts=2 if self._stop.is_set() else 5)
+            fields["error_message"] = message
+        try:  # resent on failure (not while stopping, to keep stop() bounded): a resend gets 409
+            self._client.patch_status(rollout_id, retry=not self._stop.is_set(), **fields)
         except Exception as exc:
+            if isinstance(exc, AglHTTPError) and exc.status_code in (404, 409):  # deleted / decided elsewhere
+                log.info("rollout %s: PATCH %s answered %d; leaving it", rollout_id, state, exc.status_code)
+                return
             log.error("rollout %s: could not PATCH %s (%r); it stays running on the server",
                       rollout_id, state, exc)

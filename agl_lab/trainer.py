@@ -2,7 +2,7 @@
 
     trainer = Trainer.from_config("configs/cpu_tiny.yaml", overrides=["data.train_batch_size=8"])
     ro = trainer.rollout()       # agents run through the gateway → completed rollouts
-    b  = trainer.build_batch()   # triplets → rows → verl DataProto (+ rows/merges/groups views)
+    b  = trainer.build_batch()   # triplets → rows → verl DataProto (+ rows/breaks/groups views)
     u  = trainer.update()        # advantages → drops → per-rollout loss → policy update → sync
 
 Each stage uses the previous stage's result by default and accepts an explicit one, so a
@@ -117,7 +117,7 @@ class Trainer:
 
     @property
     def tokenizer(self):
-        return getattr(self.engine, "tokenizer", None)
+        return self.engine.tokenizer
 
     def _default_run_dir(self) -> Path:
         stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -235,7 +235,8 @@ class Trainer:
         Sync mode waits for every rollout, then aborts stray generations; async mode
         completes when `train_batch_size` whole groups are done and carries the rest over.
         """
-        from agl_lab.rollout import SyncRolloutManager, lifecycle_metrics
+        from agl_lab.records import lifecycle_metrics
+        from agl_lab.rollout import SyncRolloutManager
 
         t0 = time.time()
         metrics: dict[str, Any] = {"timing/step_start_wall": t0}
@@ -306,9 +307,7 @@ class Trainer:
                       pad_token_id=self._pad_token_id(), reward_fillna_value=float(agl.reward_fillna_value),
                       tokenizer=self.tokenizer, multi_segment=bool(agl.trace_aggregator.multi_segment))
         kwargs.update(options)
-        res = build_batch(rollout.rollouts, **kwargs)
-        result = BatchResult(step=rollout.step, data=res.data, rows=res.rows, merges=res.merges,
-                             metrics=dict(res.metrics), rollouts=rollout.rollouts, build=res)
+        result = BatchResult(build_batch(rollout.rollouts, **kwargs), step=rollout.step)
         if rollout is self._last_rollout:
             self._last_batch = result
         return result
@@ -345,11 +344,17 @@ class Trainer:
         b = self.build_batch(ro)
         u = self.update(b)
         metrics = {**ro.metrics, **b.metrics, **u.metrics, "timing_s/step": time.time() - t0}
+        self._log_tables(ro.step, b, "train")
         test_freq = int(self.cfg.trainer.test_freq)
         if test_freq > 0 and self.val_dataset and (ro.step + 1) % test_freq == 0:
-            metrics.update(self.validate())
+            metrics.update(self.validate(step=ro.step))
         self.metrics_logger.log(ro.step, metrics)
         return metrics
+
+    def _log_tables(self, step: int, result, split: str) -> None:
+        """AGL v1's W&B side tables (merge breaks, compact trajectories); no-op without W&B."""
+        self.metrics_logger.log_tables(step, result, split, tokenizer=self.tokenizer,
+                                       reward_fillna_value=float(self.cfg.agentlightning.reward_fillna_value))
 
     def fit(self, steps: int | None = None, *, progress: bool = True) -> list[dict[str, Any]]:
         """Train for `steps` steps (default: `trainer.total_training_steps`, else one epoch)."""
@@ -372,15 +377,19 @@ class Trainer:
         per_epoch = max(len(self.train_dataset) // int(self.cfg.data.train_batch_size), 1)
         return per_epoch * int(self.cfg.trainer.total_epochs)
 
-    def validate(self) -> dict[str, Any]:
-        """One rollout per validation task at the gateway's val temperature; `val/*` metrics."""
-        from agl_lab.batch import validation_metrics
+    def validate(self, step: int | None = None) -> dict[str, Any]:
+        """One rollout per validation task at the gateway's val temperature; `val/*` metrics.
+
+        `step` (default: the current step) is the step the W&B tables are logged under.
+        """
+        from agl_lab.validation import build_validation
 
         if not self.val_dataset:
             raise ValueError("no validation tasks: set agl_lab.task.n_val > 0 or pass val_dataset")
         ro = self.rollout(self.val_dataset, is_train=False)
-        metrics = validation_metrics(ro.rollouts, float(self.cfg.agentlightning.reward_fillna_value))
-        return {**metrics, **{k: v for k, v in ro.metrics.items() if k.startswith("training/async/proxy")}}
+        val = build_validation(ro.rollouts, float(self.cfg.agentlightning.reward_fillna_value), self.tokenizer)
+        self._log_tables(self.global_step if step is None else step, val, "validation")
+        return {**val.metrics, **{k: v for k, v in ro.metrics.items() if k.startswith("training/async/proxy")}}
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -1,23 +1,40 @@
-"""Stage 3 of a step, engine-agnostic: from a built batch to new serving weights.
+"""Stage 3 of a step, engine-agnostic: from a built batch to new serving weights, in one line.
 
-    marked rows dropped → rollout-level advantage on the whole batch → group metrics →
-    zero-advantage-first mini-batch alignment → per-rollout normalisation   (algorithms)
-    → old logprobs: recomputed by the engine at the sampling temperature, or bypass
-    → engine.update (PPO epochs)  → engine.sync_weights (policy_version += 1)
+    skip decision (row counts only)          selection.skip_reason
+    → engine.pause(timeout)                  no generation crosses the update
+    → engine.prepare(batch)                  old logprobs (verl: + ref, values, KL, IS weights)
+    → advantage → selection → normalisation  agl_lab.algorithms.prepare_update_batch
+    → engine.update(batch)                   PPO epochs
+    → engine.sync_weights()                  policy_version += 1
 
-The pure part lives in `agl_lab.algorithms.prepare_update_batch`; this module maps config
-keys onto it and drives the engine.
+Whether a step trains depends on row counts alone, so it is decided first, once, before the
+engine stops serving (verl would sleep its replicas, recompute logprobs and push the same
+weights back for nothing). A skipped step makes no engine call and is reported once: the
+metric `training/skipped_steps` = 1 and one warning on this module's logger. Selection
+runs once, inside `prepare_update_batch`. The Trainer resumes the engine afterwards.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pandas as pd
-import torch
 
+from agl_lab.algorithms import (
+    marked_rows,
+    prepare_update_batch,
+    rollout_weights_table,
+    skip_reason,
+    skipped_step,
+)
+from agl_lab.engines.base import Engine
 from agl_lab.results import BatchResult, UpdateResult
+
+logger = logging.getLogger(__name__)
 
 _DROP_COLUMNS = ["rollout_id", "data_id", "rows", "reason"]
 
@@ -43,70 +60,49 @@ def update_options(cfg) -> dict[str, Any]:
     )
 
 
-def run_update(cfg, engine, batch: BatchResult, *, step: int) -> UpdateResult:
-    from agl_lab.algorithms import prepare_update_batch, rollout_weights_table, select_for_update
-
+def run_update(cfg, engine: Engine, batch: BatchResult, *, step: int) -> UpdateResult:
+    """skip? → pause → prepare → advantage/selection/normalisation → update → sync_weights."""
     opts = update_options(cfg)
     data = batch.data.select_idxs(list(range(len(batch.data))))  # never mutate the caller's batch
-    temperature = float(cfg.actor_rollout_ref.rollout.temperature)
-    data.meta_info["temperature"] = temperature
-    # Row counts alone decide a skip: decide it before the engine stops serving (verl would
-    # sleep the replicas, recompute logprobs and push the same weights back for nothing).
-    _, records, early = select_for_update(
-        data, mini_batch_rows=opts["mini_batch_rows"], max_ppo_update_times=opts["max_ppo_update_times"],
-        small_batch=opts["small_batch"])
-    if early["training/skipped_steps"]:
-        return _skipped(step, early, records, engine)
-    engine.pause()  # no generation crosses the update (verl: the replicas sleep); Trainer.update resumes
+    data.meta_info["temperature"] = float(cfg.actor_rollout_ref.rollout.temperature)
+    reason = skip_reason(int((~marked_rows(data)).sum()), opts["mini_batch_rows"], opts["small_batch"])
+    if reason is not None:
+        return _skipped(step, data, reason, engine)
+
     metrics: dict[str, Any] = {}
-    engine_prepares = hasattr(engine, "prepare")
-    if engine_prepares:
-        # verl: old/ref logprobs, critic values, KL-in-reward and rollout correction must exist
-        # before the advantage is computed, so the engine prepares the whole batch first.
-        t0 = time.time()
+    engine.pause(float(cfg.agl_lab.rollout.drain_timeout_seconds))
+    with _timed(metrics, "old_log_prob"):  # verl: old/ref logprobs, values, KL-in-reward, IS weights
         data, prep_metrics = engine.prepare(data)
-        metrics.update(prep_metrics)
-        metrics["timing_s/old_log_prob"] = time.time() - t0
-    t0 = time.time()
-    prepared, records, adv_metrics = prepare_update_batch(data, seed=int(cfg.agl_lab.seed) + step, **opts)
+    metrics.update(prep_metrics)
+    with _timed(metrics, "adv"):
+        prepared, records, adv_metrics = prepare_update_batch(data, seed=int(cfg.agl_lab.seed) + step, **opts)
     metrics.update(adv_metrics)
-    metrics["timing_s/adv"] = time.time() - t0
-    if prepared is None:
-        return _skipped(step, metrics, records, engine)
-
-    if not engine_prepares:  # local engine: old logprobs of the kept rows only
-        t0 = time.time()
-        _old_log_probs(cfg, engine, prepared, temperature)
-        metrics["timing_s/old_log_prob"] = time.time() - t0
-
-    t0 = time.time()
-    metrics.update(engine.update(prepared))
-    metrics["timing_s/update_actor"] = time.time() - t0
-    t0 = time.time()
-    engine.sync_weights()
-    metrics["timing_s/update_weights"] = time.time() - t0
+    # Critical: skip_reason decided on the same row counts, so selection keeps ≥ 1 row here.
+    assert prepared is not None, "skip_reason and select_for_update disagree on this batch"
+    with _timed(metrics, "update_actor"):
+        metrics.update(engine.update(prepared))
+    with _timed(metrics, "update_weights"):
+        engine.sync_weights()
     metrics["training/policy_version"] = engine.policy_version
 
-    advantages = rollout_weights_table(prepared, loss_mode=opts["loss_mode"], divisor=opts["divisor"],
-                                       num_trained_rows=len(prepared))
-    return UpdateResult(step=step, metrics=metrics, advantages=advantages,
+    weights = rollout_weights_table(prepared, loss_mode=opts["loss_mode"], divisor=opts["divisor"],
+                                    num_trained_rows=len(prepared))
+    return UpdateResult(step=step, metrics=metrics, weights=weights,
                         dropped=pd.DataFrame(records, columns=_DROP_COLUMNS), policy_version=engine.policy_version)
 
 
-def _old_log_probs(cfg, engine, data, temperature: float) -> None:
-    """`old_log_probs` [N, R]: the engine's sampling logprobs (bypass mode) or recomputed."""
-    if bool(cfg.algorithm.rollout_correction.get("bypass_mode", False)):
-        from agl_lab.ppo import prepare_old_log_probs
-
-        prepare_old_log_probs(None, data, temperature, bypass_mode=True)
-        return
-    with torch.no_grad():
-        data.batch["old_log_probs"] = engine.compute_log_probs(data, temperature=temperature)
+@contextlib.contextmanager
+def _timed(metrics: dict[str, Any], name: str) -> Iterator[None]:
+    """`with _timed(metrics, name):` records the block's wall time as `timing_s/<name>`."""
+    t0 = time.time()
+    yield
+    metrics[f"timing_s/{name}"] = time.time() - t0
 
 
-def _skipped(step: int, metrics: dict[str, Any], records: list[dict[str, Any]], engine) -> UpdateResult:
-    print(f"step {step}: no trainable rows after drops; the step is skipped "
-          f"(see UpdateResult.dropped)", flush=True)
-    return UpdateResult(step=step, metrics=metrics, advantages=pd.DataFrame(),
+def _skipped(step: int, data: Any, reason: str, engine: Engine) -> UpdateResult:
+    """The one report of a skipped step: drop records, `training/skipped_steps` = 1, one warning."""
+    records, metrics = skipped_step(data)
+    logger.warning("step %d is skipped: %s (every dropped rollout is in UpdateResult.dropped)", step, reason)
+    return UpdateResult(step=step, metrics=metrics, weights=pd.DataFrame(),
                         dropped=pd.DataFrame(records, columns=_DROP_COLUMNS), skipped=True,
                         policy_version=engine.policy_version)

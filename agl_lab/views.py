@@ -1,64 +1,79 @@
 """DataFrame views of a rollout phase and of a batch: one row per call, row, break, group, rollout.
 
 Every view is a pure function of a list of `CompletedRollout` (and, where the batch matters,
-an optional `BatchResult`), so a notebook cell can show any stage without re-running it:
+an optional built batch: `agl_lab.batch.BuiltBatch` or the `BatchResult` holding it), so a notebook cell can show any stage without
+re-running it:
 
 | view           | one row per              | answers                                              |
 |----------------|--------------------------|------------------------------------------------------|
-| `triplets_df`  | LLM call (triplet)       | how long were prompts/responses, which policy served |
+| `triplets_df`  | call (triplet)           | how long were prompts/responses, which policy served |
 | `rows_df`      | training row             | which calls merged, what was cut, dropped or skipped |
-| `merges_df`    | merge break              | where and why a prompt did not extend its context    |
+| `breaks_df`    | merge break              | where and why a prompt did not extend its context    |
 | `groups_df`    | group (task in a step)   | reward spread, zero-advantage groups, rows per group |
 | `lifecycle_df` | rollout                  | queue wait, run time, total time                     |
 
-`build_batch` builds its `.rows` and `.merges` with `rows_frame` / `merges_frame` below, so
-the views and the batch can never disagree. Without a `BatchResult`, `rows_df` / `merges_df`
-plan the rows with the same code (`agl_lab.batch.plan_rows`), minus the tensors.
+`agl_lab.results.BatchResult` builds its `.rows` and `.breaks` with `rows_frame` /
+`breaks_frame` below from the batch's records, so the views and the batch never disagree.
+Without a built batch, `rows_df` / `breaks_df` plan the rows with the same code
+(`agl_lab.batch.plan_rows`), minus the tensors. This module imports `batch`; `batch` never
+imports it (it returns records, not frames).
+
+Columns use the project's nouns (ARCHITECTURE.md): `call` is the index of a triplet in its
+rollout, token counts are `*_tokens`, a group whose rewards are all equal is `zero_adv`.
+Metric names stay Agent Lightning's, whose nouns differ:
+
+| AGL metric name                       | counts / means                          |
+|---------------------------------------|-----------------------------------------|
+| `training/n_sample*`                  | rows                                    |
+| `training/n_turns`, `*_by_turn`       | calls                                   |
+| `*trace_merge_mismatch*`              | merge breaks (W&B table: first 100)     |
+| `critic/n_transition_after_dropping`  | rows                                    |
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import pandas as pd
 
-from agl_lab.rollout import CompletedRollout
-
-if TYPE_CHECKING:  # batch imports this module; import it lazily at run time
-    from agl_lab.batch import BatchResult, BreakRecord, Row
+from agl_lab.batch import BreakRecord, BuiltBatch, Row, plan_rows, rollout_reward
+from agl_lab.records import CompletedRollout, sort_rollouts
 
 ROW_COLUMNS = [
-    "batch_index", "rollout_id", "data_id", "first_turn", "last_turn", "n_turns",
+    "batch_index", "rollout_id", "data_id", "first_call", "last_call", "n_calls",
     "prompt_tokens", "response_tokens", "loss_tokens", "observation_tokens",
     "has_logprobs", "is_drop", "truncated", "tokens_cut", "skipped_empty", "reward",
 ]
-MERGE_COLUMNS = [
-    "rollout_id", "data_id", "turn_index", "against_turn", "kind", "reason",
+BREAK_COLUMNS = [
+    "rollout_id", "data_id", "call", "against_call", "kind", "reason",
     "first_divergent_token", "first_divergent_char", "prev_ids_window", "prompt_ids_window",
     "prev_pieces", "prompt_pieces", "removed_text", "inserted_text", "removed_model_chars",
-    "removed_context_chars", "prompt_length", "response_length", "previous_trace_length",
-    "current_trace_length", "previous_trace", "current_trace",
+    "removed_context_chars", "prompt_tokens", "response_tokens", "previous_trace_tokens",
+    "current_trace_tokens", "previous_trace", "current_trace",
 ]
+TRIPLET_COLUMNS = ["rollout_id", "data_id", "call", "prompt_tokens", "response_tokens", "reward",
+                   "has_logprobs", "server_version"]
+GROUP_COLUMNS = ["data_id", "n_rollouts", "rewards", "reward_mean", "reward_std", "zero_adv", "n_rows"]
 
 
 # =========================================================================== frames of records
 
 
-def rows_frame(rows: Sequence["Row"]) -> pd.DataFrame:
+def rows_frame(rows: Sequence[Row]) -> pd.DataFrame:
     """One line per row (skipped rows included, `batch_index` -1). Counts are after limits."""
     records = []
     for r in rows:
         loss = int(sum(r.response_mask))
         records.append([
-            r.batch_index, r.rollout_id, r.data_id, r.turns[0], r.turns[-1], len(r.turns),
+            r.batch_index, r.rollout_id, r.data_id, r.calls[0], r.calls[-1], len(r.calls),
             len(r.prompt_ids), len(r.response_ids), loss, len(r.response_ids) - loss,
             r.logprobs is not None, r.is_drop, r.truncated, r.tokens_cut, r.skipped_empty, r.reward,
         ])
     return pd.DataFrame(records, columns=ROW_COLUMNS)
 
 
-def merges_frame(breaks: Sequence["BreakRecord"]) -> pd.DataFrame:
+def breaks_frame(breaks: Sequence[BreakRecord]) -> pd.DataFrame:
     """One line per merge break with its diagnosis (None columns when not diagnosed)."""
     records = []
     for b in breaks:
@@ -69,71 +84,67 @@ def merges_frame(breaks: Sequence["BreakRecord"]) -> pd.DataFrame:
             d.removed_model_chars, d.removed_context_chars,
         ]
         records.append([
-            b.rollout_id, b.data_id, b.turn_index, b.against_turn, *diag,
-            b.prompt_length, b.response_length, b.previous_trace_length, b.current_trace_length,
+            b.rollout_id, b.data_id, b.call, b.against_call, *diag,
+            b.prompt_tokens, b.response_tokens, b.previous_trace_tokens, b.current_trace_tokens,
             b.previous_trace, b.current_trace,
         ])
-    return pd.DataFrame(records, columns=MERGE_COLUMNS)
+    return pd.DataFrame(records, columns=BREAK_COLUMNS)
 
 
 # =========================================================================== views
 
 
 def triplets_df(completed: Sequence[CompletedRollout]) -> pd.DataFrame:
-    """One line per LLM call: lengths, reward (set on the last call), logprobs, serving version."""
-    from agl_lab.batch import sort_rollouts
-
+    """One line per call: token counts, reward (set on the last call), logprobs, serving version."""
     records = []
     for r in sort_rollouts(completed):
-        for turn, t in enumerate(r.triplets or []):
+        for call, t in enumerate(r.triplets or []):
             server = (t.metadata or {}).get("server") or {}
             records.append([
-                r.rollout_id, r.data_id, turn, len(t.prompt_ids), len(t.response_ids), t.reward,
+                r.rollout_id, r.data_id, call, len(t.prompt_ids), len(t.response_ids), t.reward,
                 t.logprobs is not None and len(t.logprobs) == len(t.response_ids), server.get("version"),
             ])
-    columns = ["rollout_id", "data_id", "turn", "prompt_len", "response_len", "reward",
-               "has_logprobs", "server_version"]
-    return pd.DataFrame(records, columns=columns)
+    return pd.DataFrame(records, columns=TRIPLET_COLUMNS)
 
 
-def rows_df(completed: Sequence[CompletedRollout], result: "BatchResult | None" = None, *,
+def _record(batch: Any) -> BuiltBatch | None:
+    """The `BuiltBatch` of a batch argument: the record itself, or a `BatchResult`'s `.built`."""
+    return getattr(batch, "built", batch)
+
+
+def rows_df(completed: Sequence[CompletedRollout], batch: Any = None, *,
             level: str = "trajectory", max_prompt_length: int | None = None,
             max_response_length: int | None = None, reward_fillna_value: float = 0.0,
             multi_segment: bool = False) -> pd.DataFrame:
-    """Training rows: `result.rows` when given, else planned from `completed` (no limits by default)."""
-    if result is not None:
-        return result.rows
-    from agl_lab.batch import plan_rows
+    """Training rows: those of `batch` (a `BuiltBatch` or `BatchResult`) when given, else
+    planned from `completed` (no limits by default)."""
+    built = _record(batch)
+    if built is None:
+        built = plan_rows(completed, level, max_prompt_length=max_prompt_length,
+                          max_response_length=max_response_length, reward_fillna_value=reward_fillna_value,
+                          multi_segment=multi_segment, diagnose=False)
+    return rows_frame(built.rows)
 
-    plan = plan_rows(completed, level, max_prompt_length=max_prompt_length,
-                     max_response_length=max_response_length, reward_fillna_value=reward_fillna_value,
-                     multi_segment=multi_segment, diagnose=False)
-    return rows_frame(plan.rows)
 
-
-def merges_df(completed: Sequence[CompletedRollout], result: "BatchResult | None" = None, *,
+def breaks_df(completed: Sequence[CompletedRollout], batch: Any = None, *,
               tokenizer: Any = None, multi_segment: bool = False) -> pd.DataFrame:
-    """Merge breaks with diagnosis: `result.merges` when given, else a trajectory-level plan."""
-    if result is not None:
-        return result.merges
-    from agl_lab.batch import plan_rows
-
-    plan = plan_rows(completed, "trajectory", multi_segment=multi_segment, tokenizer=tokenizer)
-    return merges_frame(plan.breaks)
+    """Merge breaks with diagnosis: those of `batch` when given, else of a trajectory-level plan."""
+    built = _record(batch)
+    if built is None:
+        built = plan_rows(completed, "trajectory", multi_segment=multi_segment, tokenizer=tokenizer)
+    return breaks_frame(built.breaks)
 
 
-def groups_df(completed: Sequence[CompletedRollout], result: "BatchResult | None" = None, *,
+def groups_df(completed: Sequence[CompletedRollout], batch: Any = None, *,
               reward_fillna_value: float = 0.0, level: str = "trajectory",
               multi_segment: bool = False) -> pd.DataFrame:
-    """Per group (`data_id`): rollouts, rewards, mean/std (ddof 0), zero-advantage flag, rows.
+    """Per group (`data_id`): rollouts, rewards, mean/std (ddof 0), `zero_adv` flag, rows.
 
-    A group has zero advantage when all its rewards are equal (max − min == 0): GRPO gives
-    every token of it advantage 0. `n_rows` counts the group's rows in the batch (`result`),
-    or in a plan at `level` when no result is given.
+    A group is `zero_adv` when all its rewards are equal (max − min == 0): GRPO gives every
+    token of it advantage 0. `n_rows` counts the group's rows in `batch`, or in a plan at
+    `level` when no batch is given.
     """
-    from agl_lab.batch import rollout_reward, sort_rollouts
-
-    rows = rows_df(completed, result, level=level, reward_fillna_value=reward_fillna_value,
+    rows = rows_df(completed, batch, level=level, reward_fillna_value=reward_fillna_value,
                    multi_segment=multi_segment)
     in_batch = rows[~rows["skipped_empty"]].groupby("data_id").size()
     groups: dict[str, list[float]] = {}
@@ -144,8 +155,7 @@ def groups_df(completed: Sequence[CompletedRollout], result: "BatchResult | None
         values = np.asarray(rewards, dtype=np.float64)
         records.append([data_id, len(rewards), rewards, float(values.mean()), float(values.std()),
                         bool(values.max() - values.min() == 0), int(in_batch.get(data_id, 0))])
-    columns = ["data_id", "n_rollouts", "rewards", "reward_mean", "reward_std", "zero_advantage", "n_rows"]
-    return pd.DataFrame(records, columns=columns)
+    return pd.DataFrame(records, columns=GROUP_COLUMNS)
 
 
 def lifecycle_df(completed: Sequence[CompletedRollout]) -> pd.DataFrame:
@@ -153,7 +163,6 @@ def lifecycle_df(completed: Sequence[CompletedRollout]) -> pd.DataFrame:
 
     Enqueue time is the trainer's clock, running/finished the server's (same host assumed).
     """
-    from agl_lab.batch import sort_rollouts
 
     def span(start: float | None, end: float | None) -> float:
         return float("nan") if start is None or end is None else end - start

@@ -159,7 +159,7 @@ def plot_lifecycle(lifecycle, *, kind: str = "bars", ax=None, path: str | os.Pat
 
 def plot_advantages(advantages, *, ax=None, path: str | os.PathLike | None = None, bins: int = 21,
                     title: str = "per-rollout advantage"):
-    """Distribution of the rollout-level advantage A_r (`UpdateResult.advantages`).
+    """Distribution of the rollout-level advantage A_r (`UpdateResult.weights`).
 
     GRPO advantages of small groups take few distinct values (n=4: ±0.5, ±1.5, …), so when
     there are at most `bins` distinct values (to 1e-3) each gets its own bar of exact
@@ -168,7 +168,7 @@ def plot_advantages(advantages, *, ax=None, path: str | os.PathLike | None = Non
     """
     if "advantage" not in getattr(advantages, "columns", []):
         raise ValueError("plot_advantages: expected a frame with an 'advantage' column "
-                         "(UpdateResult.advantages or agl_lab.algorithms.rollout_weights_table)")
+                         "(UpdateResult.weights or agl_lab.algorithms.rollout_weights_table)")
     plt, ax, own = _axes(ax, figsize=(6, 3))
     a = advantages["advantage"].dropna().to_numpy(float)
     zero = np.isclose(a, 0.0, atol=1e-6)
@@ -382,7 +382,7 @@ def render_batch_row(data: Any, index: int, tokenizer: Any = None, *, title: str
 
 
 def _diff_fields(diff: Any) -> dict[str, Any]:
-    """Normalise a TokenDiff, a MergeBreak or a `merges_df` row to one dict."""
+    """Normalise a TokenDiff, a MergeBreak or a `breaks_df` row to one dict."""
     get = (lambda k, d=None: diff.get(k, d)) if hasattr(diff, "get") else (lambda k, d=None: getattr(diff, k, d))
     if get("a_ids") is not None:  # TokenDiff
         return dict(index=get("index"), start=get("start"), a_ids=get("a_ids"), b_ids=get("b_ids"),
@@ -390,7 +390,7 @@ def _diff_fields(diff: Any) -> dict[str, Any]:
     index = get("first_divergent_token")
     if index is None or index != index:  # None, or NaN in a frame without diagnoses
         raise ValueError("render_token_diff_html: expected a TokenDiff, a MergeBreak or a row of "
-                         "merges_df with a diagnosis (first_divergent_token is missing; build the "
+                         "breaks_df with a diagnosis (first_divergent_token is missing; build the "
                          "batch with diagnose=True)")
 
     def first(*keys):
@@ -401,7 +401,7 @@ def _diff_fields(diff: Any) -> dict[str, Any]:
     return dict(index=int(index), start=int(start) if start is not None else max(0, int(index) - WINDOW),
                 a_ids=prev, b_ids=prompt, a_pieces=get("prev_pieces"), b_pieces=get("prompt_pieces"),
                 kind=get("kind"), reason=get("reason"), removed_text=get("removed_text"),
-                inserted_text=get("inserted_text"), rollout_id=get("rollout_id"), turn_index=get("turn_index"))
+                inserted_text=get("inserted_text"), rollout_id=get("rollout_id"), call=get("call"))
 
 
 def _diff_side(ids: Sequence[int], pieces: Sequence[str], start: int, index: int, side: str) -> str:
@@ -424,8 +424,8 @@ def _diff_side(ids: Sequence[int], pieces: Sequence[str], start: int, index: int
 def render_token_diff_html(diff: Any, *, title: str | None = None) -> str:
     """The first divergent token of a merge break, both sides decoded, as an HTML string.
 
-    `diff` is an `agl_lab.diagnose.TokenDiff`, a `MergeBreak`, or a row of `merges_df`
-    (`merges.iloc[i]`). A = the previous context (prompt + response of the row so far),
+    `diff` is an `agl_lab.diagnose.TokenDiff`, a `MergeBreak`, or a row of `breaks_df`
+    (`b.breaks.iloc[i]`). A = the previous context (prompt + response of the row so far),
     B = the new call's prompt. Tokens before the divergence are grey (`agl-same`), the first
     divergent token is red (`agl-diverge`), the rest of the window pink (`agl-after`).
     """
@@ -440,7 +440,7 @@ def render_token_diff_html(diff: Any, *, title: str | None = None) -> str:
 
     head = []
     if title or f.get("rollout_id") is not None:
-        where = title or f"rollout {f['rollout_id']} · call {f['turn_index']}"
+        where = title or f"rollout {f['rollout_id']} · call {f['call']}"
         head.append(f"<b>{html.escape(str(where))}</b>")
     if f.get("kind"):
         colour = _KIND_COLOURS.get(str(f["kind"]), "#6e7781")

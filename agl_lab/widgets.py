@@ -1,9 +1,9 @@
 """A rollout browser for notebooks: pick a group → a rollout → a row, and read its tokens.
 
-The browser reads a built batch only (`trainer.build_batch()`'s result, or
-`agl_lab.batch.build_batch`'s): its `.rows` frame gives the tree (group → rollout → row)
-and its `.data` DataProto gives the tokens exactly as they are trained, so what you see is
-what the update sees. A rollout's merge breaks (`.merges`) are shown under its rows.
+The browser reads a built batch only (`trainer.build_batch()`'s `BatchResult`, or
+`BatchResult(agl_lab.batch.build_batch(...))`): its `.rows` frame gives the tree
+(group → rollout → row) and its `.data` DataProto gives the tokens exactly as they are trained, so what you see is
+what the update sees. A rollout's merge breaks (`.breaks`) are shown under its rows.
 
 Two faces, one object:
 
@@ -41,11 +41,11 @@ class RolloutBrowser:
         rows = getattr(batch, "rows", None)
         if not isinstance(rows, pd.DataFrame) or getattr(batch, "data", None) is None:
             raise TypeError("RolloutBrowser needs a built batch with .rows and .data: pass the result of "
-                            "trainer.build_batch() (or agl_lab.batch.build_batch)")
+                            "trainer.build_batch() (or agl_lab.results.BatchResult(agl_lab.batch.build_batch(...)))")
         self.batch, self.data, self.tokenizer = batch, batch.data, tokenizer
         self.rows = rows.reset_index(drop=True)
-        merges = getattr(batch, "merges", None)
-        self.merges = merges if isinstance(merges, pd.DataFrame) else pd.DataFrame()
+        breaks = getattr(batch, "breaks", None)
+        self.breaks = breaks if isinstance(breaks, pd.DataFrame) else pd.DataFrame()
         self.static_rows = int(static_rows)
         self._use_widgets = widgets
         self._widget = None
@@ -76,7 +76,7 @@ class RolloutBrowser:
     @staticmethod
     def _row_label(k: int, row: pd.Series) -> str:
         where = "skipped" if row.batch_index < 0 else f"batch row {row.batch_index}"
-        calls = f"call {row.first_turn}" if row.n_turns == 1 else f"calls {row.first_turn}–{row.last_turn}"
+        calls = f"call {row.first_call}" if row.n_calls == 1 else f"calls {row.first_call}–{row.last_call}"
         return f"row {k} · {where} · {calls} · {row.loss_tokens} loss tokens"
 
     # ------------------------------------------------------------------ HTML
@@ -93,11 +93,11 @@ class RolloutBrowser:
         return render_batch_row(self.data, int(row.batch_index), self.tokenizer,
                                 title=self._row_label(k, row), legend=False)
 
-    def merges_html(self, rollout_id: str) -> str:
+    def breaks_html(self, rollout_id: str) -> str:
         """The token diff of each merge break of a rollout ('' when it has none)."""
-        if self.merges.empty:
+        if self.breaks.empty:
             return ""
-        breaks = self.merges[self.merges["rollout_id"] == rollout_id]
+        breaks = self.breaks[self.breaks["rollout_id"] == rollout_id]
         return "".join(render_token_diff_html(b) for _, b in breaks.iterrows()
                        if b["first_divergent_token"] is not None)
 
@@ -116,7 +116,7 @@ class RolloutBrowser:
                     else:
                         body.append(f"<div>{html.escape(self._row_label(k, row))} "
                                     "<i>(tokens omitted here; browse them with a live kernel)</i></div>")
-                body.append(self.merges_html(rid))
+                body.append(self.breaks_html(rid))
                 opened = " open" if g == 0 and r == 0 else ""
                 items.append(f'<details{opened}><summary style="font-size:12px">{html.escape(self._rollout_label(rid))}</summary>'
                              f'<div style="margin-left:16px">{"".join(body)}</div></details>')
@@ -167,7 +167,7 @@ class RolloutBrowser:
         def on_row(_=None):
             if row.value is not None:
                 rid, k = row.value
-                pane.value = self.row_html(rid, k) + self.merges_html(rid)
+                pane.value = self.row_html(rid, k) + self.breaks_html(rid)
 
         group.observe(on_group, names="value")
         rollout.observe(on_rollout, names="value")

@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 from agl_lab.batch import build_batch
-from agl_lab.rollout import CompletedRollout, Triplet
+from agl_lab.records import CompletedRollout, Triplet
 
 N_ROLLOUTS, N_CALLS, FIRST_PROMPT = 512, 8, 256
 

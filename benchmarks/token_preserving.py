@@ -29,13 +29,13 @@ from typing import Any
 import pandas as pd
 
 from agl_lab.batch import build_batch
+from agl_lab.results import BatchResult
 from agl_lab.engines.openai_server import OpenAIServer
 from agl_lab.engines.tiny import DEFAULT_MODEL_NAME, load_model_and_tokenizer
 from agl_lab.protocol import Model, RolloutCreate
-from agl_lab.rollout import CompletedRollout, events_to_completed_rollout
+from agl_lab.records import CompletedRollout, events_to_completed_rollout, triplet_events
 from agl_lab.server.embedded import EmbeddedServer
 from agl_lab.server.gateway import proxy_base_url
-from agl_lab.server.store import triplet_events
 from agl_lab.tasks import get_task
 
 
@@ -60,8 +60,8 @@ def run_step(server: EmbeddedServer, agent: Any, tasks: list[dict], step: int) -
 
 
 def step_stats(completed: list[CompletedRollout], tokenizer: Any) -> dict[str, float]:
-    result = build_batch(completed, "trajectory", max_prompt_length=512, max_response_length=1024,
-                         pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer)
+    result = BatchResult(build_batch(completed, "trajectory", max_prompt_length=512, max_response_length=1024,
+                                     pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer))
     rows = result.rows.groupby("rollout_id").size()
     notes = [e["data"].get("token_preserving") for r in completed for e in r.events
              if e["event_type"] == "model_request"]
@@ -70,8 +70,8 @@ def step_stats(completed: list[CompletedRollout], tokenizer: Any) -> dict[str, f
         "calls": len(notes),
         "rows": len(result.data),
         "one_row": int((rows == 1).sum()),
-        "breaks": len(result.merges),
-        "retokenization": int((result.merges["kind"] == "retokenization").sum()) if len(result.merges) else 0,
+        "breaks": len(result.breaks),
+        "retokenization": int((result.breaks["kind"] == "retokenization").sum()) if len(result.breaks) else 0,
         "tokens": int(result.data.batch["attention_mask"].sum()),
         "preserved": sum(bool(n and n.get("used")) for n in notes),
     }

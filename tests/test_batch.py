@@ -1,30 +1,28 @@
 """Golden tests of agl_lab.batch on hand-built rollouts (fake tokenizer = space-joined ids).
 
 Covers every rule of the module docstring, AGL v1's tests/verl/test_rollout_adapter.py
-(reference §7.7) with a fake W&B module, and the invariances: reordering rollouts, running
-twice, trajectory row ≡ last transition row's tokens.
+(reference §7.7; its W&B side tables are in test_logger.py) and the invariances: reordering
+rollouts, running twice, trajectory row ≡ last transition row's tokens. Rows and breaks are
+read through the DataFrames of `agl_lab.results.BatchResult`, as a notebook reads them.
 """
 
 from __future__ import annotations
 
 import copy
-import io
-import json
 import random
-import zipfile
 
 import numpy as np
 import pytest
 import torch
 
-from agl_lab.batch import (
-    MISMATCH_COLUMNS,
-    build_batch,
-    build_validation,
-    log_batch_artifacts,
-    validation_metrics,
-)
-from agl_lab.rollout import CompletedRollout, Triplet
+from agl_lab import batch
+from agl_lab.records import CompletedRollout, Triplet
+from agl_lab.results import BatchResult
+
+
+def build_batch(*args, **kwargs) -> BatchResult:
+    """`agl_lab.batch.build_batch` with its record wrapped for the `.rows` / `.breaks` frames."""
+    return BatchResult(batch.build_batch(*args, **kwargs))
 
 
 class SpaceTokenizer:
@@ -121,9 +119,9 @@ def test_trajectory_merge_masks_observations():
     assert res.data.batch["token_level_scores"].tolist() == [[0] * 7 + [2.0, 0, 0]]
     assert list(res.data.non_tensor_batch["turn_index_list"]) == [0]
     row = res.rows.iloc[0]
-    assert (row.first_turn, row.last_turn, row.n_turns) == (0, 2, 3)
+    assert (row.first_call, row.last_call, row.n_calls) == (0, 2, 3)
     assert (row.loss_tokens, row.observation_tokens, row.prompt_tokens) == (5, 3, 2)
-    assert res.metrics["training/n_unmerged_rollouts"] == 0 and res.merges.empty
+    assert res.metrics["training/n_unmerged_rollouts"] == 0 and res.breaks.empty
 
 
 def test_trajectory_row_equals_last_transition_row():
@@ -154,8 +152,8 @@ def test_merge_break_emits_new_row_and_unmerged_count():
     assert list(res.data.non_tensor_batch["turn_index_list"]) == [0, 2]
     assert res.metrics["training/n_unmerged_rollouts"] == 1
     assert res.metrics["training/n_trace_merge_mismatch_rows"] == 1
-    b = res.merges.iloc[0]
-    assert (b.turn_index, b.against_turn, b.kind) == (2, 1, "other")
+    b = res.breaks.iloc[0]
+    assert (b.call, b.against_call, b.kind) == (2, 1, "other")
     assert res.metrics["training/merge_breaks/other"] == 1
 
 
@@ -164,13 +162,13 @@ def test_multi_segment_keeps_interleaved_subagent_chains():
     main2, sub2 = T([1, 2, 3, 4], [5]), T([50, 51, 52, 53], [54])
     r = R("r", [main1, sub1, main2, sub2])
     single = build_batch([r], "trajectory", max_prompt_length=2, max_response_length=4)
-    assert len(single.data) == 4 and len(single.merges) == 3
+    assert len(single.data) == 4 and len(single.breaks) == 3
     multi = build_batch([r], "trajectory", max_prompt_length=2, max_response_length=4, multi_segment=True)
     assert rows_of(multi, "prompts") == [[1, 2], [50, 51]]  # ordered by first call
     assert rows_of(multi, "responses") == [[3, 4, 5, 0], [52, 53, 54, 0]]
     assert rows_of(multi, "response_mask") == [[1, 0, 1, 0], [1, 0, 1, 0]]
     assert list(multi.data.non_tensor_batch["turn_index_list"]) == [0, 1]
-    assert multi.merges.turn_index.tolist() == [1]  # only the sub-agent's first call breaks
+    assert multi.breaks.call.tolist() == [1]  # only the sub-agent's first call breaks
     assert multi.metrics["training/n_unmerged_rollouts"] == 1
 
 
@@ -182,7 +180,7 @@ def test_multi_segment_extends_the_longest_matching_context():
     assert rows_of(res, "prompts") == [[0, 1], [1, 2]]
     assert rows_of(res, "responses") == [[2, 3, 0, 0], [3, 4, 5, 6]]
     assert rows_of(res, "response_mask") == [[1, 1, 0, 0], [1, 1, 0, 1]]
-    assert res.rows.n_turns.tolist() == [1, 2]
+    assert res.rows.n_calls.tolist() == [1, 2]
 
 
 # =========================================================================== limits and logprobs
@@ -208,12 +206,12 @@ def test_response_over_limit_keeps_head_and_reward_on_last_kept_token():
     assert res.rows.truncated.tolist() == [True] and res.rows.tokens_cut.tolist() == [1]
 
 
-@pytest.mark.parametrize("bad_turn", [
-    T([1, 2, 3, 4], [5], logprobs=None),        # a turn without logprobs
+@pytest.mark.parametrize("bad_call", [
+    T([1, 2, 3, 4], [5], logprobs=None),        # a call without logprobs
     T([1, 2, 3, 4], [5], logprobs=[-0.1, -0.2]),  # length disagrees with the response
 ])
-def test_row_loses_logprobs_when_any_turn_lacks_them(bad_turn):
-    merged = R("a", [T([1, 2], [3]), bad_turn], sample_idx=0)
+def test_row_loses_logprobs_when_any_call_lacks_them(bad_call):
+    merged = R("a", [T([1, 2], [3]), bad_call], sample_idx=0)
     clean = R("b", [T([8], [9])], sample_idx=1)
     res = build_batch([merged, clean], "trajectory", max_prompt_length=2, max_response_length=3)
     assert "rollout_log_probs" not in res.data.batch.keys()  # all-or-nothing
@@ -228,7 +226,7 @@ def test_empty_rows_are_skipped_and_zero_rows_raise():
     res = build_batch([r], "transition", max_prompt_length=2, max_response_length=2)
     assert len(res.data) == 1 and res.metrics["training/n_skipped_empty_rows"] == 1
     assert res.rows.batch_index.tolist() == [-1, 0] and res.rows.skipped_empty.tolist() == [True, False]
-    with pytest.raises(RuntimeError, match="get_train_data_batch emitted zero training rows"):
+    with pytest.raises(RuntimeError, match="zero training rows: 2 rollouts"):
         build_batch([R("x", [T([1], [])]), R("y", [])], "trajectory", max_prompt_length=2, max_response_length=2)
 
 
@@ -245,7 +243,7 @@ def test_bad_arguments_name_the_key():
 def _snapshot(res):
     tensors = {k: v.tolist() for k, v in res.data.batch.items()}
     non = {k: list(v) for k, v in res.data.non_tensor_batch.items()}
-    return tensors, non, res.metrics, res.rows.to_dict("list"), res.merges.to_dict("list")
+    return tensors, non, res.metrics, res.rows.to_dict("list"), res.breaks.to_dict("list")
 
 
 def _mixed_rollouts():
@@ -279,166 +277,3 @@ def test_build_batch_does_not_mutate_inputs():
     first = _snapshot(build_batch(rollouts, "trajectory", max_prompt_length=3, max_response_length=5))
     assert rollouts == before  # AGL v1 extended the first triplet's logprob list in place
     assert _snapshot(build_batch(rollouts, "trajectory", max_prompt_length=3, max_response_length=5)) == first
-
-
-# =========================================================================== §7.7 W&B uploads
-
-
-class FakeTable:
-    def __init__(self, columns, data):
-        self.columns, self.data = columns, data
-
-
-class FakeArtifact:
-    def __init__(self, name, type, metadata):
-        self.name, self.type, self.metadata, self.files = name, type, metadata, {}
-
-    def add_file(self, local_path, name):
-        with open(local_path, "rb") as fh:
-            self.files[name] = fh.read()
-
-
-class FakeWandb:
-    Table, Artifact = FakeTable, FakeArtifact
-
-
-class FakeRun:
-    id = "fake-run"
-
-    def __init__(self):
-        self.logged, self.artifacts = [], []
-
-    def log(self, data, step):
-        self.logged.append((step, data))
-
-    def log_artifact(self, artifact):
-        self.artifacts.append(artifact)
-
-    def tables(self, key):
-        return [(step, d[key]) for step, d in self.logged if key in d]
-
-
-def _adapter(rollouts):
-    return build_batch(rollouts, "trajectory", max_prompt_length=4, max_response_length=3,
-                       pad_token_id=0, tokenizer=SpaceTokenizer())
-
-
-def test_trajectory_prefix_mismatch_uploads_trace_merge_table_to_wandb():
-    r = R("r1", [T([1], [2]), T([9], [10])], reward=0.5, data_id="data-1", step=17)
-    res = _adapter([r])
-    assert res.metrics["training/n_unmerged_rollouts"] == 1
-    assert res.metrics["training/n_trace_merge_mismatch_rows"] == 1
-    assert rows_of(res, "prompts") == [[0, 0, 0, 1], [0, 0, 0, 9]]
-    assert rows_of(res, "responses") == [[2, 0, 0], [10, 0, 0]]
-    assert rows_of(res, "response_mask") == [[1, 0, 0], [1, 0, 0]]
-    run = FakeRun()
-    log_batch_artifacts(run, res, 17, "train", wandb_module=FakeWandb)
-    [(step, table)] = run.tables("training/trace_merge_mismatches")
-    assert step == 17 and table.columns == MISMATCH_COLUMNS
-    assert table.columns[0] == "global_steps" and table.columns[-2:] == ["previous_trace", "current_trace"]
-    assert table.data == [[17, "r1", "data-1", 1, False, False, True, 1, 1, 2, 2, "1 2", "9 10"]]
-
-
-def test_trajectory_prefix_mismatch_table_is_capped_at_100():
-    r = R("r1", [T([10 * i + 1], [10 * i + 2]) for i in range(103)], data_id="data-1", step=3)
-    res = _adapter([r])
-    run = FakeRun()
-    log_batch_artifacts(run, res, 3, "train", wandb_module=FakeWandb)
-    [(_, table)] = run.tables("training/trace_merge_mismatches")
-    assert len(table.data) == 100 and len(res.merges) == 102  # the DataFrame keeps every break
-    assert table.data[0][3] == 1 and table.data[-1][3] == 100
-    assert res.metrics["training/n_trace_merge_mismatch_rows"] == 100
-    assert res.metrics["training/n_merge_breaks"] == 102
-
-
-def _read_zip(blob):
-    with zipfile.ZipFile(io.BytesIO(blob)) as zf:
-        names = zf.namelist()
-        assert all(info.compress_type == zipfile.ZIP_DEFLATED for info in zf.infolist())
-        return names, [json.loads(line) for line in zf.read(names[0]).decode().splitlines()]
-
-
-def test_training_step_uploads_24_compact_rollout_trajectories_to_wandb_zip():
-    rollouts = [R(f"r{i}", [T([i], [i + 100]), T([i, i + 100, i + 200], [i + 300])], reward=float(i),
-                  data_id=f"d{i}", step=23, sample_idx=i - 1) for i in range(1, 27)]
-    res = _adapter(rollouts)
-    run = FakeRun()
-    log_batch_artifacts(run, res, 23, "train", wandb_module=FakeWandb)
-    [(step, table)] = run.tables("training/rollout_trajectories")
-    assert step == 23
-    assert table.columns == ["global_steps", "trajectory_artifact", "trajectory_artifact_path", "row_count"]
-    assert table.data == [[23, "train-trajectories-fake-run-step-23", "step_23/train_trajectories.jsonl.zip", 24]]
-    [artifact] = run.artifacts
-    assert (artifact.name, artifact.type) == ("train-trajectories-fake-run-step-23", "train_trajectories")
-    assert artifact.metadata == {"global_steps": 23, "row_count": 24, "format": "jsonl.zip"}
-    assert list(artifact.files) == ["step_23/train_trajectories.jsonl.zip"]
-    names, records = _read_zip(artifact.files["step_23/train_trajectories.jsonl.zip"])
-    assert names == ["train_trajectories.jsonl"]
-    assert [r["rollout_id"] for r in records] == [f"r{i}" for i in range(1, 25)]
-    assert all(set(r) == {"rollout_id", "reward", "prompt", "response"} for r in records)
-    assert records[0] == {"rollout_id": "r1", "reward": 1.0, "prompt": "1 101 201", "response": "301"}
-    assert records[-1] == {"rollout_id": "r24", "reward": 24.0, "prompt": "24 124 224", "response": "324"}
-
-
-def test_validation_uploads_all_compact_rollout_trajectories_to_wandb_zip():
-    rollouts = [R(f"vr{i}", [T([i], [i + 10]), T([i, i + 10, i + 20], [i + 30])], reward=float(i),
-                  data_id=f"d{i}", step=31, sample_idx=i - 1) for i in range(1, 8)]
-    val = build_validation(rollouts, 0.0, SpaceTokenizer())
-    assert val.metrics == {
-        "val/reward": 4.0, "val/n_rollouts": 7, "val/n_rollouts_w_trace": 7, "val/n_rollouts_w_reward": 7,
-        "val/mean_response_length_per_turn": 1.0, "val/mean_total_response_length_per_rollout": 2.0,
-        "val/turn_count": 2.0,
-    }
-    assert validation_metrics(rollouts, 0.0) == val.metrics
-    run = FakeRun()
-    log_batch_artifacts(run, val, 31, "validation", wandb_module=FakeWandb)
-    assert run.tables("training/trace_merge_mismatches") == []
-    [(step, table)] = run.tables("val/rollout_trajectories")
-    assert table.data == [[31, "validation-trajectories-fake-run-step-31",
-                           "step_31/validation_trajectories.jsonl.zip", 7]]
-    [artifact] = run.artifacts
-    assert artifact.type == "validation_trajectories" and artifact.metadata["row_count"] == 7
-    names, records = _read_zip(artifact.files["step_31/validation_trajectories.jsonl.zip"])
-    assert names == ["validation_trajectories.jsonl"] and len(records) == 7
-    assert records[0] == {"rollout_id": "vr1", "reward": 1.0, "prompt": "1 11 21", "response": "31"}
-    assert records[-1] == {"rollout_id": "vr7", "reward": 7.0, "prompt": "7 17 27", "response": "37"}
-
-
-def test_validation_without_trace_raises_and_fills_missing_rewards():
-    with pytest.raises(RuntimeError, match="get_test_metrics received zero completed rollouts with trace"):
-        validation_metrics([R("a", [])], 0.0)
-    m = validation_metrics([R("a", [T([1], [2, 3])], reward=None), R("b", [], reward=1.0, sample_idx=1)], -1.0)
-    assert m["val/reward"] == 0.0 and m["val/n_rollouts_w_trace"] == 1 and m["val/n_rollouts_w_reward"] == 1
-    assert m["val/mean_total_response_length_per_rollout"] == 2.0
-
-
-def test_log_batch_artifacts_with_real_wandb_objects(tmp_path, monkeypatch):
-    """The real `wandb.Table` / `wandb.Artifact` accept what we pass (no run, no network)."""
-    monkeypatch.setenv("WANDB_MODE", "disabled")
-    monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path))
-    wandb = pytest.importorskip("wandb")
-    r = R("r1", [T([1], [2]), T([9], [10])], reward=0.5, data_id="data-1", step=5)
-    run = FakeRun()
-    run.id = "odd/id:1"
-    log_batch_artifacts(run, _adapter([r]), 5, "train", wandb_module=wandb)
-    [(_, table)] = run.tables("training/trace_merge_mismatches")
-    assert isinstance(table, wandb.Table) and table.data[0][:4] == [5, "r1", "data-1", 1]
-    [artifact] = run.artifacts
-    assert artifact.name == "train-trajectories-odd_id_1-step-5"
-    assert list(artifact.manifest.entries) == ["step_5/train_trajectories.jsonl.zip"]
-    with pytest.raises(ValueError, match="split must be 'train' or 'validation'"):
-        log_batch_artifacts(run, _adapter([r]), 5, "val", wandb_module=wandb)
-
-
-def test_log_batch_artifacts_failure_warns_and_continues():
-    class BrokenRun(FakeRun):
-        def log_artifact(self, artifact):
-            raise ConnectionError("wandb unreachable")
-
-    run = BrokenRun()
-    res = _adapter([R("r1", [T([1], [2])])])
-    with pytest.warns(UserWarning, match="W&B upload for step 4 failed: ConnectionError"):
-        log_batch_artifacts(run, res, 4, "train", wandb_module=FakeWandb)
-    assert len(run.tables("training/trace_merge_mismatches")) == 1  # the table went out first
-    with pytest.raises(TypeError, match="needs the BatchResult"):
-        log_batch_artifacts(run, build_validation([R("r1", [T([1], [2])])]), 4, "train", wandb_module=FakeWandb)

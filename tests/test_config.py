@@ -57,10 +57,27 @@ def test_free_form_subtrees_accept_any_key():
     (["algorithm.rollout_correction.bypass_mode=true", "agl_lab.server.include_log_probs=false"],
      r"bypass_mode=true needs sampling logprobs"),
     (["data.train_batch_size"], r"is not key=value"),
+    (["agl_lab.algorithm.small_batch=never"], r"agl_lab\.algorithm\.small_batch='never' is not one of"),
+    (["actor_rollout_ref.actor.ppo_mini_batch_size=0"], r"ppo_mini_batch_size"),
 ])
 def test_contradictions_fail_with_the_fix(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
+
+
+def test_learning_rules_have_one_message_the_pure_modules():
+    """config.py calls the checks of the modules that apply each rule: same text, one place."""
+    from agl_lab.algorithms import check_divisor, check_estimator
+    from agl_lab.batch import check_level
+
+    for override, check in ((["agl_lab.algorithm.normalize_by=tokens"], lambda: check_divisor("tokens")),
+                            (["agentlightning.trace_aggregator.level=segment"], lambda: check_level("segment")),
+                            (["algorithm.adv_estimator=gae"], lambda: check_estimator("gae"))):
+        with pytest.raises(ValueError) as pure:
+            check()
+        with pytest.raises(ConfigError) as composed:
+            load_config(None, override)
+        assert str(composed.value) == str(pure.value)
 
 
 def test_missing_file_is_a_clear_error():

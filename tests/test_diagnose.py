@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from agl_lab.batch import build_batch
+from agl_lab.results import BatchResult
 from agl_lab.diagnose import decode_ids, diagnose_break, token_diff
-from agl_lab.rollout import CompletedRollout, Triplet
+from agl_lab.records import CompletedRollout, Triplet
 
 
 class VocabTokenizer:
@@ -188,11 +189,11 @@ def test_bpe_breaks_classified_inside_build_batch(tok):
     p3, r3 = render(tok, m3), sampled(tok, "Bye.")  # middle turns dropped: history edit
     triplets = [Triplet(p, r, [-0.5] * len(r)) for p, r in ((p0, r0), (p1, r1), (p2, r2), (p3, r3))]
     rollout = CompletedRollout("r1", "g1", 0, 0, triplets, final_reward=1.0)
-    res = build_batch([rollout], "trajectory", max_prompt_length=256, max_response_length=256,
-                      pad_token_id=tok.pad_token_id, tokenizer=tok)
-    assert res.rows.n_turns.tolist() == [2, 1, 1]
-    assert res.merges.kind.tolist() == ["template", "history_edit"]
-    assert res.merges.turn_index.tolist() == [2, 3]
+    res = BatchResult(build_batch([rollout], "trajectory", max_prompt_length=256, max_response_length=256,
+                                  pad_token_id=tok.pad_token_id, tokenizer=tok))
+    assert res.rows.n_calls.tolist() == [2, 1, 1]
+    assert res.breaks.kind.tolist() == ["template", "history_edit"]
+    assert res.breaks.call.tolist() == [2, 3]
     assert res.metrics["training/merge_breaks/template"] == 1
     assert res.metrics["training/merge_breaks/history_edit"] == 1
-    assert "<think>Look it up.</think>" in res.merges.removed_text.iloc[0]
+    assert "<think>Look it up.</think>" in res.breaks.removed_text.iloc[0]

@@ -142,7 +142,7 @@ def test_non_json_upstream_answer_counts_as_empty_object(make_gateway, fake_upst
 
 
 def test_upstream_client_choice_is_validated():
-    from agl_lab.server.app import load_server_config
+    from agl_lab.server.config import load_server_config
     from agl_lab.server.gateway import open_upstream_client
 
     with pytest.raises(ValueError, match="upstream_client"):
@@ -228,7 +228,7 @@ def test_select_server_hash_pinning(make_gateway, fake_upstream):
 
 
 def test_rewrite_request_and_backoff():
-    from agl_lab.server.app import DefaultProxyConfig
+    from agl_lab.server.config import DefaultProxyConfig
 
     proxy = DefaultProxyConfig(model_name="m")
     body = {"model": "auto", "messages": [], "n": 2, "temperature": 0.0}

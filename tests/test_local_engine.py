@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from verl import DataProto
 
 from agl_lab.engines.local import LocalEngine
-from agl_lab.ppo import ActorUpdateConfig
+from agl_lab.engines.local_ppo import ActorUpdateConfig
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,5 @@
-"""Rollout managers and the events -> CompletedRollout reduction.
+"""Rollout managers over HTTP (the pure events -> CompletedRollout reduction: test_records.py).
 
-Pure parts are tested on hand-built events (AGL v1 §7.4 parity, golden lifecycle numbers).
 The managers run against a real server on loopback; `FakeRunner` plays runner + agent in a
 thread: it claims queued rollouts, writes `model_request` events in the gateway's format and
 a reward, and finishes them — so every HTTP path of the managers runs for real.
@@ -18,117 +17,13 @@ import pytest
 
 from agl_lab.client import AglClient, AglHTTPError, RolloutWaitTimeout
 from agl_lab.hooks import RolloutHooks
-from agl_lab.protocol import Rollout, RolloutLifecycleStatus
-from agl_lab.rollout import (
-    AsyncRolloutManager,
-    CompletedRollout,
-    SyncRolloutManager,
-    clean_logprobs,
-    events_to_completed_rollout,
-    final_reward_from_events,
-    lifecycle_metrics,
-    triplets_from_events,
-)
+from agl_lab.protocol import Rollout
+from agl_lab.records import CompletedRollout, lifecycle_metrics
+from agl_lab.rollout import AsyncRolloutManager, SyncRolloutManager
 from agl_lab.server.embedded import EmbeddedServer
 
 KEY = "test-secret-key"
 FAST = dict(poll_interval=0.01, timeout_seconds=30)
-
-
-# =============================================================================================
-# Pure: events -> CompletedRollout
-# =============================================================================================
-
-
-def _mr(prompt, response, logprobs=None, *, version=0, **extra) -> dict:
-    """A model_request event in the server's triplet format."""
-    data = {"prompt_token_ids": prompt, "response_token_ids": response, "response_log_probs": logprobs,
-            "server": {"model": "test-model", "version": version}, **extra}
-    return {"event_type": "model_request", "rollout_id": "r", "attempt_id": "0", "timestamp": 0.0, "data": data}
-
-
-def _reward(value) -> dict:
-    return {"event_type": "reward", "rollout_id": "r", "attempt_id": "0", "timestamp": 0.0, "data": {"value": value}}
-
-
-def _rollout(state: str = "succeeded") -> Rollout:
-    return Rollout(rollout_id="r", input={"q": 1}, status=RolloutLifecycleStatus(
-        state=state, created_at=10.0, updated_at=12.5, error_message=None))
-
-
-def _build(triplet_events, raw_events=()) -> CompletedRollout:
-    return events_to_completed_rollout(_rollout(), list(raw_events), triplet_events, data_id="d", step=3, sample_idx=1)
-
-
-def test_parity_skips_error_and_empty_model_requests():
-    """AGL v1 tests/verl/test_agl_rollout_manager.py, same events, same expectations."""
-    events = [
-        _mr([], [], http_status=400, status="error", error={"message": "maximum context length"}),
-        _mr([1], [], http_status=200, status="ok"),
-        _mr([1], [2], [-0.1], version=3, http_status=200, status="ok"),
-        _reward(1.0),
-    ]
-    completed = _build(events)
-    assert completed.final_reward == 1.0 and len(completed.triplets) == 1
-    (t,) = completed.triplets
-    assert (t.prompt_ids, t.response_ids, t.logprobs, t.reward) == ([1], [2], [-0.1], 1.0)
-    assert t.metadata == {"server": {"model": "test-model", "version": 3}}
-    assert (completed.step, completed.sample_idx, completed.data_id) == (3, 1, "d")
-    assert completed.finished_at == 12.5 and completed.state == "succeeded"
-
-
-def test_error_status_alone_or_http_status_alone_skips_the_call():
-    events = [_mr([1], [2], status="error"), _mr([3], [4], http_status=502), _mr([5], [6], http_status=200)]
-    assert [t.prompt_ids for t in triplets_from_events(events)] == [[5]]
-
-
-def test_last_reward_wins_and_lands_on_the_last_triplet():
-    completed = _build([_mr([1], [2]), _reward(0.2), _mr([1, 2, 3], [4]), _reward(0.9)])
-    assert completed.final_reward == 0.9
-    assert [t.reward for t in completed.triplets] == [None, 0.9]
-
-
-@pytest.mark.parametrize("value", [True, "1.0", None, [1.0]])
-def test_non_numeric_last_reward_gives_none(value):
-    assert final_reward_from_events([_reward(1.0), _reward(value)]) is None
-
-
-def test_reward_without_triplets_is_kept_on_the_rollout():
-    completed = _build([_reward(0.5)])
-    assert completed.final_reward == 0.5 and completed.triplets == []
-
-
-@pytest.mark.parametrize("logprobs", ["bad", [-0.1, "x"], [-0.1, float("nan")], [-0.1], [True, -0.2], None])
-def test_malformed_logprobs_become_none(logprobs):
-    (t,) = triplets_from_events([_mr([1], [2, 3], logprobs)])
-    assert t.logprobs is None and t.response_ids == [2, 3]
-
-
-def test_clean_logprobs_accepts_ints_and_floats():
-    assert clean_logprobs([0, -1.5], 2) == [0.0, -1.5]
-
-
-def test_policy_version_is_the_oldest_model_version():
-    raw = [
-        {"event_type": "model_request", "data": {"model_version": 7}},
-        {"event_type": "model_request", "data": {"model_version": 5}},
-        {"event_type": "model_request", "data": {"model_version": None}},
-        {"event_type": "reward", "data": {"value": 1.0, "model_version": 1}},
-    ]
-    assert _build([], raw).policy_version == 5
-    assert _build([], []).policy_version is None
-
-
-def test_lifecycle_metrics_golden_numbers():
-    def c(enqueue, running, finished):
-        return CompletedRollout("r", "d", 0, 0, enqueue_time=enqueue, running_at=running, finished_at=finished)
-
-    m = lifecycle_metrics([c(0.0, 1.0, 4.0), c(0.0, 3.0, 4.0), c(1.0, None, 5.0)])
-    assert m["timing/rollout_n_missing_running_ts"] == 1
-    assert m["timing/rollout_queue_wait_s/mean"] == 2.0 and m["timing/rollout_queue_wait_s/p90"] == pytest.approx(2.8)
-    assert m["timing/rollout_run_duration_s/max"] == 3.0 and m["timing/rollout_run_duration_s/p50"] == 2.0
-    assert m["timing/rollout_total_s/mean"] == 4.0 and m["timing/rollout_total_s/p90"] == 4.0
-    assert lifecycle_metrics([]) == {"timing/rollout_n_missing_running_ts": 0.0}
 
 
 # =============================================================================================

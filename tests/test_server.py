@@ -12,7 +12,8 @@ import time
 import httpx
 import pytest
 
-from agl_lab.server.app import NO_KEY_WARNING, ServerConfig, create_app, load_server_config
+from agl_lab.server.app import NO_KEY_WARNING, create_app
+from agl_lab.server.config import ServerConfig, load_server_config
 from agl_lab.server.embedded import EmbeddedServer, serve_main
 
 KEY = "test-secret-key"

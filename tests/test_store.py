@@ -1,8 +1,9 @@
-"""The store's semantics on both backends, persistence, the bounded terminal log, the triplet view."""
+"""The store's semantics on both backends, persistence, the bounded terminal log.
+
+The triplet view the server serves over the store's events is tested in test_records.py."""
 
 from __future__ import annotations
 
-import math
 import threading
 
 import pytest
@@ -13,9 +14,7 @@ from agl_lab.server.store import (
     MemoryStore,
     RolloutNotFound,
     SqliteStore,
-    extract_log_probs,
     open_store,
-    triplet_events,
 )
 
 RUNNING = RolloutStatusPatch(state=RolloutState.RUNNING)
@@ -201,63 +200,3 @@ def test_model_registry_upsert_sorted_and_clear(store):
     assert [(m.endpoint, m.version) for m in store.models_for("m")] == [("http://a/v1", 0), ("http://z/v1", 5)]
     store.clear_models()
     assert store.models_for("m") == [] and store.models_for("o") == []
-
-
-# ---------------------------------------------------------------------------------------------
-# Triplet view
-# ---------------------------------------------------------------------------------------------
-
-
-def ev(event_type, data):
-    return Event(event_type=event_type, rollout_id="r", attempt_id="0", timestamp=1.0, data=data)
-
-
-def mr(prompt, response, **extra):
-    body = {"prompt_token_ids": prompt, "choices": [{"token_ids": response}]}
-    return ev("model_request", {"response": body, "server": {"model": "m", "endpoint": "e", "version": 3}, **extra})
-
-
-def test_triplet_keeps_last_model_request_per_prompt():
-    events = [mr([1, 2], [10]), ev("reward", {"value": 0.5, "message": "m", "source": "agent"}),
-              mr([3, 4], [20]), mr([1, 2], [30]), ev("custom", {"x": 1})]
-    out = triplet_events(events)
-    assert [e.event_type for e in out] == ["reward", "model_request", "model_request", "custom"]
-    assert out[0].data == {"value": 0.5, "source": "agent"}
-    assert [e.data["prompt_token_ids"] for e in out[1:3]] == [[3, 4], [1, 2]]
-    assert [e.data["response_token_ids"] for e in out[1:3]] == [[20], [30]]
-    assert out[1].data["server"] == {"model": "m", "version": 3} and out[3].data == {"x": 1}
-
-
-def test_triplet_shapes_completions_errors_and_legacy_chunks():
-    completions = ev("model_request", {"response": {"choices": [
-        {"prompt_token_ids": [7], "token_ids": [8, 9], "logprobs": {"token_logprobs": [-1, -2.5]}}]},
-        "http_status": 200, "status": "ok"})
-    error = ev("model_request", {"response": {"error": {"message": "too long"}}, "http_status": 400, "status": "error"})
-    legacy = ev("model_request", {"response": [{"prompt_token_ids": [5], "choices": [{"token_ids": [1]}]},
-                                               {"choices": [{"token_ids": [2]}]}, "junk"]})
-    broken = ev("model_request", {"response": {"choices": ["not a dict"]}})
-    out = triplet_events([completions, error, legacy, broken])
-    assert out[0].data == {"prompt_token_ids": [7], "response_token_ids": [8, 9], "response_log_probs": [-1.0, -2.5],
-                           "server": {"model": None, "version": None}, "http_status": 200, "status": "ok"}
-    # the error and the broken call both have empty prompt ids: only the last of them is kept
-    assert [e.data["prompt_token_ids"] for e in out] == [[7], [5], []]
-    assert out[1].data["response_token_ids"] == [1, 2] and out[1].data["response_log_probs"] is None
-    assert triplet_events([error])[0].data["error"] == {"message": "too long"}
-
-
-@pytest.mark.parametrize("logprobs, expected", [
-    ({"content": [{"logprob": -0.5}, {"logprob": "-1"}]}, [-0.5, -1.0]),  # chat schema
-    ({"token_logprobs": [-0.25]}, [-0.25]),  # completions schema
-    ({"content": [{"logprob": float("nan")}]}, None),
-    ({"token_logprobs": [None]}, None),
-    ({"content": [{"token": "x"}]}, None),
-    ({"content": ["x"]}, None),
-    ({"other": 1}, None),
-    ("not a dict", None),
-    ({"token_logprobs": [float("inf")]}, None),
-    ({"token_logprobs": ["abc"]}, None),
-])
-def test_extract_log_probs_never_raises(logprobs, expected):
-    got = extract_log_probs({"logprobs": logprobs})
-    assert got == expected and (got is None or all(math.isfinite(x) for x in got))
-    assert extract_log_probs({}) is None

@@ -328,9 +328,8 @@ def run_rollouts(server: Any, agent: Any, tasks: list[dict]) -> list[Any]:
     import uuid
 
     from agl_lab.protocol import RolloutCreate
-    from agl_lab.rollout import events_to_completed_rollout
+    from agl_lab.records import events_to_completed_rollout, triplet_events
     from agl_lab.server.gateway import proxy_base_url
-    from agl_lab.server.store import triplet_events
 
     rollouts = server.store.create_rollouts([RolloutCreate(rollout_id=uuid.uuid4().hex, input=t) for t in tasks])
 
@@ -351,9 +350,10 @@ def run_rollouts(server: Any, agent: Any, tasks: list[dict]) -> list[Any]:
 
 def build(completed: list[Any], tokenizer: Any) -> Any:
     from agl_lab.batch import build_batch
+    from agl_lab.results import BatchResult
 
-    return build_batch(completed, "trajectory", max_prompt_length=256, max_response_length=512,
-                       pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer)
+    return BatchResult(build_batch(completed, "trajectory", max_prompt_length=256, max_response_length=512,
+                                   pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer))
 
 
 def model_calls(rollout: Any) -> list[dict]:
@@ -377,7 +377,7 @@ def test_mode_off_append_only_rollouts_break_on_retokenization(append_only_runs,
     rows_per_rollout = result.rows.groupby("rollout_id").size()
     break_rate = float((rows_per_rollout > 1).mean())
     assert break_rate >= 0.5, f"only {break_rate:.0%} of append-only rollouts broke the merge"
-    assert (result.merges["kind"] == "retokenization").sum() >= 0.5 * len(result.merges)
+    assert (result.breaks["kind"] == "retokenization").sum() >= 0.5 * len(result.breaks)
 
 
 def test_mode_on_every_append_only_rollout_is_one_row_of_the_sampled_ids(append_only_runs, engine):
@@ -388,7 +388,7 @@ def test_mode_on_every_append_only_rollout_is_one_row_of_the_sampled_ids(append_
         assert all(n["used"] for n in notes[1:]), notes
         assert all(call["upstream_path"] == "completions" for call in model_calls(rollout)[1:])
     result = build(completed, engine.tokenizer)
-    assert result.rows.groupby("rollout_id").size().eq(1).all() and len(result.merges) == 0
+    assert result.rows.groupby("rollout_id").size().eq(1).all() and len(result.breaks) == 0
     assert result.metrics["training/n_unmerged_rollouts"] == 0
 
     # the ids the batch trains on = the ids the engine sampled, turn by turn (engine-side spy)

@@ -49,7 +49,7 @@ def test_one_step_changes_weights_and_bumps_policy_version(trainer):
     after = _params(trainer.engine.model)
     if u.metrics["actor/grad_norm"] > 0:
         assert any(not torch.equal(before[k], after[k]) for k in before)
-    assert set(u.advantages.columns) >= {"rollout_id", "reward", "advantage", "n_rows", "loss_tokens"}
+    assert set(u.weights.columns) >= {"rollout_id", "reward", "advantage", "n_rows", "loss_tokens"}
 
     # the next rollout phase is served by the new weights, and the events say so
     ro2 = trainer.rollout()
@@ -63,6 +63,30 @@ def test_step_logs_one_json_line_per_step(trainer):
     records = [json.loads(line) for line in lines]
     assert [r["step"] for r in records] == [0, 1]
     assert all("training/reward" in r and "actor/pg_loss" in r for r in records)
+
+
+def test_with_wandb_on_the_step_and_validation_upload_agl_side_tables(trainer, monkeypatch):
+    """The Trainer sends AGL v1's W&B tables through its metrics logger, at the logged step."""
+    import sys
+    import types
+
+    from tests.test_logger import FakeArtifact, FakeRun, FakeTable
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(Table=FakeTable, Artifact=FakeArtifact))
+    run = FakeRun()
+    monkeypatch.setattr(trainer.metrics_logger, "_wandb_run", run)
+    metrics = trainer.step()
+    [(step, mismatches)] = run.tables("training/trace_merge_mismatches")
+    assert step == 0 and len(mismatches.data) == metrics["training/n_trace_merge_mismatch_rows"]
+    [(step, pointer)] = run.tables("training/rollout_trajectories")
+    assert step == 0 and pointer.data[0][-1] == 8  # 4 tasks × n=2 rollouts, all under 24
+    assert run.logged[-1][0] == 0 and "training/reward" in run.logged[-1][1]  # metrics at the same step
+    trainer.validate()
+    [(step, pointer)] = run.tables("val/rollout_trajectories")
+    assert step == 1 and pointer.data[0][-1] == 4
+    assert [a.type for a in run.artifacts] == ["train_trajectories", "validation_trajectories"]
+    records = run.artifacts[0].files["step_0/train_trajectories.jsonl.zip"]
+    assert records[:2] == b"PK"  # a zip of decoded trajectories
 
 
 def test_stages_accept_explicit_results_and_rebuild_at_another_level(trainer):

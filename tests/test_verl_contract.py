@@ -1,6 +1,6 @@
 """API contract between agl_lab's verl engine and the installed verl (and vLLM, when present).
 
-`agl_lab.engines.verl.VERL_API` is the one table of verl symbols the engine uses; here every
+`agl_lab.engines.verl_api.VERL_API` is the one table of verl symbols the engine uses; here every
 row is checked against the installed packages (import, parameter names in order, no new
 required parameter, instance attributes and source words), the config keys the engine reads
 against verl's generated `ppo_trainer.yaml`, and the engine's own source against the table
@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from agl_lab.engines.verl import VERL_API, VERL_CONFIG_KEYS, VerlSymbol, check_symbol, check_verl_api
+from agl_lab.engines.verl_api import VERL_API, VERL_CONFIG_KEYS, VerlSymbol, check_symbol, check_verl_api
 
 ENGINE_FILES = [Path(__file__).resolve().parents[1] / "agl_lab" / "engines" / name
-                for name in ("verl.py", "verl_trainer.py")]
+                for name in ("verl.py", "verl_trainer.py", "verl_api.py")]
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 VERL_ROWS = sorted(k for k, s in VERL_API.items() if not s.needs_vllm)
 VLLM_ROWS = sorted(k for k, s in VERL_API.items() if s.needs_vllm)
@@ -45,7 +45,7 @@ def test_vllm_symbol_matches_installed_vllm(key):
 
 
 def test_table_rows_have_unique_qualified_names():
-    from agl_lab.engines.verl import _ROWS
+    from agl_lab.engines.verl_api import _ROWS
 
     assert len(VERL_API) == len(_ROWS)
 

@@ -18,7 +18,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from agl_lab.engines.verl import VerlEngine, verl_import
+from agl_lab.engines.verl import VerlEngine
+from agl_lab.engines.verl_api import verl_import
 from agl_lab.engines.verl_trainer import AGL_STATE_FILE, InMemoryDataset
 from tests.verl_fakes import fake_verl_trainer
 

@@ -1,4 +1,5 @@
-"""DataFrame views: golden frames on hand-built rollouts, and agreement with build_batch."""
+"""DataFrame views: golden frames on hand-built rollouts, agreement with build_batch, and the
+BatchResult / UpdateResult frames (with their deprecated aliases)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,14 @@ import math
 import pandas as pd
 import pytest
 
-from agl_lab.batch import build_batch
-from agl_lab.rollout import CompletedRollout, Triplet
-from agl_lab.views import groups_df, lifecycle_df, merges_df, rows_df, triplets_df
+from agl_lab import batch
+from agl_lab.records import CompletedRollout, Triplet
+from agl_lab.results import BatchResult, UpdateResult
+from agl_lab.views import breaks_df, groups_df, lifecycle_df, rows_df, triplets_df
+
+
+def build_batch(*args, **kwargs) -> BatchResult:
+    return BatchResult(batch.build_batch(*args, **kwargs))
 
 
 class SpaceTokenizer:
@@ -42,12 +48,12 @@ def rollouts():
 
 def test_triplets_df_golden(rollouts):
     df = triplets_df(rollouts)
-    assert list(df.columns) == ["rollout_id", "data_id", "turn", "prompt_len", "response_len", "reward",
+    assert list(df.columns) == ["rollout_id", "data_id", "call", "prompt_tokens", "response_tokens", "reward",
                                 "has_logprobs", "server_version"]
     assert df.rollout_id.tolist() == ["a", "a", "b", "b", "c"]
-    assert df.turn.tolist() == [0, 1, 0, 1, 0]
-    assert df.prompt_len.tolist() == [2, 4, 3, 1, 1]
-    assert df.response_len.tolist() == [1, 2, 1, 4, 1]
+    assert df.call.tolist() == [0, 1, 0, 1, 0]
+    assert df.prompt_tokens.tolist() == [2, 4, 3, 1, 1]
+    assert df.response_tokens.tolist() == [1, 2, 1, 4, 1]
     assert df.has_logprobs.tolist() == [True, True, False, True, True]
     assert df.server_version.tolist()[:2] == [0, 1] and df.server_version.isna().tolist()[2:] == [True] * 3
 
@@ -56,11 +62,13 @@ def test_rows_df_golden_and_equal_to_batch_rows(rollouts):
     result = build_batch(rollouts, "trajectory", max_prompt_length=2, max_response_length=3,
                          tokenizer=SpaceTokenizer())
     df = rows_df(rollouts, result)
-    assert df is result.rows
+    pd.testing.assert_frame_equal(df, result.rows)
+    pd.testing.assert_frame_equal(rows_df(rollouts, result.built), result.rows)
+    assert result.rows is result.rows  # cached
     planned = rows_df(rollouts, level="trajectory", max_prompt_length=2, max_response_length=3)
     pd.testing.assert_frame_equal(planned, result.rows)
     assert df.rollout_id.tolist() == ["a", "b", "b", "c"]
-    assert df[["first_turn", "last_turn", "n_turns"]].values.tolist() == [[0, 1, 2], [0, 0, 1], [1, 1, 1], [0, 0, 1]]
+    assert df[["first_call", "last_call", "n_calls"]].values.tolist() == [[0, 1, 2], [0, 0, 1], [1, 1, 1], [0, 0, 1]]
     assert df.prompt_tokens.tolist() == [2, 2, 1, 1]   # b's first prompt (3 tokens) cut to 2
     assert df.response_tokens.tolist() == [3, 1, 3, 1]  # a: [3,4,5,6] truncated to 3; b: 4 → 3
     assert df.loss_tokens.tolist() == [2, 1, 3, 1] and df.observation_tokens.tolist() == [1, 0, 0, 0]
@@ -72,26 +80,27 @@ def test_rows_df_golden_and_equal_to_batch_rows(rollouts):
     assert df.batch_index.tolist() == [0, 1, 2, 3]
 
 
-def test_merges_df_equal_to_batch_merges(rollouts):
+def test_breaks_df_equal_to_batch_breaks(rollouts):
     result = build_batch(rollouts, "trajectory", max_prompt_length=4, max_response_length=8,
                          tokenizer=SpaceTokenizer())
-    df = merges_df(rollouts, tokenizer=SpaceTokenizer())
-    pd.testing.assert_frame_equal(df, result.merges)
-    assert df[["rollout_id", "turn_index", "against_turn", "kind"]].values.tolist() == [["b", 1, 0, "other"]]
+    df = breaks_df(rollouts, tokenizer=SpaceTokenizer())
+    pd.testing.assert_frame_equal(df, result.breaks)
+    assert df[["rollout_id", "call", "against_call", "kind"]].values.tolist() == [["b", 1, 0, "other"]]
     assert df.previous_trace.tolist() == ["7 8 9 10"] and df.current_trace.tolist() == ["11 12 13 14 15"]
-    assert merges_df(rollouts[:1]).empty and "kind" in merges_df(rollouts[:1]).columns
+    assert breaks_df(rollouts[:1]).empty and "kind" in breaks_df(rollouts[:1]).columns
 
 
-def test_groups_df_zero_advantage_and_rows(rollouts):
+def test_groups_df_zero_adv_and_rows(rollouts):
     result = build_batch(rollouts, "transition", max_prompt_length=4, max_response_length=4)
     df = groups_df(rollouts, result, reward_fillna_value=0.0)
     assert df.data_id.tolist() == ["g1", "g2"]
     assert df.n_rollouts.tolist() == [2, 2]
     assert df.rewards.tolist() == [[1.0, 1.0], [0.0, 0.5]]  # c has no reward → fill value
     assert df.reward_mean.tolist() == [1.0, 0.25] and df.reward_std.tolist() == [0.0, 0.25]
-    assert df.zero_advantage.tolist() == [True, False]
+    assert df.zero_adv.tolist() == [True, False]
     assert df.n_rows.tolist() == [4, 1]  # transition: one row per call; d has no calls
     assert groups_df(rollouts).n_rows.tolist() == [3, 1]  # planned at trajectory level
+    pd.testing.assert_frame_equal(result.groups, df)
 
 
 def test_lifecycle_df_spans_and_missing_timestamps(rollouts):
@@ -100,3 +109,13 @@ def test_lifecycle_df_spans_and_missing_timestamps(rollouts):
     assert math.isnan(df.loc["b", "queue_wait_s"]) and math.isnan(df.loc["b", "run_s"])
     assert df.loc["b", "total_s"] == 3.0 and df.loc["b", "state"] == "failed"
     assert df.loc["c", ["queue_wait_s", "run_s", "total_s"]].isna().all()
+
+
+def test_deprecated_aliases_warn_and_return_the_new_frames(rollouts):
+    result = build_batch(rollouts, "trajectory", max_prompt_length=4, max_response_length=8)
+    with pytest.warns(DeprecationWarning, match="BatchResult.merges is deprecated.*BatchResult.breaks"):
+        assert result.merges is result.breaks
+    weights = pd.DataFrame({"rollout_id": ["a"], "advantage": [0.5]})
+    update = UpdateResult(step=0, metrics={}, weights=weights, dropped=pd.DataFrame())
+    with pytest.warns(DeprecationWarning, match="UpdateResult.advantages is deprecated.*UpdateResult.weights"):
+        assert update.advantages is weights

@@ -16,9 +16,10 @@ import pytest
 
 from agl_lab import viz
 from agl_lab.batch import build_batch
+from agl_lab.results import BatchResult
 from agl_lab.diagnose import diagnose_break, token_diff
 from agl_lab.engines.tiny import load_tokenizer
-from agl_lab.rollout import CompletedRollout, Triplet
+from agl_lab.records import CompletedRollout, Triplet
 from agl_lab.widgets import RolloutBrowser
 
 SYSTEM = {"role": "system", "content": "Reply get KEY or answer VALUE."}
@@ -97,8 +98,8 @@ def batch(tok, conversation):
                                {"role": "user", "content": "c is 7"}])
     edited = rollout("r2", "g1", [Triplet(p1, r1, lp(r1)), Triplet(edited_prompt, r2, lp(r2), reward=0.3)], 0.3)
     other = rollout("r3", "g2", [Triplet(p1, r1, lp(r1), reward=0.0)], 0.0)
-    return build_batch([merged, edited, other], "trajectory", max_prompt_length=64, max_response_length=48,
-                       pad_token_id=tok.pad_token_id, tokenizer=tok)
+    return BatchResult(build_batch([merged, edited, other], "trajectory", max_prompt_length=64,
+                                   max_response_length=48, pad_token_id=tok.pad_token_id, tokenizer=tok))
 
 
 # =========================================================================== token renderer
@@ -203,11 +204,11 @@ def test_diff_highlights_the_first_divergent_token_on_both_sides(tok):
     assert [t for c, t in spans_of(td) if "agl-diverge" in c] == diverge
 
 
-def test_diff_from_a_merges_frame_row(tok, batch):
-    merges = batch.merges
-    assert len(merges) == 1 and merges.rollout_id.iloc[0] == "r2"
-    out = viz.render_token_diff_html(merges.iloc[0])
-    assert f"agl-kind-{merges.kind.iloc[0]}" in out
+def test_diff_from_a_breaks_frame_row(tok, batch):
+    breaks = batch.breaks
+    assert len(breaks) == 1 and breaks.rollout_id.iloc[0] == "r2"
+    out = viz.render_token_diff_html(breaks.iloc[0])
+    assert f"agl-kind-{breaks.kind.iloc[0]}" in out
     assert "rollout r2 · call 1" in out
     assert sum("agl-diverge" in c for c, _ in spans_of(out)) == 2
     with pytest.raises(ValueError, match="first_divergent_token is missing"):

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from agl_lab.engines.verl import verl_import
+from agl_lab.engines.verl_api import verl_import
 from agl_lab.engines.verl_trainer import AglRayPPOTrainer, InMemoryDataset
 from verl.trainer.ppo.utils import Role
 from verl.utils import tensordict_utils as tu

@@ -10,7 +10,7 @@ never sees half-updated weights. `sync_weights()` has nothing to copy and only b
     engine = LocalEngine()                        # tiny model, served on a free port
     engine.endpoints()                            # ['http://127.0.0.1:PORT/v1']
     old = engine.compute_log_probs(batch, 1.0)    # [N, R]
-    metrics = engine.update(batch)                # agl_lab.ppo.ppo_update
+    metrics = engine.update(batch)                # agl_lab.engines.local_ppo.ppo_update
     engine.sync_weights()                         # policy_version += 1
 
 Device: `device=None` → CUDA if available (bfloat16 weights), else CPU (float32).
@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 
 from agl_lab.engines.base import Engine
 from agl_lab.engines.openai_server import OpenAIServer
@@ -38,7 +39,7 @@ DEFAULT_TINY_LR = 1e-3  # the tiny model learns at this rate; verl's 1e-6 defaul
 
 def actor_config(actor: Any = None, lr: float | None = None) -> Any:
     """`ActorUpdateConfig` from None, an ActorUpdateConfig, its field dict, or a verl actor section."""
-    from agl_lab.ppo import ActorUpdateConfig
+    from agl_lab.engines.local_ppo import ActorUpdateConfig
 
     if actor is None:
         cfg = ActorUpdateConfig(lr=DEFAULT_TINY_LR)
@@ -54,7 +55,7 @@ def actor_config(actor: Any = None, lr: float | None = None) -> Any:
 
 
 class LocalEngine(Engine):
-    """A transformers model served by `OpenAIServer` and trained by `agl_lab.ppo.ppo_update`."""
+    """A transformers model served by `OpenAIServer` and trained by `agl_lab.engines.local_ppo.ppo_update`."""
 
     def __init__(
         self,
@@ -72,16 +73,18 @@ class LocalEngine(Engine):
         batch_window_ms: float = 3.0,
         max_batch_size: int = 64,
         log_prob_micro_batch_size: int | None = 16,
+        bypass_mode: bool = False,
     ):
         self.model, self.tokenizer = load_model_and_tokenizer(model_path, device=device, dtype=dtype, seed=seed)
         self.device = next(self.model.parameters()).device
         self.model_name = model_name or (Path(model_path).resolve().name if model_path else DEFAULT_MODEL_NAME)
         self.actor_cfg = actor_config(actor, lr)
-        from agl_lab.ppo import build_optimizer
+        from agl_lab.engines.local_ppo import build_optimizer
 
         self.optimizer = build_optimizer(self.model, self.actor_cfg)
         self.ref_model = self._frozen_copy() if self.actor_cfg.use_kl_loss else None
         self.log_prob_micro_batch_size = log_prob_micro_batch_size
+        self.bypass_mode = bypass_mode  # old logprobs = the server's sampling logprobs
         self.weights_lock = threading.RLock()
         self._policy_version = 0
         self._closed = False
@@ -93,8 +96,9 @@ class LocalEngine(Engine):
     @classmethod
     def from_config(cls, cfg: Any) -> "LocalEngine":
         """Build from a composed agl_lab config (`agl_lab.model.*`, `agl_lab.engine_options.*`,
-        `actor_rollout_ref.actor.*`, `actor_rollout_ref.rollout.{n,temperature}`)."""
-        from agl_lab.ppo import ActorUpdateConfig
+        `actor_rollout_ref.actor.*`, `actor_rollout_ref.rollout.{n,temperature}`,
+        `algorithm.rollout_correction.bypass_mode`)."""
+        from agl_lab.engines.local_ppo import ActorUpdateConfig
 
         lab, rollout = cfg.agl_lab, cfg.actor_rollout_ref.rollout
         actor = ActorUpdateConfig.from_verl_actor_config(
@@ -105,7 +109,8 @@ class LocalEngine(Engine):
             lab.model.path, device=lab.model.device, seed=int(lab.seed), max_model_len=int(lab.model.max_model_len),
             actor=actor, model_name=lab.model.get("name"),
             batch_window_ms=float(opts.get("batch_window_ms", 3.0)), max_batch_size=int(opts.get("max_batch_size", 64)),
-            log_prob_micro_batch_size=int(log_prob_micro) if log_prob_micro else 16)
+            log_prob_micro_batch_size=int(log_prob_micro) if log_prob_micro else 16,
+            bypass_mode=bool(OmegaConf.select(cfg, "algorithm.rollout_correction.bypass_mode", default=False)))
 
     def _frozen_copy(self) -> torch.nn.Module:
         import copy
@@ -125,7 +130,7 @@ class LocalEngine(Engine):
         return [self.server.base_url]
 
     def pause(self, timeout: float | None = 300.0) -> None:
-        """Admit no new generation and wait until the running ones have finished."""
+        """Admit no new generation and wait (at most `timeout` s) until the running ones have finished."""
         self.server.pause(wait=True, timeout=timeout)
 
     def resume(self) -> None:
@@ -142,25 +147,14 @@ class LocalEngine(Engine):
         Reads `input_ids`, `attention_mask`, `position_ids` (optional) and `responses` from
         `data.batch`; the response occupies the last R columns of `input_ids`.
         """
-        from agl_lab.ppo import sequence_log_probs
+        from agl_lab.engines.local_ppo import batch_log_probs
 
-        b = data.batch
-        position_ids = b["position_ids"] if "position_ids" in b.keys() else None
         with self.weights_lock:
-            was_training = self.model.training
-            self.model.eval()
-            try:
-                with torch.no_grad():
-                    logp, _ = sequence_log_probs(
-                        self.model, b["input_ids"], b["attention_mask"], position_ids,
-                        b["responses"].shape[-1], temperature, self.log_prob_micro_batch_size)
-            finally:
-                self.model.train(was_training)
-        return logp.float().cpu()
+            return batch_log_probs(self.model, data, temperature, self.log_prob_micro_batch_size).float()
 
     def update(self, data: Any) -> dict[str, float]:
-        """One PPO update (`agl_lab.ppo.ppo_update`) on a prepared batch; returns its metrics."""
-        from agl_lab.ppo import ppo_update
+        """One PPO update (`agl_lab.engines.local_ppo.ppo_update`) on a prepared batch; returns its metrics."""
+        from agl_lab.engines.local_ppo import ppo_update
 
         with self.weights_lock:
             try:
@@ -174,9 +168,9 @@ class LocalEngine(Engine):
 
     # --- checkpoints ----------------------------------------------------------------------
 
-    def save(self, path: str) -> None:
+    def save(self, path: str, agl_state: Mapping[str, Any] | None = None) -> None:
         """`path/` = a loadable HF model dir (weights + tokenizer) + `engine_state.pt`
-        (optimizer, policy_version, RNG states)."""
+        (optimizer, policy_version, RNG states, the caller's `agl_state`)."""
         out = Path(path)
         out.mkdir(parents=True, exist_ok=True)
         with self.weights_lock:
@@ -187,11 +181,13 @@ class LocalEngine(Engine):
                 "policy_version": self._policy_version,
                 "model_name": self.model_name,
                 "rng": _rng_state(),
+                "agl_state": None if agl_state is None else dict(agl_state),
             }
             torch.save(state, out / _STATE_FILE)
 
-    def load(self, path: str) -> None:
-        """Restore `save(path)` in place: the server keeps serving the same (now loaded) module."""
+    def load(self, path: str) -> dict[str, Any] | None:
+        """Restore `save(path)` in place (the server keeps serving the same, now loaded, module);
+        returns the saved `agl_state`."""
         from transformers import AutoModelForCausalLM
 
         src = Path(path)
@@ -205,6 +201,7 @@ class LocalEngine(Engine):
             self.optimizer.load_state_dict(state["optimizer"])
             self._policy_version = int(state["policy_version"])
             _set_rng_state(state["rng"])
+        return state.get("agl_state")
 
     def close(self) -> None:
         if not self._closed:

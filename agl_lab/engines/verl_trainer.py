@@ -3,7 +3,8 @@
 Imported only when a `VerlEngine` is built, and by tests: importing it imports verl (seconds),
 never vLLM (verl loads its vLLM replica class lazily when replicas are created) and needs
 no GPU. Every verl symbol comes from `VERL_API` through `verl_import` (see
-agl_lab/engines/verl.py for the table, the phase order and the replica state machine).
+agl_lab/engines/verl_api.py for the table, agl_lab/engines/verl.py for the phase order and
+the replica state machine).
 
 `AglRayPPOTrainer` keeps verl's heavy lifting (FSDP workers, critic, KL, rollout correction,
 checkpoints, weight sync) and replaces verl's `fit()` loop by phases:
@@ -13,7 +14,7 @@ checkpoints, weight sync) and replaces verl's `fit()` loop by phases:
     state:     save_to · load_from · close
 
 Advantages and per-rollout normalisation are *not* here: they are pure functions of
-`agl_lab.algorithms` that the Trainer runs between `prepare_for_advantage` and
+`agl_lab.algorithms` that `agl_lab.update` runs between `prepare_for_advantage` and
 `update_policy`.
 """
 
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from agl_lab.engines.verl import call_replicas, verl_import
+from agl_lab.engines.verl_api import call_replicas, verl_import
 
 RLHFDataset = verl_import("RLHFDataset")
 RayPPOTrainer = verl_import("RayPPOTrainer")

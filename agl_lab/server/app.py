@@ -1,6 +1,7 @@
 """The FastAPI app: rollout, event and model-registry routes, health, auth — AGL v1's wire API.
 
     create_app(config) -> FastAPI        config: ServerConfig | Mapping (AGL server.yaml keys)
+    ServerConfig, load_server_config                    the settings (agl_lab.server.config)
 
 Routes (upstream-reference §2; paths, JSON shapes, codes and error texts are AGL's):
 
@@ -36,13 +37,13 @@ import contextlib
 import logging
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi.exception_handlers import request_validation_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel
 
 from agl_lab.protocol import (
     Event,
@@ -55,88 +56,16 @@ from agl_lab.protocol import (
     RolloutStatusPatch,
     TerminalPage,
 )
+from agl_lab.records import triplet_events
+from agl_lab.server.config import ServerConfig, load_server_config
 from agl_lab.server.gateway import Gateway, RequestRewriter, gateway_router, open_upstream_client, proxy_route
-from agl_lab.server.store import (
-    DEFAULT_TERMINAL_LOG_LIMIT,
-    InvalidTransition,
-    RolloutNotFound,
-    Store,
-    open_store,
-    triplet_events,
-)
+from agl_lab.server.seeding import SeededCallsRewriter
+from agl_lab.server.store import InvalidTransition, RolloutNotFound, Store, open_store
+from agl_lab.server.token_preserving import TokenPreservingRewriter
 
 logger = logging.getLogger("agl_lab.server")
 
 NO_KEY_WARNING = "AGL_KEY not set — authentication disabled. Do not use in production."
-
-
-# ---------------------------------------------------------------------------------------------
-# Config (AGL server.yaml keys + agl_lab additions)
-# ---------------------------------------------------------------------------------------------
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class TrainProxyConfig(_Strict):
-    temperature: float = 1.0
-
-
-class ValProxyConfig(_Strict):
-    temperature: float = 0.7
-
-
-class DefaultProxyConfig(_Strict):
-    model_name: str = "Qwen/Qwen2.5-7B-Instruct"
-    include_log_probs: bool = True
-    train: TrainProxyConfig = Field(default_factory=TrainProxyConfig)
-    val: ValProxyConfig = Field(default_factory=ValProxyConfig)
-
-
-class ServerConfig(_Strict):
-    """Server settings. `default_proxy.model_name` must equal the model the engine registers."""
-
-    host: str = "127.0.0.1"  # AGL binds 0.0.0.0; loopback is the safe default
-    port: int = Field(8080, ge=0, le=65535)
-    key: str = ""
-    default_proxy: DefaultProxyConfig = Field(default_factory=DefaultProxyConfig)
-    store: str = "memory"  # or "sqlite:///path/to/store.db"
-    terminal_log_limit: int = Field(DEFAULT_TERMINAL_LOG_LIMIT, ge=1)
-    upstream_timeout_seconds: float = Field(300.0, gt=0)
-    upstream_max_attempts: int = Field(6, ge=1)
-    upstream_backoff_base_seconds: float = Field(0.5, ge=0)  # retry i sleeps min(base*2^i, max)*U(.75,1.25)
-    upstream_backoff_max_seconds: float = Field(8.0, ge=0)
-    upstream_client: Literal["auto", "aiohttp", "httpx"] = "auto"  # auto: aiohttp if installed (faster)
-    token_preserving: bool = False  # flag only; the mode plugs in as a gateway request rewriter
-    call_seed: int | None = None  # seed calls that carry none from their position (server/seeding.py)
-
-
-def load_server_config(config: ServerConfig | Mapping[str, Any] | None) -> ServerConfig:
-    """Validate a ServerConfig, a dict or an OmegaConf DictConfig; errors name the key."""
-    if config is None:
-        raise ValueError("server config is required")
-    if isinstance(config, ServerConfig):
-        return config
-    if not isinstance(config, Mapping):
-        raise TypeError(f"server config must be a ServerConfig or a mapping, got {type(config).__name__}")
-    try:
-        return ServerConfig.model_validate(_plain(config))
-    except ValidationError as err:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors()
-        )
-        raise ValueError(
-            f"invalid server config ({problems}); valid keys: {', '.join(ServerConfig.model_fields)}"
-        ) from None
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
 
 
 # ---------------------------------------------------------------------------------------------
@@ -165,12 +94,8 @@ def create_app(
     store = store if store is not None else open_store(cfg.store, terminal_log_limit=cfg.terminal_log_limit)
     rewriters = list(rewriters)
     if cfg.call_seed is not None:
-        from agl_lab.server.seeding import SeededCallsRewriter
-
         rewriters.insert(0, SeededCallsRewriter(cfg.call_seed))  # before any rewriter copies the body
     if cfg.token_preserving and not any(hasattr(r, "set_tokenizer") for r in rewriters):
-        from agl_lab.server.token_preserving import TokenPreservingRewriter
-
         rewriters.append(TokenPreservingRewriter())  # tokenizers: EmbeddedServer.set_tokenizer / --tokenizer-path
     gateway = Gateway(cfg, store, rewriters=rewriters)
     if not cfg.key:

@@ -28,7 +28,8 @@ from typing import Any
 import httpx
 import uvicorn
 
-from agl_lab.server.app import ServerConfig, create_app, load_server_config
+from agl_lab.server.app import create_app
+from agl_lab.server.config import ServerConfig, load_server_config
 from agl_lab.server.store import Store, open_store
 
 logger = logging.getLogger("agl_lab.server")

@@ -38,7 +38,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 from fastapi import APIRouter, HTTPException, Request, Response
@@ -46,10 +46,8 @@ from fastapi.responses import JSONResponse
 from starlette.routing import Route
 
 from agl_lab.protocol import Model, PauseRequest, PauseState, Rollout
+from agl_lab.server.config import DefaultProxyConfig, ServerConfig
 from agl_lab.server.store import RolloutNotFound, Store
-
-if TYPE_CHECKING:
-    from agl_lab.server.app import DefaultProxyConfig, ServerConfig
 
 try:  # orjson parses/serialises the request and response bodies several times faster
     import orjson

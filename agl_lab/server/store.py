@@ -22,7 +22,8 @@ Design decisions:
   older than the retained window are gone, and a cursor behind the window restarts at the
   oldest retained entry. `total_terminal` is the absolute count of terminal transitions.
 - No HTTP here: errors are `RolloutNotFound` / `InvalidTransition`, mapped to 404 / 409 by
-  `agl_lab.server.app`. The triplet view (`triplet_events`) is a pure function over events.
+  `agl_lab.server.app`. The triplet view the app serves (`triplet_events`) is a pure function
+  over events and lives in `agl_lab.records`, beside the code that consumes it.
 - Objects returned by `MemoryStore` are the stored ones: treat them as read-only.
 """
 
@@ -32,7 +33,6 @@ import collections
 import contextlib
 import itertools
 import json
-import math
 import os
 import sqlite3
 import threading
@@ -593,105 +593,3 @@ def open_store(url: str | None = None, *, terminal_log_limit: int = DEFAULT_TERM
     raise ValueError(
         f"unknown store url {url!r}: use 'memory' (default) or 'sqlite:///path/to/store.db'"
     )
-
-
-# ---------------------------------------------------------------------------------------------
-# Triplet view (GET /api/rollouts/{id}/events?format=triplet)
-# ---------------------------------------------------------------------------------------------
-
-
-def triplet_events(events: Sequence[Event]) -> list[Event]:
-    """Trim events for the learning side, then keep the last model_request per prompt.
-
-    model_request -> {prompt_token_ids, response_token_ids, response_log_probs,
-                      server: {model, version}, [http_status], [status], [error]}
-    reward        -> {value, [source], [reason]}
-    other types   -> unchanged
-    Among model_requests only the last event per distinct prompt_token_ids survives (an agent
-    retrying a prompt keeps its final answer); other events are never removed.
-    """
-    trimmed = [_trim_event(e) for e in events]
-    last_by_prompt: dict[tuple[Any, ...], int] = {}
-    for i, event in enumerate(trimmed):
-        if event.event_type == "model_request":
-            prompt = event.data.get("prompt_token_ids")
-            last_by_prompt[tuple(prompt) if isinstance(prompt, list) else ()] = i
-    keep = set(last_by_prompt.values())
-    return [e for i, e in enumerate(trimmed) if e.event_type != "model_request" or i in keep]
-
-
-def _trim_event(event: Event) -> Event:
-    if event.event_type == "model_request":
-        return event.model_copy(update={"data": _trim_model_request(event.data)})
-    if event.event_type == "reward":
-        data = {"value": event.data.get("value")}
-        data.update({k: event.data[k] for k in ("source", "reason") if k in event.data})
-        return event.model_copy(update={"data": data})
-    return event
-
-
-def _trim_model_request(data: dict[str, Any]) -> dict[str, Any]:
-    response = data.get("response")
-    prompt_ids: Any = []
-    response_ids: Any = []
-    log_probs: list[float] | None = None
-    if isinstance(response, dict):
-        prompt_ids = response.get("prompt_token_ids") or []  # chat: top level
-        choices = response.get("choices")
-        first = choices[0] if isinstance(choices, list) and choices else None
-        if isinstance(first, dict):  # only the first choice is captured (n > 1 unsupported)
-            prompt_ids = prompt_ids or first.get("prompt_token_ids") or []  # completions
-            response_ids = first.get("token_ids") or []
-            log_probs = extract_log_probs(first)
-    elif isinstance(response, list):  # legacy: raw stream chunks
-        response_ids = []
-        for chunk in response:
-            if not isinstance(chunk, dict):
-                continue
-            if not prompt_ids and chunk.get("prompt_token_ids"):
-                prompt_ids = chunk["prompt_token_ids"]
-            choices = chunk.get("choices")
-            if isinstance(choices, list) and choices and isinstance(choices[0], dict):
-                response_ids.extend(choices[0].get("token_ids") or [])
-    server = data.get("server") if isinstance(data.get("server"), dict) else {}
-    out: dict[str, Any] = {
-        "prompt_token_ids": prompt_ids,
-        "response_token_ids": response_ids,
-        "response_log_probs": log_probs,
-        "server": {"model": server.get("model"), "version": server.get("version")},
-    }
-    out.update({k: data[k] for k in ("http_status", "status") if k in data})
-    if isinstance(response, dict) and "error" in response:
-        out["error"] = response["error"]
-    return out
-
-
-def extract_log_probs(choice: dict[str, Any]) -> list[float] | None:
-    """Chosen-token logprobs of one choice, or None if missing/odd. Never raises.
-
-    chat schema:        choice.logprobs.content = [{"logprob": float, ...}, ...]
-    completions schema: choice.logprobs.token_logprobs = [float, ...]
-    Any value that is not a finite float makes the whole list None.
-    """
-    lp = choice.get("logprobs")
-    if not isinstance(lp, dict):
-        return None
-    if isinstance(lp.get("content"), list):
-        items = lp["content"]
-        if not all(isinstance(it, dict) and "logprob" in it for it in items):
-            return None
-        raw = [it["logprob"] for it in items]
-    elif isinstance(lp.get("token_logprobs"), list):
-        raw = lp["token_logprobs"]
-    else:
-        return None
-    out: list[float] = []
-    for value in raw:
-        try:
-            f = float(value)
-        except (TypeError, ValueError, OverflowError):
-            return None
-        if not math.isfinite(f):
-            return None
-        out.append(f)
-    return out

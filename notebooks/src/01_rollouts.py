@@ -105,7 +105,7 @@ b = trainer.build_batch()
 b
 
 # %%
-b.rows[["batch_index", "rollout_id", "n_turns", "prompt_tokens", "response_tokens", "loss_tokens",
+b.rows[["batch_index", "rollout_id", "n_calls", "prompt_tokens", "response_tokens", "loss_tokens",
         "observation_tokens", "reward"]].head(8)
 
 # %% [markdown]
@@ -115,11 +115,11 @@ b.rows[["batch_index", "rollout_id", "n_turns", "prompt_tokens", "response_token
 # Hover a token for its position and id.
 
 # %%
-merged = b.rows[(b.rows.n_turns > 1) & (b.rows.batch_index >= 0)]
+merged = b.rows[(b.rows.n_calls > 1) & (b.rows.batch_index >= 0)]
 row = merged.iloc[0] if len(merged) else b.rows[b.rows.batch_index >= 0].iloc[0]
 i = int(row.batch_index)
 HTML(viz.render_batch_row(b.data, i, trainer.tokenizer,
-                          title=f"batch row {i}: {row.n_turns} calls of one rollout, reward {row.reward:.2f}"))
+                          title=f"batch row {i}: {row.n_calls} calls of one rollout, reward {row.reward:.2f}"))
 
 # %% [markdown]
 # The batch itself is a verl `DataProto`; its tensors are what the policy update consumes.
@@ -145,13 +145,13 @@ u = trainer.update()
 u
 
 # %%
-u.advantages
+u.weights
 
 # %%
-ro.groups[["data_id", "n_rollouts", "rewards", "reward_mean", "reward_std", "zero_advantage", "n_rows"]]
+ro.groups[["data_id", "n_rollouts", "rewards", "reward_mean", "reward_std", "zero_adv", "n_rows"]]
 
 # %%
-viz.plot_advantages(u.advantages);
+viz.plot_advantages(u.weights);
 
 # %% [markdown]
 # ## 4 · `step()`: the loop
@@ -229,15 +229,15 @@ for _, r in b.rows[b.rows.batch_index >= 0].iterrows():
     mask = b.data.batch["response_mask"][int(r.batch_index)]
     attention = b.data.batch["attention_mask"][int(r.batch_index), b.data.batch["prompts"].shape[1]:]
     rollout = next(x for x in ro.rollouts if x.rollout_id == r.rollout_id)
-    sampled = sum(len(t.response_ids) for t in rollout.triplets[r.first_turn:r.last_turn + 1])
+    sampled = sum(len(t.response_ids) for t in rollout.triplets[r.first_call:r.last_call + 1])
     assert int(mask.sum()) == r.loss_tokens == sampled
     assert int(attention.sum()) == r.response_tokens == r.loss_tokens + r.observation_tokens
     assert not (mask.bool() & ~attention.bool()).any()  # never on padding
 
-trained = u.advantages[u.advantages.loss_tokens > 0]
+trained = u.weights[u.weights.loss_tokens > 0]
 assert np.allclose(trained.loss_weight, trained.loss_weight.iloc[0])
-zero = set(ro.groups.data_id[ro.groups.zero_advantage])
-assert np.allclose(u.advantages[u.advantages.data_id.isin(zero)].advantage, 0.0)
+zero = set(ro.groups.data_id[ro.groups.zero_adv])
+assert np.allclose(u.weights[u.weights.data_id.isin(zero)].advantage, 0.0)
 assert all(c["n"] == n for c in carry) and {c["after_step"] for c in carry} == {0, 1, 2}
 async_trainer.close()
 trainer.close()

@@ -116,26 +116,26 @@ NAMES = ["append_only (cold)", *AGENTS]
 ro
 
 # %% [markdown]
-# ## 2 · The merges table
+# ## 2 · The breaks table
 #
 # One line per merge break: the rollout, the call whose prompt did not extend the row
-# (`turn_index`) and the call it was measured against (`against_turn`), the class, the
+# (`call`) and the call it was measured against (`against_call`), the class, the
 # reason in words and the position of the first divergent token.
 
 # %%
 b, b_cold = trainer.build_batch(ro), trainer.build_batch(cold)
-merges = pd.concat([b_cold.merges, b.merges], ignore_index=True)
-merges = merges.assign(agent=merges.rollout_id.map(agent_of))
-merges[["agent", "rollout_id", "turn_index", "against_turn", "kind", "first_divergent_token", "reason"]]
+breaks = pd.concat([b_cold.breaks, b.breaks], ignore_index=True)
+breaks = breaks.assign(agent=breaks.rollout_id.map(agent_of))
+breaks[["agent", "rollout_id", "call", "against_call", "kind", "first_divergent_token", "reason"]]
 
 # %%
 # NBVAL_CHECK_OUTPUT
 print("diagnosis classes:", list(KINDS))
-print("a break is located by:", [c for c in b.merges.columns if c.startswith(("turn", "against", "first"))])
+print("a break is located by:", [c for c in b.breaks.columns if c.startswith(("call", "against", "first"))])
 
 # %%
 triplets = pd.concat([cold.triplets, ro.triplets]).assign(agent=lambda d: d.rollout_id.map(agent_of))
-by_agent = pd.crosstab(merges.agent, merges.kind).reindex(index=NAMES, columns=list(KINDS), fill_value=0)
+by_agent = pd.crosstab(breaks.agent, breaks.kind).reindex(index=NAMES, columns=list(KINDS), fill_value=0)
 by_agent.insert(0, "later calls", triplets.groupby("agent").size() - triplets.groupby("agent").rollout_id.nunique())
 by_agent
 
@@ -159,8 +159,8 @@ by_agent
 # what `A` lost and `B` gained.
 
 # %%
-shown = merges.drop_duplicates("kind").set_index("kind").reindex([k for k in KINDS if k in set(merges.kind)])
-HTML("".join(viz.render_token_diff_html(m, title=f"{m.agent} · rollout {m.rollout_id[:8]} · call {m.turn_index}")
+shown = breaks.drop_duplicates("kind").set_index("kind").reindex([k for k in KINDS if k in set(breaks.kind)])
+HTML("".join(viz.render_token_diff_html(m, title=f"{m.agent} · rollout {m.rollout_id[:8]} · call {m.call}")
              for _, m in shown.reset_index().iterrows()))
 
 # %% [markdown]
@@ -233,17 +233,17 @@ viz.plot_loss_weights({"token-mean": every_other, "per-rollout mean": per_rollou
 # Retokenization can come on top of any agent's own signature (a later call's reply re-encodes).
 expected = {"append_only (cold)": set(), "append_only": set(), "reasoning_dropping": {"template"},
             "history_editing": {"history_edit"}, "verifying": {"other", "history_edit"}}
-assert merges.kind.isin(KINDS).all() and merges.first_divergent_token.notna().all()
+assert breaks.kind.isin(KINDS).all() and breaks.first_divergent_token.notna().all()
 for name, kinds in expected.items():
-    found = set(merges[merges.agent == name].kind)
+    found = set(breaks[breaks.agent == name].kind)
     assert found <= kinds | {"retokenization"}, (name, found)
 for name in ["history_editing", "verifying"]:  # both change the conversation before the second call
     multi_call = {r.rollout_id for r in ro.rollouts if agent_of[r.rollout_id] == name and len(r.triplets) > 1}
-    second = merges[(merges.agent == name) & (merges.turn_index == 1)]
+    second = breaks[(breaks.agent == name) & (breaks.call == 1)]
     assert multi_call and multi_call == set(second.rollout_id)
     assert set(second.kind) == ({"other"} if name == "verifying" else expected[name])
-assert set(merges.kind) == set(KINDS)  # a break of each class was shown above
-assert (merges.agent == "append_only (cold)").any()  # a fresh model's samples re-encode differently
+assert set(breaks.kind) == set(KINDS)  # a break of each class was shown above
+assert (breaks.agent == "append_only (cold)").any()  # a fresh model's samples re-encode differently
 
 for level in ["trajectory", "multi_segment"]:
     assert (compare[(level, "loss_tokens")] == compare[("transition", "loss_tokens")]).all()

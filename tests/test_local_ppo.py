@@ -1,4 +1,4 @@
-"""agl_lab.ppo on a real tiny Qwen2 (2 layers, hidden 64, vocab 300, built from a config).
+"""agl_lab.engines.local_ppo on a real tiny Qwen2 (2 layers, hidden 64, vocab 300, built from a config).
 
 The batch is sampled from the model itself with HF `generate` (logprobs from its raw
 logits, like the local engine's server), so the trainer/rollout logprob mismatch must be ~0.
@@ -17,7 +17,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from verl import DataProto
 
 import agl_lab.algorithms as alg
-from agl_lab.ppo import (
+from agl_lab.engines.local_ppo import (
     ActorUpdateConfig,
     build_optimizer,
     ppo_update,

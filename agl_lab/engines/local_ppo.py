@@ -16,7 +16,7 @@ loss is normalised by the *mini-batch* totals (`config.global_batch_info`: token
 row count, dp_size = 1), so the summed micro-batch gradients equal the gradient of one
 forward over the whole mini-batch, exactly, for every `loss_agg_mode`. `per_rollout_mean`
 is a plain token sum (its normalisation is already in the advantages): it is *not*
-divided again. tests/test_ppo.py checks the equivalence on a real model.
+divided again. tests/test_local_ppo.py checks the equivalence on a real model.
 
 Tensors (N rows, P prompt, R response positions, L = P + R):
 
@@ -48,6 +48,7 @@ from verl.trainer.ppo.core_algos import agg_loss, get_policy_loss_fn, kl_penalty
 from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
 
 import agl_lab.algorithms  # noqa: F401  (registers per_rollout_mean)
+from agl_lab.engines.base import sampling_log_probs
 
 logger = logging.getLogger(__name__)
 
@@ -262,8 +263,9 @@ def sequence_log_probs(
     return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
 
 
-def _batch_logprobs(model: torch.nn.Module, data: DataProto, temperature: float,
-                    micro_batch_size: int | None) -> torch.Tensor:
+def batch_log_probs(model: torch.nn.Module, data: DataProto, temperature: float,
+                    micro_batch_size: int | None = None) -> torch.Tensor:
+    """log π(responses) of `data` [N, R] on CPU, in eval mode without gradients."""
     b = data.batch
     was_training = model.training
     model.eval()
@@ -277,24 +279,12 @@ def _batch_logprobs(model: torch.nn.Module, data: DataProto, temperature: float,
     return logp.cpu()
 
 
-def prepare_old_log_probs(
-    model: torch.nn.Module,
-    data: DataProto,
-    temperature: float,
-    micro_batch_size: int | None = None,
-    bypass_mode: bool = False,
-) -> DataProto:
+def prepare_old_log_probs(model: torch.nn.Module, data: DataProto, temperature: float,
+                          micro_batch_size: int | None = None, bypass_mode: bool = False) -> DataProto:
     """Write `old_log_probs` [N, R]: recomputed at the sampling temperature, or (bypass) the
     engine's own `rollout_log_probs`. Returns `data` (modified in place)."""
-    if bypass_mode:
-        if "rollout_log_probs" not in data.batch.keys():
-            raise RuntimeError("bypass_mode requires rollout_log_probs in batch")
-        rollout = data.batch["rollout_log_probs"]
-        if not torch.isfinite(rollout).all():
-            raise RuntimeError("bypass_mode requires finite rollout_log_probs everywhere")
-        data.batch["old_log_probs"] = rollout.clone().float()
-        return data
-    data.batch["old_log_probs"] = _batch_logprobs(model, data, temperature, micro_batch_size)
+    data.batch["old_log_probs"] = (sampling_log_probs(data) if bypass_mode
+                                   else batch_log_probs(model, data, temperature, micro_batch_size))
     return data
 
 
@@ -349,7 +339,7 @@ def _update_tensors(model: torch.nn.Module, data: DataProto, cfg: ActorUpdateCon
         if "ref_log_prob" in b.keys():
             t["ref_log_prob"] = b["ref_log_prob"]
         elif ref_model is not None:
-            t["ref_log_prob"] = _batch_logprobs(ref_model, data, cfg.temperature, cfg.micro_batch_rows)
+            t["ref_log_prob"] = batch_log_probs(ref_model, data, cfg.temperature, cfg.micro_batch_rows)
         else:
             raise ValueError(f"{_PREFIX}use_kl_loss=true needs ref_log_prob in the batch or a ref_model")
     return t
@@ -424,13 +414,8 @@ def _row_order(n: int, cfg: ActorUpdateConfig, epoch: int) -> torch.Tensor:
     return torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + epoch))
 
 
-def ppo_update(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    data: DataProto,
-    cfg: ActorUpdateConfig,
-    ref_model: torch.nn.Module | None = None,
-) -> dict[str, float]:
+def ppo_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, data: DataProto, cfg: ActorUpdateConfig,
+               ref_model: torch.nn.Module | None = None) -> dict[str, float]:
     """PPO epochs over mini-batches (one optimiser step each) of `data`; returns metrics.
 
     Needs `old_log_probs` and `advantages` in the batch (the trainer prepares them). The last

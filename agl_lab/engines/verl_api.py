@@ -1,0 +1,276 @@
+"""The verl 0.9.1 symbols the verl engine uses: `VERL_API`, one table read by the engine and the test.
+
+Every verl/vLLM class, function, method and instance attribute the engine touches is a row
+of `VERL_API`, keyed by its qualified name; engine code imports verl only through
+`verl_import(key)` and calls replica coroutines only through `call_replicas(…, key)`, and
+tests/test_verl_contract.py checks each row against the installed packages (import,
+`inspect.signature` parameter names in order, no new required parameter, instance
+attributes, source words) and the engine's source against the table (no verl import
+outside it), so a verl upgrade fails loudly in tests, not in the middle of a GPU run.
+`VERL_CONFIG_KEYS` lists the keys of verl's generated `ppo_trainer.yaml` the engine reads.
+
+The helpers that call through the table live here too: `verl_import(key)` resolves a row,
+`method_name(key)` names a `Class.method` row, `call_replicas(replicas, key)` runs a replica
+coroutine row on every replica (`run_coroutine` also works inside Jupyter's running loop),
+and `check_symbol` / `check_verl_api` compare rows with the installed packages.
+
+This module imports neither verl, torch, Ray nor vLLM at import time (rows resolve lazily).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import importlib
+import importlib.util
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# ------------------------------------------------------------------------------------------
+# The table of verl 0.9.1 symbols
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VerlSymbol:
+    """One symbol of verl (or vLLM) the engine relies on.
+
+    | field      | meaning                                                                  |
+    |------------|--------------------------------------------------------------------------|
+    | path       | `"module:Qual.name"`: a class, function, method or module-level value     |
+    | params     | parameter names the engine passes, in order (`self` left out)            |
+    | attrs      | instance attributes the engine reads (`self.<a> =` in the class source)  |
+    | returns    | a word the source must contain (e.g. a dict key the engine reads)         |
+    | needs_vllm | checked only where vLLM is installed                                      |
+    """
+
+    path: str
+    params: tuple[str, ...] = ()
+    attrs: tuple[str, ...] = ()
+    returns: str = ""
+    needs_vllm: bool = False
+
+    @property
+    def module(self) -> str:
+        return self.path.split(":", 1)[0]
+
+    @property
+    def qualname(self) -> str:
+        return self.path.split(":", 1)[1]
+
+
+def _row(path: str, *params: str, **kw: Any) -> VerlSymbol:
+    return VerlSymbol(path, tuple(params), **kw)
+
+
+_RT = "verl.trainer.ppo.ray_trainer:"
+_TR = "verl.trainer.main_ppo_v0:BaseTaskRunner"
+_DS = "verl.utils.dataset.rl_dataset:"
+_VS = "verl.workers.rollout.vllm_rollout.vllm_async_server:vLLMReplica"
+_LLM = "vllm.v1.engine.async_llm:AsyncLLM"
+
+_ROWS: tuple[VerlSymbol, ...] = (
+    # --- the trainer we subclass, and the phases we call on it ----------------------------
+    _row(_RT + "RayPPOTrainer", "config", "tokenizer", "role_worker_mapping", "resource_pool_manager",
+         "ray_worker_group_cls", "processor", "train_dataset", "val_dataset", "collate_fn", "train_sampler",
+         attrs=("config", "actor_rollout_wg", "llm_server_manager", "checkpoint_manager", "use_critic",
+                "use_reference_policy", "kl_ctrl_in_reward", "global_steps")),
+    _row(_RT + "RayPPOTrainer.init_workers"),                      # FSDP workers + vLLM replicas, asleep
+    _row(_RT + "RayPPOTrainer._compute_old_log_prob", "batch", returns="entropys"),
+    _row(_RT + "RayPPOTrainer._compute_ref_log_prob", "batch", returns="ref_log_prob"),
+    _row(_RT + "RayPPOTrainer._compute_values", "batch", returns="values"),
+    _row(_RT + "RayPPOTrainer._update_actor", "batch", returns="metrics"),
+    _row(_RT + "RayPPOTrainer._update_critic", "batch", returns="metrics"),
+    _row(_RT + "RayPPOTrainer._balance_batch", "batch", "metrics"),
+    _row(_RT + "RayPPOTrainer._get_dp_size", "worker_group", "role"),
+    _row(_RT + "RayPPOTrainer._save_checkpoint", returns="global_step_"),
+    _row(_RT + "RayPPOTrainer._load_checkpoint", returns="resume_from_path"),
+    _row(_RT + "RayPPOTrainer._shutdown_dump_executor"),
+    _row(_RT + "compute_response_mask", "data"),
+    _row(_RT + "apply_kl_penalty", "data", "kl_ctrl", "kl_penalty"),
+    # --- building the stack, as verl's TaskRunner.run does ---------------------------------
+    _row(_TR, attrs=("role_worker_mapping",)),
+    _row(_TR + ".add_actor_rollout_worker", "config"),
+    _row(_TR + ".add_critic_worker", "config"),
+    _row(_TR + ".add_reward_model_resource_pool", "config"),
+    _row(_TR + ".add_teacher_model_resource_pool", "config"),
+    _row(_TR + ".init_resource_pool_mgr", "config"),
+    _row("verl.utils.config:validate_config", "config", "use_reference_policy", "use_critic"),
+    _row("verl.utils.config:omega_conf_to_dataclass", "config"),  # HFModelConfig: tokenizer, local_path
+    _row("verl.trainer.ppo.utils:need_critic", "config"),
+    _row("verl.trainer.ppo.utils:need_reference_policy", "config"),
+    _row("verl.trainer.ppo.utils:create_rl_sampler", "data_config", "dataset"),
+    _row("verl.utils.device:auto_set_device", "config"),
+    _row("verl.trainer.constants_ppo:get_ppo_ray_runtime_env", "config"),
+    _row(_DS + "collate_fn", "data_list"),
+    _row(_DS + "RLHFDataset", "data_files", "tokenizer", "config", "processor", "max_samples"),
+    _row(_DS + "RLHFDataset._download"),                  # overridden by InMemoryDataset: no file copy
+    _row(_DS + "RLHFDataset._read_files_and_tokenize"),   # overridden: rows come from memory
+    # --- serving: replicas and weight sync --------------------------------------------------
+    _row("verl.workers.rollout.llm_server:LLMServerManager.get_replicas"),
+    _row("verl.workers.rollout.llm_server:LLMServerManager.get_addresses"),
+    _row("verl.workers.rollout.replica:RolloutReplica.abort_all_requests", "reject_request"),
+    _row("verl.workers.rollout.replica:RolloutReplica.resume_generation"),
+    _row("verl.checkpoint_engine:CheckpointEngineManager.sleep_replicas"),
+    _row("verl.checkpoint_engine:CheckpointEngineManager.update_weights", "global_steps"),
+    # --- batch plumbing, metrics, checkpoints, the loss registry ----------------------------
+    _row("verl.protocol:pad_dataproto_to_divisor", "data", "size_divisor"),
+    _row("verl.protocol:unpad_dataproto", "data", "pad_size"),
+    _row("verl.trainer.ppo.rollout_corr_helper:compute_rollout_correction_and_add_to_batch",
+         "batch", "rollout_corr_config"),
+    _row("verl.utils.debug.metrics:calculate_debug_metrics", "data"),  # training vs rollout logprobs
+    _row("verl.trainer.ppo.core_algos:agg_loss", "loss_mat", "loss_mask", "loss_agg_mode", "loss_scale_factor"),
+    _row("verl.utils.metric:reduce_metrics", "metrics"),
+    _row("verl.utils.checkpoint.checkpoint_manager:find_latest_ckpt_path", "path"),
+    _row("verl.trainer.ppo.core_algos:POLICY_LOSS_REGISTRY"),  # per_rollout_mean lands here, per worker
+    _row("verl.trainer.ppo.core_algos:get_policy_loss_fn", "name"),  # how the actor resolves loss_mode
+    # --- vLLM: what verl's replica calls under abort/resume/sleep (AGL #589/#590) -----------
+    _row(_VS + ".abort_all_requests", "reject_request", returns="aborted_count", needs_vllm=True),
+    _row(_VS + ".resume_generation", needs_vllm=True),
+    _row(_VS + ".sleep", needs_vllm=True),
+    _row(_LLM + ".pause_generation", "wait_for_inflight_requests", "clear_cache", needs_vllm=True),
+    _row(_LLM + ".resume_generation", needs_vllm=True),
+    _row(_LLM + ".wait_for_requests_to_drain", needs_vllm=True),
+    _row(_LLM + ".sleep", "level", needs_vllm=True),
+    _row(_LLM + ".wake_up", "tags", needs_vllm=True),
+)
+
+#: the table, keyed by qualified name ("RayPPOTrainer._update_actor", "collate_fn", …)
+VERL_API: dict[str, VerlSymbol] = {row.qualname: row for row in _ROWS}
+
+#: keys of verl's generated ppo_trainer.yaml the engine reads or maps onto
+VERL_CONFIG_KEYS: tuple[str, ...] = (
+    "actor_rollout_ref.model.path",
+    "actor_rollout_ref.hybrid_engine",
+    "actor_rollout_ref.rollout.n",
+    "actor_rollout_ref.rollout.name",
+    "actor_rollout_ref.rollout.mode",
+    "actor_rollout_ref.rollout.temperature",
+    "actor_rollout_ref.rollout.free_cache_engine",
+    "actor_rollout_ref.rollout.checkpoint_engine.backend",
+    "actor_rollout_ref.actor.ppo_mini_batch_size",
+    "actor_rollout_ref.actor.policy_loss.loss_mode",
+    "actor_rollout_ref.actor.loss_agg_mode",
+    "actor_rollout_ref.actor.loss_scale_factor",
+    "actor_rollout_ref.actor.calculate_entropy",
+    "algorithm.adv_estimator",
+    "algorithm.use_kl_in_reward",
+    "algorithm.kl_penalty",
+    "algorithm.rollout_correction",
+    "algorithm.rollout_correction.bypass_mode",
+    "critic.ppo_mini_batch_size",
+    "data.train_batch_size",
+    "data.shuffle",
+    "trainer.balance_batch",
+    "trainer.critic_warmup",
+    "trainer.default_local_dir",
+    "trainer.default_hdfs_dir",
+    "trainer.resume_mode",
+    "trainer.resume_from_path",
+    "trainer.n_gpus_per_node",
+    "trainer.nnodes",
+    "trainer.device",
+    "ray_kwargs.ray_init",
+    "ray_kwargs.ray_init.runtime_env",
+)
+
+
+def _resolve(symbol: VerlSymbol) -> Any:
+    obj: Any = importlib.import_module(symbol.module)
+    for part in symbol.qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def verl_import(key: str) -> Any:
+    """Resolve a `VERL_API` row to the live object (class, function, method or value)."""
+    try:
+        symbol = VERL_API[key]
+    except KeyError:
+        raise KeyError(f"{key!r} is not in agl_lab.engines.verl_api.VERL_API: add a row "
+                       "(the contract test then checks it against the installed verl)") from None
+    return _resolve(symbol)
+
+
+def method_name(key: str) -> str:
+    """The bare method name of a `Class.method` row (used to call it on live objects)."""
+    return VERL_API[key].qualname.rsplit(".", 1)[-1]
+
+
+def check_symbol(symbol: VerlSymbol) -> list[str]:
+    """Problems of one row against the installed packages ([] when it is compatible)."""
+    try:
+        obj = _resolve(symbol)
+    except (ImportError, AttributeError) as exc:
+        return [f"{symbol.path}: cannot import ({exc})"]
+    problems: list[str] = []
+    if symbol.params or callable(obj):
+        problems += _check_params(symbol, obj)
+    if symbol.attrs or symbol.returns:
+        source = inspect.getsource(obj)
+        problems += [f"{symbol.path}: no `self.{a} =` in its source"
+                     for a in symbol.attrs if f"self.{a} =" not in source]
+        if symbol.returns and symbol.returns not in source:
+            problems.append(f"{symbol.path}: its source no longer mentions {symbol.returns!r}")
+    return problems
+
+
+def _check_params(symbol: VerlSymbol, obj: Any) -> list[str]:
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return [] if not symbol.params else [f"{symbol.path}: no inspectable signature"]
+    names = [n for n in sig.parameters if n not in ("self", "cls")]
+    missing = [p for p in symbol.params if p not in names]
+    if missing:
+        return [f"{symbol.path}: parameters {missing} gone (has {names})"]
+    order = [names.index(p) for p in symbol.params]
+    problems = [] if order == sorted(order) else [f"{symbol.path}: parameter order changed to {names}"]
+    # a required parameter the engine does not pass would break the call: report it
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    new_required = [n for n, p in sig.parameters.items()
+                    if n not in ("self", "cls", *symbol.params)
+                    and p.kind not in variadic and p.default is inspect.Parameter.empty]
+    if new_required:
+        problems.append(f"{symbol.path}: new required parameters {new_required}")
+    return problems
+
+
+def check_verl_api(include_vllm: bool | None = None) -> list[str]:
+    """All problems of `VERL_API` (vLLM rows only when vLLM is importable, unless forced)."""
+    if include_vllm is None:
+        include_vllm = importlib.util.find_spec("vllm") is not None
+    problems: list[str] = []
+    for symbol in VERL_API.values():
+        if symbol.needs_vllm and not include_vllm:
+            continue
+        problems += check_symbol(symbol)
+    return problems
+
+
+# ------------------------------------------------------------------------------------------
+# Running replica coroutines from sync code (also inside Jupyter's running event loop)
+# ------------------------------------------------------------------------------------------
+
+
+def run_coroutine(coro: Any) -> Any:
+    """Run a coroutine to completion from sync code, whether or not a loop is running here."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    # A notebook cell runs inside a live loop: blocking it would deadlock, so use a thread.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+def call_replicas(replicas: Sequence[Any], key: str, **kwargs: Any) -> list[Any]:
+    """Call the `VERL_API[key]` coroutine method on every replica concurrently; results in order."""
+    name = method_name(key)
+
+    async def gather() -> list[Any]:
+        return list(await asyncio.gather(*(getattr(r, name)(**kwargs) for r in replicas)))
+
+    return run_coroutine(gather())

@@ -1,0 +1,83 @@
+"""Server settings: the AGL `server.yaml` keys plus agl_lab's additions (a leaf of `server/`).
+
+    ServerConfig            host, port, key, store, terminal log, upstream retry policy, modes
+      default_proxy         DefaultProxyConfig: model name, logprobs, train/val temperatures
+    load_server_config(x)   ServerConfig | dict | OmegaConf -> ServerConfig (errors name the key)
+
+Both the app (`server/app.py`) and the gateway (`server/gateway.py`) read these; keeping
+them here, not in the app, is what lets the gateway import them without an import cycle.
+Unknown keys are rejected (`extra="forbid"`) so a typo fails at start-up, not silently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from agl_lab.server.store import DEFAULT_TERMINAL_LOG_LIMIT
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TrainProxyConfig(_Strict):
+    temperature: float = 1.0
+
+
+class ValProxyConfig(_Strict):
+    temperature: float = 0.7
+
+
+class DefaultProxyConfig(_Strict):
+    model_name: str = "Qwen/Qwen2.5-7B-Instruct"
+    include_log_probs: bool = True
+    train: TrainProxyConfig = Field(default_factory=TrainProxyConfig)
+    val: ValProxyConfig = Field(default_factory=ValProxyConfig)
+
+
+class ServerConfig(_Strict):
+    """Server settings. `default_proxy.model_name` must equal the model the engine registers."""
+
+    host: str = "127.0.0.1"  # AGL binds 0.0.0.0; loopback is the safe default
+    port: int = Field(8080, ge=0, le=65535)
+    key: str = ""
+    default_proxy: DefaultProxyConfig = Field(default_factory=DefaultProxyConfig)
+    store: str = "memory"  # or "sqlite:///path/to/store.db"
+    terminal_log_limit: int = Field(DEFAULT_TERMINAL_LOG_LIMIT, ge=1)
+    upstream_timeout_seconds: float = Field(300.0, gt=0)
+    upstream_max_attempts: int = Field(6, ge=1)
+    upstream_backoff_base_seconds: float = Field(0.5, ge=0)  # retry i sleeps min(base*2^i, max)*U(.75,1.25)
+    upstream_backoff_max_seconds: float = Field(8.0, ge=0)
+    upstream_client: Literal["auto", "aiohttp", "httpx"] = "auto"  # auto: aiohttp if installed (faster)
+    token_preserving: bool = False  # flag only; the mode plugs in as a gateway request rewriter
+    call_seed: int | None = None  # seed calls that carry none from their position (server/seeding.py)
+
+
+def load_server_config(config: ServerConfig | Mapping[str, Any] | None) -> ServerConfig:
+    """Validate a ServerConfig, a dict or an OmegaConf DictConfig; errors name the key."""
+    if config is None:
+        raise ValueError("server config is required")
+    if isinstance(config, ServerConfig):
+        return config
+    if not isinstance(config, Mapping):
+        raise TypeError(f"server config must be a ServerConfig or a mapping, got {type(config).__name__}")
+    try:
+        return ServerConfig.model_validate(_plain(config))
+    except ValidationError as err:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors()
+        )
+        raise ValueError(
+            f"invalid server config ({problems}); valid keys: {', '.join(ServerConfig.model_fields)}"
+        ) from None
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value

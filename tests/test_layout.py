@@ -1,0 +1,118 @@
+"""The house rules of the layout (ARCHITECTURE.md), checked rather than hoped for.
+
+- The pure core (records, batch, diagnose, algorithms, views) imports none of agl_lab's I/O
+  parts and no web stack, so a notebook can load it without a server or an engine.
+- No import cycles between agl_lab modules, counting imports inside functions too: a lazy
+  import may defer a cost, never hide a cycle.
+- No learning-core module grows past ~450 lines.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "agl_lab"
+PURE_CORE = ["agl_lab.records", "agl_lab.batch", "agl_lab.validation", "agl_lab.views", "agl_lab.diagnose", "agl_lab.algorithms"]
+IO_PARTS = ["agl_lab.client", "agl_lab.server", "agl_lab.runner", "agl_lab.engines", "agl_lab.trainer",
+            "agl_lab.rollout"]
+WEB_STACK = ["aiohttp", "fastapi", "uvicorn"]
+CORE_FILES = ["records.py", "batch.py", "validation.py", "diagnose.py", "views.py", "update.py", "results.py",
+              "algorithms/__init__.py", "algorithms/advantage.py", "algorithms/loss.py",
+              "algorithms/selection.py", "engines/local_ppo.py"]
+MAX_CORE_LINES = 450
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, modules: set[str]) -> set[str]:
+    """agl_lab modules imported anywhere in `path` (top level or inside functions)."""
+    me = _module_name(path)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            # `from pkg import mod` imports pkg.mod when that is a module
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        else:
+            continue
+        found.update(n for n in names if n in modules and n != me)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    files = [p for p in PACKAGE.rglob("*.py")]
+    modules = {_module_name(p) for p in files}
+    return {_module_name(p): _imports(p, modules) for p in files}
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1 = on the stack, 2 = done
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            # A package's __init__ importing its own submodules is not a cycle.
+            if nxt.startswith(node + "."):
+                continue
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_no_import_cycles() -> None:
+    graph = _graph()
+    # Importing `a.b` runs `a/__init__`: a submodule importing its parent package is not a cycle.
+    for name, deps in graph.items():
+        deps.difference_update({d for d in deps if name.startswith(d + ".")})
+    assert _find_cycle(graph) is None, f"import cycle: {' → '.join(_find_cycle(graph))}"
+
+
+def test_cycle_finder_finds_a_cycle() -> None:
+    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_pure_core_imports_no_io() -> None:
+    code = (
+        "import json, sys\n"
+        + "".join(f"import {m}\n" for m in PURE_CORE)
+        + "print(json.dumps(sorted(sys.modules)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    leaked = [m for m in loaded for bad in IO_PARTS + WEB_STACK if m == bad or m.startswith(bad + ".")]
+    assert not leaked, f"the pure core imported I/O modules: {leaked}"
+
+
+@pytest.mark.parametrize("name", CORE_FILES)
+def test_core_modules_stay_small(name: str) -> None:
+    path = PACKAGE / name
+    assert path.exists(), f"{name} is part of the layout (ARCHITECTURE.md)"
+    lines = len(path.read_text().splitlines())
+    assert lines <= MAX_CORE_LINES, f"{name} has {lines} lines; split it (limit {MAX_CORE_LINES})"

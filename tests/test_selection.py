@@ -1,0 +1,126 @@
+"""agl_lab.algorithms.selection and the whole chain (`prepare_update_batch`).
+
+Pins the improvements over AGL v1: zero-advantage groups first, whole-rollout drops,
+seeded RNG, no silent skip.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+
+import agl_lab.algorithms as alg
+from tests.algo_batches import make_batch, multi_row_batch, one_row_rollouts, rows_of, three_groups
+
+
+
+def test_alignment_drops_whole_zero_advantage_group_first():
+    kept, records, metrics = alg.select_for_update(three_groups(), mini_batch_rows=8, seed=0)
+    assert len(kept) == 8 and list(kept) == list(range(4, 12))  # group z is rows 0..3
+    assert {r["reason"] for r in records} == {"zero_adv_group"} and len(records) == 4
+    assert records[0].keys() == {"rollout_id", "data_id", "rows", "reason"}
+    assert metrics["training/n_sample_dropped/same_reward"] == 4
+    assert metrics["training/n_dropped_groups/zero_adv"] == 1
+    assert metrics["training/n_sample_dropped/random"] == 0
+    assert metrics["training/n_sample_collected"] == 12 and metrics["training/n_sample_trained"] == 8
+    assert metrics["training/skipped_steps"] == 0
+
+
+def test_alignment_then_random_whole_rollouts_with_seeded_rng():
+    # cap: 2 updates of 3 rows → keep 6 of 12: z (4 rows) goes first, then 2 random rollouts
+    runs = [alg.select_for_update(three_groups(), mini_batch_rows=3, max_ppo_update_times=2, seed=s)
+            for s in (7, 7, 8, 9, 10)]
+    for kept, records, metrics in runs:
+        assert len(kept) == 6
+        assert metrics["training/n_sample_dropped/same_reward"] == 4
+        assert metrics["training/n_sample_dropped/random"] == 2
+        assert [r["reason"] for r in records] == ["zero_adv_group"] * 4 + ["random"] * 2
+    assert list(runs[0][0]) == list(runs[1][0])  # same seed → same drops
+    assert len({tuple(k) for k, _, _ in runs}) > 1  # other seeds → other drops
+
+
+def test_random_policy_ignores_zero_advantage():
+    kept, records, metrics = alg.select_for_update(three_groups(), mini_batch_rows=8, seed=3, policy="random")
+    assert len(kept) == 8 and {r["reason"] for r in records} == {"random"}
+    assert metrics["training/n_dropped_groups/zero_adv"] == 0
+
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_drops_never_cut_a_rollout(seed):
+    data = multi_row_batch()  # 12 rows
+    kept, records, metrics = alg.select_for_update(data, mini_batch_rows=5, seed=seed)
+    ids = data.non_tensor_batch["rollout_id_list"]
+    kept_ids = set(ids[kept])
+    for rid in kept_ids:
+        assert (ids[kept] == rid).sum() == rows_of(data, rid)  # whole rollout kept
+    assert {r["rollout_id"] for r in records} == set(ids) - kept_ids
+    assert sum(r["rows"] for r in records) == 12 - len(kept)
+    assert metrics["training/n_sample_target"] == 10
+    assert len(kept) <= 10  # whole-rollout drops may overshoot, never exceed the cap
+
+
+def test_overshoot_leaves_a_partial_last_mini_batch():
+    # four rollouts of 3 rows, mini-batch 5 → target 10; no 3-row rollout fits the 2-row need
+    rids = [f"r{k}" for k in range(4) for _ in range(3)]
+    data = make_batch([[1]] * 12, [float(k // 6) for k in range(12)], rids, ["g"] * 12)
+    kept, records, metrics = alg.select_for_update(data, mini_batch_rows=5, seed=0)
+    assert len(kept) == 9 and len(records) == 1 and records[0]["rows"] == 3
+    assert metrics["training/n_mini_batches"] == 2
+    # a single rollout is never dropped to nothing: its 6 rows are all trained
+    one = make_batch([[1]] * 6, [1.0] * 6, ["r"] * 6, ["g"] * 6)
+    kept, records, metrics = alg.select_for_update(one, mini_batch_rows=4, seed=0)
+    assert len(kept) == 6 and records == [] and metrics["training/n_sample_trained"] == 6
+
+
+def test_small_batch_is_trained_or_skipped_loudly(caplog):
+    data = one_row_rollouts({"a": [1, 0, 1]})
+    kept, records, metrics = alg.select_for_update(data, mini_batch_rows=8, small_batch="train")
+    assert list(kept) == [0, 1, 2] and records == [] and metrics["training/skipped_steps"] == 0
+    with caplog.at_level(logging.WARNING, logger="agl_lab.algorithms"):
+        kept, records, metrics = alg.select_for_update(data, mini_batch_rows=8, small_batch="skip")
+    assert len(kept) == 0 and metrics["training/skipped_steps"] == 1
+    assert [r["reason"] for r in records] == ["small_batch_skip"] * 3
+    assert metrics["training/n_sample_dropped/small_batch"] == 3
+    assert "skipping this training step" in caplog.text
+    with pytest.raises(ValueError, match="agl_lab.algorithm.small_batch"):
+        alg.select_for_update(data, mini_batch_rows=8, small_batch="drop")
+
+
+def test_marked_rows_are_dropped_and_recorded():
+    data = make_batch([[1, 1]] * 4, [1, 1, 0, 1], ["r0", "r0", "r1", "r2"], ["g"] * 4,
+                      is_drop=[False, True, False, False])
+    kept, records, metrics = alg.select_for_update(data, mini_batch_rows=1, seed=0)
+    assert list(kept) == [0, 2, 3]
+    assert records == [{"rollout_id": "r0", "data_id": "g", "rows": 1, "reason": "marked"}]
+    assert metrics["training/n_sample_dropped/marked"] == 1 and metrics["training/n_sample_collected"] == 4
+
+
+
+def test_dropped_rollouts_do_not_change_kept_advantages():
+    data = one_row_rollouts({"a": [1, 0, 0, 1, 1], "b": [0, 1, 1, 0, 0], "c": [1, 1, 0, 1, 0]})
+    full, _ = alg.compute_rollout_level_advantage(one_row_rollouts(
+        {"a": [1, 0, 0, 1, 1], "b": [0, 1, 1, 0, 0], "c": [1, 1, 0, 1, 0]}), "grpo", num_repeat=5)
+    out, records, metrics = alg.prepare_update_batch(data, mini_batch_rows=4, num_repeat=5, seed=1)
+    assert len(out) == 12 and metrics["training/n_sample_dropped/random"] == 3
+    full_adv = dict(zip(full.non_tensor_batch["rollout_id_list"], full.batch["advantages"][:, 0].tolist()))
+    for rid, a in zip(out.non_tensor_batch["rollout_id_list"], out.batch["rollout_advantages"][:, 0].tolist()):
+        assert a == pytest.approx(full_adv[rid])
+    # per_rollout_mean normalisation, rollouts divisor: A / (3 tokens × 12 rollouts)
+    torch.testing.assert_close(out.batch["advantages"], out.batch["rollout_advantages"] / 36)
+    assert metrics["training/n_groups"] == 3 and metrics["critic/n_transition_after_dropping"] == 12
+
+
+def test_prepare_update_batch_skip_and_vanilla():
+    data = one_row_rollouts({"a": [1, 0]})
+    out, records, metrics = alg.prepare_update_batch(data, mini_batch_rows=4, num_repeat=2, small_batch="skip")
+    assert out is None and metrics["training/skipped_steps"] == 1 and len(records) == 2
+    out, _, _ = alg.prepare_update_batch(one_row_rollouts({"a": [1, 0]}), mini_batch_rows=4, num_repeat=2,
+                                         loss_mode="vanilla")
+    assert "rollout_advantages" not in out.batch.keys()  # vanilla: raw advantages, no normalisation
+    # (1 − ½) / unbiased std of (1, 0)
+    assert out.batch["advantages"][0, 0].item() == pytest.approx(0.5 / (math.sqrt(0.5) + 1e-6))
+
