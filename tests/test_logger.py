@@ -15,25 +15,9 @@ import pytest
 
 from agl_lab.batch import build_batch
 from agl_lab.logger import MISMATCH_COLUMNS, MetricsLogger, log_batch_tables, read_metrics
-from agl_lab.records import CompletedRollout, Triplet
+from tests.test_batch import R, SpaceTokenizer, T  # the hand-built fixtures of the batch tests
 from agl_lab.results import BatchResult
 from agl_lab.validation import build_validation
-
-
-class SpaceTokenizer:
-    """The upstream tests' fake tokenizer: decode = space-joined ids."""
-
-    def decode(self, ids, skip_special_tokens=False):
-        return " ".join(str(i) for i in ids)
-
-
-def T(prompt, response) -> Triplet:
-    return Triplet(list(prompt), list(response), [-0.1] * len(response))
-
-
-def R(rid, triplets, reward=1.0, data_id="d", step=0, sample_idx=0) -> CompletedRollout:
-    return CompletedRollout(rollout_id=rid, data_id=data_id, step=step, sample_idx=sample_idx,
-                            triplets=triplets, final_reward=reward)
 
 
 class FakeTable:
