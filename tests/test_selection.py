@@ -124,3 +124,41 @@ def test_prepare_update_batch_skip_and_vanilla():
     # (1 − ½) / unbiased std of (1, 0)
     assert out.batch["advantages"][0, 0].item() == pytest.approx(0.5 / (math.sqrt(0.5) + 1e-6))
 
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue #12: zero advantage is decided from the computed advantages; group metrics on the
+# trained batch (AGL's meaning) plus `*_collected` before the alignment drops.
+# ---------------------------------------------------------------------------------------------
+
+
+def _grpo_opts(**kw):
+    return dict(adv_estimator="grpo", num_repeat=4, seed=0, **kw)
+
+
+def test_single_rollout_group_has_an_advantage_and_is_not_dropped_as_zero_adv():
+    """A group with one rollout (siblings failed before their first call): verl's GRPO gives it
+    mean 0, std 1, so A = reward = 1. It must not be dropped in favour of A = 0 rollouts."""
+    # s: one rollout, reward 1 (A = 1); z: zero-advantage group of 4 (A = 0); a: mixed, 4 rollouts
+    data = one_row_rollouts({"s": [1.0], "z": [1, 1, 1, 1], "a": [1, 0, 0, 1]})  # 9 rows
+    prepared, records, metrics = alg.prepare_update_batch(data, mini_batch_rows=4, **_grpo_opts())
+    kept_ids = set(prepared.non_tensor_batch["rollout_id_list"])
+    assert "s-r0" in kept_ids  # the rollout with an advantage stays
+    assert {r["rollout_id"] for r in records} <= {f"z-r{k}" for k in range(4)} | {"a-r0", "a-r1", "a-r2", "a-r3"}
+    assert all(r["reason"].startswith("zero_adv") for r in records if r["rollout_id"].startswith("z"))
+    assert metrics["training/n_zero_adv_groups_collected"] == 1  # z only: s has A = 1
+    assert metrics["training/n_groups_collected"] == 3
+
+
+def test_zero_advantage_groups_reads_advantages_when_present():
+    data = one_row_rollouts({"s": [1.0], "z": [1, 1]})
+    assert alg.zero_advantage_groups(data) == ["s", "z"]  # before advantages: reward variance
+    data, _ = alg.compute_advantages(data, adv_estimator="grpo", num_repeat=2)
+    assert alg.zero_advantage_groups(data) == ["z"]  # after: A = 0 on every loss token
+
+
+def test_group_metrics_count_the_trained_batch_and_collected_separately():
+    # 12 one-row rollouts, mini-batch 8: z (zero adv) is dropped whole → trained: a, b
+    prepared, _, metrics = alg.prepare_update_batch(three_groups(), mini_batch_rows=8, **_grpo_opts())
+    assert metrics["training/n_groups_collected"] == 3 and metrics["training/n_zero_adv_groups_collected"] == 1
+    assert metrics["training/n_groups"] == 2 and metrics["training/n_zero_adv_groups"] == 0

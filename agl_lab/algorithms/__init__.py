@@ -146,7 +146,7 @@ def prepare_update_batch(
         adv_estimator=adv_estimator, gamma=gamma, lam=lam, num_repeat=num_repeat,
         norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo, config=algo_config)
     metrics.update(adv_metrics)
-    metrics.update(group_metrics(data))
+    metrics.update(group_metrics(data, "_collected"))  # before the alignment drops (agl_lab's own)
 
     # 2. whole mini-batches: zero-advantage groups first, then whole rollouts, seeded
     kept, sel_records, sel_metrics = select_for_update(
@@ -158,6 +158,7 @@ def prepare_update_batch(
         return None, records, metrics
     data = data.select_idxs(kept)
     metrics["critic/n_transition_after_dropping"] = len(data)
+    metrics.update(group_metrics(data))  # AGL v1 counts the groups of the trained batch
     metrics.update(_data_metrics(data))
 
     # 3. every rollout carries the same loss weight
