@@ -30,6 +30,7 @@ from agl_lab.algorithms import (
     check_selection_args,
 )
 from agl_lab.batch import LEVELS, check_level
+from agl_lab.config_keys import ConfigWarning, check_values, user_keys, warn_ineffective  # noqa: F401 (re-export)
 
 # ---------------------------------------------------------------------------------------------
 # Defaults
@@ -87,7 +88,9 @@ AGL_LAB_DEFAULTS: dict[str, Any] = {
             "seed_calls": True,  # calls without a seed get one from their position: reproducible runs
         },
         "runner": {"enabled": True, "concurrency": 32, "agent_timeout_seconds": None},
-        "rollout": {"wait_timeout_seconds": 600, "poll_interval_seconds": 0.05,
+        # wait_timeout_seconds: "auto" = agentlightning.rollout_timeout_seconds + 60 s (every
+        # rollout ends by its own timeout first); a number; or null = unbounded (AGL v1)
+        "rollout": {"wait_timeout_seconds": "auto", "poll_interval_seconds": 0.05,
                     "drain_timeout_seconds": 60},
         # (not named `update`: DictConfig attribute access would hit dict.update)
         "algorithm": {
@@ -204,11 +207,32 @@ def load_config(
                 if "=" not in item:
                     raise ConfigError(f"override {item!r} is not key=value (e.g. data.train_batch_size=8)")
             layers.append(("command-line overrides", OmegaConf.from_dotlist(overrides)))
+    defaults, keys = cfg, []
     for source, layer in layers:
         check_unknown_keys(cfg, layer, source)
         cfg = OmegaConf.merge(cfg, layer)
+        keys += user_keys(layer)
+    keys = list(dict.fromkeys(keys))
+    problems = check_values(cfg, defaults, keys)
+    if problems:
+        raise ConfigError("Config has values of the wrong type or range:\n" + "\n".join(f"  {p}" for p in problems))
+    _adopt_model_path(cfg, keys)
     validate(cfg)
+    warn_ineffective(cfg, defaults, keys)
     return cfg
+
+
+def _adopt_model_path(cfg: DictConfig, keys: list[str]) -> None:
+    """An AGL config names its model in `actor_rollout_ref.model.path`: the local engine serves
+    and trains that model (a local HF directory), never silently the built-in tiny one."""
+    if "actor_rollout_ref.model.path" not in keys:
+        return
+    actor_path, lab_path = cfg.actor_rollout_ref.model.path, cfg.agl_lab.model.path
+    if lab_path is None:
+        cfg.agl_lab.model.path = actor_path
+    elif str(lab_path) != str(actor_path):
+        raise ConfigError(f"actor_rollout_ref.model.path={actor_path!r} and agl_lab.model.path={lab_path!r} "
+                          "name different models: set one of them")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -248,6 +272,19 @@ def validate(cfg: DictConfig) -> None:
                 f"data.train_batch_size ({b}) when async_rollout.enabled=true; "
                 f"AGL recommends 2 × train_batch_size (e.g. {2 * b})"
             )
+    wait = cfg.agl_lab.rollout.wait_timeout_seconds
+    if wait is not None and wait != "auto" and (isinstance(wait, bool) or not isinstance(wait, (int, float))
+                                                or wait <= 0):
+        raise ConfigError(f"agl_lab.rollout.wait_timeout_seconds={wait!r}: use auto, a number of seconds > 0, "
+                          "or null (unbounded)")
+    rollout_timeout = float(agl.rollout_timeout_seconds)
+    if isinstance(wait, (int, float)) and wait < rollout_timeout:
+        import warnings
+
+        warnings.warn(f"agl_lab.rollout.wait_timeout_seconds={wait} is shorter than "
+                      f"agentlightning.rollout_timeout_seconds={rollout_timeout:g}: a step can time out "
+                      "while its rollouts may still legitimately run; use auto (rollout timeout + 60 s)",
+                      ConfigWarning, stacklevel=3)
     rc = cfg.algorithm.get("rollout_correction") or {}
     if rc.get("bypass_mode") and not cfg.agl_lab.server.include_log_probs:
         raise ConfigError(
@@ -266,6 +303,14 @@ def _check_learning_rules(cfg: DictConfig) -> None:
     max_updates = cfg.agentlightning.max_ppo_update_times
     check_selection_args(int(mini or 0) * int(n), None if max_updates is None else int(max_updates),
                          small_batch=str(cfg.agl_lab.algorithm.small_batch))
+
+
+def rollout_wait_timeout(cfg: DictConfig) -> float | None:
+    """Seconds a rollout phase waits for its rollouts (None = unbounded); see the agl_lab defaults."""
+    wait = cfg.agl_lab.rollout.wait_timeout_seconds
+    if wait == "auto":
+        return float(cfg.agentlightning.rollout_timeout_seconds) + 60.0
+    return None if wait is None else float(wait)
 
 
 def to_container(cfg: DictConfig) -> dict[str, Any]:

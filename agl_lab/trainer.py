@@ -215,7 +215,7 @@ class Trainer:
             train_batch_size=int(self.cfg.data.train_batch_size),
             async_train_batch_size=agl.async_rollout.async_train_batch_size,
             rollout_config=self._rollout_config(), hooks=self._load_hooks(),
-            timeout_seconds=float(lab.rollout.wait_timeout_seconds),
+            timeout_seconds=config_mod.rollout_wait_timeout(self.cfg),
             poll_interval=float(lab.rollout.poll_interval_seconds))
 
     # ------------------------------------------------------------------ stage 1: rollout
@@ -258,7 +258,7 @@ class Trainer:
             manager = SyncRolloutManager(
                 self.client, n=int(self.cfg.actor_rollout_ref.rollout.n) if is_train else 1,
                 step=self.global_step, rollout_config=self._rollout_config(), hooks=self._load_hooks(),
-                timeout_seconds=float(self.cfg.agl_lab.rollout.wait_timeout_seconds),
+                timeout_seconds=config_mod.rollout_wait_timeout(self.cfg),
                 poll_interval=float(self.cfg.agl_lab.rollout.poll_interval_seconds))
             completed = manager.run(batch_tasks, is_train=is_train)
             carry = []
