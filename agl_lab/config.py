@@ -313,6 +313,23 @@ def rollout_wait_timeout(cfg: DictConfig) -> float | None:
     return None if wait is None else float(wait)
 
 
+def task_files(cfg: DictConfig) -> tuple[Any, Any]:
+    """(`data.train_files`, `data.val_files`), each None while it is verl's placeholder default
+    (`~/data/rlhf/gsm8k/*.parquet`) or null: then the Trainer uses its built-in task."""
+    placeholder = OmegaConf.load(verl_defaults_path()).data
+    out = []
+    for key in ("train_files", "val_files"):
+        value = cfg.data.get(key)
+        out.append(None if value is None or value == placeholder.get(key) else as_listconfig_free(value))
+    return out[0], out[1]
+
+
+def env_map_columns(cfg: DictConfig) -> list[str]:
+    """Task fields an AGL env_map reads (`input.question` → `question`): every task needs them."""
+    env_map = as_listconfig_free(cfg.agentlightning.local.env_map) or {}
+    return sorted({str(v).split(".")[1] for v in env_map.values() if str(v).startswith("input.")})
+
+
 def to_container(cfg: DictConfig) -> dict[str, Any]:
     return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
 

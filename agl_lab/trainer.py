@@ -68,15 +68,15 @@ class Trainer:
         self._last_update: UpdateResult | None = None
 
         self.task = None
-        if agent is None and train_dataset is None and not cfg.agentlightning.local.agent_class:
+        train_files, val_files = config_mod.task_files(cfg)
+        # The built-in task supplies the agent and/or the tasks that nothing else supplies.
+        if not cfg.agentlightning.local.agent_class and (
+                agent is None or (train_dataset is None and train_files is None)):
             from agl_lab.tasks import get_task
 
             self.task = get_task(str(lab.task.name))
         self.agent = agent or (self.task.agent if self.task else None)
-        self.train_dataset = list(train_dataset) if train_dataset is not None else (
-            self.task.train_tasks(int(lab.task.n_train), seed=int(lab.seed)))
-        self.val_dataset = list(val_dataset) if val_dataset is not None else (
-            self.task.val_tasks(int(lab.task.n_val), seed=int(lab.seed) + 1) if self.task else [])
+        self.train_dataset, self.val_dataset = self._datasets(train_dataset, val_dataset, train_files, val_files)
         self.feeder = TaskFeeder(self.train_dataset, seed=int(lab.seed), shuffle=bool(cfg.data.shuffle))
 
         try:
@@ -110,6 +110,25 @@ class Trainer:
                 overrides = [*overrides, f"agl_lab.engine={engine}"]
         cfg = config_mod.load_config(path, overrides)
         return cls(cfg, **kwargs)
+
+    def _datasets(self, train, val, train_files, val_files) -> tuple[list[dict], list[dict]]:
+        """Explicit datasets, else `data.train_files`/`val_files`, else the built-in task's."""
+        from agl_lab.data import load_task_files
+
+        lab, columns = self.cfg.agl_lab, config_mod.env_map_columns(self.cfg)
+        if train is None and train_files is not None:
+            train = load_task_files(train_files, "data.train_files", columns)
+        if val is None and val_files is not None:
+            val = load_task_files(val_files, "data.val_files", columns)
+        if train is None and self.task is None:
+            raise config_mod.ConfigError(
+                "agentlightning.local.agent_class is set but there are no tasks to run it on: set "
+                "data.train_files (parquet or JSONL) or pass Trainer(..., train_dataset=[{...}, ...])")
+        if train is None:
+            train = self.task.train_tasks(int(lab.task.n_train), seed=int(lab.seed))
+        if val is None:
+            val = self.task.val_tasks(int(lab.task.n_val), seed=int(lab.seed) + 1) if self.task else []
+        return list(train), list(val)
 
     @property
     def is_async(self) -> bool:

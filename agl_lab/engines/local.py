@@ -104,6 +104,7 @@ class LocalEngine(Engine):
         actor = ActorUpdateConfig.from_verl_actor_config(
             cfg.actor_rollout_ref.actor, rollout_n=int(rollout.n), temperature=float(rollout.temperature))
         opts = lab.get("engine_options", {}) or {}
+        _check_model_dir(cfg)
         log_prob_micro = rollout.get("log_prob_micro_batch_size_per_gpu") or actor.ppo_micro_batch_size_per_gpu
         return cls(
             lab.model.path, device=lab.model.device, seed=int(lab.seed), max_model_len=int(lab.model.max_model_len),
@@ -213,6 +214,22 @@ class LocalEngine(Engine):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _check_model_dir(cfg: Any) -> None:
+    """The local engine loads a model directory from disk and never downloads: a hub id fails
+    here, naming the key it came from and the fix."""
+    from agl_lab.config import ConfigError
+
+    path = cfg.agl_lab.model.path
+    if path is None or (Path(str(path)).expanduser() / "config.json").exists():
+        return
+    key = ("actor_rollout_ref.model.path" if str(path) == str(cfg.actor_rollout_ref.model.path)
+           else "agl_lab.model.path")
+    raise ConfigError(
+        f"{key}={str(path)!r} is not a local Hugging Face model directory (no config.json) and the local "
+        f"engine never downloads: fetch it first (`huggingface-cli download {path} --local-dir DIR`) and "
+        f"set {key}=DIR, or use agl_lab.engine=verl")
 
 
 def _rng_state() -> dict[str, Any]:
