@@ -40,6 +40,8 @@ from agl_lab.config_keys import ConfigWarning, check_values, user_keys, warn_ine
 AGL_DEFAULTS: dict[str, Any] = {
     # verl defaults to gae, which rollout-level advantage rejects; every AGL example sets grpo.
     "algorithm": {"enable_rollout_level_advantage": True, "adv_estimator": "grpo"},
+    # agl_lab: verl defaults to [console, wandb]; a CPU run should not start W&B unasked
+    "trainer": {"logger": ["console"]},
     "data": {"filter_overlong_prompts": False},
     "actor_rollout_ref": {
         "actor": {"calculate_entropy": True, "policy_loss": {"loss_mode": "per_rollout_mean"}},
@@ -98,7 +100,8 @@ AGL_LAB_DEFAULTS: dict[str, Any] = {
             "small_batch": "train",  # train a batch smaller than one mini-batch | skip the step
         },
         "engine_options": {"batch_window_ms": 3, "max_batch_size": 64},
-        "wandb": {"mode": "disabled"},  # disabled | offline | online
+        # null: offline when trainer.logger has wandb, else off; offline | online | disabled win
+        "wandb": {"mode": None},
     }
 }
 
@@ -242,7 +245,7 @@ def _adopt_model_path(cfg: DictConfig, keys: list[str]) -> None:
 # Allowed values. The learning rules' tuples and checks live in the pure modules that apply
 # them (batch, algorithms); `validate` calls those checks, so each rule has one message.
 ENGINES = ("local", "verl")
-WANDB_MODES = ("disabled", "offline", "online")
+WANDB_MODES = (None, "disabled", "offline", "online")
 CHOICES = {
     "agl_lab.engine": ENGINES,
     "agl_lab.wandb.mode": WANDB_MODES,
@@ -311,6 +314,22 @@ def rollout_wait_timeout(cfg: DictConfig) -> float | None:
     if wait == "auto":
         return float(cfg.agentlightning.rollout_timeout_seconds) + 60.0
     return None if wait is None else float(wait)
+
+
+def loggers(cfg: DictConfig) -> tuple[bool, str]:
+    """(console on?, W&B mode) from `trainer.logger` (verl) and `agl_lab.wandb.mode`."""
+    names = cfg.trainer.logger
+    names = [str(names)] if isinstance(names, str) else [str(n) for n in names]
+    unknown = set(names) - {"console", "wandb"}
+    if unknown:
+        import warnings
+
+        warnings.warn(f"trainer.logger entries {sorted(unknown)} have no effect in agl_lab (console and wandb "
+                      "are supported; metrics.jsonl is always written)", ConfigWarning, stacklevel=2)
+    mode = cfg.agl_lab.wandb.mode
+    if mode is None:
+        mode = "offline" if "wandb" in names else "disabled"
+    return "console" in names, str(mode)
 
 
 def task_files(cfg: DictConfig) -> tuple[Any, Any]:

@@ -84,6 +84,7 @@ def run_update(cfg, engine: Engine, batch: BatchResult, *, step: int) -> UpdateR
     with _timed(metrics, "update_weights"):
         engine.sync_weights()
     metrics["training/policy_version"] = engine.policy_version
+    metrics["perf/total_num_tokens"] = int(prepared.batch["attention_mask"].sum())  # verl: trained batch
 
     weights = rollout_weights_table(prepared, loss_mode=opts["loss_mode"], divisor=opts["divisor"],
                                     num_trained_rows=len(prepared))
