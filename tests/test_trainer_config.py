@@ -100,3 +100,98 @@ def test_files_model_path_and_unbounded_wait_train_one_step(tmp_path):
         u = tr.update(tr.build_batch(ro))
         assert not u.skipped
         assert not [k for k in u.metrics if "*" in k]
+
+
+# ---------------------------------------------------------------------------------------------
+# trainer.test_freq / val_before_train / val_only / val_kwargs.n / logger / perf metrics
+# ---------------------------------------------------------------------------------------------
+
+
+def test_fit_validates_before_every_test_freq_and_after_the_last_step_with_wandb_offline(tmp_path):
+    overrides = [*SMALL, "trainer.total_training_steps=3", "trainer.test_freq=2", "trainer.val_before_train=true",
+                 "actor_rollout_ref.rollout.val_kwargs.n=2", "trainer.logger=[console,wandb]",
+                 "agl_lab.wandb.mode=offline", f"trainer.default_local_dir={tmp_path / 'ckpt'}"]
+    with Trainer.from_config("configs/cpu_tiny.yaml", overrides, run_dir=tmp_path / "run", console=False) as tr:
+        assert tr.metrics_logger.wandb_run is not None  # trainer.logger has wandb → a real offline run
+        tr.fit()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2, 3]  # val before train at 0, then 1-based steps
+    assert [("val/reward" in r) for r in records] == [True, False, True, True]  # step 2 (freq) and 3 (last)
+    assert records[0]["val/n_rollouts"] == 2 * 4  # val_kwargs.n copies of each of the 4 val tasks
+    for r in records[1:]:
+        assert r["perf/total_num_tokens"] > 0 and r["perf/time_per_step"] == r["timing_s/step"]
+        assert r["perf/throughput"] == pytest.approx(r["perf/total_num_tokens"] / r["timing_s/step"])
+        for timer in ("gen", "old_log_prob", "adv", "update_actor", "update_weights", "step"):
+            assert f"timing_s/{timer}" in r, timer
+    assert "timing_s/validate" in records[2] and "timing_s/validate" not in records[1]
+    assert (tmp_path / "run" / "config.yaml").exists()  # written at start
+    assert list((tmp_path / "run").glob("wandb/offline-run-*"))
+
+
+def test_val_only_validates_and_trains_nothing(tmp_path):
+    overrides = [*SMALL, "trainer.val_only=true", "trainer.val_before_train=false"]
+    with Trainer.from_config("configs/cpu_tiny.yaml", overrides, run_dir=tmp_path / "run", console=False) as tr:
+        history = tr.fit()
+        assert tr.engine.policy_version == 0 and tr.global_step == 0
+    assert len(history) == 1 and "val/reward" in history[0] and "training/reward" not in history[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints: kill `agl-lab train` after a checkpoint, rerun with --resume
+# ---------------------------------------------------------------------------------------------
+
+RESUME_KEYS = ("training/reward", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "training/n_sample_trained",
+               "training/n_zero_adv_groups", "training/policy_version")
+
+
+def _train_cmd(tmp_path, name: str, *extra: str) -> list[str]:
+    import sys
+
+    return [sys.executable, "-m", "agl_lab.cli", "train", "configs/cpu_tiny.yaml", "--run-dir", str(tmp_path / name),
+            *SMALL, "trainer.total_training_steps=4", "trainer.save_freq=1", *extra]
+
+
+def _env():
+    import os
+    from pathlib import Path
+
+    return {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "PYTHONHASHSEED": "0"}
+
+
+def _records(path) -> dict[int, dict]:
+    return {r["step"]: r for r in (json.loads(x) for x in path.read_text().splitlines())}  # last per step wins
+
+
+def test_killed_cli_run_resumes_and_continues_like_an_uninterrupted_run(tmp_path):
+    import subprocess
+    import time
+
+    straight = subprocess.run(_train_cmd(tmp_path, "a", f"trainer.default_local_dir={tmp_path / 'ck_a'}"),
+                              env=_env(), capture_output=True, text=True, timeout=900)
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    expected = _records(tmp_path / "a" / "metrics.jsonl")
+    assert sorted(expected) == [1, 2, 3, 4]
+    assert sorted(p.name for p in (tmp_path / "ck_a").glob("global_step_*")) == [f"global_step_{i}" for i in range(1, 5)]
+
+    ck = tmp_path / "ck_b"
+    proc = subprocess.Popen(_train_cmd(tmp_path, "b", f"trainer.default_local_dir={ck}"), env=_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    latest = ck / "latest_checkpointed_iteration.txt"
+    deadline = time.time() + 600
+    while not (latest.exists() and int(latest.read_text() or 0) >= 2):
+        assert proc.poll() is None, "the run ended before its second checkpoint"
+        assert time.time() < deadline
+        time.sleep(0.2)
+    proc.kill()  # SIGKILL: no clean shutdown, as a crashed or preempted job
+    proc.wait()
+    at = int(latest.read_text())
+
+    resumed = subprocess.run(_train_cmd(tmp_path, "c", f"trainer.default_local_dir={ck}", "--resume"),
+                             env=_env(), capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"resumed from {ck / f'global_step_{at}'} at step {at}" in resumed.stdout
+    got = _records(tmp_path / "c" / "metrics.jsonl")
+    assert sorted(got) == list(range(at + 1, 5)) and got  # only the steps after the checkpoint
+    for step, record in got.items():
+        for key in RESUME_KEYS:
+            assert record[key] == pytest.approx(expected[step][key], rel=1e-5, abs=1e-7), (step, key)
