@@ -24,6 +24,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from agl_lab.algorithms import (
     DIVISORS,
+    DROP_ORDERS,
     SMALL_BATCH_CHOICES,
     check_divisor,
     check_estimator,
@@ -98,6 +99,12 @@ AGL_LAB_DEFAULTS: dict[str, Any] = {
         "algorithm": {
             "normalize_by": "rollouts",  # rollouts (tech report Eq. 16) | rows (AGL v1 parity)
             "small_batch": "train",  # train a batch smaller than one mini-batch | skip the step
+        },
+        # Parity switches: reproduce AGL v1's numbers for side-by-side runs (the defaults are
+        # agl_lab's deliberate improvements; agl_lab.algorithm.normalize_by=rows is the third)
+        "parity": {
+            "bf16_rewards": False,  # AGL stores token_level_scores in bfloat16
+            "drop_order": "after_advantage",  # agl: AGL's row-level alignment before advantages
         },
         "engine_options": {"batch_window_ms": 3, "max_batch_size": 64},
         # null: offline when trainer.logger has wandb, else off; offline | online | disabled win
@@ -251,12 +258,13 @@ CHOICES = {
     "agl_lab.wandb.mode": WANDB_MODES,
     "agl_lab.algorithm.normalize_by": DIVISORS,
     "agl_lab.algorithm.small_batch": SMALL_BATCH_CHOICES,
+    "agl_lab.parity.drop_order": DROP_ORDERS,
     "agentlightning.trace_aggregator.level": LEVELS,
 }
 
 
 def validate(cfg: DictConfig) -> None:
-    for key in ("agl_lab.engine", "agl_lab.wandb.mode"):
+    for key in ("agl_lab.engine", "agl_lab.wandb.mode", "agl_lab.parity.drop_order"):
         value = OmegaConf.select(cfg, key)
         if value not in CHOICES[key]:
             raise ConfigError(f"{key}={value!r} is not one of {list(CHOICES[key])}")

@@ -167,6 +167,11 @@ def warn_ineffective(cfg: DictConfig, defaults: DictConfig, keys: Iterable[str])
         if cfg.agl_lab.server.embedded and "agentlightning.agl_base_url" in keys:
             messages.append("agentlightning.agl_base_url has no effect with agl_lab.server.embedded=true "
                             "(the Trainer starts its own store + gateway); set embedded=false to use it")
+        rc = cfg.algorithm.get("rollout_correction") or {}
+        if rc.get("bypass_mode") and str(rc.get("loss_type", "ppo_clip")) != "ppo_clip":
+            messages.append(f"algorithm.rollout_correction.loss_type={rc.get('loss_type')} has no effect on the local "
+                            "engine: bypass mode keeps actor.policy_loss.loss_mode with old logprobs = the sampling "
+                            "logprobs (verl's ppo_clip bypass); use agl_lab.engine=verl for reinforce")
     n, est = int(cfg.actor_rollout_ref.rollout.n), str(cfg.algorithm.adv_estimator).lower()
     if n == 1 and est in ("grpo", "grpo_passk", "rloo", "opo", "gpg"):
         messages.append(f"actor_rollout_ref.rollout.n=1 with algorithm.adv_estimator={est}: every group has one "
