@@ -162,6 +162,7 @@ def _records(path) -> dict[int, dict]:
     return {r["step"]: r for r in (json.loads(x) for x in path.read_text().splitlines())}  # last per step wins
 
 
+@pytest.mark.slow
 def test_killed_cli_run_resumes_and_continues_like_an_uninterrupted_run(tmp_path):
     import subprocess
     import time
@@ -195,3 +196,89 @@ def test_killed_cli_run_resumes_and_continues_like_an_uninterrupted_run(tmp_path
     for step, record in got.items():
         for key in RESUME_KEYS:
             assert record[key] == pytest.approx(expected[step][key], rel=1e-5, abs=1e-7), (step, key)
+
+
+# ---------------------------------------------------------------------------------------------
+# AGL's calc_x example config, unchanged but for CPU sizes, on the local engine
+# ---------------------------------------------------------------------------------------------
+
+# Every metric name AGL v1 logs for calc_x's settings (sync, trajectory level, GRPO, no critic,
+# no reference model, rollout correction config present, validation after the last step),
+# upstream-reference §6.
+AGL_METRICS = [
+    # rollout adapter (train) and trajectory level
+    "training/reward", "training/n_sample", "training/n_rollouts", "training/n_rollouts_w_trace",
+    "training/n_rollouts_w_reward", "training/n_truncated_sample", "training/n_skipped_empty_rows", "training/n_turns",
+    "response_length/training/avg_by_turn", "response_length/training/max_by_turn",
+    "response_length/training/min_by_turn", "training/n_unmerged_rollouts", "training/n_trace_merge_mismatch_rows",
+    # validation
+    "val/reward", "val/n_rollouts", "val/n_rollouts_w_trace", "val/n_rollouts_w_reward",
+    "val/mean_response_length_per_turn", "val/mean_total_response_length_per_rollout", "val/turn_count",
+    # trainer
+    "timing/step_start_wall", "timing/rollout_phase_end_wall", "training/n_sample_collected",
+    "training/n_sample_dropped/marked", "training/n_sample_dropped/same_reward", "training/n_sample_dropped/random",
+    "training/n_sample_trained", "training/n_groups", "training/n_zero_adv_groups",
+    "critic/n_transition_after_dropping",
+    # lifecycle
+    *[f"timing/{p}/{s}" for p in ("rollout_queue_wait_s", "rollout_run_duration_s", "rollout_total_s")
+      for s in ("mean", "p50", "p90", "max")],
+    "timing/rollout_n_missing_running_ts",
+    # rollout-level advantage, loss
+    "training/rollout_level_advantage/n_rows", "training/rollout_level_advantage/n_rollouts",
+    "training/rollout_level_advantage/n_multi_row_rollouts", "training/rollout_level_advantage/max_rows_per_rollout",
+    "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower",
+    # inherited from verl
+    *[f"critic/{k}/{s}" for k in ("score", "rewards", "advantages", "returns") for s in ("mean", "max", "min")],
+    *[f"{k}/{s}" for k in ("response_length", "prompt_length") for s in ("mean", "max", "min", "clip_ratio")],
+    *[f"timing_s/{t}" for t in ("step", "gen", "old_log_prob", "adv", "update_actor", "update_weights",
+                                "validate", "save_checkpoint")],
+    "perf/total_num_tokens", "perf/time_per_step", "perf/throughput",
+    "actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/lr",
+]
+# What only verl engines add (computed inside verl's FSDP workers / GPU profiling), for the record.
+VERL_ONLY = ["perf/mfu/actor_infer", "perf/mfu/actor", "perf/max_memory_allocated_gb",
+             "perf/max_memory_reserved_gb", "perf/cpu_memory_used_gb", "timing_per_token_ms/*"]
+
+
+def calc_x_rows(n: int, seed: int) -> list[dict]:
+    """calc_x's parquet schema: {id, question, chain, result, source}."""
+    import random
+
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        a, b = rng.randint(1, 9), rng.randint(1, 9)
+        rows.append({"id": f"calc-{seed}-{i}", "question": f"What is {a} + {b}?", "chain": f"{a} + {b} = {a + b}",
+                     "result": str(a + b), "source": "test"})
+    return rows
+
+
+@pytest.mark.slow
+def test_agl_calc_x_config_trains_two_steps_and_logs_every_agl_metric(tmp_path):
+    train = write_parquet(tmp_path / "train.parquet", calc_x_rows(8, 0))
+    val = write_parquet(tmp_path / "test.parquet", calc_x_rows(2, 1))
+    template = tmp_path / "job-template.yaml"
+    template.write_text("kind: Job\n")
+    overrides = [
+        f"data.train_files={train}", f"data.val_files={val}",
+        f"actor_rollout_ref.model.path={tiny_model_dir(seed=0)}",  # a local HF dir, not a hub id
+        "agentlightning.local.agent_class=tests.agents_for_tests:CalcXAgent",  # the example's agent is not here
+        f"agentlightning.k8s.job_template_path={template}",
+        # CPU sizes: 2 tasks × n=4 per step, one mini-batch; 2 steps; rows padded to 256 + 256
+        # tokens instead of calc_x's 2048 + 8192 (AGL pads every row to the limits)
+        "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "agentlightning.trace_aggregator.trajectory_max_prompt_length=256",
+        "agentlightning.trace_aggregator.trajectory_max_response_length=256",
+        "trainer.total_training_steps=2", f"trainer.default_local_dir={tmp_path / 'ckpt'}",
+    ]
+    with Trainer.from_config("tests/fixtures/agl_calc_x.yaml", overrides, run_dir=tmp_path / "run",
+                             console=False) as tr:
+        assert tr.runner is not None and tr.task is None
+        tr.fit()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    logged = set().union(*records)
+    missing = [m for m in AGL_METRICS if m not in logged]
+    assert not missing, missing
+    assert any(k.startswith("rollout_corr/") for k in logged)  # AGL computes them whenever logprobs exist
+    assert (tmp_path / "ckpt" / "global_step_2" / "trainer_state.pt").exists()  # save_freq=64: also the last step
