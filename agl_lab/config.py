@@ -24,12 +24,14 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from agl_lab.algorithms import (
     DIVISORS,
+    DROP_ORDERS,
     SMALL_BATCH_CHOICES,
     check_divisor,
     check_estimator,
     check_selection_args,
 )
 from agl_lab.batch import LEVELS, check_level
+from agl_lab.config_keys import ConfigWarning, check_values, user_keys, warn_ineffective  # noqa: F401 (re-export)
 
 # ---------------------------------------------------------------------------------------------
 # Defaults
@@ -39,6 +41,8 @@ from agl_lab.batch import LEVELS, check_level
 AGL_DEFAULTS: dict[str, Any] = {
     # verl defaults to gae, which rollout-level advantage rejects; every AGL example sets grpo.
     "algorithm": {"enable_rollout_level_advantage": True, "adv_estimator": "grpo"},
+    # agl_lab: verl defaults to [console, wandb]; a CPU run should not start W&B unasked
+    "trainer": {"logger": ["console"]},
     "data": {"filter_overlong_prompts": False},
     "actor_rollout_ref": {
         "actor": {"calculate_entropy": True, "policy_loss": {"loss_mode": "per_rollout_mean"}},
@@ -87,15 +91,24 @@ AGL_LAB_DEFAULTS: dict[str, Any] = {
             "seed_calls": True,  # calls without a seed get one from their position: reproducible runs
         },
         "runner": {"enabled": True, "concurrency": 32, "agent_timeout_seconds": None},
-        "rollout": {"wait_timeout_seconds": 600, "poll_interval_seconds": 0.05,
+        # wait_timeout_seconds: "auto" = agentlightning.rollout_timeout_seconds + 60 s (every
+        # rollout ends by its own timeout first); a number; or null = unbounded (AGL v1)
+        "rollout": {"wait_timeout_seconds": "auto", "poll_interval_seconds": 0.05,
                     "drain_timeout_seconds": 60},
         # (not named `update`: DictConfig attribute access would hit dict.update)
         "algorithm": {
             "normalize_by": "rollouts",  # rollouts (tech report Eq. 16) | rows (AGL v1 parity)
             "small_batch": "train",  # train a batch smaller than one mini-batch | skip the step
         },
+        # Parity switches: reproduce AGL v1's numbers for side-by-side runs (the defaults are
+        # agl_lab's deliberate improvements; agl_lab.algorithm.normalize_by=rows is the third)
+        "parity": {
+            "bf16_rewards": False,  # AGL stores token_level_scores in bfloat16
+            "drop_order": "after_advantage",  # agl: AGL's row-level alignment before advantages
+        },
         "engine_options": {"batch_window_ms": 3, "max_batch_size": 64},
-        "wandb": {"mode": "disabled"},  # disabled | offline | online
+        # null: offline when trainer.logger has wandb, else off; offline | online | disabled win
+        "wandb": {"mode": None},
     }
 }
 
@@ -204,11 +217,32 @@ def load_config(
                 if "=" not in item:
                     raise ConfigError(f"override {item!r} is not key=value (e.g. data.train_batch_size=8)")
             layers.append(("command-line overrides", OmegaConf.from_dotlist(overrides)))
+    defaults, keys = cfg, []
     for source, layer in layers:
         check_unknown_keys(cfg, layer, source)
         cfg = OmegaConf.merge(cfg, layer)
+        keys += user_keys(layer)
+    keys = list(dict.fromkeys(keys))
+    problems = check_values(cfg, defaults, keys)
+    if problems:
+        raise ConfigError("Config has values of the wrong type or range:\n" + "\n".join(f"  {p}" for p in problems))
+    _adopt_model_path(cfg, keys)
     validate(cfg)
+    warn_ineffective(cfg, defaults, keys)
     return cfg
+
+
+def _adopt_model_path(cfg: DictConfig, keys: list[str]) -> None:
+    """An AGL config names its model in `actor_rollout_ref.model.path`: the local engine serves
+    and trains that model (a local HF directory), never silently the built-in tiny one."""
+    if "actor_rollout_ref.model.path" not in keys:
+        return
+    actor_path, lab_path = cfg.actor_rollout_ref.model.path, cfg.agl_lab.model.path
+    if lab_path is None:
+        cfg.agl_lab.model.path = actor_path
+    elif str(lab_path) != str(actor_path):
+        raise ConfigError(f"actor_rollout_ref.model.path={actor_path!r} and agl_lab.model.path={lab_path!r} "
+                          "name different models: set one of them")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,18 +252,19 @@ def load_config(
 # Allowed values. The learning rules' tuples and checks live in the pure modules that apply
 # them (batch, algorithms); `validate` calls those checks, so each rule has one message.
 ENGINES = ("local", "verl")
-WANDB_MODES = ("disabled", "offline", "online")
+WANDB_MODES = (None, "disabled", "offline", "online")
 CHOICES = {
     "agl_lab.engine": ENGINES,
     "agl_lab.wandb.mode": WANDB_MODES,
     "agl_lab.algorithm.normalize_by": DIVISORS,
     "agl_lab.algorithm.small_batch": SMALL_BATCH_CHOICES,
+    "agl_lab.parity.drop_order": DROP_ORDERS,
     "agentlightning.trace_aggregator.level": LEVELS,
 }
 
 
 def validate(cfg: DictConfig) -> None:
-    for key in ("agl_lab.engine", "agl_lab.wandb.mode"):
+    for key in ("agl_lab.engine", "agl_lab.wandb.mode", "agl_lab.parity.drop_order"):
         value = OmegaConf.select(cfg, key)
         if value not in CHOICES[key]:
             raise ConfigError(f"{key}={value!r} is not one of {list(CHOICES[key])}")
@@ -248,6 +283,19 @@ def validate(cfg: DictConfig) -> None:
                 f"data.train_batch_size ({b}) when async_rollout.enabled=true; "
                 f"AGL recommends 2 × train_batch_size (e.g. {2 * b})"
             )
+    wait = cfg.agl_lab.rollout.wait_timeout_seconds
+    if wait is not None and wait != "auto" and (isinstance(wait, bool) or not isinstance(wait, (int, float))
+                                                or wait <= 0):
+        raise ConfigError(f"agl_lab.rollout.wait_timeout_seconds={wait!r}: use auto, a number of seconds > 0, "
+                          "or null (unbounded)")
+    rollout_timeout = float(agl.rollout_timeout_seconds)
+    if isinstance(wait, (int, float)) and wait < rollout_timeout:
+        import warnings
+
+        warnings.warn(f"agl_lab.rollout.wait_timeout_seconds={wait} is shorter than "
+                      f"agentlightning.rollout_timeout_seconds={rollout_timeout:g}: a step can time out "
+                      "while its rollouts may still legitimately run; use auto (rollout timeout + 60 s)",
+                      ConfigWarning, stacklevel=3)
     rc = cfg.algorithm.get("rollout_correction") or {}
     if rc.get("bypass_mode") and not cfg.agl_lab.server.include_log_probs:
         raise ConfigError(
@@ -266,6 +314,47 @@ def _check_learning_rules(cfg: DictConfig) -> None:
     max_updates = cfg.agentlightning.max_ppo_update_times
     check_selection_args(int(mini or 0) * int(n), None if max_updates is None else int(max_updates),
                          small_batch=str(cfg.agl_lab.algorithm.small_batch))
+
+
+def rollout_wait_timeout(cfg: DictConfig) -> float | None:
+    """Seconds a rollout phase waits for its rollouts (None = unbounded); see the agl_lab defaults."""
+    wait = cfg.agl_lab.rollout.wait_timeout_seconds
+    if wait == "auto":
+        return float(cfg.agentlightning.rollout_timeout_seconds) + 60.0
+    return None if wait is None else float(wait)
+
+
+def loggers(cfg: DictConfig) -> tuple[bool, str]:
+    """(console on?, W&B mode) from `trainer.logger` (verl) and `agl_lab.wandb.mode`."""
+    names = cfg.trainer.logger
+    names = [str(names)] if isinstance(names, str) else [str(n) for n in names]
+    unknown = set(names) - {"console", "wandb"}
+    if unknown:
+        import warnings
+
+        warnings.warn(f"trainer.logger entries {sorted(unknown)} have no effect in agl_lab (console and wandb "
+                      "are supported; metrics.jsonl is always written)", ConfigWarning, stacklevel=2)
+    mode = cfg.agl_lab.wandb.mode
+    if mode is None:
+        mode = "offline" if "wandb" in names else "disabled"
+    return "console" in names, str(mode)
+
+
+def task_files(cfg: DictConfig) -> tuple[Any, Any]:
+    """(`data.train_files`, `data.val_files`), each None while it is verl's placeholder default
+    (`~/data/rlhf/gsm8k/*.parquet`) or null: then the Trainer uses its built-in task."""
+    placeholder = OmegaConf.load(verl_defaults_path()).data
+    out = []
+    for key in ("train_files", "val_files"):
+        value = cfg.data.get(key)
+        out.append(None if value is None or value == placeholder.get(key) else as_listconfig_free(value))
+    return out[0], out[1]
+
+
+def env_map_columns(cfg: DictConfig) -> list[str]:
+    """Task fields an AGL env_map reads (`input.question` → `question`): every task needs them."""
+    env_map = as_listconfig_free(cfg.agentlightning.local.env_map) or {}
+    return sorted({str(v).split(".")[1] for v in env_map.values() if str(v).startswith("input.")})
 
 
 def to_container(cfg: DictConfig) -> dict[str, Any]:

@@ -49,3 +49,55 @@ class TaskFeeder:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.epoch, self.position, self.seed = state["epoch"], state["position"], state["seed"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Task files: `data.train_files` / `data.val_files`
+# ---------------------------------------------------------------------------------------------
+
+
+def _native(value: Any) -> Any:
+    """JSON-native Python values (numpy arrays/scalars → lists/scalars), as AGL sends a row."""
+    if isinstance(value, np.ndarray):
+        return [_native(v) for v in value.tolist()]
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, dict):
+        return {k: _native(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_native(v) for v in value]
+    return value
+
+
+def load_task_files(files: Any, key: str, required_columns: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """Tasks from parquet (verl/AGL examples) or JSONL files: one dict per row, files in order.
+
+    `files` is one path or a list; `key` is the config key they came from (named in errors);
+    every row must have the `required_columns` (e.g. the `input.X` fields an env_map reads).
+    """
+    import json
+    from pathlib import Path
+
+    paths = [files] if isinstance(files, (str, Path)) else list(files)
+    rows: list[dict[str, Any]] = []
+    for p in paths:
+        path = Path(str(p)).expanduser()
+        if not path.exists():
+            raise FileNotFoundError(f"{key}: task file {str(p)!r} does not exist")
+        if path.suffix == ".parquet":
+            import pandas as pd
+
+            rows += [_native(r) for r in pd.read_parquet(path).to_dict("records")]
+        elif path.suffix in (".jsonl", ".json"):
+            with path.open() as f:
+                rows += [json.loads(line) for line in f if line.strip()]
+        else:
+            raise ValueError(f"{key}: {str(p)!r} is neither .parquet nor .jsonl (one JSON object per line)")
+    if not rows:
+        raise ValueError(f"{key}: {paths} hold no rows")
+    for column in required_columns:
+        missing = [i for i, r in enumerate(rows) if column not in r]
+        if missing:
+            raise KeyError(f"{key}: row {missing[0]} (of {len(missing)} rows) has no column {column!r}; "
+                           f"columns: {sorted(rows[missing[0]])}")
+    return rows

@@ -50,7 +50,8 @@ CONSOLE_KEYS = (
     ("training/n_zero_adv_groups", "zero_adv"),
     ("actor/pg_loss", "pg_loss"),
     ("actor/entropy", "entropy"),
-    ("training/rollout_probs_diff_max", "lp_diff_max"),
+    # max |log π_trainer − log π_sampler| over loss tokens (not verl's probability-space diff)
+    ("training/rollout_logprobs_diff_max", "lp_diff_max"),
     ("timing_s/step", "step_s"),
 )
 

@@ -89,7 +89,8 @@ def _make_requests(
 ) -> list[tuple[_Entry, RolloutCreate]]:
     """`n` rollout requests per task, each with a fresh group key `data_id` per task.
 
-    `input` = the task plus `data_id`. `hooks.on_enqueue` runs before the id is assigned
+    `input` = the task as sent (AGL v1: a task's own `data_id` field stays intact); the group
+    key goes to `metadata.group_id`. `hooks.on_enqueue` runs before the id is assigned
     (so a hook cannot break idempotent creation); ids are `uuid4().hex`.
     """
     out = []
@@ -99,10 +100,11 @@ def _make_requests(
         data_id = str(uuid.uuid4())
         for copy_idx in range(n):
             request = RolloutCreate(
-                input={**task, "data_id": data_id},
+                input=dict(task),
                 is_train=is_train,
                 config=config,
-                metadata={"batch_idx": step, "sample_idx_in_batch": sample_idx, "copy_idx": copy_idx},
+                metadata={"batch_idx": step, "sample_idx_in_batch": sample_idx, "copy_idx": copy_idx,
+                          "group_id": data_id},
             )
             if hooks is not None:
                 request = hooks.on_enqueue(request)

@@ -22,6 +22,7 @@ import logging
 import os
 import random
 import secrets
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -36,6 +37,16 @@ from agl_lab.logger import MetricsLogger
 from agl_lab.results import BatchResult, RolloutResult, UpdateResult
 
 logger = logging.getLogger(__name__)
+
+_LATEST = "latest_checkpointed_iteration.txt"  # verl's marker of the newest checkpoint
+
+
+def _throughput(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """verl's `perf/*` step metrics (one device): tokens of the trained batch per step second."""
+    tokens = float(metrics.get("perf/total_num_tokens", 0.0))
+    seconds = float(metrics["timing_s/step"])
+    return {"perf/total_num_tokens": tokens, "perf/time_per_step": seconds,
+            "perf/throughput": tokens / seconds if seconds > 0 else 0.0}
 
 
 def seed_everything(seed: int) -> None:
@@ -61,22 +72,24 @@ class Trainer:
         self.cfg = cfg
         lab = cfg.agl_lab
         seed_everything(int(lab.seed))
-        self.global_step = 0
+        self.global_step = 0  # steps done = verl's 1-based global_steps of the last step
+        self._last_step: int | None = None  # the last step of the running `fit`
+        self._resumed = False
         self._closers: list[Callable[[], None]] = []
         self._last_rollout: RolloutResult | None = None
         self._last_batch: BatchResult | None = None
         self._last_update: UpdateResult | None = None
 
         self.task = None
-        if agent is None and train_dataset is None and not cfg.agentlightning.local.agent_class:
+        train_files, val_files = config_mod.task_files(cfg)
+        # The built-in task supplies the agent and/or the tasks that nothing else supplies.
+        if not cfg.agentlightning.local.agent_class and (
+                agent is None or (train_dataset is None and train_files is None)):
             from agl_lab.tasks import get_task
 
             self.task = get_task(str(lab.task.name))
         self.agent = agent or (self.task.agent if self.task else None)
-        self.train_dataset = list(train_dataset) if train_dataset is not None else (
-            self.task.train_tasks(int(lab.task.n_train), seed=int(lab.seed)))
-        self.val_dataset = list(val_dataset) if val_dataset is not None else (
-            self.task.val_tasks(int(lab.task.n_val), seed=int(lab.seed) + 1) if self.task else [])
+        self.train_dataset, self.val_dataset = self._datasets(train_dataset, val_dataset, train_files, val_files)
         self.feeder = TaskFeeder(self.train_dataset, seed=int(lab.seed), shuffle=bool(cfg.data.shuffle))
 
         try:
@@ -86,11 +99,13 @@ class Trainer:
             self.close()
             raise
         self.run_dir = Path(run_dir or lab.run_dir or self._default_run_dir())
+        console_on, wandb_mode = config_mod.loggers(cfg)
         self.metrics_logger = MetricsLogger(
-            self.run_dir, console=console, wandb_mode=str(lab.wandb.mode),
+            self.run_dir, console=console and console_on, wandb_mode=wandb_mode,
             project=str(cfg.trainer.project_name), experiment=str(cfg.trainer.experiment_name),
             config=config_mod.to_container(cfg))
         self._closers.append(self.metrics_logger.close)
+        OmegaConf.save(cfg, self.run_dir / "config.yaml", resolve=False)  # what this run was asked to do
         self.async_manager = self._make_async_manager() if self.is_async else None
 
     # ------------------------------------------------------------------ construction
@@ -110,6 +125,25 @@ class Trainer:
                 overrides = [*overrides, f"agl_lab.engine={engine}"]
         cfg = config_mod.load_config(path, overrides)
         return cls(cfg, **kwargs)
+
+    def _datasets(self, train, val, train_files, val_files) -> tuple[list[dict], list[dict]]:
+        """Explicit datasets, else `data.train_files`/`val_files`, else the built-in task's."""
+        from agl_lab.data import load_task_files
+
+        lab, columns = self.cfg.agl_lab, config_mod.env_map_columns(self.cfg)
+        if train is None and train_files is not None:
+            train = load_task_files(train_files, "data.train_files", columns)
+        if val is None and val_files is not None:
+            val = load_task_files(val_files, "data.val_files", columns)
+        if train is None and self.task is None:
+            raise config_mod.ConfigError(
+                "agentlightning.local.agent_class is set but there are no tasks to run it on: set "
+                "data.train_files (parquet or JSONL) or pass Trainer(..., train_dataset=[{...}, ...])")
+        if train is None:
+            train = self.task.train_tasks(int(lab.task.n_train), seed=int(lab.seed))
+        if val is None:
+            val = self.task.val_tasks(int(lab.task.n_val), seed=int(lab.seed) + 1) if self.task else []
+        return list(train), list(val)
 
     @property
     def is_async(self) -> bool:
@@ -215,7 +249,7 @@ class Trainer:
             train_batch_size=int(self.cfg.data.train_batch_size),
             async_train_batch_size=agl.async_rollout.async_train_batch_size,
             rollout_config=self._rollout_config(), hooks=self._load_hooks(),
-            timeout_seconds=float(lab.rollout.wait_timeout_seconds),
+            timeout_seconds=config_mod.rollout_wait_timeout(self.cfg),
             poll_interval=float(lab.rollout.poll_interval_seconds))
 
     # ------------------------------------------------------------------ stage 1: rollout
@@ -258,7 +292,7 @@ class Trainer:
             manager = SyncRolloutManager(
                 self.client, n=int(self.cfg.actor_rollout_ref.rollout.n) if is_train else 1,
                 step=self.global_step, rollout_config=self._rollout_config(), hooks=self._load_hooks(),
-                timeout_seconds=float(self.cfg.agl_lab.rollout.wait_timeout_seconds),
+                timeout_seconds=config_mod.rollout_wait_timeout(self.cfg),
                 poll_interval=float(self.cfg.agl_lab.rollout.poll_interval_seconds))
             completed = manager.run(batch_tasks, is_train=is_train)
             carry = []
@@ -338,17 +372,31 @@ class Trainer:
     # ------------------------------------------------------------------ loops
 
     def step(self) -> dict[str, Any]:
-        """rollout → build_batch → update, then log one line of metrics and advance the step."""
+        """rollout → build_batch → update, then validate/checkpoint when due and log one line.
+
+        Metrics are logged at verl's 1-based `global_steps` (= `self.global_step` after the
+        update). Validation runs when `trainer.test_freq` divides the step or it is the last
+        step of `fit`; a checkpoint is saved likewise for `trainer.save_freq`.
+        """
         t0 = time.time()
         ro = self.rollout()
         b = self.build_batch(ro)
         u = self.update(b)
+        step_no = self.global_step
         metrics = {**ro.metrics, **b.metrics, **u.metrics, "timing_s/step": time.time() - t0}
-        self._log_tables(ro.step, b, "train")
-        test_freq = int(self.cfg.trainer.test_freq)
-        if test_freq > 0 and self.val_dataset and (ro.step + 1) % test_freq == 0:
-            metrics.update(self.validate(step=ro.step))
-        self.metrics_logger.log(ro.step, metrics)
+        metrics.update(_throughput(metrics))
+        self._log_tables(step_no, b, "train")
+        last = self._last_step is not None and step_no >= self._last_step
+        test_freq, save_freq = int(self.cfg.trainer.test_freq), int(self.cfg.trainer.save_freq)
+        if test_freq > 0 and self.val_dataset and (last or step_no % test_freq == 0):
+            t1 = time.time()
+            metrics.update(self.validate(step=step_no))
+            metrics["timing_s/validate"] = time.time() - t1
+        if save_freq > 0 and (last or step_no % save_freq == 0):
+            t1 = time.time()
+            self.save_checkpoint()
+            metrics["timing_s/save_checkpoint"] = time.time() - t1
+        self.metrics_logger.log(step_no, metrics)
         return metrics
 
     def _log_tables(self, step: int, result, split: str) -> None:
@@ -357,15 +405,23 @@ class Trainer:
                                        reward_fillna_value=float(self.cfg.agentlightning.reward_fillna_value))
 
     def fit(self, steps: int | None = None, *, progress: bool = True) -> list[dict[str, Any]]:
-        """Train for `steps` steps (default: `trainer.total_training_steps`, else one epoch)."""
+        """Train until step `trainer.total_training_steps` (else `total_epochs` epochs), or for
+        `steps` more steps. Resumes first per `trainer.resume_mode`; validates first when
+        `trainer.val_before_train` (and only, when `trainer.val_only`)."""
         from tqdm.auto import tqdm
 
-        total = steps if steps is not None else self._default_total_steps()
-        history = []
-        if self.cfg.trainer.val_before_train and self.val_dataset and self.global_step == 0:
-            self.metrics_logger.log(self.global_step, self.validate())
-        bar = tqdm(total=total, disable=not progress, desc="train", leave=False)
-        for _ in range(total):
+        self.resume()
+        total = self.global_step + steps if steps is not None else self._default_total_steps()
+        self._last_step = total
+        history: list[dict[str, Any]] = []
+        if (self.cfg.trainer.val_before_train or self.cfg.trainer.val_only) and self.val_dataset:
+            val = self.validate(step=self.global_step)
+            self.metrics_logger.log(self.global_step, val)
+            history.append(val)
+            if self.cfg.trainer.val_only:
+                return history
+        bar = tqdm(total=total, initial=self.global_step, disable=not progress, desc="train", leave=False)
+        while self.global_step < total:
             history.append(self.step())
             bar.update(1)
         bar.close()
@@ -386,7 +442,9 @@ class Trainer:
 
         if not self.val_dataset:
             raise ValueError("no validation tasks: set agl_lab.task.n_val > 0 or pass val_dataset")
-        ro = self.rollout(self.val_dataset, is_train=False)
+        repeat = int(self.cfg.actor_rollout_ref.rollout.val_kwargs.n)  # verl interleaves the copies
+        tasks = [t for t in self.val_dataset for _ in range(max(repeat, 1))]
+        ro = self.rollout(tasks, is_train=False)
         val = build_validation(ro.rollouts, float(self.cfg.agentlightning.reward_fillna_value), self.tokenizer)
         self._log_tables(self.global_step if step is None else step, val, "validation")
         return {**val.metrics, **{k: v for k, v in ro.metrics.items() if k.startswith("training/async/proxy")}}
@@ -420,16 +478,65 @@ class Trainer:
             cfg = OmegaConf.merge(cfg, layer)
         config_mod.validate(cfg)
         trainer = cls(cfg, **kwargs)
-        trainer.engine.load(str(path / "engine"))
+        trainer.restore(path)
+        return trainer
+
+    def restore(self, path: str | os.PathLike) -> None:
+        """Load `save(path)` into this Trainer: weights, optimiser, RNG, data cursor, carry-over."""
+        path = Path(path)
+        self.engine.load(str(path / "engine"))
         state = torch.load(path / "trainer_state.pt", weights_only=False)
-        trainer.global_step = state["global_step"]
-        trainer.feeder.load_state_dict(state["feeder"])
-        if trainer.async_manager and state["async"]:
-            trainer.async_manager.load_state_dict(state["async"])
+        self.global_step = state["global_step"]
+        self.feeder.load_state_dict(state["feeder"])
+        if self.async_manager and state["async"]:
+            self.async_manager.load_state_dict(state["async"])
         random.setstate(state["rng"]["python"])
         np.random.set_state(state["rng"]["numpy"])
         torch.set_rng_state(state["rng"]["torch"])
-        return trainer
+        self._resumed = True
+
+    @property
+    def checkpoint_root(self) -> Path:
+        """`trainer.default_local_dir` (verl: checkpoints/{project}/{experiment})."""
+        return Path(str(self.cfg.trainer.default_local_dir)).expanduser()
+
+    def save_checkpoint(self) -> Path:
+        """`save()` to `default_local_dir/global_step_N` atomically, then mark it the latest
+        (`latest_checkpointed_iteration.txt`, as verl)."""
+        root = self.checkpoint_root
+        final = root / f"global_step_{self.global_step}"
+        tmp = root / f".global_step_{self.global_step}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.save(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)  # Critical: a killed save never leaves a half checkpoint under the real name
+        (root / _LATEST).write_text(str(self.global_step))
+        return final
+
+    def resume(self) -> Path | None:
+        """Resume once per `trainer.resume_mode`: `auto` (latest checkpoint under
+        `default_local_dir`, none → start fresh), `resume_path` (`trainer.resume_from_path`),
+        `disable`. Returns the checkpoint loaded, if any."""
+        mode = str(self.cfg.trainer.resume_mode)
+        if self._resumed or mode == "disable" or self.global_step > 0:
+            return None
+        if mode == "resume_path":
+            path = self.cfg.trainer.resume_from_path
+            if not path or not (Path(str(path)) / "trainer_state.pt").exists():
+                raise config_mod.ConfigError(
+                    f"trainer.resume_mode=resume_path needs trainer.resume_from_path to be a checkpoint "
+                    f"directory (…/global_step_N), got {path!r}")
+            path = Path(str(path))
+        elif mode == "auto":
+            latest = self.checkpoint_root / _LATEST
+            if not latest.exists():
+                return None
+            path = self.checkpoint_root / f"global_step_{int(latest.read_text().strip())}"
+        else:
+            raise config_mod.ConfigError(f"trainer.resume_mode={mode!r} is not one of auto, resume_path, disable")
+        self.restore(path)
+        logger.info("resumed from %s at step %d", path, self.global_step)
+        return path
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -470,10 +577,18 @@ def train_main(argv: list[str]) -> int:
     parser.add_argument("config", help="YAML config, e.g. configs/cpu_tiny.yaml")
     parser.add_argument("--run-dir", default=None, help="where metrics.jsonl and plots go")
     parser.add_argument("--steps", type=int, default=None, help="number of steps (default: from config)")
+    parser.add_argument("--resume", nargs="?", const="auto", default=None, metavar="CHECKPOINT",
+                        help="continue from the latest checkpoint under trainer.default_local_dir, "
+                             "or from CHECKPOINT (…/global_step_N)")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_intermixed_args(argv)  # overrides may come before or after options
+    overrides = list(args.overrides)
+    if args.resume == "auto":
+        overrides.append("trainer.resume_mode=auto")
+    elif args.resume is not None:
+        overrides += ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={args.resume}"]
     try:
-        cfg = config_mod.load_config(args.config, args.overrides)
+        cfg = config_mod.load_config(args.config, overrides)
     except config_mod.ConfigError as e:
         print(f"agl-lab train: {e}")
         return 2
@@ -481,6 +596,9 @@ def train_main(argv: list[str]) -> int:
     with Trainer(cfg, run_dir=args.run_dir) as trainer:
         print(f"agl-lab train: run dir {trainer.run_dir} · engine {cfg.agl_lab.engine} · "
               f"model {trainer.engine.model_name} · task {cfg.agl_lab.task.name}", flush=True)
+        resumed = trainer.resume()
+        if resumed is not None:
+            print(f"agl-lab train: resumed from {resumed} at step {trainer.global_step}", flush=True)
         history = trainer.fit(args.steps, progress=False)
         _summarise(trainer.run_dir, history, time.time() - t0)
     return 0
@@ -490,6 +608,9 @@ def _summarise(run_dir: Path, history: list[dict[str, Any]], wall: float) -> Non
     from agl_lab.viz import plot_reward_curve
 
     rewards = [h["training/reward"] for h in history if "training/reward" in h]
+    if not rewards:
+        print(f"\ndone: no training steps in {wall / 60:.1f} min · metrics {run_dir / 'metrics.jsonl'}", flush=True)
+        return
     png = plot_reward_curve(rewards, path=run_dir / "reward_curve.png")
     k = min(10, max(len(rewards) // 2, 1))
     first, last = float(np.mean(rewards[:k])), float(np.mean(rewards[-k:]))

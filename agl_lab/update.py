@@ -57,6 +57,8 @@ def update_options(cfg) -> dict[str, Any]:
         small_batch=str(cfg.agl_lab.algorithm.small_batch),
         loss_mode=str(actor.policy_loss.loss_mode),
         divisor=str(cfg.agl_lab.algorithm.normalize_by),
+        drop_order=str(cfg.agl_lab.parity.drop_order),
+        bf16_rewards=bool(cfg.agl_lab.parity.bf16_rewards),
     )
 
 
@@ -65,7 +67,8 @@ def run_update(cfg, engine: Engine, batch: BatchResult, *, step: int) -> UpdateR
     opts = update_options(cfg)
     data = batch.data.select_idxs(list(range(len(batch.data))))  # never mutate the caller's batch
     data.meta_info["temperature"] = float(cfg.actor_rollout_ref.rollout.temperature)
-    reason = skip_reason(int((~marked_rows(data)).sum()), opts["mini_batch_rows"], opts["small_batch"])
+    small_batch = "skip" if opts["drop_order"] == "agl" else opts["small_batch"]  # AGL skips a small batch
+    reason = skip_reason(int((~marked_rows(data)).sum()), opts["mini_batch_rows"], small_batch)
     if reason is not None:
         return _skipped(step, data, reason, engine)
 
@@ -84,6 +87,8 @@ def run_update(cfg, engine: Engine, batch: BatchResult, *, step: int) -> UpdateR
     with _timed(metrics, "update_weights"):
         engine.sync_weights()
     metrics["training/policy_version"] = engine.policy_version
+    if "attention_mask" in prepared.batch.keys():  # verl: tokens of the trained batch
+        metrics["perf/total_num_tokens"] = int(prepared.batch["attention_mask"].sum())
 
     weights = rollout_weights_table(prepared, loss_mode=opts["loss_mode"], divisor=opts["divisor"],
                                     num_trained_rows=len(prepared))

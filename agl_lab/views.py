@@ -140,8 +140,9 @@ def groups_df(completed: Sequence[CompletedRollout], batch: Any = None, *,
               multi_segment: bool = False) -> pd.DataFrame:
     """Per group (`data_id`): rollouts, rewards, mean/std (ddof 0), `zero_adv` flag, rows.
 
-    A group is `zero_adv` when all its rewards are equal (max − min == 0): GRPO gives every
-    token of it advantage 0. `n_rows` counts the group's rows in `batch`, or in a plan at
+    A group is `zero_adv` when GRPO gives every token of it advantage 0: two or more rollouts
+    with equal rewards (max − min == 0), or a single rollout with reward 0 (verl's GRPO uses
+    mean 0, std 1 for a group of one, so its advantage is its reward). `n_rows` counts the group's rows in `batch`, or in a plan at
     `level` when no batch is given.
     """
     rows = rows_df(completed, batch, level=level, reward_fillna_value=reward_fillna_value,
@@ -154,7 +155,8 @@ def groups_df(completed: Sequence[CompletedRollout], batch: Any = None, *,
     for data_id, rewards in groups.items():
         values = np.asarray(rewards, dtype=np.float64)
         records.append([data_id, len(rewards), rewards, float(values.mean()), float(values.std()),
-                        bool(values.max() - values.min() == 0), int(in_batch.get(data_id, 0))])
+                        bool(values.max() - values.min() == 0 and (len(values) > 1 or values[0] == 0)),
+                        int(in_batch.get(data_id, 0))])
     return pd.DataFrame(records, columns=GROUP_COLUMNS)
 
 

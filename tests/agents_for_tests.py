@@ -111,3 +111,23 @@ class MultiTurnOpenAIAgent:
         client = openai.OpenAI(base_url=os.environ["AGL_OPENAI_BASE_URL"],
                                api_key=os.environ["AGL_KEY"] or "EMPTY", max_retries=2)
         _post_event("reward", {"value": multi_turn_episode(client, os.environ["T_QUESTION"])})
+
+
+class CalcXAgent:
+    """calc_x's shape (AGL example): the task through env_map (`QUESTION`, `RESULT`), two chat
+    calls with a tool observation between, reward POSTed. The tiny model cannot do arithmetic,
+    so the score is a stand-in with variance: 1.0 for the right result, else the parity of the
+    reply's length."""
+
+    def run(self) -> None:
+        import openai
+
+        client = openai.OpenAI(base_url=os.environ["AGL_OPENAI_BASE_URL"],
+                               api_key=os.environ["AGL_KEY"] or "EMPTY", max_retries=2)
+        messages = [{"role": "user", "content": os.environ["QUESTION"]}]
+        first = client.chat.completions.create(model="auto", messages=messages, max_tokens=6)
+        messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "calculator: ok"}]
+        answer = client.chat.completions.create(model="auto", messages=messages, max_tokens=6).choices[0].message.content
+        reward = 1.0 if os.environ["RESULT"] in answer else float(len(answer) % 2)
+        _post_event("reward", {"value": reward})

@@ -83,3 +83,70 @@ def test_learning_rules_have_one_message_the_pure_modules():
 def test_missing_file_is_a_clear_error():
     with pytest.raises(ConfigError, match="config file not found: nope.yaml"):
         load_config("nope.yaml")
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue #12: wrong type/range fails naming the key; every key works or warns once
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("override, message", [
+    ("data.train_batch_size=abc", r"data\.train_batch_size must be an integer, got 'abc'"),
+    ("data.train_batch_size=-3", r"data\.train_batch_size must be > 0, got -3"),
+    ("actor_rollout_ref.actor.optim.lr=fast", r"actor_rollout_ref\.actor\.optim\.lr must be a number, got 'fast'"),
+    ("trainer.val_before_train=maybe", r"trainer\.val_before_train must be true or false"),
+    ("actor_rollout_ref.rollout.temperature=0", r"rollout\.temperature must be > 0"),
+    ("agl_lab.rollout.wait_timeout_seconds=soon", r"wait_timeout_seconds='soon'"),
+])
+def test_wrong_type_or_range_fails_at_load_naming_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+def test_grpo_with_one_rollout_per_task_warns():
+    from agl_lab.config import ConfigWarning
+
+    with pytest.warns(ConfigWarning, match=r"actor_rollout_ref\.rollout\.n=1 with algorithm\.adv_estimator=grpo"):
+        load_config(None, ["actor_rollout_ref.rollout.n=1"])
+
+
+def test_keys_without_effect_on_the_local_engine_warn_once_each_naming_the_key():
+    import warnings
+
+    from agl_lab.config import ConfigWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_config(FIXTURE, ["agl_lab.engine=local"])
+    messages = [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)]
+    no_effect = [m for m in messages if "has no effect" in m]
+    for key in ("actor_rollout_ref.rollout.gpu_memory_utilization", "actor_rollout_ref.actor.fsdp_config.param_offload",
+                "actor_rollout_ref.rollout.engine_kwargs.vllm.tool_call_parser", "agentlightning.agl_base_url"):
+        assert sum(m.startswith(key + " ") for m in no_effect) == 1, key
+    # keys the local engine reads never warn
+    for key in ("data.train_batch_size", "actor_rollout_ref.actor.optim.lr", "actor_rollout_ref.rollout.n",
+                "trainer.save_freq", "actor_rollout_ref.actor.clip_ratio_high"):
+        assert not any(m.startswith(key + " ") for m in no_effect), key
+    # the verl engine reads them all: no "local engine" warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_config(FIXTURE, ["agl_lab.engine=verl"])
+    assert not [w for w in caught if "local engine" in str(w.message)]
+
+
+def test_wait_timeout_auto_null_and_a_short_value():
+    from agl_lab.config import ConfigWarning, rollout_wait_timeout
+
+    assert rollout_wait_timeout(load_config(None)) == 1800 + 60  # auto: rollout timeout + 60 s
+    assert rollout_wait_timeout(load_config(None, ["agl_lab.rollout.wait_timeout_seconds=null"])) is None
+    with pytest.warns(ConfigWarning, match=r"wait_timeout_seconds=600 is shorter than agentlightning\.rollout_timeout_seconds=1800"):
+        cfg = load_config(None, ["agl_lab.rollout.wait_timeout_seconds=600"])
+    assert rollout_wait_timeout(cfg) == 600
+
+
+def test_actor_model_path_names_the_model_of_the_local_engine(tmp_path):
+    cfg = load_config(FIXTURE)
+    assert cfg.agl_lab.model.path == "Qwen/Qwen2.5-1.5B-Instruct"  # never silently the tiny model
+    assert load_config(None).agl_lab.model.path is None  # verl's placeholder default is not adopted
+    with pytest.raises(ConfigError, match="name different models"):
+        load_config(FIXTURE, ["agl_lab.model.path=/elsewhere"])

@@ -165,3 +165,42 @@ def test_from_config():
         assert eng.actor_cfg.lr == 3e-3 and eng.optimizer.param_groups[0]["lr"] == 3e-3
         assert eng.ref_model is not None and not any(p.requires_grad for p in eng.ref_model.parameters())
         assert eng.server.max_model_len == 512 and eng.server.scheduler.max_batch_size == 8
+
+
+@pytest.mark.parametrize("rollout_is", ["token", "sequence"])
+def test_kl_in_reward_and_rollout_correction_with_verls_functions_and_names(rollout_is):
+    """algorithm.use_kl_in_reward and algorithm.rollout_correction on the local engine (#12)."""
+    algorithm = {"use_kl_in_reward": True, "kl_penalty": "kl", "kl_ctrl": {"type": "fixed", "kl_coef": 0.1},
+                 "rollout_correction": {"rollout_is": rollout_is, "rollout_is_threshold": 2.0, "rollout_rs": None,
+                                        "rollout_rs_threshold": None, "bypass_mode": False,
+                                        "loss_type": "ppo_clip", "rollout_is_batch_normalize": False}}
+    with LocalEngine(device="cpu", actor={"ppo_mini_batch_size": 64, "loss_mode": "vanilla", "lr": 5e-2,
+                                          "temperature": 1.0}, algorithm=algorithm) as eng:
+        assert eng.ref_model is not None  # the KL reference: the initial weights
+        data = _to_batch(_sample_calls(eng, 1.0), eng.tokenizer.pad_token_id)
+        # move the policy once, so old ≠ rollout (IS weights ≠ 1) and old ≠ ref (KL ≠ 0)
+        data.batch["old_log_probs"] = eng.compute_log_probs(data, 1.0)
+        data.batch["advantages"] = torch.tensor([1.0, -1.0, 1.0, -1.0])[:, None] * data.batch["response_mask"].float()
+        eng.update(data)
+        batch = _to_batch(_sample_calls(eng, 1.0), eng.tokenizer.pad_token_id)
+        # a sampler slightly off the trainer (as after an async step): IS weights ≠ 1
+        batch.batch["rollout_log_probs"] = batch.batch["rollout_log_probs"] - 0.05 * batch.batch["response_mask"]
+        scores = torch.zeros_like(batch.batch["response_mask"], dtype=torch.float32)
+        scores[:, 0] = 1.0
+        batch.batch["token_level_scores"] = scores
+        batch.meta_info["temperature"] = 1.0
+        out, metrics = eng.prepare(batch)
+
+    mask = out.batch["response_mask"].float()
+    kld = (out.batch["old_log_probs"] - out.batch["ref_log_prob"]) * mask  # verl's "kl" penalty: logp − ref
+    assert kld.abs().sum() > 0
+    assert torch.allclose(out.batch["token_level_rewards"], scores - 0.1 * kld, atol=1e-6)
+    assert metrics["actor/reward_kl_penalty_coeff"] == pytest.approx(0.1) and "actor/reward_kl_penalty" in metrics
+    weights = out.batch["rollout_is_weights"]
+    log_ratio = (out.batch["old_log_probs"] - out.batch["rollout_log_probs"]) * mask
+    if rollout_is == "token":
+        expected = torch.exp(log_ratio).clamp(max=2.0) * mask
+    else:
+        expected = torch.exp(log_ratio.sum(-1, keepdim=True)).clamp(max=2.0) * mask
+    assert torch.allclose(weights * mask, expected, atol=1e-5)
+    assert any(k.startswith("rollout_corr/") for k in metrics)

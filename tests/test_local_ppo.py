@@ -149,6 +149,7 @@ def test_ppo_update_moves_the_policy_along_the_advantages(base):
                 "training/rollout_logprobs_diff_mean", "training/rollout_logprobs_diff_max"):
         assert key in metrics and np.isfinite(metrics[key]), key
     assert metrics["actor/n_updates"] == 2 and metrics["actor/lr"] == 1e-2
+    assert not [k for k in metrics if "*" in k or k == "entropy_sum"]  # accumulators stay internal (#12)
     assert metrics["training/rollout_logprobs_diff_max"] < 1e-5  # same model sampled the batch
     assert metrics["actor/entropy"] > 0 and metrics["actor/grad_norm"] > 0
     # the first mini-batch starts at ratio 1: the loss is −Σ Â (per_rollout_mean sums tokens)

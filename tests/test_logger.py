@@ -78,6 +78,14 @@ def test_log_writes_one_json_line_and_no_tables_without_wandb(tmp_path, capsys):
     assert logger.wandb_run is None
 
 
+def test_console_line_shows_the_logprob_gap_not_the_probability_gap():
+    from agl_lab.logger import format_console_line
+
+    line = format_console_line(1, {"training/rollout_logprobs_diff_max": 0.25,
+                                   "training/rollout_probs_diff_max": 0.75})
+    assert "lp_diff_max 0.250" in line and "0.750" not in line
+
+
 # =========================================================================== §7.7 W&B side tables
 
 

@@ -119,6 +119,16 @@ def tasks(*names: str, **extra) -> list[dict]:
     return [{"name": name, "x": int(name[1:]), **extra} for name in names]
 
 
+def test_a_tasks_own_data_id_is_kept_intact(server, client):
+    """The group key lives in metadata.group_id; a task's own `data_id` field reaches the agent."""
+    manager = SyncRolloutManager(client, n=2, step=0, rollout_config={"timeout_seconds": 60}, **FAST)
+    with FakeRunner(server.url):
+        completed = manager.run(tasks("t0", "t1", data_id="dataset-row-7"), is_train=True)
+    assert {c.input["data_id"] for c in completed} == {"dataset-row-7"}
+    assert len({c.data_id for c in completed}) == 2  # still one fresh group per task
+    assert all(c.metadata["group_id"] == c.data_id for c in completed)
+
+
 def key_of(c: CompletedRollout) -> tuple:
     return (c.input["name"], c.metadata["copy_idx"])
 
@@ -157,7 +167,8 @@ def test_sync_manager_collects_groups_in_order_and_deletes(server, client):
     assert [c.sample_idx for c in completed] == [0, 0, 1, 1, 2, 2] and {c.step for c in completed} == {4}
     groups = [c.data_id for c in completed]
     assert groups[0] == groups[1] != groups[2] == groups[3] and len(set(groups)) == 3
-    assert all(c.input["data_id"] == c.data_id and c.input["tagged"] for c in completed)
+    assert all(c.metadata["group_id"] == c.data_id and c.input["tagged"] for c in completed)
+    assert all("data_id" not in c.input for c in completed)  # the input is the task as sent (AGL)
     for c in completed:
         task, k = c.input, c.metadata["copy_idx"]
         assert c.state == "succeeded" and c.final_reward == pytest.approx(reward_of(task, k))

@@ -124,3 +124,77 @@ def test_prepare_update_batch_skip_and_vanilla():
     # (1 − ½) / unbiased std of (1, 0)
     assert out.batch["advantages"][0, 0].item() == pytest.approx(0.5 / (math.sqrt(0.5) + 1e-6))
 
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue #12: zero advantage is decided from the computed advantages; group metrics on the
+# trained batch (AGL's meaning) plus `*_collected` before the alignment drops.
+# ---------------------------------------------------------------------------------------------
+
+
+def _grpo_opts(**kw):
+    return dict(adv_estimator="grpo", num_repeat=4, seed=0, **kw)
+
+
+def test_single_rollout_group_has_an_advantage_and_is_not_dropped_as_zero_adv():
+    """A group with one rollout (siblings failed before their first call): verl's GRPO gives it
+    mean 0, std 1, so A = reward = 1. It must not be dropped in favour of A = 0 rollouts."""
+    # s: one rollout, reward 1 (A = 1); z: zero-advantage group of 4 (A = 0); a: mixed, 4 rollouts
+    data = one_row_rollouts({"s": [1.0], "z": [1, 1, 1, 1], "a": [1, 0, 0, 1]})  # 9 rows
+    prepared, records, metrics = alg.prepare_update_batch(data, mini_batch_rows=4, **_grpo_opts())
+    kept_ids = set(prepared.non_tensor_batch["rollout_id_list"])
+    assert "s-r0" in kept_ids  # the rollout with an advantage stays
+    assert {r["rollout_id"] for r in records} <= {f"z-r{k}" for k in range(4)} | {"a-r0", "a-r1", "a-r2", "a-r3"}
+    assert all(r["reason"].startswith("zero_adv") for r in records if r["rollout_id"].startswith("z"))
+    assert metrics["training/n_zero_adv_groups_collected"] == 1  # z only: s has A = 1
+    assert metrics["training/n_groups_collected"] == 3
+
+
+def test_zero_advantage_groups_reads_advantages_when_present():
+    data = one_row_rollouts({"s": [1.0], "z": [1, 1]})
+    assert alg.zero_advantage_groups(data) == ["s", "z"]  # before advantages: reward variance
+    data, _ = alg.compute_advantages(data, adv_estimator="grpo", num_repeat=2)
+    assert alg.zero_advantage_groups(data) == ["z"]  # after: A = 0 on every loss token
+
+
+def test_group_metrics_count_the_trained_batch_and_collected_separately():
+    # 12 one-row rollouts, mini-batch 8: z (zero adv) is dropped whole → trained: a, b
+    prepared, _, metrics = alg.prepare_update_batch(three_groups(), mini_batch_rows=8, **_grpo_opts())
+    assert metrics["training/n_groups_collected"] == 3 and metrics["training/n_zero_adv_groups_collected"] == 1
+    assert metrics["training/n_groups"] == 2 and metrics["training/n_zero_adv_groups"] == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Parity switches (agl_lab.parity): AGL v1's drop order and bf16 rewards
+# ---------------------------------------------------------------------------------------------
+
+
+def test_agl_drop_order_drops_same_reward_rows_before_advantages_and_may_cut_a_rollout():
+    # one same-reward group z of 3 rows, mini-batch 2: one of its rows goes (a row, not a rollout)
+    same = make_batch([[1, 1]] * 3, [1, 1, 1], ["z0", "z0", "z1"], ["z"] * 3)
+    kept, records, metrics = alg.agl_alignment(same, mini_batch_rows=2)
+    assert len(kept) == 2 and metrics["training/n_sample_dropped/same_reward"] == 1
+    # 5 rows in mixed groups, mini-batch 2: one row goes at random, possibly part of a rollout
+    batch = multi_row_batch().select_idxs(list(range(5)))  # a0 (3 rows), a1 (2 rows); rewards 1, 0
+    cut = [alg.agl_alignment(batch, mini_batch_rows=2, seed=s) for s in range(8)]
+    assert all(len(k) == 4 and m["training/n_sample_dropped/random"] == 1 for k, _, m in cut)
+    assert {r["rows"] for _, recs, _ in cut for r in recs} == {1}  # one row of a multi-row rollout
+
+
+def test_prepare_update_batch_with_agl_order_computes_advantages_after_the_drops():
+    # group s has one rollout (reward 1); AGL's reward rule calls it "same reward" and drops it first
+    data = one_row_rollouts({"s": [1.0], "a": [1, 0, 0, 1]})  # 5 rows, mini-batch 4
+    prepared, records, metrics = alg.prepare_update_batch(data, mini_batch_rows=4, drop_order="agl", **_grpo_opts())
+    assert [r["rollout_id"] for r in records] == ["s-r0"] and records[0]["reason"] == "same_reward"
+    assert len(prepared) == 4 and metrics["training/n_groups"] == 1
+    with pytest.raises(ValueError, match=r"agl_lab\.parity\.drop_order='later'"):
+        alg.prepare_update_batch(data, mini_batch_rows=4, drop_order="later", **_grpo_opts())
+
+
+def test_bf16_rewards_reproduce_agls_precision():
+    data = one_row_rollouts({"a": [0.1, 0.3]})
+    prepared, _, _ = alg.prepare_update_batch(data, mini_batch_rows=2, bf16_rewards=True, loss_mode="vanilla",
+                                              **_grpo_opts())
+    assert prepared.batch["token_level_scores"].dtype == torch.bfloat16
+    # bf16(0.1) = 0.10009765625, bf16(0.3) = 0.30078125 (8 bits of mantissa)
+    assert float(prepared.batch["token_level_scores"].double().sum()) == 0.10009765625 + 0.30078125

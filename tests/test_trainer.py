@@ -61,7 +61,7 @@ def test_step_logs_one_json_line_per_step(trainer):
     trainer.step()
     lines = (trainer.run_dir / "metrics.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]
-    assert [r["step"] for r in records] == [0, 1]
+    assert [r["step"] for r in records] == [1, 2]  # verl's 1-based global_steps
     assert all("training/reward" in r and "actor/pg_loss" in r for r in records)
 
 
@@ -77,15 +77,15 @@ def test_with_wandb_on_the_step_and_validation_upload_agl_side_tables(trainer, m
     monkeypatch.setattr(trainer.metrics_logger, "_wandb_run", run)
     metrics = trainer.step()
     [(step, mismatches)] = run.tables("training/trace_merge_mismatches")
-    assert step == 0 and len(mismatches.data) == metrics["training/n_trace_merge_mismatch_rows"]
+    assert step == 1 and len(mismatches.data) == metrics["training/n_trace_merge_mismatch_rows"]
     [(step, pointer)] = run.tables("training/rollout_trajectories")
-    assert step == 0 and pointer.data[0][-1] == 8  # 4 tasks × n=2 rollouts, all under 24
-    assert run.logged[-1][0] == 0 and "training/reward" in run.logged[-1][1]  # metrics at the same step
+    assert step == 1 and pointer.data[0][-1] == 8  # 4 tasks × n=2 rollouts, all under 24
+    assert run.logged[-1][0] == 1 and "training/reward" in run.logged[-1][1]  # metrics at the same step
     trainer.validate()
     [(step, pointer)] = run.tables("val/rollout_trajectories")
     assert step == 1 and pointer.data[0][-1] == 4
     assert [a.type for a in run.artifacts] == ["train_trajectories", "validation_trajectories"]
-    records = run.artifacts[0].files["step_0/train_trajectories.jsonl.zip"]
+    records = run.artifacts[0].files["step_1/train_trajectories.jsonl.zip"]
     assert records[:2] == b"PK"  # a zip of decoded trajectories
 
 

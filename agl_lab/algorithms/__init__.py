@@ -70,6 +70,7 @@ from agl_lab.algorithms.loss import (
 )
 from agl_lab.algorithms.selection import (
     SELECTION_POLICIES,
+    agl_alignment,
     SMALL_BATCH_CHOICES,
     check_selection_args,
     drop_marked_rows,
@@ -81,7 +82,7 @@ from agl_lab.algorithms.selection import (
 )
 
 __all__ = [
-    "DIVISORS", "LOSS_NAME", "OUTCOME_HINT", "SELECTION_POLICIES", "SMALL_BATCH_CHOICES",
+    "DIVISORS", "DROP_ORDERS", "LOSS_NAME", "agl_alignment", "OUTCOME_HINT", "SELECTION_POLICIES", "SMALL_BATCH_CHOICES",
     "TOKEN_LEVEL_ESTIMATORS", "check_divisor", "check_estimator", "check_selection_args",
     "compute_advantages", "compute_policy_loss_per_rollout_mean", "compute_rollout_level_advantage",
     "drop_marked_rows", "fill_reward_defaults", "group_keys", "group_metrics", "marked_rows",
@@ -91,6 +92,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+#: agl_lab.parity.drop_order: after_advantage (agl_lab) | agl (AGL v1: before advantages, by row)
+DROP_ORDERS = ("after_advantage", "agl")
 
 
 def _data_metrics(data: Any) -> dict[str, Any]:
@@ -122,13 +126,27 @@ def prepare_update_batch(
     loss_mode: str = LOSS_NAME,
     divisor: str = "rollouts",
     compute_advantage_fn: Callable[..., Any] | None = None,
+    drop_order: str = "after_advantage",
+    bf16_rewards: bool = False,
 ) -> tuple[Any | None, list[dict[str, Any]], dict[str, Any]]:
     """marked drop → advantages → group metrics → alignment drops → per-rollout normalisation.
 
     Returns `(batch or None when the step is skipped, drop records, metrics)`. The batch's
     `advantages` are normalised for `per_rollout_mean` (raw ones stay in `rollout_advantages`,
     for `rollout_weights_table`); `critic/*` metrics are computed on the raw advantages.
+
+    Parity switches (agl_lab.parity): `drop_order="agl"` runs AGL v1's row-level alignment
+    (`agl_alignment`) before the advantages; `bf16_rewards` stores `token_level_scores` in
+    bfloat16 as AGL v1 does (rewards, GRPO statistics and advantages inherit its precision).
     """
+    if drop_order not in DROP_ORDERS:
+        raise ValueError(f"agl_lab.parity.drop_order={drop_order!r} is not one of {list(DROP_ORDERS)}")
+    if bf16_rewards:
+        import torch
+
+        for key in ("token_level_scores", "token_level_rewards"):
+            if key in data.batch.keys():
+                data.batch[key] = data.batch[key].to(torch.bfloat16)
     check_selection_args(mini_batch_rows, max_ppo_update_times, selection_policy, small_batch)
     check_estimator(adv_estimator, rollout_level=rollout_level_advantage)
     fill_reward_defaults(data)
@@ -140,13 +158,19 @@ def prepare_update_batch(
         logger.warning("skipping this training step: every row was marked for dropping")
         return None, records, {**metrics, "training/n_sample_trained": 0, "training/skipped_steps": 1}
 
+    if drop_order == "agl":  # AGL v1: align rows first, advantages on what is left
+        return _agl_order(data, records, metrics, mini_batch_rows, max_ppo_update_times, seed, loss_mode, divisor,
+                          dict(rollout_level=rollout_level_advantage, compute_advantage_fn=compute_advantage_fn,
+                               adv_estimator=adv_estimator, gamma=gamma, lam=lam, num_repeat=num_repeat,
+                               norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo, config=algo_config))
+
     # 1. advantages on the whole batch, before any alignment drop
     data, adv_metrics = compute_advantages(
         data, rollout_level=rollout_level_advantage, compute_advantage_fn=compute_advantage_fn,
         adv_estimator=adv_estimator, gamma=gamma, lam=lam, num_repeat=num_repeat,
         norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo, config=algo_config)
     metrics.update(adv_metrics)
-    metrics.update(group_metrics(data))
+    metrics.update(group_metrics(data, "_collected"))  # before the alignment drops (agl_lab's own)
 
     # 2. whole mini-batches: zero-advantage groups first, then whole rollouts, seeded
     kept, sel_records, sel_metrics = select_for_update(
@@ -158,9 +182,31 @@ def prepare_update_batch(
         return None, records, metrics
     data = data.select_idxs(kept)
     metrics["critic/n_transition_after_dropping"] = len(data)
+    metrics.update(group_metrics(data))  # AGL v1 counts the groups of the trained batch
     metrics.update(_data_metrics(data))
 
     # 3. every rollout carries the same loss weight
+    if loss_mode == LOSS_NAME:
+        normalize_batch(data, divisor)
+    return data, records, metrics
+
+
+def _agl_order(data: Any, records: list, metrics: dict, mini_batch_rows: int, max_updates: int | None, seed: int,
+               loss_mode: str, divisor: str, adv_kwargs: dict) -> tuple[Any | None, list, dict]:
+    """AGL v1's order: row-level alignment (`agl_alignment`) → advantages → group metrics → loss weights."""
+    kept, sel_records, sel_metrics = agl_alignment(data, mini_batch_rows=mini_batch_rows,
+                                                   max_ppo_update_times=max_updates, seed=seed)
+    records = records + sel_records  # marked rows are gone already: these are alignment drops only
+    metrics = {**metrics, **sel_metrics}
+    if sel_metrics["training/skipped_steps"]:
+        logger.warning("skipping this training step: no trainable batch after drop+floor (AGL v1 drop order)")
+        return None, records, metrics
+    data = data.select_idxs(kept)
+    data, adv_metrics = compute_advantages(data, **adv_kwargs)
+    metrics.update(adv_metrics)
+    metrics["critic/n_transition_after_dropping"] = len(data)
+    metrics.update(group_metrics(data))
+    metrics.update(_data_metrics(data))
     if loss_mode == LOSS_NAME:
         normalize_batch(data, divisor)
     return data, records, metrics

@@ -66,32 +66,52 @@ def row_scores(data: Any) -> torch.Tensor | None:
     return None
 
 
-def _zero_advantage_flags(keys: np.ndarray, scores: torch.Tensor) -> dict[Any, bool]:
-    """Per group key: are all its row rewards `allclose` to the first one?"""
+#: |A| at or below this on every loss token of a group means "zero advantage" (GRPO's
+#: (r − mean)/(std + eps) of equal float32 rewards can be off zero by an ulp)
+ZERO_ADV_ATOL = 1e-6
+
+
+def _zero_advantage_flags(data: Any, keys: np.ndarray) -> dict[Any, bool]:
+    """Per group key: does the group carry no policy gradient?
+
+    With `advantages` in the batch (after the estimator): every loss token of every row of
+    the group has |A| ≤ ZERO_ADV_ATOL. Without them (a batch view before the update): all
+    row rewards are `allclose` to the first one, AGL v1's rule — which misjudges a group with
+    one rollout (verl's GRPO gives it mean 0, std 1, so A = reward ≠ 0).
+    """
     rows: dict[Any, list[int]] = {}
     for i, k in enumerate(keys):
         rows.setdefault(k, []).append(i)
+    if "advantages" in data.batch.keys():
+        adv, mask = data.batch["advantages"], data.batch["response_mask"].bool()
+        # Critical: decided from the advantages the update uses, not from reward variance.
+        row_zero = ((adv.abs() <= ZERO_ADV_ATOL) | ~mask).all(-1)  # [N]
+        return {k: bool(row_zero[idx].all()) for k, idx in rows.items()}
+    scores = row_scores(data)
     return {k: bool(torch.allclose(scores[idx], scores[idx[0]].expand(len(idx)))) for k, idx in rows.items()}
 
 
 def zero_advantage_groups(data: Any) -> list[Any]:
-    """Zero-advantage groups: groups (uid, else data_id) whose rows all share one reward.
+    """Zero-advantage groups (uid, else data_id): all advantages zero on the loss tokens, or,
+    before advantages are computed, all rows share one reward.
 
     Returns the group keys in first-occurrence order; `[]` when groups or rewards are absent.
     """
-    keys, scores = group_keys(data), row_scores(data)
-    if keys is None or scores is None:
+    keys = group_keys(data)
+    if keys is None or (row_scores(data) is None and "advantages" not in data.batch.keys()):
         return []
-    return [k for k, zero in _zero_advantage_flags(keys, scores).items() if zero]
+    return [k for k, zero in _zero_advantage_flags(data, keys).items() if zero]
 
 
-def group_metrics(data: Any) -> dict[str, int]:
-    """`training/n_groups` and `training/n_zero_adv_groups` (all rewards equal); `{}` if no groups."""
-    keys, scores = group_keys(data), row_scores(data)
-    if keys is None or scores is None:
+def group_metrics(data: Any, suffix: str = "") -> dict[str, int]:
+    """`training/n_groups{suffix}` and `training/n_zero_adv_groups{suffix}` (see
+    `zero_advantage_groups`); `{}` if no groups. AGL v1 logs them (no suffix) for the trained
+    batch; `prepare_update_batch` adds `_collected` for the batch before the alignment drops."""
+    keys = group_keys(data)
+    if keys is None or (row_scores(data) is None and "advantages" not in data.batch.keys()):
         return {}
-    flags = _zero_advantage_flags(keys, scores)
-    return {"training/n_groups": len(flags), "training/n_zero_adv_groups": sum(flags.values())}
+    flags = _zero_advantage_flags(data, keys)
+    return {f"training/n_groups{suffix}": len(flags), f"training/n_zero_adv_groups{suffix}": sum(flags.values())}
 
 
 # =============================================================================================

@@ -241,3 +241,48 @@ def select_for_update(
     kept = alive[~gone[t["pos"]]]
     metrics.update(_selection_metrics(plan, t, n, target, len(kept), mini_batch_rows))
     return kept, records, metrics
+
+
+# =============================================================================================
+# AGL v1's drop order (parity switch agl_lab.parity.drop_order=agl)
+# =============================================================================================
+
+
+def agl_alignment(data: Any, *, mini_batch_rows: int, max_ppo_update_times: int | None = None,
+                  seed: int = 0) -> tuple[np.ndarray, list[dict[str, Any]], dict[str, Any]]:
+    """AGL v1's mini-batch alignment, for side-by-side runs: *before* advantages, row by row.
+
+    Keep ⌊n / mini_batch_rows⌋ × mini_batch_rows rows (capped at × max_ppo_update_times);
+    drop first rows of "same reward" groups (every row reward of the uid group allclose to the
+    first: AGL's `_same_reward_uid_indices`), shuffled, then other rows uniformly at random. A
+    rollout can lose part of its rows, and a batch under one mini-batch trains nothing (AGL
+    skips the step). AGL's RNG is unseeded; here it is `default_rng(seed)`.
+
+    Returns `(kept_index [K] ascending, records, metrics)`; a record per rollout that lost rows.
+    """
+    check_selection_args(mini_batch_rows, max_ppo_update_times)
+    alive, records, metrics = drop_marked_rows(data)
+    n = len(alive)
+    target = target_rows(n, mini_batch_rows, max_ppo_update_times, "skip")
+    rng = np.random.default_rng(seed)
+    sub = data.select_idxs(alive) if n else data
+    same = set(zero_advantage_groups(sub)) if n else set()  # no advantages yet: the reward rule
+    keys = group_keys(sub)
+    in_same = np.array([keys is not None and keys[i] in same for i in range(n)], dtype=bool)
+    need = n - target
+    first = rng.permutation(np.flatnonzero(in_same))[:need]
+    rest = rng.permutation(np.setdiff1d(np.arange(n), first))[:need - len(first)]
+    gone = np.zeros(n, dtype=bool)
+    gone[first], gone[rest] = True, True
+    ids = np.asarray(rollout_ids(data))[alive]
+    for reason, rows in (("same_reward", first), ("random", rest)):
+        for rid in dict.fromkeys(ids[rows]):
+            r_rows = rows[ids[rows] == rid]
+            records.append(_drop_record(data, rid, int(alive[r_rows[0]]), len(r_rows), reason))
+    kept = alive[~gone]
+    metrics.update({"training/n_sample_dropped/same_reward": len(first), "training/n_sample_dropped/random": len(rest),
+                    "training/n_sample_dropped/small_batch": n if target == 0 else 0,
+                    "training/n_dropped_groups/zero_adv": 0, "training/n_sample_target": target,
+                    "training/n_sample_trained": len(kept), "training/n_mini_batches": len(kept) // mini_batch_rows,
+                    "training/skipped_steps": int(target == 0)})
+    return kept, records, metrics

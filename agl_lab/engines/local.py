@@ -74,6 +74,7 @@ class LocalEngine(Engine):
         max_batch_size: int = 64,
         log_prob_micro_batch_size: int | None = 16,
         bypass_mode: bool = False,
+        algorithm: Any = None,
     ):
         self.model, self.tokenizer = load_model_and_tokenizer(model_path, device=device, dtype=dtype, seed=seed)
         self.device = next(self.model.parameters()).device
@@ -82,7 +83,17 @@ class LocalEngine(Engine):
         from agl_lab.engines.local_ppo import build_optimizer
 
         self.optimizer = build_optimizer(self.model, self.actor_cfg)
-        self.ref_model = self._frozen_copy() if self.actor_cfg.use_kl_loss else None
+        # `algorithm.*` of a verl config: KL in reward and rollout correction (see `prepare`)
+        self.algorithm = OmegaConf.create(OmegaConf.to_container(algorithm, resolve=True)
+                                          if OmegaConf.is_config(algorithm) else (algorithm or {}))
+        self.use_kl_in_reward = bool(self.algorithm.get("use_kl_in_reward", False))
+        self.kl_ctrl = None
+        if self.use_kl_in_reward:
+            from verl.trainer.ppo.core_algos import get_kl_controller
+
+            self.kl_ctrl = get_kl_controller(self.algorithm.kl_ctrl)  # adaptive ones keep state across steps
+        needs_ref = self.actor_cfg.use_kl_loss or self.use_kl_in_reward
+        self.ref_model = self._frozen_copy() if needs_ref else None
         self.log_prob_micro_batch_size = log_prob_micro_batch_size
         self.bypass_mode = bypass_mode  # old logprobs = the server's sampling logprobs
         self.weights_lock = threading.RLock()
@@ -104,13 +115,15 @@ class LocalEngine(Engine):
         actor = ActorUpdateConfig.from_verl_actor_config(
             cfg.actor_rollout_ref.actor, rollout_n=int(rollout.n), temperature=float(rollout.temperature))
         opts = lab.get("engine_options", {}) or {}
+        _check_model_dir(cfg)
         log_prob_micro = rollout.get("log_prob_micro_batch_size_per_gpu") or actor.ppo_micro_batch_size_per_gpu
         return cls(
             lab.model.path, device=lab.model.device, seed=int(lab.seed), max_model_len=int(lab.model.max_model_len),
             actor=actor, model_name=lab.model.get("name"),
             batch_window_ms=float(opts.get("batch_window_ms", 3.0)), max_batch_size=int(opts.get("max_batch_size", 64)),
             log_prob_micro_batch_size=int(log_prob_micro) if log_prob_micro else 16,
-            bypass_mode=bool(OmegaConf.select(cfg, "algorithm.rollout_correction.bypass_mode", default=False)))
+            bypass_mode=bool(OmegaConf.select(cfg, "algorithm.rollout_correction.bypass_mode", default=False)),
+            algorithm=cfg.algorithm)
 
     def _frozen_copy(self) -> torch.nn.Module:
         import copy
@@ -151,6 +164,37 @@ class LocalEngine(Engine):
 
         with self.weights_lock:
             return batch_log_probs(self.model, data, temperature, self.log_prob_micro_batch_size).float()
+
+    def prepare(self, data: Any) -> tuple[Any, dict[str, float]]:
+        """Old logprobs (base: recomputed, or the sampling ones in bypass mode), then what AGL's
+        trainer does before the advantage, with verl's own functions and metric names:
+
+        - `algorithm.use_kl_in_reward`: `ref_log_prob` from the frozen initial model, then verl's
+          `apply_kl_penalty` (token_level_rewards = scores − β·KL; `actor/reward_kl_penalty*`);
+        - `algorithm.rollout_correction` (not bypass, sampling logprobs present): verl's
+          `compute_rollout_correction_and_add_to_batch` — token/sequence IS weights
+          (`rollout_is_weights`, read by the loss), rejection masks on `response_mask`, and the
+          `rollout_corr/*` metrics (logged even with rollout_is/rollout_rs null, as AGL does).
+        """
+        data, metrics = super().prepare(data)
+        if "response_mask" not in data.batch.keys():
+            data.batch["response_mask"] = data.batch["attention_mask"][:, -data.batch["responses"].shape[-1]:]
+        if self.use_kl_in_reward:
+            from agl_lab.engines.local_ppo import batch_log_probs
+            from verl.trainer.ppo.ray_trainer import apply_kl_penalty
+
+            temperature = float(data.meta_info.get("temperature", 1.0))
+            data.batch["ref_log_prob"] = batch_log_probs(self.ref_model, data, temperature,
+                                                         self.log_prob_micro_batch_size).float()
+            data, kl_metrics = apply_kl_penalty(data, self.kl_ctrl, str(self.algorithm.get("kl_penalty", "kl")))
+            metrics.update(kl_metrics)
+        rc = self.algorithm.get("rollout_correction")
+        if rc is not None and not self.bypass_mode and "rollout_log_probs" in data.batch.keys():
+            from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
+
+            data, rc_metrics = compute_rollout_correction_and_add_to_batch(data, rc)
+            metrics.update({k: float(v) for k, v in rc_metrics.items()})
+        return data, metrics
 
     def update(self, data: Any) -> dict[str, float]:
         """One PPO update (`agl_lab.engines.local_ppo.ppo_update`) on a prepared batch; returns its metrics."""
@@ -213,6 +257,22 @@ class LocalEngine(Engine):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _check_model_dir(cfg: Any) -> None:
+    """The local engine loads a model directory from disk and never downloads: a hub id fails
+    here, naming the key it came from and the fix."""
+    from agl_lab.config import ConfigError
+
+    path = cfg.agl_lab.model.path
+    if path is None or (Path(str(path)).expanduser() / "config.json").exists():
+        return
+    key = ("actor_rollout_ref.model.path" if str(path) == str(cfg.actor_rollout_ref.model.path)
+           else "agl_lab.model.path")
+    raise ConfigError(
+        f"{key}={str(path)!r} is not a local Hugging Face model directory (no config.json) and the local "
+        f"engine never downloads: fetch it first (`huggingface-cli download {path} --local-dir DIR`) and "
+        f"set {key}=DIR, or use agl_lab.engine=verl")
 
 
 def _rng_state() -> dict[str, Any]:

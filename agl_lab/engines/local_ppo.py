@@ -400,7 +400,8 @@ def _mini_batch_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, m
         optimizer.zero_grad(set_to_none=True)
     else:
         optimizer.step()
-    out = {k: v for k, v in totals.items() if k.startswith("actor/")}
+    # `*tokens` accumulators are token-weighted sums (internal): only their means are metrics
+    out = {k: v for k, v in totals.items() if k.startswith("actor/") and not k.endswith("*tokens")}
     out.update({k[:-len("*tokens")]: v / tokens for k, v in totals.items() if k.endswith("*tokens")})
     out["actor/entropy"] = totals["entropy_sum"] / tokens
     out["actor/grad_norm"] = grad_norm

@@ -1,0 +1,182 @@
+"""What each config key the user set does: type and range checks, and "no effect" warnings.
+
+Two promises of the config language (`agl_lab.config`):
+
+1. A value of the wrong type or range fails at load, naming the key
+   (`data.train_batch_size=abc` → "data.train_batch_size must be an integer, got 'abc'").
+   The expected type is the type of the key's default (verl's generated `ppo_trainer`,
+   AGL's and agl_lab's sections); `RANGES` adds the bounds of the keys that have one.
+2. Every key the user set either works or produces **one** warning naming it. On the local
+   engine, `LOCAL_HONOURED` lists the keys (prefixes) agl_lab reads; any other key the user
+   set to a non-default value is read by verl engines only and gets a `ConfigWarning`
+   ("… has no effect on the local engine"). Python's warning filter shows each once.
+
+    user_keys(layer)            leaf paths a user layer sets
+    check_values(cfg, keys)     ConfigError for a wrong type/range
+    warn_ineffective(cfg, keys) one ConfigWarning per key without effect (plus a few
+                                settings that are legal but surprising, e.g. GRPO with n=1)
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Iterable
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+
+class ConfigWarning(UserWarning):
+    """A key the user set has no effect here, or a legal setting that defeats its purpose."""
+
+
+# Keys (or prefixes) the local engine and the Trainer read. Everything else the user sets to
+# a non-default value warns on `agl_lab.engine=local`.
+LOCAL_HONOURED = (
+    "agl_lab",
+    "agentlightning",
+    "algorithm.adv_estimator", "algorithm.gamma", "algorithm.lam", "algorithm.norm_adv_by_std_in_grpo",
+    "algorithm.enable_rollout_level_advantage", "algorithm.use_kl_in_reward", "algorithm.kl_penalty",
+    "algorithm.kl_ctrl", "algorithm.rollout_correction",
+    "data.train_batch_size", "data.max_prompt_length", "data.max_response_length", "data.shuffle",
+    "data.train_files", "data.val_files",
+    "actor_rollout_ref.model.path",
+    "actor_rollout_ref.rollout.n", "actor_rollout_ref.rollout.temperature",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", "actor_rollout_ref.rollout.val_kwargs.n",
+    "actor_rollout_ref.actor.ppo_epochs", "actor_rollout_ref.actor.ppo_mini_batch_size",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "actor_rollout_ref.actor.ppo_micro_batch_size",
+    "actor_rollout_ref.actor.grad_clip", "actor_rollout_ref.actor.optim.clip_grad",
+    "actor_rollout_ref.actor.optim.lr", "actor_rollout_ref.actor.optim.weight_decay",
+    "actor_rollout_ref.actor.optim.betas", "actor_rollout_ref.actor.policy_loss",
+    "actor_rollout_ref.actor.data_loader_seed", "actor_rollout_ref.actor.clip_ratio",
+    "actor_rollout_ref.actor.clip_ratio_low", "actor_rollout_ref.actor.clip_ratio_high",
+    "actor_rollout_ref.actor.clip_ratio_c", "actor_rollout_ref.actor.entropy_coeff",
+    "actor_rollout_ref.actor.use_kl_loss", "actor_rollout_ref.actor.kl_loss_coef",
+    "actor_rollout_ref.actor.kl_loss_type", "actor_rollout_ref.actor.loss_agg_mode",
+    "actor_rollout_ref.actor.loss_scale_factor", "actor_rollout_ref.actor.shuffle",
+    "trainer.project_name", "trainer.experiment_name", "trainer.total_training_steps", "trainer.total_epochs",
+    "trainer.val_before_train", "trainer.val_only", "trainer.test_freq", "trainer.save_freq",
+    "trainer.default_local_dir", "trainer.resume_mode", "trainer.resume_from_path", "trainer.logger",
+)
+
+# (key, lower bound, strict?) for numbers; None values pass (the key's own check decides).
+RANGES: tuple[tuple[str, float, bool], ...] = (
+    ("data.train_batch_size", 0, True),
+    ("data.max_prompt_length", 0, True),
+    ("data.max_response_length", 0, True),
+    ("actor_rollout_ref.rollout.n", 0, True),
+    ("actor_rollout_ref.rollout.temperature", 0, True),
+    ("actor_rollout_ref.rollout.val_kwargs.n", 0, True),
+    ("actor_rollout_ref.actor.ppo_mini_batch_size", 0, True),
+    ("actor_rollout_ref.actor.ppo_epochs", 0, True),
+    ("actor_rollout_ref.actor.optim.lr", 0, False),
+    ("actor_rollout_ref.actor.clip_ratio_low", 0, False),
+    ("actor_rollout_ref.actor.clip_ratio_high", 0, False),
+    ("trainer.total_epochs", 0, True),
+    ("agentlightning.rollout_timeout_seconds", 0, True),
+    ("agl_lab.rollout.poll_interval_seconds", 0, True),
+    ("agl_lab.rollout.drain_timeout_seconds", 0, True),
+    ("agl_lab.runner.concurrency", 0, True),
+)
+
+
+def user_keys(layer: Any, prefix: str = "") -> list[str]:
+    """Leaf paths a user layer sets (a mapping's keys recursively; a set empty dict is a leaf)."""
+    out: list[str] = []
+    items = layer.items_ex(resolve=False) if isinstance(layer, DictConfig) else dict(layer).items()
+    for key, value in items:
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, (DictConfig, dict)) and len(value) > 0:
+            out += user_keys(value, path)
+        else:
+            out.append(path)
+    return out
+
+
+def _kind(default: Any) -> str | None:
+    if isinstance(default, bool):
+        return "bool"
+    if isinstance(default, int):
+        return "int"
+    if isinstance(default, float):
+        return "float"
+    return None  # strings, lists, None: free type (the key's own check decides)
+
+
+def _type_error(path: str, value: Any, kind: str) -> str | None:
+    if value is None or isinstance(value, (DictConfig, ListConfig)):
+        return None
+    if kind == "bool" and not isinstance(value, bool):
+        return f"{path} must be true or false, got {value!r}"
+    if kind == "int" and (isinstance(value, bool) or not isinstance(value, int)):
+        if isinstance(value, float) and value.is_integer():
+            return None
+        return f"{path} must be an integer, got {value!r}"
+    if kind == "float" and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        return f"{path} must be a number, got {value!r}"
+    return None
+
+
+def check_values(cfg: DictConfig, defaults: DictConfig, keys: Iterable[str]) -> list[str]:
+    """Problems (messages naming the key) with the values of `keys` in `cfg`: the type of the
+    key's default, then `RANGES`. Returns `[]` when all is well."""
+    problems: list[str] = []
+    for path in keys:
+        default = OmegaConf.select(defaults, path, default=None, throw_on_missing=False)
+        kind = _kind(default)
+        if kind is None:
+            continue
+        value = OmegaConf.select(cfg, path, default=None, throw_on_missing=False)
+        msg = _type_error(path, value, kind)
+        if msg:
+            problems.append(msg)
+    for path, low, strict in RANGES:
+        value = OmegaConf.select(cfg, path, default=None, throw_on_missing=False)
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        bad = (value <= low) if strict else (value < low)
+        if bad or (isinstance(value, float) and not math.isfinite(value)):
+            problems.append(f"{path} must be {'>' if strict else '>='} {low:g}, got {value!r}")
+    return problems
+
+
+def _honoured(path: str) -> bool:
+    return any(path == p or path.startswith(p + ".") for p in LOCAL_HONOURED)
+
+
+def ineffective_keys(cfg: DictConfig, defaults: DictConfig, keys: Iterable[str]) -> list[str]:
+    """User keys with a non-default value that the local engine does not read."""
+    out = []
+    for path in keys:
+        if _honoured(path) or path.rsplit(".", 1)[-1] == "_target_":
+            continue
+        value = OmegaConf.select(cfg, path, default=None, throw_on_missing=False)
+        default = OmegaConf.select(defaults, path, default=None, throw_on_missing=False)
+        if value != default:
+            out.append(path)
+    return out
+
+
+def warn_ineffective(cfg: DictConfig, defaults: DictConfig, keys: Iterable[str]) -> list[str]:
+    """One ConfigWarning per key without effect; returns the messages (for tests and logs)."""
+    keys = list(keys)
+    messages: list[str] = []
+    if str(cfg.agl_lab.engine) == "local":
+        messages += [f"{p} has no effect on the local engine (agl_lab.engine=local); verl engines read it"
+                     for p in ineffective_keys(cfg, defaults, keys)]
+        if cfg.agl_lab.server.embedded and "agentlightning.agl_base_url" in keys:
+            messages.append("agentlightning.agl_base_url has no effect with agl_lab.server.embedded=true "
+                            "(the Trainer starts its own store + gateway); set embedded=false to use it")
+        rc = cfg.algorithm.get("rollout_correction") or {}
+        if rc.get("bypass_mode") and str(rc.get("loss_type", "ppo_clip")) != "ppo_clip":
+            messages.append(f"algorithm.rollout_correction.loss_type={rc.get('loss_type')} has no effect on the local "
+                            "engine: bypass mode keeps actor.policy_loss.loss_mode with old logprobs = the sampling "
+                            "logprobs (verl's ppo_clip bypass); use agl_lab.engine=verl for reinforce")
+    n, est = int(cfg.actor_rollout_ref.rollout.n), str(cfg.algorithm.adv_estimator).lower()
+    if n == 1 and est in ("grpo", "grpo_passk", "rloo", "opo", "gpg"):
+        messages.append(f"actor_rollout_ref.rollout.n=1 with algorithm.adv_estimator={est}: every group has one "
+                        "rollout and no baseline (verl's GRPO uses mean 0, std 1 for it: the advantage is the raw "
+                        "reward, plain REINFORCE) — set rollout.n >= 2 for a group baseline (AGL uses 4)")
+    for m in messages:
+        warnings.warn(m, ConfigWarning, stacklevel=3)
+    return messages
