@@ -306,6 +306,7 @@ def store_rows(n_events: int, tmp: str) -> list[list[str]]:
         ids = [f"t{i}" for i in range(10_000)]
         store.create_rollouts([RolloutCreate(rollout_id=r, input={"id": r}) for r in ids])
         for r in ids:
+            store.patch_status(r, RolloutStatusPatch(state="running"))
             store.patch_status(r, RolloutStatusPatch(state="succeeded"))
         total = store.terminal_page(0, 1).total_terminal
         t0 = time.perf_counter()

@@ -480,6 +480,7 @@ class SqliteStore(Store):
     APPEND_BATCH = 256
     FLUSH_SECONDS = 0.02
     CHECKPOINT_SECONDS = 1.0
+    ROLLOUT_CACHE = 10_000
 
     def __init__(self, path: str, terminal_log_limit: int = DEFAULT_TERMINAL_LOG_LIMIT):
         super().__init__(terminal_log_limit)
@@ -491,6 +492,7 @@ class SqliteStore(Store):
         self._db.execute("PRAGMA synchronous=NORMAL")  # durable across process crashes
         self._db.executescript(_SCHEMA)
         self._pending: list[tuple] = []  # queued event rows (see the class docstring)
+        self._cache: dict[str, Rollout] = {}  # rollout_id -> Rollout as stored (see _load)
         self._closed = threading.Event()
         if path != ":memory:":
             self._db.execute("PRAGMA wal_autocheckpoint=0")  # the flusher thread checkpoints
@@ -564,12 +566,24 @@ class SqliteStore(Store):
             yield
         except BaseException:
             self._db.execute("ROLLBACK")
+            self._cache.clear()  # it may hold rows of the rolled-back transaction
             raise
         self._db.execute("COMMIT")
 
     def _load(self, rollout_id: str) -> Rollout | None:
+        # every proxied call reads its rollout: decoded rows are cached (this store is the file's
+        # only writer while open), bounded by clearing at ROLLOUT_CACHE entries
+        rollout = self._cache.get(rollout_id)
+        if rollout is not None:
+            return rollout
         row = self._db.execute("SELECT body FROM rollouts WHERE rollout_id=?", (rollout_id,)).fetchone()
-        return None if row is None else Rollout.model_validate_json(row[0])
+        return None if row is None else self._cached(Rollout.model_validate_json(row[0]))
+
+    def _cached(self, rollout: Rollout) -> Rollout:
+        if len(self._cache) >= self.ROLLOUT_CACHE:
+            self._cache.clear()
+        self._cache[rollout.rollout_id] = rollout
+        return rollout
 
     def _load_many(self, rollout_ids: Sequence[str]) -> dict[str, Rollout]:
         out: dict[str, Rollout] = {}
@@ -581,6 +595,8 @@ class SqliteStore(Store):
         return out
 
     def _exists(self, rollout_id: str) -> bool:
+        if rollout_id in self._cache:
+            return True
         sql = "SELECT 1 FROM rollouts WHERE rollout_id=?"
         return self._db.execute(sql, (rollout_id,)).fetchone() is not None
 
@@ -589,15 +605,18 @@ class SqliteStore(Store):
             "INSERT INTO rollouts (rollout_id, state, body) VALUES (?, ?, ?)",
             (rollout.rollout_id, rollout.status.state.value, rollout.model_dump_json()),
         )
+        self._cached(rollout)
 
     def _replace(self, rollout: Rollout) -> None:
         self._db.execute(
             "UPDATE rollouts SET state=?, body=? WHERE rollout_id=?",
             (rollout.status.state.value, rollout.model_dump_json(), rollout.rollout_id),
         )
+        self._cached(rollout)
 
     def _remove(self, rollout_id: str) -> None:
         self._flush()
+        self._cache.pop(rollout_id, None)
         self._db.execute("DELETE FROM rollouts WHERE rollout_id=?", (rollout_id,))
         self._db.execute("DELETE FROM events WHERE rollout_id=?", (rollout_id,))
 
