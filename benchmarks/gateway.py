@@ -16,8 +16,9 @@ Per server and agent count:
    gateway (same ~1 KB body), so both see the same load; added = gateway − direct percentile
    (agents start staggered over one model time, as real agents do not call in lock-step);
 2. **throughput**: every agent calls through the gateway back to back for `--seconds`; proxied
-   calls/s, and meanwhile a probe GETs /healthz every 20 ms on its own connection (its p99 says
-   whether anything blocks the event loop);
+   calls/s, and meanwhile a probe process GETs /healthz every 20 ms (its p99 says whether
+   anything blocks the server's event loop; in a process of its own, so that it does not queue
+   behind the agents' work in this one);
 3. the gateway process's user+system CPU per proxied call (/proc), the figure least sensitive
    to the machine's load.
 
@@ -225,8 +226,7 @@ async def latency_phase(session, direct: str, gateways: list[str], calls: int, s
 
 
 async def throughput_phase(session, base: str, gateways: list[str], seconds: float):
-    """Back-to-back proxied calls for `seconds` + a /healthz probe -> (calls, healthz ms)."""
-    import aiohttp
+    """Back-to-back proxied calls for `seconds` + a /healthz probe -> (calls/s, healthz ms)."""
     import orjson
 
     payload = orjson.dumps(BODY)
@@ -241,20 +241,29 @@ async def throughput_phase(session, base: str, gateways: list[str], seconds: flo
                 await r.read()
             done += 1
 
-    async def probe() -> list[float]:
-        out = []
-        async with aiohttp.ClientSession() as own:  # its own connection: not queued behind agents
-            while time.perf_counter() < stop:
-                t0 = time.perf_counter()
-                async with own.get(base + "/healthz") as r:
-                    await r.read()
-                out.append((time.perf_counter() - t0) * 1000)
-                await asyncio.sleep(0.02)
-        return out
+    # the probe runs in its own process: in this one it would queue behind the agents' own work
+    probe = await asyncio.create_subprocess_exec(
+        sys.executable, __file__, "--probe", base + "/healthz", "--seconds", str(seconds),
+        stdout=asyncio.subprocess.PIPE)
 
     t0 = time.perf_counter()
-    *_, health = await asyncio.gather(*(agent(gw) for gw in gateways), probe())
-    return done / (time.perf_counter() - t0), health
+    await asyncio.gather(*(agent(gw) for gw in gateways))
+    rate = done / (time.perf_counter() - t0)
+    out, _ = await probe.communicate()
+    return rate, [float(x) for x in out.split()]
+
+
+def probe_health(url: str, seconds: float) -> None:
+    """--probe: GET `url` every 20 ms for `seconds`; print the latencies (ms), one per line."""
+    out = []
+    with httpx.Client(trust_env=False, timeout=30) as client:
+        stop = time.perf_counter() + seconds
+        while time.perf_counter() < stop:
+            t0 = time.perf_counter()
+            client.get(url)
+            out.append((time.perf_counter() - t0) * 1000)
+            time.sleep(0.02)
+    print("\n".join(f"{x:.3f}" for x in out))
 
 
 async def measure(base: str, pid: int, direct: str, rollout_ids: list[str], agents: int, args) -> dict:
@@ -339,7 +348,11 @@ def main() -> None:
     p.add_argument("--events", type=int, default=5000)
     p.add_argument("--no-agl", action="store_true", help="skip AGL even when importable")
     p.add_argument("--serve-upstream", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--probe", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.probe is not None:
+        probe_health(args.probe, args.seconds)
+        return
     if args.serve_upstream is not None:
         run_loop(serve_upstream(args.serve_upstream, args.delay))
         return
