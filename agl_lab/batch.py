@@ -40,12 +40,13 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from itertools import chain
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
+from agl_lab import padding
+from agl_lab.padding import pad_rows  # noqa: F401  (part of this module's API: rows -> arrays)
 from agl_lab.diagnose import KINDS, MergeBreak, common_prefix_len, decode_ids, diagnose_break
 from agl_lab.records import CompletedRollout, Triplet, sort_rollouts
 
@@ -57,23 +58,57 @@ TRACE_TEXT_LIMIT = 4000  # characters of a decoded trace kept per merge break
 # =========================================================================== records
 
 
-@dataclass
+@dataclass(eq=False)
 class Row:
-    """One training row after limits. Lists are unpadded; `response_mask` 1 = model token."""
+    """One training row after limits. The id lists are built on access (read them, do not
+    mutate them): a row's full context is its last call's prompt + response, so the row keeps
+    that pair (the triplets' own lists, never copied) plus the spans of its model tokens.
+
+    | attribute        | meaning                                                            |
+    |------------------|--------------------------------------------------------------------|
+    | prompt_ids       | the first call's prompt, cut to max_prompt_length (unpadded)       |
+    | response_ids     | observations + responses after it, cut to max_response_length      |
+    | response_mask    | 1 = model token (loss), 0 = observation                            |
+    | logprobs         | sampling logprobs, 0.0 on observations; None if a call had none    |
+    | spans            | (start, length) runs of model tokens in response_ids               |
+    """
 
     rollout_id: str
     data_id: str
     calls: list[int]  # the calls (triplet indices in the rollout) merged into this row
-    prompt_ids: list[int]
-    response_ids: list[int]
-    response_mask: list[int]
-    logprobs: list[float] | None
     reward: float
+    context: tuple[list[int], list[int]] = field(repr=False)  # (last call's prompt, its response)
+    first_prompt_tokens: int  # the uncut prompt length (the first call's prompt)
+    spans: list[tuple[int, int]] = field(repr=False)
+    span_logprobs: list[list[float]] | None = field(repr=False)  # one list per span (uncut)
+    prompt_tokens: int = 0  # after limits
+    response_tokens: int = 0
     is_drop: bool = False
     truncated: bool = False
     tokens_cut: int = 0
     skipped_empty: bool = False
     batch_index: int = -1  # position in the batch; -1 when skipped
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.context[0][: self.prompt_tokens]
+
+    @property
+    def response_ids(self) -> list[int]:
+        prompt, response = self.context
+        if len(prompt) == self.first_prompt_tokens:  # a single call
+            return response[: self.response_tokens]
+        return (prompt[self.first_prompt_tokens:] + response)[: self.response_tokens]
+
+    @property
+    def response_mask(self) -> list[int]:
+        return padding.spans_to_list(self.spans, 1, None, self.response_tokens)
+
+    @property
+    def logprobs(self) -> list[float] | None:
+        if self.span_logprobs is None:
+            return None
+        return padding.spans_to_list(self.spans, 0, self.span_logprobs, self.response_tokens)
 
 
 @dataclass
@@ -128,46 +163,54 @@ def rollout_reward(rollout: CompletedRollout, reward_fillna_value: float) -> flo
     return float(reward_fillna_value if rollout.final_reward is None else rollout.final_reward)
 
 
-@dataclass
+def _ids(seq: Sequence[int]) -> list[int]:
+    """`seq` itself when it is a list (never copied: read-only here), else a list of it."""
+    return seq if type(seq) is list else list(seq)  # list == list below: a tuple never equals a list
+
+
 class _Segment:
-    """A row under construction; context = prompt + response at all times."""
+    """A row under construction. Each merged call extends the previous context, so the context
+    is always the last call's prompt + response: nothing is rebuilt call by call. The model
+    tokens are recorded as spans (start in the row's response, length) with their logprobs."""
 
-    prompt: list[int]
-    response: list[int]
-    mask: list[int]
-    logprobs: list[float] | None
-    calls: list[int] = field(default_factory=list)
+    __slots__ = ("prompt", "last_prompt", "last_response", "spans", "span_logprobs", "calls", "n")
 
-    @classmethod
-    def start(cls, call: int, t: Triplet) -> "_Segment":
-        r = list(t.response_ids)
-        lp = list(t.logprobs) if t.logprobs is not None and len(t.logprobs) == len(r) else None
-        return cls(list(t.prompt_ids), r, [1] * len(r), lp, [call])
+    def __init__(self, call: int, t: Triplet):
+        self.prompt = self.last_prompt = _ids(t.prompt_ids)
+        self.last_response = _ids(t.response_ids)
+        self.n = len(self.prompt) + len(self.last_response)  # context length
+        self.spans = [(0, len(self.last_response))]
+        lp = t.logprobs
+        self.span_logprobs = [lp] if lp is not None and len(lp) == len(self.last_response) else None
+        self.calls = [call]
 
     def context_len(self) -> int:
-        return len(self.prompt) + len(self.response)
+        return self.n
 
     def is_extended_by(self, prompt: list[int]) -> bool:
         """Exact token-prefix test: prompt[:len(context)] == context."""
-        n, k = self.context_len(), len(self.prompt)
-        return len(prompt) >= n and prompt[:k] == self.prompt and prompt[k:n] == self.response
+        k = len(self.last_prompt)
+        return (len(prompt) >= self.n and prompt[:k] == self.last_prompt
+                and prompt[k:self.n] == self.last_response)
 
     def extend(self, call: int, t: Triplet) -> None:
-        obs = t.prompt_ids[self.context_len() :]  # observation: attended, loss-masked
-        r = t.response_ids
-        self.response += list(obs) + list(r)
-        self.mask += [0] * len(obs) + [1] * len(r)
-        if self.logprobs is not None and t.logprobs is not None and len(t.logprobs) == len(r):
-            self.logprobs += [0.0] * len(obs) + list(t.logprobs)
+        """Append call `t`: the observation prompt[n:] (attended, loss-masked), then its response."""
+        prompt, response = _ids(t.prompt_ids), _ids(t.response_ids)
+        self.spans.append((len(prompt) - len(self.prompt), len(response)))
+        lp = t.logprobs
+        if self.span_logprobs is not None and lp is not None and len(lp) == len(response):
+            self.span_logprobs.append(lp)
         else:
-            self.logprobs = None  # one call without (matching) logprobs → the row has none
+            self.span_logprobs = None  # one call without (matching) logprobs → the row has none
+        self.last_prompt, self.last_response = prompt, response
+        self.n = len(prompt) + len(response)
         self.calls.append(call)
 
     def context(self) -> list[int]:
-        return self.prompt + self.response
+        return self.last_prompt + self.last_response
 
     def model_mask(self) -> list[int]:
-        return [0] * len(self.prompt) + self.mask
+        return [0] * len(self.prompt) + padding.spans_to_list(self.spans, 1, None, self.n - len(self.prompt))
 
 
 def merge_triplets(
@@ -183,7 +226,7 @@ def merge_triplets(
     open_: list[_Segment] = []
     breaks = []
     for i, t in enumerate(triplets):
-        prompt = list(t.prompt_ids)  # list == list comparisons below (a tuple never equals a list)
+        prompt = _ids(t.prompt_ids)
         extending = [s for s in open_ if s.is_extended_by(prompt)]
         if extending:
             max(extending, key=_Segment.context_len).extend(i, t)
@@ -191,7 +234,7 @@ def merge_triplets(
         if open_:
             against = max(open_, key=lambda s: common_prefix_len(s.context(), prompt))
             breaks.append((i, against.calls[-1], against.context(), against.model_mask()))
-        segment = _Segment.start(i, t)
+        segment = _Segment(i, t)
         open_ = open_ + [segment] if multi_segment else [segment]
         segments.append(segment)
     return segments, breaks
@@ -200,17 +243,20 @@ def merge_triplets(
 def _limit_row(segment: _Segment, rollout: CompletedRollout, reward: float,
                max_prompt_length: int | None, max_response_length: int | None) -> Row:
     """Apply the prompt/response limits and the empty-row rule to one segment."""
-    prompt, response, mask, lp = segment.prompt, segment.response, segment.mask, segment.logprobs
-    row = Row(rollout.rollout_id, rollout.data_id, list(segment.calls), prompt, response, mask, lp, reward)
-    if max_prompt_length is not None and len(prompt) > max_prompt_length:
-        row.tokens_cut += len(prompt) - max_prompt_length
-        row.prompt_ids, row.is_drop = prompt[:max_prompt_length], True  # marked, dropped later
-    if max_response_length is not None and len(response) > max_response_length:
-        row.tokens_cut += len(response) - max_response_length
-        row.response_ids, row.response_mask = response[:max_response_length], mask[:max_response_length]
-        row.logprobs = lp[:max_response_length] if lp is not None else None
-        row.truncated = True
-    row.skipped_empty = sum(row.response_mask) == 0
+    p, r = len(segment.prompt), segment.n - len(segment.prompt)
+    row = Row(rollout.rollout_id, rollout.data_id, list(segment.calls), reward,
+              (segment.last_prompt, segment.last_response), p, segment.spans, segment.span_logprobs,
+              prompt_tokens=p, response_tokens=r)
+    if max_prompt_length is not None and p > max_prompt_length:
+        row.tokens_cut += p - max_prompt_length
+        row.prompt_tokens, row.is_drop = max_prompt_length, True  # marked, dropped later
+    if max_response_length is not None and r > max_response_length:
+        row.tokens_cut += r - max_response_length
+        row.response_tokens, row.truncated = max_response_length, True
+        row.spans = [(s, min(n, max_response_length - s)) for s, n in segment.spans if s < max_response_length]
+        if row.span_logprobs is not None:
+            row.span_logprobs = row.span_logprobs[: len(row.spans)]
+    row.skipped_empty = not any(n for _, n in row.spans)
     return row
 
 
@@ -234,7 +280,7 @@ def plan_rows(
         reward = rollout_reward(rollout, reward_fillna_value)
         triplets = rollout.triplets or []
         if level == "transition":
-            segments = [_Segment.start(i, t) for i, t in enumerate(triplets)]
+            segments = [_Segment(i, t) for i, t in enumerate(triplets)]
         else:
             segments, raw_breaks = merge_triplets(triplets, multi_segment)
             breaks += [_break_record(rollout, b, tokenizer, diagnose) for b in raw_breaks]
@@ -269,51 +315,6 @@ def _trace_text(ids: Sequence[int], tokenizer: Any) -> str:
 # =========================================================================== padding
 
 
-def pad_rows(rows: Sequence[Row], max_prompt_length: int, max_response_length: int,
-             pad_token_id: int) -> dict[str, np.ndarray]:
-    """Vectorised padding of N rows (P = max_prompt_length, R = max_response_length).
-
-    | key                 | shape    | content                                               |
-    |---------------------|----------|-------------------------------------------------------|
-    | prompts             | [N, P]   | left padded with `pad_token_id`                       |
-    | prompt_mask         | [N, P]   | 1 on prompt tokens                                    |
-    | responses           | [N, R]   | right padded                                          |
-    | response_attention  | [N, R]   | 1 on model and observation tokens                     |
-    | response_mask       | [N, R]   | 1 on model tokens only                                |
-    | rollout_log_probs   | [N, R]   | 0.0 on observations/padding (meaningful iff all rows) |
-    | response_lengths    | [N]      | unpadded response lengths                             |
-    """
-    n = len(rows)
-    prompt_lengths = np.fromiter((len(r.prompt_ids) for r in rows), np.int64, n)
-    response_lengths = np.fromiter((len(r.response_ids) for r in rows), np.int64, n)
-    prompt_slots = _slots(prompt_lengths, max_prompt_length, left=True)
-    response_slots = _slots(response_lengths, max_response_length, left=False)
-    logprobs = [r.logprobs if r.logprobs is not None else [0.0] * len(r.response_ids) for r in rows]
-    return {
-        "prompts": _fill([r.prompt_ids for r in rows], prompt_slots, pad_token_id, np.int64),
-        "prompt_mask": prompt_slots.astype(np.int64),
-        "responses": _fill([r.response_ids for r in rows], response_slots, pad_token_id, np.int64),
-        "response_attention": response_slots.astype(np.int64),
-        "response_mask": _fill([r.response_mask for r in rows], response_slots, 0, np.int64),
-        "rollout_log_probs": _fill(logprobs, response_slots, 0.0, np.float32),
-        "response_lengths": response_lengths,
-    }
-
-
-def _slots(lengths: np.ndarray, width: int, *, left: bool) -> np.ndarray:
-    """[N, width] bool: where each row's tokens go (left padding: the last `len` columns)."""
-    columns = np.arange(width)
-    return columns >= width - lengths[:, None] if left else columns < lengths[:, None]
-
-
-def _fill(seqs: Sequence[Sequence], slots: np.ndarray, fill: float, dtype: Any) -> np.ndarray:
-    """Scatter ragged sequences into their slots. Boolean-mask assignment walks the slots in
-    row-major order, which is exactly the order of the concatenated sequences."""
-    out = np.full(slots.shape, fill, dtype=dtype)
-    out[slots] = np.fromiter(chain.from_iterable(seqs), dtype, int(slots.sum()))
-    return out
-
-
 # =========================================================================== tensors
 
 
@@ -331,7 +332,11 @@ def to_dataproto(rows: Sequence[Row], arrays: dict[str, np.ndarray]) -> tuple[An
 
     n = len(rows)
     attention = np.concatenate([arrays["prompt_mask"], arrays["response_attention"]], axis=1)
-    position = np.clip(np.cumsum(attention, axis=1) - 1, 0, None)
+    p, r = arrays["prompts"].shape[1], arrays["responses"].shape[1]
+    lengths = arrays.get("prompt_lengths")
+    if lengths is None:
+        lengths = arrays["prompt_mask"].sum(axis=1)
+    position = padding.positions(lengths, arrays["response_lengths"], p, r)  # clamp(cumsum(mask) - 1, 0)
     scores = np.zeros(arrays["responses"].shape, dtype=np.float32)
     rewards = np.fromiter((r.reward for r in rows), np.float32, n)
     # The last attended position is the last response token (rows are never empty here).
@@ -346,7 +351,7 @@ def to_dataproto(rows: Sequence[Row], arrays: dict[str, np.ndarray]) -> tuple[An
         "is_drop_mask": np.fromiter((r.is_drop for r in rows), bool, n),
         "token_level_scores": scores,
     }
-    n_without = sum(r.logprobs is None for r in rows)
+    n_without = sum(r.span_logprobs is None for r in rows)
     if n_without == 0:
         tensors["rollout_log_probs"] = arrays["rollout_log_probs"]
     data_ids = np.array([r.data_id for r in rows], dtype=object)

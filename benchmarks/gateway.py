@@ -1,20 +1,33 @@
-"""How much latency does the gateway add to an agent's LLM call, and how fast does the store append?
+"""The gateway hop and the store, side by side with Agent Lightning 1.0.2's server, in one run.
 
-    python benchmarks/gateway.py [--agents 32] [--calls 20] [--delay 0.2] [--upstream-client auto]
+    python benchmarks/gateway.py [--agents 1,8,64,256] [--delay 0.005] [--seconds 3] [--no-agl]
 
-Processes as in a real run: fake OpenAI upstreams (`python -m tests.fakes`, vLLM-shaped
-answers with prompt/response token ids and logprobs; one answers at once, one after `--delay`
-seconds of "model time"), the gateway
-(`agl-lab serve`, memory or SQLite store), and this script, whose asyncio agents alternate a
-direct call to the upstream and a call through the gateway (same body, a ~1 KB conversation),
-so both see the same machine load; agents start staggered over one model time, so they do not
-call in lock-step (as real agents, whose model times differ, do not). Added latency = gateway percentile - direct percentile:
-with 1 agent and no model time it is the pure per-call overhead; with `--agents` at once it
-includes the queueing of a single-threaded gateway. "gw CPU ms/call" is the gateway
-process's user+system CPU per proxied call (from /proc), the number least sensitive to load.
+Processes as in a real run, all on loopback:
+- a fake OpenAI upstream: a minimal asyncio HTTP/1.1 server (uvloop when installed) answering
+  every POST after `--delay` seconds of "model time" with one canned vLLM-shaped chat
+  completion (600 prompt ids, 64 response ids with logprobs), so the upstream costs little CPU;
+- the servers under test: `agl-lab serve` with the memory store and with the SQLite store,
+  and (when `agentlightning` is importable) AGL's own `create_app` under uvicorn with its
+  entry point's settings — each process idle while another is measured;
+- this script's agents: asyncio tasks sharing one aiohttp session, each with its own rollout.
 
-The second table measures `Store.append_event` with a model_request-sized payload, in process.
-Timings depend on the machine and its load: compare rows of one run, not runs.
+Per server and agent count:
+1. **latency**: each agent alternates a direct call to the upstream and a call through the
+   gateway (same ~1 KB body), so both see the same load; added = gateway − direct percentile
+   (agents start staggered over one model time, as real agents do not call in lock-step);
+2. **throughput**: every agent calls through the gateway back to back for `--seconds`; proxied
+   calls/s, and meanwhile a probe process GETs /healthz every 20 ms (its p99 says whether
+   anything blocks the server's event loop; in a process of its own, so that it does not queue
+   behind the agents' work in this one);
+3. the gateway process's user+system CPU per proxied call (/proc), the figure least sensitive
+   to the machine's load.
+
+Then in process: `Store.append_event` rate on both stores (model_request-sized payloads), and
+the cost of a terminal-cursor poll with 10 000 terminal rollouts in the store (the caught-up
+poll a rollout manager makes every tick, and a full 1000-item page).
+
+Timings depend on the machine and its load (printed with `os.getloadavg()` next to each
+table): compare rows of one run — the ratio columns — not runs.
 """
 
 from __future__ import annotations
@@ -22,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import os
 import socket
 import statistics
@@ -41,10 +55,79 @@ from agl_lab.server.gateway import proxy_base_url  # noqa: E402
 from agl_lab.server.store import open_store  # noqa: E402
 
 MODEL = "bench-model"
+KEY = "bench-key"
 MESSAGES = [{"role": "system", "content": "You are a careful math assistant. " * 4}] + [
     {"role": "user" if i % 2 == 0 else "assistant", "content": f"Turn {i}: " + "step by step " * 12}
     for i in range(6)
 ]
+# the body the gateway forwards in train mode, so the upstream does the same work either way
+BODY = {"model": MODEL, "messages": MESSAGES, "temperature": 1.0, "return_token_ids": True, "logprobs": True}
+
+AGL_SERVER = """
+import sys, uvicorn
+from agentlightning.server.app import create_app
+cfg = {"host": "127.0.0.1", "port": int(sys.argv[1]), "key": sys.argv[2],
+       "default_proxy": {"model_name": sys.argv[3], "include_log_probs": True, "include_routed_experts": False,
+                         "train": {"temperature": 1.0}, "val": {"temperature": 0.7}}}
+uvicorn.run(create_app(cfg), host="127.0.0.1", port=cfg["port"], workers=1, timeout_keep_alive=120,
+            log_level="warning")
+"""
+
+
+# ---------------------------------------------------------------------------------------------
+# The fake upstream: canned answer after `delay` seconds
+# ---------------------------------------------------------------------------------------------
+
+
+def canned_completion() -> bytes:
+    import json
+
+    content = [{"token": f"t{k}", "logprob": -0.01 * (k + 1), "bytes": [116], "top_logprobs": []} for k in range(64)]
+    body = {"id": "chatcmpl-bench", "object": "chat.completion", "created": 0, "model": MODEL,
+            "prompt_token_ids": list(range(1000, 1600)),
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok " * 32},
+                         "token_ids": list(range(2000, 2064)), "logprobs": {"content": content},
+                         "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 600, "completion_tokens": 64, "total_tokens": 664}}
+    payload = json.dumps(body).encode()
+    head = (f"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {len(payload)}\r\n"
+            "connection: keep-alive\r\n\r\n").encode()
+    return head + payload
+
+
+async def serve_upstream(port: int, delay: float) -> None:
+    answer = canned_completion()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n"):
+                    if line[:15].lower() == b"content-length:":
+                        length = int(line[15:])
+                if length:
+                    await reader.readexactly(length)
+                if delay:
+                    await asyncio.sleep(delay)
+                writer.write(answer)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", port, backlog=4096)
+    async with server:
+        await server.serve_forever()
+
+
+def run_loop(coro) -> None:
+    try:
+        import uvloop
+
+        uvloop.run(coro)
+    except ImportError:
+        asyncio.run(coro)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -59,20 +142,18 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def process(make_args, make_url, ready_json: dict | None = None, tries: int = 3) -> Iterator[tuple[str, int]]:
-    """Start `python make_args(port)`; yield (base url, pid) once `make_url(port)` answers 200.
-
-    A fresh free port per try: another program may grab the port between probe and bind."""
+def process(args_of, ready_url_of, tries: int = 3) -> Iterator[tuple[str, int]]:
+    """Start `python args_of(port)`; yield (base url, pid) once `ready_url_of(port)` answers."""
     for attempt in range(tries):
         port = free_port()
-        proc = subprocess.Popen([sys.executable, *make_args(port)], cwd=ROOT, stdout=subprocess.DEVNULL,
+        proc = subprocess.Popen([sys.executable, *args_of(port)], cwd=ROOT, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE)
-        if _wait_ready(proc, make_url(port), ready_json):
+        if _wait_ready(proc, ready_url_of(port)):
             break
         proc.kill()
         proc.wait(10)
         if attempt == tries - 1:
-            raise RuntimeError(f"{make_args(port)} did not start: {proc.stderr.read().decode()[-2000:]}")
+            raise RuntimeError(f"{args_of(port)} did not start: {proc.stderr.read().decode()[-2000:]}")
     try:
         yield f"http://127.0.0.1:{port}", proc.pid
     finally:
@@ -80,14 +161,11 @@ def process(make_args, make_url, ready_json: dict | None = None, tries: int = 3)
         proc.wait(10)
 
 
-def _wait_ready(proc: subprocess.Popen, url: str, ready_json: dict | None) -> bool:
-    deadline = time.monotonic() + 30
+def _wait_ready(proc: subprocess.Popen, url: str) -> bool:
+    deadline = time.monotonic() + 60
     while proc.poll() is None and time.monotonic() < deadline:
         try:
-            if ready_json is None:
-                r = httpx.get(url, trust_env=False)
-            else:
-                r = httpx.post(url, json=ready_json, trust_env=False)
+            r = httpx.post(url, json={}, trust_env=False) if url.endswith("completions") else httpx.get(url, trust_env=False)
             if r.status_code == 200:
                 return True
         except httpx.HTTPError:
@@ -96,93 +174,132 @@ def _wait_ready(proc: subprocess.Popen, url: str, ready_json: dict | None) -> bo
     return False
 
 
-# ---------------------------------------------------------------------------------------------
-# Agents
-# ---------------------------------------------------------------------------------------------
-
-
-async def run_agents(direct_url: str, gateway_urls: list[str], calls: int, headers: dict[str, str],
-                     stagger: float) -> tuple[list[float], list[float]]:
-    """One asyncio task per gateway url; each alternates a direct and a proxied call, `calls` of
-    each, so both see the same load -> (direct latencies ms, gateway latencies ms)."""
-    n = len(gateway_urls)
-    limits = httpx.Limits(max_connections=2 * n + 8, max_keepalive_connections=2 * n + 8)
-    # the body the gateway forwards in train mode, so the upstream does the same work either way
-    body = {"model": MODEL, "messages": MESSAGES, "temperature": 1.0, "return_token_ids": True, "logprobs": True}
-    async with httpx.AsyncClient(headers=headers, limits=limits, timeout=60, trust_env=False) as client:
-        async def call(base: str, out: list[float]) -> None:
-            t0 = time.perf_counter()
-            r = await client.post(base + "/chat/completions", json=body)
-            out.append((time.perf_counter() - t0) * 1000)
-            r.raise_for_status()
-
-        async def agent(i: int, gw: str, direct: list[float], through: list[float], k: int,
-                        stagger: float = 0.0) -> None:
-            await asyncio.sleep(stagger * i / n)
-            for j in range(k):
-                pair = [(direct_url, direct), (gw, through)]
-                for base, out in pair if (i + j) % 2 == 0 else pair[::-1]:
-                    await call(base, out)
-
-        await asyncio.gather(*(agent(i, gw, [], [], 3) for i, gw in enumerate(gateway_urls)))  # warm-up
-        direct: list[float] = []
-        through: list[float] = []
-        await asyncio.gather(*(agent(i, gw, direct, through, calls, stagger) for i, gw in enumerate(gateway_urls)))
-    return direct, through
-
-
-def pct(xs: list[float], q: float) -> float:
-    return statistics.quantiles(xs, n=100, method="inclusive")[int(q) - 1] if len(xs) > 1 else xs[0]
-
-
 def cpu_seconds(pid: int) -> float:
     """user + system CPU time of a process (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def gateway_rows(args: argparse.Namespace, upstreams: dict[float, str], store: str) -> list[list[str]]:
-    key = "bench-key"
-    cmd = lambda port: ["-m", "agl_lab.cli", "serve", "--port", str(port), "--key", key,  # noqa: E731
-                        "--model-name", MODEL, "--store", store, "--log-level", "warning",
-                        "--upstream-client", args.upstream_client]
-    rows = []
-    headers = {"Authorization": f"Bearer {key}"}
-    with process(cmd, lambda port: f"http://127.0.0.1:{port}/healthz") as (url, pid):
-        admin = httpx.Client(base_url=url, headers=headers, trust_env=False)
-        ids = [f"bench-{i}" for i in range(args.agents)]
-        admin.post("/api/rollouts", json=[{"rollout_id": r, "input": {}} for r in ids]).raise_for_status()
-        for agents, delay in [(1, 0.0), (args.agents, args.delay)]:
-            admin.delete("/api/models").raise_for_status()
-            admin.post("/api/models", json=[{"model": MODEL, "endpoint": upstreams[delay] + "/v1"}]).raise_for_status()
-            calls = args.calls if agents > 1 else args.calls * 8
-            cpu0 = cpu_seconds(pid)
-            direct, through = asyncio.run(run_agents(upstreams[delay] + "/v1",
-                                                     [proxy_base_url(url, r) for r in ids[:agents]], calls, headers,
-                                                     stagger=delay))
-            cpu_ms = (cpu_seconds(pid) - cpu0) * 1000 / (len(through) + 3 * agents)
-            d50, d99, g50, g99 = pct(direct, 50), pct(direct, 99), pct(through, 50), pct(through, 99)
-            rows.append([store.split(":")[0], str(agents), f"{delay * 1000:.0f}", str(len(through)),
-                         f"{d50:.2f}", f"{g50:.2f}", f"{g50 - d50:+.2f}", f"{d99:.2f}", f"{g99:.2f}",
-                         f"{g99 - d99:+.2f}", f"{cpu_ms:.2f}"])
-        admin.close()
-    return rows
+def load() -> str:
+    return f"{os.getloadavg()[0]:.1f}"
 
 
 # ---------------------------------------------------------------------------------------------
-# Store throughput
+# Agents
+# ---------------------------------------------------------------------------------------------
+
+
+def pct(xs: list[float], q: float) -> float:
+    if len(xs) < 2:
+        return xs[0] if xs else float("nan")
+    return statistics.quantiles(xs, n=100, method="inclusive")[int(q) - 1]
+
+
+async def latency_phase(session, direct: str, gateways: list[str], calls: int, stagger: float):
+    """Each agent alternates direct / gateway calls -> (direct ms, gateway ms)."""
+    import orjson
+
+    payload = orjson.dumps(BODY)
+    headers = {"Authorization": f"Bearer {KEY}", "content-type": "application/json"}
+    d_ms: list[float] = []
+    g_ms: list[float] = []
+
+    async def call(url: str, out: list[float] | None) -> None:
+        t0 = time.perf_counter()
+        async with session.post(url, data=payload, headers=headers) as r:
+            await r.read()
+            if r.status != 200:
+                raise RuntimeError(f"{url} answered {r.status}: {(await r.text())[:300]}")
+        if out is not None:
+            out.append((time.perf_counter() - t0) * 1000)
+
+    async def agent(i: int, gw: str, k: int, record: bool) -> None:
+        await asyncio.sleep(stagger * i / len(gateways) if record else 0)
+        for j in range(k):
+            pair = [(direct, d_ms if record else None), (gw + "/chat/completions", g_ms if record else None)]
+            for url, out in pair if (i + j) % 2 == 0 else pair[::-1]:
+                await call(url, out)
+
+    await asyncio.gather(*(agent(i, gw, 2, False) for i, gw in enumerate(gateways)))  # warm-up
+    await asyncio.gather(*(agent(i, gw, calls, True) for i, gw in enumerate(gateways)))
+    return d_ms, g_ms
+
+
+async def throughput_phase(session, base: str, gateways: list[str], seconds: float):
+    """Back-to-back proxied calls for `seconds` + a /healthz probe -> (calls/s, healthz ms)."""
+    import orjson
+
+    payload = orjson.dumps(BODY)
+    headers = {"Authorization": f"Bearer {KEY}", "content-type": "application/json"}
+    done = 0
+    stop = time.perf_counter() + seconds
+
+    async def agent(gw: str) -> None:
+        nonlocal done
+        while time.perf_counter() < stop:
+            async with session.post(gw + "/chat/completions", data=payload, headers=headers) as r:
+                await r.read()
+            done += 1
+
+    # the probe runs in its own process: in this one it would queue behind the agents' own work
+    probe = await asyncio.create_subprocess_exec(
+        sys.executable, __file__, "--probe", base + "/healthz", "--seconds", str(seconds),
+        stdout=asyncio.subprocess.PIPE)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(agent(gw) for gw in gateways))
+    rate = done / (time.perf_counter() - t0)
+    out, _ = await probe.communicate()
+    return rate, [float(x) for x in out.split()]
+
+
+def probe_health(url: str, seconds: float) -> None:
+    """--probe: GET `url` every 20 ms for `seconds`; print the latencies (ms), one per line."""
+    out = []
+    with httpx.Client(trust_env=False, timeout=30) as client:
+        stop = time.perf_counter() + seconds
+        while time.perf_counter() < stop:
+            t0 = time.perf_counter()
+            client.get(url)
+            out.append((time.perf_counter() - t0) * 1000)
+            time.sleep(0.02)
+    print("\n".join(f"{x:.3f}" for x in out))
+
+
+async def measure(base: str, pid: int, direct: str, rollout_ids: list[str], agents: int, args) -> dict:
+    import aiohttp
+
+    gateways = [proxy_base_url(base, r) for r in rollout_ids[:agents]]
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        calls = max(4, 400 // agents) if agents < 256 else 3
+        d_ms, g_ms = await latency_phase(session, direct + "/v1/chat/completions", gateways, calls, args.delay)
+        cpu0 = cpu_seconds(pid)
+        rate, health = await throughput_phase(session, base, gateways, args.seconds)
+        cpu_ms = (cpu_seconds(pid) - cpu0) * 1000 / max(1.0, rate * args.seconds)
+    return {"d50": pct(d_ms, 50), "d99": pct(d_ms, 99), "g50": pct(g_ms, 50), "g99": pct(g_ms, 99),
+            "rate": rate, "h50": pct(health, 50), "h99": pct(health, 99), "cpu": cpu_ms, "load": load()}
+
+
+def setup_server(base: str, upstream: str, rollout_ids: list[str]) -> None:
+    with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {KEY}"}, trust_env=False) as admin:
+        admin.post("/api/rollouts", json=[{"rollout_id": r, "input": {}} for r in rollout_ids]).raise_for_status()
+        admin.post("/api/models", json=[{"model": MODEL, "endpoint": upstream + "/v1"}]).raise_for_status()
+
+
+# ---------------------------------------------------------------------------------------------
+# Store: appends/s and terminal-cursor polls
 # ---------------------------------------------------------------------------------------------
 
 
 def store_rows(n_events: int, tmp: str) -> list[list[str]]:
-    prompt = list(range(600))
-    data = {"model": MODEL, "model_version": 0, "request": {"model": MODEL, "messages": MESSAGES},
-            "response": {"prompt_token_ids": prompt, "choices": [{"token_ids": list(range(64)),
+    from agl_lab.protocol import RolloutCreate, RolloutStatusPatch
+
+    data = {"model": MODEL, "model_version": 0, "request": BODY,
+            "response": {"prompt_token_ids": list(range(600)), "choices": [{"token_ids": list(range(64)),
                          "logprobs": {"content": [{"logprob": -0.1}] * 64}}]},
             "server": {"model": MODEL, "endpoint": "http://x/v1", "version": 0}, "latency_ms": 1.0,
             "http_status": 200, "status": "ok", "retry_count": 0, "usage": None, "finish_reason": "stop"}
-    from agl_lab.protocol import RolloutCreate
-
     rows = []
     for url in ("memory", f"sqlite:///{tmp}/bench-store.db"):
         store = open_store(url)
@@ -194,8 +311,25 @@ def store_rows(n_events: int, tmp: str) -> list[list[str]]:
         t0 = time.perf_counter()
         n_read = sum(len(store.events(f"s{i}")) for i in range(32))
         read_rate = n_read / (time.perf_counter() - t0)
+        # 10k terminal rollouts, then the polls a rollout manager makes
+        ids = [f"t{i}" for i in range(10_000)]
+        store.create_rollouts([RolloutCreate(rollout_id=r, input={"id": r}) for r in ids])
+        for r in ids:
+            store.patch_status(r, RolloutStatusPatch(state="running"))
+            store.patch_status(r, RolloutStatusPatch(state="succeeded"))
+        total = store.terminal_page(0, 1).total_terminal
+        t0 = time.perf_counter()
+        for _ in range(200):
+            store.terminal_page(total, 1000)
+        caught_up_us = (time.perf_counter() - t0) / 200 * 1e6
+        t0 = time.perf_counter()
+        for _ in range(5):
+            page = store.terminal_page(total - 1000, 1000)
+        page_ms = (time.perf_counter() - t0) / 5 * 1000
+        assert len(page.items) == 1000
         store.close()
-        rows.append([url.split(":")[0], str(n_events), f"{append_rate:,.0f}", f"{read_rate:,.0f}"])
+        rows.append([url.split(":")[0], str(n_events), f"{append_rate:,.0f}", f"{read_rate:,.0f}",
+                     f"{caught_up_us:,.0f}", f"{page_ms:.1f}", load()])
     return rows
 
 
@@ -208,28 +342,70 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--agents", type=int, default=32)
-    p.add_argument("--calls", type=int, default=20, help="calls per agent and route (x8 for the 1-agent run)")
-    p.add_argument("--delay", type=float, default=0.2, help="upstream model time per call with --agents (s)")
+    p.add_argument("--agents", default="1,8,64,256", help="comma-separated agent counts")
+    p.add_argument("--delay", type=float, default=0.005, help="upstream model time per call (s)")
+    p.add_argument("--seconds", type=float, default=3.0, help="throughput phase per server and agent count")
     p.add_argument("--events", type=int, default=5000)
-    p.add_argument("--upstream-client", default="auto", choices=["auto", "aiohttp", "httpx"])
+    p.add_argument("--no-agl", action="store_true", help="skip AGL even when importable")
+    p.add_argument("--serve-upstream", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--probe", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
-    print(f"cpus={os.cpu_count()} load={os.getloadavg()[0]:.1f} agents={args.agents} calls={args.calls} "
-          f"model time={args.delay * 1000:.0f} ms upstream client={args.upstream_client}")
-    fake = lambda delay: lambda port: ["-m", "tests.fakes", "--port", str(port), "--delay", str(delay)]  # noqa: E731
-    ready = lambda port: f"http://127.0.0.1:{port}/v1/chat/completions"  # noqa: E731
-    rows = []
+    if args.probe is not None:
+        probe_health(args.probe, args.seconds)
+        return
+    if args.serve_upstream is not None:
+        run_loop(serve_upstream(args.serve_upstream, args.delay))
+        return
+    counts = [int(x) for x in args.agents.split(",")]
+    use_agl = importlib.util.find_spec("agentlightning") is not None and not args.no_agl
+    print(f"cpus={os.cpu_count()} load={load()} agents={counts} model time={args.delay * 1000:.0f} ms "
+          f"throughput phase={args.seconds:.0f} s; AGL {'measured' if use_agl else 'not importable: skipped'}")
+    rollout_ids = [f"bench-{i}" for i in range(max(counts))]
+    results: dict[tuple[str, int], dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        with process(fake(0.0), ready, ready_json={"messages": []}) as (fast, _), \
-                process(fake(args.delay), ready, ready_json={"messages": []}) as (slow, _):
-            upstreams = {0.0: fast, args.delay: slow}
-            rows += gateway_rows(args, upstreams, "memory")
-            rows += gateway_rows(args, upstreams, f"sqlite:///{tmp}/bench-gw.db")
-        print("\nLatency per chat completion (ms): direct to the fake upstream vs through the gateway")
-        print(table(["store", "agents", "model ms", "calls", "p50 dir", "p50 gw", "added", "p99 dir", "p99 gw",
-                     "added", "gw CPU ms/call"], rows))
-        print("\nStore throughput (model_request events, in process)")
-        print(table(["store", "events", "appends/s", "reads/s"], store_rows(args.events, tmp)))
+        upstream_args = lambda port: ["benchmarks/gateway.py", "--serve-upstream", str(port),  # noqa: E731
+                                      "--delay", str(args.delay)]
+        ours = lambda store: lambda port: ["-m", "agl_lab.cli", "serve", "--port", str(port), "--key", KEY,  # noqa: E731
+                                           "--model-name", MODEL, "--store", store, "--log-level", "warning"]
+        servers = {"memory": ours("memory"), "sqlite": ours(f"sqlite:///{tmp}/bench-gw.db")}
+        if use_agl:
+            servers["AGL"] = lambda port: ["-c", AGL_SERVER, str(port), KEY, MODEL]
+        health = lambda port: f"http://127.0.0.1:{port}/healthz"  # noqa: E731
+        with process(upstream_args, lambda port: f"http://127.0.0.1:{port}/v1/chat/completions") as (upstream, _), \
+                contextlib.ExitStack() as stack:
+            started = {name: stack.enter_context(process(cmd, health)) for name, cmd in servers.items()}
+            for base, _pid in started.values():
+                setup_server(base, upstream, rollout_ids)
+            for agents in counts:  # servers side by side per agent count: the same machine load
+                for name, (base, pid) in started.items():
+                    results[name, agents] = asyncio.run(measure(base, pid, upstream, rollout_ids, agents, args))
+        print_gateway(results, counts, list(servers), use_agl)
+        print(f"\nStore (in process; 10k terminal rollouts for the polls)  load={load()}")
+        print(table(["store", "events", "appends/s", "reads/s", "caught-up poll µs", "1000-item page ms", "load"],
+                    store_rows(args.events, tmp)))
+
+
+def print_gateway(results: dict, counts: list[int], names: list[str], use_agl: bool) -> None:
+    print(f"\nGateway: {counts} agents, ms; added = gateway − direct percentile; calls/s with agents calling "
+          "back to back; /healthz probed every 20 ms during it")
+    header = ["server", "agents", "p50 dir", "p50 gw", "+p50", "p99 dir", "p99 gw", "+p99", "calls/s",
+              "healthz p50", "healthz p99", "CPU ms/call", "load"]
+    if use_agl:
+        header += ["+p50 / AGL", "+p99 / AGL", "calls/s × AGL"]
+    rows = []
+    for agents in counts:
+        for name in names:
+            r = results[name, agents]
+            row = [name, str(agents), f"{r['d50']:.2f}", f"{r['g50']:.2f}", f"{r['g50'] - r['d50']:+.2f}",
+                   f"{r['d99']:.2f}", f"{r['g99']:.2f}", f"{r['g99'] - r['d99']:+.2f}", f"{r['rate']:,.0f}",
+                   f"{r['h50']:.1f}", f"{r['h99']:.1f}", f"{r['cpu']:.2f}", r["load"]]
+            if use_agl:
+                a = results["AGL", agents]
+                ratio = lambda x, y: f"{x / y:.2f}" if y > 0 else "n/a"  # noqa: E731
+                row += [ratio(r["g50"] - r["d50"], a["g50"] - a["d50"]), ratio(r["g99"] - r["d99"], a["g99"] - a["d99"]),
+                        f"{r['rate'] / a['rate']:.2f}"]
+            rows.append(row)
+    print(table(header, rows))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ The triplet view the server serves over the store's events is tested in test_rec
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -200,3 +201,60 @@ def test_model_registry_upsert_sorted_and_clear(store):
     assert [(m.endpoint, m.version) for m in store.models_for("m")] == [("http://a/v1", 0), ("http://z/v1", 5)]
     store.clear_models()
     assert store.models_for("m") == [] and store.models_for("o") == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Hot-path storage: batched SQLite appends, memory events as JSON bytes
+# ---------------------------------------------------------------------------------------------
+
+
+def _rows_on_disk(path) -> int:
+    import sqlite3
+
+    with sqlite3.connect(path) as db:  # another connection: sees committed rows only
+        return db.execute("SELECT COUNT(*) FROM events").fetchone()[0]
+
+
+def test_sqlite_appends_are_committed_in_batches_without_a_read(tmp_path):
+    path = tmp_path / "batched.db"
+    s = SqliteStore(str(path))
+    create(s, "a")
+    for i in range(3):
+        s.append_event("a", "0", "model_request", {"n": i})
+    deadline = time.monotonic() + 30  # the flusher commits within FLUSH_SECONDS; a loaded machine may lag
+    while _rows_on_disk(path) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _rows_on_disk(path) == 3
+    for i in range(SqliteStore.APPEND_BATCH):  # a full batch commits in the appending call
+        s.append_event("a", "0", "model_request", {"n": i})
+    assert _rows_on_disk(path) >= SqliteStore.APPEND_BATCH
+    s.close()
+
+
+def test_sqlite_queued_appends_are_read_deleted_and_closed_consistently(tmp_path):
+    url = f"sqlite:///{tmp_path}/queued.db"
+    s = open_store(url)
+    create(s, "a"), create(s, "b")
+    s.append_event("a", "0", "reward", {"value": 1.0})
+    assert [e.data for e in s.events("a")] == [{"value": 1.0}]  # a read flushes first
+    s.append_event("b", "0", "reward", {"value": 2.0})
+    s.delete_rollout("b")  # flushed, then deleted with its rollout
+    assert s.append_event("a", "1", "reward", {"value": 3.0}).attempt_id == "1"
+    with pytest.raises(RolloutNotFound):
+        s.append_event("b", "0", "reward", {})
+    s.close()  # flushes the last append
+    s2 = open_store(url)
+    assert [e.data for e in s2.events("a", attempt_id="1")] == [{"value": 3.0}]
+    assert s2.get_rollout("b") is None and _rows_on_disk(tmp_path / "queued.db") == 2
+    s2.close()
+
+
+def test_memory_event_data_is_a_fresh_copy_and_non_json_data_is_kept():
+    s = MemoryStore()
+    create(s, "a")
+    s.append_event("a", "0", "model_request", {"ids": [1, 2]})
+    s.events("a")[0].data["ids"].append(3)  # mutating what a read returned changes nothing stored
+    assert s.events("a")[0].data == {"ids": [1, 2]}
+    odd = {1: {2, 3}}  # not JSON: kept as the object itself
+    s.append_event("a", "0", "custom", odd)
+    assert s.events("a", event_type="custom")[0].data is odd

@@ -17,7 +17,7 @@ OpenAI upstream of the tests and benchmarks runs on it too.
 from __future__ import annotations
 
 import argparse
-import asyncio
+import gc
 import logging
 import socket
 import threading
@@ -64,7 +64,7 @@ class ThreadedUvicorn:
 
     def _run(self) -> None:
         try:
-            asyncio.run(self._server.serve(sockets=[self._sock]))
+            self._server.run(sockets=[self._sock])  # uvicorn's loop choice: uvloop when installed
         except BaseException as exc:  # surfaced by _wait_started / stop
             self._error = exc
 
@@ -239,6 +239,8 @@ def serve_main(argv: list[str]) -> int:
     store = open_store(config.store, terminal_log_limit=config.terminal_log_limit)
     try:
         app = create_app(config, store=store)
+        gc.collect()
+        gc.freeze()  # start-up objects leave the collector's scans: shorter pauses of the event loop
         if args.tokenizer_path:
             from transformers import AutoTokenizer
 

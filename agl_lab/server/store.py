@@ -24,7 +24,8 @@ Design decisions:
 - No HTTP here: errors are `RolloutNotFound` / `InvalidTransition`, mapped to 404 / 409 by
   `agl_lab.server.app`. The triplet view the app serves (`triplet_events`) is a pure function
   over events and lives in `agl_lab.records`, beside the code that consumes it.
-- Objects returned by `MemoryStore` are the stored ones: treat them as read-only.
+- Objects returned by `MemoryStore` are the stored ones (treat them as read-only), except event
+  data: each read decodes a fresh copy of the stored JSON bytes.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import os
 import sqlite3
 import threading
 import time
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -70,6 +72,27 @@ except ImportError:  # pragma: no cover - orjson is optional
     _dumps, _loads = json.dumps, json.loads
 
 DEFAULT_TERMINAL_LOG_LIMIT = 100_000
+
+
+class _Raw:
+    """Event data orjson cannot encode (e.g. non-str keys), kept as the object itself."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+
+def _pack(data: Any) -> Any:
+    """MemoryStore's stored form of event data: JSON bytes (a `_Raw` wrapper when not JSON-able)."""
+    try:
+        return orjson.dumps(data)
+    except (TypeError, NameError):  # NameError: orjson missing
+        return _Raw(data)
+
+
+def _unpack(stored: Any) -> Any:
+    return stored.obj if isinstance(stored, _Raw) else _loads(stored)
 
 
 class StoreError(Exception):
@@ -331,7 +354,10 @@ class MemoryStore(Store):
     def __init__(self, terminal_log_limit: int = DEFAULT_TERMINAL_LOG_LIMIT):
         super().__init__(terminal_log_limit)
         self._rollouts: dict[str, Rollout] = {}
-        self._event_log: dict[str, dict[str, list[Event]]] = {}
+        # events as (type, timestamp, JSON bytes): bytes are invisible to the garbage collector, so
+        # 100k stored calls do not make each full collection (which stops the server's event loop)
+        # walk millions of dicts; reads decode a fresh copy
+        self._event_log: dict[str, dict[str, list[tuple[str, float, Any]]]] = {}
         self._model_map: dict[str, dict[str, Model]] = {}
         self._terminal: collections.deque[str] = collections.deque(maxlen=self.terminal_log_limit)
         self._terminal_count = 0
@@ -367,15 +393,17 @@ class MemoryStore(Store):
         attempts = self._event_log.get(event.rollout_id)
         if attempts is None or event.rollout_id not in self._rollouts:
             return False
-        attempts.setdefault(event.attempt_id, []).append(event)
+        attempts.setdefault(event.attempt_id, []).append((event.event_type, event.timestamp, _pack(event.data)))
         return True
 
     def _events(self, rollout_id: str, attempt_id: str) -> list[Event]:
-        return list(self._event_log.get(rollout_id, {}).get(attempt_id, []))
+        return [Event.model_construct(event_type=etype, rollout_id=rollout_id, attempt_id=attempt_id,
+                                      timestamp=ts, data=_unpack(data))
+                for etype, ts, data in self._event_log.get(rollout_id, {}).get(attempt_id, [])]
 
     def _attempts(self, rollout_id: str) -> list[str]:
         buckets = self._event_log.get(rollout_id, {})
-        firsts = [(evs[0].timestamp, i, aid) for i, (aid, evs) in enumerate(buckets.items()) if evs]
+        firsts = [(evs[0][1], i, aid) for i, (aid, evs) in enumerate(buckets.items()) if evs]
         return [aid for _, _, aid in sorted(firsts)]
 
     def _terminal_append(self, rollout_id: str) -> None:
@@ -438,7 +466,21 @@ CREATE TABLE IF NOT EXISTS terminal_log (
 
 
 class SqliteStore(Store):
-    """One SQLite file (WAL mode); one connection shared under the store's lock."""
+    """One SQLite file (WAL mode); one connection shared under the store's lock.
+
+    Durability: `synchronous=NORMAL` — a committed transaction survives a crash of the process,
+    a power loss may undo the last ones. Event appends (one per model call) are batched: an
+    append checks the rollout and queues the row; the queue is committed in one transaction
+    when `APPEND_BATCH` rows wait, `FLUSH_SECONDS` after the first one (a background thread),
+    before anything reads or deletes events, and on close. So a crash of the process loses at
+    most the appends of the last `FLUSH_SECONDS`. WAL checkpoints run on that thread's own
+    connection (PASSIVE: they never block the server), not inside a model call's commit.
+    """
+
+    APPEND_BATCH = 256
+    FLUSH_SECONDS = 0.02
+    CHECKPOINT_SECONDS = 1.0
+    ROLLOUT_CACHE = 10_000
 
     def __init__(self, path: str, terminal_log_limit: int = DEFAULT_TERMINAL_LOG_LIMIT):
         super().__init__(terminal_log_limit)
@@ -449,6 +491,14 @@ class SqliteStore(Store):
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")  # durable across process crashes
         self._db.executescript(_SCHEMA)
+        self._pending: list[tuple] = []  # queued event rows (see the class docstring)
+        self._cache: dict[str, Rollout] = {}  # rollout_id -> Rollout as stored (see _load)
+        self._closed = threading.Event()
+        if path != ":memory:":
+            self._db.execute("PRAGMA wal_autocheckpoint=0")  # the flusher thread checkpoints
+        self._flusher = threading.Thread(target=self._flush_loop, args=(weakref.ref(self), self._closed, path),
+                                         name="agl-sqlite-flush", daemon=True)
+        self._flusher.start()
         with self._lock:
             self._terminal_trim()  # a smaller limit on reopen applies at once
 
@@ -457,7 +507,54 @@ class SqliteStore(Store):
 
     def close(self) -> None:
         with self._lock:
+            if self._closed.is_set():
+                return
+            self._closed.set()
+            self._flush()
+        if threading.current_thread() is not self._flusher:
+            self._flusher.join(5)
+        with self._lock:
             self._db.close()
+
+    def _flush(self) -> None:
+        """Commit the queued appends in one transaction (called with the lock held)."""
+        if not self._pending:
+            return
+        rows, self._pending = self._pending, []
+        with self._transaction():
+            self._db.executemany(
+                "INSERT INTO events (rollout_id, attempt_id, event_type, timestamp, data) VALUES (?, ?, ?, ?, ?)", rows)
+
+    @staticmethod
+    def _flush_loop(ref: weakref.ref, closed: threading.Event, path: str) -> None:
+        """The flusher thread; holds the store only weakly, so an unclosed store is still freed."""
+        checkpointer = sqlite3.connect(path, check_same_thread=False) if path != ":memory:" else None
+        last_checkpoint = time.monotonic()
+        try:
+            while not closed.wait(SqliteStore.FLUSH_SECONDS):
+                store = ref()
+                if store is None:
+                    return
+                if store._pending:
+                    with store._lock:
+                        if not closed.is_set():
+                            store._flush()
+                del store
+                if checkpointer is not None and time.monotonic() - last_checkpoint > SqliteStore.CHECKPOINT_SECONDS:
+                    with contextlib.suppress(sqlite3.Error):
+                        checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)")
+                    last_checkpoint = time.monotonic()
+        finally:
+            if checkpointer is not None:
+                with contextlib.suppress(sqlite3.Error):
+                    checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)")
+                checkpointer.close()
+
+    def __del__(self) -> None:
+        closed = getattr(self, "_closed", None)
+        if closed is not None and not closed.is_set():
+            with contextlib.suppress(Exception):
+                self.close()
 
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[None]:
@@ -469,12 +566,24 @@ class SqliteStore(Store):
             yield
         except BaseException:
             self._db.execute("ROLLBACK")
+            self._cache.clear()  # it may hold rows of the rolled-back transaction
             raise
         self._db.execute("COMMIT")
 
     def _load(self, rollout_id: str) -> Rollout | None:
+        # every proxied call reads its rollout: decoded rows are cached (this store is the file's
+        # only writer while open), bounded by clearing at ROLLOUT_CACHE entries
+        rollout = self._cache.get(rollout_id)
+        if rollout is not None:
+            return rollout
         row = self._db.execute("SELECT body FROM rollouts WHERE rollout_id=?", (rollout_id,)).fetchone()
-        return None if row is None else Rollout.model_validate_json(row[0])
+        return None if row is None else self._cached(Rollout.model_validate_json(row[0]))
+
+    def _cached(self, rollout: Rollout) -> Rollout:
+        if len(self._cache) >= self.ROLLOUT_CACHE:
+            self._cache.clear()
+        self._cache[rollout.rollout_id] = rollout
+        return rollout
 
     def _load_many(self, rollout_ids: Sequence[str]) -> dict[str, Rollout]:
         out: dict[str, Rollout] = {}
@@ -486,6 +595,8 @@ class SqliteStore(Store):
         return out
 
     def _exists(self, rollout_id: str) -> bool:
+        if rollout_id in self._cache:
+            return True
         sql = "SELECT 1 FROM rollouts WHERE rollout_id=?"
         return self._db.execute(sql, (rollout_id,)).fetchone() is not None
 
@@ -494,14 +605,18 @@ class SqliteStore(Store):
             "INSERT INTO rollouts (rollout_id, state, body) VALUES (?, ?, ?)",
             (rollout.rollout_id, rollout.status.state.value, rollout.model_dump_json()),
         )
+        self._cached(rollout)
 
     def _replace(self, rollout: Rollout) -> None:
         self._db.execute(
             "UPDATE rollouts SET state=?, body=? WHERE rollout_id=?",
             (rollout.status.state.value, rollout.model_dump_json(), rollout.rollout_id),
         )
+        self._cached(rollout)
 
     def _remove(self, rollout_id: str) -> None:
+        self._flush()
+        self._cache.pop(rollout_id, None)
         self._db.execute("DELETE FROM rollouts WHERE rollout_id=?", (rollout_id,))
         self._db.execute("DELETE FROM events WHERE rollout_id=?", (rollout_id,))
 
@@ -512,16 +627,17 @@ class SqliteStore(Store):
         return [Rollout.model_validate_json(body) for (body,) in rows]
 
     def _append_event(self, event: Event) -> bool:
-        # one autocommitted statement (the hot path of every model call): insert if the rollout exists
-        cursor = self._db.execute(
-            "INSERT INTO events (rollout_id, attempt_id, event_type, timestamp, data) "
-            "SELECT ?, ?, ?, ?, ? WHERE EXISTS (SELECT 1 FROM rollouts WHERE rollout_id = ?)",
-            (event.rollout_id, event.attempt_id, event.event_type, event.timestamp, _dumps(event.data),
-             event.rollout_id),
-        )
-        return cursor.rowcount == 1
+        # the hot path of every model call: check, queue; committed in batches (class docstring)
+        if not self._exists(event.rollout_id):
+            return False
+        self._pending.append((event.rollout_id, event.attempt_id, event.event_type, event.timestamp,
+                              _dumps(event.data)))
+        if len(self._pending) >= self.APPEND_BATCH:
+            self._flush()
+        return True
 
     def _events(self, rollout_id: str, attempt_id: str) -> list[Event]:
+        self._flush()
         sql = (
             "SELECT event_type, timestamp, data FROM events "
             "WHERE rollout_id=? AND attempt_id=? ORDER BY seq"
@@ -535,6 +651,7 @@ class SqliteStore(Store):
         ]
 
     def _attempts(self, rollout_id: str) -> list[str]:
+        self._flush()
         sql = (
             "SELECT attempt_id, MIN(timestamp) AS t, MIN(seq) AS s FROM events "
             "WHERE rollout_id=? GROUP BY attempt_id ORDER BY t, s"
