@@ -468,17 +468,13 @@ CREATE TABLE IF NOT EXISTS terminal_log (
 class SqliteStore(Store):
     """One SQLite file (WAL mode); one connection shared under the store's lock.
 
-    Durability: `synchronous=NORMAL` — a committed transaction survives a crash of the process,
-    a power loss may undo the last ones. Event appends (one per model call) are batched: an
-    append checks the rollout and queues the row; the queue is committed in one transaction
-    when `APPEND_BATCH` rows wait, `FLUSH_SECONDS` after the first one (a background thread),
-    before anything reads or deletes events, and on close. So a crash of the process loses at
-    most the appends of the last `FLUSH_SECONDS`. WAL checkpoints run on that thread's own
+    Durability: `synchronous=NORMAL` in WAL mode. Every write, event appends included, is
+    committed before the call returns, so an acknowledged write survives a crash of the process
+    (a power loss may undo the last ones). A commit in WAL mode with NORMAL does not fsync, so an
+    append costs one INSERT and a WAL write. WAL checkpoints run on a background thread's own
     connection (PASSIVE: they never block the server), not inside a model call's commit.
     """
 
-    APPEND_BATCH = 256
-    FLUSH_SECONDS = 0.02
     CHECKPOINT_SECONDS = 1.0
     ROLLOUT_CACHE = 10_000
 
@@ -491,7 +487,6 @@ class SqliteStore(Store):
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")  # durable across process crashes
         self._db.executescript(_SCHEMA)
-        self._pending: list[tuple] = []  # queued event rows (see the class docstring)
         self._cache: dict[str, Rollout] = {}  # rollout_id -> Rollout as stored (see _load)
         self._closed = threading.Event()
         if path != ":memory:":
@@ -510,20 +505,10 @@ class SqliteStore(Store):
             if self._closed.is_set():
                 return
             self._closed.set()
-            self._flush()
         if threading.current_thread() is not self._flusher:
             self._flusher.join(5)
         with self._lock:
             self._db.close()
-
-    def _flush(self) -> None:
-        """Commit the queued appends in one transaction (called with the lock held)."""
-        if not self._pending:
-            return
-        rows, self._pending = self._pending, []
-        with self._transaction():
-            self._db.executemany(
-                "INSERT INTO events (rollout_id, attempt_id, event_type, timestamp, data) VALUES (?, ?, ?, ?, ?)", rows)
 
     @staticmethod
     def _flush_loop(ref: weakref.ref, closed: threading.Event, path: str) -> None:
@@ -531,15 +516,9 @@ class SqliteStore(Store):
         checkpointer = sqlite3.connect(path, check_same_thread=False) if path != ":memory:" else None
         last_checkpoint = time.monotonic()
         try:
-            while not closed.wait(SqliteStore.FLUSH_SECONDS):
-                store = ref()
-                if store is None:
+            while not closed.wait(SqliteStore.CHECKPOINT_SECONDS):
+                if ref() is None:  # the store was freed without close()
                     return
-                if store._pending:
-                    with store._lock:
-                        if not closed.is_set():
-                            store._flush()
-                del store
                 if checkpointer is not None and time.monotonic() - last_checkpoint > SqliteStore.CHECKPOINT_SECONDS:
                     with contextlib.suppress(sqlite3.Error):
                         checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)")
@@ -615,7 +594,6 @@ class SqliteStore(Store):
         self._cached(rollout)
 
     def _remove(self, rollout_id: str) -> None:
-        self._flush()
         self._cache.pop(rollout_id, None)
         self._db.execute("DELETE FROM rollouts WHERE rollout_id=?", (rollout_id,))
         self._db.execute("DELETE FROM events WHERE rollout_id=?", (rollout_id,))
@@ -627,17 +605,15 @@ class SqliteStore(Store):
         return [Rollout.model_validate_json(body) for (body,) in rows]
 
     def _append_event(self, event: Event) -> bool:
-        # the hot path of every model call: check, queue; committed in batches (class docstring)
+        # the hot path of every model call: one autocommitted INSERT (the rollout check hits the cache)
         if not self._exists(event.rollout_id):
             return False
-        self._pending.append((event.rollout_id, event.attempt_id, event.event_type, event.timestamp,
-                              _dumps(event.data)))
-        if len(self._pending) >= self.APPEND_BATCH:
-            self._flush()
+        self._db.execute(
+            "INSERT INTO events (rollout_id, attempt_id, event_type, timestamp, data) VALUES (?, ?, ?, ?, ?)",
+            (event.rollout_id, event.attempt_id, event.event_type, event.timestamp, _dumps(event.data)))
         return True
 
     def _events(self, rollout_id: str, attempt_id: str) -> list[Event]:
-        self._flush()
         sql = (
             "SELECT event_type, timestamp, data FROM events "
             "WHERE rollout_id=? AND attempt_id=? ORDER BY seq"
@@ -651,7 +627,6 @@ class SqliteStore(Store):
         ]
 
     def _attempts(self, rollout_id: str) -> list[str]:
-        self._flush()
         sql = (
             "SELECT attempt_id, MIN(timestamp) AS t, MIN(seq) AS s FROM events "
             "WHERE rollout_id=? GROUP BY attempt_id ORDER BY t, s"
