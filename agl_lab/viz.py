@@ -101,12 +101,19 @@ def moving_average(values: Sequence[float], window: int) -> np.ndarray:
 
 
 def plot_reward_curve(rewards: Sequence[float], *, window: int = 10, path: str | os.PathLike | None = None,
-                      title: str = "training reward", ax=None):
-    """Per-step mean reward with a trailing moving average. Saves a PNG when `path` is given."""
+                      title: str = "training reward", ax=None, steps: Sequence[int] | None = None,
+                      val: Mapping[int, float] | None = None):
+    """Per-step mean reward with a trailing moving average. Saves a PNG when `path` is given.
+
+    `steps` [len(rewards)]: the step of each reward (default 0, 1, …); `val`: `{step: val
+    reward}` drawn as points where validation ran.
+    """
     plt, ax, own = _axes(ax)
-    steps = np.arange(len(rewards))
+    steps = np.arange(len(rewards)) if steps is None else np.asarray(steps)
     ax.plot(steps, rewards, color="#9ab", lw=1, marker=".", label="per step")
     ax.plot(steps, moving_average(rewards, window), color="#c33", lw=2, label=f"moving avg ({window})")
+    if val:
+        ax.plot(list(val), list(val.values()), color="#2a7", lw=1.5, marker="o", label="validation")
     ax.set_xlabel("step")
     ax.set_ylabel("mean reward")
     ax.set_title(title)
