@@ -148,7 +148,7 @@ def fit_transcripts(model: Any, tokenizer: Any, transcripts: list[list[dict[str,
     if progress is not None:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=steps, desc=progress, leave=False)
+        bar = tqdm(total=steps, desc=progress, leave=False, mininterval=1.0)
     for step in range(steps):
         batch_rows = [rows[(step * batch_size + j) % len(rows)] for j in range(batch_size)]
         batch = {k: v.to(device) for k, v in _pad_batch(batch_rows, pad_id).items()}
