@@ -403,15 +403,17 @@ class Trainer:
 
     @property
     def metrics(self):
-        """Every logged step of this run as a DataFrame (one row per `step()` / validation log)."""
+        """Every logged step of this run as a DataFrame indexed by step (a validation logged
+        before training shares its step's row). Stages run one by one are not logged."""
         import pandas as pd
 
         history = self.metrics_logger.history
-        return pd.DataFrame(history).set_index("step") if history else pd.DataFrame()
+        return pd.DataFrame(history).groupby("step").last() if history else pd.DataFrame()
 
     def plot_metrics(self, path: str | os.PathLike | None = None):
         """Training reward per step (and validation reward where validation ran); saves a PNG
-        when `path` is given. Returns the matplotlib figure, or None before the first step."""
+        when `path` is given and returns its Path, else returns the Axes; None before the
+        first step."""
         from agl_lab.viz import plot_reward_curve
 
         df = self.metrics
