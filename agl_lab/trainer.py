@@ -72,6 +72,8 @@ class Trainer:
         self.task = None
         if agent is None and lab.get("agent"):
             agent = load_agent(str(lab.agent))  # `agl_lab.agent=module:function` (CLI)
+        if isinstance(agent, type):
+            agent = agl_agent_class_spec(agent)  # an AGL agent class: Class().run() in a subprocess
         if task is not None or train_dataset is None:  # the task's generators make the datasets
             from agl_lab.tasks import get_task
 
@@ -589,6 +591,20 @@ def load_agent(spec: str) -> Callable:
     if not callable(obj):
         raise ValueError(f"agl_lab.agent={spec!r} names a {type(obj).__name__}, not a function agent(task, ctx)")
     return obj
+
+
+def agl_agent_class_spec(cls: type) -> str:
+    """`"module:Qualname"` of an Agent Lightning agent class (no-argument constructor, `run()`),
+    which the runner starts in a subprocess per rollout with `AGL_OPENAI_BASE_URL`,
+    `AGL_EVENT_URL` and `AGL_KEY` set — the AGL v1 contract, so the class runs unchanged."""
+    if not callable(getattr(cls, "run", None)):
+        raise TypeError(f"agent={cls.__name__} is a class without run(): pass a function agent(task, ctx), "
+                        "or an Agent Lightning agent class (no-argument constructor and run())")
+    if cls.__module__ in ("__main__", "builtins") or "<locals>" in cls.__qualname__:
+        raise TypeError(f"agent={cls.__name__}: an Agent Lightning agent class runs in a subprocess, which "
+                        "imports it by name; define it in a module (not in a notebook cell or a function), "
+                        "or write the agent as a function agent(task, ctx)")
+    return f"{cls.__module__}:{cls.__qualname__}"
 
 
 def _cache_hint() -> str:

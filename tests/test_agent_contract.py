@@ -286,3 +286,27 @@ def test_building_a_trainer_shows_no_verl_or_hf_noise(tmp_path):
     assert "No supported accelerator" not in text and "registered but not available" not in text
     assert "Loading weights" not in text
     assert "a user warning is still shown" in text  # only the library's own noise is filtered
+
+
+# =========================================================================== an AGL v1 agent class
+
+
+def test_an_agent_lightning_agent_class_runs_unchanged(tmp_path):
+    """AGL v1's agent contract is a class with run() reading AGL_* variables; passed as the
+    class object, it runs in a subprocess per rollout exactly as under AGL's local controller."""
+    from tests.agents_for_tests import EnvReportAgent
+
+    with Trainer.from_config("configs/cpu_tiny.yaml", overrides=SMALL, agent=EnvReportAgent,
+                             train_dataset=_tasks(2), run_dir=tmp_path, console=False) as tr:
+        assert tr.agent == "tests.agents_for_tests:EnvReportAgent"
+        ro = tr.rollout()
+    assert len(ro.rollouts) == 4 and not ro.failed and all(r.final_reward == 1.0 for r in ro.rollouts)
+    env = [e["data"] for r in ro.rollouts for e in r.events if e.get("event_type") == "env"]
+    assert len(env) == 4 and all(v["AGL_OPENAI_BASE_URL"].endswith("/mode/train/openai/v1") for v in env)
+
+    class Local:
+        def run(self):
+            pass
+
+    with pytest.raises(TypeError, match="define it in a module"):
+        Trainer.from_config("configs/cpu_tiny.yaml", overrides=SMALL, agent=Local, train_dataset=_tasks(2))
