@@ -12,6 +12,10 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from agl_lab import quiet as _quiet
+
+_quiet.install()  # verl's CPU noise (optional back-ends, no accelerator): see agl_lab.quiet
+
 
 def __getattr__(name: str):
     # Lazy public API: `import agl_lab` stays cheap (no torch/verl import) for the CLI and agents.

@@ -427,6 +427,13 @@ def build_batch(
     kept = [r for r in plan.rows if not r.skipped_empty]
     if not kept:
         n_traced = sum(bool(r.triplets) for r in plan.rollouts)
+        failed = [r for r in plan.rollouts if r.state == "failed"]
+        if failed and len(failed) == len(plan.rollouts):
+            raise RuntimeError(
+                f"all {len(failed)} rollouts failed, so there is nothing to train on. First error "
+                f"(rollout {failed[0].rollout_id}):\n{failed[0].error_message or 'no error message'}\n"
+                "Every error: RolloutResult.lifecycle[['rollout_id', 'state', 'error_message']]."
+            )
         raise RuntimeError(
             f"zero training rows: {len(plan.rollouts)} rollouts, {n_traced} with model calls, "
             f"{len(plan.rows)} rows without a trainable token. Likely causes: the agents do not call "

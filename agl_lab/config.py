@@ -81,7 +81,8 @@ AGL_LAB_DEFAULTS: dict[str, Any] = {
             "max_model_len": 1024,
             "warm_start_steps": 0,  # supervised warm start on the task's transcripts (tiny model)
         },
-        "task": {"name": "lookup", "n_train": 256, "n_val": 32},
+        "task": {"name": "lookup", "n_train": 256, "n_val": 32},  # name: built-in, registered or module:attr
+        "agent": None,  # "module:function" agent(task, ctx) → overrides the task's agent (CLI)
         "server": {
             "embedded": True,  # start store + gateway in process; false → use agl_base_url
             "store": "memory",  # memory | sqlite:///path.db

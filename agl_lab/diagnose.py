@@ -151,7 +151,8 @@ class MergeBreak:
     """Diagnosis of one merge break (A = previous context, B = new prompt).
 
     `first_divergent_char` is the common text-prefix length (None without a tokenizer);
-    `removed_text` / `inserted_text` are excerpts of what A lost and B gained (≤ 200 chars,
+    `removed_text` / `inserted_text` are excerpts of what A lost and B gained in place — B's
+    newly appended turn at the end is not counted as inserted (≤ 200 chars,
     ``" … "`` between chunks); `removed_model_chars` / `removed_context_chars` count removed
     content characters by origin (tokens without a tokenizer).
     """
@@ -316,12 +317,17 @@ def _classify_text(a: list[int], b: list[int], mask: np.ndarray, tokenizer: Any)
     is_tag = np.repeat([bool(_TAG.fullmatch(u)) for u in units_a], lens).astype(bool)
     solid = np.array([not c.isspace() for c in text_a], dtype=bool) & ~is_tag
     removed = solid & ~char_hit
+    # B's unmatched tail (after its last unit that A also has) is the turn the new call
+    # appended — every next call adds one — so it is not part of what was inserted in place.
+    b_edit = b_hit.copy()
+    matched_b = np.flatnonzero(b_hit)
+    b_edit[(matched_b[-1] + 1 if matched_b.size else 0):] = True
     verdict = _Verdict(
         "other",
         "",
         first_char,
         _excerpt(units_a, a_hit),
-        _excerpt(units_b, b_hit),
+        _excerpt(units_b, b_edit),
         int((removed & char_model).sum()),
         int((removed & ~char_model).sum()),
     )

@@ -47,6 +47,8 @@ CONSOLE_KEYS = (
     ("training/reward", "reward"),
     ("val/reward", "val"),
     ("training/n_sample_trained", "rows"),
+    ("training/n_sample_dropped/alignment", "dropped"),
+    ("training/n_failed_rollouts", "failed"),
     ("training/n_zero_adv_groups", "zero_adv"),
     ("actor/pg_loss", "pg_loss"),
     ("actor/entropy", "entropy"),

@@ -48,6 +48,13 @@ def _short_repr(obj: Any, parts: list[str]) -> str:
     return f"{type(obj).__name__}({', '.join(parts)})"
 
 
+def _first_line(message: str | None, limit: int = 200) -> str:
+    """First line of an error message, shortened (tracebacks follow on later lines)."""
+    text = (message or "").strip()
+    line = text.splitlines()[0] if text else "no error message"
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
 def _deprecated(old: str, new: str) -> None:
     warnings.warn(f"{old} is deprecated and will be removed in the next release; use {new}",
                   DeprecationWarning, stacklevel=3)
@@ -73,7 +80,7 @@ class RolloutResult:
     def lifecycle(self) -> pd.DataFrame:
         from agl_lab.views import lifecycle_df
 
-        return lifecycle_df(self.rollouts)
+        return lifecycle_df(self.rollouts, start=self.metrics.get("timing/step_start_wall"))
 
     @cached_property
     def groups(self) -> pd.DataFrame:
@@ -81,19 +88,40 @@ class RolloutResult:
 
         return groups_df(self.rollouts)
 
+    @property
+    def failed(self) -> list[CompletedRollout]:
+        """The rollouts that ended `failed` (their `error_message` says why)."""
+        return [r for r in self.rollouts if r.state == "failed"]
+
+    @property
+    def mean_reward(self) -> float | None:
+        """Mean final reward of the rollouts that have one (None when none has)."""
+        values = [r.final_reward for r in self.rollouts if r.final_reward is not None]
+        return float(sum(values) / len(values)) if values else None
+
     def __repr__(self) -> str:
-        reward = self.metrics.get("training/reward", self.metrics.get("val/reward"))
-        return _short_repr(self, [f"step={self.step}", f"rollouts={len(self.rollouts)}",
-                                  f"carry_over_groups={len(self.carry_over)}", f"reward={reward}"])
+        reward = self.mean_reward
+        parts = [f"step={self.step}", f"rollouts={len(self.rollouts)}", f"failed={len(self.failed)}",
+                 f"mean_reward={'None' if reward is None else f'{reward:.3f}'}",
+                 f"carry_over_groups={len(self.carry_over)}"]
+        if self.failed:
+            parts.append(f"first_error={_first_line(self.failed[0].error_message)!r}")
+        return _short_repr(self, parts)
 
     def _repr_html_(self) -> str:
-        n_failed = sum(r.state == "failed" for r in self.rollouts)
+        n_failed = len(self.failed)
         n_calls = sum(len(r.triplets) for r in self.rollouts)
+        reward = self.mean_reward
         lines = [
             f"step {self.step} · {'train' if self.is_train else 'validation'}",
             f"{len(self.rollouts)} rollouts in {len({r.data_id for r in self.rollouts})} groups, "
-            f"{n_failed} failed, {n_calls} model calls",
+            f"{n_failed} failed, {n_calls} model calls, mean reward "
+            f"{'—' if reward is None else f'{reward:.3f}'}",
         ]
+        if n_failed:
+            lines.append(f"<span style='color:#c33'>first error: "
+                         f"{html.escape(_first_line(self.failed[0].error_message))}</span> "
+                         "(all of them: <code>.lifecycle[['rollout_id', 'state', 'error_message']]</code>)")
         if self.carry_over:
             lines.append(f"{len(self.carry_over)} groups carried over to the next step")
         keys = ["training/reward", "val/reward", "timing/rollout_total_s/p50", "timing/rollout_total_s/max"]
@@ -111,6 +139,9 @@ class BatchResult:
     built: "BuiltBatch"
     step: int = 0
     metrics: dict[str, Any] = field(init=False)
+    # The policy version an update of this batch produced (None: not used for an update yet).
+    # `Trainer.update` refuses a used batch: its rollouts are off-policy now.
+    updated_to_version: int | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.metrics = dict(self.built.metrics)

@@ -64,6 +64,7 @@ class Trainer:
         *,
         engine=None,
         agent: Callable | str | None = None,
+        task: Any = None,
         train_dataset: Sequence[dict] | None = None,
         val_dataset: Sequence[dict] | None = None,
         run_dir: str | os.PathLike | None = None,
@@ -80,15 +81,23 @@ class Trainer:
         self._last_batch: BatchResult | None = None
         self._last_update: UpdateResult | None = None
 
+        self._closed = False
         self.task = None
         train_files, val_files = config_mod.task_files(cfg)
-        # The built-in task supplies the agent and/or the tasks that nothing else supplies.
-        if not cfg.agentlightning.local.agent_class and (
-                agent is None or (train_dataset is None and train_files is None)):
+        if agent is None and lab.get("agent"):
+            agent = load_agent(str(lab.agent))  # `agl_lab.agent=module:function` (CLI)
+        if isinstance(agent, type):
+            agent = agl_agent_class_spec(agent)  # an AGL agent class: Class().run() in a subprocess
+        # The task (given, else the configured built-in one) supplies the agent and/or the tasks
+        # that nothing else supplies.
+        if task is not None or (not cfg.agentlightning.local.agent_class and (
+                agent is None or (train_dataset is None and train_files is None))):
             from agl_lab.tasks import get_task
 
-            self.task = get_task(str(lab.task.name))
-        self.agent = agent or (self.task.agent if self.task else None)
+            self.task = get_task(task if task is not None else str(lab.task.name))
+        if agent is None and self.task is not None and not cfg.agentlightning.local.agent_class:
+            agent = self.task.agent
+        self.agent = agent
         self.train_dataset, self.val_dataset = self._datasets(train_dataset, val_dataset, train_files, val_files)
         self.feeder = TaskFeeder(self.train_dataset, seed=int(lab.seed), shuffle=bool(cfg.data.shuffle))
 
@@ -166,14 +175,21 @@ class Trainer:
             self._closers.append(engine.close)  # its workers, replicas and the Ray cluster it started
             return engine
         from agl_lab.engines.local import LocalEngine
+        from agl_lab.quiet import quiet_hf
 
-        engine = LocalEngine.from_config(self.cfg)
+        with quiet_hf(), _stage(f"model: {lab.model.path or 'built-in tiny model (cached in ' + _cache_hint() + ')'}"):
+            engine = LocalEngine.from_config(self.cfg)
         self._closers.append(engine.close)
         if self.task is not None and int(lab.model.warm_start_steps) > 0 and lab.model.path is None:
             from agl_lab.tasks.warmstart import warm_start
 
-            warm_start(engine.model, engine.tokenizer, self.task.name,
-                       steps=int(lab.model.warm_start_steps), seed=int(lab.seed))
+            if self.task.demo_transcripts is None:
+                logger.warning("task %r has no demonstrations: agl_lab.model.warm_start_steps=%s has no "
+                               "effect (give Task(demonstrations=...) for a warm start)",
+                               self.task.name, lab.model.warm_start_steps)
+            else:
+                warm_start(engine.model, engine.tokenizer, self.task,
+                           steps=int(lab.model.warm_start_steps), seed=int(lab.seed), progress=True)
         return engine
 
     def _start_execution_side(self) -> None:
@@ -272,6 +288,7 @@ class Trainer:
         from agl_lab.records import lifecycle_metrics
         from agl_lab.rollout import SyncRolloutManager
 
+        self._check_open("rollout()")
         t0 = time.time()
         metrics: dict[str, Any] = {"timing/step_start_wall": t0}
         self._register_endpoints()
@@ -302,6 +319,7 @@ class Trainer:
             metrics["training/n_aborted_generations"] = self.engine.abort()
         if is_train:
             metrics.update(lifecycle_metrics(completed))
+        metrics.update(_report_failures(completed, self.global_step, is_train))
         metrics["timing/rollout_phase_end_wall"] = time.time()
         metrics["timing_s/gen"] = time.time() - t0
         result = RolloutResult(step=self.global_step, rollouts=completed, metrics=metrics,
@@ -352,17 +370,30 @@ class Trainer:
 
     # ------------------------------------------------------------------ stage 3: update
 
-    def update(self, batch: BatchResult | None = None) -> UpdateResult:
-        """Advantages → drops → per-rollout normalisation → policy update → weight sync."""
+    def update(self, batch: BatchResult | None = None, *, allow_reuse: bool = False) -> UpdateResult:
+        """Advantages → drops → per-rollout normalisation → policy update → weight sync.
+
+        A batch trains once: updating on a batch that was already used (a re-run notebook
+        cell) would train off-policy, so it raises unless `allow_reuse=True`.
+        """
         from agl_lab.update import run_update
 
+        self._check_open("update()")
         batch = batch or self._require(self._last_batch, "trainer.build_batch()")
+        if batch.updated_to_version is not None and not allow_reuse:
+            raise RuntimeError(
+                f"this batch (step {batch.step}) was already used for an update (→ policy version "
+                f"{batch.updated_to_version}); updating on it again trains off-policy. Run "
+                "trainer.rollout() and trainer.build_batch() for a fresh batch, or pass "
+                "update(allow_reuse=True) if you mean it.")
         t0 = time.time()
         try:  # run_update pauses the engine once it knows the step trains
             result = run_update(self.cfg, self.engine, batch, step=batch.step)
         finally:
             self.engine.resume()
         result.metrics["timing_s/update"] = time.time() - t0
+        if not result.skipped:
+            batch.updated_to_version = result.policy_version
         self._last_update = result
         # The step ends with the weight sync (or its skip): stage-by-stage use in a notebook
         # advances the step exactly like `step()`, so carry-over ages and logs stay right.
@@ -410,6 +441,7 @@ class Trainer:
         `trainer.val_before_train` (and only, when `trainer.val_only`)."""
         from tqdm.auto import tqdm
 
+        self._check_open("fit()")
         self.resume()
         total = self.global_step + steps if steps is not None else self._default_total_steps()
         self._last_step = total
@@ -425,7 +457,32 @@ class Trainer:
             history.append(self.step())
             bar.update(1)
         bar.close()
+        self.plot_metrics(self.run_dir / "reward_curve.png")
         return history
+
+    @property
+    def metrics(self):
+        """Every logged step of this run as a DataFrame indexed by step (a validation logged
+        before training shares its step's row). Stages run one by one are not logged."""
+        import pandas as pd
+
+        history = self.metrics_logger.history
+        return pd.DataFrame(history).groupby("step").last() if history else pd.DataFrame()
+
+    def plot_metrics(self, path: str | os.PathLike | None = None):
+        """Training reward per step (and validation reward where validation ran); saves a PNG
+        when `path` is given and returns its Path, else returns the Axes; None before the
+        first step."""
+        from agl_lab.viz import plot_reward_curve
+
+        df = self.metrics
+        if "training/reward" not in df:
+            return None
+        train = df["training/reward"].dropna()
+        val = df["val/reward"].dropna() if "val/reward" in df else None
+        return plot_reward_curve(train.to_numpy(), steps=train.index.to_numpy(), path=path,
+                                 val=None if val is None or val.empty else val.to_dict(),
+                                 window=max(1, min(10, len(train) // 3)))
 
     def _default_total_steps(self) -> int:
         if self.cfg.trainer.total_training_steps:
@@ -440,6 +497,7 @@ class Trainer:
         """
         from agl_lab.validation import build_validation
 
+        self._check_open("validate()")
         if not self.val_dataset:
             raise ValueError("no validation tasks: set agl_lab.task.n_val > 0 or pass val_dataset")
         repeat = int(self.cfg.actor_rollout_ref.rollout.val_kwargs.n)  # verl interleaves the copies
@@ -448,6 +506,28 @@ class Trainer:
         val = build_validation(ro.rollouts, float(self.cfg.agentlightning.reward_fillna_value), self.tokenizer)
         self._log_tables(self.global_step if step is None else step, val, "validation")
         return {**val.metrics, **{k: v for k, v in ro.metrics.items() if k.startswith("training/async/proxy")}}
+
+    def dry_run(self, task: dict | None = None, *, show: bool = True):
+        """Run the agent once on `task` (default: the first validation task, else the first
+        training task) and print its transcript: each call's new prompt tokens, the reply,
+        token counts, the reward and any error. Nothing is trained; the step does not advance.
+
+        Runs in validation mode (n=1, the gateway's `val_temperature`). Returns the
+        `CompletedRollout` (its `.triplets`, `.final_reward`, `.error_message`).
+        """
+        from agl_lab.transcript import format_transcript
+
+        self._check_open("dry_run()")
+        if task is None:
+            pool = self.val_dataset or self.train_dataset
+            if not pool:
+                raise ValueError("dry_run(): no task given and the trainer has no tasks")
+            task = pool[0]
+        ro = self.rollout([task], is_train=False)
+        rollout = ro.rollouts[0]
+        if show:
+            print(format_transcript(rollout, self.tokenizer), flush=True)
+        return rollout
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -546,7 +626,27 @@ class Trainer:
             raise RuntimeError(f"nothing to work on yet: call {producer} first (or pass a result)")
         return value
 
+    def _check_open(self, what: str) -> None:
+        if getattr(self, "_closed", False):
+            raise RuntimeError(f"this Trainer is closed (its engine, gateway and runner are stopped), so "
+                               f"{what} cannot run; create a new Trainer (Trainer.from_config(...)). "
+                               "Results you already have (rollouts, batches, trainer.metrics) stay readable.")
+
+    def __repr__(self) -> str:
+        cfg = self.cfg
+        engine = getattr(self, "engine", None)
+        task = self.task.name if self.task is not None else getattr(self.agent, "__name__", self.agent)
+        parts = [f"engine={cfg.agl_lab.engine}",
+                 f"model={getattr(engine, 'model_name', None) if engine is not None else None}",
+                 f"task={task}", f"step={self.global_step}",
+                 f"policy_version={getattr(engine, 'policy_version', None)}",
+                 f"run_dir={str(getattr(self, 'run_dir', None))!r}"]
+        if getattr(self, "_closed", False):
+            parts.append("closed")
+        return f"Trainer({', '.join(parts)})"
+
     def close(self) -> None:
+        self._closed = True
         while self._closers:
             closer = self._closers.pop()
             with contextlib.suppress(Exception):
@@ -563,6 +663,75 @@ class Trainer:
             self.close()
         except Exception:  # interpreter shutdown: modules may already be gone
             pass
+
+
+def _report_failures(completed, step: int, is_train: bool) -> dict[str, Any]:
+    """`training/n_failed_rollouts` (`val/…`) and, when any failed, one warning with the count
+    and the first error message."""
+    failed = [r for r in completed if r.state == "failed"]
+    if failed:
+        first = (failed[0].error_message or "no error message").strip()
+        logger.warning("step %d: %d of %d %s rollouts failed; first error (rollout %s): %s\n"
+                       "(every error: RolloutResult.lifecycle[['rollout_id', 'state', 'error_message']])",
+                       step, len(failed), len(completed), "training" if is_train else "validation",
+                       failed[0].rollout_id, first[:2000])
+    return {f"{'training' if is_train else 'val'}/n_failed_rollouts": len(failed)}
+
+
+def load_agent(spec: str) -> Callable:
+    """The callable named by `"module:function"` (`agl_lab.agent=...` on the command line).
+
+    A name that is not a function (a class, an AGL agent class) is returned as the string, for
+    the runner to run as an AGL agent subprocess."""
+    import importlib
+
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"agl_lab.agent={spec!r} must be 'module:function' (e.g. my_agents:solve), "
+                         "importable from the current directory or PYTHONPATH")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"agl_lab.agent={spec!r}: {obj.__name__!r} has no attribute {part!r}")
+        obj = getattr(obj, part)
+    if isinstance(obj, type):
+        return spec  # a class: run as an AGL agent (Class().run()) in a subprocess
+    if not callable(obj):
+        raise ValueError(f"agl_lab.agent={spec!r} names a {type(obj).__name__}, not a function agent(task, ctx)")
+    return obj
+
+
+def agl_agent_class_spec(cls: type) -> str:
+    """`"module:Qualname"` of an Agent Lightning agent class (no-argument constructor, `run()`),
+    which the runner starts in a subprocess per rollout with `AGL_OPENAI_BASE_URL`,
+    `AGL_EVENT_URL` and `AGL_KEY` set — the AGL v1 contract, so the class runs unchanged."""
+    if not callable(getattr(cls, "run", None)):
+        raise TypeError(f"agent={cls.__name__} is a class without run(): pass a function agent(task, ctx), "
+                        "or an Agent Lightning agent class (no-argument constructor and run())")
+    if cls.__module__ in ("__main__", "builtins") or "<locals>" in cls.__qualname__:
+        raise TypeError(f"agent={cls.__name__}: an Agent Lightning agent class runs in a subprocess, which "
+                        "imports it by name; define it in a module (not in a notebook cell or a function), "
+                        "or write the agent as a function agent(task, ctx)")
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _cache_hint() -> str:
+    from agl_lab.engines.tiny import cache_root
+
+    return str(cache_root()).replace(str(Path.home()), "~")
+
+
+@contextlib.contextmanager
+def _stage(description: str):
+    """A one-step progress bar naming long first-run work (model build/load)."""
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=1, desc=description, leave=False, bar_format="{desc} {elapsed}")
+    try:
+        yield
+    finally:
+        bar.update(1)
+        bar.close()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -605,13 +774,11 @@ def train_main(argv: list[str]) -> int:
 
 
 def _summarise(run_dir: Path, history: list[dict[str, Any]], wall: float) -> None:
-    from agl_lab.viz import plot_reward_curve
-
     rewards = [h["training/reward"] for h in history if "training/reward" in h]
     if not rewards:
         print(f"\ndone: no training steps in {wall / 60:.1f} min · metrics {run_dir / 'metrics.jsonl'}", flush=True)
         return
-    png = plot_reward_curve(rewards, path=run_dir / "reward_curve.png")
+    png = run_dir / "reward_curve.png"  # written by fit()
     k = min(10, max(len(rewards) // 2, 1))
     first, last = float(np.mean(rewards[:k])), float(np.mean(rewards[-k:]))
     print(f"\ndone: {len(rewards)} steps in {wall / 60:.1f} min · mean training reward "

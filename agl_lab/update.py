@@ -80,6 +80,7 @@ def run_update(cfg, engine: Engine, batch: BatchResult, *, step: int) -> UpdateR
     with _timed(metrics, "adv"):
         prepared, records, adv_metrics = prepare_update_batch(data, seed=int(cfg.agl_lab.seed) + step, **opts)
     metrics.update(adv_metrics)
+    metrics.update(alignment_report(adv_metrics, opts["mini_batch_rows"], int(cfg.actor_rollout_ref.rollout.n), step))
     # Critical: skip_reason decided on the same row counts, so selection keeps ≥ 1 row here.
     assert prepared is not None, "skip_reason and select_for_update disagree on this batch"
     with _timed(metrics, "update_actor"):
@@ -94,6 +95,27 @@ def run_update(cfg, engine: Engine, batch: BatchResult, *, step: int) -> UpdateR
                                     num_trained_rows=len(prepared))
     return UpdateResult(step=step, metrics=metrics, weights=weights,
                         dropped=pd.DataFrame(records, columns=_DROP_COLUMNS), policy_version=engine.policy_version)
+
+
+ALIGNMENT_WARN_FRACTION = 0.2  # warn when mini-batch alignment drops more than this share of rows
+
+
+def alignment_report(metrics: dict[str, Any], mini_batch_rows: int, n: int, step: int) -> dict[str, Any]:
+    """`training/n_sample_dropped/alignment` (rows dropped to fill whole mini-batches) and, when
+    more than 20 % of the trainable rows went, one warning with the numbers and the fix."""
+    dropped = int(metrics.get("training/n_sample_dropped/same_reward", 0)) + int(
+        metrics.get("training/n_sample_dropped/random", 0))
+    trainable = dropped + int(metrics.get("training/n_sample_trained", 0))
+    if trainable and dropped / trainable > ALIGNMENT_WARN_FRACTION:
+        logger.warning(
+            "step %d: mini-batch alignment dropped %d of %d trainable rows (%.0f%%): a step trains whole "
+            "mini-batches of ppo_mini_batch_size × rollout.n = %d × %d = %d rows. Pick "
+            "actor.ppo_mini_batch_size so that the rows of a step fill whole mini-batches (trajectory "
+            "level: one row per rollout, so a divisor of data.train_batch_size keeps them all; "
+            "transition level: rows vary, and smaller mini-batches lose fewer). Every dropped "
+            "rollout is in UpdateResult.dropped.",
+            step, dropped, trainable, 100 * dropped / trainable, mini_batch_rows // n, n, mini_batch_rows)
+    return {"training/n_sample_dropped/alignment": dropped}
 
 
 @contextlib.contextmanager

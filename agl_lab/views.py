@@ -10,7 +10,7 @@ re-running it:
 | `rows_df`      | training row             | which calls merged, what was cut, dropped or skipped |
 | `breaks_df`    | merge break              | where and why a prompt did not extend its context    |
 | `groups_df`    | group (task in a step)   | reward spread, zero-advantage groups, rows per group |
-| `lifecycle_df` | rollout                  | queue wait, run time, total time                     |
+| `lifecycle_df` | rollout                  | state and error, queue wait, run time, total time    |
 
 `agl_lab.results.BatchResult` builds its `.rows` and `.breaks` with `rows_frame` /
 `breaks_frame` below from the batch's records, so the views and the batch never disagree.
@@ -54,6 +54,8 @@ BREAK_COLUMNS = [
 ]
 TRIPLET_COLUMNS = ["rollout_id", "data_id", "call", "prompt_tokens", "response_tokens", "reward",
                    "has_logprobs", "server_version"]
+LIFECYCLE_COLUMNS = ["rollout_id", "data_id", "step", "state", "error_message", "enqueued_at_s",
+                     "running_at_s", "finished_at_s", "queue_wait_s", "run_s", "total_s"]
 GROUP_COLUMNS = ["data_id", "n_rollouts", "rewards", "reward_mean", "reward_std", "zero_adv", "n_rows"]
 
 
@@ -160,21 +162,29 @@ def groups_df(completed: Sequence[CompletedRollout], batch: Any = None, *,
     return pd.DataFrame(records, columns=GROUP_COLUMNS)
 
 
-def lifecycle_df(completed: Sequence[CompletedRollout]) -> pd.DataFrame:
-    """Per rollout: enqueue/running/finished times and queue_wait_s, run_s, total_s (NaN if missing).
+def lifecycle_df(completed: Sequence[CompletedRollout], start: float | None = None) -> pd.DataFrame:
+    """Per rollout: state, error_message, when it was enqueued / started / finished and the spans.
 
+    `enqueued_at_s`, `running_at_s`, `finished_at_s` are seconds since `start` (a wall-clock
+    time: `RolloutResult` passes the step's start; default: the earliest enqueue time, so a
+    carried-over rollout of an async step can be negative). `queue_wait_s`, `run_s`,
+    `total_s` are the spans between them; NaN where a timestamp is missing. `error_message`
+    is the runner's reason for a failed rollout (None when it succeeded).
     Enqueue time is the trainer's clock, running/finished the server's (same host assumed).
     """
+    ordered = sort_rollouts(completed)
+    if start is None:
+        enqueued = [r.enqueue_time for r in ordered if r.enqueue_time is not None]
+        start = min(enqueued) if enqueued else 0.0
 
-    def span(start: float | None, end: float | None) -> float:
-        return float("nan") if start is None or end is None else end - start
+    def span(a: float | None, b: float | None) -> float:
+        return float("nan") if a is None or b is None else b - a
 
     records = [
-        [r.rollout_id, r.data_id, r.step, r.state, r.enqueue_time, r.running_at, r.finished_at,
+        [r.rollout_id, r.data_id, r.step, r.state, r.error_message,
+         span(start, r.enqueue_time), span(start, r.running_at), span(start, r.finished_at),
          span(r.enqueue_time, r.running_at), span(r.running_at, r.finished_at),
          span(r.enqueue_time, r.finished_at)]
-        for r in sort_rollouts(completed)
+        for r in ordered
     ]
-    columns = ["rollout_id", "data_id", "step", "state", "enqueue_time", "running_at", "finished_at",
-               "queue_wait_s", "run_s", "total_s"]
-    return pd.DataFrame(records, columns=columns)
+    return pd.DataFrame(records, columns=LIFECYCLE_COLUMNS)

@@ -101,12 +101,19 @@ def moving_average(values: Sequence[float], window: int) -> np.ndarray:
 
 
 def plot_reward_curve(rewards: Sequence[float], *, window: int = 10, path: str | os.PathLike | None = None,
-                      title: str = "training reward", ax=None):
-    """Per-step mean reward with a trailing moving average. Saves a PNG when `path` is given."""
+                      title: str = "training reward", ax=None, steps: Sequence[int] | None = None,
+                      val: Mapping[int, float] | None = None):
+    """Per-step mean reward with a trailing moving average. Saves a PNG when `path` is given.
+
+    `steps` [len(rewards)]: the step of each reward (default 0, 1, …); `val`: `{step: val
+    reward}` drawn as points where validation ran.
+    """
     plt, ax, own = _axes(ax)
-    steps = np.arange(len(rewards))
+    steps = np.arange(len(rewards)) if steps is None else np.asarray(steps)
     ax.plot(steps, rewards, color="#9ab", lw=1, marker=".", label="per step")
     ax.plot(steps, moving_average(rewards, window), color="#c33", lw=2, label=f"moving avg ({window})")
+    if val:
+        ax.plot(list(val), list(val.values()), color="#2a7", lw=1.5, marker="o", label="validation")
     ax.set_xlabel("step")
     ax.set_ylabel("mean reward")
     ax.set_title(title)
@@ -153,7 +160,50 @@ def plot_lifecycle(lifecycle, *, kind: str = "bars", ax=None, path: str | os.Pat
     ax.set_xlabel("seconds")
     ax.set_title(title)
     ax.grid(alpha=0.3, axis="x")
-    ax.legend(fontsize=8, loc="lower right" if kind == "bars" else "upper right")
+    if kind == "bars":  # outside the axes: the legend never covers a bar
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    else:
+        ax.legend(fontsize=8, loc="upper right")
+    return _finish(plt, ax, own, path)
+
+
+def plot_architecture(*, ax=None, path: str | os.PathLike | None = None,
+                      title: str = "one training step: who talks to whom"):
+    """The execution side around the Trainer, as boxes and arrows (matplotlib, no data).
+
+    agent (run by the runner, one per rollout) → gateway → engine; the gateway records each
+    call as an event in the store; the trainer enqueues rollouts in the store and reads the
+    finished ones back, then updates the engine's weights.
+    """
+    plt, ax, own = _axes(ax, figsize=(7.5, 4.0))
+    boxes = {  # name: (x, y, label, colour)
+        "trainer": (0.12, 0.68, "Trainer\nrollout · build_batch\n· update", "#dbeafe"),
+        "runner": (0.48, 0.68, "runner\nclaims queued rollouts", "#e0e7ff"),
+        "engine": (0.86, 0.68, "engine\nmodel: serve + train", "#f3f4f6"),
+        "store": (0.12, 0.30, "store\nrollouts · events", "#fef3c7"),
+        "agent": (0.48, 0.30, "your agent(task, ctx)\nOpenAI SDK", "#dcfce7"),
+        "gateway": (0.86, 0.30, "gateway\n…/rollout/{id}/…/v1", "#fce7f3"),
+    }
+    for x, y, label, colour in boxes.values():
+        ax.text(x, y, label, ha="center", va="center", fontsize=8.5, transform=ax.transAxes,
+                bbox=dict(boxstyle="round,pad=0.5", facecolor=colour, edgecolor="#555"))
+    # (from, to, label, curvature, label position (x, y))
+    arrows = [("trainer", "store", "enqueue tasks ×n;\nread finished rollouts", 0.0, (0.12, 0.49)),
+              ("store", "runner", "queued", 0.0, (0.30, 0.49)),
+              ("runner", "agent", "one per rollout", 0.0, (0.48, 0.49)),
+              ("agent", "gateway", "chat.completions", 0.0, (0.67, 0.36)),
+              ("gateway", "engine", "generate (token\nids + logprobs)", 0.0, (0.86, 0.49)),
+              ("gateway", "store", "model_request events", -0.25, (0.48, 0.12)),
+              ("trainer", "engine", "update weights, sync", -0.22, (0.48, 0.87))]
+    for a, b, label, rad, (lx, ly) in arrows:
+        (xa, ya), (xb, yb) = boxes[a][:2], boxes[b][:2]
+        ax.annotate("", xy=(xb, yb), xytext=(xa, ya), xycoords="axes fraction",
+                    arrowprops=dict(arrowstyle="->", color="#444", shrinkA=30, shrinkB=30,
+                                    connectionstyle=f"arc3,rad={rad}"))
+        ax.text(lx, ly, label, ha="center", va="center", fontsize=7, color="#333", transform=ax.transAxes,
+                bbox=dict(facecolor="white", edgecolor="none", alpha=0.85, pad=1))
+    ax.set_axis_off()
+    ax.set_title(title, fontsize=10)
     return _finish(plt, ax, own, path)
 
 
@@ -289,11 +339,18 @@ def token_cells(token_ids: Sequence[int], tokenizer: Any = None, *, prompt_len: 
     return cells
 
 
+def _control_escaped(text: str) -> str:
+    """Control characters other than newline and tab written as `\\xNN` (they are invisible or
+    break the layout when rendered raw; a tiny model samples them often)."""
+    return "".join(f"\\x{ord(ch):02x}" if (ord(ch) < 32 and ch not in "\n\t") or ord(ch) == 127 else ch
+                   for ch in text)
+
+
 def _visible(piece: str) -> str:
     """Escaped piece with newlines and tabs made visible (the newline still breaks the line)."""
     if piece == "":
         return "∅"
-    return html.escape(piece).replace("\t", "⇥").replace("\n", "↵\n")
+    return html.escape(_control_escaped(piece)).replace("\t", "⇥").replace("\n", "↵\n")
 
 
 def _span(cell: TokenCell) -> str:

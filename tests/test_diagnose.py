@@ -107,6 +107,9 @@ def test_text_history_edit_and_vanished_response():
     context, mask = [14, 15, 5, 3, 6, 7, 4, 8, 5, 9, 6], [0] * 6 + [1, 1] + [0] * 3
     dropped_user = diagnose_break(context, [14, 15, 7, 4, 8, 5, 9, 6, 5, 13], tok, model_mask=mask)
     assert dropped_user.kind == "history_edit" and dropped_user.removed_text == "<u>Hello</u>"
+    assert dropped_user.inserted_text == ""  # the appended "<u> again" turn is not an insertion
+    rewritten = diagnose_break(context, [14, 15, 5, 1, 2, 4, 6, 7, 4, 8, 5, 9, 6, 5, 13], tok, model_mask=mask)
+    assert rewritten.inserted_text == " world"  # the in-place rewrite ("Hello" is kept), not the new turn
     # the prompt rewinds to before the last response: a whole model response vanished
     rewind = diagnose_break(context + [7, 9, 8], context, tok, model_mask=mask + [1, 1, 1])
     assert rewind.kind == "history_edit" and "whole model response" in rewind.reason

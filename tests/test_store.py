@@ -5,7 +5,6 @@ The triplet view the server serves over the store's events is tested in test_rec
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 

@@ -1,8 +1,8 @@
-"""Built-in multi-turn tasks and agents: the demo, the tests and the notebooks run on these.
+"""Tasks: the built-in `lookup` and your own, registered under a name a config can use.
 
-A task is what a config names (`agl_lab.task: lookup`); `get_task(name)` returns its
-`TaskSpec`: the datasets, the default agent (plus named variants), the reward and the
-synthetic transcripts the warm start fits. Every agent is a plain `agent(task, ctx)`
+A task is what a config names (`agl_lab.task.name: lookup`); `get_task(name)` returns its
+`Task`: the datasets, the default agent (plus named variants), the reward and the
+demonstration transcripts the warm start fits. Every agent is a plain `agent(task, ctx)`
 written with the `openai` SDK against `ctx.base_url` — the same code would run unchanged
 against any OpenAI-compatible endpoint, which is the point of the gateway.
 
@@ -10,6 +10,17 @@ against any OpenAI-compatible endpoint, which is the point of the gateway.
     tasks = spec.train_tasks(64, seed=0)
     reward = spec.agent(tasks[0], ctx)          # ctx: agl_lab.runner.AgentContext
     spec.agents["history_editing"]              # a merge-breaking variant (merge_breakers.py)
+
+Your own task (a warm start then works for it as for `lookup`):
+
+    register_task(Task(name="echo", agent=echo_agent,
+                       train_tasks=lambda n, seed: [...],       # or a list of task dicts
+                       val_tasks=[...],
+                       demonstrations=[[{"role": "system", ...}, {"role": "assistant", ...}], ...]))
+    Trainer.from_config("configs/cpu_tiny.yaml", overrides=["agl_lab.task.name=echo"])
+
+`get_task("module:attr")` also imports a `Task` (or a function returning one) by name, so
+`agl-lab train configs/cpu_tiny.yaml agl_lab.task.name=my_tasks:echo` works without code.
 """
 
 from __future__ import annotations
@@ -20,32 +31,74 @@ from typing import Any, Callable
 Messages = list[dict[str, str]]
 
 
-@dataclass(frozen=True)
-class TaskSpec:
-    """Everything the trainer and the notebooks need to know about one built-in task.
+def _as_generator(value: Any, field_name: str) -> Callable[[int, int], list]:
+    """A `(n, seed) -> list` generator from a generator or a fixed list (cycled to n items)."""
+    if value is None or callable(value):
+        return value
+    if isinstance(value, (list, tuple)):
+        items = list(value)
 
-    | field             | signature                                  | meaning                         |
-    |-------------------|--------------------------------------------|---------------------------------|
-    | name              | str                                        | registry key                    |
-    | description       | str                                        | one paragraph for humans        |
-    | train_tasks       | (n, seed) -> list[dict]                    | deterministic training tasks    |
-    | val_tasks         | (n, seed) -> list[dict]                    | disjoint stream of val tasks    |
-    | agent             | (task, ctx) -> float | None                | the default agent               |
-    | reward            | (task, answer) -> float                    | task success of a final answer  |
-    | demo_transcripts  | (n, seed) -> list[Messages]                | noisy transcripts (warm start)  |
-    | agents            | dict[str, agent]                           | named agents over the same data |
-    | warm_start_steps  | int                                        | recommended warm-start steps    |
+        def generate(n: int, seed: int = 0) -> list:
+            if not items:
+                return []
+            return [items[i % len(items)] for i in range(n)]
+
+        generate.__doc__ = f"the {len(items)} given {field_name}, cycled"
+        return generate
+    raise TypeError(f"Task.{field_name} must be a function (n, seed) -> list or a list, got {type(value).__name__}")
+
+
+@dataclass(frozen=True)
+class Task:
+    """Everything the trainer and the notebooks need to know about one task.
+
+    | field            | type / signature                      | meaning                                  |
+    |------------------|---------------------------------------|------------------------------------------|
+    | name             | str                                   | registry key (`agl_lab.task.name`)       |
+    | agent            | (task, ctx) -> float | None           | the default agent                        |
+    | train_tasks      | (n, seed) -> list[dict] | list[dict]   | training tasks (a list is cycled to n)   |
+    | val_tasks        | (n, seed) -> list[dict] | list | None | validation tasks (None: no validation)   |
+    | reward           | (task, answer) -> float | None        | task success of a final answer (optional)|
+    | demonstrations   | (n, seed) -> list[Messages] | list     | transcripts the warm start fits, in order|
+    | description      | str                                   | one paragraph for humans                 |
+    | agents           | dict[str, agent]                      | named agents over the same data          |
+    | warm_start_steps | int                                   | recommended warm-start steps             |
+
+    A demonstration is a chat transcript (`[{"role", "content"}, ...]`); the warm start
+    trains on its assistant turns only. Lists are accepted wherever a generator is and are
+    cycled, so `train_tasks=my_list` gives `n_train` tasks from `my_list` in order.
+    `demo_transcripts` is the older name of `demonstrations` (same value).
     """
 
     name: str
-    description: str
-    train_tasks: Callable[[int, int], list[dict[str, Any]]]
-    val_tasks: Callable[[int, int], list[dict[str, Any]]]
     agent: Callable[[Any, Any], float | None]
-    reward: Callable[[dict[str, Any], Any], float]
-    demo_transcripts: Callable[[int, int], list[Messages]]
+    train_tasks: Any
+    val_tasks: Any = None
+    reward: Callable[[dict[str, Any], Any], float] | None = None
+    demonstrations: Any = None
+    description: str = ""
     agents: dict[str, Callable[[Any, Any], float | None]] = field(default_factory=dict)
     warm_start_steps: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name or ":" in self.name:
+            raise ValueError(f"Task.name must be a non-empty string without ':', got {self.name!r}")
+        if not callable(self.agent):
+            raise TypeError(f"Task {self.name!r}: agent must be a function agent(task, ctx), "
+                            f"got {type(self.agent).__name__}")
+        for name in ("train_tasks", "val_tasks", "demonstrations"):
+            object.__setattr__(self, name, _as_generator(getattr(self, name), name))
+        if self.train_tasks is None:
+            raise ValueError(f"Task {self.name!r}: train_tasks is required (a list of task dicts or (n, seed) -> list)")
+        if self.val_tasks is None:
+            object.__setattr__(self, "val_tasks", lambda n, seed=0: [])
+
+    @property
+    def demo_transcripts(self) -> Callable[[int, int], list[Messages]] | None:
+        return self.demonstrations
+
+
+TaskSpec = Task  # the name before tasks were public
 
 
 def _lookup_spec() -> TaskSpec:
@@ -58,7 +111,7 @@ def _lookup_spec() -> TaskSpec:
         val_tasks=lookup.val_tasks,
         agent=lookup.lookup_agent,
         reward=lookup.reward,
-        demo_transcripts=lookup.demo_transcripts,
+        demonstrations=lookup.demo_transcripts,
         agents={
             "append_only": merge_breakers.append_only_agent,
             "history_editing": merge_breakers.history_editing_agent,
@@ -68,19 +121,58 @@ def _lookup_spec() -> TaskSpec:
     )
 
 
-_REGISTRY: dict[str, Callable[[], TaskSpec]] = {"lookup": _lookup_spec}
+_BUILTIN: dict[str, Callable[[], Task]] = {"lookup": _lookup_spec}
+_REGISTRY: dict[str, Task] = {}
+
+
+def register_task(task: Task, *, replace: bool = True) -> Task:
+    """Register `task` under `task.name` (a config's `agl_lab.task.name`); returns it.
+
+    Re-registering a name replaces the earlier task (a re-run notebook cell), unless
+    `replace=False`. A built-in name cannot be taken.
+    """
+    if not isinstance(task, Task):
+        raise TypeError(f"register_task expects an agl_lab.tasks.Task, got {type(task).__name__}")
+    if task.name in _BUILTIN:
+        raise ValueError(f"{task.name!r} is a built-in task; give yours another name")
+    if not replace and task.name in _REGISTRY:
+        raise ValueError(f"a task named {task.name!r} is already registered (pass replace=True)")
+    _REGISTRY[task.name] = task
+    return task
 
 
 def task_names() -> list[str]:
-    return sorted(_REGISTRY)
+    return sorted({*_BUILTIN, *_REGISTRY})
 
 
-def get_task(name: str) -> TaskSpec:
-    """The `TaskSpec` registered under `name`; KeyError naming the known tasks otherwise."""
-    if name not in _REGISTRY:
-        raise KeyError(f"unknown task {name!r}; built-in tasks are {task_names()} "
-                       "(set agl_lab.task to one of them)")
-    return _REGISTRY[name]()
+def _import_task(spec: str) -> Task:
+    import importlib
+
+    module_name, _, attr = spec.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    if callable(obj) and not isinstance(obj, Task):
+        obj = obj()
+    if not isinstance(obj, Task):
+        raise TypeError(f"task {spec!r} is a {type(obj).__name__}; name an agl_lab.tasks.Task or a function returning one")
+    return register_task(obj)
 
 
-__all__ = ["TaskSpec", "get_task", "task_names"]
+def get_task(name: Any) -> Task:
+    """The task registered under `name` (or `name` itself when it is a `Task`, or the `Task`
+    that `"module:attr"` names); KeyError naming the known tasks otherwise."""
+    if isinstance(name, Task):
+        return name
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    if name in _BUILTIN:
+        return _BUILTIN[name]()
+    if isinstance(name, str) and ":" in name:
+        return _import_task(name)
+    raise KeyError(f"unknown task {name!r}; known tasks are {task_names()} (set agl_lab.task.name to one "
+                   "of them, register yours with agl_lab.tasks.register_task(Task(...)), or name it "
+                   "as 'module:attr')")
+
+
+__all__ = ["Task", "TaskSpec", "get_task", "register_task", "task_names"]

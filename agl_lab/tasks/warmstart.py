@@ -2,7 +2,7 @@
 
 A freshly initialised tiny model emits byte soup, so every rollout would score the same
 (zero) and GRPO would see no signal. A warm start fits the model on synthetic transcripts
-of the task (`TaskSpec.demo_transcripts`), consumed *in order* as a curriculum: first clean
+of the task (`Task.demonstrations`), consumed *in order* as a curriculum: first clean
 transcripts, then a final stretch whose content is blurred (for `lookup`, the tool call
 names a random key). The model ends up with the format and the skills' machinery (it
 calls the tool, copies values, stops at `<|im_end|>`) but has forgotten *which* call to
@@ -126,15 +126,17 @@ def _cache_dir(cache_dir: str | os.PathLike | None) -> Path:
 
 
 def fit_transcripts(model: Any, tokenizer: Any, transcripts: list[list[dict[str, str]]], steps: int,
-                    seed: int, lr: float = DEFAULT_LR, batch_size: int = DEFAULT_BATCH_SIZE) -> list[float]:
+                    seed: int, lr: float = DEFAULT_LR, batch_size: int = DEFAULT_BATCH_SIZE,
+                    progress: str | None = None) -> list[float]:
     """`steps` AdamW steps of masked cross-entropy over `transcripts` *in order*; returns the losses.
 
     Step k fits transcripts[k·B : (k+1)·B] (wrapping around), so the caller's order is a
     curriculum (see `lookup.demo_transcripts`). One optimiser for the whole fit: a fresh
     AdamW between phases would take full-size first steps and can wreck what was learnt.
+    `progress`: a progress-bar description (None: no bar).
     """
     if not transcripts:
-        raise ValueError("no transcripts to fit; demo_transcripts returned an empty list")
+        raise ValueError("no transcripts to fit; the task's demonstrations are an empty list")
     rows = [transcript_to_ids(tokenizer, t) for t in transcripts]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     torch.manual_seed(seed)
@@ -142,6 +144,11 @@ def fit_transcripts(model: Any, tokenizer: Any, transcripts: list[list[dict[str,
     optim = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
     losses = []
+    bar = None
+    if progress is not None:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=steps, desc=progress, leave=False, mininterval=1.0)
     for step in range(steps):
         batch_rows = [rows[(step * batch_size + j) % len(rows)] for j in range(batch_size)]
         batch = {k: v.to(device) for k, v in _pad_batch(batch_rows, pad_id).items()}
@@ -150,32 +157,53 @@ def fit_transcripts(model: Any, tokenizer: Any, transcripts: list[list[dict[str,
         loss.backward()
         optim.step()
         losses.append(loss.item())
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
+    if bar is not None:
+        bar.close()
     model.eval()
     return losses
 
 
-def warm_start(model: Any, tokenizer: Any, task_name: str, steps: int, seed: int = 0,
+def _transcripts_digest(transcripts: list[list[dict[str, str]]]) -> str:
+    return hashlib.sha256(json.dumps(transcripts, sort_keys=True).encode()).hexdigest()
+
+
+def warm_start(model: Any, tokenizer: Any, task: Any, steps: int, seed: int = 0,
                cache_dir: str | os.PathLike | None = None, *, lr: float = DEFAULT_LR,
-               batch_size: int = DEFAULT_BATCH_SIZE) -> Any:
-    """Fit `model` in place on `steps × batch_size` transcripts of `task_name`; returns `model`.
+               batch_size: int = DEFAULT_BATCH_SIZE, progress: bool = False) -> Any:
+    """Fit `model` in place on `steps × batch_size` demonstrations of `task`; returns `model`.
 
-    Loads the cached result when one exists for the same inputs (see `warm_start_key`).
-    steps=0 returns the model unchanged.
+    `task`: a registered task's name or an `agl_lab.tasks.Task` with `demonstrations`.
+    Loads the cached result when one exists for the same inputs (see `warm_start_key`; for a
+    task other than the built-in ones the demonstrations themselves are part of the key, so
+    editing them refits). steps=0 returns the model unchanged. `progress=True` shows a bar
+    naming the task and the cache file.
     """
-    from agl_lab.tasks import get_task
+    from agl_lab.tasks import _BUILTIN, get_task
 
-    spec = get_task(task_name)
+    spec = get_task(task)
     if steps < 0:
         raise ValueError(f"steps={steps} must be >= 0 (0 = no warm start)")
     if steps == 0:
         return model
-    fit = {"lr": lr, "batch_size": batch_size}
-    key = warm_start_key(model, tokenizer, task_name, steps, seed, **fit)
-    path = _cache_dir(cache_dir) / f"warmstart-{task_name}-{key}.pt"
+    if spec.demonstrations is None:
+        raise ValueError(f"task {spec.name!r} has no demonstrations to warm-start on; give "
+                         "Task(demonstrations=[transcript, ...]) or set agl_lab.model.warm_start_steps=0")
+    transcripts = spec.demonstrations(steps * batch_size, seed)
+    fit: dict[str, Any] = {"lr": lr, "batch_size": batch_size}
+    if spec.name not in _BUILTIN:  # built-in demonstrations are versioned by WARMSTART_VERSION
+        fit["demonstrations"] = _transcripts_digest(transcripts)
+    key = warm_start_key(model, tokenizer, spec.name, steps, seed, **fit)
+    path = _cache_dir(cache_dir) / f"warmstart-{spec.name}-{key}.pt"
     if path.exists():
         model.load_state_dict(torch.load(path, map_location=next(model.parameters()).device))
         return model.eval()
-    fit_transcripts(model, tokenizer, spec.demo_transcripts(steps * batch_size, seed), steps, seed, lr, batch_size)
+    shown = str(path).replace(str(Path.home()), "~")
+    fit_transcripts(model, tokenizer, transcripts, steps, seed, lr, batch_size,
+                    progress=f"warm start on {spec.name!r} demonstrations (first run; cached as {shown})"
+                    if progress else None)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
     os.close(fd)

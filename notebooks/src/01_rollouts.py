@@ -14,17 +14,12 @@
 # | `trainer.update()` | rollout-level GRPO advantage per group → per-rollout loss normalisation → one policy update → new weights served | `UpdateResult` |
 #
 # Every result displays as a summary and exposes pandas DataFrames, so each stage can be
-# inspected before the next one runs.
+# inspected before the next one runs. The pieces that take part, all started by the Trainer
+# in this process (with `agl_lab.server.embedded=false` they are separate processes):
 
 # %%
-import os
 import tempfile
-import warnings
 from pathlib import Path
-
-# verl's optional GPU back-ends announce themselves on import; quiet on a CPU.
-os.environ.setdefault("VERL_LOGGING_LEVEL", "ERROR")
-warnings.filterwarnings("ignore", message=".*engine is not available")
 
 import numpy as np
 import pandas as pd
@@ -39,7 +34,9 @@ pd.set_option("display.width", 160)
 pd.set_option("display.max_columns", 20)
 pd.set_option("display.precision", 3)
 ROOT = Path.cwd().parent if Path.cwd().name == "notebooks" else Path.cwd()
+viz.plot_architecture();
 
+# %%
 # A small batch so that the notebook runs in about a minute: 4 tasks × 4 rollouts per step.
 # The warm start (a short supervised fit on well-formed transcripts, cached after the first
 # run) teaches the tiny model the reply format, so rewards differ within a group.
@@ -143,6 +140,15 @@ for key in ["prompts", "responses", "response_mask", "attention_mask", "token_le
 # %%
 u = trainer.update()
 u
+
+# %% [markdown]
+# Reading the update: `actor/pg_loss` is close to 0 — not a sign that nothing was learnt.
+# GRPO advantages sum to zero within a group, and with every rollout carrying the same loss
+# weight, the policy-gradient loss at ratio 1 is Σ advantage × weight ≈ 0; its *gradient*
+# is not zero, because each rollout's term pushes on different tokens. In the table below,
+# `loss_weight` is a rollout's share of the loss and `signed_weight` = advantage ×
+# `loss_weight`: positive rows are made more likely, negative ones less, and the column sums
+# to about 0 for the same reason pg_loss does.
 
 # %%
 u.weights

@@ -24,14 +24,8 @@
 # aggregation levels.
 
 # %%
-import os
 import tempfile
-import warnings
 from pathlib import Path
-
-# verl's optional GPU back-ends announce themselves on import; quiet on a CPU.
-os.environ.setdefault("VERL_LOGGING_LEVEL", "ERROR")
-warnings.filterwarnings("ignore", message=".*engine is not available")
 
 import numpy as np
 import pandas as pd
@@ -202,9 +196,10 @@ compare
 #
 # Under verl's default `token-mean`, every trained token of the batch weighs the same, so
 # a rollout's share of the loss grows with its length: here the reasoning agent's rollouts,
-# three times longer, weigh three times more. agl_lab's `per_rollout_mean` (tech report
-# Eq. 16) gives every rollout the same share, however many tokens or rows it has, at either
-# level. `rollout_weights_table` computes each rollout's share from the batch itself.
+# three times longer, weigh three times more. agl_lab's `per_rollout_mean` (Eq. 16 of the
+# [Agent Lightning v1 technical report](https://arxiv.org/abs/2608.17528); AGL v1 divided by
+# rows instead: [agent-lightning#593](https://github.com/microsoft/agent-lightning/issues/593))
+# gives every rollout the same share, however many tokens or rows it has, at either level. `rollout_weights_table` computes each rollout's share from the batch itself.
 
 # %%
 token_mean = rollout_weights_table(b.data, loss_mode="vanilla", loss_agg_mode="token-mean")
