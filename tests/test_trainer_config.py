@@ -163,6 +163,7 @@ def _records(path) -> dict[int, dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # three CLI runs; minutes on a loaded 2-core machine
 def test_killed_cli_run_resumes_and_continues_like_an_uninterrupted_run(tmp_path):
     import subprocess
     import time
@@ -254,6 +255,7 @@ def calc_x_rows(n: int, seed: int) -> list[dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_agl_calc_x_config_trains_two_steps_and_logs_every_agl_metric(tmp_path):
     train = write_parquet(tmp_path / "train.parquet", calc_x_rows(8, 0))
     val = write_parquet(tmp_path / "test.parquet", calc_x_rows(2, 1))

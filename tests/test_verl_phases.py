@@ -214,7 +214,7 @@ def test_sync_steps_run_the_phases_in_order_and_validate_on_the_new_weights(make
     assert temps.count(0.7) == 2 * len(val)  # lookup makes two calls per episode
     assert set(temps) == {1.0, 0.7}
     lines = rig.metrics_lines()
-    assert [line["step"] for line in lines] == [0, 1]
+    assert [line["step"] for line in lines] == [1, 2]  # verl's 1-based global_steps
     assert "val/reward" not in lines[0] and lines[1]["val/n_rollouts"] == len(val)
 
 
@@ -340,7 +340,7 @@ def test_a_step_without_a_whole_mini_batch_is_skipped_logged_and_not_trained(mak
     assert "training/policy_version" not in m0 and version_after_skip == 0
     assert rig.step_log(1) == sync_step(0)  # the next step is served by, and trains from, version 0
     lines = rig.metrics_lines()
-    assert [(line["step"], line["training/skipped_steps"]) for line in lines] == [(0, 1), (1, 0)]
+    assert [(line["step"], line["training/skipped_steps"]) for line in lines] == [(1, 1), (2, 0)]
     assert m1["training/policy_version"] == 1
 
 

@@ -119,3 +119,12 @@ def test_deprecated_aliases_warn_and_return_the_new_frames(rollouts):
     update = UpdateResult(step=0, metrics={}, weights=weights, dropped=pd.DataFrame())
     with pytest.warns(DeprecationWarning, match="UpdateResult.advantages is deprecated.*UpdateResult.weights"):
         assert update.advantages is weights
+
+
+def test_groups_df_a_group_of_one_has_advantage_unless_its_reward_is_zero():
+    """verl's GRPO gives a group of one mean 0, std 1: A = reward (#12)."""
+    one = CompletedRollout("s", "g1", step=0, sample_idx=0, final_reward=1.0,
+                           triplets=[Triplet([1], [2], [-0.1], reward=1.0)])
+    nil = CompletedRollout("z", "g2", step=0, sample_idx=1, final_reward=0.0,
+                           triplets=[Triplet([1], [3], [-0.1], reward=0.0)])
+    assert groups_df([one, nil]).zero_adv.tolist() == [False, True]

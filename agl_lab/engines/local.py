@@ -123,7 +123,7 @@ class LocalEngine(Engine):
             batch_window_ms=float(opts.get("batch_window_ms", 3.0)), max_batch_size=int(opts.get("max_batch_size", 64)),
             log_prob_micro_batch_size=int(log_prob_micro) if log_prob_micro else 16,
             bypass_mode=bool(OmegaConf.select(cfg, "algorithm.rollout_correction.bypass_mode", default=False)),
-            algorithm=cfg.algorithm)
+            algorithm=cfg.get("algorithm"))
 
     def _frozen_copy(self) -> torch.nn.Module:
         import copy
@@ -267,7 +267,7 @@ def _check_model_dir(cfg: Any) -> None:
     path = cfg.agl_lab.model.path
     if path is None or (Path(str(path)).expanduser() / "config.json").exists():
         return
-    key = ("actor_rollout_ref.model.path" if str(path) == str(cfg.actor_rollout_ref.model.path)
+    key = ("actor_rollout_ref.model.path" if str(path) == str(OmegaConf.select(cfg, "actor_rollout_ref.model.path"))
            else "agl_lab.model.path")
     raise ConfigError(
         f"{key}={str(path)!r} is not a local Hugging Face model directory (no config.json) and the local "
