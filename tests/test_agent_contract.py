@@ -181,7 +181,7 @@ def test_repr_metrics_and_fit_reward_curve(trainer):
     finally:
         trainer.cfg.trainer.test_freq = -1
     df = trainer.metrics
-    assert list(df.index[-2:]) == [trainer.global_step - 2, trainer.global_step - 1]
+    assert list(df.index[-2:]) == [trainer.global_step - 1, trainer.global_step]  # verl's 1-based global_steps
     assert {"training/reward", "val/reward", "training/n_failed_rollouts"} <= set(df.columns)
     assert (Path(trainer.run_dir) / "reward_curve.png").stat().st_size > 1000
 
