@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from agl_lab.engines import fast_decode
+
 _HEADROOM = 64  # spare cache columns allocated with a slab, so most steps write in place
 
 
@@ -185,13 +187,21 @@ class DecodeBatch:
         )
         return batch, out.logits[:, -1, :]
 
-    def decode(self, model: Any) -> torch.Tensor:
-        """Forward the pending tokens (they enter the cache) → next-token logits [B, V]."""
+    def decode(self, model: Any, fast: bool = True) -> torch.Tensor:
+        """Forward the pending tokens (they enter the cache) → next-token logits [B, V].
+
+        `fast` uses `fast_decode.decode_step` when it supports the model (same function,
+        fewer copies); otherwise, or with fast=False, the model's own HF forward.
+        """
         mask = torch.cat([self.mask, self.mask.new_ones((self.size, 1))], dim=1)
-        out = model(input_ids=self.tokens[:, None], attention_mask=mask, position_ids=self.positions[:, None],
-                    past_key_values=Cache(layers=self.layers), use_cache=True, logits_to_keep=1)
+        if fast and fast_decode.supports(model):
+            logits = fast_decode.decode_step(model, self.layers, self.tokens, self.positions, mask)
+        else:
+            out = model(input_ids=self.tokens[:, None], attention_mask=mask, position_ids=self.positions[:, None],
+                        past_key_values=Cache(layers=self.layers), use_cache=True, logits_to_keep=1)
+            logits = out.logits[:, -1, :]
         self.mask, self.positions = mask, self.positions + 1
-        return out.logits[:, -1, :]
+        return logits
 
     def merge(self, other: DecodeBatch) -> DecodeBatch:
         """Rows of `self` then rows of `other`, the shorter cache left-padded with masked zeros."""
