@@ -11,7 +11,9 @@ Rows: 1, 8 and 32 concurrent clients with dynamic batching (max_batch_size=64), 
 clients against a server that runs one request at a time (max_batch_size=1). The speed-up
 column is tokens/s relative to one-at-a-time at 32 clients; "in forward" / "in step" are
 the shares of wall time the scheduler spent in model forwards / in whole steps (forward +
-sampling + batch bookkeeping) — the rest is HTTP, JSON and waiting for requests.
+sampling + batch bookkeeping) — the rest is HTTP, JSON and waiting for requests; "in prefill"
+is the share in prompt forwards and "prompt cached" the share of prompt tokens the prefix
+cache served (every chat prompt starts with the same system prompt).
 
 `--model-path DIR` serves any HF model directory instead of the tiny model (the
 one-at-a-time row is then left out: it would take minutes on a real model);
@@ -67,7 +69,7 @@ def run_clients(base_url: str, clients: int, requests_per_client: int, max_token
 
 def measure(model, tokenizer, *, max_batch_size: int, clients: int, args: argparse.Namespace) -> dict:
     with OpenAIServer(model, tokenizer, model_name=args.model_name, max_batch_size=max_batch_size,
-                      num_threads=args.num_threads) as server:
+                      num_threads=args.num_threads, prefix_cache_mb=args.prefix_cache_mb) as server:
         run_clients(server.base_url, min(clients, 4), 1, 8, args.model_name)  # warm-up (first forward, connections)
         s0 = dict(server.scheduler.stats)
         tokens, wall = run_clients(server.base_url, clients, args.requests_per_client, args.max_tokens, args.model_name)
@@ -76,7 +78,10 @@ def measure(model, tokenizer, *, max_batch_size: int, clients: int, args: argpar
     return {"clients": clients, "max_batch_size": max_batch_size, "tokens": tokens, "seconds": wall,
             "tok_per_s": tokens / wall, "tokens_per_forward": tokens / max(steps, 1),
             "forward_share": (s1["forward_s"] - s0["forward_s"]) / wall,
-            "step_share": (s1["step_s"] - s0["step_s"]) / wall}
+            "step_share": (s1["step_s"] - s0["step_s"]) / wall,
+            "prefill_share": (s1["prefill_s"] - s0["prefill_s"]) / wall,
+            "cached_share": (s1["cached_tokens"] - s0["cached_tokens"])
+            / max(1, s1["cached_tokens"] - s0["cached_tokens"] + s1["prefill_tokens"] - s0["prefill_tokens"])}
 
 
 def measure_remote(url: str, clients: int, args: argparse.Namespace) -> float:
@@ -94,6 +99,7 @@ def main() -> None:
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--num-threads", type=int, default=1, help="torch threads of the decode loop")
+    parser.add_argument("--prefix-cache-mb", type=float, default=256, help="0 turns the prefix cache off")
     parser.add_argument("--model-path", default=None, help="HF model directory (default: the tiny model)")
     parser.add_argument("--compare-url", default=None, help="another OpenAI server's /v1 URL to run side by side")
     args = parser.parse_args()
@@ -111,13 +117,15 @@ def main() -> None:
     print(f"\nlocal engine, {args.model_name} on {args.device} ({args.num_threads} decode thread(s)), "
           f"{args.max_tokens} tokens/request, {args.requests_per_client} requests/client, load {os.getloadavg()[0]:.2f}")
     print(f"{'clients':>8} {'batching':>14} {'tokens':>8} {'seconds':>8} {'tok/s':>9} {'tok/forward':>12} "
-          f"{'in forward':>11} {'in step':>8} {'vs 1-at-a-time':>15} {'compare tok/s':>14}")
+          f"{'in forward':>11} {'in prefill':>11} {'prompt cached':>14} {'in step':>8} {'vs 1-at-a-time':>15} "
+          f"{'compare tok/s':>14}")
     for r in rows:
         mode = "dynamic (64)" if r["max_batch_size"] > 1 else "one at a time"
         speedup = f"{r['tok_per_s'] / serial:.1f}x" if serial else "-"
         compare = f"{r['compare']:.1f}" if r["compare"] else "-"
         print(f"{r['clients']:>8} {mode:>14} {r['tokens']:>8} {r['seconds']:>8.2f} {r['tok_per_s']:>9.1f} "
-              f"{r['tokens_per_forward']:>12.1f} {r['forward_share']:>10.0%} {r['step_share']:>8.0%} "
+              f"{r['tokens_per_forward']:>12.1f} {r['forward_share']:>10.0%} {r['prefill_share']:>10.0%} "
+              f"{r['cached_share']:>13.0%} {r['step_share']:>8.0%} "
               f"{speedup:>15} {compare:>14}")
     if args.compare_url:
         print(f"compare: {args.compare_url}")

@@ -12,9 +12,13 @@ step on CPU cost up to twice its matrix products (profiled on SmolLM2-135M, 1 th
   are grouped per KV head, `[B, KV, G, D] @ [B, KV, D, L]`, and the cache is read in place.
 * **One RoPE, one mask per step**, shared by all layers (HF rebuilds the 4-D mask and calls
   the rotary module through its generic dispatch each forward).
-* **The LM head through oneDNN** when torch has it: for the [B, d] × [d, V] product of a
-  49k-word vocabulary it ran ~1.5–2.5× faster than the default (MKL) path on this machine's
-  AMD CPUs; it is the largest single matrix of a small model.
+* **Matrix products through oneDNN with pre-packed weights** (CPU, float32, when torch has
+  oneDNN): for the small-M products of a decode step (M = batch rows) the default MKL path
+  streamed the weights at 3–5 GB/s on this machine's AMD CPUs; oneDNN with weights
+  reordered once into its blocked layout ran the same products 1.5–2.4× faster (the LM
+  head — a 49k × 576 matrix — most). The packed copies are rebuilt whenever a parameter's
+  in-place version counter moves (an optimizer step, `load_state_dict`), so the served
+  weights are always the trained ones. Cost: one more copy of the linear weights in memory.
 
 Fidelity: the same float32 function with a different summation order — logprobs agree with
 a full HF forward to ~1e-6 (tests/test_decode_batch.py checks `decode_step` against it).
@@ -22,6 +26,9 @@ a full HF forward to ~1e-6 (tests/test_decode_batch.py checks `decode_step` agai
 
 from __future__ import annotations
 
+import os
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -47,17 +54,44 @@ def supports(model: Any) -> bool:
 
 
 def _onednn_ok() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    if os.environ.get("AGL_LAB_DECODE_ONEDNN", "1") == "0":  # opt out: torch's default matmul path
+        return False
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
 _ONEDNN = _onednn_ok()
+_PACK_HINT = 32  # batch-size hint of the packed layout: measured best for M = 1 … 64
+_packed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model → (versions, {id(w): packed})
 
 
-def lm_head(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """hidden [B, d] @ weight[V, d]ᵀ → logits [B, V] (oneDNN on CPU float32 when available)."""
-    if _ONEDNN and hidden.device.type == "cpu" and hidden.dtype == torch.float32 and not torch.is_grad_enabled():
-        return torch.ops.mkldnn._linear_pointwise(hidden, weight, None, "none", [], "")
-    return F.linear(hidden, weight)
+def _linear_fn(model: Any, weights: list[torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`linear(x, weight, bias)` for this step: oneDNN on packed copies of `weights` when it can."""
+    w0 = weights[0]
+    if not (_ONEDNN and w0.device.type == "cpu" and w0.dtype == torch.float32):
+        return F.linear
+    versions = tuple((w.data_ptr(), w._version) for w in weights)
+    cached = _packed.get(model)
+    if cached is None or cached[0] != versions:  # first call, or the weights were updated in place
+        with torch.inference_mode():
+            packed = {id(w): torch.ops.mkldnn._reorder_linear_weight(w.detach(), _PACK_HINT) for w in weights}
+        cached = (versions, packed)
+        _packed[model] = cached
+    packed = cached[1]
+
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, packed[id(weight)], bias, "none", [], "")
+
+    return linear
+
+
+def _linear_weights(model: Any) -> list[torch.Tensor]:
+    out = []
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        out += [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight,
+                m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight]
+    return out + [model.lm_head.weight]
 
 
 def _rms_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
@@ -88,6 +122,7 @@ def decode_step(model: Any, layers: list, tokens: torch.Tensor, positions: torch
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // h_q
     groups = h_q // h_kv
 
+    linear = _linear_fn(model, _linear_weights(model))
     hidden = inner.embed_tokens(tokens)  # [B, d_model]
     cos, sin = inner.rotary_emb(hidden[:, None], positions[:, None])  # [B, 1, D]
     # additive mask [B, 1, 1, L+1] shared by every layer: 0 on real columns, -inf on padding
@@ -97,20 +132,20 @@ def decode_step(model: Any, layers: list, tokens: torch.Tensor, positions: torch
     for layer, slab in zip(inner.layers, layers):
         attn = layer.self_attn
         x = _rms_norm(layer.input_layernorm, hidden)
-        q = F.linear(x, attn.q_proj.weight, attn.q_proj.bias).view(b, h_q, d)
-        k = F.linear(x, attn.k_proj.weight, attn.k_proj.bias).view(b, h_kv, d)
-        v = F.linear(x, attn.v_proj.weight, attn.v_proj.bias).view(b, h_kv, d)
+        q = linear(x, attn.q_proj.weight, attn.q_proj.bias).view(b, h_q, d)
+        k = linear(x, attn.k_proj.weight, attn.k_proj.bias).view(b, h_kv, d)
+        v = linear(x, attn.v_proj.weight, attn.v_proj.bias).view(b, h_kv, d)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         keys, values = slab.update(k[:, :, None], v[:, :, None])  # [B, KV, L+1, D] views, no copy
         # Critical: query heads grouped per KV head (HF's head order: head = kv · G + g)
         scores = torch.matmul(q.view(b, h_kv, groups, d), keys.transpose(2, 3)) * attn.scaling
         probs = torch.softmax(scores + bias, dim=-1, dtype=torch.float32).to(q.dtype)  # [B, KV, G, L+1]
         out = torch.matmul(probs, values).reshape(b, h_q * d)
-        hidden = hidden + F.linear(out, attn.o_proj.weight, attn.o_proj.bias)
+        hidden = hidden + linear(out, attn.o_proj.weight, attn.o_proj.bias)
 
         mlp = layer.mlp
         x = _rms_norm(layer.post_attention_layernorm, hidden)
-        gate_up = F.silu(F.linear(x, mlp.gate_proj.weight)) * F.linear(x, mlp.up_proj.weight)
-        hidden = hidden + F.linear(gate_up, mlp.down_proj.weight)
+        gate_up = F.silu(linear(x, mlp.gate_proj.weight)) * linear(x, mlp.up_proj.weight)
+        hidden = hidden + linear(gate_up, mlp.down_proj.weight)
 
-    return lm_head(_rms_norm(inner.norm, hidden), model.lm_head.weight)
+    return linear(_rms_norm(inner.norm, hidden), model.lm_head.weight)
