@@ -27,6 +27,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from agl_lab.engines.tiny import cache_root
 
@@ -79,6 +80,17 @@ def preset_dir(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def resolve_model_path(model_cfg: Any) -> str | None:
+    """`agl_lab.model` section → the model directory: `path`, else the preset's cached directory
+    (converted on first use), else None (the built-in tiny model)."""
+    path, preset = model_cfg.get("path"), model_cfg.get("preset")
+    if path is not None and preset is not None:
+        raise ValueError(f"set agl_lab.model.path ({path!r}) or agl_lab.model.preset ({preset!r}), not both")
+    if preset is not None:
+        return str(preset_dir(str(preset)))
+    return None if path is None else str(path)
 
 
 def smollm2(cache_dir: str | os.PathLike | None = None) -> Path:

@@ -169,7 +169,8 @@ class Trainer:
 
         engine = LocalEngine.from_config(self.cfg)
         self._closers.append(engine.close)
-        if self.task is not None and int(lab.model.warm_start_steps) > 0 and lab.model.path is None:
+        if self.task is not None and int(lab.model.warm_start_steps) > 0 and lab.model.path is None \
+                and lab.model.get("preset") is None:
             from agl_lab.tasks.warmstart import warm_start
 
             warm_start(engine.model, engine.tokenizer, self.task.name,
