@@ -68,8 +68,10 @@ def run_clients(base_url: str, clients: int, requests_per_client: int, max_token
 
 
 def measure(model, tokenizer, *, max_batch_size: int, clients: int, args: argparse.Namespace) -> dict:
+    cache_mb = 0 if args.baseline else args.prefix_cache_mb
     with OpenAIServer(model, tokenizer, model_name=args.model_name, max_batch_size=max_batch_size,
-                      num_threads=args.num_threads, prefix_cache_mb=args.prefix_cache_mb) as server:
+                      num_threads=args.num_threads, prefix_cache_mb=cache_mb) as server:
+        server.scheduler.fast_decode = not args.baseline
         run_clients(server.base_url, min(clients, 4), 1, 8, args.model_name)  # warm-up (first forward, connections)
         s0 = dict(server.scheduler.stats)
         tokens, wall = run_clients(server.base_url, clients, args.requests_per_client, args.max_tokens, args.model_name)
@@ -99,6 +101,8 @@ def main() -> None:
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--num-threads", type=int, default=1, help="torch threads of the decode loop")
+    parser.add_argument("--baseline", action="store_true",
+                        help="HF forward for decode steps and no prefix cache (the engine before #16)")
     parser.add_argument("--prefix-cache-mb", type=float, default=256, help="0 turns the prefix cache off")
     parser.add_argument("--model-path", default=None, help="HF model directory (default: the tiny model)")
     parser.add_argument("--compare-url", default=None, help="another OpenAI server's /v1 URL to run side by side")
@@ -114,7 +118,8 @@ def main() -> None:
         rows[-1]["compare"] = None
     serial = rows[-1]["tok_per_s"] if args.model_path is None else None
 
-    print(f"\nlocal engine, {args.model_name} on {args.device} ({args.num_threads} decode thread(s)), "
+    print(f"\nlocal engine{' (baseline: HF decode, no prefix cache)' if args.baseline else ''}, "
+          f"{args.model_name} on {args.device} ({args.num_threads} decode thread(s)), "
           f"{args.max_tokens} tokens/request, {args.requests_per_client} requests/client, load {os.getloadavg()[0]:.2f}")
     print(f"{'clients':>8} {'batching':>14} {'tokens':>8} {'seconds':>8} {'tok/s':>9} {'tok/forward':>12} "
           f"{'in forward':>11} {'in prefill':>11} {'prompt cached':>14} {'in step':>8} {'vs 1-at-a-time':>15} "

@@ -142,6 +142,7 @@ class BatchScheduler:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.eos_ids = _eos_ids(model, tokenizer)
         self.prefix_cache = PrefixCache(int(prefix_cache_mb * 2**20)) if prefix_cache_mb > 0 else None
+        self.fast_decode = True  # False: decode through the model's HF forward (benchmarks compare)
         self._cond = threading.Condition()
         self._queue: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []  # rows of the batch, in order
@@ -287,7 +288,7 @@ class BatchScheduler:
 
     def _decode(self) -> None:
         t0 = time.perf_counter()
-        logits = self._batch.decode(self.model)
+        logits = self._batch.decode(self.model, fast=self.fast_decode)
         self.stats["forward_s"] += time.perf_counter() - t0
         self._sample(logits, self._running, self._batch)
         self.stats["steps"] += 1
