@@ -358,7 +358,8 @@ def test_calc_tasks_tool_and_reward():
     t = train[0]
     assert calc.calculator(json.dumps({"expression": t["expression"]})) == str(t["value"])
     assert calc.calculator("not json").startswith("error") and calc.calculator('{"expression": "2 ** 9"}').startswith("error")
-    assert calc.reward(t, f"The answer is {t['value']}.") == 1.0 and calc.reward(t, "no idea") == 0.0
+    assert calc.reward(t, f"{t['expression']} is {t['value']}.") == 1.0 and calc.reward(t, "no idea") == 0.0
+    assert calc.reward(t, f"{t['value']} is wrong, it is {t['value'] + 1}") == 0.0  # the conclusion counts
     assert calc.reward(t, None) == 0.0
     # a transcript renders through the tiny model's template (tool_calls with content None included)
     from agl_lab.engines.tiny import load_tokenizer

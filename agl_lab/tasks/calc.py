@@ -18,7 +18,9 @@ agent takes, so merge breaks measured on it are the ones real agents meet:
     assistant  51
 
 Reward in [0, 1]: 0 without an answer, else 0.2 × [a calculator call parsed before the answer]
-+ 0.8 × [the answer's first number equals the value]. At most `MAX_TURNS` calls.
++ 0.8 × [the answer's last number equals the value] ("6 * 7 is 42." counts: the conclusion
+comes last). Operands are 2…20, so the model is sometimes right without the tool and GRPO
+groups do not all tie at zero. At most `MAX_TURNS` calls.
 """
 
 from __future__ import annotations
@@ -50,11 +52,11 @@ _SALT = {"train": 0, "val": 1_000_003}
 
 
 def make_tasks(n: int, seed: int, split: str) -> list[dict[str, Any]]:
-    """`n` deterministic questions `a op b` (2 ≤ a, b ≤ 50) of a split."""
+    """`n` deterministic questions `a op b` (2 ≤ a, b ≤ 20) of a split."""
     rng = random.Random(seed * 7919 + _SALT[split])
     out = []
     for i in range(n):
-        a, b, op = rng.randint(2, 50), rng.randint(2, 50), rng.choice("+-*")
+        a, b, op = rng.randint(2, 20), rng.randint(2, 20), rng.choice("+-*")
         out.append({"task_id": f"calc-{split}-{seed}-{i:05d}", "question": f"What is {a} {op} {b}?",
                     "expression": f"{a} {op} {b}", "value": _OPS[op](a, b)})
     return out
@@ -80,9 +82,9 @@ def calculator(arguments: str) -> str:
 
 
 def reward(task: dict[str, Any], answer: Any) -> float:
-    """Task success: 1.0 when the answer's first integer is the value."""
-    found = _NUMBER.search(answer) if isinstance(answer, str) else None
-    return 1.0 if found is not None and int(found.group()) == task["value"] else 0.0
+    """Task success: 1.0 when the last integer of the answer is the value."""
+    found = _NUMBER.findall(answer) if isinstance(answer, str) else []
+    return 1.0 if found and int(found[-1]) == task["value"] else 0.0
 
 
 def first_messages(task: dict[str, Any]) -> list[dict[str, Any]]:
