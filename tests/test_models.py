@@ -85,6 +85,7 @@ def _to_batch(calls: list[dict], pad_id: int) -> DataProto:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # 80 s on a quiet 2-core machine; conversion + a 135M update on a loaded one take minutes
 @needs_smollm2
 def test_smollm2_converts_serves_and_trains(smollm2_engine):
     model_dir, engine = smollm2_engine
