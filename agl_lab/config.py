@@ -77,6 +77,7 @@ AGL_LAB_DEFAULTS: dict[str, Any] = {
         "run_dir": None,  # default: runs/<experiment_name>-<timestamp>
         "model": {
             "path": None,  # None → the built-in tiny model (built from config, cached)
+            "preset": None,  # e.g. smollm2-135m: a real model from PyPI (agl_lab/models.py), instead of path
             "device": None,  # None → cuda if available else cpu
             "max_model_len": 1024,
             "warm_start_steps": 0,  # supervised warm start on the task's transcripts (tiny model)
@@ -297,6 +298,14 @@ def validate(cfg: DictConfig) -> None:
                       f"agentlightning.rollout_timeout_seconds={rollout_timeout:g}: a step can time out "
                       "while its rollouts may still legitimately run; use auto (rollout timeout + 60 s)",
                       ConfigWarning, stacklevel=3)
+    model = cfg.agl_lab.model
+    if model.get("preset") is not None:
+        from agl_lab.models import PRESETS
+
+        if model.preset not in PRESETS:
+            raise ConfigError(f"agl_lab.model.preset={model.preset!r} is not one of {sorted(PRESETS)}")
+        if model.path is not None:
+            raise ConfigError("set agl_lab.model.path or agl_lab.model.preset, not both (the preset is a path)")
     rc = cfg.algorithm.get("rollout_correction") or {}
     if rc.get("bypass_mode") and not cfg.agl_lab.server.include_log_probs:
         raise ConfigError(

@@ -180,7 +180,8 @@ class Trainer:
         with quiet_hf(), _stage(f"model: {lab.model.path or 'built-in tiny model (cached in ' + _cache_hint() + ')'}"):
             engine = LocalEngine.from_config(self.cfg)
         self._closers.append(engine.close)
-        if self.task is not None and int(lab.model.warm_start_steps) > 0 and lab.model.path is None:
+        if self.task is not None and int(lab.model.warm_start_steps) > 0 and lab.model.path is None \
+                and lab.model.get("preset") is None:
             from agl_lab.tasks.warmstart import warm_start
 
             if self.task.demo_transcripts is None:

@@ -12,6 +12,7 @@ merges each rollout's calls at trajectory level and the table reports:
     calls preserved         share of calls sent as token ids by the mode
 
     python benchmarks/token_preserving.py [--rollouts 32] [--steps 2] [--warm-start-steps 0]
+    python benchmarks/token_preserving.py --preset smollm2-135m --task calc --rollouts 16 --steps 1
 
 By default the model is freshly initialised: its replies are byte soup, which is where BPE
 drift is most frequent; `--warm-start-steps 150` fits the task format first (cached).
@@ -72,23 +73,29 @@ def step_stats(completed: list[CompletedRollout], tokenizer: Any) -> dict[str, f
         "one_row": int((rows == 1).sum()),
         "breaks": len(result.breaks),
         "retokenization": int((result.breaks["kind"] == "retokenization").sum()) if len(result.breaks) else 0,
+        "kinds": result.breaks["kind"].value_counts().to_dict() if len(result.breaks) else {},
         "tokens": int(result.data.batch["attention_mask"].sum()),
         "preserved": sum(bool(n and n.get("used")) for n in notes),
     }
 
 
-def run_mode(engine: OpenAIServer, tokenizer: Any, on: bool, n: int, steps: int) -> dict[str, Any]:
-    spec = get_task("lookup")
-    server = EmbeddedServer(default_proxy={"model_name": DEFAULT_MODEL_NAME}, token_preserving=on)
+def run_mode(engine: OpenAIServer, tokenizer: Any, on: bool, n: int, steps: int, task: str = "lookup",
+             model_name: str = DEFAULT_MODEL_NAME) -> dict[str, Any]:
+    spec = get_task(task)
+    server = EmbeddedServer(default_proxy={"model_name": model_name}, token_preserving=on)
     try:
-        server.store.upsert_models([Model(model=DEFAULT_MODEL_NAME, endpoint=engine.base_url)])
+        server.store.upsert_models([Model(model=model_name, endpoint=engine.base_url)])
         if on:
-            server.set_tokenizer(DEFAULT_MODEL_NAME, tokenizer)
+            server.set_tokenizer(model_name, tokenizer)
         start = time.perf_counter()
         stats = [step_stats(run_step(server, spec.agent, spec.train_tasks(n, s), s), tokenizer) for s in range(steps)]
         seconds = time.perf_counter() - start
     finally:
         server.stop()
+    kinds: dict[str, int] = {}
+    for st in stats:
+        for kind, count in st.pop("kinds").items():
+            kinds[kind] = kinds.get(kind, 0) + count
     total = {k: sum(s[k] for s in stats) for k in stats[0]}
     return {
         "mode": "token_preserving" if on else "off (re-tokenise)",
@@ -98,6 +105,8 @@ def run_mode(engine: OpenAIServer, tokenizer: Any, on: bool, n: int, steps: int)
         "merged into one row": f"{total['one_row'] / total['rollouts']:.1%}",
         "merge breaks / step": round(total["breaks"] / steps, 1),
         "  of which retokenization": round(total["retokenization"] / steps, 1),
+        "break kinds (all steps)": ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())) or "-",
+        "breaks / call after the first": f"{total['breaks'] / max(1, total['calls'] - total['rollouts']):.1%}",
         "forward tokens / step": round(total["tokens"] / steps),
         "calls preserved": f"{total['preserved'] / total['calls']:.1%}",
         "wall s": round(seconds, 1),
@@ -109,19 +118,28 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser.add_argument("--rollouts", type=int, default=32, help="rollouts per step")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--warm-start-steps", type=int, default=0)
+    parser.add_argument("--task", default="lookup", help="a built-in task (lookup | calc)")
+    parser.add_argument("--preset", default=None, help="a model preset (e.g. smollm2-135m) instead of the tiny model")
     args = parser.parse_args(argv)
 
-    model, tokenizer = load_model_and_tokenizer(device="cpu")
+    model_path = None
+    if args.preset:
+        from agl_lab.models import preset_dir
+
+        model_path = preset_dir(args.preset)
+    model, tokenizer = load_model_and_tokenizer(model_path, device="cpu")
+    name = args.preset or DEFAULT_MODEL_NAME
     if args.warm_start_steps:
         from agl_lab.tasks.warmstart import warm_start
 
-        warm_start(model, tokenizer, "lookup", steps=args.warm_start_steps, seed=0)
-    engine = OpenAIServer(model, tokenizer, model_name=DEFAULT_MODEL_NAME)
+        warm_start(model, tokenizer, args.task, steps=args.warm_start_steps, seed=0)
+    engine = OpenAIServer(model, tokenizer, model_name=name, max_model_len=2048 if model_path else 1024)
     try:
-        table = pd.DataFrame([run_mode(engine, tokenizer, on, args.rollouts, args.steps) for on in (False, True)])
+        table = pd.DataFrame([run_mode(engine, tokenizer, on, args.rollouts, args.steps, args.task, name)
+                              for on in (False, True)])
     finally:
         engine.stop()
-    print(f"lookup task, tiny model (warm start {args.warm_start_steps} steps), "
+    print(f"{args.task} task, {name} (warm start {args.warm_start_steps} steps), "
           f"{args.rollouts} rollouts x {args.steps} steps, trajectory level")
     print(table.set_index("mode").T.to_string())
     return table

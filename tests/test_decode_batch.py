@@ -116,3 +116,49 @@ def test_prefill_decode_merge_select_equal_fresh_forwards(model, one_thread):
             logits = feed(kept, histories, logits)
         check(histories, logits)
         assert kept.mask.shape[1] == kept.length and kept.positions.tolist() == [len(h) for h in histories]
+
+
+def test_prefill_with_cached_prefixes_equals_fresh_forwards(model, one_thread):
+    """Rows whose first tokens come from a CachedPrefix (and rows without) compute what fresh forwards do."""
+    from agl_lab.engines.prefix_cache import CachedPrefix
+
+    gen = torch.Generator().manual_seed(4)
+    shared = torch.randint(4, 1024, (40,), generator=gen).tolist()
+    with torch.inference_mode():
+        first, _ = DecodeBatch.prefill(model, [shared], [1.0], [1.0], [False], pad_id=3)
+        entry = CachedPrefix(shared, *first.row_kv(0))
+        prompts = [shared[:32] + [5, 6, 7], shared + [9] * 11, [11, 12, 13]]
+        batch, logits = DecodeBatch.prefill(model, prompts, [1.0] * 3, [1.0] * 3, [False] * 3, pad_id=3,
+                                            prefixes=[entry, entry, None], prefix_lens=[32, 40, 0])
+        histories = [list(p) for p in prompts]
+        for _ in range(3):
+            for h, row in zip(histories, logits):
+                assert (_fresh_next_logits(model, h) - row.float()).abs().max() < 1e-4
+            nxt = logits.argmax(-1)
+            for h, t in zip(histories, nxt.tolist()):
+                h.append(t)
+            batch.tokens = nxt
+            logits = batch.decode(model)
+        assert batch.positions.tolist() == [len(h) for h in histories]
+        # row_kv returns exactly the real columns: the prompt + every token fed since
+        assert batch.row_kv(0)[0][0].shape[1] == len(histories[0])
+
+
+def test_fast_decode_step_equals_the_hf_forward_and_follows_weight_updates(one_thread):
+    from agl_lab.engines import fast_decode
+
+    model = load_model_and_tokenizer(device="cpu")[0]  # a private copy: this test edits weights
+    assert fast_decode.supports(model)
+    prompts = [[5, 6, 7, 8, 9], [10, 11]]
+    with torch.inference_mode():
+        a, la = DecodeBatch.prefill(model, prompts, [1.0] * 2, [1.0] * 2, [False] * 2, pad_id=3)
+        b, _ = DecodeBatch.prefill(model, prompts, [1.0] * 2, [1.0] * 2, [False] * 2, pad_id=3)
+        for step in range(4):
+            a.tokens = b.tokens = la.argmax(-1)
+            la, lb = a.decode(model, fast=True), b.decode(model, fast=False)
+            assert (la - lb).abs().max() < 1e-4
+    with torch.no_grad():  # an in-place update, as an optimizer step does: packed copies must follow
+        model.lm_head.weight.mul_(1.5)
+    with torch.inference_mode():
+        a.tokens = b.tokens = la.argmax(-1)
+        assert (a.decode(model, fast=True) - b.decode(model, fast=False)).abs().max() < 1e-4

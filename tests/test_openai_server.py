@@ -170,6 +170,26 @@ def test_batched_logprobs_equal_a_fresh_forward(server, http, tiny, temperature,
             assert argmax.tolist() == choice["token_ids"]
 
 
+def test_prefix_cache_serves_the_next_turn_and_logprobs_stay_exact(server, http, tiny):
+    """Turn 2 extends turn 1's prompt and reply: the prefix cache supplies them, nothing else changes."""
+    model, tok = tiny
+    messages = [{"role": "system", "content": "You look up keys. " * 6},
+                {"role": "user", "content": "lookup key apple_3"}]
+    body = {"max_tokens": 24, "temperature": 1.0, "seed": 7, "logprobs": True, "return_token_ids": True,
+            "ignore_eos": True}
+    first = _post(http, "/chat/completions", {**body, "messages": messages})
+    reply = first["choices"][0]["message"]["content"]
+    follow = messages + [{"role": "assistant", "content": reply}, {"role": "user", "content": "and key pear_1?"}]
+    before = dict(server.scheduler.stats)
+    second = _post(http, "/chat/completions", {**body, "messages": follow})
+    prompt_ids = second["prompt_token_ids"]
+    assert server.scheduler.stats["cached_tokens"] - before["cached_tokens"] >= len(first["prompt_token_ids"]) - 16
+    choice = second["choices"][0]
+    fresh = _fresh_logprobs(model, prompt_ids, choice["token_ids"], 1.0)
+    served = torch.tensor([c["logprob"] for c in choice["logprobs"]["content"]])
+    assert (fresh - served).abs().max().item() < 1e-4
+
+
 def test_arrivals_merge_into_a_running_batch(server, http, tiny):
     """Requests admitted while others decode join the batch; their logprobs stay exact."""
     model, _ = tiny

@@ -340,3 +340,29 @@ def test_untrained_babble_breaks_append_only_merges_by_retokenization(server, ti
         merge_breakers.append_only_agent(task, ctx)
         kinds += merge_break_kinds(transport.calls, tok)
     assert "retokenization" in kinds
+
+
+# ---------------------------------------------------------------------------------------
+# calc: arithmetic through a calculator tool (the real-model task)
+# ---------------------------------------------------------------------------------------
+
+
+def test_calc_tasks_tool_and_reward():
+    import json
+
+    from agl_lab.tasks import calc, get_task
+
+    spec = get_task("calc")
+    train, val = spec.train_tasks(50, 0), spec.val_tasks(50, 0)
+    assert train == calc.train_tasks(50, 0) and {t["task_id"] for t in train}.isdisjoint(t["task_id"] for t in val)
+    t = train[0]
+    assert calc.calculator(json.dumps({"expression": t["expression"]})) == str(t["value"])
+    assert calc.calculator("not json").startswith("error") and calc.calculator('{"expression": "2 ** 9"}').startswith("error")
+    assert calc.reward(t, f"{t['expression']} is {t['value']}.") == 1.0 and calc.reward(t, "no idea") == 0.0
+    assert calc.reward(t, f"{t['value']} is wrong, it is {t['value'] + 1}") == 0.0  # the conclusion counts
+    assert calc.reward(t, None) == 0.0
+    # a transcript renders through the tiny model's template (tool_calls with content None included)
+    from agl_lab.engines.tiny import load_tokenizer
+
+    text = load_tokenizer().apply_chat_template(spec.demo_transcripts(1, 0)[0], tools=calc.TOOLS, tokenize=False)
+    assert '<tool_call>{"name": "calculator", "arguments": {"expression": ' in text

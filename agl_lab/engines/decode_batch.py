@@ -29,6 +29,9 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from agl_lab.engines import fast_decode
+from agl_lab.engines.prefix_cache import CachedPrefix
+
 _HEADROOM = 64  # spare cache columns allocated with a slab, so most steps write in place
 
 
@@ -90,6 +93,21 @@ def _pad_slab(buf: torch.Tensor, length: int, target: int, capacity: int) -> tor
     out = buf.new_zeros((*buf.shape[:2], capacity, buf.shape[3]))
     out[:, :, target - length : target] = buf[:, :, :length]
     return out
+
+
+def _prefix_slabs(prefixes: list, lens: list[int], lp: int, spare: int) -> list[SlabLayer]:
+    """Per layer, a [b, KV, lp + spare, D] slab holding row i's cached prefix in columns [lp − m_i, lp)."""
+    ref = next(p for p, m in zip(prefixes, lens) if m > 0)
+    layers = []
+    for layer, (k0, v0) in enumerate(zip(ref.keys, ref.values)):
+        kbuf = k0.new_zeros((len(lens), k0.shape[0], lp + spare, k0.shape[-1]))
+        vbuf = v0.new_zeros((len(lens), v0.shape[0], lp + spare, v0.shape[-1]))
+        for i, (p, m) in enumerate(zip(prefixes, lens)):
+            if m:
+                kbuf[i, :, lp - m : lp] = p.keys[layer][:, :m]
+                vbuf[i, :, lp - m : lp] = p.values[layer][:, :m]
+        layers.append(SlabLayer(kbuf, vbuf, lp))
+    return layers
 
 
 def _left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,29 +187,62 @@ class DecodeBatch:
 
     @classmethod
     def prefill(cls, model: Any, prompts: list[list[int]], temps: list[float], top_p: list[float],
-                greedy: list[bool], pad_id: int) -> tuple[DecodeBatch, torch.Tensor]:
-        """One forward over the left-padded prompts → (batch with no pending tokens yet, logits [b, V])."""
+                greedy: list[bool], pad_id: int,
+                prefixes: list[CachedPrefix | None] | None = None,
+                prefix_lens: list[int] | None = None) -> tuple[DecodeBatch, torch.Tensor]:
+        """One forward over the left-padded prompts → (batch with no pending tokens yet, logits [b, V]).
+
+        With `prefixes` (row i's first `prefix_lens[i]` tokens already computed in a
+        `CachedPrefix`), only the rest of each prompt runs: the cached K/V are copied into the
+        slabs, right-aligned in the first Lp = max(prefix_lens) columns, and the suffixes
+        follow, left-padded. Row i may thus hold masked columns *between* its prefix and its
+        suffix — harmless, the mask and explicit positions make every row exact.
+        """
         device = next(model.parameters()).device
-        ids, mask = (t.to(device) for t in _left_pad(prompts, pad_id))
-        cache = Cache(layer_class_to_replicate=SlabLayer)
-        out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+        n = len(prompts)
+        lens = list(prefix_lens) if prefixes is not None else [0] * n
+        lp = max(lens)
+        ids, mask = (t.to(device) for t in _left_pad([p[m:] for p, m in zip(prompts, lens)], pad_id))
+        positions = (mask.cumsum(-1) - 1).clamp(min=0) + torch.tensor(lens, device=device)[:, None]
+        if lp == 0:
+            cache = Cache(layer_class_to_replicate=SlabLayer)
+        else:
+            cache = Cache(layers=_prefix_slabs(prefixes, lens, lp, ids.shape[1] + _HEADROOM))
+            pre_mask = torch.zeros((n, lp), dtype=mask.dtype, device=device)
+            for i, m in enumerate(lens):
+                pre_mask[i, lp - m :] = 1
+            mask = torch.cat([pre_mask, mask], dim=1)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions,
                     past_key_values=cache, use_cache=True, logits_to_keep=1)
         batch = cls(
             layers=list(cache.layers), mask=mask,
-            tokens=torch.zeros(len(prompts), dtype=torch.long, device=device),
+            tokens=torch.zeros(n, dtype=torch.long, device=device),
             positions=torch.tensor([len(p) for p in prompts], device=device),
             temps=torch.tensor(temps, device=device), top_p=torch.tensor(top_p, device=device),
             greedy=torch.tensor(greedy, device=device),
         )
         return batch, out.logits[:, -1, :]
 
-    def decode(self, model: Any) -> torch.Tensor:
-        """Forward the pending tokens (they enter the cache) → next-token logits [B, V]."""
+    def row_kv(self, row: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Keys and values of the real (unmasked) columns of `row`, per layer [KV, n, D] (copies)."""
+        cols = self.mask[row].nonzero()[:, 0]
+        return ([l.kbuf[row, :, cols] for l in self.layers], [l.vbuf[row, :, cols] for l in self.layers])
+
+    def decode(self, model: Any, fast: bool = True) -> torch.Tensor:
+        """Forward the pending tokens (they enter the cache) → next-token logits [B, V].
+
+        `fast` uses `fast_decode.decode_step` when it supports the model (same function,
+        fewer copies); otherwise, or with fast=False, the model's own HF forward.
+        """
         mask = torch.cat([self.mask, self.mask.new_ones((self.size, 1))], dim=1)
-        out = model(input_ids=self.tokens[:, None], attention_mask=mask, position_ids=self.positions[:, None],
-                    past_key_values=Cache(layers=self.layers), use_cache=True, logits_to_keep=1)
+        if fast and fast_decode.supports(model):
+            logits = fast_decode.decode_step(model, self.layers, self.tokens, self.positions, mask)
+        else:
+            out = model(input_ids=self.tokens[:, None], attention_mask=mask, position_ids=self.positions[:, None],
+                        past_key_values=Cache(layers=self.layers), use_cache=True, logits_to_keep=1)
+            logits = out.logits[:, -1, :]
         self.mask, self.positions = mask, self.positions + 1
-        return out.logits[:, -1, :]
+        return logits
 
     def merge(self, other: DecodeBatch) -> DecodeBatch:
         """Rows of `self` then rows of `other`, the shorter cache left-padded with masked zeros."""

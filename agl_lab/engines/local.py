@@ -117,8 +117,10 @@ class LocalEngine(Engine):
         opts = lab.get("engine_options", {}) or {}
         _check_model_dir(cfg)
         log_prob_micro = rollout.get("log_prob_micro_batch_size_per_gpu") or actor.ppo_micro_batch_size_per_gpu
+        from agl_lab.models import resolve_model_path
+
         return cls(
-            lab.model.path, device=lab.model.device, seed=int(lab.seed), max_model_len=int(lab.model.max_model_len),
+            resolve_model_path(lab.model), device=lab.model.device, seed=int(lab.seed), max_model_len=int(lab.model.max_model_len),
             actor=actor, model_name=lab.model.get("name"),
             batch_window_ms=float(opts.get("batch_window_ms", 3.0)), max_batch_size=int(opts.get("max_batch_size", 64)),
             log_prob_micro_batch_size=int(log_prob_micro) if log_prob_micro else 16,

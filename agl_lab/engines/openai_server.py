@@ -344,7 +344,7 @@ class OpenAIServer:
     def __init__(self, model: Any, tokenizer: Any, model_name: str = "agl-lab-tiny", host: str = "127.0.0.1",
                  port: int = 0, max_model_len: int = 1024, batch_window_ms: float = 3.0, max_batch_size: int = 64,
                  default_max_tokens: int = DEFAULT_MAX_TOKENS, weights_lock: threading.RLock | None = None,
-                 num_threads: int | None = 1):
+                 num_threads: int | None = 1, prefix_cache_mb: float = 256):
         limit = getattr(model.config, "max_position_embeddings", None)
         if limit is not None and max_model_len > limit:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}; "
@@ -355,7 +355,7 @@ class OpenAIServer:
         self.tokenizer = copy.deepcopy(tokenizer)
         self.scheduler = BatchScheduler(model, self.tokenizer, batch_window_ms=batch_window_ms,
                                         max_batch_size=max_batch_size, weights_lock=weights_lock,
-                                        num_threads=num_threads)
+                                        num_threads=num_threads, prefix_cache_mb=prefix_cache_mb)
         app = create_app(self.scheduler, self.tokenizer, model_name=model_name, max_model_len=max_model_len,
                          default_max_tokens=default_max_tokens)
         # ThreadedUvicorn binds the socket first (port known, TCP_NODELAY set) and waits for /health.
@@ -420,6 +420,7 @@ def engine_main(argv: list[str]) -> int:
     parser.add_argument("--batch-window-ms", type=float, default=3.0)
     parser.add_argument("--num-threads", type=int, default=1, help="torch threads of the decode loop (CPU)")
     parser.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
+    parser.add_argument("--prefix-cache-mb", type=float, default=256, help="K/V of recent prefixes (0 = off)")
     parser.add_argument("--seed", type=int, default=0, help="initialisation seed of the tiny model")
     args = parser.parse_args(argv)
 
@@ -427,7 +428,8 @@ def engine_main(argv: list[str]) -> int:
     name = args.model_name or (Path(args.model_path).resolve().name if args.model_path else DEFAULT_MODEL_NAME)
     server = OpenAIServer(model, tokenizer, model_name=name, host=args.host, port=args.port,
                           max_model_len=args.max_model_len, batch_window_ms=args.batch_window_ms,
-                          max_batch_size=args.max_batch_size, num_threads=args.num_threads)
+                          max_batch_size=args.max_batch_size, num_threads=args.num_threads,
+                          prefix_cache_mb=args.prefix_cache_mb)
     print(f"agl-lab engine: serving {name!r} at {server.base_url} (Ctrl-C to stop)", flush=True)
     try:
         while server.running:

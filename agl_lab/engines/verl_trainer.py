@@ -368,10 +368,13 @@ class AglRayPPOTrainer(RayPPOTrainer):
 def apply_agl_lab_keys(cfg: DictConfig) -> None:
     """Map the engine-independent `agl_lab:` keys onto verl's (same YAML for both engines).
 
-    `agl_lab.model.path` (when set) becomes `actor_rollout_ref.model.path`. Everything else,
-    including `critic.model.path` for a GAE critic, is read from verl's own keys.
+    `agl_lab.model.path` (or the directory of `agl_lab.model.preset`), when set, becomes
+    `actor_rollout_ref.model.path`. Everything else, including `critic.model.path` for a GAE
+    critic, is read from verl's own keys.
     """
-    model_path = OmegaConf.select(cfg, "agl_lab.model.path", default=None)
+    from agl_lab.models import resolve_model_path
+
+    model_path = resolve_model_path(OmegaConf.select(cfg, "agl_lab.model", default={}) or {})
     if model_path is not None:
         with open_dict(cfg):
             cfg.actor_rollout_ref.model.path = str(model_path)

@@ -121,7 +121,21 @@ def _lookup_spec() -> TaskSpec:
     )
 
 
-_BUILTIN: dict[str, Callable[[], Task]] = {"lookup": _lookup_spec}
+def _calc_spec() -> Task:
+    from agl_lab.tasks import calc
+
+    return Task(
+        name="calc",
+        description=calc.__doc__.strip().split("\n\n")[0],
+        train_tasks=calc.train_tasks,
+        val_tasks=calc.val_tasks,
+        agent=calc.calc_agent,
+        reward=calc.reward,
+        demonstrations=calc.demo_transcripts,
+    )
+
+
+_BUILTIN: dict[str, Callable[[], Task]] = {"lookup": _lookup_spec, "calc": _calc_spec}
 _REGISTRY: dict[str, Task] = {}
 
 

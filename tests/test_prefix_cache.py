@@ -1,0 +1,61 @@
+"""PrefixCache: block-chain lookup, exact verification, LRU budget, invalidation on weight updates."""
+
+from __future__ import annotations
+
+import torch
+
+from agl_lab.engines.prefix_cache import BLOCK, CachedPrefix, PrefixCache
+
+
+def _entry(tokens: list[int], layers: int = 2) -> CachedPrefix:
+    kv = [torch.arange(len(tokens), dtype=torch.float32).repeat(1, 1)[:, :, None].expand(1, len(tokens), 4).clone()
+          for _ in range(layers)]
+    return CachedPrefix(list(tokens), kv, [t.clone() for t in kv])
+
+
+def test_longest_prefix_to_a_block_and_never_the_whole_prompt():
+    cache = PrefixCache()
+    base = list(range(100, 100 + 3 * BLOCK + 5))
+    cache.put(_entry(base))
+    m, e = cache.match(base[: 2 * BLOCK + 3] + [1, 2, 3])
+    assert m == 2 * BLOCK and e.tokens == base
+    # a prompt equal to the cached tokens keeps at least one token to run
+    m, _ = cache.match(base[: 3 * BLOCK])
+    assert m == 2 * BLOCK
+    assert cache.match([7] * 40) == (0, None)
+    assert cache.match(base[:BLOCK]) == (0, None)  # the last token must run: no full block before it
+
+
+def test_hash_hit_is_verified_token_by_token(monkeypatch):
+    cache = PrefixCache()
+    cache.put(_entry(list(range(2 * BLOCK))))
+    # forge a collision: every block hash of any prompt maps to the stored entry
+    monkeypatch.setattr("agl_lab.engines.prefix_cache._block_hashes",
+                        lambda tokens: list(cache._index)[: len(tokens) // BLOCK])
+    assert cache.match([9] * (2 * BLOCK + 1)) == (0, None)
+
+
+def test_lru_budget_evicts_least_recently_used():
+    one = _entry(list(range(2 * BLOCK)))
+    cache = PrefixCache(max_bytes=int(2.5 * one.nbytes))
+    a, b, c = (list(range(s, s + 2 * BLOCK)) for s in (0, 1000, 2000))
+    cache.put(_entry(a))
+    cache.put(_entry(b))
+    cache.match(a + [1])  # a is now the most recent
+    cache.put(_entry(c))  # over budget: b goes
+    assert cache.match(a + [1])[0] == 2 * BLOCK and cache.match(c + [1])[0] == 2 * BLOCK
+    assert cache.match(b + [1]) == (0, None) and cache.stats["evictions"] == 1
+
+
+def test_weight_update_empties_the_cache():
+    model = torch.nn.Linear(2, 2)
+    cache = PrefixCache()
+    cache.check_weights(model)
+    cache.put(_entry(list(range(2 * BLOCK))))
+    generation = cache.generation
+    cache.check_weights(model)  # unchanged weights: kept
+    assert len(cache) == 1
+    with torch.no_grad():
+        model.weight.add_(1.0)  # an optimizer step is an in-place update
+    cache.check_weights(model)
+    assert len(cache) == 0 and cache.generation > generation
