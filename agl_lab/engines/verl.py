@@ -78,7 +78,7 @@ WORKER_SETUP_HOOK = "agl_lab.algorithms.register_in_worker"
 # ------------------------------------------------------------------------------------------
 
 
-def init_ray(config: Any) -> bool:
+def init_ray(config: Any, env_vars: Mapping[str, str] | None = None) -> bool:
     """Start Ray so that every worker process registers agl_lab's policy loss.
 
     runtime_env = verl's default PPO runtime env (`get_ppo_ray_runtime_env`) overlaid with
@@ -107,11 +107,37 @@ def init_ray(config: Any) -> bool:
     runtime_env = OmegaConf.to_container(OmegaConf.merge(default_env, user_env), resolve=True)
     runtime_env = {k: v for k, v in runtime_env.items() if v is not None}
     runtime_env.setdefault("worker_process_setup_hook", WORKER_SETUP_HOOK)
+    if env_vars:  # the engine's own (CPU platform): they win over the config's
+        runtime_env["env_vars"] = {**(runtime_env.get("env_vars") or {}), **env_vars}
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     if os.environ.get("RAY_TMPDIR") and "_temp_dir" not in kwargs:
         kwargs["_temp_dir"] = os.environ["RAY_TMPDIR"]
     ray.init(runtime_env=runtime_env, **kwargs)
     return True
+
+
+def _select_device(config: Any) -> dict[str, str]:
+    """CUDA → {} (verl as shipped); no CUDA → agl_lab's CPU platform, loaded here and in every
+    Ray worker through the returned env (`agl_lab.verl.device` forces one or the other)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    from agl_lab.engines.verl_cpu import PLATFORM_NAME, activate, cpu_platform_wanted
+
+    config = config if isinstance(config, DictConfig) else OmegaConf.create(dict(config or {}))
+    if cpu_platform_wanted(config):
+        rollout = OmegaConf.select(config, "actor_rollout_ref.rollout.name")
+        if rollout != PLATFORM_NAME:
+            raise RuntimeError(
+                f"agl_lab.engine=verl on CPU serves through agl_lab's OpenAI server, not {rollout!r}: set "
+                f"actor_rollout_ref.rollout.name={PLATFORM_NAME} (configs/cpu_verl.yaml has every CPU setting)")
+        return activate()
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("agl_lab.engine=verl with agl_lab.verl.device=cuda needs a CUDA device and none is "
+                           "visible: set agl_lab.verl.device=cpu (or auto) to run verl's workers on CPU "
+                           "(configs/cpu_verl.yaml), or agl_lab.engine=local")
+    return {}
 
 
 # ------------------------------------------------------------------------------------------
@@ -138,7 +164,8 @@ class VerlEngine(Engine):
                                "vllm==0.24.0):\n  " + "\n  ".join(problems))
         if not train_dataset:
             raise ValueError("train_dataset must be non-empty: the verl engine's dataloader needs task rows")
-        owns_ray = init_ray(config)
+        env_vars = _select_device(config)
+        owns_ray = init_ray(config, env_vars)
         try:
             trainer, model_name = build_trainer(config, train_dataset, val_dataset)
             trainer.init_workers()  # leaves the replicas asleep
