@@ -121,15 +121,16 @@ def _select_device(config: Any) -> dict[str, str]:
     Ray worker through the returned env (`agl_lab.verl.device` forces one or the other)."""
     from omegaconf import DictConfig, OmegaConf
 
-    from agl_lab.engines.verl_cpu import PLATFORM_NAME, activate, cpu_platform_wanted
+    from agl_lab.engines.verl_cpu import activate, cpu_platform_wanted
+    from agl_lab.engines.verl_cpu_rollout import ROLLOUT_NAME
 
     config = config if isinstance(config, DictConfig) else OmegaConf.create(dict(config or {}))
     if cpu_platform_wanted(config):
         rollout = OmegaConf.select(config, "actor_rollout_ref.rollout.name")
-        if rollout != PLATFORM_NAME:
+        if rollout != ROLLOUT_NAME:
             raise RuntimeError(
                 f"agl_lab.engine=verl on CPU serves through agl_lab's OpenAI server, not {rollout!r}: set "
-                f"actor_rollout_ref.rollout.name={PLATFORM_NAME} (configs/cpu_verl.yaml has every CPU setting)")
+                f"actor_rollout_ref.rollout.name={ROLLOUT_NAME} (configs/cpu_verl.yaml has every CPU setting)")
         return activate()
     import torch
 

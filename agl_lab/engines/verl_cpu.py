@@ -34,7 +34,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-PLATFORM_NAME = "agl_lab_cpu"  # also the rollout name: actor_rollout_ref.rollout.name
+PLATFORM_NAME = "agl_lab_cpu"  # VERL_PLATFORM; the rollout has the same name (verl_cpu_rollout.ROLLOUT_NAME)
 MODULE = __name__  # "agl_lab.engines.verl_cpu"
 _AGL_LAB_ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding agl_lab/
 

@@ -38,7 +38,8 @@ import os
 import sys
 from typing import Any
 
-from agl_lab.engines.verl_cpu import PLATFORM_NAME
+#: actor_rollout_ref.rollout.name of this rollout (agl_lab.engines.verl_cpu registers it)
+ROLLOUT_NAME = "agl_lab_cpu"
 
 #: replica_rank → the adapter living in this worker process
 _ADAPTERS: dict[int, Any] = {}
@@ -49,8 +50,8 @@ def register() -> None:
     """Add the rollout to verl's two registries (worker adapter by path, replica by loader)."""
     from verl.workers.rollout import base, replica
 
-    base._ROLLOUT_REGISTRY[(PLATFORM_NAME, "async")] = f"{__name__}.CpuServerAdapter"
-    replica.RolloutReplicaRegistry.register(PLATFORM_NAME, lambda: getattr(sys.modules[__name__], "CpuRolloutReplica"))
+    base._ROLLOUT_REGISTRY[(ROLLOUT_NAME, "async")] = f"{__name__}.CpuServerAdapter"
+    replica.RolloutReplicaRegistry.register(ROLLOUT_NAME, lambda: getattr(sys.modules[__name__], "CpuRolloutReplica"))
 
 
 def _rollout_world_size(config: Any) -> int:
@@ -75,7 +76,7 @@ def _adapter_class() -> type:
 
             world = _rollout_world_size(self.config)
             if world != 1:
-                raise ValueError(f"the {PLATFORM_NAME} rollout serves one replica per worker: set "
+                raise ValueError(f"the {ROLLOUT_NAME} rollout serves one replica per worker: set "
                                  "actor_rollout_ref.rollout.tensor_model_parallel_size=1 (and data/pipeline "
                                  f"parallel sizes 1), got a rollout world size of {world}")
             rank = int(os.environ.get("RANK", 0))
@@ -103,7 +104,7 @@ def _adapter_class() -> type:
         async def update_weights(self, weights: Any, wire_format: str = "named_tensors", **kwargs: Any) -> None:
             """Copy verl's `(name, full tensor)` stream into the served model (HF parameter names)."""
             if wire_format != "named_tensors":
-                raise ValueError(f"the {PLATFORM_NAME} rollout takes full tensors (wire_format "
+                raise ValueError(f"the {ROLLOUT_NAME} rollout takes full tensors (wire_format "
                                  f"'named_tensors'), got {wire_format!r}: use checkpoint_engine.backend=naive")
             model = self.server.scheduler.model
             params = model.state_dict(keep_vars=True)  # tied weights (lm_head = embed_tokens) listed twice
@@ -154,8 +155,8 @@ def _control(_actor: Any, replica_rank: int, method: str, kwargs: dict[str, Any]
     """Runs inside the worker through `__ray_call__`: forward to that worker's adapter."""
     adapter = _ADAPTERS.get(replica_rank)
     if adapter is None:
-        raise RuntimeError(f"no {PLATFORM_NAME} rollout adapter for replica {replica_rank} in worker pid "
-                           f"{os.getpid()}: was the worker built with actor_rollout_ref.rollout.name={PLATFORM_NAME}?")
+        raise RuntimeError(f"no {ROLLOUT_NAME} rollout adapter for replica {replica_rank} in worker pid "
+                           f"{os.getpid()}: was the worker built with actor_rollout_ref.rollout.name={ROLLOUT_NAME}?")
     return adapter.control(method, **kwargs)
 
 
@@ -172,7 +173,7 @@ def _replica_class() -> type:
 
         async def launch_servers(self) -> None:
             if self.rollout_mode != RolloutMode.HYBRID:
-                raise NotImplementedError(f"the {PLATFORM_NAME} rollout runs in hybrid mode only "
+                raise NotImplementedError(f"the {ROLLOUT_NAME} rollout runs in hybrid mode only "
                                           "(actor_rollout_ref.hybrid_engine=true)")
             self.servers = list(self.workers)
             self._server_handle = self.workers[0]
