@@ -6,7 +6,10 @@ built per module and driven by a real `agl_lab.Trainer` on the built-in lookup t
 - two full `Trainer.step()`s: the policy version advances, per_rollout_mean runs in the worker;
 - after the weight sync, logprobs the replica serves for a fixed prompt equal the actor's
   recomputed logprobs (float32 everywhere, < 1e-4);
-- a killed worker ends the next call with an error naming it, and closing leaves no Ray process.
+- verl's placement groups that the Ray cluster cannot hold fail at start-up naming the config keys
+  (Ray itself would wait for ever);
+- a killed worker ends the next step with an error naming it, and closing leaves no Ray process
+  (these run last: they end the module's engine).
 
 Wall time on an idle 2-core machine: ~15 s imports + Ray, ~10 s workers, a few s per step.
 """
@@ -14,10 +17,10 @@ Wall time on an idle 2-core machine: ~15 s imports + Ray, ~10 s workers, a few s
 from __future__ import annotations
 
 import os
+import re
 import shutil
-import subprocess
+import signal
 import tempfile
-import time
 
 import pytest
 
@@ -178,3 +181,47 @@ def test_served_logprobs_equal_the_actors_after_sync(trainer):
     actor = engine.compute_log_probs(data, temperature=1.0)[0].float()
     assert engine.policy_version >= 2  # weights trained and synced at least twice
     assert torch.allclose(served, actor, atol=1e-4), (served - actor).abs().max()
+
+
+def test_placement_check_names_the_config_keys():
+    from agl_lab.engines.verl_trainer import check_placement
+
+    check_placement({"global_pool": [1]}, 3, {"CPU": 4.0, "GPU": 1.0})  # fits: nothing raised
+    # the first cpu_verl run: num_cpus 2, while verl asks {CPU: 3, GPU: 1} per worker → Ray waited for ever
+    with pytest.raises(ValueError, match=r"need 3 CPUs and 1 GPUs.*num_cpus>=3.*num_gpus>=1"):
+        check_placement({"global_pool": [1]}, 3, {"CPU": 2.0, "GPU": 1.0})
+    with pytest.raises(ValueError, match=r"need 6 CPUs and 2 GPUs.*trainer.n_gpus_per_node"):
+        check_placement({"global_pool": [2]}, 3, {"CPU": 8.0, "GPU": 1.0})
+
+
+def test_a_second_engine_that_cannot_be_placed_fails_at_start_up(trainer):
+    """The module's engine holds the cluster's one (fake) GPU: a second one cannot be placed."""
+    from agl_lab.engines.verl import VerlEngine
+
+    with pytest.raises(ValueError, match=r"ray_kwargs\.ray_init\.num_gpus>=1"):
+        VerlEngine(trainer.cfg, train_dataset=trainer.train_dataset)
+    assert ray.is_initialized()  # it did not start the cluster, so it leaves it alone
+
+
+def test_killed_worker_fails_the_step_naming_it_and_close_leaves_no_ray_process(trainer):
+    """Runs last: SIGKILL the actor/rollout worker, then the Trainer's next step and close."""
+    import psutil
+
+    from agl_lab.engines.verl import VerlWorkerDied
+
+    engine = trainer.engine
+    ray_procs = [p for p in psutil.Process().children(recursive=True) if "ray" in " ".join(p.cmdline()).lower()]
+    assert {p.name() for p in ray_procs} >= {"raylet", "gcs_server"}, [p.name() for p in ray_procs]
+    group = engine.trainer.actor_rollout_wg
+    pid = ray.get(group.workers[0].__ray_call__.remote(lambda _actor: os.getpid()))
+    assert pid in {p.pid for p in ray_procs}
+    os.kill(pid, signal.SIGKILL)
+    name = re.escape(group.worker_names[0])
+    with pytest.raises(VerlWorkerDied, match=rf"verl worker actor_rollout_wg/{name} .* died"):
+        trainer.step()
+    with pytest.raises(VerlWorkerDied, match=name):  # the engine stays failed: no call reaches Ray again
+        engine.update(None)
+    trainer.close()
+    assert not ray.is_initialized()
+    _, alive = psutil.wait_procs(ray_procs, timeout=60)  # a bounded wait for exits, not a timing assert
+    assert alive == [], [(p.pid, p.name()) for p in alive]

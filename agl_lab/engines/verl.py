@@ -61,7 +61,9 @@ verl_trainer and builds the stack lazily.
 
 from __future__ import annotations
 
+import functools
 import os
+import sys
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -141,6 +143,46 @@ def _select_device(config: Any) -> dict[str, str]:
     return {}
 
 
+class VerlWorkerDied(RuntimeError):
+    """A verl worker process (Ray actor) died; the engine cannot go on: close the Trainer."""
+
+
+def _dead_actor_error(exc: BaseException) -> Any:
+    """The Ray actor-death error in `exc`'s chain (None when Ray is not loaded or there is none)."""
+    if "ray" not in sys.modules:
+        return None
+    from ray.exceptions import RayActorError
+
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, RayActorError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _fails_on_worker_death(method: Any) -> Any:
+    """Engine method wrapper: a dead worker ends the call with `VerlWorkerDied` naming it."""
+
+    @functools.wraps(method)
+    def wrapper(self: VerlEngine, *args: Any, **kwargs: Any) -> Any:
+        if self._dead is not None:
+            raise VerlWorkerDied(f"engine.{method.__name__}: {self._dead}")
+        try:
+            return method(self, *args, **kwargs)
+        except VerlWorkerDied:
+            raise  # from a nested engine call (resume → sync_weights → pause)
+        except Exception as exc:
+            died = _dead_actor_error(exc)
+            if died is None:
+                raise
+            self._dead = self._describe_death(died)
+            raise VerlWorkerDied(f"engine.{method.__name__}: {self._dead}") from exc
+
+    return wrapper
+
+
 # ------------------------------------------------------------------------------------------
 # The engine
 # ------------------------------------------------------------------------------------------
@@ -169,7 +211,7 @@ class VerlEngine(Engine):
         owns_ray = init_ray(config, env_vars)
         try:
             trainer, model_name = build_trainer(config, train_dataset, val_dataset)
-            trainer.init_workers()  # leaves the replicas asleep
+            trainer.init_workers()  # checks first that verl's placement groups fit the cluster  # leaves the replicas asleep
             self._adopt(trainer, model_name, owns_ray=owns_ray, replicas_awake=False)
             self.sync_weights()  # serve the initial weights
         except BaseException:
@@ -195,6 +237,26 @@ class VerlEngine(Engine):
         self._version = int(getattr(trainer, "global_steps", 0) or 0)
         self._lock = threading.Lock()
         self._closed = False
+        self._dead: str | None = None  # why the engine cannot go on (a worker died)
+
+    def worker_names(self) -> dict[str, str]:
+        """Ray actor id (hex) → `<worker group>/<worker name>` for every verl worker."""
+        names: dict[str, str] = {}
+        for attr in ("actor_rollout_wg", "ref_policy_wg", "critic_wg", "rm_wg"):
+            group = getattr(self.trainer, attr, None)
+            for worker, name in zip(getattr(group, "workers", None) or [], getattr(group, "worker_names", None) or []):
+                actor_id = getattr(worker, "_actor_id", None)
+                if actor_id is not None:
+                    names.setdefault(actor_id.hex(), f"{attr}/{name}")
+        return names
+
+    def _describe_death(self, error: Any) -> str:
+        actor_id = getattr(error, "actor_id", None)
+        name = self.worker_names().get(actor_id or "", "a Ray actor outside verl's worker groups")
+        detail = str(error).strip().splitlines()
+        return (f"verl worker {name} (Ray actor {actor_id}) died: {detail[0] if detail else type(error).__name__}. "
+                "The verl engine cannot go on: close the Trainer and start a new one (the worker's own log is "
+                "under $RAY_TMPDIR/session_latest/logs; out-of-memory kills show in dmesg)")
 
     # --- serving ---------------------------------------------------------------------------
 
@@ -205,16 +267,19 @@ class VerlEngine(Engine):
     def endpoints(self) -> list[str]:
         return [f"http://{addr}/v1" for addr in self.trainer.server_addresses()]
 
+    @_fails_on_worker_death
     def resume(self) -> None:
         if not self._awake:
             self.sync_weights()  # wakes the replicas with the trained weights
         self.trainer.resume_generation()
 
+    @_fails_on_worker_death
     def abort(self) -> int:
         if not self._awake:
             return 0
         return self.trainer.abort_generation()
 
+    @_fails_on_worker_death
     def pause(self, timeout: float | None = None) -> None:
         """Sleep the replicas: in-flight requests drain, weights and KV cache are freed.
 
@@ -224,6 +289,7 @@ class VerlEngine(Engine):
             self.trainer.sleep_rollout_replicas()
             self._awake = False
 
+    @_fails_on_worker_death
     def sync_weights(self) -> None:
         if self.trainer.weight_sync_needs_sleep():
             self.pause()
@@ -233,6 +299,7 @@ class VerlEngine(Engine):
 
     # --- learning --------------------------------------------------------------------------
 
+    @_fails_on_worker_death
     def compute_log_probs(self, data: Any, temperature: float = 1.0) -> Any:
         """Log-probs of `data.batch["responses"]` under the actor's weights, [N, R]."""
         data.meta_info["temperature"] = temperature
@@ -244,10 +311,12 @@ class VerlEngine(Engine):
         """Rows per PPO mini-batch; `update` pads a batch to a multiple of it with zero-weight rows."""
         return self.trainer.mini_batch_rows()
 
+    @_fails_on_worker_death
     def prepare(self, data: Any) -> tuple[Any, dict[str, float]]:
         """Everything the advantage needs: old/ref logprobs, values, token_level_rewards, IS weights."""
         return self.trainer.prepare_for_advantage(data)
 
+    @_fails_on_worker_death
     def update(self, data: Any) -> dict[str, float]:
         """One critic/actor update (step `global_steps + 1`) on a batch with advantages.
 
@@ -259,10 +328,12 @@ class VerlEngine(Engine):
 
     # --- checkpoints -----------------------------------------------------------------------
 
+    @_fails_on_worker_death
     def save(self, path: str, agl_state: Mapping[str, Any] | None = None) -> None:
         """verl checkpoint under `path/global_step_N` plus agl_lab's own state (carry-over…)."""
         self.trainer.save_to(os.fspath(path), agl_state)
 
+    @_fails_on_worker_death
     def load(self, path: str) -> dict[str, Any] | None:
         """Restore actor/critic/dataloader state, push the loaded weights; returns agl_lab state."""
         self.pause()

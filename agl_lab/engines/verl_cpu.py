@@ -34,6 +34,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from agl_lab.engines.verl_api import VERL_API, verl_import, verl_module
+
 PLATFORM_NAME = "agl_lab_cpu"  # VERL_PLATFORM; the rollout has the same name (verl_cpu_rollout.ROLLOUT_NAME)
 MODULE = __name__  # "agl_lab.engines.verl_cpu"
 _AGL_LAB_ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding agl_lab/
@@ -83,11 +85,9 @@ def activate() -> dict[str, str]:
     if _AGL_LAB_ROOT not in sys.path:
         sys.path.insert(0, _AGL_LAB_ROOT)
     install()
-    from verl.plugin.platform import platform_manager
-
-    current = platform_manager._current_platform
+    current = verl_module("set_platform")._current_platform  # None until verl first resolves one
     if current is not None and not isinstance(current, CpuPlatform):
-        platform_manager.set_platform(CpuPlatform())
+        verl_import("set_platform")(CpuPlatform())
     return env
 
 
@@ -155,9 +155,7 @@ class CpuDeviceModule:
 
 def _platform_class() -> type:
     """`CpuPlatform`, defined against verl's `PlatformBase` (imported on first use)."""
-    from verl.plugin.platform.platform_base import PlatformBase
-
-    class _CpuPlatform(PlatformBase):
+    class _CpuPlatform(verl_import("PlatformBase")):
         """verl platform for CPU-only machines: gloo collectives, fake Ray `GPU` resources."""
 
         device_name = "cpu"
@@ -220,9 +218,9 @@ def _platform_class() -> type:
 
 def _patch_process_group() -> None:
     """Patch 1: `cpu:gloo,cpu:gloo` → `gloo` (only when verl would build the duplicate)."""
-    import verl.utils.distributed as dist
-
-    original = getattr(dist.initialize_global_process_group_ray, "__wrapped__", dist.initialize_global_process_group_ray)
+    key = "initialize_global_process_group_ray"
+    dist = verl_module(key)
+    original = getattr(dist.initialize_global_process_group_ray, "__wrapped__", verl_import(key))
 
     @functools.wraps(original)
     def initialize_global_process_group_ray(timeout_second=None, backend=None):
@@ -237,9 +235,8 @@ def _patch_process_group() -> None:
 
 def _patch_offload_policy() -> None:
     """Patch 2: FSDP2's `CPUOffloadPolicy(pin_memory=True)` → unpinned (pinning needs an accelerator)."""
-    import verl.utils.fsdp_utils as fsdp_utils
-
-    base = fsdp_utils.CPUOffloadPolicy
+    fsdp_utils = verl_module("CPUOffloadPolicy")
+    base = verl_import("CPUOffloadPolicy")
     if base is None or getattr(base, "_agl_lab_unpinned", False):
         return
 
@@ -251,7 +248,7 @@ def _patch_offload_policy() -> None:
             self.pin_memory = False
 
     fsdp_utils.CPUOffloadPolicy = UnpinnedCPUOffloadPolicy
-    impl = sys.modules.get("verl.workers.engine.fsdp.transformer_impl")  # bound by name at its import
+    impl = sys.modules.get(VERL_API["FSDPEngine._build_fsdp_module"].module)  # bound by name at its import
     if impl is not None:
         impl.CPUOffloadPolicy = UnpinnedCPUOffloadPolicy
 
@@ -264,9 +261,7 @@ def install() -> None:
     global CpuPlatform
     if CpuPlatform is not None:
         return
-    from verl.plugin.platform.platform_manager import PlatformRegistry
-
-    CpuPlatform = PlatformRegistry.register(PLATFORM_NAME)(_platform_class())
+    CpuPlatform = verl_import("PlatformRegistry.register")(PLATFORM_NAME)(_platform_class())
     _patch_process_group()
     _patch_offload_policy()
     from agl_lab.engines import verl_cpu_rollout

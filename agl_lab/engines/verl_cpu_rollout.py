@@ -38,6 +38,8 @@ import os
 import sys
 from typing import Any
 
+from agl_lab.engines.verl_api import verl_import
+
 #: actor_rollout_ref.rollout.name of this rollout (agl_lab.engines.verl_cpu registers it)
 ROLLOUT_NAME = "agl_lab_cpu"
 
@@ -48,10 +50,9 @@ DRAIN_TIMEOUT_S = 300.0  # sleep() waits at most this long for running generatio
 
 def register() -> None:
     """Add the rollout to verl's two registries (worker adapter by path, replica by loader)."""
-    from verl.workers.rollout import base, replica
-
-    base._ROLLOUT_REGISTRY[(ROLLOUT_NAME, "async")] = f"{__name__}.CpuServerAdapter"
-    replica.RolloutReplicaRegistry.register(ROLLOUT_NAME, lambda: getattr(sys.modules[__name__], "CpuRolloutReplica"))
+    verl_import("_ROLLOUT_REGISTRY")[(ROLLOUT_NAME, "async")] = f"{__name__}.CpuServerAdapter"
+    verl_import("RolloutReplicaRegistry.register")(
+        ROLLOUT_NAME, lambda: getattr(sys.modules[__name__], "CpuRolloutReplica"))
 
 
 def _rollout_world_size(config: Any) -> int:
@@ -64,9 +65,7 @@ def _rollout_world_size(config: Any) -> int:
 
 
 def _adapter_class() -> type:
-    from verl.workers.rollout.base import BaseRollout
-
-    class CpuServerAdapter(BaseRollout):
+    class CpuServerAdapter(verl_import("BaseRollout")):
         """Serves the worker's copy of the policy through agl_lab's OpenAI server."""
 
         def __init__(self, config: Any, model_config: Any, device_mesh: Any, replica_rank: int = -1):
@@ -166,9 +165,9 @@ def _control(_actor: Any, replica_rank: int, method: str, kwargs: dict[str, Any]
 
 
 def _replica_class() -> type:
-    from verl.workers.rollout.replica import RolloutMode, RolloutReplica
+    RolloutMode = verl_import("RolloutMode")
 
-    class CpuRolloutReplica(RolloutReplica):
+    class CpuRolloutReplica(verl_import("RolloutReplica")):
         """A replica whose server is the `CpuServerAdapter` in its hybrid worker."""
 
         async def launch_servers(self) -> None:
