@@ -235,7 +235,7 @@ CHOICES = {
 
 
 def validate(cfg: DictConfig) -> None:
-    for key in ("agl_lab.engine", "agl_lab.wandb.mode"):
+    for key in ("agl_lab.engine", "agl_lab.verl.device", "agl_lab.wandb.mode"):
         value = OmegaConf.select(cfg, key)
         if value not in CHOICES[key]:
             raise ConfigError(f"{key}={value!r} is not one of {list(CHOICES[key])}")
