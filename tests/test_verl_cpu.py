@@ -183,6 +183,30 @@ def test_served_logprobs_equal_the_actors_after_sync(trainer):
     assert torch.allclose(served, actor, atol=1e-4), (served - actor).abs().max()
 
 
+def test_one_step_drives_the_real_replica_in_the_phase_order(trainer):
+    """The phase-order test of tests/test_verl_phases.py, on the real replica: what verl asked of
+    the server inside the worker during one Trainer.step(), in order."""
+    from agl_lab.engines.verl_api import run_coroutine
+
+    engine = trainer.engine
+    replica = engine.trainer.rollout_replicas()[0]
+    before = len(run_coroutine(replica.events())[0])
+    version = engine.policy_version
+    trainer.step()
+    assert run_coroutine(replica.events())[0][before:] == [
+        "resume_generation",                       # rollout: generation opens
+        "abort_all_requests",                      # sync mode: residual requests aborted
+        "sleep",                                   # before old logprobs and the update
+        "resume:weights",                          # verl's naive sync into the server ...
+        f"update_weights:{version + 1}",           # ... the trained weights, tagged with the new step
+        "resume:kv_cache",                         # ... then it serves again
+        "resume_generation",                       # the Trainer reopens generation for the next step
+    ]
+    assert engine.policy_version == version + 1
+    assert run_coroutine(replica.status()) == [{"paused": False, "global_steps": version + 1,
+                                                "n_weight_syncs": version + 2}]  # + the initial sync
+
+
 def test_placement_check_names_the_config_keys():
     from agl_lab.engines.verl_trainer import check_placement
 

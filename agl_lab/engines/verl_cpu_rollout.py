@@ -33,6 +33,7 @@ Hybrid mode only (training and serving share the worker), one replica per worker
 from __future__ import annotations
 
 import asyncio
+import collections
 import inspect
 import os
 import sys
@@ -91,13 +92,17 @@ def _adapter_class() -> type:
             self.server.pause(wait=False)  # asleep until verl's first weight sync wakes it
             self.global_steps: int | None = None
             self.n_weight_syncs = 0
+            #: what verl asked of this replica, in order ("sleep", "update_weights:3", "resume:kv_cache", …)
+            self.events: collections.deque[str] = collections.deque(maxlen=256)
             _ADAPTERS[self.replica_rank] = self
 
         async def resume(self, tags: list[str]) -> None:
+            self.events.append("resume:" + ",".join(tags))
             if "kv_cache" in tags:  # the last step of verl's naive sync: serve again
                 self.server.resume()
 
         async def release(self) -> None:
+            self.events.append("release")
             self.server.pause(wait=True, timeout=DRAIN_TIMEOUT_S)
 
         async def update_weights(self, weights: Any, wire_format: str = "named_tensors", **kwargs: Any) -> None:
@@ -117,6 +122,7 @@ def _adapter_class() -> type:
                     target.data.copy_(tensor.detach().to(device="cpu", dtype=target.dtype))
                     seen += 1
             self.global_steps = kwargs.get("global_steps")
+            self.events.append(f"update_weights:{self.global_steps}")
             self.n_weight_syncs += 1
             self.n_tensors_last_sync = seen
 
@@ -124,6 +130,10 @@ def _adapter_class() -> type:
             """The replica's remote control (see the module docstring's table)."""
             if method == "address":
                 return f"{self.server.host}:{self.server.port}"
+            if method == "events":
+                return list(self.events)
+            if method != "status":
+                self.events.append(method)
             if method == "sleep":
                 self.server.pause(wait=True, timeout=DRAIN_TIMEOUT_S)
             elif method in ("wake_up", "resume_generation"):
@@ -203,6 +213,10 @@ def _replica_class() -> type:
 
         async def status(self) -> list[dict[str, Any]]:
             return await self._call("status")
+
+        async def events(self) -> list[list[str]]:
+            """Per server: what verl asked of it, in order (the adapter's `events`)."""
+            return await self._call("events")
 
     return CpuRolloutReplica
 
