@@ -207,6 +207,20 @@ def test_one_step_drives_the_real_replica_in_the_phase_order(trainer):
                                                 "n_weight_syncs": version + 2}]  # + the initial sync
 
 
+def test_save_and_load_round_trip_on_the_real_workers(trainer, tmp_path):
+    """verl's own FSDP2 checkpoint of the actor on CPU, plus agl_lab's state; load serves it again."""
+    engine = trainer.engine
+    saved, version = _served_state(engine), engine.policy_version
+    engine.save(str(tmp_path), {"carry_over": ["r1"]})
+    assert (tmp_path / f"global_step_{version}" / "agl_lab_state.pt").exists()
+    trainer.step()
+    assert any(not torch.equal(v, saved[k]) for k, v in _served_state(engine).items())  # trained on
+    assert engine.load(str(tmp_path)) == {"carry_over": ["r1"]}
+    assert engine.policy_version == version
+    restored = _served_state(engine)  # the actor's weights, synced into the served model
+    assert all(torch.equal(restored[k], saved[k]) for k in saved)
+
+
 def test_placement_check_names_the_config_keys():
     from agl_lab.engines.verl_trainer import check_placement
 
