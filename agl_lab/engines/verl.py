@@ -52,6 +52,12 @@ Replica state machine (checkpoint backend `naive`, the default hybrid engine):
 replicas pushes weights first (serving weights must equal trained weights), and
 `policy_version` is the global step the served weights were trained to.
 
+Without CUDA (or with `agl_lab.verl.device: cpu`) `_select_device` loads agl_lab's verl
+platform for CPU (agl_lab/engines/verl_cpu.py) here and in every Ray worker, and the replicas
+are agl_lab's OpenAI server (the `agl_lab_cpu` rollout, agl_lab/engines/verl_cpu_rollout.py)
+instead of vLLM; everything else above runs unchanged. A worker that dies ends the engine
+call with `VerlWorkerDied` naming it (every later call too), never a hang.
+
 Every verl symbol comes through `VERL_API` (agl_lab/engines/verl_api.py); the verl-side
 classes live in agl_lab/engines/verl_trainer.py. Imports go one way:
 verl.py → verl_trainer.py → verl_api.py. This module imports neither verl, torch, Ray nor
@@ -211,7 +217,7 @@ class VerlEngine(Engine):
         owns_ray = init_ray(config, env_vars)
         try:
             trainer, model_name = build_trainer(config, train_dataset, val_dataset)
-            trainer.init_workers()  # checks first that verl's placement groups fit the cluster  # leaves the replicas asleep
+            trainer.init_workers()  # placement checked first; leaves the replicas asleep
             self._adopt(trainer, model_name, owns_ray=owns_ray, replicas_awake=False)
             self.sync_weights()  # serve the initial weights
         except BaseException:
