@@ -259,6 +259,8 @@ def test_killed_worker_fails_the_step_naming_it_and_close_leaves_no_ray_process(
         trainer.step()
     with pytest.raises(VerlWorkerDied, match=name):  # the engine stays failed: no call reaches Ray again
         engine.update(None)
+    # an OOM kill or a crash names no actor: the engine then asks every worker whether it is alive
+    assert engine._probe_dead_workers() == [f"actor_rollout_wg/{group.worker_names[0]}"]
     trainer.close()
     assert not ray.is_initialized()
     _, alive = psutil.wait_procs(ray_procs, timeout=60)  # a bounded wait for exits, not a timing assert

@@ -65,3 +65,22 @@ def test_verl_on_cuda_without_a_cuda_device_says_what_to_set():
     cfg = load_config(CPU_VERL, ["agl_lab.verl.device=cuda"])
     with pytest.raises(RuntimeError, match=r"needs a CUDA device and none is visible: set agl_lab\.verl\.device=cpu"):
         VerlEngine(cfg, train_dataset=ROWS)
+
+
+def test_every_way_a_worker_process_goes_away_counts_as_a_dead_worker():
+    from ray.exceptions import ActorDiedError, NodeDiedError, OutOfMemoryError, RayTaskError, WorkerCrashedError
+
+    from agl_lab.engines.verl import _dead_actor_error
+
+    oom = OutOfMemoryError("1 worker(s) were killed due to the node running low on memory")
+    for error in (ActorDiedError(), oom, WorkerCrashedError(), NodeDiedError("node gone")):
+        assert _dead_actor_error(error) is error
+    try:  # found through the exception chain too (an engine wrapping it)
+        try:
+            raise oom
+        except OutOfMemoryError as inner:
+            raise RuntimeError("update failed") from inner
+    except RuntimeError as outer:
+        assert _dead_actor_error(outer) is oom
+    assert _dead_actor_error(ValueError("a bug, not a dead worker")) is None
+    assert _dead_actor_error(RayTaskError("f", "tb", ValueError("raised in the worker"))) is None

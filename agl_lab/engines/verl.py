@@ -149,19 +149,24 @@ def _select_device(config: Any) -> dict[str, str]:
     return {}
 
 
+def _alive(_actor: Any) -> bool:
+    return True
+
+
 class VerlWorkerDied(RuntimeError):
     """A verl worker process (Ray actor) died; the engine cannot go on: close the Trainer."""
 
 
 def _dead_actor_error(exc: BaseException) -> Any:
-    """The Ray actor-death error in `exc`'s chain (None when Ray is not loaded or there is none)."""
+    """The Ray error in `exc`'s chain that says a worker process is gone: the actor died, its
+    process crashed, Ray's memory monitor killed it, or its node died (None when there is none)."""
     if "ray" not in sys.modules:
         return None
-    from ray.exceptions import RayActorError
+    from ray.exceptions import NodeDiedError, OutOfMemoryError, RayActorError, WorkerCrashedError
 
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
-        if isinstance(exc, RayActorError):
+        if isinstance(exc, (RayActorError, OutOfMemoryError, WorkerCrashedError, NodeDiedError)):
             return exc
         seen.add(id(exc))
         exc = exc.__cause__ or exc.__context__
@@ -245,20 +250,41 @@ class VerlEngine(Engine):
         self._closed = False
         self._dead: str | None = None  # why the engine cannot go on (a worker died)
 
-    def worker_names(self) -> dict[str, str]:
-        """Ray actor id (hex) → `<worker group>/<worker name>` for every verl worker."""
-        names: dict[str, str] = {}
+    def _workers(self) -> dict[str, tuple[str, Any]]:
+        """Ray actor id (hex) → (`<worker group>/<worker name>`, handle) for every verl worker."""
+        workers: dict[str, tuple[str, Any]] = {}
         for attr in ("actor_rollout_wg", "ref_policy_wg", "critic_wg", "rm_wg"):
             group = getattr(self.trainer, attr, None)
             for worker, name in zip(getattr(group, "workers", None) or [], getattr(group, "worker_names", None) or []):
                 actor_id = getattr(worker, "_actor_id", None)
                 if actor_id is not None:
-                    names.setdefault(actor_id.hex(), f"{attr}/{name}")
-        return names
+                    workers.setdefault(actor_id.hex(), (f"{attr}/{name}", worker))
+        return workers
+
+    def worker_names(self) -> dict[str, str]:
+        """Ray actor id (hex) → `<worker group>/<worker name>` for every verl worker."""
+        return {actor_id: name for actor_id, (name, _) in self._workers().items()}
+
+    def _probe_dead_workers(self) -> list[str]:
+        """Names of the workers that no longer answer because their process is gone."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        dead = []
+        for name, worker in self._workers().values():
+            try:
+                ray.get(worker.__ray_call__.remote(_alive), timeout=30)
+            except RayActorError:
+                dead.append(name)
+            except GetTimeoutError:
+                pass  # busy, not known dead
+        return dead
 
     def _describe_death(self, error: Any) -> str:
         actor_id = getattr(error, "actor_id", None)
-        name = self.worker_names().get(actor_id or "", "a Ray actor outside verl's worker groups")
+        name = self.worker_names().get(actor_id or "")
+        if name is None:  # an OOM kill or crash names a process, not an actor: ask the workers
+            name = ", ".join(self._probe_dead_workers()) or "a Ray actor outside verl's worker groups"
         detail = str(error).strip().splitlines()
         return (f"verl worker {name} (Ray actor {actor_id}) died: {detail[0] if detail else type(error).__name__}. "
                 "The verl engine cannot go on: close the Trainer and start a new one (the worker's own log is "
