@@ -73,6 +73,9 @@ AGL_DEFAULTS: dict[str, Any] = {
 AGL_LAB_DEFAULTS: dict[str, Any] = {
     "agl_lab": {
         "engine": "local",  # local | verl
+        # verl engine device: auto → CUDA if present, else verl's real workers on CPU through
+        # agl_lab's CPU platform (agl_lab/engines/verl_cpu.py); cpu | cuda force one
+        "verl": {"device": "auto"},
         "seed": 0,
         "run_dir": None,  # default: runs/<experiment_name>-<timestamp>
         "model": {
@@ -118,6 +121,8 @@ AGL_LAB_DEFAULTS: dict[str, Any] = {
 _OPEN_PREFIXES = (
     "actor_rollout_ref.rollout.engine_kwargs",
     "actor_rollout_ref.model.override_config",
+    "actor_rollout_ref.actor.fsdp_config.mixed_precision",  # verl's FSDPEngineConfig dict (not in its yaml)
+    "actor_rollout_ref.ref.fsdp_config.mixed_precision",
     "critic.model.override_config",
     "ray_kwargs",
     "agentlightning.local.env_map",
@@ -257,6 +262,7 @@ ENGINES = ("local", "verl")
 WANDB_MODES = (None, "disabled", "offline", "online")
 CHOICES = {
     "agl_lab.engine": ENGINES,
+    "agl_lab.verl.device": ("auto", "cpu", "cuda"),
     "agl_lab.wandb.mode": WANDB_MODES,
     "agl_lab.algorithm.normalize_by": DIVISORS,
     "agl_lab.algorithm.small_batch": SMALL_BATCH_CHOICES,
@@ -266,7 +272,7 @@ CHOICES = {
 
 
 def validate(cfg: DictConfig) -> None:
-    for key in ("agl_lab.engine", "agl_lab.wandb.mode", "agl_lab.parity.drop_order"):
+    for key in ("agl_lab.engine", "agl_lab.verl.device", "agl_lab.wandb.mode", "agl_lab.parity.drop_order"):
         value = OmegaConf.select(cfg, key)
         if value not in CHOICES[key]:
             raise ConfigError(f"{key}={value!r} is not one of {list(CHOICES[key])}")

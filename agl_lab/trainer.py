@@ -171,6 +171,12 @@ class Trainer:
         if lab.engine == "verl":
             from agl_lab.engines.verl import VerlEngine
 
+            if lab.model.path is None:  # verl's workers load from disk: the tiny model, warm-started like local's
+                from agl_lab.tasks.warmstart import warm_started_model_dir
+
+                steps = int(lab.model.warm_start_steps) if self.task is not None else 0
+                lab.model.path = str(warm_started_model_dir(
+                    self.task.name if self.task else "", steps, seed=int(lab.seed)))
             engine = VerlEngine(self.cfg, train_dataset=self.train_dataset, val_dataset=self.val_dataset)
             self._closers.append(engine.close)  # its workers, replicas and the Ray cluster it started
             return engine

@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 from agl_lab.engines.verl_api import VERL_API, VERL_CONFIG_KEYS, VerlSymbol, check_symbol, check_verl_api
 
 ENGINE_FILES = [Path(__file__).resolve().parents[1] / "agl_lab" / "engines" / name
-                for name in ("verl.py", "verl_trainer.py", "verl_api.py")]
+                for name in ("verl.py", "verl_trainer.py", "verl_api.py", "verl_cpu.py", "verl_cpu_rollout.py")]
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 VERL_ROWS = sorted(k for k, s in VERL_API.items() if not s.needs_vllm)
 VLLM_ROWS = sorted(k for k, s in VERL_API.items() if s.needs_vllm)

@@ -154,7 +154,8 @@ def make_rig(tmp_path, monkeypatch):
             return stack, "fake-model"
 
         monkeypatch.setattr(verl_trainer_module, "build_trainer", build_fake_stack)
-        monkeypatch.setattr(verl_module, "init_ray", lambda config: False)
+        monkeypatch.setattr(verl_module, "init_ray", lambda config, env_vars=None: False)
+        monkeypatch.setattr(verl_module, "_select_device", lambda config: {})  # fake vLLM replicas on CPU
         trainer = Trainer.from_config(
             CPU_TINY, [*BASE, *overrides], engine="verl", agent=agent or LOOKUP.agent,
             train_dataset=list(train), val_dataset=list(val), run_dir=tmp_path / f"run{len(made)}", console=False)

@@ -52,6 +52,12 @@ Replica state machine (checkpoint backend `naive`, the default hybrid engine):
 replicas pushes weights first (serving weights must equal trained weights), and
 `policy_version` is the global step the served weights were trained to.
 
+Without CUDA (or with `agl_lab.verl.device: cpu`) `_select_device` loads agl_lab's verl
+platform for CPU (agl_lab/engines/verl_cpu.py) here and in every Ray worker, and the replicas
+are agl_lab's OpenAI server (the `agl_lab_cpu` rollout, agl_lab/engines/verl_cpu_rollout.py)
+instead of vLLM; everything else above runs unchanged. A worker that dies ends the engine
+call with `VerlWorkerDied` naming it (every later call too), never a hang.
+
 Every verl symbol comes through `VERL_API` (agl_lab/engines/verl_api.py); the verl-side
 classes live in agl_lab/engines/verl_trainer.py. Imports go one way:
 verl.py → verl_trainer.py → verl_api.py. This module imports neither verl, torch, Ray nor
@@ -61,7 +67,9 @@ verl_trainer and builds the stack lazily.
 
 from __future__ import annotations
 
+import functools
 import os
+import sys
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -78,7 +86,7 @@ WORKER_SETUP_HOOK = "agl_lab.algorithms.register_in_worker"
 # ------------------------------------------------------------------------------------------
 
 
-def init_ray(config: Any) -> bool:
+def init_ray(config: Any, env_vars: Mapping[str, str] | None = None) -> bool:
     """Start Ray so that every worker process registers agl_lab's policy loss.
 
     runtime_env = verl's default PPO runtime env (`get_ppo_ray_runtime_env`) overlaid with
@@ -107,11 +115,83 @@ def init_ray(config: Any) -> bool:
     runtime_env = OmegaConf.to_container(OmegaConf.merge(default_env, user_env), resolve=True)
     runtime_env = {k: v for k, v in runtime_env.items() if v is not None}
     runtime_env.setdefault("worker_process_setup_hook", WORKER_SETUP_HOOK)
+    if env_vars:  # the engine's own (CPU platform): they win over the config's
+        runtime_env["env_vars"] = {**(runtime_env.get("env_vars") or {}), **env_vars}
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     if os.environ.get("RAY_TMPDIR") and "_temp_dir" not in kwargs:
         kwargs["_temp_dir"] = os.environ["RAY_TMPDIR"]
     ray.init(runtime_env=runtime_env, **kwargs)
     return True
+
+
+def _select_device(config: Any) -> dict[str, str]:
+    """CUDA → {} (verl as shipped); no CUDA → agl_lab's CPU platform, loaded here and in every
+    Ray worker through the returned env (`agl_lab.verl.device` forces one or the other)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    from agl_lab.engines.verl_cpu import activate, cpu_platform_wanted
+    from agl_lab.engines.verl_cpu_rollout import ROLLOUT_NAME
+
+    config = config if isinstance(config, DictConfig) else OmegaConf.create(dict(config or {}))
+    if cpu_platform_wanted(config):
+        rollout = OmegaConf.select(config, "actor_rollout_ref.rollout.name")
+        if rollout != ROLLOUT_NAME:
+            raise RuntimeError(
+                f"agl_lab.engine=verl on CPU serves through agl_lab's OpenAI server, not {rollout!r}: set "
+                f"actor_rollout_ref.rollout.name={ROLLOUT_NAME} (configs/cpu_verl.yaml has every CPU setting)")
+        return activate()
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("agl_lab.engine=verl with agl_lab.verl.device=cuda needs a CUDA device and none is "
+                           "visible: set agl_lab.verl.device=cpu (or auto) to run verl's workers on CPU "
+                           "(configs/cpu_verl.yaml), or agl_lab.engine=local")
+    return {}
+
+
+def _alive(_actor: Any) -> bool:
+    return True
+
+
+class VerlWorkerDied(RuntimeError):
+    """A verl worker process (Ray actor) died; the engine cannot go on: close the Trainer."""
+
+
+def _dead_actor_error(exc: BaseException) -> Any:
+    """The Ray error in `exc`'s chain that says a worker process is gone: the actor died, its
+    process crashed, Ray's memory monitor killed it, or its node died (None when there is none)."""
+    if "ray" not in sys.modules:
+        return None
+    from ray.exceptions import NodeDiedError, OutOfMemoryError, RayActorError, WorkerCrashedError
+
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, (RayActorError, OutOfMemoryError, WorkerCrashedError, NodeDiedError)):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _fails_on_worker_death(method: Any) -> Any:
+    """Engine method wrapper: a dead worker ends the call with `VerlWorkerDied` naming it."""
+
+    @functools.wraps(method)
+    def wrapper(self: VerlEngine, *args: Any, **kwargs: Any) -> Any:
+        if self._dead is not None:
+            raise VerlWorkerDied(f"engine.{method.__name__}: {self._dead}")
+        try:
+            return method(self, *args, **kwargs)
+        except VerlWorkerDied:
+            raise  # from a nested engine call (resume → sync_weights → pause)
+        except Exception as exc:
+            died = _dead_actor_error(exc)
+            if died is None:
+                raise
+            self._dead = self._describe_death(died)
+            raise VerlWorkerDied(f"engine.{method.__name__}: {self._dead}") from exc
+
+    return wrapper
 
 
 # ------------------------------------------------------------------------------------------
@@ -138,10 +218,11 @@ class VerlEngine(Engine):
                                "vllm==0.24.0):\n  " + "\n  ".join(problems))
         if not train_dataset:
             raise ValueError("train_dataset must be non-empty: the verl engine's dataloader needs task rows")
-        owns_ray = init_ray(config)
+        env_vars = _select_device(config)
+        owns_ray = init_ray(config, env_vars)
         try:
             trainer, model_name = build_trainer(config, train_dataset, val_dataset)
-            trainer.init_workers()  # leaves the replicas asleep
+            trainer.init_workers()  # placement checked first; leaves the replicas asleep
             self._adopt(trainer, model_name, owns_ray=owns_ray, replicas_awake=False)
             self.sync_weights()  # serve the initial weights
         except BaseException:
@@ -167,6 +248,47 @@ class VerlEngine(Engine):
         self._version = int(getattr(trainer, "global_steps", 0) or 0)
         self._lock = threading.Lock()
         self._closed = False
+        self._dead: str | None = None  # why the engine cannot go on (a worker died)
+
+    def _workers(self) -> dict[str, tuple[str, Any]]:
+        """Ray actor id (hex) → (`<worker group>/<worker name>`, handle) for every verl worker."""
+        workers: dict[str, tuple[str, Any]] = {}
+        for attr in ("actor_rollout_wg", "ref_policy_wg", "critic_wg", "rm_wg"):
+            group = getattr(self.trainer, attr, None)
+            for worker, name in zip(getattr(group, "workers", None) or [], getattr(group, "worker_names", None) or []):
+                actor_id = getattr(worker, "_actor_id", None)
+                if actor_id is not None:
+                    workers.setdefault(actor_id.hex(), (f"{attr}/{name}", worker))
+        return workers
+
+    def worker_names(self) -> dict[str, str]:
+        """Ray actor id (hex) → `<worker group>/<worker name>` for every verl worker."""
+        return {actor_id: name for actor_id, (name, _) in self._workers().items()}
+
+    def _probe_dead_workers(self) -> list[str]:
+        """Names of the workers that no longer answer because their process is gone."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        dead = []
+        for name, worker in self._workers().values():
+            try:
+                ray.get(worker.__ray_call__.remote(_alive), timeout=30)
+            except RayActorError:
+                dead.append(name)
+            except GetTimeoutError:
+                pass  # busy, not known dead
+        return dead
+
+    def _describe_death(self, error: Any) -> str:
+        actor_id = getattr(error, "actor_id", None)
+        name = self.worker_names().get(actor_id or "")
+        if name is None:  # an OOM kill or crash names a process, not an actor: ask the workers
+            name = ", ".join(self._probe_dead_workers()) or "a Ray actor outside verl's worker groups"
+        detail = str(error).strip().splitlines()
+        return (f"verl worker {name} (Ray actor {actor_id}) died: {detail[0] if detail else type(error).__name__}. "
+                "The verl engine cannot go on: close the Trainer and start a new one (the worker's own log is "
+                "under $RAY_TMPDIR/session_latest/logs; out-of-memory kills show in dmesg)")
 
     # --- serving ---------------------------------------------------------------------------
 
@@ -177,16 +299,19 @@ class VerlEngine(Engine):
     def endpoints(self) -> list[str]:
         return [f"http://{addr}/v1" for addr in self.trainer.server_addresses()]
 
+    @_fails_on_worker_death
     def resume(self) -> None:
         if not self._awake:
             self.sync_weights()  # wakes the replicas with the trained weights
         self.trainer.resume_generation()
 
+    @_fails_on_worker_death
     def abort(self) -> int:
         if not self._awake:
             return 0
         return self.trainer.abort_generation()
 
+    @_fails_on_worker_death
     def pause(self, timeout: float | None = None) -> None:
         """Sleep the replicas: in-flight requests drain, weights and KV cache are freed.
 
@@ -196,6 +321,7 @@ class VerlEngine(Engine):
             self.trainer.sleep_rollout_replicas()
             self._awake = False
 
+    @_fails_on_worker_death
     def sync_weights(self) -> None:
         if self.trainer.weight_sync_needs_sleep():
             self.pause()
@@ -205,6 +331,7 @@ class VerlEngine(Engine):
 
     # --- learning --------------------------------------------------------------------------
 
+    @_fails_on_worker_death
     def compute_log_probs(self, data: Any, temperature: float = 1.0) -> Any:
         """Log-probs of `data.batch["responses"]` under the actor's weights, [N, R]."""
         data.meta_info["temperature"] = temperature
@@ -216,10 +343,12 @@ class VerlEngine(Engine):
         """Rows per PPO mini-batch; `update` pads a batch to a multiple of it with zero-weight rows."""
         return self.trainer.mini_batch_rows()
 
+    @_fails_on_worker_death
     def prepare(self, data: Any) -> tuple[Any, dict[str, float]]:
         """Everything the advantage needs: old/ref logprobs, values, token_level_rewards, IS weights."""
         return self.trainer.prepare_for_advantage(data)
 
+    @_fails_on_worker_death
     def update(self, data: Any) -> dict[str, float]:
         """One critic/actor update (step `global_steps + 1`) on a batch with advantages.
 
@@ -231,10 +360,12 @@ class VerlEngine(Engine):
 
     # --- checkpoints -----------------------------------------------------------------------
 
+    @_fails_on_worker_death
     def save(self, path: str, agl_state: Mapping[str, Any] | None = None) -> None:
         """verl checkpoint under `path/global_step_N` plus agl_lab's own state (carry-over…)."""
         self.trainer.save_to(os.fspath(path), agl_state)
 
+    @_fails_on_worker_death
     def load(self, path: str) -> dict[str, Any] | None:
         """Restore actor/critic/dataloader state, push the loaded weights; returns agl_lab state."""
         self.pause()

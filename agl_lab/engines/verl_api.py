@@ -70,14 +70,18 @@ _TR = "verl.trainer.main_ppo_v0:BaseTaskRunner"
 _DS = "verl.utils.dataset.rl_dataset:"
 _VS = "verl.workers.rollout.vllm_rollout.vllm_async_server:vLLMReplica"
 _LLM = "vllm.v1.engine.async_llm:AsyncLLM"
+_SC = "verl.single_controller.ray.base:"
+_PM = "verl.plugin.platform.platform_manager:"
+_RB = "verl.workers.rollout.base:"
+_RR = "verl.workers.rollout.replica:"
 
 _ROWS: tuple[VerlSymbol, ...] = (
     # --- the trainer we subclass, and the phases we call on it ----------------------------
     _row(_RT + "RayPPOTrainer", "config", "tokenizer", "role_worker_mapping", "resource_pool_manager",
          "ray_worker_group_cls", "processor", "train_dataset", "val_dataset", "collate_fn", "train_sampler",
          attrs=("config", "actor_rollout_wg", "llm_server_manager", "checkpoint_manager", "use_critic",
-                "use_reference_policy", "kl_ctrl_in_reward", "global_steps")),
-    _row(_RT + "RayPPOTrainer.init_workers"),                      # FSDP workers + vLLM replicas, asleep
+                "use_reference_policy", "kl_ctrl_in_reward", "global_steps", "resource_pool_manager")),
+    _row(_RT + "RayPPOTrainer.init_workers", returns="create_resource_pool"),  # FSDP workers + replicas, asleep
     _row(_RT + "RayPPOTrainer._compute_old_log_prob", "batch", returns="entropys"),
     _row(_RT + "RayPPOTrainer._compute_ref_log_prob", "batch", returns="ref_log_prob"),
     _row(_RT + "RayPPOTrainer._compute_values", "batch", returns="values"),
@@ -126,6 +130,39 @@ _ROWS: tuple[VerlSymbol, ...] = (
     _row("verl.utils.checkpoint.checkpoint_manager:find_latest_ckpt_path", "path"),
     _row("verl.trainer.ppo.core_algos:POLICY_LOSS_REGISTRY"),  # per_rollout_mean lands here, per worker
     _row("verl.trainer.ppo.core_algos:get_policy_loss_fn", "name"),  # how the actor resolves loss_mode
+    # --- Ray resources and workers: placement check, naming a dead worker (verl.py) --------
+    _row(_SC + "ResourcePoolManager", "resource_pool_spec", "mapping", returns="max_colocate_count"),
+    _row(_SC + "ResourcePoolManager.create_resource_pool", returns="max_colocate_count=self.max_colocate_count"),
+    _row(_SC + "RayResourcePool.get_placement_groups", returns='bundle = {"CPU": self.max_colocate_count}'),
+    _row(_SC + "RayWorkerGroup.workers"),
+    _row(_SC + "RayWorkerGroup.worker_names"),
+    # --- verl on CPU (verl_cpu.py, verl_cpu_rollout.py): platform, two patches, rollout ------
+    _row(_PM + "PlatformRegistry.register", "platform"),
+    _row(_PM + "set_platform", "platform"),
+    _row(_PM + "get_platform", returns="_current_platform"),  # the cached platform activate() replaces
+    _row("verl.plugin.platform.platform_base:PlatformBase", returns="ray_resource_name"),
+    # patch 1 wraps it (backend "gloo"); engine_workers and checkpoint_engine.base import it by name
+    _row("verl.utils.distributed:initialize_global_process_group_ray", "timeout_second", "backend",
+         returns="cpu:gloo,"),
+    # patch 2 subclasses it unpinned; transformer_impl imports it by name and pins for the ref worker
+    _row("verl.utils.fsdp_utils:CPUOffloadPolicy", "pin_memory"),
+    _row("verl.workers.engine.fsdp.transformer_impl:FSDPEngine._build_fsdp_module", "module",
+         returns="CPUOffloadPolicy(pin_memory=True)"),
+    _row(_RB + "_ROLLOUT_REGISTRY"),
+    _row(_RB + "BaseRollout", "config", "model_config", "device_mesh", attrs=("config", "model_config")),
+    _row(_RB + "BaseRollout.resume", "tags"),
+    _row(_RB + "BaseRollout.release"),
+    _row(_RB + "BaseRollout.update_weights", "weights", "wire_format", returns="named_tensors"),
+    _row(_RR + "RolloutReplicaRegistry.register", "name", "loader"),
+    _row(_RR + "RolloutMode", "value", returns="HYBRID"),
+    _row(_RR + "RolloutReplica", "replica_rank", "config", "model_config",
+         attrs=("replica_rank", "rollout_mode", "workers", "servers", "_server_address", "_server_handle")),
+    _row(_RR + "RolloutReplica.launch_servers"),
+    _row(_RR + "RolloutReplica.wake_up"),
+    _row(_RR + "RolloutReplica.sleep"),
+    _row(_RR + "RolloutReplica.clear_kv_cache"),
+    _row(_RR + "RolloutReplica.release_kv_cache"),
+    _row(_RR + "RolloutReplica.resume_kv_cache"),
     # --- vLLM: what verl's replica calls under abort/resume/sleep (AGL #589/#590) -----------
     _row(_VS + ".abort_all_requests", "reject_request", returns="aborted_count", needs_vllm=True),
     _row(_VS + ".resume_generation", needs_vllm=True),
@@ -194,6 +231,12 @@ def verl_import(key: str) -> Any:
     return _resolve(symbol)
 
 
+def verl_module(key: str) -> Any:
+    """The module a `VERL_API` row lives in (for patching a module-level name)."""
+    verl_import(key)  # the same error for an unknown key
+    return importlib.import_module(VERL_API[key].module)
+
+
 def method_name(key: str) -> str:
     """The bare method name of a `Class.method` row (used to call it on live objects)."""
     return VERL_API[key].qualname.rsplit(".", 1)[-1]
@@ -210,8 +253,8 @@ def check_symbol(symbol: VerlSymbol) -> list[str]:
         problems += _check_params(symbol, obj)
     if symbol.attrs or symbol.returns:
         source = inspect.getsource(obj)
-        problems += [f"{symbol.path}: no `self.{a} =` in its source"
-                     for a in symbol.attrs if f"self.{a} =" not in source]
+        problems += [f"{symbol.path}: no `self.{a} =` in its source"  # plain or annotated assignment
+                     for a in symbol.attrs if f"self.{a} =" not in source and f"self.{a}:" not in source]
         if symbol.returns and symbol.returns not in source:
             problems.append(f"{symbol.path}: its source no longer mentions {symbol.returns!r}")
     return problems

@@ -113,6 +113,14 @@ class AglRayPPOTrainer(RayPPOTrainer):
             super().__init__(*args, **kwargs)
         self.global_steps = 0
 
+    def init_workers(self) -> None:
+        """verl's `init_workers`, after checking that its placement groups fit the Ray cluster."""
+        import ray
+
+        pools = self.resource_pool_manager
+        check_placement(pools.resource_pool_spec, pools.max_colocate_count, ray.available_resources())
+        super().init_workers()
+
     def fit(self) -> None:
         raise NotImplementedError(
             "AglRayPPOTrainer is stepped by agl_lab.Trainer (rollout → build_batch → update); "
@@ -358,6 +366,27 @@ class AglRayPPOTrainer(RayPPOTrainer):
         out = fn()
         metrics[f"timing_s/{name}"] = time.perf_counter() - start
         return out
+
+
+def check_placement(spec: Mapping[str, Sequence[int]], max_colocate_count: int,
+                    available: Mapping[str, float], gpu_resource: str = "GPU") -> None:
+    """Fail fast when verl's placement groups cannot be placed (Ray would wait for ever).
+
+    verl's `RayResourcePool` asks, for every worker process of every pool in `spec`
+    (`{pool: [processes per node]}`), one bundle `{"CPU": max_colocate_count, gpu_resource: 1}`;
+    `available` is `ray.available_resources()`. Raises ValueError naming the config keys.
+    """
+    processes = sum(int(n) for counts in spec.values() for n in counts)
+    need_cpu, need_gpu = processes * max_colocate_count, processes
+    have_cpu, have_gpu = float(available.get("CPU", 0)), float(available.get(gpu_resource, 0))
+    if have_cpu >= need_cpu and have_gpu >= need_gpu:
+        return
+    raise ValueError(
+        f"verl's placement groups need {need_cpu:g} CPUs and {need_gpu:g} {gpu_resource}s ({processes} worker "
+        f"processes x {{CPU: {max_colocate_count}, {gpu_resource}: 1}}) but the Ray cluster has {have_cpu:g} CPUs and "
+        f"{have_gpu:g} {gpu_resource}s free, so Ray would wait for ever: set ray_kwargs.ray_init.num_cpus>={need_cpu:g} "
+        f"(logical CPUs: they need not match the machine's cores) and ray_kwargs.ray_init.num_gpus>={need_gpu:g} "
+        "(on CPU these are the fake GPUs verl's pools ask for), or lower trainer.n_gpus_per_node / trainer.nnodes")
 
 
 # ------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -211,3 +212,36 @@ def warm_start(model: Any, tokenizer: Any, task: Any, steps: int, seed: int = 0,
     os.chmod(tmp, 0o644)  # mkstemp makes it private; the cache is shared by the user's processes
     os.replace(tmp, path)  # atomic: a concurrent reader sees the old state or the whole file
     return model
+
+
+def warm_started_model_dir(task_name: str, steps: int, seed: int = 0,
+                           cache_dir: str | os.PathLike | None = None) -> Path:
+    """The tiny model for `seed`, warm-started on `task_name`, saved as a Hugging Face directory.
+
+    For engines that load weights from disk (the verl engine's workers and replica): the same
+    weights `warm_start` gives the local engine in process. Cached next to the warm-start state.
+    """
+    from agl_lab.engines.tiny import load_model_and_tokenizer, tiny_model_dir
+
+    base = tiny_model_dir(seed=seed)
+    if steps == 0:
+        return base
+    model, tokenizer = load_model_and_tokenizer(None, device="cpu", seed=seed)
+    key = warm_start_key(model, tokenizer, task_name, steps, seed, lr=DEFAULT_LR, batch_size=DEFAULT_BATCH_SIZE)
+    target = _cache_dir(cache_dir) / f"warmstart-{task_name}-{key}"
+    if (target / "config.json").exists():
+        return target
+    warm_start(model, tokenizer, task_name, steps, seed, cache_dir)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        tmp.chmod(0o755)
+        try:
+            tmp.rename(target)  # atomic: readers never see a half-written directory
+        except OSError:
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

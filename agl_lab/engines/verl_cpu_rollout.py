@@ -1,0 +1,233 @@
+"""The `agl_lab_cpu` rollout: agl_lab's OpenAI server as a verl rollout replica (CPU runs).
+
+On GPUs verl serves through vLLM replicas; on CPU, where vLLM cannot share verl's environment,
+the replica is agl_lab's own OpenAI server (`openai_server.py`: `return_token_ids`, true
+logprobs, continuous batching) — the gateway, the runner and the agents see the same HTTP
+dialect. Two halves, one per side of Ray, each registered where verl looks it up:
+
+    driver  CpuRolloutReplica  RolloutReplicaRegistry["agl_lab_cpu"]   ← LLMServerManager
+    worker  CpuServerAdapter   _ROLLOUT_REGISTRY[("agl_lab_cpu","async")] ← ActorRolloutRefWorker
+
+The adapter lives in the hybrid actor worker (`ActorRolloutRefWorker.rollout`): it loads the
+model from `actor_rollout_ref.model.path` and runs the server on a thread of the worker
+process. verl's naive checkpoint-engine sync (`ActorRolloutRefWorker.update_weights`, the
+default colocated backend) hands it the trained weights tensor by tensor — the FSDP shards
+gathered into full tensors — and the adapter copies them into the served model under the
+server's weights lock. The replica drives the adapter through Ray's `__ray_call__` on that
+worker:
+
+| verl calls (replica)        | the server does                                                  |
+|-----------------------------|------------------------------------------------------------------|
+| `sleep()`                   | `pause(wait=True)`: admit nothing, let running generations end   |
+| adapter `resume(kv_cache)`  | `resume()` (verl's naive sync, after the weights are loaded)     |
+| `wake_up()`                 | `resume()`                                                       |
+| `abort_all_requests()`      | `pause(wait=False)` + `abort()`: in-flight requests fail (503),  |
+|                             | new ones wait for `resume_generation()`; returns `aborted_count` |
+| `resume_generation()`       | `resume()`                                                       |
+| kv-cache release/clear      | nothing: the server keeps no cache between requests              |
+
+Hybrid mode only (training and serving share the worker), one replica per worker
+(`rollout.tensor_model_parallel_size: 1`), one node (the server binds 127.0.0.1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import inspect
+import os
+import sys
+from typing import Any
+
+from agl_lab.engines.verl_api import verl_import
+
+#: actor_rollout_ref.rollout.name of this rollout (agl_lab.engines.verl_cpu registers it)
+ROLLOUT_NAME = "agl_lab_cpu"
+
+#: replica_rank → the adapter living in this worker process
+_ADAPTERS: dict[int, Any] = {}
+DRAIN_TIMEOUT_S = 300.0  # sleep() waits at most this long for running generations
+
+
+def register() -> None:
+    """Add the rollout to verl's two registries (worker adapter by path, replica by loader)."""
+    verl_import("_ROLLOUT_REGISTRY")[(ROLLOUT_NAME, "async")] = f"{__name__}.CpuServerAdapter"
+    verl_import("RolloutReplicaRegistry.register")(
+        ROLLOUT_NAME, lambda: getattr(sys.modules[__name__], "CpuRolloutReplica"))
+
+
+def _rollout_world_size(config: Any) -> int:
+    return int(config.tensor_model_parallel_size * config.data_parallel_size * config.pipeline_model_parallel_size)
+
+
+# ------------------------------------------------------------------------------------------
+# Worker side: the adapter verl builds in ActorRolloutRefWorker.init_model
+# ------------------------------------------------------------------------------------------
+
+
+def _adapter_class() -> type:
+    class CpuServerAdapter(verl_import("BaseRollout")):
+        """Serves the worker's copy of the policy through agl_lab's OpenAI server."""
+
+        def __init__(self, config: Any, model_config: Any, device_mesh: Any, replica_rank: int = -1):
+            super().__init__(config, model_config, device_mesh)
+            from agl_lab.engines.openai_server import OpenAIServer
+            from agl_lab.engines.tiny import load_model_and_tokenizer
+
+            world = _rollout_world_size(self.config)
+            if world != 1:
+                raise ValueError(f"the {ROLLOUT_NAME} rollout serves one replica per worker: set "
+                                 "actor_rollout_ref.rollout.tensor_model_parallel_size=1 (and data/pipeline "
+                                 f"parallel sizes 1), got a rollout world size of {world}")
+            rank = int(os.environ.get("RANK", 0))
+            self.replica_rank = rank if replica_rank == -1 else replica_rank
+            self.is_leader_rank = True
+            path = self.model_config.local_path
+            # float32: served logprobs must equal the actor's recomputed ones (a bf16 copy would not)
+            model, tokenizer = load_model_and_tokenizer(path, device="cpu", dtype="float32")
+            self.server = OpenAIServer(
+                model, tokenizer, model_name=str(path), host="127.0.0.1",
+                max_model_len=int(self.config.max_model_len or self.config.prompt_length + self.config.response_length),
+                max_batch_size=int(self.config.max_num_seqs or 64))
+            self.server.pause(wait=False)  # asleep until verl's first weight sync wakes it
+            self.global_steps: int | None = None
+            self.n_weight_syncs = 0
+            #: what verl asked of this replica, in order ("sleep", "update_weights:3", "resume:kv_cache", …)
+            self.events: collections.deque[str] = collections.deque(maxlen=256)
+            _ADAPTERS[self.replica_rank] = self
+
+        async def resume(self, tags: list[str]) -> None:
+            self.events.append("resume:" + ",".join(tags))
+            if "kv_cache" in tags:  # the last step of verl's naive sync: serve again
+                self.server.resume()
+
+        async def release(self) -> None:
+            self.events.append("release")
+            self.server.pause(wait=True, timeout=DRAIN_TIMEOUT_S)
+
+        async def update_weights(self, weights: Any, wire_format: str = "named_tensors", **kwargs: Any) -> None:
+            """Copy verl's `(name, full tensor)` stream into the served model (HF parameter names)."""
+            if wire_format != "named_tensors":
+                raise ValueError(f"the {ROLLOUT_NAME} rollout takes full tensors (wire_format "
+                                 f"'named_tensors'), got {wire_format!r}: use checkpoint_engine.backend=naive")
+            model = self.server.scheduler.model
+            params = model.state_dict(keep_vars=True)  # tied weights (lm_head = embed_tokens) listed twice
+            seen = 0
+            with self.server.weights_lock:  # no decode step sees half-loaded weights
+                async for name, tensor in _aiter(weights):
+                    target = params.get(name)
+                    if target is None:
+                        raise KeyError(f"weight {name!r} from the actor has no counterpart in the served model "
+                                       f"({type(model).__name__} from {self.model_config.local_path})")
+                    target.data.copy_(tensor.detach().to(device="cpu", dtype=target.dtype))
+                    seen += 1
+            self.global_steps = kwargs.get("global_steps")
+            self.events.append(f"update_weights:{self.global_steps}")
+            self.n_weight_syncs += 1
+            self.n_tensors_last_sync = seen
+
+        def control(self, method: str, **kwargs: Any) -> Any:
+            """The replica's remote control (see the module docstring's table)."""
+            if method == "address":
+                return f"{self.server.host}:{self.server.port}"
+            if method == "events":
+                return list(self.events)
+            if method != "status":
+                self.events.append(method)
+            if method == "sleep":
+                self.server.pause(wait=True, timeout=DRAIN_TIMEOUT_S)
+            elif method in ("wake_up", "resume_generation"):
+                self.server.resume()
+            elif method == "abort_all_requests":
+                self.server.pause(wait=False)  # arrivals wait for resume_generation (vLLM's parking)
+                return {"aborted_count": self.server.abort()}
+            elif method == "status":
+                return {"paused": self.server.scheduler.paused, "global_steps": self.global_steps,
+                        "n_weight_syncs": self.n_weight_syncs}
+            elif method not in ("clear_kv_cache", "release_kv_cache", "resume_kv_cache"):
+                raise ValueError(f"unknown control method {method!r}")
+            return None
+
+    return CpuServerAdapter
+
+
+async def _aiter(weights: Any):
+    if inspect.isasyncgen(weights) or hasattr(weights, "__aiter__"):
+        async for item in weights:
+            yield item
+    else:
+        for item in weights:
+            yield item
+
+
+def _control(_actor: Any, replica_rank: int, method: str, kwargs: dict[str, Any]) -> Any:
+    """Runs inside the worker through `__ray_call__`: forward to that worker's adapter."""
+    adapter = _ADAPTERS.get(replica_rank)
+    if adapter is None:
+        raise RuntimeError(f"no {ROLLOUT_NAME} rollout adapter for replica {replica_rank} in worker pid "
+                           f"{os.getpid()}: was the worker built with actor_rollout_ref.rollout.name={ROLLOUT_NAME}?")
+    return adapter.control(method, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------
+# Driver side: the replica LLMServerManager builds
+# ------------------------------------------------------------------------------------------
+
+
+def _replica_class() -> type:
+    RolloutMode = verl_import("RolloutMode")
+
+    class CpuRolloutReplica(verl_import("RolloutReplica")):
+        """A replica whose server is the `CpuServerAdapter` in its hybrid worker."""
+
+        async def launch_servers(self) -> None:
+            if self.rollout_mode != RolloutMode.HYBRID:
+                raise NotImplementedError(f"the {ROLLOUT_NAME} rollout runs in hybrid mode only "
+                                          "(actor_rollout_ref.hybrid_engine=true)")
+            self.servers = list(self.workers)
+            self._server_handle = self.workers[0]
+            self._server_address = await self._call_one(self.workers[0], "address")
+
+        async def _call_one(self, worker: Any, method: str, **kwargs: Any) -> Any:
+            return await worker.__ray_call__.remote(_control, self.replica_rank, method, kwargs)
+
+        async def _call(self, method: str, **kwargs: Any) -> list[Any]:
+            return list(await asyncio.gather(*(self._call_one(w, method, **kwargs) for w in self.servers)))
+
+        async def wake_up(self) -> None:
+            await self._call("wake_up")
+
+        async def sleep(self) -> None:
+            await self._call("sleep")
+
+        async def abort_all_requests(self, reject_request: bool = False) -> dict[str, int]:
+            results = await self._call("abort_all_requests")
+            return {"aborted_count": sum(int(r["aborted_count"]) for r in results)}
+
+        async def resume_generation(self) -> None:
+            await self._call("resume_generation")
+
+        async def clear_kv_cache(self) -> None: ...
+        async def release_kv_cache(self) -> None: ...
+        async def resume_kv_cache(self) -> None: ...
+
+        async def status(self) -> list[dict[str, Any]]:
+            return await self._call("status")
+
+        async def events(self) -> list[list[str]]:
+            """Per server: what verl asked of it, in order (the adapter's `events`)."""
+            return await self._call("events")
+
+    return CpuRolloutReplica
+
+
+def __getattr__(name: str) -> Any:
+    # verl resolves "agl_lab.engines.verl_cpu_rollout.CpuServerAdapter" by getattr: build the
+    # classes on first use so importing this module does not import verl's rollout stack.
+    if name == "CpuServerAdapter":
+        globals()[name] = _adapter_class()
+        return globals()[name]
+    if name == "CpuRolloutReplica":
+        globals()[name] = _replica_class()
+        return globals()[name]
+    raise AttributeError(name)
