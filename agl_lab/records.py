@@ -191,6 +191,10 @@ def _trim_model_request(data: dict[str, Any]) -> dict[str, Any]:
     elif isinstance(response, list):  # legacy: raw stream chunks
         prompt_ids, response_ids = _ids_from_chunks(response)
     server = data.get("server") if isinstance(data.get("server"), dict) else {}
+    bad = [name for name, ids in (("prompt_token_ids", prompt_ids), ("response_token_ids", response_ids))
+           if not _are_token_ids(ids)]
+    if bad:  # kept with a reason and no tokens: the builder skips calls without response tokens
+        prompt_ids, response_ids, log_probs = [], [], None
     out: dict[str, Any] = {
         "prompt_token_ids": prompt_ids,
         "response_token_ids": response_ids,
@@ -200,7 +204,14 @@ def _trim_model_request(data: dict[str, Any]) -> dict[str, Any]:
     out.update({k: data[k] for k in ("http_status", "status") if k in data})
     if isinstance(response, dict) and "error" in response:
         out["error"] = response["error"]
+    if bad:
+        out["skipped"] = f"{' and '.join(bad)} must be lists of non-negative integers; call not usable for training"
     return out
+
+
+def _are_token_ids(ids: Any) -> bool:
+    """True for a list of non-negative ints (bools are not token ids)."""
+    return isinstance(ids, list) and all(type(t) is int and t >= 0 for t in ids)
 
 
 def extract_log_probs(choice: dict[str, Any]) -> list[float] | None:

@@ -42,6 +42,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi.exception_handlers import request_validation_exception_handler
 from fastapi.exceptions import RequestValidationError
+from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
@@ -60,12 +61,14 @@ from agl_lab.records import triplet_events
 from agl_lab.server.config import ServerConfig, load_server_config
 from agl_lab.server.gateway import Gateway, RequestRewriter, gateway_router, open_upstream_client, proxy_route
 from agl_lab.server.seeding import SeededCallsRewriter
+from agl_lab.server.storable import INT64_MAX, INT64_MIN, NotStorable, check_storable
 from agl_lab.server.store import InvalidTransition, RolloutNotFound, Store, open_store
 from agl_lab.server.token_preserving import TokenPreservingRewriter
 
 logger = logging.getLogger("agl_lab.server")
 
 NO_KEY_WARNING = "AGL_KEY not set — authentication disabled. Do not use in production."
+MAX_LIST_LIMIT = 10_000  # listings and terminal pages answer at most this many items per request
 
 
 # ---------------------------------------------------------------------------------------------
@@ -113,6 +116,7 @@ def create_app(
     app = FastAPI(title="Agent Lightning", version="1.0.0", lifespan=lifespan)
     app.state.config, app.state.store, app.state.gateway = cfg, store, gateway
     _install_error_handlers(app)
+    app.add_middleware(JsonServerErrors)
     check_key = key_checker(cfg.key)
     auth = [Depends(_auth_dependency(check_key))]
     # the hot path first, as a plain Starlette route: no route scan, no dependency solving
@@ -155,6 +159,39 @@ def _auth_dependency(check: Callable[[Request], None]) -> Callable[[Request], Aw
     return require_key
 
 
+class JsonServerErrors:
+    """ASGI middleware: an unexpected exception becomes a JSON 500 and the connection stays usable.
+
+    Starlette's own 500 handler re-raises after answering, which makes uvicorn close the
+    keep-alive connection: the client's next request on it then fails. This one logs the
+    error and answers `{"detail": "Internal server error: <type>: <message>"}` instead.
+    """
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_tracking(message: Any) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracking)
+        except Exception as exc:
+            logger.exception("Unhandled error on %s %s", scope.get("method"), scope.get("path"))
+            if started:
+                raise
+            detail = f"Internal server error: {type(exc).__name__}: {exc}"[:2000]
+            detail = detail.encode("utf-8", "backslashreplace").decode()
+            await JSONResponse({"detail": detail}, status_code=500)(scope, receive, send)
+
+
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RolloutNotFound)
     async def not_found(_: Request, exc: RolloutNotFound) -> JSONResponse:
@@ -164,11 +201,19 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def conflict(_: Request, exc: InvalidTransition) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=409)
 
+    @app.exception_handler(NotStorable)
+    async def not_storable(_: Request, exc: NotStorable) -> JSONResponse:
+        return JSONResponse({"detail": f"{exc} — nothing was stored"}, status_code=422)
+
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> Response:
         if any(err.get("type") == "json_invalid" for err in exc.errors()):
             return JSONResponse({"detail": "Invalid JSON in request body"}, status_code=400)
-        return await request_validation_exception_handler(request, exc)
+        try:
+            return await request_validation_exception_handler(request, exc)
+        except ValueError:  # the echoed input holds NaN/Infinity or a lone surrogate
+            errors = [{k: v for k, v in err.items() if k in ("type", "loc", "msg")} for err in exc.errors()]
+            return JSONResponse({"detail": jsonable_encoder(errors)}, status_code=422)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,14 +231,17 @@ def _rollout_router(store: Store) -> APIRouter:
     @router.get("/rollouts", response_model=list[Rollout])
     async def list_rollouts(
         state_in: list[RolloutState] = Query(..., description="repeatable: state_in=queuing&state_in=running"),
-        limit: int = Query(500, ge=0),
+        limit: int = Query(500, ge=0, le=INT64_MAX, description=f"answers at most {MAX_LIST_LIMIT}"),
     ) -> list[Rollout]:
-        return store.list_rollouts(state_in, limit)
+        return store.list_rollouts(state_in, min(limit, MAX_LIST_LIMIT))
 
     # declared before /rollouts/{rollout_id} so the literal path wins
     @router.get("/rollouts/terminal", response_model=TerminalPage)
-    async def terminal_rollouts(after: int = 0, limit: int = 1000) -> TerminalPage:
-        return store.terminal_page(after, limit)
+    async def terminal_rollouts(
+        after: int = Query(0, ge=INT64_MIN, le=INT64_MAX),
+        limit: int = Query(1000, ge=INT64_MIN, le=INT64_MAX, description=f"answers at most {MAX_LIST_LIMIT}"),
+    ) -> TerminalPage:
+        return store.terminal_page(after, min(limit, MAX_LIST_LIMIT))
 
     @router.get("/rollouts/{rollout_id}", response_model=RolloutDetail)
     async def get_rollout(rollout_id: str) -> RolloutDetail:
@@ -219,6 +267,7 @@ def _event_router(store: Store) -> APIRouter:
 
     @router.post("/rollouts/{rollout_id}/attempt/{attempt_id}/events", response_model=Event)
     async def post_event(rollout_id: str, attempt_id: str, body: EventCreate) -> Event:
+        check_storable(body.data, "data")  # strict (NaN, int64) on the API; the gateway's bodies are orjson's
         return store.append_event(rollout_id, attempt_id, body.event_type, body.data)
 
     @router.get("/rollouts/{rollout_id}/events", response_model=list[Event])

@@ -55,19 +55,14 @@ from agl_lab.protocol import (
     TerminalPage,
     data_id_of,
 )
+from agl_lab.server.storable import check_rollout_id, check_storable, dump_storable
 
-try:  # orjson is ~5x faster for the event payloads the SQLite backend writes on every call
+try:  # orjson reads the event payloads the SQLite backend stores ~5x faster (writes: dump_storable)
     import orjson
-
-    def _dumps(obj: Any) -> str:
-        try:
-            return orjson.dumps(obj).decode()
-        except TypeError:  # e.g. non-str keys: fall back to the stdlib encoder
-            return json.dumps(obj)
 
     _loads = orjson.loads
 except ImportError:  # pragma: no cover - orjson is optional
-    _dumps, _loads = json.dumps, json.loads
+    _loads = json.loads
 
 DEFAULT_TERMINAL_LOG_LIMIT = 100_000
 
@@ -109,7 +104,12 @@ class Store(ABC):
     # --- rollouts ---------------------------------------------------------------------------
 
     def create_rollouts(self, creates: Sequence[RolloutCreate]) -> list[Rollout]:
-        """Create rollouts in order; a client id that exists returns the existing rollout."""
+        """Create rollouts in order; a client id that exists returns the existing rollout.
+
+        Raises NotStorable (and stores none of them) when any request breaks the storable
+        rule (`agl_lab.server.storable`) or names an invalid rollout id.
+        """
+        _check_creates(creates)
         now = time.time()
         out: list[Rollout] = []
         with self._lock, self._transaction():
@@ -142,6 +142,7 @@ class Store(ABC):
         the move is not in VALID_TRANSITIONS.
         """
         updates = patch.model_dump(exclude_unset=True)
+        check_storable({k: v for k, v in updates.items() if k != "state"}, "status")
         with self._lock, self._transaction():
             rollout = self._load(rollout_id)
             if rollout is None:
@@ -175,6 +176,8 @@ class Store(ABC):
         """Append one event (timestamped now) under (rollout, attempt); RolloutNotFound if unknown."""
         if data is not None and not isinstance(data, dict):
             raise TypeError(f"event data must be a dict, got {type(data).__name__}")
+        check_storable([rollout_id, attempt_id, event_type], "event ids")
+        self._check_event_data(data)
         with self._lock:
             event = Event.model_construct(
                 event_type=event_type,
@@ -242,6 +245,8 @@ class Store(ABC):
     # --- model registry ---------------------------------------------------------------------
 
     def upsert_models(self, models: Sequence[Model]) -> list[Model]:
+        for i, model in enumerate(models):
+            check_storable(model.model_dump(), f"[{i}]")
         with self._lock, self._transaction():
             for model in models:
                 self._put_model(model)
@@ -258,6 +263,13 @@ class Store(ABC):
 
     def close(self) -> None:
         """Release resources (SQLite connection); the in-memory store has none."""
+
+    # --- write-time checks (one rule for both backends: what is stored reads back) -----------
+
+    def _check_event_data(self, data: dict[str, Any] | None) -> None:
+        """NotStorable unless `data` encodes (the SQLite backend checks while encoding instead)."""
+        if data:
+            dump_storable(data, "data")
 
     # --- backend primitives (called with the lock held) -------------------------------------
 
@@ -511,12 +523,16 @@ class SqliteStore(Store):
         rows = self._db.execute(sql, [s.value for s in states] + [limit])
         return [Rollout.model_validate_json(body) for (body,) in rows]
 
+    def _check_event_data(self, data: dict[str, Any] | None) -> None:
+        pass  # `_append_event` encodes with dump_storable, which is the check
+
     def _append_event(self, event: Event) -> bool:
         # one autocommitted statement (the hot path of every model call): insert if the rollout exists
         cursor = self._db.execute(
             "INSERT INTO events (rollout_id, attempt_id, event_type, timestamp, data) "
             "SELECT ?, ?, ?, ?, ? WHERE EXISTS (SELECT 1 FROM rollouts WHERE rollout_id = ?)",
-            (event.rollout_id, event.attempt_id, event.event_type, event.timestamp, _dumps(event.data),
+            (event.rollout_id, event.attempt_id, event.event_type, event.timestamp,
+             dump_storable(event.data, "data").decode(),
              event.rollout_id),
         )
         return cursor.rowcount == 1
@@ -574,6 +590,20 @@ class SqliteStore(Store):
     def _models(self, model_name: str) -> list[Model]:
         sql = "SELECT model, endpoint, version FROM models WHERE model=?"
         return [Model(model=m, endpoint=e, version=v) for m, e, v in self._db.execute(sql, (model_name,))]
+
+
+def _check_creates(creates: Sequence[RolloutCreate]) -> None:
+    """NotStorable naming `[i].field` for the first request the store could not read back."""
+    for i, create in enumerate(creates):
+        if create.rollout_id is not None:
+            check_rollout_id(create.rollout_id, f"[{i}].rollout_id")
+        check_storable(create.input, f"[{i}].input")
+        metadata = create.metadata
+        if metadata is not None and not isinstance(metadata, dict):
+            metadata = metadata.model_dump()
+        check_storable(metadata, f"[{i}].metadata")
+        if create.config is not None:
+            check_storable(create.config.model_dump(), f"[{i}].config")
 
 
 def _chunks(items: list[str], size: int) -> Iterator[list[str]]:
