@@ -93,6 +93,7 @@ AGL_LAB_DEFAULTS: dict[str, Any] = {
         "algorithm": {
             "normalize_by": "rollouts",  # rollouts (tech report Eq. 16) | rows (AGL v1 parity)
             "small_batch": "train",  # train a batch smaller than one mini-batch | skip the step
+            "exclude_failed_rollouts": False,  # true: FAILED rollouts get no rows (AGL: reward_fillna_value)
         },
         "engine_options": {"batch_window_ms": 3, "max_batch_size": 64},
         "wandb": {"mode": "disabled"},  # disabled | offline | online

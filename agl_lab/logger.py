@@ -48,6 +48,7 @@ CONSOLE_KEYS = (
     ("val/reward", "val"),
     ("training/n_sample_trained", "rows"),
     ("training/n_zero_adv_groups", "zero_adv"),
+    ("training/n_failed_rollouts", "failed"),
     ("actor/pg_loss", "pg_loss"),
     ("actor/entropy", "entropy"),
     ("training/rollout_probs_diff_max", "lp_diff_max"),
