@@ -213,13 +213,31 @@ def _parser() -> argparse.ArgumentParser:
                    help="tokenizer (with chat template) of --model-name, for --token-preserving")
     p.add_argument("--upstream-client", default="auto", choices=["auto", "aiohttp", "httpx"])
     p.add_argument("--terminal-log-limit", type=int, default=None)
+    p.add_argument("--upstream-timeout", type=float, default=None, metavar="S",
+                   help="upstream_timeout_seconds: bound on each upstream attempt (default 300)")
+    p.add_argument("--upstream-max-attempts", type=int, default=None, metavar="N",
+                   help="upstream_max_attempts: tries per call on timeouts, 408/409/429/5xx (default 6)")
+    p.add_argument("--upstream-call-deadline", type=float, default=None, metavar="S",
+                   help="upstream_call_deadline_seconds: bound on a whole call, retries included (default 600)")
+    p.add_argument("--upstream-backoff-base", type=float, default=None, metavar="S",
+                   help="upstream_backoff_base_seconds (default 0.5)")
+    p.add_argument("--upstream-backoff-max", type=float, default=None, metavar="S",
+                   help="upstream_backoff_max_seconds (default 8)")
+    p.add_argument("--upstream-breaker-seconds", type=float, default=None, metavar="S",
+                   help="fail fast this long after the model server refused a connection (default 5; 0: retry)")
     p.add_argument("--log-level", default="info")
     return p
 
 
-def serve_main(argv: list[str]) -> int:
-    """`agl-lab serve ...`: run the server in the foreground until interrupted."""
-    args = _parser().parse_args(argv)
+_UPSTREAM_FLAGS = {"upstream_timeout": "upstream_timeout_seconds", "upstream_max_attempts": "upstream_max_attempts",
+                   "upstream_call_deadline": "upstream_call_deadline_seconds",
+                   "upstream_backoff_base": "upstream_backoff_base_seconds",
+                   "upstream_backoff_max": "upstream_backoff_max_seconds",
+                   "upstream_breaker_seconds": "upstream_breaker_seconds"}
+
+
+def serve_config(args: argparse.Namespace) -> ServerConfig:
+    """The ServerConfig of `agl-lab serve`'s parsed flags (errors name the config key)."""
     proxy: dict[str, Any] = {"include_log_probs": not args.no_log_probs}
     if args.model_name is not None:
         proxy["model_name"] = args.model_name
@@ -232,7 +250,14 @@ def serve_main(argv: list[str]) -> int:
                            "upstream_client": args.upstream_client}
     if args.terminal_log_limit is not None:
         raw["terminal_log_limit"] = args.terminal_log_limit
-    config = load_server_config(raw)
+    raw.update({key: getattr(args, flag) for flag, key in _UPSTREAM_FLAGS.items() if getattr(args, flag) is not None})
+    return load_server_config(raw)
+
+
+def serve_main(argv: list[str]) -> int:
+    """`agl-lab serve ...`: run the server in the foreground until interrupted."""
+    args = _parser().parse_args(argv)
+    config = serve_config(args)
     if args.tokenizer_path and not config.token_preserving:
         raise SystemExit("agl-lab serve: --tokenizer-path is only used with --token-preserving")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
