@@ -62,6 +62,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from typing import IO, Any, Callable, Union
+from urllib.parse import quote
 
 from agl_lab._agent_bootstrap import _await, split_agent_class
 from agl_lab.client import AglClient, AglHTTPError
@@ -93,8 +94,8 @@ def agent_urls(server_url: str, rollout_id: str, is_train: bool,
     base = server_url.rstrip("/")
     mode = "train" if is_train else "val"
     return (
-        f"{base}/proxy/rollout/{rollout_id}/attempt/{attempt_id}/mode/{mode}/openai/v1",
-        f"{base}/api/rollouts/{rollout_id}/attempt/{attempt_id}/events",
+        f"{base}/proxy/rollout/{quote(rollout_id, safe='')}/attempt/{quote(attempt_id, safe='')}/mode/{mode}/openai/v1",
+        f"{base}/api/rollouts/{quote(rollout_id, safe='')}/attempt/{quote(attempt_id, safe='')}/events",
     )
 
 

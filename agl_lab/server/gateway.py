@@ -39,6 +39,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 from fastapi import APIRouter, HTTPException, Request, Response
@@ -72,7 +73,8 @@ _JSON_HEADERS = {"content-type": "application/json"}
 
 def proxy_base_url(server_url: str, rollout_id: str, attempt_id: str = "0", mode: str = "train") -> str:
     """The OpenAI `base_url` an agent uses for one rollout attempt (AGL_OPENAI_BASE_URL)."""
-    return f"{server_url.rstrip('/')}/proxy/rollout/{rollout_id}/attempt/{attempt_id}/mode/{mode}/openai/v1"
+    rid, aid = quote(rollout_id, safe=""), quote(attempt_id, safe="")
+    return f"{server_url.rstrip('/')}/proxy/rollout/{rid}/attempt/{aid}/mode/{mode}/openai/v1"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -77,6 +77,10 @@ class RolloutNotFound(StoreError, LookupError):
         self.rollout_id = rollout_id
 
 
+class StoreLocked(StoreError, RuntimeError):
+    """Another process already serves this SQLite file (one server per store file)."""
+
+
 class InvalidTransition(StoreError, ValueError):
     def __init__(self, rollout_id: str, current: RolloutState, target: RolloutState | None):
         super().__init__(f"Rollout {rollout_id}: cannot transition {current} -> {target}")
@@ -219,7 +223,8 @@ class Store(ABC):
 
         `after < 0 -> 0`, `limit < 1 -> 1`; a cursor older than the retained window restarts
         at the oldest retained entry. Deleted (or re-created, not yet terminal) rollouts are
-        skipped but consumed.
+        skipped but consumed, and so is an entry of an id that has a later entry (a rollout
+        deleted and re-created appears once, at its latest terminal transition).
         """
         after, limit = max(0, int(after)), max(1, int(limit))
         with self._lock:
@@ -320,7 +325,8 @@ class Store(ABC):
     def _terminal_len(self) -> int: ...
 
     @abstractmethod
-    def _terminal_slice(self, start: int, stop: int) -> list[str]: ...
+    def _terminal_slice(self, start: int, stop: int) -> list[str]:
+        """Ids of entries [start, stop); "" for an entry superseded by a later one of its id."""
 
     @abstractmethod
     def _put_model(self, model: Model) -> None: ...
@@ -347,6 +353,7 @@ class MemoryStore(Store):
         self._model_map: dict[str, dict[str, Model]] = {}
         self._terminal: collections.deque[str] = collections.deque(maxlen=self.terminal_log_limit)
         self._terminal_count = 0
+        self._terminal_latest: dict[str, int] = {}  # rollout id -> absolute index of its latest entry
 
     def __repr__(self) -> str:
         return f"MemoryStore(rollouts={len(self._rollouts)}, terminal={self._terminal_count})"
@@ -391,7 +398,12 @@ class MemoryStore(Store):
         return [aid for _, _, aid in sorted(firsts)]
 
     def _terminal_append(self, rollout_id: str) -> None:
+        if len(self._terminal) == self._terminal.maxlen:  # the oldest entry is about to drop
+            oldest, oldest_idx = self._terminal[0], self._terminal_count - len(self._terminal)
+            if self._terminal_latest.get(oldest) == oldest_idx:
+                del self._terminal_latest[oldest]
         self._terminal.append(rollout_id)  # the deque drops the oldest entry at its limit
+        self._terminal_latest[rollout_id] = self._terminal_count
         self._terminal_count += 1
 
     def _terminal_trim(self) -> None:
@@ -405,7 +417,9 @@ class MemoryStore(Store):
 
     def _terminal_slice(self, start: int, stop: int) -> list[str]:
         base = self._terminal_count - len(self._terminal)  # absolute index of _terminal[0]
-        return list(itertools.islice(self._terminal, start - base, stop - base))
+        ids = itertools.islice(self._terminal, start - base, stop - base)
+        latest = self._terminal_latest
+        return [rid if latest.get(rid) == start + i else "" for i, rid in enumerate(ids)]
 
     def _put_model(self, model: Model) -> None:
         self._model_map.setdefault(model.model, {})[model.endpoint] = model
@@ -446,17 +460,26 @@ CREATE TABLE IF NOT EXISTS terminal_log (
     idx INTEGER PRIMARY KEY,                 -- absolute position in the completion order
     rollout_id TEXT NOT NULL
 );
+CREATE INDEX IF NOT EXISTS terminal_log_rollout ON terminal_log (rollout_id, idx);
 """
 
 
 class SqliteStore(Store):
-    """One SQLite file (WAL mode); one connection shared under the store's lock."""
+    """One SQLite file (WAL mode); one connection shared under the store's lock.
+
+    One store per file: opening takes an exclusive lock on `<path>.lock` (released by
+    `close()` or when the process ends, even by kill -9) and a second opener gets StoreLocked.
+    Two servers on one file would each hold their own lock and cursor state and meet as
+    `database is locked` errors after 5 s busy waits, so it is refused, not supported.
+    """
 
     def __init__(self, path: str, terminal_log_limit: int = DEFAULT_TERMINAL_LOG_LIMIT):
         super().__init__(terminal_log_limit)
         self.path = path
+        self._lock_file: Any = None
         if path != ":memory:":
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self._lock_file = _lock_exclusively(path)
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")  # durable across process crashes
@@ -470,6 +493,9 @@ class SqliteStore(Store):
     def close(self) -> None:
         with self._lock:
             self._db.close()
+            if self._lock_file is not None:
+                self._lock_file.close()  # closing the descriptor releases the flock
+                self._lock_file = None
 
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[None]:
@@ -575,7 +601,10 @@ class SqliteStore(Store):
         return n
 
     def _terminal_slice(self, start: int, stop: int) -> list[str]:
-        sql = "SELECT rollout_id FROM terminal_log WHERE idx >= ? AND idx < ? ORDER BY idx"
+        sql = (  # "" for an entry superseded by a later entry of the same id
+            "SELECT CASE WHEN idx = (SELECT MAX(idx) FROM terminal_log l WHERE l.rollout_id = t.rollout_id) "
+            "THEN rollout_id ELSE '' END FROM terminal_log t WHERE idx >= ? AND idx < ? ORDER BY idx"
+        )
         return [rid for (rid,) in self._db.execute(sql, (start, stop))]
 
     def _put_model(self, model: Model) -> None:
@@ -590,6 +619,31 @@ class SqliteStore(Store):
     def _models(self, model_name: str) -> list[Model]:
         sql = "SELECT model, endpoint, version FROM models WHERE model=?"
         return [Model(model=m, endpoint=e, version=v) for m, e, v in self._db.execute(sql, (model_name,))]
+
+
+def _lock_exclusively(path: str) -> Any:
+    """Open `<path>.lock` and flock it exclusively (no-op where fcntl is missing); StoreLocked if taken."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        return None
+    lock_path = os.path.abspath(path) + ".lock"
+    handle = open(lock_path, "a+")
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "unknown"
+        handle.close()
+        raise StoreLocked(
+            f"SQLite store {path!r} is already open in another store or server process (pid {holder}); "
+            f"stop that server, or give this one its own file (store: sqlite:///other.db)"
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(str(os.getpid()))
+    handle.flush()
+    return handle
 
 
 def _check_creates(creates: Sequence[RolloutCreate]) -> None:
