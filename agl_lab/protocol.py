@@ -14,6 +14,8 @@ enforces these transitions and answers 409 for anything else.
 from __future__ import annotations
 
 import enum
+import hashlib
+import hmac
 import time
 import uuid
 from typing import Annotated, Any
@@ -51,6 +53,21 @@ VALID_TRANSITIONS: dict[RolloutState, frozenset[RolloutState]] = {
     RolloutState.SUCCEEDED: frozenset(),
     RolloutState.FAILED: frozenset(),
 }
+
+
+ROLLOUT_TOKEN_PREFIX = "agl-rt."
+
+
+def rollout_token(key: str, rollout_id: str) -> str:
+    """The per-rollout token an agent gets as `AGL_KEY` instead of the server's admin key.
+
+    `agl-rt.<rollout_id>.<hex hmac-sha256(key, rollout_id)[:32]>`; the server accepts it only
+    for that rollout's proxy route and event posts. Empty when auth is off (empty key).
+    """
+    if not key:
+        return ""
+    mac = hmac.new(key.encode(), rollout_id.encode(), hashlib.sha256).hexdigest()[:32]
+    return f"{ROLLOUT_TOKEN_PREFIX}{rollout_id}.{mac}"
 
 
 def new_rollout_id() -> str:

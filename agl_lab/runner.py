@@ -66,7 +66,7 @@ from urllib.parse import quote
 
 from agl_lab._agent_bootstrap import _await, split_agent_class
 from agl_lab.client import AglClient, AglHTTPError
-from agl_lab.protocol import DEFAULT_ATTEMPT_ID
+from agl_lab.protocol import DEFAULT_ATTEMPT_ID, rollout_token
 
 log = logging.getLogger(__name__)
 
@@ -131,11 +131,12 @@ def agent_env(rollout: dict[str, Any], server_url: str, key: str) -> dict[str, s
     """The AGL variables of one rollout plus its resolved `config.local.env_map`.
 
     The three `AGL_*` variables are the contract and win over an `env_map` entry of the
-    same name."""
+    same name. `AGL_KEY` is the rollout's own token (`protocol.rollout_token`), not the
+    server key: it opens only this rollout's proxy route and event posts."""
     local = (rollout.get("config") or {}).get("local") or {}
     env = resolve_env_map(local.get("env_map") or {}, rollout.get("input"))
     base_url, event_url = agent_urls(server_url, rollout["rollout_id"], rollout.get("is_train", True))
-    env.update(AGL_OPENAI_BASE_URL=base_url, AGL_EVENT_URL=event_url, AGL_KEY=key)
+    env.update(AGL_OPENAI_BASE_URL=base_url, AGL_EVENT_URL=event_url, AGL_KEY=rollout_token(key, rollout["rollout_id"]))
     return env
 
 
@@ -152,7 +153,7 @@ class AgentContext:
     |------------|--------------------------------------------------------------------------|
     | base_url   | OpenAI base URL of this rollout:                                         |
     |            | {server}/proxy/rollout/{rid}/attempt/0/mode/{train,val}/openai/v1         |
-    | api_key    | the server key ("" when auth is off)                                     |
+    | api_key    | this rollout's token (its proxy route and event posts; "" if auth is off) |
     | event_url  | {server}/api/rollouts/{rid}/attempt/0/events                             |
     | rollout    | the rollout as the store returned it (dict)                              |
     | cancelled  | set when the runner gave up on this rollout (timeout, shutdown, external) |
@@ -486,7 +487,7 @@ class Runner:
         rid, is_train = rollout["rollout_id"], bool(rollout.get("is_train", True))
         base_url, event_url = agent_urls(self.agent_server_url, rid, is_train)
         return AgentContext(rollout_id=rid, attempt_id=DEFAULT_ATTEMPT_ID, is_train=is_train,
-                            base_url=base_url, event_url=event_url, api_key=self.key,
+                            base_url=base_url, event_url=event_url, api_key=rollout_token(self.key, rid),
                             rollout=rollout, client=self._client)
 
     def _supervise_callable(self, ex: _Execution) -> None:

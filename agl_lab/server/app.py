@@ -20,9 +20,14 @@ Routes (upstream-reference §2; paths, JSON shapes, codes and error texts are AG
                                                      a plain Starlette route, not in /openapi.json)
     POST   /proxy/pause | /proxy/resume, GET /proxy/state                       (gateway.py)
 
-Everything but /healthz requires `Authorization: Bearer <key>` or `x-api-key: <key>` when a
-key is configured. Handlers are `async` and call the store directly: store calls are short
-and lock-protected, and skipping the thread pool keeps the per-call overhead low.
+Everything but /healthz (and the docs with `docs_auth: false`) requires `Authorization:
+Bearer <key>` or `x-api-key: <key>` when a key is configured, checked before the body is read
+(`agl_lab.server.guard.RequestGuard`, which also bounds body size and refuses cross-site
+content types). Agents get a per-rollout token instead (`protocol.rollout_token`): it opens
+only their rollout's proxy route and event posts. API handlers run store calls in the thread
+pool so a large create or listing never stalls the event loop; the gateway's per-call store
+calls stay on the loop (short, and its hot path). Values are checked at write time
+(`agl_lab.server.storable`): what is stored reads back, else 422 naming the field.
 
 Departures from AGL: a body that is not JSON answers 400 "Invalid JSON in request body" on
 every route (FastAPI would say 422); unknown config keys are rejected with the key's name;
@@ -36,17 +41,19 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
-from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request, Response
+from fastapi import APIRouter, FastAPI, HTTPException, Query, Request, Response
 from fastapi.exception_handlers import request_validation_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
 from pydantic import BaseModel
 
 from agl_lab.protocol import (
+    ROLLOUT_TOKEN_PREFIX,
     Event,
     EventCreate,
     Model,
@@ -56,9 +63,11 @@ from agl_lab.protocol import (
     RolloutState,
     RolloutStatusPatch,
     TerminalPage,
+    rollout_token,
 )
 from agl_lab.records import triplet_events
 from agl_lab.server.config import ServerConfig, load_server_config
+from agl_lab.server.guard import DOCS_PATHS, RequestGuard
 from agl_lab.server.gateway import Gateway, RequestRewriter, gateway_router, open_upstream_client, proxy_route
 from agl_lab.server.seeding import SeededCallsRewriter
 from agl_lab.server.storable import INT64_MAX, INT64_MIN, NotStorable, check_storable
@@ -117,46 +126,45 @@ def create_app(
     app.state.config, app.state.store, app.state.gateway = cfg, store, gateway
     _install_error_handlers(app)
     app.add_middleware(JsonServerErrors)
-    check_key = key_checker(cfg.key)
-    auth = [Depends(_auth_dependency(check_key))]
+    open_paths = ("/healthz",) if cfg.docs_auth else ("/healthz", *DOCS_PATHS)
+    app.add_middleware(RequestGuard, key=cfg.key, max_body_bytes=cfg.max_body_bytes, open_paths=open_paths,
+                       token_check=rollout_token_checker(cfg.key))  # auth lives here, before the body is read
     # the hot path first, as a plain Starlette route: no route scan, no dependency solving
-    app.router.routes.append(proxy_route(gateway, check_key))
+    app.router.routes.append(proxy_route(gateway, _no_check))
 
     @app.get("/healthz", tags=["health"])
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    app.include_router(_rollout_router(store), prefix="/api", dependencies=auth)
-    app.include_router(_event_router(store), prefix="/api", dependencies=auth)
-    app.include_router(_model_router(store), prefix="/api", dependencies=auth)
-    app.include_router(gateway_router(gateway), prefix="/proxy", dependencies=auth)
+    app.include_router(_rollout_router(store, cfg.max_batch_items), prefix="/api")
+    app.include_router(_event_router(store), prefix="/api")
+    app.include_router(_model_router(store, cfg.max_batch_items), prefix="/api")
+    app.include_router(gateway_router(gateway), prefix="/proxy")
     return app
 
 
-def key_checker(key: str) -> Callable[[Request], None]:
-    """`check(request)` raises 401 unless `Authorization: Bearer <key>` or `x-api-key: <key>`
-    matches; a no-op for an empty key."""
-    expected = key.encode()
+def _no_check(_: Request) -> None:
+    """The proxy route's own check: none, RequestGuard authorised the request already."""
 
-    def check(request: Request) -> None:
-        if not key:
-            return
-        bearer = request.headers.get("authorization", "")
-        if bearer.startswith("Bearer ") and secrets.compare_digest(bearer[7:].encode(), expected):
-            return
-        api_key = request.headers.get("x-api-key")
-        if api_key is not None and secrets.compare_digest(api_key.encode(), expected):
-            return
-        raise HTTPException(status_code=401, detail="Invalid or missing API key")
+
+def rollout_token_checker(key: str) -> Callable[[str, str, str], bool]:
+    """`check(token, method, path)`: a per-rollout token (`rollout_token`) opens only POSTs to
+    its rollout's proxy route and event route."""
+
+    def check(token: str, method: str, path: str) -> bool:
+        if method != "POST" or not token.startswith(ROLLOUT_TOKEN_PREFIX):
+            return False
+        rollout_id = token[len(ROLLOUT_TOKEN_PREFIX):].rpartition(".")[0]
+        if not rollout_id or not secrets.compare_digest(token.encode(), rollout_token(key, rollout_id).encode()):
+            return False
+        parts = path.split("/")  # "", "proxy"|"api", "rollout"|"rollouts", id, "attempt", aid, ...
+        if len(parts) < 7 or parts[3] != rollout_id or parts[4] != "attempt":
+            return False
+        if parts[1] == "proxy" and parts[2] == "rollout":
+            return True
+        return parts[1] == "api" and parts[2] == "rollouts" and len(parts) == 7 and parts[6] == "events"
 
     return check
-
-
-def _auth_dependency(check: Callable[[Request], None]) -> Callable[[Request], Awaitable[None]]:
-    async def require_key(request: Request) -> None:
-        check(request)
-
-    return require_key
 
 
 class JsonServerErrors:
@@ -221,19 +229,30 @@ def _install_error_handlers(app: FastAPI) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _rollout_router(store: Store) -> APIRouter:
+def _check_batch(items: Sequence[Any], limit: int) -> None:
+    if len(items) > limit:
+        raise HTTPException(413, f"{len(items)} items in one request; at most {limit} (server setting "
+                                 "max_batch_items): send them in several requests")
+
+
+# Store calls run in the thread pool (`run_in_threadpool`): a large create or listing must not
+# stall /healthz and the gateway, which share the event loop. The store's lock serialises them.
+
+
+def _rollout_router(store: Store, max_batch_items: int) -> APIRouter:
     router = APIRouter(tags=["rollouts"])
 
     @router.post("/rollouts", status_code=201, response_model=list[Rollout])
     async def create_rollouts(body: list[RolloutCreate]) -> list[Rollout]:
-        return store.create_rollouts(body)
+        _check_batch(body, max_batch_items)
+        return await run_in_threadpool(store.create_rollouts, body)
 
     @router.get("/rollouts", response_model=list[Rollout])
     async def list_rollouts(
         state_in: list[RolloutState] = Query(..., description="repeatable: state_in=queuing&state_in=running"),
         limit: int = Query(500, ge=0, le=INT64_MAX, description=f"answers at most {MAX_LIST_LIMIT}"),
     ) -> list[Rollout]:
-        return store.list_rollouts(state_in, min(limit, MAX_LIST_LIMIT))
+        return await run_in_threadpool(store.list_rollouts, state_in, min(limit, MAX_LIST_LIMIT))
 
     # declared before /rollouts/{rollout_id} so the literal path wins
     @router.get("/rollouts/terminal", response_model=TerminalPage)
@@ -241,22 +260,25 @@ def _rollout_router(store: Store) -> APIRouter:
         after: int = Query(0, ge=INT64_MIN, le=INT64_MAX),
         limit: int = Query(1000, ge=INT64_MIN, le=INT64_MAX, description=f"answers at most {MAX_LIST_LIMIT}"),
     ) -> TerminalPage:
-        return store.terminal_page(after, min(limit, MAX_LIST_LIMIT))
+        return await run_in_threadpool(store.terminal_page, after, min(limit, MAX_LIST_LIMIT))
 
     @router.get("/rollouts/{rollout_id}", response_model=RolloutDetail)
     async def get_rollout(rollout_id: str) -> RolloutDetail:
-        rollout = store.get_rollout(rollout_id)
-        if rollout is None:
-            raise RolloutNotFound(rollout_id)
-        return RolloutDetail(rollout=rollout, attempts=store.attempts(rollout_id))
+        def detail() -> RolloutDetail:
+            rollout = store.get_rollout(rollout_id)
+            if rollout is None:
+                raise RolloutNotFound(rollout_id)
+            return RolloutDetail(rollout=rollout, attempts=store.attempts(rollout_id))
+
+        return await run_in_threadpool(detail)
 
     @router.patch("/rollouts/{rollout_id}", response_model=Rollout)
     async def patch_rollout(rollout_id: str, body: RolloutPatch) -> Rollout:
-        return store.patch_status(rollout_id, body.status or RolloutStatusPatch())
+        return await run_in_threadpool(store.patch_status, rollout_id, body.status or RolloutStatusPatch())
 
     @router.delete("/rollouts/{rollout_id}", status_code=204)
     async def delete_rollout(rollout_id: str) -> Response:
-        store.delete_rollout(rollout_id)
+        await run_in_threadpool(store.delete_rollout, rollout_id)
         return Response(status_code=204)
 
     return router
@@ -268,7 +290,7 @@ def _event_router(store: Store) -> APIRouter:
     @router.post("/rollouts/{rollout_id}/attempt/{attempt_id}/events", response_model=Event)
     async def post_event(rollout_id: str, attempt_id: str, body: EventCreate) -> Event:
         check_storable(body.data, "data")  # strict (NaN, int64) on the API; the gateway's bodies are orjson's
-        return store.append_event(rollout_id, attempt_id, body.event_type, body.data)
+        return await run_in_threadpool(store.append_event, rollout_id, attempt_id, body.event_type, body.data)
 
     @router.get("/rollouts/{rollout_id}/events", response_model=list[Event])
     async def query_events(
@@ -276,22 +298,26 @@ def _event_router(store: Store) -> APIRouter:
         event_type: str | None = None,
         format: str | None = Query(None, description="'triplet' trims events for RL training"),
     ) -> list[Event]:
-        events = store.events(rollout_id, event_type=event_type)
-        return triplet_events(events) if format == "triplet" else events
+        def query() -> list[Event]:
+            events = store.events(rollout_id, event_type=event_type)
+            return triplet_events(events) if format == "triplet" else events
+
+        return await run_in_threadpool(query)
 
     return router
 
 
-def _model_router(store: Store) -> APIRouter:
+def _model_router(store: Store, max_batch_items: int) -> APIRouter:
     router = APIRouter(tags=["models"])
 
     @router.post("/models", status_code=201, response_model=list[Model])
     async def register_models(body: list[Model]) -> list[Model]:
-        return store.upsert_models(body)
+        _check_batch(body, max_batch_items)
+        return await run_in_threadpool(store.upsert_models, body)
 
     @router.delete("/models")
     async def clear_models() -> dict[str, str]:
-        store.clear_models()
+        await run_in_threadpool(store.clear_models)
         return {"status": "ok"}
 
     return router

@@ -65,6 +65,7 @@ except ImportError:  # pragma: no cover - orjson is optional
     _loads = json.loads
 
 DEFAULT_TERMINAL_LOG_LIMIT = 100_000
+CREATE_CHUNK = 500  # rollouts created per lock hold: other callers (the gateway) interleave
 
 
 class StoreError(Exception):
@@ -116,15 +117,16 @@ class Store(ABC):
         _check_creates(creates)
         now = time.time()
         out: list[Rollout] = []
-        with self._lock, self._transaction():
-            for create in creates:
-                existing = self._load(create.rollout_id) if create.rollout_id else None
-                if existing is not None:  # idempotent retry: never reset a started rollout
-                    out.append(existing)
-                    continue
-                rollout = create.to_rollout(now)
-                self._insert(rollout)
-                out.append(rollout)
+        for start in range(0, len(creates), CREATE_CHUNK):  # release the lock between chunks
+            with self._lock, self._transaction():
+                for create in creates[start : start + CREATE_CHUNK]:
+                    existing = self._load(create.rollout_id) if create.rollout_id else None
+                    if existing is not None:  # idempotent retry: never reset a started rollout
+                        out.append(existing)
+                        continue
+                    rollout = create.to_rollout(now)
+                    self._insert(rollout)
+                    out.append(rollout)
         return out
 
     def get_rollout(self, rollout_id: str) -> Rollout | None:
