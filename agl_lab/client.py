@@ -360,6 +360,25 @@ class AglClient:
         """
         return Rollout.model_validate(self._send(_patch_status_call(rollout_id, fields, retry)))
 
+    def heartbeat(self, rollout_ids: Sequence[str]) -> dict[str, Any]:
+        """Renew the leases of running rollouts: `{"not_running": [...], "lease_seconds": s}`."""
+        return self._send(_Call("POST", "/api/rollouts/heartbeat", json={"rollout_ids": list(rollout_ids)},
+                                retry=True))
+
+    def fail_rollouts(self, rollout_ids: Sequence[str], reason: str) -> list[str]:
+        """PATCH each queuing or running rollout to failed with `reason`; returns those failed.
+
+        Rollouts already terminal (409) or gone (404) are skipped: the state is the same either way."""
+        failed = []
+        for rid in rollout_ids:
+            try:
+                self.patch_status(rid, state=RolloutState.FAILED.value, error_message=reason, retry=True)
+                failed.append(rid)
+            except AglHTTPError as exc:
+                if exc.status_code not in (404, 409):
+                    raise
+        return failed
+
     def delete_rollout(self, rollout_id: str) -> bool:
         """Best-effort DELETE (the server answers 204 even for unknown ids)."""
         return self._best_effort(_Call("DELETE", f"/api/rollouts/{_q(rollout_id)}", retry=True))

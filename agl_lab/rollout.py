@@ -197,7 +197,11 @@ class _Collector:
                 return
             if deadline is not None and time.monotonic() >= deadline:
                 unfinished = waiting_for()
-                raise RolloutWaitTimeout(timeout, self.client.states_of(unfinished), n_total)
+                states = self.client.states_of(unfinished)
+                # fail them so no runner starts them for nobody; collected as FAILED by a later poll
+                self.client.fail_rollouts(sorted(unfinished), f"{label}: the trainer's wait for this rollout timed "
+                                                              f"out after {timeout:g}s")
+                raise RolloutWaitTimeout(timeout, states, n_total)
             logger.debug("%s: %d rollouts pending", label, len(self.pending))
             time.sleep(self.poll_interval)
 
@@ -280,8 +284,9 @@ class SyncRolloutManager:
         step: trainer step recorded on every rollout (`CompletedRollout.step`).
         rollout_config: `RolloutConfig` (or its dict) copied into every rollout.
         hooks: optional `RolloutHooks`.
-        timeout_seconds: bound on one `run`'s wait (None = unbounded); on expiry
-            `RolloutWaitTimeout` names the unfinished rollouts, which stay in the store.
+        timeout_seconds: bound on one `run`'s wait (None = unbounded); on expiry the
+            unfinished rollouts are marked failed (so no runner starts them later) and
+            `RolloutWaitTimeout` names them with the states they had.
         poll_interval: seconds between polls of the terminal cursor.
         track_running: also poll the running list to record when each rollout started.
     """

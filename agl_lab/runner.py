@@ -40,8 +40,10 @@ Design decisions
 - Server hiccups are logged (throttled) and the poll loop keeps going; `stop()` is bounded
   and leaves no rollout of this runner in `running`.
 - Unlike AGL's local controller, a `running` rollout the runner does not know is left alone
-  (several runners may share one server); a runner that died without `stop()` leaves its
-  rollouts to the trainer's bounded wait.
+  (several runners may share one server). The runner renews the server-side lease of each
+  rollout it runs (`POST /api/rollouts/heartbeat`, a third of `lease_seconds`, at most every
+  10 s); a runner that died without `stop()` stops renewing, and the server fails its
+  rollouts when their lease runs out ("lease expired: ...").
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ AgentSpec = Union[AgentFn, str, None]
 STDERR_TAIL_CHARS = 2000
 KILL_WAIT_SECONDS = 5.0
 RECONCILE_INTERVAL_SECONDS = 1.0
+HEARTBEAT_MAX_INTERVAL_SECONDS = 10.0  # renew leases at least this often (a third of the server's lease if shorter)
 SHUTDOWN_MESSAGE = "runner shutdown"
 _LIST_LIMIT = 500
 # The runner's AglClient: 5 attempts 0.1, 0.2, 0.4, 0.8 s apart for idempotent calls (and for
@@ -333,6 +336,7 @@ class Runner:
         self._client: AglClient | None = None
         self._counts = {"claimed": 0, "succeeded": 0, "failed": 0, "abandoned": 0}
         self._last_reconcile = 0.0
+        self._last_heartbeat, self._heartbeat_every = -math.inf, HEARTBEAT_MAX_INTERVAL_SECONDS
         self._last_warning: dict[str, float] = {}
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -405,6 +409,9 @@ class Runner:
         if self._live and started - self._last_reconcile >= RECONCILE_INTERVAL_SECONDS:
             self._reconcile(started)
             self._last_reconcile = started
+        if self._live and self._heartbeat_every and started - self._last_heartbeat >= self._heartbeat_every:
+            self._heartbeat()
+            self._last_heartbeat = started
         free = self.concurrency - len(self._live)
         if free <= 0:
             return
@@ -451,6 +458,20 @@ class Runner:
                 log.info("rollout %s was terminated or deleted outside the runner; stopping its agent",
                          ex.rollout_id)
                 self._finish(ex, None, None)
+
+    def _heartbeat(self) -> None:
+        """Renew the server-side leases of the rollouts this runner runs (a third of the lease)."""
+        assert self._client is not None
+        try:
+            answer = self._client.heartbeat([ex.rollout_id for ex in self._live_snapshot()])
+        except AglHTTPError as exc:
+            if exc.status_code in (404, 405):  # an AGL server: no leases to renew
+                log.info("server %s has no heartbeat route (AGL); runner leases disabled", self.server_url)
+                self._heartbeat_every = 0.0
+                return
+            raise
+        lease = float(answer.get("lease_seconds") or 0.0)
+        self._heartbeat_every = min(HEARTBEAT_MAX_INTERVAL_SECONDS, lease / 3) if lease else HEARTBEAT_MAX_INTERVAL_SECONDS
 
     def _live_snapshot(self) -> list[_Execution]:
         with self._lock:

@@ -38,6 +38,7 @@ configurable (`upstream_*`).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import secrets
@@ -90,6 +91,27 @@ class RolloutDetail(BaseModel):
     attempts: list[str]
 
 
+class HeartbeatRequest(BaseModel):
+    rollout_ids: list[str]
+
+
+class HeartbeatAnswer(BaseModel):
+    not_running: list[str]  # unknown, queuing or terminal: the runner should stop their agents
+    lease_seconds: float  # renew well within this (0: leases are off)
+
+
+async def _expire_leases_forever(store: Store, lease_seconds: float) -> None:
+    """Fail running rollouts whose lease ran out, every min(5 s, lease/4)."""
+    while True:
+        try:
+            expired = await run_in_threadpool(store.expire_leases, lease_seconds)
+            if expired:
+                logger.warning("Failed %d running rollout(s) whose lease expired: %s", len(expired), expired[:10])
+        except Exception:  # never let the sweeper die silently
+            logger.exception("Lease sweep failed")
+        await asyncio.sleep(min(5.0, lease_seconds / 4))
+
+
 def create_app(
     config: ServerConfig | Mapping[str, Any] | None,
     *,
@@ -116,9 +138,12 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         gateway.client = open_upstream_client(cfg.upstream_client, cfg.upstream_timeout_seconds)
+        sweeper = asyncio.ensure_future(_expire_leases_forever(store, cfg.lease_seconds)) if cfg.lease_seconds else None
         try:
             yield
         finally:
+            if sweeper is not None:
+                sweeper.cancel()
             client, gateway.client = gateway.client, None
             await client.aclose()
 
@@ -136,7 +161,7 @@ def create_app(
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    app.include_router(_rollout_router(store, cfg.max_batch_items), prefix="/api")
+    app.include_router(_rollout_router(store, cfg.max_batch_items, cfg.lease_seconds), prefix="/api")
     app.include_router(_event_router(store), prefix="/api")
     app.include_router(_model_router(store, cfg.max_batch_items), prefix="/api")
     app.include_router(gateway_router(gateway), prefix="/proxy")
@@ -239,8 +264,15 @@ def _check_batch(items: Sequence[Any], limit: int) -> None:
 # stall /healthz and the gateway, which share the event loop. The store's lock serialises them.
 
 
-def _rollout_router(store: Store, max_batch_items: int) -> APIRouter:
+def _rollout_router(store: Store, max_batch_items: int, lease_seconds: float) -> APIRouter:
     router = APIRouter(tags=["rollouts"])
+
+    @router.post("/rollouts/heartbeat", response_model=HeartbeatAnswer)
+    async def heartbeat(body: HeartbeatRequest) -> HeartbeatAnswer:
+        """Renew the leases of running rollouts (agl_lab; AGL has no leases)."""
+        _check_batch(body.rollout_ids, max_batch_items)
+        not_running = await run_in_threadpool(store.heartbeat, body.rollout_ids)
+        return HeartbeatAnswer(not_running=not_running, lease_seconds=lease_seconds)
 
     @router.post("/rollouts", status_code=201, response_model=list[Rollout])
     async def create_rollouts(body: list[RolloutCreate]) -> list[Rollout]:

@@ -57,6 +57,8 @@ class ServerConfig(_Strict):
     upstream_client: Literal["auto", "aiohttp", "httpx"] = "auto"  # auto: aiohttp if installed (faster)
     max_body_bytes: int = Field(32 * 2**20, ge=1)  # larger request bodies answer 413 (checked before reading)
     max_batch_items: int = Field(10_000, ge=1)  # items per POST /api/rollouts or /api/models (413 beyond)
+    lease_seconds: float = Field(600.0, ge=0)  # a running rollout without heartbeat/event/status change this
+    #                                          long is failed (its runner died); 0 disables leases
     docs_auth: bool = True  # /docs, /redoc and /openapi.json need the key too (false: open like /healthz)
     token_preserving: bool = False  # flag only; the mode plugs in as a gateway request rewriter
     call_seed: int | None = None  # seed calls that carry none from their position (server/seeding.py)

@@ -105,6 +105,7 @@ class Store(ABC):
             )
         self.terminal_log_limit = int(terminal_log_limit)
         self._lock = threading.RLock()
+        self._activity: dict[str, float] = {}  # running rollout id -> last heartbeat or event (not persisted)
 
     # --- rollouts ---------------------------------------------------------------------------
 
@@ -167,12 +168,14 @@ class Store(ABC):
             if "state" in updates and status.state in TERMINAL_STATES:
                 self._terminal_append(rollout_id)
                 self._terminal_trim()
+                self._activity.pop(rollout_id, None)
             return rollout
 
     def delete_rollout(self, rollout_id: str) -> None:
         """Remove a rollout and all its events (idempotent); the terminal log keeps its id."""
         with self._lock, self._transaction():
             self._remove(rollout_id)
+            self._activity.pop(rollout_id, None)
 
     # --- events -----------------------------------------------------------------------------
 
@@ -194,6 +197,7 @@ class Store(ABC):
             )
             if not self._append_event(event):
                 raise RolloutNotFound(rollout_id)
+            self._activity[rollout_id] = event.timestamp  # an event renews a running rollout's lease
             return event
 
     def events(
@@ -217,6 +221,51 @@ class Store(ABC):
             if not self._exists(rollout_id):
                 raise RolloutNotFound(rollout_id)
             return self._attempts(rollout_id)
+
+    # --- leases of running rollouts -----------------------------------------------------------
+
+    def heartbeat(self, rollout_ids: Sequence[str]) -> list[str]:
+        """Renew the lease of each running rollout in `rollout_ids`; returns the ids that are
+        not running (unknown, queuing or terminal) so the runner can stop their agents."""
+        now = time.time()
+        with self._lock:
+            rollouts = self._load_many(list(rollout_ids))
+            not_running = []
+            for rid in rollout_ids:
+                rollout = rollouts.get(rid)
+                if rollout is not None and rollout.status.state == RolloutState.RUNNING:
+                    self._activity[rid] = now
+                else:
+                    not_running.append(rid)
+        return not_running
+
+    def expire_leases(self, lease_seconds: float, now: float | None = None) -> list[str]:
+        """Fail every running rollout without a heartbeat, event or status change for
+        `lease_seconds` (its runner or the server died); returns their ids.
+
+        Activity is kept in memory: after a server restart a running rollout's lease runs
+        from its last status change (`status.updated_at`, persisted by SQLite).
+        """
+        now = time.time() if now is None else now
+        with self._lock:
+            running = self._list([RolloutState.RUNNING], 2**62)
+            stale = [(r.rollout_id, max(r.status.updated_at, self._activity.get(r.rollout_id, 0.0)))
+                     for r in running]
+        expired = []
+        for rid, last in stale:
+            if last + lease_seconds >= now:
+                continue
+            message = (f"lease expired: no heartbeat, event or status change for {now - last:.0f}s "
+                       f"(lease_seconds={lease_seconds:g}); its runner or the server stopped")
+            try:
+                with self._lock:  # re-check under the lock: a heartbeat may have arrived meanwhile
+                    if self._activity.get(rid, 0.0) + lease_seconds >= now:
+                        continue
+                    self.patch_status(rid, RolloutStatusPatch(state=RolloutState.FAILED, error_message=message))
+            except (RolloutNotFound, InvalidTransition):
+                continue
+            expired.append(rid)
+        return expired
 
     # --- terminal-order log -----------------------------------------------------------------
 
