@@ -220,3 +220,22 @@ def test_runner_agents_get_the_rollout_token(server, client):
         assert admin.get_rollout("rt1")[0].status.state == "succeeded", admin.get_rollout("rt1")[0].status
         types = [e["event_type"] for e in admin.get_events("rt1")]
     assert seen["key"] == rollout_token(KEY, "rt1") and {"note", "own", "reward"} <= set(types)
+
+
+# -- OpenAPI: every route lists the errors it answers ------------------------------------------------------
+
+
+def test_openapi_lists_error_responses(client):
+    spec = client.get("/openapi.json").json()
+    expected = {("/api/rollouts", "post"): {"400", "422", "413"}, ("/api/rollouts/{rollout_id}", "patch"): {"404", "409", "422"},
+                ("/api/rollouts/{rollout_id}", "get"): {"404"}, ("/api/rollouts/terminal", "get"): {"422"},
+                ("/api/rollouts/{rollout_id}/attempt/{attempt_id}/events", "post"): {"404", "422"},
+                ("/api/models", "post"): {"413", "422"}}
+    for path, methods in spec["paths"].items():
+        for method, op in methods.items():
+            codes = set(op["responses"])
+            if path == "/healthz":
+                continue  # open, no body
+            assert {"401", "413", "415", "500"} <= codes, (path, method, codes)
+            assert expected.get((path, method), set()) <= codes, (path, method, codes)
+    assert spec["paths"]["/api/rollouts/{rollout_id}"]["patch"]["responses"]["409"]["description"].startswith("transition")

@@ -91,6 +91,28 @@ class RolloutDetail(BaseModel):
     attempts: list[str]
 
 
+class ErrorDetail(BaseModel):
+    detail: Any  # a message, or FastAPI's list of validation errors
+
+
+def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` for the error codes a route answers."""
+    return {code: {"model": ErrorDetail, "description": ERROR_TEXTS[code]} for code in codes}
+
+
+ERROR_TEXTS = {
+    400: "body is not valid JSON",
+    401: "missing or wrong key (checked before the body is read)",
+    404: "no such rollout",
+    409: "transition not allowed from the rollout's state",
+    413: "body larger than max_body_bytes, or more items than max_batch_items",
+    415: "body sent as text/plain or a form (cross-site content types): send application/json",
+    422: "invalid field, or a value the store could not read back (named in detail)",
+    500: "unexpected server error (JSON; the connection stays usable)",
+}
+COMMON_ERRORS = (401, 413, 415, 500)
+
+
 class HeartbeatRequest(BaseModel):
     rollout_ids: list[str]
 
@@ -265,21 +287,21 @@ def _check_batch(items: Sequence[Any], limit: int) -> None:
 
 
 def _rollout_router(store: Store, max_batch_items: int, lease_seconds: float) -> APIRouter:
-    router = APIRouter(tags=["rollouts"])
+    router = APIRouter(tags=["rollouts"], responses=_errors(*COMMON_ERRORS))
 
-    @router.post("/rollouts/heartbeat", response_model=HeartbeatAnswer)
+    @router.post("/rollouts/heartbeat", response_model=HeartbeatAnswer, responses=_errors(400, 422))
     async def heartbeat(body: HeartbeatRequest) -> HeartbeatAnswer:
         """Renew the leases of running rollouts (agl_lab; AGL has no leases)."""
         _check_batch(body.rollout_ids, max_batch_items)
         not_running = await run_in_threadpool(store.heartbeat, body.rollout_ids)
         return HeartbeatAnswer(not_running=not_running, lease_seconds=lease_seconds)
 
-    @router.post("/rollouts", status_code=201, response_model=list[Rollout])
+    @router.post("/rollouts", status_code=201, response_model=list[Rollout], responses=_errors(400, 422))
     async def create_rollouts(body: list[RolloutCreate]) -> list[Rollout]:
         _check_batch(body, max_batch_items)
         return await run_in_threadpool(store.create_rollouts, body)
 
-    @router.get("/rollouts", response_model=list[Rollout])
+    @router.get("/rollouts", response_model=list[Rollout], responses=_errors(422))
     async def list_rollouts(
         state_in: list[RolloutState] = Query(..., description="repeatable: state_in=queuing&state_in=running"),
         limit: int = Query(500, ge=0, le=INT64_MAX, description=f"answers at most {MAX_LIST_LIMIT}"),
@@ -287,14 +309,14 @@ def _rollout_router(store: Store, max_batch_items: int, lease_seconds: float) ->
         return await run_in_threadpool(store.list_rollouts, state_in, min(limit, MAX_LIST_LIMIT))
 
     # declared before /rollouts/{rollout_id} so the literal path wins
-    @router.get("/rollouts/terminal", response_model=TerminalPage)
+    @router.get("/rollouts/terminal", response_model=TerminalPage, responses=_errors(422))
     async def terminal_rollouts(
         after: int = Query(0, ge=INT64_MIN, le=INT64_MAX),
         limit: int = Query(1000, ge=INT64_MIN, le=INT64_MAX, description=f"answers at most {MAX_LIST_LIMIT}"),
     ) -> TerminalPage:
         return await run_in_threadpool(store.terminal_page, after, min(limit, MAX_LIST_LIMIT))
 
-    @router.get("/rollouts/{rollout_id}", response_model=RolloutDetail)
+    @router.get("/rollouts/{rollout_id}", response_model=RolloutDetail, responses=_errors(404))
     async def get_rollout(rollout_id: str) -> RolloutDetail:
         def detail() -> RolloutDetail:
             rollout = store.get_rollout(rollout_id)
@@ -304,7 +326,7 @@ def _rollout_router(store: Store, max_batch_items: int, lease_seconds: float) ->
 
         return await run_in_threadpool(detail)
 
-    @router.patch("/rollouts/{rollout_id}", response_model=Rollout)
+    @router.patch("/rollouts/{rollout_id}", response_model=Rollout, responses=_errors(400, 404, 409, 422))
     async def patch_rollout(rollout_id: str, body: RolloutPatch) -> Rollout:
         return await run_in_threadpool(store.patch_status, rollout_id, body.status or RolloutStatusPatch())
 
@@ -317,14 +339,15 @@ def _rollout_router(store: Store, max_batch_items: int, lease_seconds: float) ->
 
 
 def _event_router(store: Store) -> APIRouter:
-    router = APIRouter(tags=["events"])
+    router = APIRouter(tags=["events"], responses=_errors(*COMMON_ERRORS))
 
-    @router.post("/rollouts/{rollout_id}/attempt/{attempt_id}/events", response_model=Event)
+    @router.post("/rollouts/{rollout_id}/attempt/{attempt_id}/events", response_model=Event,
+                 responses=_errors(400, 404, 422))
     async def post_event(rollout_id: str, attempt_id: str, body: EventCreate) -> Event:
         check_storable(body.data, "data")  # strict (NaN, int64) on the API; the gateway's bodies are orjson's
         return await run_in_threadpool(store.append_event, rollout_id, attempt_id, body.event_type, body.data)
 
-    @router.get("/rollouts/{rollout_id}/events", response_model=list[Event])
+    @router.get("/rollouts/{rollout_id}/events", response_model=list[Event], responses=_errors(404))
     async def query_events(
         rollout_id: str,
         event_type: str | None = None,
@@ -340,9 +363,9 @@ def _event_router(store: Store) -> APIRouter:
 
 
 def _model_router(store: Store, max_batch_items: int) -> APIRouter:
-    router = APIRouter(tags=["models"])
+    router = APIRouter(tags=["models"], responses=_errors(*COMMON_ERRORS))
 
-    @router.post("/models", status_code=201, response_model=list[Model])
+    @router.post("/models", status_code=201, response_model=list[Model], responses=_errors(400, 422))
     async def register_models(body: list[Model]) -> list[Model]:
         _check_batch(body, max_batch_items)
         return await run_in_threadpool(store.upsert_models, body)

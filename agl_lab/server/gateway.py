@@ -632,7 +632,10 @@ def proxy_route(gateway: Gateway, check_key: Callable[[Request], None]) -> Route
 
 def gateway_router(gateway: Gateway) -> APIRouter:
     """Management routes, mounted under /proxy with auth: pause, resume, state."""
-    router = APIRouter(tags=["proxy"])
+    errors = {code: {"description": text} for code, text in (
+        (401, "missing or wrong key"), (413, "body larger than max_body_bytes"),
+        (415, "cross-site content type: send application/json"), (422, "invalid field"), (500, "unexpected error"))}
+    router = APIRouter(tags=["proxy"], responses=errors)
 
     @router.post("/pause", response_model=PauseState)
     async def pause(body: PauseRequest | None = None) -> PauseState:
