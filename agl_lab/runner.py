@@ -69,6 +69,7 @@ from urllib.parse import quote
 from agl_lab._agent_bootstrap import _await, split_agent_class
 from agl_lab.client import AglClient, AglHTTPError
 from agl_lab.protocol import DEFAULT_ATTEMPT_ID, rollout_token
+from agl_lab.records import reward_problem
 
 log = logging.getLogger(__name__)
 
@@ -551,8 +552,8 @@ class Runner:
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             return "failed", (f"agent returned {type(value).__name__} {value!r:.80}; "
                               "return a float reward (posted as the reward event) or None")
-        if not math.isfinite(value):
-            return "failed", f"agent returned a non-finite reward {value}; return a finite float or None"
+        if (problem := reward_problem(value)) is not None:  # NaN, inf, beyond float32 (1e39, 10**400)
+            return "failed", f"agent returned an unusable reward: {problem}; return a finite float32 or None"
         assert self._client is not None
         try:  # resent on failure: a duplicate reward event carries the same value (last one wins)
             self._client.add_event(ex.rollout_id, DEFAULT_ATTEMPT_ID, "reward", {"value": float(value)}, retry=True)

@@ -120,3 +120,18 @@ def test_exclude_failed_is_a_config_key():
     from agl_lab.config import AGL_LAB_DEFAULTS
 
     assert AGL_LAB_DEFAULTS["agl_lab"]["algorithm"]["exclude_failed_rollouts"] is False
+
+
+@pytest.mark.parametrize("value, why", [(1e39, "beyond float32"), (10**400, "beyond float32"),
+                                        (math.nan, "not finite"), (math.inf, "not finite")])
+def test_runner_fails_a_callable_that_returns_an_unusable_reward(server, value, why):
+    from agl_lab.protocol import RolloutCreate
+    from agl_lab.runner import Runner
+
+    with AglClient(server.url, key=KEY) as client:
+        client.create_rollouts([RolloutCreate(input={}, rollout_id="big")])
+        with Runner(server.url, key=KEY, agent=lambda task, ctx: value, poll_interval=0.02):
+            client.wait_for_terminal(["big"], timeout=30)
+        status = client.get_rollout("big")[0].status
+        assert status.state == "failed" and why in status.error_message
+        assert client.get_events("big", event_type="reward") == []

@@ -125,3 +125,58 @@ def test_superseded_entries_in_a_bounded_log(embedded_server, store_url):
             c.patch(f"/api/rollouts/{rid}", json={"status": {"state": "failed"}})
         page = c.get("/api/rollouts/terminal", params={"after": 0}).json()
         assert [i["rollout_id"] for i in page["items"]] == ["c", "a"] and page["next_after"] == 5
+
+
+class _ResetThenAnswer:
+    """A loopback HTTP server that resets the first `n_resets` connections, then answers 200 JSON."""
+
+    def __init__(self, n_resets: int):
+        import socket
+        import struct
+        import threading
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.requests = 0
+
+        def serve() -> None:
+            while True:
+                try:
+                    conn, _ = self.sock.accept()
+                except OSError:
+                    return
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        break
+                    data += chunk
+                self.requests += 1
+                if self.requests <= n_resets:
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST
+                else:
+                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 15\r\n"
+                                 b"connection: close\r\n\r\n{\"status\":\"ok\"}")
+                conn.close()
+
+        threading.Thread(target=serve, daemon=True).start()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_client_retries_idempotent_calls_on_a_reset_connection_only():
+    from agl_lab.client import AglConnectionError
+
+    server = _ResetThenAnswer(n_resets=2)
+    try:
+        with AglClient(server.url, backoff_base=0.001) as client:
+            assert client.healthz() == {"status": "ok"} and server.requests == 3  # 2 resets, then the answer
+            server.requests = 0
+            with pytest.raises(AglConnectionError):
+                client.patch_status("r1", state="running")  # not idempotent: sent once, never resent
+            assert server.requests == 1
+    finally:
+        server.close()
