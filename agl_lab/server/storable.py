@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import re
+import threading
 from typing import Any
 
 try:
@@ -44,7 +45,8 @@ class NotStorable(ValueError):
     """A value the store refuses; `field` names where it is (e.g. `input.messages[2].content`)."""
 
     def __init__(self, field: str, problem: str):
-        super().__init__(f"{field}: {problem}")
+        shown = field if len(field) <= 120 else f"{field[:80]}...{field[-30:]}"
+        super().__init__(f"{shown}: {problem}")
         self.field, self.problem = field, problem
 
 
@@ -98,15 +100,31 @@ def dump_storable(value: Any, where: str = "data") -> bytes:
         import json
 
         return json.dumps(value).encode()
-    wrapped: Any = value
-    for _ in range(_WRAP):
-        wrapped = [wrapped]
+    outer, inner = _wrapper()
+    inner[0] = value
     try:
-        encoded = orjson.dumps(wrapped)
+        encoded = orjson.dumps(outer)
     except TypeError:  # JSONEncodeError: recursion limit, surrogates, ints beyond u64, odd types
         check_storable(value, where)  # names the field and the problem
         raise NotStorable(where, "not encodable as JSON") from None
+    finally:
+        inner[0] = None
     return encoded[_WRAP:-_WRAP]
+
+
+_local = threading.local()
+
+
+def _wrapper() -> tuple[list[Any], list[Any]]:
+    """This thread's `_WRAP` nested lists (outermost, innermost), built once per thread."""
+    chain = getattr(_local, "chain", None)
+    if chain is None:
+        inner: list[Any] = [None]
+        outer = inner
+        for _ in range(_WRAP - 1):
+            outer = [outer]
+        chain = _local.chain = (outer, inner)
+    return chain
 
 
 def _check_str(s: str, path: str) -> None:
