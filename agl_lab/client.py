@@ -560,6 +560,21 @@ class AsyncAglClient:
     async def patch_status(self, rollout_id: str, *, retry: bool = False, **fields: Any) -> Rollout:
         return Rollout.model_validate(await self._send(_patch_status_call(rollout_id, fields, retry)))
 
+    async def heartbeat(self, rollout_ids: Sequence[str]) -> dict[str, Any]:
+        return await self._send(_Call("POST", "/api/rollouts/heartbeat", json={"rollout_ids": list(rollout_ids)},
+                                      retry=True))
+
+    async def fail_rollouts(self, rollout_ids: Sequence[str], reason: str) -> list[str]:
+        failed = []
+        for rid in rollout_ids:
+            try:
+                await self.patch_status(rid, state=RolloutState.FAILED.value, error_message=reason, retry=True)
+                failed.append(rid)
+            except AglHTTPError as exc:
+                if exc.status_code not in (404, 409):
+                    raise
+        return failed
+
     async def delete_rollout(self, rollout_id: str) -> bool:
         return await self._best_effort(_Call("DELETE", f"/api/rollouts/{_q(rollout_id)}", retry=True))
 

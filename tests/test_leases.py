@@ -106,3 +106,22 @@ def test_timed_out_wait_fails_its_rollouts_and_a_later_runner_runs_none(embedded
         with Runner(server.url, key=KEY, agent=lambda task, ctx: ran.append(task), poll_interval=0.02):
             time.sleep(0.5)
     assert ran == []
+
+
+def test_async_client_heartbeat_and_fail(embedded_server):
+    import asyncio
+
+    from agl_lab.client import AsyncAglClient
+
+    server = embedded_server(key=KEY, default_proxy={"model_name": "m"})
+
+    async def go():
+        async with AsyncAglClient(server.url, key=KEY) as client:
+            await client.create_rollouts([RolloutCreate(input={}, rollout_id="a1")])
+            await client.patch_status("a1", state="running")
+            assert (await client.heartbeat(["a1"]))["not_running"] == []
+            assert await client.fail_rollouts(["a1", "gone"], "stop") == ["a1"]
+            return (await client.get_rollout("a1"))[0].status
+
+    status = asyncio.run(go())
+    assert status.state == "failed" and status.error_message == "stop"
