@@ -12,6 +12,7 @@ Routes (upstream-reference §2; paths, JSON shapes, codes and error texts are AG
     GET    /api/rollouts/{id}                               {"rollout", "attempts"}
     PATCH  /api/rollouts/{id}             {"status": {..}}  Rollout | 404 | 409 | 422
     DELETE /api/rollouts/{id}                               204 (idempotent)
+    POST   /api/rollouts/heartbeat        {"rollout_ids"}   renew leases (agl_lab; not in AGL)
     POST   /api/rollouts/{id}/attempt/{aid}/events          Event | 404
     GET    /api/rollouts/{id}/events?event_type=&format=triplet
     POST   /api/models                    [Model]           201 echo (upsert)

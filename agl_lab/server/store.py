@@ -21,8 +21,10 @@ Design decisions:
 - The terminal log is bounded (`terminal_log_limit`): cursor indices stay absolute, entries
   older than the retained window are gone, and a cursor behind the window restarts at the
   oldest retained entry. `total_terminal` is the absolute count of terminal transitions.
-- No HTTP here: errors are `RolloutNotFound` / `InvalidTransition`, mapped to 404 / 409 by
-  `agl_lab.server.app`. The triplet view the app serves (`triplet_events`) is a pure function
+- No HTTP here: errors are `RolloutNotFound` / `InvalidTransition` / `NotStorable`, mapped to
+  404 / 409 / 422 by `agl_lab.server.app`; a second opener of a SQLite file gets `StoreLocked`.
+- Write-time rule (`agl_lab.server.storable`): what is stored can be read back and sent, on
+  both backends; running rollouts hold a lease (`heartbeat`, `expire_leases`). The triplet view the app serves (`triplet_events`) is a pure function
   over events and lives in `agl_lab.records`, beside the code that consumes it.
 - Objects returned by `MemoryStore` are the stored ones: treat them as read-only.
 """
