@@ -412,12 +412,18 @@ def build_batch(
     tokenizer: Any = None,
     multi_segment: bool = False,
     diagnose: bool = True,
+    exclude_failed: bool = False,
 ) -> BuiltBatch:
     """Completed rollouts → `BuiltBatch(rollouts, rows, breaks, level, data, metrics)`.
 
     `tokenizer` (optional) only serves the diagnostics: merge-break classes and decoded texts.
+    FAILED rollouts train with `reward_fillna_value` (AGL v1) unless `exclude_failed`, which
+    leaves them out of the batch (`plan.rollouts` too); both are counted in the metrics.
     Raises RuntimeError when no row has a trainable token.
     """
+    n_failed = sum(r.state == "failed" for r in completed)
+    if exclude_failed:
+        completed = [r for r in completed if r.state != "failed"]
     for key, value in (("max_prompt_length", max_prompt_length), ("max_response_length", max_response_length)):
         if not isinstance(value, int) or value <= 0:
             raise ValueError(f"build_batch: {key} must be a positive int, got {value!r}.")
@@ -435,7 +441,8 @@ def build_batch(
                 "Every error: RolloutResult.lifecycle[['rollout_id', 'state', 'error_message']]."
             )
         raise RuntimeError(
-            f"zero training rows: {len(plan.rollouts)} rollouts, {n_traced} with model calls, "
+            f"zero training rows: {len(plan.rollouts)} rollouts ({n_failed if exclude_failed else 0} FAILED ones "
+            f"excluded), {n_traced} with model calls, "
             f"{len(plan.rows)} rows without a trainable token. Likely causes: the agents do not call "
             "the model through the gateway (use the base_url their rollout gives them), or every "
             "call returned an empty response (check the agent's max_tokens and the response limits)."
@@ -443,4 +450,6 @@ def build_batch(
     arrays = pad_rows(kept, max_prompt_length, max_response_length, pad_token_id)
     plan.data, n_without = to_dataproto(kept, arrays)
     plan.metrics = train_metrics(plan, reward_fillna_value, n_without)
+    plan.metrics["training/n_failed_rollouts"] = n_failed
+    plan.metrics["training/n_failed_rollouts_excluded"] = n_failed if exclude_failed else 0
     return plan

@@ -31,6 +31,7 @@ import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
+from urllib.parse import quote
 
 import httpx
 
@@ -103,6 +104,11 @@ class RolloutWaitTimeout(TimeoutError):
         )
 
 
+def _q(segment: str) -> str:
+    """One URL path segment, percent-quoted (an id with `/`, `?` or `#` stays one segment)."""
+    return quote(str(segment), safe="")
+
+
 def _detail_of(response: httpx.Response) -> str:
     """The server's `detail` (FastAPI), `error` (gateway) or raw text of an error response."""
     try:
@@ -153,17 +159,17 @@ def _parse_rollout_with_attempts(body: Any) -> tuple[Rollout, list[str]]:
 def _patch_status_call(rollout_id: str, fields: dict[str, Any], retry: bool = False) -> _Call:
     patch = RolloutStatusPatch(**fields)  # unknown fields fail here, naming the field
     body = {"status": patch.model_dump(mode="json", exclude_unset=True)}
-    return _Call("PATCH", f"/api/rollouts/{rollout_id}", json=body, retry=retry)
+    return _Call("PATCH", f"/api/rollouts/{_q(rollout_id)}", json=body, retry=retry)
 
 
 def _events_call(rollout_id: str, event_type: str | None, fmt: str | None) -> _Call:
     params = {k: v for k, v in (("event_type", event_type), ("format", fmt)) if v is not None}
-    return _Call("GET", f"/api/rollouts/{rollout_id}/events", params=params, retry=True)
+    return _Call("GET", f"/api/rollouts/{_q(rollout_id)}/events", params=params, retry=True)
 
 
 def _add_event_call(rollout_id: str, attempt_id: str, event_type: str, data: dict, retry: bool = False) -> _Call:
     body = EventCreate(event_type=event_type, data=dict(data or {})).model_dump(mode="json")
-    return _Call("POST", f"/api/rollouts/{rollout_id}/attempt/{attempt_id}/events", json=body, retry=retry)
+    return _Call("POST", f"/api/rollouts/{_q(rollout_id)}/attempt/{_q(attempt_id)}/events", json=body, retry=retry)
 
 
 def _terminal_call(after: int, limit: int) -> _Call:
@@ -339,7 +345,7 @@ class AglClient:
     def get_rollout(self, rollout_id: str) -> tuple[Rollout, list[str]]:
         """GET /api/rollouts/{id} -> (rollout, attempt ids that have events)."""
         return _parse_rollout_with_attempts(
-            self._send(_Call("GET", f"/api/rollouts/{rollout_id}", retry=True))
+            self._send(_Call("GET", f"/api/rollouts/{_q(rollout_id)}", retry=True))
         )
 
     def list_rollouts(self, states: Iterable[str | RolloutState], limit: int = 500) -> list[Rollout]:
@@ -354,9 +360,28 @@ class AglClient:
         """
         return Rollout.model_validate(self._send(_patch_status_call(rollout_id, fields, retry)))
 
+    def heartbeat(self, rollout_ids: Sequence[str]) -> dict[str, Any]:
+        """Renew the leases of running rollouts: `{"not_running": [...], "lease_seconds": s}`."""
+        return self._send(_Call("POST", "/api/rollouts/heartbeat", json={"rollout_ids": list(rollout_ids)},
+                                retry=True))
+
+    def fail_rollouts(self, rollout_ids: Sequence[str], reason: str) -> list[str]:
+        """PATCH each queuing or running rollout to failed with `reason`; returns those failed.
+
+        Rollouts already terminal (409) or gone (404) are skipped: the state is the same either way."""
+        failed = []
+        for rid in rollout_ids:
+            try:
+                self.patch_status(rid, state=RolloutState.FAILED.value, error_message=reason, retry=True)
+                failed.append(rid)
+            except AglHTTPError as exc:
+                if exc.status_code not in (404, 409):
+                    raise
+        return failed
+
     def delete_rollout(self, rollout_id: str) -> bool:
         """Best-effort DELETE (the server answers 204 even for unknown ids)."""
-        return self._best_effort(_Call("DELETE", f"/api/rollouts/{rollout_id}", retry=True))
+        return self._best_effort(_Call("DELETE", f"/api/rollouts/{_q(rollout_id)}", retry=True))
 
     # -- events --------------------------------------------------------------------------
 
@@ -525,7 +550,7 @@ class AsyncAglClient:
 
     async def get_rollout(self, rollout_id: str) -> tuple[Rollout, list[str]]:
         return _parse_rollout_with_attempts(
-            await self._send(_Call("GET", f"/api/rollouts/{rollout_id}", retry=True))
+            await self._send(_Call("GET", f"/api/rollouts/{_q(rollout_id)}", retry=True))
         )
 
     async def list_rollouts(self, states: Iterable[str | RolloutState], limit: int = 500) -> list[Rollout]:
@@ -535,8 +560,23 @@ class AsyncAglClient:
     async def patch_status(self, rollout_id: str, *, retry: bool = False, **fields: Any) -> Rollout:
         return Rollout.model_validate(await self._send(_patch_status_call(rollout_id, fields, retry)))
 
+    async def heartbeat(self, rollout_ids: Sequence[str]) -> dict[str, Any]:
+        return await self._send(_Call("POST", "/api/rollouts/heartbeat", json={"rollout_ids": list(rollout_ids)},
+                                      retry=True))
+
+    async def fail_rollouts(self, rollout_ids: Sequence[str], reason: str) -> list[str]:
+        failed = []
+        for rid in rollout_ids:
+            try:
+                await self.patch_status(rid, state=RolloutState.FAILED.value, error_message=reason, retry=True)
+                failed.append(rid)
+            except AglHTTPError as exc:
+                if exc.status_code not in (404, 409):
+                    raise
+        return failed
+
     async def delete_rollout(self, rollout_id: str) -> bool:
-        return await self._best_effort(_Call("DELETE", f"/api/rollouts/{rollout_id}", retry=True))
+        return await self._best_effort(_Call("DELETE", f"/api/rollouts/{_q(rollout_id)}", retry=True))
 
     async def add_event(
         self, rollout_id: str, attempt_id: str, event_type: str, data: dict, *, retry: bool = False

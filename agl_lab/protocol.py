@@ -14,13 +14,25 @@ enforces these transitions and answers 409 for anything else.
 from __future__ import annotations
 
 import enum
+import hashlib
+import hmac
 import time
 import uuid
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 DEFAULT_ATTEMPT_ID = "0"
+
+
+def _not_bool(value: Any) -> Any:
+    if isinstance(value, bool):  # pydantic's lax int takes false/true as 0/1
+        raise ValueError("expected an integer, got a boolean")
+    return value
+
+
+# An integer field of the wire: signed 64-bit (SQLite's and orjson's range), never a boolean
+Int64 = Annotated[int, BeforeValidator(_not_bool), Field(ge=-(2**63), le=2**63 - 1)]
 
 
 class RolloutState(str, enum.Enum):
@@ -43,6 +55,21 @@ VALID_TRANSITIONS: dict[RolloutState, frozenset[RolloutState]] = {
 }
 
 
+ROLLOUT_TOKEN_PREFIX = "agl-rt."
+
+
+def rollout_token(key: str, rollout_id: str) -> str:
+    """The per-rollout token an agent gets as `AGL_KEY` instead of the server's admin key.
+
+    `agl-rt.<rollout_id>.<hex hmac-sha256(key, rollout_id)[:32]>`; the server accepts it only
+    for that rollout's proxy route and event posts. Empty when auth is off (empty key).
+    """
+    if not key:
+        return ""
+    mac = hmac.new(key.encode(), rollout_id.encode(), hashlib.sha256).hexdigest()[:32]
+    return f"{ROLLOUT_TOKEN_PREFIX}{rollout_id}.{mac}"
+
+
 def new_rollout_id() -> str:
     """A server- or client-generated rollout id: 32 hex characters."""
     return uuid.uuid4().hex
@@ -63,7 +90,7 @@ class RolloutK8sConfig(BaseModel):
 
 
 class RolloutConfig(BaseModel):
-    timeout_seconds: int = 3600
+    timeout_seconds: Int64 = 3600
     local: RolloutLocalConfig | None = None
     k8s: RolloutK8sConfig | None = None
 
@@ -71,8 +98,8 @@ class RolloutConfig(BaseModel):
 class RolloutMetadata(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    batch_idx: int | None = None
-    sample_idx_in_batch: int | None = None
+    batch_idx: Int64 | None = None
+    sample_idx_in_batch: Int64 | None = None
 
 
 class RolloutLifecycleStatus(BaseModel):
@@ -187,7 +214,7 @@ class RewardData(BaseModel):
 class Model(BaseModel):
     model: str
     endpoint: str
-    version: int = 0
+    version: Int64 = 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,7 +223,7 @@ class Model(BaseModel):
 
 
 class PauseRequest(BaseModel):
-    retry_after_seconds: int = 5
+    retry_after_seconds: Annotated[int, BeforeValidator(_not_bool), Field(ge=0, le=86_400)] = 5
     reason: str | None = None
 
 

@@ -191,6 +191,10 @@ def _trim_model_request(data: dict[str, Any]) -> dict[str, Any]:
     elif isinstance(response, list):  # legacy: raw stream chunks
         prompt_ids, response_ids = _ids_from_chunks(response)
     server = data.get("server") if isinstance(data.get("server"), dict) else {}
+    bad = [name for name, ids in (("prompt_token_ids", prompt_ids), ("response_token_ids", response_ids))
+           if not _are_token_ids(ids)]
+    if bad:  # kept with a reason and no tokens: the builder skips calls without response tokens
+        prompt_ids, response_ids, log_probs = [], [], None
     out: dict[str, Any] = {
         "prompt_token_ids": prompt_ids,
         "response_token_ids": response_ids,
@@ -200,7 +204,14 @@ def _trim_model_request(data: dict[str, Any]) -> dict[str, Any]:
     out.update({k: data[k] for k in ("http_status", "status") if k in data})
     if isinstance(response, dict) and "error" in response:
         out["error"] = response["error"]
+    if bad:
+        out["skipped"] = f"{' and '.join(bad)} must be lists of non-negative integers; call not usable for training"
     return out
+
+
+def _are_token_ids(ids: Any) -> bool:
+    """True for a list of non-negative ints (bools are not token ids)."""
+    return isinstance(ids, list) and all(type(t) is int and t >= 0 for t in ids)
 
 
 def extract_log_probs(choice: dict[str, Any]) -> list[float] | None:
@@ -256,13 +267,46 @@ def triplets_from_events(triplet_events: Sequence[Mapping[str, Any]]) -> list[Tr
     return triplets
 
 
-def final_reward_from_events(events: Sequence[Mapping[str, Any]]) -> float | None:
-    """Value of the **last** `reward` event if it is a number (not a bool), else None."""
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def reward_problem(value: Any) -> str | None:
+    """Why `value` is not a usable reward (None when it is): a reward is a finite float32.
+
+    Bools, text, lists, None, NaN, +-Infinity and numbers beyond float32 (|x| > 3.4e38, e.g.
+    1e39 or a 401-digit integer) are refused — they would silently become 0.0 or NaN advantages.
+    """
+    if not _is_number(value):
+        return f"reward value {_brief(value)} is not a number"
+    try:
+        f = float(value)
+    except OverflowError:
+        return f"reward value {_brief(value)} is beyond float32"
+    if not math.isfinite(f):
+        return f"reward value {f} is not finite"
+    if abs(f) > FLOAT32_MAX:
+        return f"reward value {f:g} is beyond float32 (|x| <= {FLOAT32_MAX:.4g})"
+    return None
+
+
+def _brief(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:30]}...({len(text)} chars)"
+
+
+def reward_from_events(events: Sequence[Mapping[str, Any]]) -> tuple[float | None, str | None]:
+    """(value of the **last** `reward` event, None) or (None, why it is unusable); (None, None) without one."""
     rewards = [e for e in events if e.get("event_type") == "reward"]
     if not rewards:
-        return None
+        return None, None
     value = (rewards[-1].get("data") or {}).get("value")
-    return float(value) if _is_number(value) else None
+    problem = reward_problem(value)
+    return (None, problem) if problem else (float(value), None)
+
+
+def final_reward_from_events(events: Sequence[Mapping[str, Any]]) -> float | None:
+    """Value of the **last** `reward` event if it is a finite float32 (not a bool), else None."""
+    return reward_from_events(events)[0]
 
 
 def policy_version_from_events(raw_events: Sequence[Mapping[str, Any]]) -> int | None:
@@ -300,12 +344,19 @@ def events_to_completed_rollout(
 
     The final reward goes on the last triplet (AGL v1); FAILED rollouts are built the same
     way — they are trained with the calls they made (`state` lets the trainer filter them).
+    A last reward that is not a finite float32 (`reward_problem`) makes the rollout FAILED with
+    the reason in `error_message` and `metadata["reward_error"]`, and no final reward.
     `copy_idx` defaults to the rollout's `metadata.copy_idx`.
     """
     triplets = triplets_from_events(triplet_events)
-    final_reward = final_reward_from_events(triplet_events)
+    final_reward, reward_error = reward_from_events(triplet_events)
     if triplets and final_reward is not None:
         triplets[-1].reward = final_reward
+    state, error_message = str(rollout.status.state), rollout.status.error_message
+    metadata = rollout.metadata.model_dump(mode="json")
+    if reward_error is not None:
+        state, metadata["reward_error"] = "failed", reward_error
+        error_message = reward_error if not error_message else f"{error_message}; {reward_error}"
     return CompletedRollout(
         rollout_id=rollout.rollout_id,
         data_id=data_id,
@@ -314,14 +365,14 @@ def events_to_completed_rollout(
         copy_idx=_copy_idx_of(rollout) if copy_idx is None else copy_idx,
         triplets=triplets,
         final_reward=final_reward,
-        state=str(rollout.status.state),
-        error_message=rollout.status.error_message,
+        state=state,
+        error_message=error_message,
         input=rollout.input,
         enqueue_time=enqueue_time,
         running_at=running_at,
         finished_at=finished_at if finished_at is not None else rollout.status.updated_at,
         policy_version=policy_version_from_events(raw_events),
-        metadata=rollout.metadata.model_dump(mode="json"),
+        metadata=metadata,
         events=[dict(e) for e in raw_events],
         triplet_events=[dict(e) for e in triplet_events],
         enqueue_policy_version=enqueue_policy_version,

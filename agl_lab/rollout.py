@@ -140,6 +140,7 @@ class _Collector:
         self.cursor: int | None = None
         self.pending: dict[str, _Entry] = {}
         self.n_hook_errors = 0
+        self.n_build_errors = 0  # rollouts whose events could not be built (kept in the store)
 
     def start(self) -> None:
         """Place the cursor before creating rollouts (kept while rollouts are pending)."""
@@ -198,7 +199,11 @@ class _Collector:
                 return
             if deadline is not None and time.monotonic() >= deadline:
                 unfinished = waiting_for()
-                raise RolloutWaitTimeout(timeout, self.client.states_of(unfinished), n_total)
+                states = self.client.states_of(unfinished)
+                # fail them so no runner starts them for nobody; collected as FAILED by a later poll
+                self.client.fail_rollouts(sorted(unfinished), f"{label}: the trainer's wait for this rollout timed "
+                                                              f"out after {timeout:g}s")
+                raise RolloutWaitTimeout(timeout, states, n_total)
             logger.debug("%s: %d rollouts pending", label, len(self.pending))
             time.sleep(self.poll_interval)
 
@@ -219,15 +224,22 @@ class _Collector:
         if n_written:  # the hook's events belong to the rollout's record too
             raw_events = self.client.get_events(rollout.rollout_id)
         triplet_events = self.client.get_events(rollout.rollout_id, fmt="triplet")
-        completed = events_to_completed_rollout(
-            rollout, raw_events, triplet_events,
-            data_id=entry.data_id, step=entry.step, sample_idx=entry.sample_idx, copy_idx=entry.copy_idx,
-            enqueue_time=entry.enqueue_time, running_at=running_at, finished_at=finished_at,
-            enqueue_policy_version=entry.enqueue_policy_version,
-        )
+        timing = dict(data_id=entry.data_id, step=entry.step, sample_idx=entry.sample_idx, copy_idx=entry.copy_idx,
+                      enqueue_time=entry.enqueue_time, running_at=running_at, finished_at=finished_at,
+                      enqueue_policy_version=entry.enqueue_policy_version)
+        try:
+            completed = events_to_completed_rollout(rollout, raw_events, triplet_events, **timing)
+        except Exception as exc:  # never lose the step: keep the rollout in the store, count it failed
+            self.n_build_errors += 1
+            reason = f"building the completed rollout failed: {type(exc).__name__}: {exc}"
+            logger.error("rollout %s: %s (kept in the store for inspection)", rollout.rollout_id, reason)
+            completed = events_to_completed_rollout(rollout, [], [], **timing)
+            completed.state, completed.error_message = RolloutState.FAILED.value, reason
+            completed.metadata["build_error"] = reason
+            return completed
         if hook_error is not None:
             completed.metadata["hook_error"] = hook_error
-        self.client.delete_rollout(rollout.rollout_id)  # bound the store by what is in flight
+        self.client.delete_rollout(rollout.rollout_id)  # read in full: bound the store by what is in flight
         return completed
 
     def _run_hook(self, rollout: Rollout, raw_events: list[dict[str, Any]]) -> tuple[int, str | None]:
@@ -274,8 +286,9 @@ class SyncRolloutManager:
         step: trainer step recorded on every rollout (`CompletedRollout.step`).
         rollout_config: `RolloutConfig` (or its dict) copied into every rollout.
         hooks: optional `RolloutHooks`.
-        timeout_seconds: bound on one `run`'s wait (None = unbounded); on expiry
-            `RolloutWaitTimeout` names the unfinished rollouts, which stay in the store.
+        timeout_seconds: bound on one `run`'s wait (None = unbounded); on expiry the
+            unfinished rollouts are marked failed (so no runner starts them later) and
+            `RolloutWaitTimeout` names them with the states they had.
         poll_interval: seconds between polls of the terminal cursor.
         track_running: also poll the running list to record when each rollout started.
     """

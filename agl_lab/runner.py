@@ -40,8 +40,10 @@ Design decisions
 - Server hiccups are logged (throttled) and the poll loop keeps going; `stop()` is bounded
   and leaves no rollout of this runner in `running`.
 - Unlike AGL's local controller, a `running` rollout the runner does not know is left alone
-  (several runners may share one server); a runner that died without `stop()` leaves its
-  rollouts to the trainer's bounded wait.
+  (several runners may share one server). The runner renews the server-side lease of each
+  rollout it runs (`POST /api/rollouts/heartbeat`, a third of `lease_seconds`, at most every
+  10 s); a runner that died without `stop()` stops renewing, and the server fails its
+  rollouts when their lease runs out ("lease expired: ...").
 """
 
 from __future__ import annotations
@@ -62,10 +64,12 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from typing import IO, Any, Callable, Union
+from urllib.parse import quote
 
 from agl_lab._agent_bootstrap import _await, split_agent_class
 from agl_lab.client import AglClient, AglHTTPError
-from agl_lab.protocol import DEFAULT_ATTEMPT_ID
+from agl_lab.protocol import DEFAULT_ATTEMPT_ID, rollout_token
+from agl_lab.records import reward_problem
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +79,7 @@ AgentSpec = Union[AgentFn, str, None]
 STDERR_TAIL_CHARS = 2000
 KILL_WAIT_SECONDS = 5.0
 RECONCILE_INTERVAL_SECONDS = 1.0
+HEARTBEAT_MAX_INTERVAL_SECONDS = 10.0  # renew leases at least this often (a third of the server's lease if shorter)
 SHUTDOWN_MESSAGE = "runner shutdown"
 _LIST_LIMIT = 500
 # The runner's AglClient: 5 attempts 0.1, 0.2, 0.4, 0.8 s apart for idempotent calls (and for
@@ -93,8 +98,8 @@ def agent_urls(server_url: str, rollout_id: str, is_train: bool,
     base = server_url.rstrip("/")
     mode = "train" if is_train else "val"
     return (
-        f"{base}/proxy/rollout/{rollout_id}/attempt/{attempt_id}/mode/{mode}/openai/v1",
-        f"{base}/api/rollouts/{rollout_id}/attempt/{attempt_id}/events",
+        f"{base}/proxy/rollout/{quote(rollout_id, safe='')}/attempt/{quote(attempt_id, safe='')}/mode/{mode}/openai/v1",
+        f"{base}/api/rollouts/{quote(rollout_id, safe='')}/attempt/{quote(attempt_id, safe='')}/events",
     )
 
 
@@ -130,11 +135,12 @@ def agent_env(rollout: dict[str, Any], server_url: str, key: str) -> dict[str, s
     """The AGL variables of one rollout plus its resolved `config.local.env_map`.
 
     The three `AGL_*` variables are the contract and win over an `env_map` entry of the
-    same name."""
+    same name. `AGL_KEY` is the rollout's own token (`protocol.rollout_token`), not the
+    server key: it opens only this rollout's proxy route and event posts."""
     local = (rollout.get("config") or {}).get("local") or {}
     env = resolve_env_map(local.get("env_map") or {}, rollout.get("input"))
     base_url, event_url = agent_urls(server_url, rollout["rollout_id"], rollout.get("is_train", True))
-    env.update(AGL_OPENAI_BASE_URL=base_url, AGL_EVENT_URL=event_url, AGL_KEY=key)
+    env.update(AGL_OPENAI_BASE_URL=base_url, AGL_EVENT_URL=event_url, AGL_KEY=rollout_token(key, rollout["rollout_id"]))
     return env
 
 
@@ -151,7 +157,7 @@ class AgentContext:
     |------------|--------------------------------------------------------------------------|
     | base_url   | OpenAI base URL of this rollout:                                         |
     |            | {server}/proxy/rollout/{rid}/attempt/0/mode/{train,val}/openai/v1         |
-    | api_key    | the server key ("" when auth is off)                                     |
+    | api_key    | this rollout's token (its proxy route and event posts; "" if auth is off) |
     | event_url  | {server}/api/rollouts/{rid}/attempt/0/events                             |
     | rollout    | the rollout as the store returned it (dict)                              |
     | cancelled  | set when the runner gave up on this rollout (timeout, shutdown, external) |
@@ -331,6 +337,7 @@ class Runner:
         self._client: AglClient | None = None
         self._counts = {"claimed": 0, "succeeded": 0, "failed": 0, "abandoned": 0}
         self._last_reconcile = 0.0
+        self._last_heartbeat, self._heartbeat_every = -math.inf, HEARTBEAT_MAX_INTERVAL_SECONDS
         self._last_warning: dict[str, float] = {}
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -403,6 +410,9 @@ class Runner:
         if self._live and started - self._last_reconcile >= RECONCILE_INTERVAL_SECONDS:
             self._reconcile(started)
             self._last_reconcile = started
+        if self._live and self._heartbeat_every and started - self._last_heartbeat >= self._heartbeat_every:
+            self._heartbeat()
+            self._last_heartbeat = started
         free = self.concurrency - len(self._live)
         if free <= 0:
             return
@@ -450,6 +460,20 @@ class Runner:
                          ex.rollout_id)
                 self._finish(ex, None, None)
 
+    def _heartbeat(self) -> None:
+        """Renew the server-side leases of the rollouts this runner runs (a third of the lease)."""
+        assert self._client is not None
+        try:
+            answer = self._client.heartbeat([ex.rollout_id for ex in self._live_snapshot()])
+        except AglHTTPError as exc:
+            if exc.status_code in (404, 405):  # an AGL server: no leases to renew
+                log.info("server %s has no heartbeat route (AGL); runner leases disabled", self.server_url)
+                self._heartbeat_every = 0.0
+                return
+            raise
+        lease = float(answer.get("lease_seconds") or 0.0)
+        self._heartbeat_every = min(HEARTBEAT_MAX_INTERVAL_SECONDS, lease / 3) if lease else HEARTBEAT_MAX_INTERVAL_SECONDS
+
     def _live_snapshot(self) -> list[_Execution]:
         with self._lock:
             return list(self._live.values())
@@ -485,7 +509,7 @@ class Runner:
         rid, is_train = rollout["rollout_id"], bool(rollout.get("is_train", True))
         base_url, event_url = agent_urls(self.agent_server_url, rid, is_train)
         return AgentContext(rollout_id=rid, attempt_id=DEFAULT_ATTEMPT_ID, is_train=is_train,
-                            base_url=base_url, event_url=event_url, api_key=self.key,
+                            base_url=base_url, event_url=event_url, api_key=rollout_token(self.key, rid),
                             rollout=rollout, client=self._client)
 
     def _supervise_callable(self, ex: _Execution) -> None:
@@ -528,8 +552,8 @@ class Runner:
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             return "failed", (f"agent returned {type(value).__name__} {value!r:.80}; "
                               "return a float reward (posted as the reward event) or None")
-        if not math.isfinite(value):
-            return "failed", f"agent returned a non-finite reward {value}; return a finite float or None"
+        if (problem := reward_problem(value)) is not None:  # NaN, inf, beyond float32 (1e39, 10**400)
+            return "failed", f"agent returned an unusable reward: {problem}; return a finite float32 or None"
         assert self._client is not None
         try:  # resent on failure: a duplicate reward event carries the same value (last one wins)
             self._client.add_event(ex.rollout_id, DEFAULT_ATTEMPT_ID, "reward", {"value": float(value)}, retry=True)

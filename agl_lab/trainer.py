@@ -364,7 +364,8 @@ class Trainer:
         max_prompt, max_response = config_mod.trace_limits(self.cfg, level)
         kwargs = dict(level=level, max_prompt_length=max_prompt, max_response_length=max_response,
                       pad_token_id=self._pad_token_id(), reward_fillna_value=float(agl.reward_fillna_value),
-                      tokenizer=self.tokenizer, multi_segment=bool(agl.trace_aggregator.multi_segment))
+                      tokenizer=self.tokenizer, multi_segment=bool(agl.trace_aggregator.multi_segment),
+                      exclude_failed=bool(self.cfg.agl_lab.algorithm.exclude_failed_rollouts))
         kwargs.update(options)
         result = BatchResult(build_batch(rollout.rollouts, **kwargs), step=rollout.step)
         if rollout is self._last_rollout:

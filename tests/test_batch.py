@@ -87,6 +87,8 @@ def test_metrics_names_and_values():
         "training/n_rollouts": 3,
         "training/n_rollouts_w_trace": 2,
         "training/n_rollouts_w_reward": 2,
+        "training/n_failed_rollouts": 0,
+        "training/n_failed_rollouts_excluded": 0,
         "training/n_truncated_sample": 1,
         "training/n_skipped_empty_rows": 0,
         "training/n_dropped_prompt_too_long": 0,

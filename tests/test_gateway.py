@@ -273,13 +273,15 @@ def test_retries_exhausted_returns_last_answer(make_gateway, fake_upstream, upst
 
 
 @pytest.mark.parametrize("upstream_client", ["aiohttp", "httpx"])
-def test_timeout_is_504_and_transport_error_is_502(make_gateway, fake_upstream, upstream_client):
+def test_timeout_is_504_and_refused_connection_is_503_and_both_are_recorded(make_gateway, fake_upstream,
+                                                                            upstream_client):
     server, client = make_gateway(upstream_timeout_seconds=0.2, upstream_max_attempts=2,
                                   upstream_client=upstream_client)
     new_rollout(client)
     fake_upstream.delay_seconds = 0.6
     r = chat(client)
-    assert (r.status_code, r.json()) == (504, {"detail": "Upstream model server timed out"})
+    assert r.status_code == 504 and r.json()["detail"] == "Upstream model server timed out"
+    assert "upstream_timeout_seconds=0.2" in r.json()["cause"]
     assert len(fake_upstream.requests) == 2
     fake_upstream.delay_seconds = 0.0
     with socket.socket() as s:  # a port with nobody listening
@@ -288,8 +290,11 @@ def test_timeout_is_504_and_transport_error_is_502(make_gateway, fake_upstream, 
     client.delete("/api/models")
     client.post("/api/models", json=[{"model": "test-model", "endpoint": dead}])
     r = chat(client)
-    assert (r.status_code, r.json()) == (502, {"detail": "Upstream model server request failed"})
-    assert events(client) == [] and client.get("/proxy/state").json()["inflight"] == 0
+    assert r.status_code == 503 and "is down" in r.json()["detail"] and r.headers["retry-after"] == "5"
+    recorded = [e["data"] for e in events(client)]
+    assert [(d["http_status"], d["status"]) for d in recorded] == [(504, "error"), (503, "error")]
+    assert "timed out" in recorded[0]["response"]["error"]["cause"]
+    assert client.get("/proxy/state").json()["inflight"] == 0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import threading
 import pytest
 
 from agl_lab.protocol import Event, Model, RolloutCreate, RolloutState, RolloutStatusPatch
+from agl_lab.server.storable import NotStorable
 from agl_lab.server.store import (
     InvalidTransition,
     MemoryStore,
@@ -243,12 +244,12 @@ def test_sqlite_appends_are_read_deleted_and_reopened_consistently(tmp_path):
     s2.close()
 
 
-def test_memory_event_data_is_a_fresh_copy_and_non_json_data_is_kept():
+def test_memory_event_data_is_a_fresh_copy_and_non_json_data_is_refused():
     s = MemoryStore()
     create(s, "a")
     s.append_event("a", "0", "model_request", {"ids": [1, 2]})
     s.events("a")[0].data["ids"].append(3)  # mutating what a read returned changes nothing stored
     assert s.events("a")[0].data == {"ids": [1, 2]}
-    odd = {1: {2, 3}}  # not JSON: kept as the object itself
-    s.append_event("a", "0", "custom", odd)
-    assert s.events("a", event_type="custom")[0].data is odd
+    with pytest.raises(NotStorable):  # not JSON: it could never be read back over HTTP
+        s.append_event("a", "0", "custom", {"x": {2, 3}})
+    assert s.events("a", event_type="custom") == []

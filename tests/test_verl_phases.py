@@ -262,7 +262,8 @@ class CarryOverAgents:
             self.slow_ids.append(ctx.rollout_id)
             assert self.step1_open.wait(20), "step 1 never resumed the gateway"
         elif task["kind"] == "after":
-            with AglClient(self.rig_ref[0].trainer.base_url, key=ctx.api_key) as client:
+            trainer = self.rig_ref[0].trainer  # the agent's own token only opens its proxy and event routes
+            with AglClient(trainer.base_url, key=trainer.key) as client:
                 deadline = time.monotonic() + 20
                 while not self._slow_rollouts_terminal(client):
                     assert time.monotonic() < deadline, "the slow rollouts never finished"

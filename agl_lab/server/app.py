@@ -12,6 +12,7 @@ Routes (upstream-reference §2; paths, JSON shapes, codes and error texts are AG
     GET    /api/rollouts/{id}                               {"rollout", "attempts"}
     PATCH  /api/rollouts/{id}             {"status": {..}}  Rollout | 404 | 409 | 422
     DELETE /api/rollouts/{id}                               204 (idempotent)
+    POST   /api/rollouts/heartbeat        {"rollout_ids"}   renew leases (agl_lab; not in AGL)
     POST   /api/rollouts/{id}/attempt/{aid}/events          Event | 404
     GET    /api/rollouts/{id}/events?event_type=&format=triplet
     POST   /api/models                    [Model]           201 echo (upsert)
@@ -20,9 +21,14 @@ Routes (upstream-reference §2; paths, JSON shapes, codes and error texts are AG
                                                      a plain Starlette route, not in /openapi.json)
     POST   /proxy/pause | /proxy/resume, GET /proxy/state                       (gateway.py)
 
-Everything but /healthz requires `Authorization: Bearer <key>` or `x-api-key: <key>` when a
-key is configured. Handlers are `async` and call the store directly: store calls are short
-and lock-protected, and skipping the thread pool keeps the per-call overhead low.
+Everything but /healthz (and the docs with `docs_auth: false`) requires `Authorization:
+Bearer <key>` or `x-api-key: <key>` when a key is configured, checked before the body is read
+(`agl_lab.server.guard.RequestGuard`, which also bounds body size and refuses cross-site
+content types). Agents get a per-rollout token instead (`protocol.rollout_token`): it opens
+only their rollout's proxy route and event posts. API handlers run store calls in the thread
+pool so a large create or listing never stalls the event loop; the gateway's per-call store
+calls stay on the loop (short, and its hot path). Values are checked at write time
+(`agl_lab.server.storable`): what is stored reads back, else 422 naming the field.
 
 Departures from AGL: a body that is not JSON answers 400 "Invalid JSON in request body" on
 every route (FastAPI would say 422); unknown config keys are rejected with the key's name;
@@ -33,19 +39,24 @@ configurable (`upstream_*`).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 import logging
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
-from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request, Response
+from fastapi import APIRouter, FastAPI, HTTPException, Query, Request, Response
 from fastapi.exception_handlers import request_validation_exception_handler
 from fastapi.exceptions import RequestValidationError
+from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel
+from starlette.concurrency import run_in_threadpool
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from agl_lab.protocol import (
+    ROLLOUT_TOKEN_PREFIX,
     Event,
     EventCreate,
     Model,
@@ -55,17 +66,21 @@ from agl_lab.protocol import (
     RolloutState,
     RolloutStatusPatch,
     TerminalPage,
+    rollout_token,
 )
 from agl_lab.records import triplet_events
 from agl_lab.server.config import ServerConfig, load_server_config
+from agl_lab.server.guard import DOCS_PATHS, RequestGuard
 from agl_lab.server.gateway import Gateway, RequestRewriter, gateway_router, open_upstream_client, proxy_route
 from agl_lab.server.seeding import SeededCallsRewriter
+from agl_lab.server.storable import INT64_MAX, INT64_MIN, NotStorable, check_storable
 from agl_lab.server.store import InvalidTransition, RolloutNotFound, Store, open_store
 from agl_lab.server.token_preserving import TokenPreservingRewriter
 
 logger = logging.getLogger("agl_lab.server")
 
 NO_KEY_WARNING = "AGL_KEY not set — authentication disabled. Do not use in production."
+MAX_LIST_LIMIT = 10_000  # listings and terminal pages answer at most this many items per request
 
 
 # ---------------------------------------------------------------------------------------------
@@ -76,6 +91,49 @@ NO_KEY_WARNING = "AGL_KEY not set — authentication disabled. Do not use in pro
 class RolloutDetail(BaseModel):
     rollout: Rollout
     attempts: list[str]
+
+
+class ErrorDetail(BaseModel):
+    detail: Any  # a message, or FastAPI's list of validation errors
+
+
+def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` for the error codes a route answers."""
+    return {code: {"model": ErrorDetail, "description": ERROR_TEXTS[code]} for code in codes}
+
+
+ERROR_TEXTS = {
+    400: "body is not valid JSON",
+    401: "missing or wrong key (checked before the body is read)",
+    404: "no such rollout",
+    409: "transition not allowed from the rollout's state",
+    413: "body larger than max_body_bytes, or more items than max_batch_items",
+    415: "body sent as text/plain or a form (cross-site content types): send application/json",
+    422: "invalid field, or a value the store could not read back (named in detail)",
+    500: "unexpected server error (JSON; the connection stays usable)",
+}
+COMMON_ERRORS = (401, 413, 415, 500)
+
+
+class HeartbeatRequest(BaseModel):
+    rollout_ids: list[str]
+
+
+class HeartbeatAnswer(BaseModel):
+    not_running: list[str]  # unknown, queuing or terminal: the runner should stop their agents
+    lease_seconds: float  # renew well within this (0: leases are off)
+
+
+async def _expire_leases_forever(store: Store, lease_seconds: float) -> None:
+    """Fail running rollouts whose lease ran out, every min(5 s, lease/4)."""
+    while True:
+        try:
+            expired = await run_in_threadpool(store.expire_leases, lease_seconds)
+            if expired:
+                logger.warning("Failed %d running rollout(s) whose lease expired: %s", len(expired), expired[:10])
+        except Exception:  # never let the sweeper die silently
+            logger.exception("Lease sweep failed")
+        await asyncio.sleep(min(5.0, lease_seconds / 4))
 
 
 def create_app(
@@ -104,55 +162,91 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         gateway.client = open_upstream_client(cfg.upstream_client, cfg.upstream_timeout_seconds)
+        sweeper = asyncio.ensure_future(_expire_leases_forever(store, cfg.lease_seconds)) if cfg.lease_seconds else None
         try:
             yield
         finally:
+            if sweeper is not None:
+                sweeper.cancel()
             client, gateway.client = gateway.client, None
             await client.aclose()
 
     app = FastAPI(title="Agent Lightning", version="1.0.0", lifespan=lifespan)
     app.state.config, app.state.store, app.state.gateway = cfg, store, gateway
     _install_error_handlers(app)
-    check_key = key_checker(cfg.key)
-    auth = [Depends(_auth_dependency(check_key))]
+    app.add_middleware(JsonServerErrors)
+    open_paths = ("/healthz",) if cfg.docs_auth else ("/healthz", *DOCS_PATHS)
+    app.add_middleware(RequestGuard, key=cfg.key, max_body_bytes=cfg.max_body_bytes, open_paths=open_paths,
+                       token_check=rollout_token_checker(cfg.key))  # auth lives here, before the body is read
     # the hot path first, as a plain Starlette route: no route scan, no dependency solving
-    app.router.routes.append(proxy_route(gateway, check_key))
+    app.router.routes.append(proxy_route(gateway, _no_check))
 
     @app.get("/healthz", tags=["health"])
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    app.include_router(_rollout_router(store), prefix="/api", dependencies=auth)
-    app.include_router(_event_router(store), prefix="/api", dependencies=auth)
-    app.include_router(_model_router(store), prefix="/api", dependencies=auth)
-    app.include_router(gateway_router(gateway), prefix="/proxy", dependencies=auth)
+    app.include_router(_rollout_router(store, cfg.max_batch_items, cfg.lease_seconds), prefix="/api")
+    app.include_router(_event_router(store), prefix="/api")
+    app.include_router(_model_router(store, cfg.max_batch_items), prefix="/api")
+    app.include_router(gateway_router(gateway), prefix="/proxy")
     return app
 
 
-def key_checker(key: str) -> Callable[[Request], None]:
-    """`check(request)` raises 401 unless `Authorization: Bearer <key>` or `x-api-key: <key>`
-    matches; a no-op for an empty key."""
-    expected = key.encode()
+def _no_check(_: Request) -> None:
+    """The proxy route's own check: none, RequestGuard authorised the request already."""
 
-    def check(request: Request) -> None:
-        if not key:
-            return
-        bearer = request.headers.get("authorization", "")
-        if bearer.startswith("Bearer ") and secrets.compare_digest(bearer[7:].encode(), expected):
-            return
-        api_key = request.headers.get("x-api-key")
-        if api_key is not None and secrets.compare_digest(api_key.encode(), expected):
-            return
-        raise HTTPException(status_code=401, detail="Invalid or missing API key")
+
+def rollout_token_checker(key: str) -> Callable[[str, str, str], bool]:
+    """`check(token, method, path)`: a per-rollout token (`rollout_token`) opens only POSTs to
+    its rollout's proxy route and event route."""
+
+    def check(token: str, method: str, path: str) -> bool:
+        if method != "POST" or not token.startswith(ROLLOUT_TOKEN_PREFIX):
+            return False
+        rollout_id = token[len(ROLLOUT_TOKEN_PREFIX):].rpartition(".")[0]
+        if not rollout_id or not secrets.compare_digest(token.encode(), rollout_token(key, rollout_id).encode()):
+            return False
+        parts = path.split("/")  # "", "proxy"|"api", "rollout"|"rollouts", id, "attempt", aid, ...
+        if len(parts) < 7 or parts[3] != rollout_id or parts[4] != "attempt":
+            return False
+        if parts[1] == "proxy" and parts[2] == "rollout":
+            return True
+        return parts[1] == "api" and parts[2] == "rollouts" and len(parts) == 7 and parts[6] == "events"
 
     return check
 
 
-def _auth_dependency(check: Callable[[Request], None]) -> Callable[[Request], Awaitable[None]]:
-    async def require_key(request: Request) -> None:
-        check(request)
+class JsonServerErrors:
+    """ASGI middleware: an unexpected exception becomes a JSON 500 and the connection stays usable.
 
-    return require_key
+    Starlette's own 500 handler re-raises after answering, which makes uvicorn close the
+    keep-alive connection: the client's next request on it then fails. This one logs the
+    error and answers `{"detail": "Internal server error: <type>: <message>"}` instead.
+    """
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_tracking(message: Any) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracking)
+        except Exception as exc:
+            logger.exception("Unhandled error on %s %s", scope.get("method"), scope.get("path"))
+            if started:
+                raise
+            detail = f"Internal server error: {type(exc).__name__}: {exc}"[:2000]
+            detail = detail.encode("utf-8", "backslashreplace").decode()
+            await JSONResponse({"detail": detail}, status_code=500)(scope, receive, send)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -164,11 +258,19 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def conflict(_: Request, exc: InvalidTransition) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=409)
 
+    @app.exception_handler(NotStorable)
+    async def not_storable(_: Request, exc: NotStorable) -> JSONResponse:
+        return JSONResponse({"detail": f"{exc} — nothing was stored"}, status_code=422)
+
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> Response:
         if any(err.get("type") == "json_invalid" for err in exc.errors()):
             return JSONResponse({"detail": "Invalid JSON in request body"}, status_code=400)
-        return await request_validation_exception_handler(request, exc)
+        try:
+            return await request_validation_exception_handler(request, exc)
+        except ValueError:  # the echoed input holds NaN/Infinity or a lone surrogate
+            errors = [{k: v for k, v in err.items() if k in ("type", "loc", "msg")} for err in exc.errors()]
+            return JSONResponse({"detail": jsonable_encoder(errors)}, status_code=422)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,73 +278,133 @@ def _install_error_handlers(app: FastAPI) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _rollout_router(store: Store) -> APIRouter:
-    router = APIRouter(tags=["rollouts"])
+_CREATES, _ROLLOUTS = TypeAdapter(list[RolloutCreate]), TypeAdapter(list[Rollout])
 
-    @router.post("/rollouts", status_code=201, response_model=list[Rollout])
-    async def create_rollouts(body: list[RolloutCreate]) -> list[Rollout]:
-        return store.create_rollouts(body)
 
-    @router.get("/rollouts", response_model=list[Rollout])
+def _parse_json(adapter: TypeAdapter[Any], raw: bytes) -> Any:
+    """Parse (stdlib json, as FastAPI: lone surrogates and NaN reach the storable check, which
+    names the field) and validate a JSON body; errors become FastAPI's 400/422 answers."""
+    try:
+        value = json.loads(raw)
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        raise RequestValidationError([{"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error",
+                                       "input": {}}]) from None
+    try:
+        return adapter.validate_python(value)
+    except ValidationError as exc:
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
+
+
+def _check_batch(items: Sequence[Any], limit: int) -> None:
+    if len(items) > limit:
+        raise HTTPException(413, f"{len(items)} items in one request; at most {limit} (server setting "
+                                 "max_batch_items): send them in several requests")
+
+
+# Store calls run in the thread pool (`run_in_threadpool`): a large create or listing must not
+# stall /healthz and the gateway, which share the event loop. The store's lock serialises them.
+
+
+def _rollout_router(store: Store, max_batch_items: int, lease_seconds: float) -> APIRouter:
+    router = APIRouter(tags=["rollouts"], responses=_errors(*COMMON_ERRORS))
+
+    @router.post("/rollouts/heartbeat", response_model=HeartbeatAnswer, responses=_errors(400, 422))
+    async def heartbeat(body: HeartbeatRequest) -> HeartbeatAnswer:
+        """Renew the leases of running rollouts (agl_lab; AGL has no leases)."""
+        _check_batch(body.rollout_ids, max_batch_items)
+        not_running = await run_in_threadpool(store.heartbeat, body.rollout_ids)
+        return HeartbeatAnswer(not_running=not_running, lease_seconds=lease_seconds)
+
+    @router.post("/rollouts", status_code=201, response_model=list[Rollout], responses=_errors(400, 422),
+                 openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+                     "schema": {"type": "array", "items": {"$ref": "#/components/schemas/RolloutCreate"}}}}}})
+    async def create_rollouts(request: Request) -> Response:
+        """Parsing, storing and encoding all run in the thread pool: a batch of 10,000 is
+        ~0.1-1 s of CPU that must not stall /healthz and the gateway."""
+        raw = await request.body()
+
+        def create() -> bytes:
+            creates = _parse_json(_CREATES, raw)
+            _check_batch(creates, max_batch_items)
+            return _ROLLOUTS.dump_json(store.create_rollouts(creates))
+
+        return Response(await run_in_threadpool(create), status_code=201, media_type="application/json")
+
+    @router.get("/rollouts", response_model=list[Rollout], responses=_errors(422))
     async def list_rollouts(
         state_in: list[RolloutState] = Query(..., description="repeatable: state_in=queuing&state_in=running"),
-        limit: int = Query(500, ge=0),
-    ) -> list[Rollout]:
-        return store.list_rollouts(state_in, limit)
+        limit: int = Query(500, ge=0, le=INT64_MAX, description=f"answers at most {MAX_LIST_LIMIT}"),
+    ) -> Response:
+        def listing() -> bytes:
+            return _ROLLOUTS.dump_json(store.list_rollouts(state_in, min(limit, MAX_LIST_LIMIT)))
+
+        return Response(await run_in_threadpool(listing), media_type="application/json")
 
     # declared before /rollouts/{rollout_id} so the literal path wins
-    @router.get("/rollouts/terminal", response_model=TerminalPage)
-    async def terminal_rollouts(after: int = 0, limit: int = 1000) -> TerminalPage:
-        return store.terminal_page(after, limit)
+    @router.get("/rollouts/terminal", response_model=TerminalPage, responses=_errors(422))
+    async def terminal_rollouts(
+        after: int = Query(0, ge=INT64_MIN, le=INT64_MAX),
+        limit: int = Query(1000, ge=INT64_MIN, le=INT64_MAX, description=f"answers at most {MAX_LIST_LIMIT}"),
+    ) -> TerminalPage:
+        return await run_in_threadpool(store.terminal_page, after, min(limit, MAX_LIST_LIMIT))
 
-    @router.get("/rollouts/{rollout_id}", response_model=RolloutDetail)
+    @router.get("/rollouts/{rollout_id}", response_model=RolloutDetail, responses=_errors(404))
     async def get_rollout(rollout_id: str) -> RolloutDetail:
-        rollout = store.get_rollout(rollout_id)
-        if rollout is None:
-            raise RolloutNotFound(rollout_id)
-        return RolloutDetail(rollout=rollout, attempts=store.attempts(rollout_id))
+        def detail() -> RolloutDetail:
+            rollout = store.get_rollout(rollout_id)
+            if rollout is None:
+                raise RolloutNotFound(rollout_id)
+            return RolloutDetail(rollout=rollout, attempts=store.attempts(rollout_id))
 
-    @router.patch("/rollouts/{rollout_id}", response_model=Rollout)
+        return await run_in_threadpool(detail)
+
+    @router.patch("/rollouts/{rollout_id}", response_model=Rollout, responses=_errors(400, 404, 409, 422))
     async def patch_rollout(rollout_id: str, body: RolloutPatch) -> Rollout:
-        return store.patch_status(rollout_id, body.status or RolloutStatusPatch())
+        return await run_in_threadpool(store.patch_status, rollout_id, body.status or RolloutStatusPatch())
 
     @router.delete("/rollouts/{rollout_id}", status_code=204)
     async def delete_rollout(rollout_id: str) -> Response:
-        store.delete_rollout(rollout_id)
+        await run_in_threadpool(store.delete_rollout, rollout_id)
         return Response(status_code=204)
 
     return router
 
 
 def _event_router(store: Store) -> APIRouter:
-    router = APIRouter(tags=["events"])
+    router = APIRouter(tags=["events"], responses=_errors(*COMMON_ERRORS))
 
-    @router.post("/rollouts/{rollout_id}/attempt/{attempt_id}/events", response_model=Event)
+    @router.post("/rollouts/{rollout_id}/attempt/{attempt_id}/events", response_model=Event,
+                 responses=_errors(400, 404, 422))
     async def post_event(rollout_id: str, attempt_id: str, body: EventCreate) -> Event:
-        return store.append_event(rollout_id, attempt_id, body.event_type, body.data)
+        check_storable(body.data, "data")  # strict (NaN, int64) on the API; the gateway's bodies are orjson's
+        return await run_in_threadpool(store.append_event, rollout_id, attempt_id, body.event_type, body.data)
 
-    @router.get("/rollouts/{rollout_id}/events", response_model=list[Event])
+    @router.get("/rollouts/{rollout_id}/events", response_model=list[Event], responses=_errors(404))
     async def query_events(
         rollout_id: str,
         event_type: str | None = None,
         format: str | None = Query(None, description="'triplet' trims events for RL training"),
     ) -> list[Event]:
-        events = store.events(rollout_id, event_type=event_type)
-        return triplet_events(events) if format == "triplet" else events
+        def query() -> list[Event]:
+            events = store.events(rollout_id, event_type=event_type)
+            return triplet_events(events) if format == "triplet" else events
+
+        return await run_in_threadpool(query)
 
     return router
 
 
-def _model_router(store: Store) -> APIRouter:
-    router = APIRouter(tags=["models"])
+def _model_router(store: Store, max_batch_items: int) -> APIRouter:
+    router = APIRouter(tags=["models"], responses=_errors(*COMMON_ERRORS))
 
-    @router.post("/models", status_code=201, response_model=list[Model])
+    @router.post("/models", status_code=201, response_model=list[Model], responses=_errors(400, 422))
     async def register_models(body: list[Model]) -> list[Model]:
-        return store.upsert_models(body)
+        _check_batch(body, max_batch_items)
+        return await run_in_threadpool(store.upsert_models, body)
 
     @router.delete("/models")
     async def clear_models() -> dict[str, str]:
-        store.clear_models()
+        await run_in_threadpool(store.clear_models)
         return {"status": "ok"}
 
     return router

@@ -47,11 +47,19 @@ class ServerConfig(_Strict):
     default_proxy: DefaultProxyConfig = Field(default_factory=DefaultProxyConfig)
     store: str = "memory"  # or "sqlite:///path/to/store.db"
     terminal_log_limit: int = Field(DEFAULT_TERMINAL_LOG_LIMIT, ge=1)
-    upstream_timeout_seconds: float = Field(300.0, gt=0)
+    upstream_timeout_seconds: float = Field(300.0, gt=0)  # bounds each upstream attempt, start to end
+    upstream_call_deadline_seconds: float = Field(600.0, gt=0)  # bounds a whole call: attempts + backoff
     upstream_max_attempts: int = Field(6, ge=1)
     upstream_backoff_base_seconds: float = Field(0.5, ge=0)  # retry i sleeps min(base*2^i, max)*U(.75,1.25)
     upstream_backoff_max_seconds: float = Field(8.0, ge=0)
+    upstream_breaker_seconds: float = Field(5.0, ge=0)  # an endpoint that refused connections fails fast
+    #                                                     this long (503 + Retry-After); 0: retry instead
     upstream_client: Literal["auto", "aiohttp", "httpx"] = "auto"  # auto: aiohttp if installed (faster)
+    max_body_bytes: int = Field(32 * 2**20, ge=1)  # larger request bodies answer 413 (checked before reading)
+    max_batch_items: int = Field(10_000, ge=1)  # items per POST /api/rollouts or /api/models (413 beyond)
+    lease_seconds: float = Field(600.0, ge=0)  # a running rollout without heartbeat/event/status change this
+    #                                          long is failed (its runner died); 0 disables leases
+    docs_auth: bool = True  # /docs, /redoc and /openapi.json need the key too (false: open like /healthz)
     token_preserving: bool = False  # flag only; the mode plugs in as a gateway request rewriter
     call_seed: int | None = None  # seed calls that carry none from their position (server/seeding.py)
 

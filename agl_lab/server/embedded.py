@@ -202,7 +202,9 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="agl-lab serve", description="Run the rollout store + LLM gateway.")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; 0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=8080)
-    p.add_argument("--key", default="", help="API key (empty disables auth)")
+    p.add_argument("--key", default=None,
+                   help="API key; prefer AGL_KEY or --key-file (ps shows arguments). None: auth off, loopback only")
+    p.add_argument("--key-file", default=None, metavar="PATH", help="read the API key from this file")
     p.add_argument("--model-name", default=None, help="default_proxy.model_name: the model engines register")
     p.add_argument("--store", default="memory", help="'memory' or 'sqlite:///path/to/store.db'")
     p.add_argument("--train-temperature", type=float, default=None)
@@ -213,13 +215,70 @@ def _parser() -> argparse.ArgumentParser:
                    help="tokenizer (with chat template) of --model-name, for --token-preserving")
     p.add_argument("--upstream-client", default="auto", choices=["auto", "aiohttp", "httpx"])
     p.add_argument("--terminal-log-limit", type=int, default=None)
+    p.add_argument("--upstream-timeout", type=float, default=None, metavar="S",
+                   help="upstream_timeout_seconds: bound on each upstream attempt (default 300)")
+    p.add_argument("--upstream-max-attempts", type=int, default=None, metavar="N",
+                   help="upstream_max_attempts: tries per call on timeouts, 408/409/429/5xx (default 6)")
+    p.add_argument("--upstream-call-deadline", type=float, default=None, metavar="S",
+                   help="upstream_call_deadline_seconds: bound on a whole call, retries included (default 600)")
+    p.add_argument("--upstream-backoff-base", type=float, default=None, metavar="S",
+                   help="upstream_backoff_base_seconds (default 0.5)")
+    p.add_argument("--upstream-backoff-max", type=float, default=None, metavar="S",
+                   help="upstream_backoff_max_seconds (default 8)")
+    p.add_argument("--upstream-breaker-seconds", type=float, default=None, metavar="S",
+                   help="fail fast this long after the model server refused a connection (default 5; 0: retry)")
     p.add_argument("--log-level", default="info")
     return p
 
 
-def serve_main(argv: list[str]) -> int:
-    """`agl-lab serve ...`: run the server in the foreground until interrupted."""
-    args = _parser().parse_args(argv)
+_UPSTREAM_FLAGS = {"upstream_timeout": "upstream_timeout_seconds", "upstream_max_attempts": "upstream_max_attempts",
+                   "upstream_call_deadline": "upstream_call_deadline_seconds",
+                   "upstream_backoff_base": "upstream_backoff_base_seconds",
+                   "upstream_backoff_max": "upstream_backoff_max_seconds",
+                   "upstream_breaker_seconds": "upstream_breaker_seconds"}
+
+
+def serve_key(args: argparse.Namespace, environ: Mapping[str, str]) -> str:
+    """The key of `agl-lab serve`: --key, else --key-file's content, else $AGL_KEY, else ""."""
+    if args.key is not None and args.key_file is not None:
+        raise SystemExit("agl-lab serve: give --key or --key-file, not both")
+    if args.key is not None:
+        return args.key
+    if args.key_file is not None:
+        try:
+            with open(args.key_file, encoding="utf-8") as f:
+                key = f.read().strip()
+        except OSError as exc:
+            raise SystemExit(f"agl-lab serve: cannot read --key-file {args.key_file}: {exc}") from None
+        if not key:
+            raise SystemExit(f"agl-lab serve: --key-file {args.key_file} is empty")
+        return key
+    return environ.get("AGL_KEY", "")
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def serve_config(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> ServerConfig:
+    """The ServerConfig of `agl-lab serve`'s parsed flags (errors name the config key).
+
+    Without a key (no --key, --key-file or AGL_KEY) only a loopback address may be bound:
+    anyone who can reach the port could otherwise drive the store and the gateway.
+    """
+    import os
+
+    key = serve_key(args, os.environ if environ is None else environ)
+    if not key and not _is_loopback(args.host):
+        raise SystemExit(f"agl-lab serve: refusing to bind {args.host} without a key: set AGL_KEY (or --key-file "
+                         "PATH) so clients must authenticate, or bind 127.0.0.1")
     proxy: dict[str, Any] = {"include_log_probs": not args.no_log_probs}
     if args.model_name is not None:
         proxy["model_name"] = args.model_name
@@ -227,12 +286,19 @@ def serve_main(argv: list[str]) -> int:
         proxy["train"] = {"temperature": args.train_temperature}
     if args.val_temperature is not None:
         proxy["val"] = {"temperature": args.val_temperature}
-    raw: dict[str, Any] = {"host": args.host, "port": args.port, "key": args.key, "store": args.store,
+    raw: dict[str, Any] = {"host": args.host, "port": args.port, "key": key, "store": args.store,
                            "default_proxy": proxy, "token_preserving": args.token_preserving,
                            "upstream_client": args.upstream_client}
     if args.terminal_log_limit is not None:
         raw["terminal_log_limit"] = args.terminal_log_limit
-    config = load_server_config(raw)
+    raw.update({key: getattr(args, flag) for flag, key in _UPSTREAM_FLAGS.items() if getattr(args, flag) is not None})
+    return load_server_config(raw)
+
+
+def serve_main(argv: list[str]) -> int:
+    """`agl-lab serve ...`: run the server in the foreground until interrupted."""
+    args = _parser().parse_args(argv)
+    config = serve_config(args)
     if args.tokenizer_path and not config.token_preserving:
         raise SystemExit("agl-lab serve: --tokenizer-path is only used with --token-preserving")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

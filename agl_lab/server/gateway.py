@@ -41,6 +41,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 from fastapi import APIRouter, HTTPException, Request, Response
@@ -49,6 +50,7 @@ from starlette.routing import Route
 
 from agl_lab.protocol import Model, PauseRequest, PauseState, Rollout
 from agl_lab.server.config import DefaultProxyConfig, ServerConfig
+from agl_lab.server.storable import NotStorable
 from agl_lab.server.store import RolloutNotFound, Store
 
 try:  # orjson parses/serialises the request and response bodies several times faster
@@ -73,7 +75,8 @@ _JSON_HEADERS = {"content-type": "application/json"}
 
 def proxy_base_url(server_url: str, rollout_id: str, attempt_id: str = "0", mode: str = "train") -> str:
     """The OpenAI `base_url` an agent uses for one rollout attempt (AGL_OPENAI_BASE_URL)."""
-    return f"{server_url.rstrip('/')}/proxy/rollout/{rollout_id}/attempt/{attempt_id}/mode/{mode}/openai/v1"
+    rid, aid = quote(rollout_id, safe=""), quote(attempt_id, safe="")
+    return f"{server_url.rstrip('/')}/proxy/rollout/{rid}/attempt/{aid}/mode/{mode}/openai/v1"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,11 +219,31 @@ class UpstreamTransportError(Exception):
     """Connecting to or talking with the model server failed (refused, reset, bad URL, ...)."""
 
 
+class UpstreamRefused(UpstreamTransportError):
+    """No connection could be opened to the model server (refused, unreachable): it is down."""
+
+
+class UpstreamFailure(Exception):
+    """The gateway's own answer for a call the model server did not serve (502/503/504).
+
+    `detail` goes to the agent, `cause` into the recorded error event (and the log).
+    """
+
+    def __init__(self, status: int, detail: str, cause: str, retry_after: float | None = None):
+        super().__init__(f"{status} {detail}: {cause}")
+        self.status, self.detail, self.cause, self.retry_after = status, detail, cause, retry_after
+
+    def response(self) -> JSONResponse:
+        headers = {} if self.retry_after is None else {"Retry-After": str(max(1, round(self.retry_after)))}
+        return JSONResponse({"detail": self.detail, "cause": self.cause}, status_code=self.status, headers=headers)
+
+
 @dataclass
 class UpstreamResponse:
     status_code: int
     content_type: str
     content: bytes
+    retry_after: str | None = None  # the upstream's Retry-After header, if any
 
 
 class HttpxUpstream:
@@ -235,9 +258,12 @@ class HttpxUpstream:
             r = await self.client.post(url, content=payload, headers=_JSON_HEADERS)
         except httpx.TimeoutException as exc:
             raise UpstreamTimeout(f"{type(exc).__name__}: {exc}") from exc
+        except httpx.ConnectError as exc:
+            raise UpstreamRefused(f"{type(exc).__name__}: {exc}") from exc
         except (httpx.HTTPError, httpx.InvalidURL) as exc:
             raise UpstreamTransportError(f"{type(exc).__name__}: {exc}") from exc
-        return UpstreamResponse(r.status_code, r.headers.get("content-type", ""), r.content)
+        return UpstreamResponse(r.status_code, r.headers.get("content-type", ""), r.content,
+                                r.headers.get("retry-after"))
 
     async def aclose(self) -> None:
         await self.client.aclose()
@@ -264,9 +290,12 @@ class AiohttpUpstream:
     async def post_json(self, url: str, payload: bytes) -> UpstreamResponse:
         try:
             async with self.session.post(url, data=payload, headers=_JSON_HEADERS) as r:
-                return UpstreamResponse(r.status, r.headers.get("content-type", ""), await r.read())
+                return UpstreamResponse(r.status, r.headers.get("content-type", ""), await r.read(),
+                                        r.headers.get("retry-after"))
         except asyncio.TimeoutError as exc:  # aiohttp's timeouts subclass it
             raise UpstreamTimeout(f"{type(exc).__name__}: {exc}") from exc
+        except self._aiohttp.ClientConnectorError as exc:
+            raise UpstreamRefused(f"{type(exc).__name__}: {exc}") from exc
         except (self._aiohttp.ClientError, ValueError, OSError) as exc:  # ValueError: malformed URL
             raise UpstreamTransportError(f"{type(exc).__name__}: {exc}") from exc
 
@@ -311,6 +340,7 @@ class Gateway:
         self.gate = PauseGate()
         self.client: UpstreamClient | None = None
         self._rng = random.Random()
+        self._down_until: dict[str, float] = {}  # endpoint -> loop time its breaker closes again
 
     async def handle(self, request: Request, rollout_id: str, attempt_id: str, mode: str,
                      upstream_path: str) -> Response:
@@ -341,7 +371,28 @@ class Gateway:
             result = rewriter(call)
             if inspect.isawaitable(result):
                 await result
-        return await self._forward(call)
+        return await self._forward_until_disconnect(call, request)
+
+    async def _forward_until_disconnect(self, call: ProxyCall, request: Request) -> Response:
+        """`_forward`, cancelled (upstream call, retries and backoff) if the agent hangs up.
+
+        The body is read, so the next ASGI `receive()` only returns on disconnect (or when the
+        response is complete). A cancelled call records an error event with status 499.
+        """
+        work = asyncio.ensure_future(self._forward(call))
+        watch = asyncio.ensure_future(_until_disconnect(request.receive))
+        try:
+            await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not work.done():
+                work.cancel()
+        if work.cancelled() or not work.done():
+            cause = "the agent disconnected before the model server answered; the upstream call was cancelled"
+            logger.warning("Rollout %s: %s", call.rollout.rollout_id, cause)
+            self._record_failure(call, UpstreamFailure(499, "Client disconnected", cause), 0)
+            return Response(status_code=499)
+        return work.result()
 
     async def _forward(self, call: ProxyCall) -> Response:
         refused = self.gate.enter()
@@ -350,6 +401,7 @@ class Gateway:
                 {"error": "gateway paused", "reason": refused.reason}, status_code=429,
                 headers={"Retry-After": str(refused.retry_after_seconds), "X-Agl-Paused": "true"},
             )
+        started = time.perf_counter()
         try:
             if call.request.get("stream"):
                 raise HTTPException(400, "Streaming responses are not supported")
@@ -358,8 +410,7 @@ class Gateway:
                                  f"{UPSTREAM_PATHS}")
             url = call.server.endpoint.rstrip("/") + "/" + call.upstream_path
             body = call.request if call.upstream_request is None else call.upstream_request
-            started = time.perf_counter()
-            upstream, retry_count = await self._send_with_retries(url, _dumps(body))
+            upstream, retry_count = await self._send_with_retries(url, _dumps(body), call.server.endpoint)
             latency_ms = (time.perf_counter() - started) * 1000.0
             content, payload = _json_of(upstream)
             if call.response_hooks:
@@ -368,42 +419,98 @@ class Gateway:
                     if inspect.isawaitable(payload):
                         payload = await payload
                 content = _dumps(payload)
-            self._record(call, payload, upstream.status_code, latency_ms, retry_count)
-            return Response(content=content, status_code=upstream.status_code, media_type="application/json")
+            unrecordable = self._record(call, payload, upstream.status_code, latency_ms, retry_count)
+            if unrecordable is not None and upstream.status_code < 400:
+                return UpstreamFailure(502, "The model server's answer cannot be recorded", unrecordable).response()
+            headers = {"Retry-After": upstream.retry_after} if upstream.retry_after and upstream.status_code >= 400 else None
+            return Response(content=content, status_code=upstream.status_code, media_type="application/json",
+                            headers=headers)
+        except UpstreamFailure as failure:
+            logger.warning("Rollout %s: %s", call.rollout.rollout_id, failure)
+            self._record_failure(call, failure, (time.perf_counter() - started) * 1000.0)
+            return failure.response()
         finally:
             self.gate.leave()
 
-    async def _send_with_retries(self, url: str, payload: bytes) -> tuple[UpstreamResponse, int]:
-        """POST until a non-retryable answer or the last attempt; returns (response, retry_count)."""
+    async def _send_with_retries(self, url: str, payload: bytes, endpoint: str) -> tuple[UpstreamResponse, int]:
+        """POST until a non-retryable answer or the last attempt; returns (response, retry_count).
+
+        Bounds: each attempt `upstream_timeout_seconds` start to end, the whole call (attempts
+        and backoff) `upstream_call_deadline_seconds`. An upstream `Retry-After` lengthens the
+        backoff. An endpoint that refuses connections trips its breaker (`_check_breaker`).
+        Raises UpstreamFailure (502/503/504) when no answer came back.
+        """
         assert self.client is not None
-        attempts = self.config.upstream_max_attempts
+        cfg, loop = self.config, asyncio.get_running_loop()
+        attempts, deadline = cfg.upstream_max_attempts, loop.time() + cfg.upstream_call_deadline_seconds
         for attempt in range(attempts):
             last = attempt == attempts - 1
+            self._check_breaker(endpoint, loop.time())
+            remaining = deadline - loop.time()
             try:
-                response = await self.client.post_json(url, payload)
-            except UpstreamTimeout as exc:
+                async with asyncio.timeout(min(cfg.upstream_timeout_seconds, remaining)):
+                    response = await self.client.post_json(url, payload)
+            except (UpstreamTimeout, TimeoutError) as exc:
+                if last or loop.time() >= deadline:
+                    raise UpstreamFailure(504, "Upstream model server timed out", _timeout_cause(
+                        exc, attempt + 1, cfg.upstream_timeout_seconds, cfg.upstream_call_deadline_seconds)) from exc
+                reason = f"timeout ({str(exc) or 'attempt timed out'})"
+            except UpstreamRefused as exc:
+                if cfg.upstream_breaker_seconds > 0:
+                    self._down_until[endpoint] = loop.time() + cfg.upstream_breaker_seconds
+                    raise UpstreamFailure(503, f"Model server {endpoint} is down: it refused the connection",
+                                          str(exc), retry_after=cfg.upstream_breaker_seconds) from exc
                 if last:
-                    raise HTTPException(504, "Upstream model server timed out") from exc
-                reason = f"timeout ({exc})"
+                    raise UpstreamFailure(502, "Upstream model server request failed", str(exc)) from exc
+                reason = f"transport error ({exc})"
             except UpstreamTransportError as exc:
                 if last:
-                    raise HTTPException(502, "Upstream model server request failed") from exc
+                    raise UpstreamFailure(502, "Upstream model server request failed", str(exc)) from exc
                 reason = f"transport error ({exc})"
             else:
                 retryable = response.status_code in RETRYABLE_STATUS or response.status_code >= 500
                 if last or not retryable:
                     return response, attempt
                 reason = f"HTTP {response.status_code}"
-            delay = backoff_seconds(attempt, self.config.upstream_backoff_base_seconds,
-                                    self.config.upstream_backoff_max_seconds, self._rng)
+            delay = backoff_seconds(attempt, cfg.upstream_backoff_base_seconds, cfg.upstream_backoff_max_seconds,
+                                    self._rng)
+            delay = max(delay, _retry_after_seconds(response) if reason.startswith("HTTP") else 0.0)
+            if loop.time() + delay >= deadline:
+                if reason.startswith("HTTP"):
+                    return response, attempt  # the upstream's own answer beats a 504 of ours
+                raise UpstreamFailure(504, "Upstream model server timed out",
+                                      f"the call deadline (upstream_call_deadline_seconds="
+                                      f"{cfg.upstream_call_deadline_seconds:g}) leaves no time to retry after {reason}")
             logger.warning("Retrying upstream request to %s after %s (attempt %d/%d, sleeping %.2fs)",
                            url, reason, attempt + 1, attempts, delay)
             await asyncio.sleep(delay)
         raise AssertionError("unreachable: the last attempt returns or raises")
 
+    def _check_breaker(self, endpoint: str, now: float) -> None:
+        """Fail fast (503 + Retry-After) while `endpoint`'s breaker is open; it closes by itself
+        after `upstream_breaker_seconds` and the next call probes the endpoint again."""
+        until = self._down_until.get(endpoint)
+        if until is None:
+            return
+        if now >= until:
+            del self._down_until[endpoint]
+            return
+        raise UpstreamFailure(503, f"Model server {endpoint} is down: it refused a connection recently",
+                              f"failing fast for {until - now:.1f}s more (upstream_breaker_seconds="
+                              f"{self.config.upstream_breaker_seconds:g}); start or restart the model server",
+                              retry_after=until - now)
+
+    def _record_failure(self, call: ProxyCall, failure: UpstreamFailure, latency_ms: float) -> None:
+        """The error event of a call the gateway answered itself (no upstream payload)."""
+        error = {"error": {"message": failure.detail, "cause": failure.cause, "type": "gateway_error"}}
+        self._record(call, error, failure.status, latency_ms, 0)
+
     def _record(self, call: ProxyCall, response: Any, http_status: int, latency_ms: float,
-                retry_count: int) -> None:
-        """Append the model_request event (AGL's data dict + rewriter annotations)."""
+                retry_count: int) -> str | None:
+        """Append the model_request event (AGL's data dict + rewriter annotations).
+
+        Returns why the call could not be recorded as is (then an error event says so), else None.
+        """
         server = call.server
         choices = response.get("choices") if isinstance(response, dict) else None
         first = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
@@ -427,11 +534,20 @@ class Gateway:
             data["upstream_path"] = call.upstream_path
             data["upstream_request"] = call.request if call.upstream_request is None else call.upstream_request
         try:
-            self.store.append_event(call.rollout.rollout_id, call.attempt_id, "model_request", data)
+            try:
+                self.store.append_event(call.rollout.rollout_id, call.attempt_id, "model_request", data)
+            except NotStorable as exc:  # e.g. an answer nested too deep: record why, tell the agent
+                keep = ("model", "model_version", "server", "latency_ms", "retry_count")
+                data = {**{k: data[k] for k in keep}, "request": None, "usage": None, "finish_reason": None,
+                        "response": {"error": {"message": f"call not recordable: {exc}"}},
+                        "http_status": 502, "status": "error"}
+                self.store.append_event(call.rollout.rollout_id, call.attempt_id, "model_request", data)
+                return str(exc)
         except RolloutNotFound:
             logger.warning("Rollout %s was deleted while its model call was in flight: the answer is "
                            "returned to the agent but no model_request event is recorded",
                            call.rollout.rollout_id)
+        return None
 
 
 def _parse_body(raw: bytes) -> dict[str, Any]:
@@ -447,13 +563,49 @@ def _parse_body(raw: bytes) -> dict[str, Any]:
 
 
 def _json_of(response: UpstreamResponse) -> tuple[bytes, Any]:
-    """(bytes to return, parsed JSON); a non-JSON upstream answer counts as `{}` like AGL."""
+    """(bytes to return, parsed JSON).
+
+    A successful (2xx) answer that is not a JSON object (HTML, invalid JSON, NaN logprobs)
+    raises UpstreamFailure 502 naming the cause; an error answer that is not JSON counts as
+    `{}` like AGL.
+    """
+    problem = None
     if response.content_type.startswith("application/json"):
         try:
-            return response.content, _loads(response.content)
-        except ValueError:
-            logger.warning("Upstream answered invalid JSON with status %d", response.status_code)
+            payload = _loads(response.content)
+        except ValueError as exc:  # orjson also refuses NaN/Infinity
+            problem = f"invalid JSON ({exc})"
+        else:
+            if response.status_code >= 300 or isinstance(payload, dict):
+                return response.content, payload
+            problem = f"a JSON {type(payload).__name__}, not an object"
+    else:
+        problem = f"content-type {response.content_type or 'none'!r}, not application/json"
+    if response.status_code < 300:
+        snippet = response.content[:200].decode("utf-8", "replace")
+        raise UpstreamFailure(502, "The model server answered with an unusable body",
+                              f"HTTP {response.status_code} with {problem}: {snippet!r}")
+    logger.warning("Upstream answered HTTP %d with %s", response.status_code, problem)
     return b"{}", {}
+
+
+def _retry_after_seconds(response: UpstreamResponse | None) -> float:
+    """The upstream's Retry-After in seconds (0 when absent or an HTTP date)."""
+    value = response.retry_after if response is not None else None
+    try:
+        return max(0.0, float(value)) if value else 0.0
+    except ValueError:
+        return 0.0
+
+
+def _timeout_cause(exc: BaseException, attempts: int, per_attempt: float, deadline: float) -> str:
+    return (f"{attempts} attempt(s) timed out ({str(exc) or 'no answer in time'}); bounds: "
+            f"upstream_timeout_seconds={per_attempt:g} per attempt, upstream_call_deadline_seconds={deadline:g} per call")
+
+
+async def _until_disconnect(receive: Callable[[], Awaitable[Any]]) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 # ---------------------------------------------------------------------------------------------
@@ -482,7 +634,10 @@ def proxy_route(gateway: Gateway, check_key: Callable[[Request], None]) -> Route
 
 def gateway_router(gateway: Gateway) -> APIRouter:
     """Management routes, mounted under /proxy with auth: pause, resume, state."""
-    router = APIRouter(tags=["proxy"])
+    errors = {code: {"description": text} for code, text in (
+        (401, "missing or wrong key"), (413, "body larger than max_body_bytes"),
+        (415, "cross-site content type: send application/json"), (422, "invalid field"), (500, "unexpected error"))}
+    router = APIRouter(tags=["proxy"], responses=errors)
 
     @router.post("/pause", response_model=PauseState)
     async def pause(body: PauseRequest | None = None) -> PauseState:

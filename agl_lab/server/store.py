@@ -21,8 +21,10 @@ Design decisions:
 - The terminal log is bounded (`terminal_log_limit`): cursor indices stay absolute, entries
   older than the retained window are gone, and a cursor behind the window restarts at the
   oldest retained entry. `total_terminal` is the absolute count of terminal transitions.
-- No HTTP here: errors are `RolloutNotFound` / `InvalidTransition`, mapped to 404 / 409 by
-  `agl_lab.server.app`. The triplet view the app serves (`triplet_events`) is a pure function
+- No HTTP here: errors are `RolloutNotFound` / `InvalidTransition` / `NotStorable`, mapped to
+  404 / 409 / 422 by `agl_lab.server.app`; a second opener of a SQLite file gets `StoreLocked`.
+- Write-time rule (`agl_lab.server.storable`): what is stored can be read back and sent, on
+  both backends; running rollouts hold a lease (`heartbeat`, `expire_leases`). The triplet view the app serves (`triplet_events`) is a pure function
   over events and lives in `agl_lab.records`, beside the code that consumes it.
 - Objects returned by `MemoryStore` are the stored ones (treat them as read-only), except event
   data: each read decodes a fresh copy of the stored JSON bytes.
@@ -57,42 +59,27 @@ from agl_lab.protocol import (
     TerminalPage,
     data_id_of,
 )
+from agl_lab.server.storable import check_rollout_id, check_storable, dump_storable
 
-try:  # orjson is ~5x faster for the event payloads the SQLite backend writes on every call
+try:  # orjson reads the event payloads the SQLite backend stores ~5x faster (writes: dump_storable)
     import orjson
-
-    def _dumps(obj: Any) -> str:
-        try:
-            return orjson.dumps(obj).decode()
-        except TypeError:  # e.g. non-str keys: fall back to the stdlib encoder
-            return json.dumps(obj)
 
     _loads = orjson.loads
 except ImportError:  # pragma: no cover - orjson is optional
-    _dumps, _loads = json.dumps, json.loads
+    _loads = json.loads
 
 DEFAULT_TERMINAL_LOG_LIMIT = 100_000
+CREATE_CHUNK = 500  # rollouts created per lock hold: other callers (the gateway) interleave
 
 
-class _Raw:
-    """Event data orjson cannot encode (e.g. non-str keys), kept as the object itself."""
-
-    __slots__ = ("obj",)
-
-    def __init__(self, obj: Any):
-        self.obj = obj
+def _pack(data: Any) -> bytes:
+    """MemoryStore's stored form of event data: JSON bytes. Encoding is also the write-time check
+    (NotStorable names the field), so an event is encoded once."""
+    return dump_storable(data, "data")
 
 
-def _pack(data: Any) -> Any:
-    """MemoryStore's stored form of event data: JSON bytes (a `_Raw` wrapper when not JSON-able)."""
-    try:
-        return orjson.dumps(data)
-    except (TypeError, NameError):  # NameError: orjson missing
-        return _Raw(data)
-
-
-def _unpack(stored: Any) -> Any:
-    return stored.obj if isinstance(stored, _Raw) else _loads(stored)
+def _unpack(stored: bytes) -> Any:
+    return _loads(stored)
 
 
 class StoreError(Exception):
@@ -103,6 +90,10 @@ class RolloutNotFound(StoreError, LookupError):
     def __init__(self, rollout_id: str):
         super().__init__(f"Rollout not found: {rollout_id}")
         self.rollout_id = rollout_id
+
+
+class StoreLocked(StoreError, RuntimeError):
+    """Another process already serves this SQLite file (one server per store file)."""
 
 
 class InvalidTransition(StoreError, ValueError):
@@ -128,22 +119,29 @@ class Store(ABC):
             )
         self.terminal_log_limit = int(terminal_log_limit)
         self._lock = threading.RLock()
+        self._activity: dict[str, float] = {}  # running rollout id -> last heartbeat or event (not persisted)
 
     # --- rollouts ---------------------------------------------------------------------------
 
     def create_rollouts(self, creates: Sequence[RolloutCreate]) -> list[Rollout]:
-        """Create rollouts in order; a client id that exists returns the existing rollout."""
+        """Create rollouts in order; a client id that exists returns the existing rollout.
+
+        Raises NotStorable (and stores none of them) when any request breaks the storable
+        rule (`agl_lab.server.storable`) or names an invalid rollout id.
+        """
+        _check_creates(creates)
         now = time.time()
         out: list[Rollout] = []
-        with self._lock, self._transaction():
-            for create in creates:
-                existing = self._load(create.rollout_id) if create.rollout_id else None
-                if existing is not None:  # idempotent retry: never reset a started rollout
-                    out.append(existing)
-                    continue
-                rollout = create.to_rollout(now)
-                self._insert(rollout)
-                out.append(rollout)
+        for start in range(0, len(creates), CREATE_CHUNK):  # release the lock between chunks
+            with self._lock, self._transaction():
+                for create in creates[start : start + CREATE_CHUNK]:
+                    existing = self._load(create.rollout_id) if create.rollout_id else None
+                    if existing is not None:  # idempotent retry: never reset a started rollout
+                        out.append(existing)
+                        continue
+                    rollout = create.to_rollout(now)
+                    self._insert(rollout)
+                    out.append(rollout)
         return out
 
     def get_rollout(self, rollout_id: str) -> Rollout | None:
@@ -165,6 +163,7 @@ class Store(ABC):
         the move is not in VALID_TRANSITIONS.
         """
         updates = patch.model_dump(exclude_unset=True)
+        check_storable({k: v for k, v in updates.items() if k != "state"}, "status")
         with self._lock, self._transaction():
             rollout = self._load(rollout_id)
             if rollout is None:
@@ -183,12 +182,14 @@ class Store(ABC):
             if "state" in updates and status.state in TERMINAL_STATES:
                 self._terminal_append(rollout_id)
                 self._terminal_trim()
+                self._activity.pop(rollout_id, None)
             return rollout
 
     def delete_rollout(self, rollout_id: str) -> None:
         """Remove a rollout and all its events (idempotent); the terminal log keeps its id."""
         with self._lock, self._transaction():
             self._remove(rollout_id)
+            self._activity.pop(rollout_id, None)
 
     # --- events -----------------------------------------------------------------------------
 
@@ -198,6 +199,8 @@ class Store(ABC):
         """Append one event (timestamped now) under (rollout, attempt); RolloutNotFound if unknown."""
         if data is not None and not isinstance(data, dict):
             raise TypeError(f"event data must be a dict, got {type(data).__name__}")
+        check_storable([rollout_id, attempt_id, event_type], "event ids")
+        self._check_event_data(data)
         with self._lock:
             event = Event.model_construct(
                 event_type=event_type,
@@ -208,6 +211,7 @@ class Store(ABC):
             )
             if not self._append_event(event):
                 raise RolloutNotFound(rollout_id)
+            self._activity[rollout_id] = event.timestamp  # an event renews a running rollout's lease
             return event
 
     def events(
@@ -232,6 +236,51 @@ class Store(ABC):
                 raise RolloutNotFound(rollout_id)
             return self._attempts(rollout_id)
 
+    # --- leases of running rollouts -----------------------------------------------------------
+
+    def heartbeat(self, rollout_ids: Sequence[str]) -> list[str]:
+        """Renew the lease of each running rollout in `rollout_ids`; returns the ids that are
+        not running (unknown, queuing or terminal) so the runner can stop their agents."""
+        now = time.time()
+        with self._lock:
+            rollouts = self._load_many(list(rollout_ids))
+            not_running = []
+            for rid in rollout_ids:
+                rollout = rollouts.get(rid)
+                if rollout is not None and rollout.status.state == RolloutState.RUNNING:
+                    self._activity[rid] = now
+                else:
+                    not_running.append(rid)
+        return not_running
+
+    def expire_leases(self, lease_seconds: float, now: float | None = None) -> list[str]:
+        """Fail every running rollout without a heartbeat, event or status change for
+        `lease_seconds` (its runner or the server died); returns their ids.
+
+        Activity is kept in memory: after a server restart a running rollout's lease runs
+        from its last status change (`status.updated_at`, persisted by SQLite).
+        """
+        now = time.time() if now is None else now
+        with self._lock:
+            running = self._list([RolloutState.RUNNING], 2**62)
+            stale = [(r.rollout_id, max(r.status.updated_at, self._activity.get(r.rollout_id, 0.0)))
+                     for r in running]
+        expired = []
+        for rid, last in stale:
+            if last + lease_seconds >= now:
+                continue
+            message = (f"lease expired: no heartbeat, event or status change for {now - last:.0f}s "
+                       f"(lease_seconds={lease_seconds:g}); its runner or the server stopped")
+            try:
+                with self._lock:  # re-check under the lock: a heartbeat may have arrived meanwhile
+                    if self._activity.get(rid, 0.0) + lease_seconds >= now:
+                        continue
+                    self.patch_status(rid, RolloutStatusPatch(state=RolloutState.FAILED, error_message=message))
+            except (RolloutNotFound, InvalidTransition):
+                continue
+            expired.append(rid)
+        return expired
+
     # --- terminal-order log -----------------------------------------------------------------
 
     def terminal_page(self, after: int = 0, limit: int = 1000) -> TerminalPage:
@@ -239,7 +288,8 @@ class Store(ABC):
 
         `after < 0 -> 0`, `limit < 1 -> 1`; a cursor older than the retained window restarts
         at the oldest retained entry. Deleted (or re-created, not yet terminal) rollouts are
-        skipped but consumed.
+        skipped but consumed, and so is an entry of an id that has a later entry (a rollout
+        deleted and re-created appears once, at its latest terminal transition).
         """
         after, limit = max(0, int(after)), max(1, int(limit))
         with self._lock:
@@ -265,6 +315,8 @@ class Store(ABC):
     # --- model registry ---------------------------------------------------------------------
 
     def upsert_models(self, models: Sequence[Model]) -> list[Model]:
+        for i, model in enumerate(models):
+            check_storable(model.model_dump(), f"[{i}]")
         with self._lock, self._transaction():
             for model in models:
                 self._put_model(model)
@@ -281,6 +333,13 @@ class Store(ABC):
 
     def close(self) -> None:
         """Release resources (SQLite connection); the in-memory store has none."""
+
+    # --- write-time checks (one rule for both backends: what is stored reads back) -----------
+
+    def _check_event_data(self, data: dict[str, Any] | None) -> None:
+        """NotStorable unless `data` encodes (the SQLite backend checks while encoding instead)."""
+        if data:
+            dump_storable(data, "data")
 
     # --- backend primitives (called with the lock held) -------------------------------------
 
@@ -331,7 +390,8 @@ class Store(ABC):
     def _terminal_len(self) -> int: ...
 
     @abstractmethod
-    def _terminal_slice(self, start: int, stop: int) -> list[str]: ...
+    def _terminal_slice(self, start: int, stop: int) -> list[str]:
+        """Ids of entries [start, stop); "" for an entry superseded by a later one of its id."""
 
     @abstractmethod
     def _put_model(self, model: Model) -> None: ...
@@ -361,6 +421,7 @@ class MemoryStore(Store):
         self._model_map: dict[str, dict[str, Model]] = {}
         self._terminal: collections.deque[str] = collections.deque(maxlen=self.terminal_log_limit)
         self._terminal_count = 0
+        self._terminal_latest: dict[str, int] = {}  # rollout id -> absolute index of its latest entry
 
     def __repr__(self) -> str:
         return f"MemoryStore(rollouts={len(self._rollouts)}, terminal={self._terminal_count})"
@@ -389,6 +450,9 @@ class MemoryStore(Store):
         matching = (r for r in self._rollouts.values() if r.status.state in states)
         return list(itertools.islice(matching, limit))
 
+    def _check_event_data(self, data: dict[str, Any] | None) -> None:
+        pass  # `_append_event` encodes with dump_storable (`_pack`), which is the check
+
     def _append_event(self, event: Event) -> bool:
         attempts = self._event_log.get(event.rollout_id)
         if attempts is None or event.rollout_id not in self._rollouts:
@@ -407,7 +471,12 @@ class MemoryStore(Store):
         return [aid for _, _, aid in sorted(firsts)]
 
     def _terminal_append(self, rollout_id: str) -> None:
+        if len(self._terminal) == self._terminal.maxlen:  # the oldest entry is about to drop
+            oldest, oldest_idx = self._terminal[0], self._terminal_count - len(self._terminal)
+            if self._terminal_latest.get(oldest) == oldest_idx:
+                del self._terminal_latest[oldest]
         self._terminal.append(rollout_id)  # the deque drops the oldest entry at its limit
+        self._terminal_latest[rollout_id] = self._terminal_count
         self._terminal_count += 1
 
     def _terminal_trim(self) -> None:
@@ -421,7 +490,9 @@ class MemoryStore(Store):
 
     def _terminal_slice(self, start: int, stop: int) -> list[str]:
         base = self._terminal_count - len(self._terminal)  # absolute index of _terminal[0]
-        return list(itertools.islice(self._terminal, start - base, stop - base))
+        ids = itertools.islice(self._terminal, start - base, stop - base)
+        latest = self._terminal_latest
+        return [rid if latest.get(rid) == start + i else "" for i, rid in enumerate(ids)]
 
     def _put_model(self, model: Model) -> None:
         self._model_map.setdefault(model.model, {})[model.endpoint] = model
@@ -462,6 +533,7 @@ CREATE TABLE IF NOT EXISTS terminal_log (
     idx INTEGER PRIMARY KEY,                 -- absolute position in the completion order
     rollout_id TEXT NOT NULL
 );
+CREATE INDEX IF NOT EXISTS terminal_log_rollout ON terminal_log (rollout_id, idx);
 """
 
 
@@ -473,6 +545,11 @@ class SqliteStore(Store):
     (a power loss may undo the last ones). A commit in WAL mode with NORMAL does not fsync, so an
     append costs one INSERT and a WAL write. WAL checkpoints run on a background thread's own
     connection (PASSIVE: they never block the server), not inside a model call's commit.
+
+    One store per file: opening takes an exclusive lock on `<path>.lock` (released by
+    `close()` or when the process ends, even by kill -9) and a second opener gets StoreLocked.
+    Two servers on one file would each hold their own lock and cursor state and meet as
+    `database is locked` errors after 5 s busy waits, so it is refused, not supported.
     """
 
     CHECKPOINT_SECONDS = 1.0
@@ -481,8 +558,10 @@ class SqliteStore(Store):
     def __init__(self, path: str, terminal_log_limit: int = DEFAULT_TERMINAL_LOG_LIMIT):
         super().__init__(terminal_log_limit)
         self.path = path
+        self._lock_file: Any = None
         if path != ":memory:":
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self._lock_file = _lock_exclusively(path)
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")  # durable across process crashes
@@ -509,10 +588,13 @@ class SqliteStore(Store):
             self._flusher.join(5)
         with self._lock:
             self._db.close()
+            if self._lock_file is not None:
+                self._lock_file.close()  # closing the descriptor releases the flock
+                self._lock_file = None
 
     @staticmethod
     def _flush_loop(ref: weakref.ref, closed: threading.Event, path: str) -> None:
-        """The flusher thread; holds the store only weakly, so an unclosed store is still freed."""
+        """The WAL checkpoint thread; holds the store only weakly, so an unclosed store is still freed."""
         checkpointer = sqlite3.connect(path, check_same_thread=False) if path != ":memory:" else None
         last_checkpoint = time.monotonic()
         try:
@@ -604,13 +686,18 @@ class SqliteStore(Store):
         rows = self._db.execute(sql, [s.value for s in states] + [limit])
         return [Rollout.model_validate_json(body) for (body,) in rows]
 
+    def _check_event_data(self, data: dict[str, Any] | None) -> None:
+        pass  # `_append_event` encodes with dump_storable, which is the check
+
     def _append_event(self, event: Event) -> bool:
-        # the hot path of every model call: one autocommitted INSERT (the rollout check hits the cache)
+        # the hot path of every model call: one autocommitted INSERT (the rollout check hits the
+        # cache); dump_storable is also the write-time check that the data can be read back
         if not self._exists(event.rollout_id):
             return False
         self._db.execute(
             "INSERT INTO events (rollout_id, attempt_id, event_type, timestamp, data) VALUES (?, ?, ?, ?, ?)",
-            (event.rollout_id, event.attempt_id, event.event_type, event.timestamp, _dumps(event.data)))
+            (event.rollout_id, event.attempt_id, event.event_type, event.timestamp,
+             dump_storable(event.data, "data").decode()))
         return True
 
     def _events(self, rollout_id: str, attempt_id: str) -> list[Event]:
@@ -651,7 +738,10 @@ class SqliteStore(Store):
         return n
 
     def _terminal_slice(self, start: int, stop: int) -> list[str]:
-        sql = "SELECT rollout_id FROM terminal_log WHERE idx >= ? AND idx < ? ORDER BY idx"
+        sql = (  # "" for an entry superseded by a later entry of the same id
+            "SELECT CASE WHEN idx = (SELECT MAX(idx) FROM terminal_log l WHERE l.rollout_id = t.rollout_id) "
+            "THEN rollout_id ELSE '' END FROM terminal_log t WHERE idx >= ? AND idx < ? ORDER BY idx"
+        )
         return [rid for (rid,) in self._db.execute(sql, (start, stop))]
 
     def _put_model(self, model: Model) -> None:
@@ -666,6 +756,45 @@ class SqliteStore(Store):
     def _models(self, model_name: str) -> list[Model]:
         sql = "SELECT model, endpoint, version FROM models WHERE model=?"
         return [Model(model=m, endpoint=e, version=v) for m, e, v in self._db.execute(sql, (model_name,))]
+
+
+def _lock_exclusively(path: str) -> Any:
+    """Open `<path>.lock` and flock it exclusively (no-op where fcntl is missing); StoreLocked if taken."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        return None
+    lock_path = os.path.abspath(path) + ".lock"
+    handle = open(lock_path, "a+")
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "unknown"
+        handle.close()
+        raise StoreLocked(
+            f"SQLite store {path!r} is already open in another store or server process (pid {holder}); "
+            f"stop that server, or give this one its own file (store: sqlite:///other.db)"
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(str(os.getpid()))
+    handle.flush()
+    return handle
+
+
+def _check_creates(creates: Sequence[RolloutCreate]) -> None:
+    """NotStorable naming `[i].field` for the first request the store could not read back."""
+    for i, create in enumerate(creates):
+        if create.rollout_id is not None:
+            check_rollout_id(create.rollout_id, f"[{i}].rollout_id")
+        check_storable(create.input, f"[{i}].input")
+        metadata = create.metadata
+        if metadata is not None and not isinstance(metadata, dict):
+            metadata = metadata.model_dump()
+        check_storable(metadata, f"[{i}].metadata")
+        if create.config is not None:
+            check_storable(create.config.model_dump(), f"[{i}].config")
 
 
 def _chunks(items: list[str], size: int) -> Iterator[list[str]]:

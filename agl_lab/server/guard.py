@@ -1,0 +1,129 @@
+"""The server's front door: auth before the body is read, body size limit, no cross-site bodies.
+
+    RequestGuard(app, key=..., max_body_bytes=..., open_paths=..., token_check=...)   ASGI middleware
+
+Per HTTP request, before any route (and so before FastAPI reads or parses the body):
+
+1. **Cross-site bodies refused.** A body sent as `text/plain`, `application/x-www-form-urlencoded`
+   or `multipart/form-data` answers 415: those are the content types a browser may POST to
+   any site without a CORS preflight, so a web page could otherwise drive a keyless server on
+   loopback (pause the gateway, delete models). Every client of this API sends JSON.
+2. **Auth.** Unless the path is open (`/healthz`; `/docs`, `/redoc`, `/openapi.json` when
+   `docs_auth` is off), the request needs `Authorization: Bearer <key>` or `x-api-key: <key>`
+   — or a per-rollout token that `token_check(token, method, path)` accepts (the token covers
+   only its rollout's proxy route and event posts). 401 otherwise, with the body unread.
+3. **Size.** A `Content-Length` above `max_body_bytes` answers 413 at once; a body without
+   one (chunked) is read up to the limit and refused past it.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from typing import Any
+
+from starlette.responses import JSONResponse
+
+CROSS_SITE_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data")
+DOCS_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
+
+TokenCheck = Callable[[str, str, str], bool]
+
+
+def presented_key(headers: dict[bytes, bytes] | list[tuple[bytes, bytes]]) -> str | None:
+    """The key a request presents (`Authorization: Bearer` or `x-api-key`), or None."""
+    auth = api_key = None
+    for name, value in headers:
+        if name == b"authorization":
+            auth = value
+        elif name == b"x-api-key":
+            api_key = value
+    if auth is not None and auth.startswith(b"Bearer "):
+        return auth[7:].decode("latin-1")
+    return api_key.decode("latin-1") if api_key is not None else None
+
+
+class RequestGuard:
+    """ASGI middleware applying the module's three checks (see the module docstring)."""
+
+    def __init__(self, app: Any, *, key: str, max_body_bytes: int, open_paths: tuple[str, ...] = ("/healthz",),
+                 token_check: TokenCheck | None = None):
+        self.app, self.key, self.max_body_bytes = app, key, max_body_bytes
+        self.open_paths, self.token_check = frozenset(open_paths), token_check
+        self._expected = key.encode()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = scope["headers"]
+        content_type = length = None
+        for name, value in headers:
+            if name == b"content-type":
+                content_type = value.decode("latin-1").split(";")[0].strip().lower()
+            elif name == b"content-length":
+                length = value
+        if content_type in CROSS_SITE_TYPES:
+            await _refuse(scope, receive, send, 415, f"Content-Type {content_type} is not accepted: send the body "
+                                                     "as application/json")
+            return
+        if not self._authorized(scope, headers):
+            await _refuse(scope, receive, send, 401, "Invalid or missing API key")
+            return
+        if length is not None:
+            try:
+                too_big = int(length) > self.max_body_bytes
+            except ValueError:
+                await _refuse(scope, receive, send, 400, "Invalid Content-Length header")
+                return
+            if too_big:
+                await _refuse(scope, receive, send, 413, self._too_big())
+                return
+            await self.app(scope, receive, send)
+            return
+        await self._bounded(scope, receive, send)
+
+    def _authorized(self, scope: Any, headers: Any) -> bool:
+        path = scope["path"]
+        if not self.key or path in self.open_paths:
+            return True
+        presented = presented_key(headers)
+        if presented is None:
+            return False
+        if secrets.compare_digest(presented.encode(), self._expected):
+            return True
+        return self.token_check is not None and self.token_check(presented, scope["method"], path)
+
+    def _too_big(self) -> str:
+        return (f"Request body larger than {self.max_body_bytes} bytes (server setting max_body_bytes); "
+                "send fewer items per request")
+
+    async def _bounded(self, scope: Any, receive: Any, send: Any) -> None:
+        """A body without Content-Length: read it up to the limit, then replay it to the app."""
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_body_bytes:
+                await _refuse(scope, receive, send, 413, self._too_big())
+                return
+            if not message.get("more_body", False):
+                break
+        body, sent = b"".join(chunks), False
+
+        async def replay() -> Any:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+async def _refuse(scope: Any, receive: Any, send: Any, status: int, detail: str) -> None:
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    await JSONResponse({"detail": detail}, status_code=status, headers=headers)(scope, receive, send)

@@ -1,0 +1,127 @@
+"""Issue #15 finding 9: running rollouts hold a lease (runner heartbeat, events); a dead runner's
+rollouts fail with a reason; a timed-out wait fails its rollouts so no runner runs them later."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from agl_lab.client import AglClient, RolloutWaitTimeout
+from agl_lab.protocol import RolloutCreate, RolloutState, RolloutStatusPatch
+from agl_lab.rollout import SyncRolloutManager
+from agl_lab.runner import Runner
+from agl_lab.server.store import open_store
+
+KEY = "lease-key"
+
+
+def _state(client, rid):
+    return client.get_rollout(rid)[0].status
+
+
+def _wait_state(client, rid, state, bound=30.0):
+    end = time.monotonic() + bound
+    while time.monotonic() < end:
+        status = _state(client, rid)
+        if status.state == state:
+            return status
+        time.sleep(0.05)
+    raise AssertionError(f"{rid} never reached {state}: {_state(client, rid)}")
+
+
+def test_running_rollout_without_a_runner_fails_when_its_lease_expires(embedded_server, store_url):
+    server = embedded_server(key=KEY, default_proxy={"model_name": "m"}, store=store_url, lease_seconds=0.5)
+    with AglClient(server.url, key=KEY) as client:
+        client.create_rollouts([RolloutCreate(input={}, rollout_id="orphan"), RolloutCreate(input={}, rollout_id="q")])
+        client.patch_status("orphan", state="running", last_attempt_id="0")  # a runner that then crashed
+        status = _wait_state(client, "orphan", "failed")
+        assert "lease expired" in status.error_message and "lease_seconds=0.5" in status.error_message
+        assert _state(client, "q").state == "queuing"  # queued rollouts hold no lease
+        page = client.terminal_page(after=0)
+        assert [i.rollout_id for i in page.items] == ["orphan"]
+
+
+def test_heartbeats_and_events_keep_a_rollout_alive(embedded_server, store_url):
+    server = embedded_server(key=KEY, default_proxy={"model_name": "m"}, store=store_url, lease_seconds=0.6)
+    with AglClient(server.url, key=KEY) as client:
+        client.create_rollouts([RolloutCreate(input={}, rollout_id=r) for r in ("hb", "ev")])
+        for rid in ("hb", "ev"):
+            client.patch_status(rid, state="running", last_attempt_id="0")
+        end = time.monotonic() + 2.0  # > 3 leases
+        while time.monotonic() < end:
+            answer = client.heartbeat(["hb", "nope"])
+            assert answer == {"not_running": ["nope"], "lease_seconds": 0.6}
+            client.add_event("ev", "0", "tick", {})
+            time.sleep(0.1)
+        assert _state(client, "hb").state == "running" and _state(client, "ev").state == "running"
+
+
+def test_runner_heartbeats_keep_long_quiet_agents_running(embedded_server):
+    server = embedded_server(key=KEY, default_proxy={"model_name": "m"}, lease_seconds=0.5)
+
+    def quiet_agent(task, ctx):
+        time.sleep(2.0)  # four leases without an event or a model call
+        return 1.0
+
+    with AglClient(server.url, key=KEY) as client, Runner(server.url, key=KEY, agent=quiet_agent, poll_interval=0.02):
+        client.create_rollouts([RolloutCreate(input={}, rollout_id="quiet")])
+        status = _wait_state(client, "quiet", "succeeded")
+        assert status.error_message is None
+
+
+def test_sqlite_running_rollouts_of_a_crashed_server_expire_after_restart(embedded_server, tmp_path):
+    url = f"sqlite:///{tmp_path}/crash.db"
+    store = open_store(url)
+    store.create_rollouts([RolloutCreate(input={}, rollout_id="left")])
+    store.patch_status("left", RolloutStatusPatch(state=RolloutState.RUNNING))
+    store.close()  # the server "crashed" with the rollout running
+    server = embedded_server(key=KEY, default_proxy={"model_name": "m"}, store=url, lease_seconds=0.3)
+    with AglClient(server.url, key=KEY) as client:
+        assert "lease expired" in _wait_state(client, "left", "failed").error_message
+
+
+def test_leases_off(embedded_server):
+    server = embedded_server(key=KEY, default_proxy={"model_name": "m"}, lease_seconds=0)
+    with AglClient(server.url, key=KEY) as client:
+        client.create_rollouts([RolloutCreate(input={}, rollout_id="forever")])
+        client.patch_status("forever", state="running")
+        time.sleep(0.5)  # a sweep with a 0 s lease would have failed it at once
+        assert _state(client, "forever").state == "running"
+        assert client.heartbeat(["forever"]) == {"not_running": [], "lease_seconds": 0.0}
+
+
+def test_timed_out_wait_fails_its_rollouts_and_a_later_runner_runs_none(embedded_server, store_url):
+    server = embedded_server(key=KEY, default_proxy={"model_name": "m"}, store=store_url)
+    ran = []
+    with AglClient(server.url, key=KEY) as client:
+        manager = SyncRolloutManager(client, n=2, step=0, rollout_config={}, timeout_seconds=0.3, poll_interval=0.02)
+        with pytest.raises(RolloutWaitTimeout) as info:
+            manager.run([{"q": 1}], is_train=True)
+        ids = sorted(info.value.unfinished)
+        assert len(ids) == 2 and set(info.value.unfinished.values()) == {"queuing"}
+        for rid in ids:
+            status = _state(client, rid)
+            assert status.state == "failed" and "wait for this rollout timed out after 0.3s" in status.error_message
+        with Runner(server.url, key=KEY, agent=lambda task, ctx: ran.append(task), poll_interval=0.02):
+            time.sleep(0.5)
+    assert ran == []
+
+
+def test_async_client_heartbeat_and_fail(embedded_server):
+    import asyncio
+
+    from agl_lab.client import AsyncAglClient
+
+    server = embedded_server(key=KEY, default_proxy={"model_name": "m"})
+
+    async def go():
+        async with AsyncAglClient(server.url, key=KEY) as client:
+            await client.create_rollouts([RolloutCreate(input={}, rollout_id="a1")])
+            await client.patch_status("a1", state="running")
+            assert (await client.heartbeat(["a1"]))["not_running"] == []
+            assert await client.fail_rollouts(["a1", "gone"], "stop") == ["a1"]
+            return (await client.get_rollout("a1"))[0].status
+
+    status = asyncio.run(go())
+    assert status.state == "failed" and status.error_message == "stop"
