@@ -312,10 +312,7 @@ def _trace_text(ids: Sequence[int], tokenizer: Any) -> str:
     return text[:TRACE_TEXT_LIMIT] + f"\n...[truncated {len(text) - TRACE_TEXT_LIMIT} chars]"
 
 
-# =========================================================================== padding
-
-
-# =========================================================================== tensors
+# =========================================================================== tensors (padding: agl_lab.padding)
 
 
 def to_dataproto(rows: Sequence[Row], arrays: dict[str, np.ndarray]) -> tuple[Any, int]:
@@ -333,9 +330,7 @@ def to_dataproto(rows: Sequence[Row], arrays: dict[str, np.ndarray]) -> tuple[An
     n = len(rows)
     attention = np.concatenate([arrays["prompt_mask"], arrays["response_attention"]], axis=1)
     p, r = arrays["prompts"].shape[1], arrays["responses"].shape[1]
-    lengths = arrays.get("prompt_lengths")
-    if lengths is None:
-        lengths = arrays["prompt_mask"].sum(axis=1)
+    lengths = arrays["prompt_lengths"] if "prompt_lengths" in arrays else arrays["prompt_mask"].sum(axis=1)
     position = padding.positions(lengths, arrays["response_lengths"], p, r)  # clamp(cumsum(mask) - 1, 0)
     scores = np.zeros(arrays["responses"].shape, dtype=np.float32)
     rewards = np.fromiter((r.reward for r in rows), np.float32, n)

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from agl_lab.protocol import rollout_token
 from agl_lab.tasks import Task, get_task, register_task, task_names
 from agl_lab.trainer import Trainer, train_main
 
@@ -75,7 +76,8 @@ def test_each_ctx_field_reaches_the_agent(trainer):
         assert seen["is_train"] is True
         assert seen["base_url"] == f"{trainer.base_url}/proxy/rollout/{r.rollout_id}/attempt/0/mode/train/openai/v1"
         assert seen["event_url"] == f"{trainer.base_url}/api/rollouts/{r.rollout_id}/attempt/0/events"
-        assert seen["api_key"] == trainer.key and trainer.key  # the embedded server's fresh key
+        # a per-rollout token derived from the embedded server's fresh key, not the admin key
+        assert seen["api_key"] == rollout_token(trainer.key, r.rollout_id) != trainer.key
         # ctx.openai_client(): the call went through the gateway and is a triplet of the rollout,
         # although the agent named a model the engine does not call itself
         assert len(r.triplets) == 1 and r.triplets[0].response_ids

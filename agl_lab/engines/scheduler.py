@@ -232,6 +232,10 @@ class BatchScheduler:
                     self.stats["step_s"] += time.perf_counter() - t0
             except Exception as exc:  # a model error must not kill the server: fail the batch
                 self._fail_all(exc)
+            # Critical: yield the GIL between steps. Locks are not fair: a thread waiting for
+            # `weights_lock` (the trainer's update, a weight sync) would otherwise watch this
+            # loop re-take it step after step until every running request has finished.
+            time.sleep(0)
 
     def _step(self) -> None:
         if self.prefix_cache is not None:

@@ -39,6 +39,8 @@ import os
 import sys
 from typing import Any
 
+import torch
+
 from agl_lab.engines.verl_api import verl_import
 
 #: actor_rollout_ref.rollout.name of this rollout (agl_lab.engines.verl_cpu registers it)
@@ -119,7 +121,11 @@ def _adapter_class() -> type:
                     if target is None:
                         raise KeyError(f"weight {name!r} from the actor has no counterpart in the served model "
                                        f"({type(model).__name__} from {self.model_config.local_path})")
-                    target.data.copy_(tensor.detach().to(device="cpu", dtype=target.dtype))
+                    with torch.no_grad():
+                        # Critical: copy into the parameter itself, not `.data` — that bumps its
+                        # version counter, which is how the decode step's packed weights and the
+                        # prefix cache learn that the weights changed
+                        target.copy_(tensor.detach().to(device="cpu", dtype=target.dtype))
                     seen += 1
             self.global_steps = kwargs.get("global_steps")
             self.events.append(f"update_weights:{self.global_steps}")

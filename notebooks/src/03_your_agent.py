@@ -210,7 +210,7 @@ assert trainer.metrics["training/reward"].mean() > 0.1
 for r in ro.rollouts:
     (event,) = [e for e in r.events if e.get("event_type") == "replies"]
     assert r.final_reward == echo_reward(r.input, event["data"]["replies"])
-assert list(trainer.metrics.index) == [0, 1, 2, 3, 4] and not u.skipped
+assert list(trainer.metrics.index) == [1, 2, 3, 4, 5] and not u.skipped  # verl's 1-based global_steps
 for _, row in b.rows[b.rows.batch_index >= 0].iterrows():
     rollout = next(x for x in ro.rollouts if x.rollout_id == row.rollout_id)
     assert row.loss_tokens == sum(len(t.response_ids) for t in rollout.triplets[row.first_call:row.last_call + 1])
