@@ -50,7 +50,6 @@ CONSOLE_KEYS = (
     ("training/n_sample_dropped/alignment", "dropped"),
     ("training/n_failed_rollouts", "failed"),
     ("training/n_zero_adv_groups", "zero_adv"),
-    ("training/n_failed_rollouts", "failed"),
     ("actor/pg_loss", "pg_loss"),
     ("actor/entropy", "entropy"),
     # max |log π_trainer − log π_sampler| over loss tokens (not verl's probability-space diff)

@@ -159,6 +159,7 @@ def test_two_trainer_steps_through_verl_workers(trainer):
     assert engine.policy_version == v0 + 2
     for metrics in results:
         assert "actor/pg_loss" in metrics and metrics["training/policy_version"] >= 1
+        assert metrics["training/rollout_logprobs_diff_max"] < 1e-4  # served = trained weights (float32)
     assert loss_calls() >= 2, "per_rollout_mean never ran in the worker"
 
 
