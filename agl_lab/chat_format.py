@@ -11,6 +11,21 @@ import re
 import uuid
 from typing import Any
 
+# The assistant's `tool_calls` rendered as Hermes `<tool_call>` blocks, one per call, for the
+# chat templates of the built-in models (tiny and SmolLM2): the inverse of the parser below.
+TOOL_CALLS_JINJA = (
+    "{%- if message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{%- for tc in message['tool_calls'] %}"
+    "{%- set call = tc['function'] if tc.get('function') else tc %}"
+    "{%- if message['content'] or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>{\"name\": \"' + call['name'] + '\", \"arguments\": ' }}"
+    "{%- if call['arguments'] is string %}{{- call['arguments'] }}"
+    "{%- else %}{{- call['arguments'] | tojson }}{%- endif %}"
+    "{{- '}</tool_call>' }}"
+    "{%- endfor %}"
+    "{%- endif %}"
+)
+
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from agl_lab.chat_format import TOOL_CALLS_JINJA
 from agl_lab.engines.tiny import cache_root
 
 
@@ -70,16 +71,7 @@ SMOLLM2_CHAT_TEMPLATE = (
     "{%- if not (loop.first and has_system and tools) %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' }}"
     "{%- if message['content'] is string %}{{- message['content'] }}{%- endif %}"
-    "{%- if message['role'] == 'assistant' and message.get('tool_calls') %}"
-    "{%- for tc in message['tool_calls'] %}"
-    "{%- set call = tc['function'] if tc.get('function') else tc %}"
-    "{%- if message['content'] or not loop.first %}{{- '\\n' }}{%- endif %}"
-    "{{- '<tool_call>{\"name\": \"' + call['name'] + '\", \"arguments\": ' }}"
-    "{%- if call['arguments'] is string %}{{- call['arguments'] }}"
-    "{%- else %}{{- call['arguments'] | tojson }}{%- endif %}"
-    "{{- '}</tool_call>' }}"
-    "{%- endfor %}"
-    "{%- endif %}"
+    + TOOL_CALLS_JINJA +
     "{{- '<|im_end|>\\n' }}"
     "{%- endif %}"
     "{%- endfor %}"

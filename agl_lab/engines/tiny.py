@@ -32,6 +32,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from agl_lab.chat_format import TOOL_CALLS_JINJA
+
 DEFAULT_MODEL_NAME = "agl-lab-tiny"
 
 # ---------------------------------------------------------------------------------------
@@ -84,16 +86,7 @@ CHAT_TEMPLATE = (
     "{%- if part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
     "{%- endfor %}"
     "{%- endif %}"
-    "{%- if message['role'] == 'assistant' and message.get('tool_calls') %}"
-    "{%- for tc in message['tool_calls'] %}"
-    "{%- set call = tc['function'] if tc.get('function') else tc %}"
-    "{%- if message['content'] or not loop.first %}{{- '\\n' }}{%- endif %}"
-    "{{- '<tool_call>{\"name\": \"' + call['name'] + '\", \"arguments\": ' }}"
-    "{%- if call['arguments'] is string %}{{- call['arguments'] }}"
-    "{%- else %}{{- call['arguments'] | tojson }}{%- endif %}"
-    "{{- '}</tool_call>' }}"
-    "{%- endfor %}"
-    "{%- endif %}"
+    + TOOL_CALLS_JINJA +
     "{{- '<|im_end|>\\n' }}"
     "{%- endif %}"
     "{%- endfor %}"
