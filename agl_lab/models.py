@@ -24,14 +24,12 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from agl_lab.chat_format import TOOL_CALLS_JINJA
-from agl_lab.engines.tiny import cache_root
+from agl_lab.engines.tiny import build_cached_dir, cache_root
 
 
 @dataclass(frozen=True)
@@ -98,22 +96,9 @@ def preset_dir(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
     gguf = gguf_path(preset)
     version = importlib.metadata.version(preset.package)
     root = Path(cache_dir).expanduser() if cache_dir is not None else cache_root()
-    target = root / f"{preset.name}-{version}-v{_CONVERSION_VERSION}"
-    if (target / "config.json").exists():
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=root))
-    try:
-        convert_gguf(gguf, tmp, eos_token=preset.eos_token, chat_template=preset.chat_template)
-        tmp.chmod(0o755)
-        try:
-            tmp.rename(target)  # atomic: readers never see a half-written directory
-        except OSError:
-            if not (target / "config.json").exists():  # lost a race to a complete conversion: fine
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return build_cached_dir(
+        root / f"{preset.name}-{version}-v{_CONVERSION_VERSION}",
+        lambda tmp: convert_gguf(gguf, tmp, eos_token=preset.eos_token, chat_template=preset.chat_template))
 
 
 def resolve_model_path(model_cfg: Any) -> str | None:

@@ -30,7 +30,7 @@ import random
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from agl_lab.chat_format import TOOL_CALLS_JINJA
 
@@ -217,18 +217,19 @@ def build_model(tokenizer: Any, seed: int = 0) -> Any:
     return model.eval()
 
 
-def tiny_model_dir(seed: int = 0, cache_dir: str | os.PathLike | None = None) -> Path:
-    """Directory of the cached tiny model for `seed`, building it on first use (seconds)."""
-    root = Path(cache_dir).expanduser() if cache_dir is not None else cache_root()
-    target = root / f"tiny-{_recipe_hash(seed)}"
+def build_cached_dir(target: Path, build: Callable[[Path], None]) -> Path:
+    """`target` (a model directory in the cache), made by `build(tmp_dir)` on first use.
+
+    The build writes into a private temporary directory beside `target` that is renamed into
+    place, so readers never see a half-written directory and concurrent builders race safely
+    (the loser's copy is dropped). A directory counts as built when it holds `config.json`.
+    """
     if (target / "config.json").exists():
         return target
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=root))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        tokenizer = build_tokenizer()
-        build_model(tokenizer, seed).save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        build(tmp)
         tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared by the user's processes
         try:
             tmp.rename(target)  # atomic: readers see no half-written directory
@@ -238,6 +239,18 @@ def tiny_model_dir(seed: int = 0, cache_dir: str | os.PathLike | None = None) ->
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def tiny_model_dir(seed: int = 0, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Directory of the cached tiny model for `seed`, building it on first use (seconds)."""
+    root = Path(cache_dir).expanduser() if cache_dir is not None else cache_root()
+
+    def build(tmp: Path) -> None:
+        tokenizer = build_tokenizer()
+        build_model(tokenizer, seed).save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+    return build_cached_dir(root / f"tiny-{_recipe_hash(seed)}", build)
 
 
 # ---------------------------------------------------------------------------------------

@@ -25,7 +25,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -221,27 +220,17 @@ def warm_started_model_dir(task_name: str, steps: int, seed: int = 0,
     For engines that load weights from disk (the verl engine's workers and replica): the same
     weights `warm_start` gives the local engine in process. Cached next to the warm-start state.
     """
-    from agl_lab.engines.tiny import load_model_and_tokenizer, tiny_model_dir
+    from agl_lab.engines.tiny import build_cached_dir, load_model_and_tokenizer, tiny_model_dir
 
     base = tiny_model_dir(seed=seed)
     if steps == 0:
         return base
     model, tokenizer = load_model_and_tokenizer(None, device="cpu", seed=seed)
     key = warm_start_key(model, tokenizer, task_name, steps, seed, lr=DEFAULT_LR, batch_size=DEFAULT_BATCH_SIZE)
-    target = _cache_dir(cache_dir) / f"warmstart-{task_name}-{key}"
-    if (target / "config.json").exists():
-        return target
-    warm_start(model, tokenizer, task_name, steps, seed, cache_dir)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
+
+    def build(tmp: Path) -> None:
+        warm_start(model, tokenizer, task_name, steps, seed, cache_dir)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        tmp.chmod(0o755)
-        try:
-            tmp.rename(target)  # atomic: readers never see a half-written directory
-        except OSError:
-            if not (target / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+
+    return build_cached_dir(_cache_dir(cache_dir) / f"warmstart-{task_name}-{key}", build)
