@@ -31,7 +31,7 @@ from agl_lab.algorithms import (
     skip_reason,
     skipped_step,
 )
-from agl_lab.engines.base import Engine
+from agl_lab.engines.base import Engine, logprob_gap
 from agl_lab.results import BatchResult, UpdateResult
 
 logger = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ def run_update(cfg, engine: Engine, batch: BatchResult, *, step: int) -> UpdateR
         data, prep_metrics = engine.prepare(data)
     metrics.update(prep_metrics)
     if "training/rollout_logprobs_diff_max" not in metrics:  # engines that report only verl's probability gap
-        metrics.update(_logprob_gap(data))
+        metrics.update(logprob_gap(data))
     with _timed(metrics, "adv"):
         prepared, records, adv_metrics = prepare_update_batch(data, seed=int(cfg.agl_lab.seed) + step, **opts)
     metrics.update(adv_metrics)
@@ -118,19 +118,6 @@ def alignment_report(metrics: dict[str, Any], mini_batch_rows: int, n: int, step
             "rollout is in UpdateResult.dropped.",
             step, dropped, trainable, 100 * dropped / trainable, mini_batch_rows // n, n, mini_batch_rows)
     return {"training/n_sample_dropped/alignment": dropped}
-
-
-def _logprob_gap(data: Any) -> dict[str, float]:
-    """|log π_old − log π_rollout| over the loss tokens: `training/rollout_logprobs_diff_{mean,max}`
-    (the console's `lp_diff_max`; 0 means the update starts on-policy). `{}` without both."""
-    b = data.batch
-    if "rollout_log_probs" not in b.keys() or "old_log_probs" not in b.keys():
-        return {}
-    diff = (b["old_log_probs"].float() - b["rollout_log_probs"].float()).abs()[b["response_mask"].bool()]
-    if not diff.numel():
-        return {}
-    return {"training/rollout_logprobs_diff_mean": diff.mean().item(),
-            "training/rollout_logprobs_diff_max": diff.max().item()}
 
 
 @contextlib.contextmanager

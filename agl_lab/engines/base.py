@@ -105,3 +105,17 @@ def sampling_log_probs(data: Any) -> Any:
     if not rollout.isfinite().all():
         raise RuntimeError("bypass_mode requires finite rollout_log_probs everywhere")
     return rollout.clone().float()
+
+
+def logprob_gap(data: Any) -> dict[str, float]:
+    """|log π_old − log π_rollout| over the loss tokens: `training/rollout_logprobs_diff_{mean,max}`
+    (the console's `lp_diff_max`; 0 means the update starts on-policy). `{}` without both
+    `old_log_probs` and `rollout_log_probs`, or without loss tokens."""
+    b = data.batch
+    if "rollout_log_probs" not in b.keys() or "old_log_probs" not in b.keys():
+        return {}
+    diff = (b["old_log_probs"].float() - b["rollout_log_probs"].float()).abs()[b["response_mask"].bool()]
+    if not diff.numel():
+        return {}
+    return {"training/rollout_logprobs_diff_mean": diff.mean().item(),
+            "training/rollout_logprobs_diff_max": diff.max().item()}

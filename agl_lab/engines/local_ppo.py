@@ -48,7 +48,7 @@ from verl.trainer.ppo.core_algos import agg_loss, get_policy_loss_fn, kl_penalty
 from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
 
 import agl_lab.algorithms  # noqa: F401  (registers per_rollout_mean)
-from agl_lab.engines.base import sampling_log_probs
+from agl_lab.engines.base import logprob_gap, sampling_log_probs
 
 logger = logging.getLogger(__name__)
 
@@ -301,12 +301,7 @@ def rollout_mismatch_metrics(data: DataProto) -> dict[str, float]:
         return {}
     from verl.utils.debug.metrics import calculate_debug_metrics
 
-    metrics = {k: float(v) for k, v in calculate_debug_metrics(data).items()}
-    diff = (b["old_log_probs"].float() - b["rollout_log_probs"].float()).abs()[b["response_mask"].bool()]
-    if diff.numel():
-        metrics["training/rollout_logprobs_diff_mean"] = diff.mean().item()
-        metrics["training/rollout_logprobs_diff_max"] = diff.max().item()
-    return metrics
+    return {**{k: float(v) for k, v in calculate_debug_metrics(data).items()}, **logprob_gap(data)}
 
 
 # =============================================================================================
