@@ -568,11 +568,12 @@ class SqliteStore(Store):
         self._db.executescript(_SCHEMA)
         self._cache: dict[str, Rollout] = {}  # rollout_id -> Rollout as stored (see _load)
         self._closed = threading.Event()
-        if path != ":memory:":
-            self._db.execute("PRAGMA wal_autocheckpoint=0")  # the flusher thread checkpoints
-        self._flusher = threading.Thread(target=self._flush_loop, args=(weakref.ref(self), self._closed, path),
-                                         name="agl-sqlite-flush", daemon=True)
-        self._flusher.start()
+        self._checkpointer: threading.Thread | None = None
+        if path != ":memory:":  # an in-memory database has no WAL to checkpoint
+            self._db.execute("PRAGMA wal_autocheckpoint=0")  # the checkpoint thread does it
+            self._checkpointer = threading.Thread(target=self._checkpoint_loop, args=(weakref.ref(self), self._closed, path),
+                                                  name="agl-sqlite-checkpoint", daemon=True)
+            self._checkpointer.start()
         with self._lock:
             self._terminal_trim()  # a smaller limit on reopen applies at once
 
@@ -584,8 +585,8 @@ class SqliteStore(Store):
             if self._closed.is_set():
                 return
             self._closed.set()
-        if threading.current_thread() is not self._flusher:
-            self._flusher.join(5)
+        if self._checkpointer is not None and threading.current_thread() is not self._checkpointer:
+            self._checkpointer.join(5)
         with self._lock:
             self._db.close()
             if self._lock_file is not None:
@@ -593,23 +594,19 @@ class SqliteStore(Store):
                 self._lock_file = None
 
     @staticmethod
-    def _flush_loop(ref: weakref.ref, closed: threading.Event, path: str) -> None:
+    def _checkpoint_loop(ref: weakref.ref, closed: threading.Event, path: str) -> None:
         """The WAL checkpoint thread; holds the store only weakly, so an unclosed store is still freed."""
-        checkpointer = sqlite3.connect(path, check_same_thread=False) if path != ":memory:" else None
-        last_checkpoint = time.monotonic()
+        checkpointer = sqlite3.connect(path, check_same_thread=False)
         try:
             while not closed.wait(SqliteStore.CHECKPOINT_SECONDS):
                 if ref() is None:  # the store was freed without close()
                     return
-                if checkpointer is not None and time.monotonic() - last_checkpoint > SqliteStore.CHECKPOINT_SECONDS:
-                    with contextlib.suppress(sqlite3.Error):
-                        checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)")
-                    last_checkpoint = time.monotonic()
-        finally:
-            if checkpointer is not None:
                 with contextlib.suppress(sqlite3.Error):
                     checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)")
-                checkpointer.close()
+        finally:
+            with contextlib.suppress(sqlite3.Error):
+                checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)")
+            checkpointer.close()
 
     def __del__(self) -> None:
         closed = getattr(self, "_closed", None)
