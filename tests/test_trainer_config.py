@@ -15,16 +15,8 @@ from agl_lab.data import load_task_files
 from agl_lab.engines.tiny import tiny_model_dir
 from agl_lab.tasks import get_task
 from agl_lab.trainer import Trainer
+from tests.test_trainer import SMALL  # the small, warm-start-free Trainer settings
 
-SMALL = [
-    "data.train_batch_size=4",
-    "actor_rollout_ref.rollout.n=2",
-    "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-    "agl_lab.task.n_train=16",
-    "agl_lab.task.n_val=4",
-    "agl_lab.runner.concurrency=8",
-    "agl_lab.model.warm_start_steps=0",
-]
 
 
 def lookup_tasks(n: int, seed: int = 0) -> list[dict]:
