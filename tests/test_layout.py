@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -104,7 +105,11 @@ def test_pure_core_imports_no_io() -> None:
         + "".join(f"import {m}\n" for m in PURE_CORE)
         + "print(json.dumps(sorted(sys.modules)))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    # A fresh interpreter as a notebook starts one: without the VERL_* variables a verl engine
+    # started earlier in this process exports for its workers (they make `import verl` load
+    # agl_lab's CPU platform module).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     loaded = json.loads(out.stdout.strip().splitlines()[-1])
     leaked = [m for m in loaded for bad in IO_PARTS + WEB_STACK if m == bad or m.startswith(bad + ".")]
     assert not leaked, f"the pure core imported I/O modules: {leaked}"
