@@ -29,7 +29,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 ray = pytest.importorskip("ray")
 torch = pytest.importorskip("torch")
 
+from agl_lab.engines.verl import WORKER_ENV_KEYS  # noqa: E402
+
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "cpu_verl.yaml")
+ENV_BEFORE: dict[str, str | None] = {}  # the env the trainer fixture started from: close() restores it
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +53,7 @@ def ray_env():
 def trainer(ray_env):
     from agl_lab.trainer import Trainer
 
+    ENV_BEFORE.update({key: os.environ.get(key) for key in WORKER_ENV_KEYS})
     t = Trainer.from_config(CONFIG, [
         "agl_lab.model.warm_start_steps=0", "agl_lab.task.n_train=16", "agl_lab.task.n_val=2",
         "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
@@ -262,7 +266,9 @@ def test_killed_worker_fails_the_step_naming_it_and_close_leaves_no_ray_process(
         engine.update(None)
     # an OOM kill or a crash names no actor: the engine then asks every worker whether it is alive
     assert engine._probe_dead_workers() == [f"actor_rollout_wg/{group.worker_names[0]}"]
+    assert os.environ.get("VERL_PLATFORM") == "agl_lab_cpu"  # exported for the workers while it ran
     trainer.close()
     assert not ray.is_initialized()
+    assert {key: os.environ.get(key) for key in WORKER_ENV_KEYS} == ENV_BEFORE  # subprocesses see the user's env again
     _, alive = psutil.wait_procs(ray_procs, timeout=60)  # a bounded wait for exits, not a timing assert
     assert alive == [], [(p.pid, p.name()) for p in alive]

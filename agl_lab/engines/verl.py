@@ -124,6 +124,19 @@ def init_ray(config: Any, env_vars: Mapping[str, str] | None = None) -> bool:
     return True
 
 
+# what verl_cpu.activate() exports into this process for the CPU platform's workers
+WORKER_ENV_KEYS = ("VERL_USE_EXTERNAL_MODULES", "VERL_PLATFORM", "VERL_ENGINE_DEVICE", "PYTHONPATH")
+
+
+def _restore_env(before: Mapping[str, str | None]) -> None:
+    """Put back env vars as they were before `_select_device` (None: it was unset)."""
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 def _select_device(config: Any) -> dict[str, str]:
     """CUDA → {} (verl as shipped); no CUDA → agl_lab's CPU platform, loaded here and in every
     Ray worker through the returned env (`agl_lab.verl.device` forces one or the other)."""
@@ -218,6 +231,7 @@ class VerlEngine(Engine):
                                "vllm==0.24.0):\n  " + "\n  ".join(problems))
         if not train_dataset:
             raise ValueError("train_dataset must be non-empty: the verl engine's dataloader needs task rows")
+        env_before = {key: os.environ.get(key) for key in WORKER_ENV_KEYS}
         env_vars = _select_device(config)
         owns_ray = init_ray(config, env_vars)
         try:
@@ -230,7 +244,9 @@ class VerlEngine(Engine):
                 import ray
 
                 ray.shutdown()
+            _restore_env(env_before)
             raise
+        self._env_before = env_before  # close() restores it: later subprocesses see the user's env
 
     @classmethod
     def wrap(cls, trainer: Any, model_name: str, *, replicas_awake: bool = False) -> VerlEngine:
@@ -249,6 +265,7 @@ class VerlEngine(Engine):
         self._lock = threading.Lock()
         self._closed = False
         self._dead: str | None = None  # why the engine cannot go on (a worker died)
+        self._env_before: dict[str, str | None] = {}  # env vars to restore at close() (set by __init__)
 
     def _workers(self) -> dict[str, tuple[str, Any]]:
         """Ray actor id (hex) → (`<worker group>/<worker name>`, handle) for every verl worker."""
@@ -383,3 +400,4 @@ class VerlEngine(Engine):
             import ray
 
             ray.shutdown()
+        _restore_env(self._env_before)
