@@ -364,13 +364,14 @@ def test_pause_holds_new_requests_until_resume(server, http):
 # ---------------------------------------------------------------------------------------
 
 
-def test_engine_cli_serves_standalone():
+def test_engine_cli_serves_standalone(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "agl_lab.cli", "engine", "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    log = tmp_path / "engine.log"  # a file, not a pipe: nothing blocks on a full pipe or on reading it
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "agl_lab.cli", "engine", "--port", str(port)],
+                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -378,7 +379,9 @@ def test_engine_cli_serves_standalone():
                 models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=1).json()
                 break
             except httpx.TransportError:
-                assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"`agl-lab engine` did not serve in 60 s (exit code {proc.poll()}):\n"
+                                f"{log.read_text()[-3000:]}")
                 time.sleep(0.2)
         assert models["data"][0]["id"] == "agl-lab-tiny"
         data = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
