@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from agl_lab.chat_format import TOOL_CALLS_JINJA
+from agl_lab.quiet import quiet_hf
 
 DEFAULT_MODEL_NAME = "agl-lab-tiny"
 
@@ -303,5 +304,6 @@ def load_model_and_tokenizer(
         dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
     elif isinstance(dtype, str):
         dtype = getattr(torch, dtype)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    with quiet_hf():  # no "Loading weights" bar in `agl-lab engine`, the benchmarks or a notebook
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     return model.to(device).eval(), load_tokenizer(model_path=path)
