@@ -68,6 +68,21 @@ AGL_DEFAULTS: dict[str, Any] = {
     },
 }
 
+# agl_lab.server keys handed to the embedded server's ServerConfig as they are (when not null).
+SERVER_PASSTHROUGH = (
+    "lease_seconds", "max_body_bytes", "max_batch_items", "terminal_log_limit", "upstream_client",
+    "upstream_timeout_seconds", "upstream_call_deadline_seconds", "upstream_max_attempts",
+    "upstream_backoff_base_seconds", "upstream_backoff_max_seconds", "upstream_breaker_seconds",
+)
+
+
+def server_overrides(cfg: DictConfig) -> dict[str, Any]:
+    """The agl_lab.server limits the user set (not null), as ServerConfig keyword arguments."""
+    server = cfg.agl_lab.server
+    return {key: OmegaConf.to_object(server[key]) if OmegaConf.is_config(server[key]) else server[key]
+            for key in SERVER_PASSTHROUGH if server.get(key) is not None}
+
+
 # The agl_lab section: what AGL leaves to separate processes (server, controller) and what we
 # add (engine choice, built-in tasks, the loss divisor, bounded waits).
 AGL_LAB_DEFAULTS: dict[str, Any] = {
@@ -94,6 +109,9 @@ AGL_LAB_DEFAULTS: dict[str, Any] = {
             "val_temperature": 0.7,
             "token_preserving": False,
             "seed_calls": True,  # calls without a seed get one from their position: reproducible runs
+            # the embedded server's limits and upstream retry policy (ServerConfig, docs/robustness.md);
+            # null keeps the server's own default
+            **{key: None for key in SERVER_PASSTHROUGH},
         },
         "runner": {"enabled": True, "concurrency": 32, "agent_timeout_seconds": None},
         # wait_timeout_seconds: "auto" = agentlightning.rollout_timeout_seconds + 60 s (every
@@ -313,12 +331,30 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"agl_lab.model.preset={model.preset!r} is not one of {sorted(PRESETS)}")
         if model.path is not None:
             raise ConfigError("set agl_lab.model.path or agl_lab.model.preset, not both (the preset is a path)")
+    _check_server_overrides(cfg)
     rc = cfg.algorithm.get("rollout_correction") or {}
     if rc.get("bypass_mode") and not cfg.agl_lab.server.include_log_probs:
         raise ConfigError(
             "algorithm.rollout_correction.bypass_mode=true needs sampling logprobs: "
             "set agl_lab.server.include_log_probs=true"
         )
+
+
+def _check_server_overrides(cfg: DictConfig) -> None:
+    """The embedded server would refuse these at start-up: refuse them now, naming the key."""
+    overrides = server_overrides(cfg)
+    if not overrides:
+        return
+    from pydantic import ValidationError
+
+    from agl_lab.server.config import ServerConfig
+
+    try:
+        ServerConfig.model_validate(overrides)
+    except ValidationError as err:
+        problems = "; ".join(f"agl_lab.server.{'.'.join(str(p) for p in e['loc'])}={e.get('input')!r}: {e['msg']}"
+                             for e in err.errors())
+        raise ConfigError(f"{problems} (docs/robustness.md describes each server limit)") from None
 
 
 def _check_learning_rules(cfg: DictConfig) -> None:

@@ -172,6 +172,11 @@ def warn_ineffective(cfg: DictConfig, defaults: DictConfig, keys: Iterable[str])
             messages.append(f"algorithm.rollout_correction.loss_type={rc.get('loss_type')} has no effect on the local "
                             "engine: bypass mode keeps actor.policy_loss.loss_mode with old logprobs = the sampling "
                             "logprobs (verl's ppo_clip bypass); use agl_lab.engine=verl for reinforce")
+    if not cfg.agl_lab.server.embedded:  # every other agl_lab.server key configures the embedded server
+        messages += [f"{p} has no effect with agl_lab.server.embedded=false: the server at "
+                     "agentlightning.agl_base_url runs with its own settings (set them there)"
+                     for p in keys if p.startswith("agl_lab.server.") and p != "agl_lab.server.embedded"
+                     and OmegaConf.select(cfg, p) != OmegaConf.select(defaults, p, default=None)]
     n, est = int(cfg.actor_rollout_ref.rollout.n), str(cfg.algorithm.adv_estimator).lower()
     if n == 1 and est in ("grpo", "grpo_passk", "rloo", "opo", "gpg"):
         messages.append(f"actor_rollout_ref.rollout.n=1 with algorithm.adv_estimator={est}: every group has one "

@@ -214,6 +214,7 @@ class Trainer:
                 store=str(lab.server.store),
                 token_preserving=bool(lab.server.token_preserving),
                 call_seed=int(lab.seed) if lab.server.seed_calls else None,
+                **config_mod.server_overrides(self.cfg),  # lease_seconds, upstream_* …: ServerConfig's defaults if unset
                 default_proxy={
                     "model_name": self.engine.model_name,
                     "include_log_probs": bool(lab.server.include_log_probs),

@@ -150,3 +150,23 @@ def test_actor_model_path_names_the_model_of_the_local_engine(tmp_path):
     assert load_config(None).agl_lab.model.path is None  # verl's placeholder default is not adopted
     with pytest.raises(ConfigError, match="name different models"):
         load_config(FIXTURE, ["agl_lab.model.path=/elsewhere"])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("agl_lab.server.lease_seconds=-1", r"agl_lab\.server\.lease_seconds=-1: Input should be greater than or equal to 0"),
+    ("agl_lab.server.upstream_client=curl", r"agl_lab\.server\.upstream_client='curl': Input should be 'auto'"),
+    ("agl_lab.server.max_body_bytes=big", r"agl_lab\.server\.max_body_bytes='big'"),
+])
+def test_bad_server_limits_fail_at_load_naming_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+def test_embedded_server_keys_warn_when_the_server_is_external():
+    from agl_lab.config import ConfigWarning
+
+    with pytest.warns(ConfigWarning, match=r"agl_lab\.server\.lease_seconds has no effect with "
+                                           r"agl_lab\.server\.embedded=false") as caught:
+        load_config(None, ["agl_lab.server.embedded=false", "agl_lab.server.lease_seconds=60",
+                           "agentlightning.agl_base_url=http://127.0.0.1:9"])
+    assert not any("agl_base_url has no effect" in str(w.message) for w in caught)  # it is what the run uses

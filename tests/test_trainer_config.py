@@ -276,3 +276,25 @@ def test_agl_calc_x_config_trains_two_steps_and_logs_every_agl_metric(tmp_path):
     assert not missing, missing
     assert any(k.startswith("rollout_corr/") for k in logged)  # AGL computes them whenever logprobs exist
     assert (tmp_path / "ckpt" / "global_step_2" / "trainer_state.pt").exists()  # save_freq=64: also the last step
+
+
+# ---------------------------------------------------------------------------------------------
+# agl_lab.server: the embedded server's limits
+# ---------------------------------------------------------------------------------------------
+
+
+def test_server_limits_reach_the_embedded_server(tmp_path):
+    """agl_lab.server.{lease_seconds, max_body_bytes, upstream_*} configure the real server."""
+    import httpx
+
+    trainer = Trainer.from_config(None, [*SMALL, "agl_lab.server.lease_seconds=42", "agl_lab.server.max_body_bytes=200000",
+                                         "agl_lab.server.upstream_max_attempts=2"], console=False,
+                                  run_dir=str(tmp_path / "run"))
+    with trainer:
+        config = trainer.server.config
+        assert (config.lease_seconds, config.max_body_bytes, config.upstream_max_attempts) == (42, 200_000, 2)
+        assert config.upstream_timeout_seconds == 300  # unset: the server's default
+        big = [{"input": {"text": "x" * 300_000}}]
+        r = httpx.post(f"{trainer.base_url}/api/rollouts", json=big, headers={"Authorization": f"Bearer {trainer.key}"})
+        assert r.status_code == 413 and "max_body_bytes" in r.json()["detail"]
+        assert len(trainer.rollout().rollouts) == 8  # the run itself is unaffected
