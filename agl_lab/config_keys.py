@@ -59,6 +59,14 @@ LOCAL_HONOURED = (
     "trainer.default_local_dir", "trainer.resume_mode", "trainer.resume_from_path", "trainer.logger",
 )
 
+# agl_lab keys only the local engine reads → what the verl engine reads instead.
+VERL_IGNORED = {
+    "agl_lab.engine_options": "verl's rollout replicas batch by their own settings "
+                              "(actor_rollout_ref.rollout.max_num_seqs, max_num_batched_tokens)",
+    "agl_lab.model.max_model_len": "set actor_rollout_ref.rollout.max_model_len",
+    "agl_lab.model.device": "verl places its workers on GPUs, or on CPU with agl_lab.verl.device=cpu",
+}
+
 # (key, lower bound, strict?) for numbers; None values pass (the key's own check decides).
 RANGES: tuple[tuple[str, float, bool], ...] = (
     ("data.train_batch_size", 0, True),
@@ -172,6 +180,10 @@ def warn_ineffective(cfg: DictConfig, defaults: DictConfig, keys: Iterable[str])
             messages.append(f"algorithm.rollout_correction.loss_type={rc.get('loss_type')} has no effect on the local "
                             "engine: bypass mode keeps actor.policy_loss.loss_mode with old logprobs = the sampling "
                             "logprobs (verl's ppo_clip bypass); use agl_lab.engine=verl for reinforce")
+    if str(cfg.agl_lab.engine) == "verl":
+        messages += [f"{p} has no effect on the verl engine (agl_lab.engine=verl): {VERL_IGNORED[prefix]}"
+                     for p in keys for prefix in VERL_IGNORED if (p == prefix or p.startswith(prefix + "."))
+                     and OmegaConf.select(cfg, p) != OmegaConf.select(defaults, p, default=None)]
     if not cfg.agl_lab.server.embedded:  # every other agl_lab.server key configures the embedded server
         messages += [f"{p} has no effect with agl_lab.server.embedded=false: the server at "
                      "agentlightning.agl_base_url runs with its own settings (set them there)"

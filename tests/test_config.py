@@ -170,3 +170,24 @@ def test_embedded_server_keys_warn_when_the_server_is_external():
         load_config(None, ["agl_lab.server.embedded=false", "agl_lab.server.lease_seconds=60",
                            "agentlightning.agl_base_url=http://127.0.0.1:9"])
     assert not any("agl_base_url has no effect" in str(w.message) for w in caught)  # it is what the run uses
+
+
+def test_local_engine_keys_warn_on_the_verl_engine_naming_what_verl_reads():
+    import warnings
+
+    from agl_lab.config import ConfigWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_config(None, ["agl_lab.engine=verl", "agl_lab.engine_options.max_batch_size=8",
+                           "agl_lab.model.max_model_len=4096", "agl_lab.model.device=cpu",
+                           "agl_lab.model.warm_start_steps=10"])
+    messages = [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)]
+    verl = [m for m in messages if "has no effect on the verl engine" in m]
+    assert [m.split(" ")[0] for m in verl] == ["agl_lab.engine_options.max_batch_size", "agl_lab.model.max_model_len",
+                                              "agl_lab.model.device"]
+    assert "actor_rollout_ref.rollout.max_model_len" in verl[1]
+    with warnings.catch_warnings(record=True) as caught:  # the local engine reads them: silent
+        warnings.simplefilter("always")
+        load_config(None, ["agl_lab.engine_options.max_batch_size=8", "agl_lab.model.max_model_len=4096"])
+    assert not [w for w in caught if "has no effect" in str(w.message)]
