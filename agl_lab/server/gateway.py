@@ -32,6 +32,7 @@ collector never walks; SQLite: batched commits). benchmarks/gateway.py measures 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import inspect
 import logging
@@ -86,9 +87,16 @@ def proxy_base_url(server_url: str, rollout_id: str, attempt_id: str = "0", mode
 
 def select_server(pool: Sequence[Model], rollout_id: str) -> Model:
     """Pin a rollout to one endpoint: sha256(rollout_id)[:8] big-endian mod len(pool)."""
+    if len(pool) == 1:
+        return pool[0]
     ordered = sorted(pool, key=lambda m: m.endpoint)
-    digest = hashlib.sha256(rollout_id.encode()).digest()
-    return ordered[int.from_bytes(digest[:8], "big") % len(ordered)]
+    return ordered[_pin_hash(rollout_id) % len(ordered)]
+
+
+@functools.lru_cache(maxsize=65536)
+def _pin_hash(rollout_id: str) -> int:
+    """sha256(rollout_id)[:8] as a big-endian int (cached: every turn of a rollout asks again)."""
+    return int.from_bytes(hashlib.sha256(rollout_id.encode()).digest()[:8], "big")
 
 
 def rewrite_request(body: dict[str, Any], mode: str, proxy: DefaultProxyConfig) -> dict[str, Any]:
@@ -342,9 +350,13 @@ class Gateway:
         self._rng = random.Random()
         self._down_until: dict[str, float] = {}  # endpoint -> loop time its breaker closes again
 
-    async def handle(self, request: Request, rollout_id: str, attempt_id: str, mode: str,
-                     upstream_path: str) -> Response:
-        """The proxy route: validate in AGL's order, then forward (`_forward`)."""
+    async def handle(self, read_body: Callable[[], Awaitable[bytes]], receive: Callable[[], Awaitable[Any]],
+                     rollout_id: str, attempt_id: str, mode: str, upstream_path: str) -> Response:
+        """The proxy route: validate in AGL's order, then forward (`_forward`).
+
+        `read_body()` returns the request body; `receive` is the request's ASGI receive, which
+        after the body only answers the agent's disconnect (`_forward_until_disconnect`).
+        """
         if mode not in MODES:
             raise HTTPException(404, f"Unsupported proxy mode: {mode}")
         if upstream_path not in UPSTREAM_PATHS:
@@ -358,7 +370,7 @@ class Gateway:
                                      "to run the task again)")
         if self.client is None:
             raise HTTPException(503, "Proxy not configured")
-        body = _parse_body(await request.body())
+        body = _parse_body(await read_body())
         model_name = self.config.default_proxy.model_name
         pool = self.store.models_for(model_name)
         if not pool:
@@ -371,28 +383,30 @@ class Gateway:
             result = rewriter(call)
             if inspect.isawaitable(result):
                 await result
-        return await self._forward_until_disconnect(call, request)
+        return await self._forward_until_disconnect(call, receive)
 
-    async def _forward_until_disconnect(self, call: ProxyCall, request: Request) -> Response:
+    async def _forward_until_disconnect(self, call: ProxyCall, receive: Callable[[], Awaitable[Any]]) -> Response:
         """`_forward`, cancelled (upstream call, retries and backoff) if the agent hangs up.
 
         The body is read, so the next ASGI `receive()` only returns on disconnect (or when the
-        response is complete). A cancelled call records an error event with status 499.
+        response is complete). `_forward` runs in this task; one watcher task cancels it when
+        the agent disconnects. A cancelled call records an error event with status 499.
         """
-        work = asyncio.ensure_future(self._forward(call))
-        watch = asyncio.ensure_future(_until_disconnect(request.receive))
+        task = asyncio.current_task()
+        assert task is not None
+        hung_up = asyncio.get_running_loop().create_future()
+        watch = asyncio.ensure_future(_cancel_on_disconnect(receive, task, hung_up))
         try:
-            await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watch.cancel()
-            if not work.done():
-                work.cancel()
-        if work.cancelled() or not work.done():
+            return await self._forward(call)
+        except asyncio.CancelledError:
+            if not hung_up.done() or task.uncancel() > 0:
+                raise  # cancelled from outside (server shutdown): not the agent's hang-up
             cause = "the agent disconnected before the model server answered; the upstream call was cancelled"
             logger.warning("Rollout %s: %s", call.rollout.rollout_id, cause)
             self._record_failure(call, UpstreamFailure(499, "Client disconnected", cause), 0)
             return Response(status_code=499)
-        return work.result()
+        finally:
+            watch.cancel()
 
     async def _forward(self, call: ProxyCall) -> Response:
         refused = self.gate.enter()
@@ -603,9 +617,13 @@ def _timeout_cause(exc: BaseException, attempts: int, per_attempt: float, deadli
             f"upstream_timeout_seconds={per_attempt:g} per attempt, upstream_call_deadline_seconds={deadline:g} per call")
 
 
-async def _until_disconnect(receive: Callable[[], Awaitable[Any]]) -> None:
+async def _cancel_on_disconnect(receive: Callable[[], Awaitable[Any]], task: asyncio.Task[Any],
+                                hung_up: asyncio.Future[None]) -> None:
+    """Wait for the agent's disconnect, then mark `hung_up` done and cancel `task`."""
     while (await receive())["type"] != "http.disconnect":
         pass
+    hung_up.set_result(None)
+    task.cancel()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -627,7 +645,8 @@ def proxy_route(gateway: Gateway, check_key: Callable[[Request], None]) -> Route
     async def proxy(request: Request) -> Response:
         check_key(request)
         p = request.path_params
-        return await gateway.handle(request, p["rollout_id"], p["attempt_id"], p["mode"], p["upstream_path"])
+        return await gateway.handle(request.body, request.receive, p["rollout_id"], p["attempt_id"], p["mode"],
+                                    p["upstream_path"])
 
     return Route(PROXY_PATH, proxy, methods=["POST"], include_in_schema=False)
 
