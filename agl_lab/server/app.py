@@ -72,11 +72,12 @@ from agl_lab.records import triplet_events
 from agl_lab.server.config import ServerConfig, load_server_config
 from agl_lab.server.asgi import AglApp, JsonServerErrors, ProxyFastPath
 from agl_lab.server.guard import DOCS_PATHS, RequestGuard
-from agl_lab.server.gateway import Gateway, RequestRewriter, gateway_router, open_upstream_client, proxy_route
+from agl_lab.server.gateway import Gateway, RequestRewriter, gateway_router, proxy_route
 from agl_lab.server.seeding import SeededCallsRewriter
 from agl_lab.server.storable import INT64_MAX, INT64_MIN, NotStorable, check_storable
 from agl_lab.server.store import InvalidTransition, RolloutNotFound, Store, open_store
 from agl_lab.server.token_preserving import TokenPreservingRewriter
+from agl_lab.server.upstream import open_upstream_client
 
 logger = logging.getLogger("agl_lab.server")
 
