@@ -18,7 +18,8 @@ Routes (upstream-reference §2; paths, JSON shapes, codes and error texts are AG
     POST   /api/models                    [Model]           201 echo (upsert)
     DELETE /api/models                                      {"status": "ok"}
     POST   /proxy/rollout/{id}/attempt/{aid}/mode/{train|val}/openai/v1/{path}   (gateway.py;
-                                                     a plain Starlette route, not in /openapi.json)
+                        a plain Starlette route, not in /openapi.json, which AglApp's fast path
+                        answers before the middleware stack with the same checks: asgi.py)
     POST   /proxy/pause | /proxy/resume, GET /proxy/state                       (gateway.py)
 
 Everything but /healthz (and the docs with `docs_auth: false`) requires `Authorization:

@@ -124,8 +124,8 @@ class ProxyFastPath:
 
     async def _handled(self, scope: Any, receive: ASGIReceive, exc: Exception) -> Response:
         """The answer FastAPI's ExceptionMiddleware (or else JsonServerErrors) gives for `exc`."""
-        handler = None
-        if isinstance(exc, HTTPException):
+        handler = None  # FastAPI gives the handlers of 500 and Exception to ServerErrorMiddleware instead
+        if isinstance(exc, HTTPException) and exc.status_code != 500:
             handler = self._handlers.get(exc.status_code)
         if handler is None:
             handler = next((self._handlers[cls] for cls in type(exc).__mro__
