@@ -143,11 +143,11 @@ def test_non_json_upstream_answer_counts_as_empty_object(make_gateway, fake_upst
 
 def test_upstream_client_choice_is_validated():
     from agl_lab.server.config import load_server_config
-    from agl_lab.server.gateway import open_upstream_client
+    from agl_lab.server.upstream import open_upstream_client
 
     with pytest.raises(ValueError, match="upstream_client"):
         load_server_config({"upstream_client": "requests"})
-    with pytest.raises(ValueError, match="'auto', 'aiohttp' or 'httpx'"):
+    with pytest.raises(ValueError, match="'auto', 'raw', 'aiohttp' or 'httpx'"):
         open_upstream_client("requests", 1.0)
 
 

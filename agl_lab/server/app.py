@@ -18,7 +18,8 @@ Routes (upstream-reference §2; paths, JSON shapes, codes and error texts are AG
     POST   /api/models                    [Model]           201 echo (upsert)
     DELETE /api/models                                      {"status": "ok"}
     POST   /proxy/rollout/{id}/attempt/{aid}/mode/{train|val}/openai/v1/{path}   (gateway.py;
-                                                     a plain Starlette route, not in /openapi.json)
+                        a plain Starlette route, not in /openapi.json, which AglApp's fast path
+                        answers before the middleware stack with the same checks: asgi.py)
     POST   /proxy/pause | /proxy/resume, GET /proxy/state                       (gateway.py)
 
 Everything but /healthz (and the docs with `docs_auth: false`) requires `Authorization:
@@ -70,12 +71,14 @@ from agl_lab.protocol import (
 )
 from agl_lab.records import triplet_events
 from agl_lab.server.config import ServerConfig, load_server_config
+from agl_lab.server.asgi import AglApp, JsonServerErrors, ProxyFastPath
 from agl_lab.server.guard import DOCS_PATHS, RequestGuard
-from agl_lab.server.gateway import Gateway, RequestRewriter, gateway_router, open_upstream_client, proxy_route
+from agl_lab.server.gateway import Gateway, RequestRewriter, gateway_router, proxy_route
 from agl_lab.server.seeding import SeededCallsRewriter
 from agl_lab.server.storable import INT64_MAX, INT64_MIN, NotStorable, check_storable
 from agl_lab.server.store import InvalidTransition, RolloutNotFound, Store, open_store
 from agl_lab.server.token_preserving import TokenPreservingRewriter
+from agl_lab.server.upstream import open_upstream_client
 
 logger = logging.getLogger("agl_lab.server")
 
@@ -171,15 +174,19 @@ def create_app(
             client, gateway.client = gateway.client, None
             await client.aclose()
 
-    app = FastAPI(title="Agent Lightning", version="1.0.0", lifespan=lifespan)
+    app = AglApp(title="Agent Lightning", version="1.0.0", lifespan=lifespan)
     app.state.config, app.state.store, app.state.gateway = cfg, store, gateway
     _install_error_handlers(app)
     app.add_middleware(JsonServerErrors)
     open_paths = ("/healthz",) if cfg.docs_auth else ("/healthz", *DOCS_PATHS)
-    app.add_middleware(RequestGuard, key=cfg.key, max_body_bytes=cfg.max_body_bytes, open_paths=open_paths,
-                       token_check=rollout_token_checker(cfg.key))  # auth lives here, before the body is read
-    # the hot path first, as a plain Starlette route: no route scan, no dependency solving
-    app.router.routes.append(proxy_route(gateway, _no_check))
+    guard = {"key": cfg.key, "max_body_bytes": cfg.max_body_bytes, "open_paths": open_paths,
+             "token_check": rollout_token_checker(cfg.key)}
+    app.add_middleware(RequestGuard, **guard)  # auth lives here, before the body is read
+    # the hot path as a plain Starlette route (no dependency solving), which AglApp's fast path
+    # answers before the middleware stack with the same checks (agl_lab.server.asgi)
+    route = proxy_route(gateway, _no_check)
+    app.router.routes.append(route)
+    app.proxy_fast_path = ProxyFastPath(gateway, RequestGuard(None, **guard), route, app.exception_handlers)
 
     @app.get("/healthz", tags=["health"])
     async def healthz() -> dict[str, str]:
@@ -214,39 +221,6 @@ def rollout_token_checker(key: str) -> Callable[[str, str, str], bool]:
         return parts[1] == "api" and parts[2] == "rollouts" and len(parts) == 7 and parts[6] == "events"
 
     return check
-
-
-class JsonServerErrors:
-    """ASGI middleware: an unexpected exception becomes a JSON 500 and the connection stays usable.
-
-    Starlette's own 500 handler re-raises after answering, which makes uvicorn close the
-    keep-alive connection: the client's next request on it then fails. This one logs the
-    error and answers `{"detail": "Internal server error: <type>: <message>"}` instead.
-    """
-
-    def __init__(self, app: Any):
-        self.app = app
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        started = False
-
-        async def send_tracking(message: Any) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_tracking)
-        except Exception as exc:
-            logger.exception("Unhandled error on %s %s", scope.get("method"), scope.get("path"))
-            if started:
-                raise
-            detail = f"Internal server error: {type(exc).__name__}: {exc}"[:2000]
-            detail = detail.encode("utf-8", "backslashreplace").decode()
-            await JSONResponse({"detail": detail}, status_code=500)(scope, receive, send)
 
 
 def _install_error_handlers(app: FastAPI) -> None:

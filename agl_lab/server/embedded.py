@@ -29,6 +29,7 @@ import httpx
 import uvicorn
 
 from agl_lab.server.app import create_app
+from agl_lab.server.asgi import HTTP_PROTOCOL
 from agl_lab.server.config import ServerConfig, load_server_config
 from agl_lab.server.store import Store, open_store
 
@@ -50,7 +51,7 @@ class ThreadedUvicorn:
         self.port: int = self._sock.getsockname()[1]
         # log_config=None: leave the host program's (notebook's) logging configuration alone
         config = uvicorn.Config(app, log_level=log_level, log_config=None, timeout_keep_alive=120,
-                                lifespan="on", access_log=False)
+                                lifespan="on", access_log=False, http=HTTP_PROTOCOL)
         self._server = uvicorn.Server(config)
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"uvicorn:{self.port}", daemon=True)
@@ -213,7 +214,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--token-preserving", action="store_true")
     p.add_argument("--tokenizer-path", default=None,
                    help="tokenizer (with chat template) of --model-name, for --token-preserving")
-    p.add_argument("--upstream-client", default="auto", choices=["auto", "aiohttp", "httpx"])
+    p.add_argument("--upstream-client", default="auto", choices=["auto", "raw", "aiohttp", "httpx"])
     p.add_argument("--terminal-log-limit", type=int, default=None)
     p.add_argument("--upstream-timeout", type=float, default=None, metavar="S",
                    help="upstream_timeout_seconds: bound on each upstream attempt (default 300)")
@@ -312,8 +313,10 @@ def serve_main(argv: list[str]) -> int:
 
             set_tokenizer(app.state.gateway, config.default_proxy.model_name,
                           AutoTokenizer.from_pretrained(args.tokenizer_path, local_files_only=True))
+        # uvicorn formats each access-log line before its logger filters it: only when shown
+        access_log = args.log_level.lower() in ("trace", "debug", "info")
         uvicorn.run(app, host=config.host, port=config.port, workers=1, timeout_keep_alive=120,
-                    log_level=args.log_level)
+                    log_level=args.log_level, http=HTTP_PROTOCOL, access_log=access_log)
     finally:
         store.close()
     return 0

@@ -56,6 +56,22 @@ class RequestGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        refusal, length_known = self.screen(scope)
+        if refusal is not None:
+            await refuse(scope, receive, send, *refusal)
+            return
+        if length_known:
+            await self.app(scope, receive, send)
+            return
+        body = await self.read_bounded(receive)
+        if body is None:
+            await refuse(scope, receive, send, 413, self.too_big_detail())
+            return
+        await self.app(scope, replay(body, receive), send)
+
+    def screen(self, scope: Any) -> tuple[tuple[int, str] | None, bool]:
+        """Checks 1-3 on the headers: ((status, detail) to refuse with, or None; whether the
+        body has a Content-Length — without one, `read_bounded` must read it)."""
         headers = scope["headers"]
         content_type = length = None
         for name, value in headers:
@@ -64,24 +80,16 @@ class RequestGuard:
             elif name == b"content-length":
                 length = value
         if content_type in CROSS_SITE_TYPES:
-            await _refuse(scope, receive, send, 415, f"Content-Type {content_type} is not accepted: send the body "
-                                                     "as application/json")
-            return
+            return (415, f"Content-Type {content_type} is not accepted: send the body as application/json"), True
         if not self._authorized(scope, headers):
-            await _refuse(scope, receive, send, 401, "Invalid or missing API key")
-            return
-        if length is not None:
-            try:
-                too_big = int(length) > self.max_body_bytes
-            except ValueError:
-                await _refuse(scope, receive, send, 400, "Invalid Content-Length header")
-                return
-            if too_big:
-                await _refuse(scope, receive, send, 413, self._too_big())
-                return
-            await self.app(scope, receive, send)
-            return
-        await self._bounded(scope, receive, send)
+            return (401, "Invalid or missing API key"), True
+        if length is None:
+            return None, False
+        try:
+            too_big = int(length) > self.max_body_bytes
+        except ValueError:
+            return (400, "Invalid Content-Length header"), True
+        return ((413, self.too_big_detail()) if too_big else None), True
 
     def _authorized(self, scope: Any, headers: Any) -> bool:
         path = scope["path"]
@@ -94,12 +102,12 @@ class RequestGuard:
             return True
         return self.token_check is not None and self.token_check(presented, scope["method"], path)
 
-    def _too_big(self) -> str:
+    def too_big_detail(self) -> str:
         return (f"Request body larger than {self.max_body_bytes} bytes (server setting max_body_bytes); "
                 "send fewer items per request")
 
-    async def _bounded(self, scope: Any, receive: Any, send: Any) -> None:
-        """A body without Content-Length: read it up to the limit, then replay it to the app."""
+    async def read_bounded(self, receive: Any) -> bytes | None:
+        """A body without Content-Length, read up to the limit (None: it is larger)."""
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -108,22 +116,27 @@ class RequestGuard:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_body_bytes:
-                await _refuse(scope, receive, send, 413, self._too_big())
-                return
+                return None
             if not message.get("more_body", False):
                 break
-        body, sent = b"".join(chunks), False
-
-        async def replay() -> Any:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
+        return b"".join(chunks)
 
 
-async def _refuse(scope: Any, receive: Any, send: Any, status: int, detail: str) -> None:
+def replay(body: bytes, receive: Any) -> Any:
+    """An ASGI `receive` that answers `body` once, then defers to `receive` (disconnects)."""
+    sent = False
+
+    async def replayed() -> Any:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
+
+
+async def refuse(scope: Any, receive: Any, send: Any, status: int, detail: str) -> None:
+    """Answer `status` with `{"detail": detail}` (401s with WWW-Authenticate: Bearer)."""
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
     await JSONResponse({"detail": detail}, status_code=status, headers=headers)(scope, receive, send)

@@ -1,0 +1,249 @@
+"""The ASGI plumbing around the routes: the proxy's fast path, JSON 500s, one write per response.
+
+    AglApp                 the FastAPI app `create_app` returns; answers the proxy's POSTs itself
+    JsonServerErrors       ASGI middleware: unexpected errors -> JSON 500, keep-alive preserved
+    HTTP_PROTOCOL          uvicorn's `http=` choice: httptools, a response's head and body in one write
+
+Every LLM call of every agent is a POST to the proxy route, so its path through the server is
+the hot path. Through FastAPI's stack it passes ~10 layers (ServerErrorMiddleware, FastAPI's
+telemetry and body-limit middleware, RequestGuard, JsonServerErrors, ExceptionMiddleware,
+AsyncExitStackMiddleware, the router's scan, the route's wrappers, Response.__call__), each a
+coroutine and a wrapped `send`. `AglApp.__call__` dispatches a POST whose path matches the
+proxy route (with no root_path) to `ProxyFastPath`, which applies the same steps in the same
+order: RequestGuard's checks (415, 401, 400/413 on Content-Length, a chunked body read up to
+the limit), `Gateway.handle`, exceptions mapped by the app's exception handlers (HTTPException
+-> `{"detail": ...}`), anything else a logged JSON 500 with the connection kept. Every other
+request (other methods and paths, the management routes, the docs) takes FastAPI's stack.
+
+uvicorn writes a response's status line and headers, then its body, as two `transport.write`
+calls: two send syscalls and two wake-ups of the agent per call. `HTTP_PROTOCOL` holds the
+head until the first body chunk and writes both at once; everything else is uvicorn's.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from fastapi import FastAPI
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from agl_lab.server.gateway import Gateway
+from agl_lab.server.guard import RequestGuard, refuse, replay
+
+logger = logging.getLogger("agl_lab.server")
+
+ASGIReceive = Callable[[], Awaitable[Any]]
+ASGISend = Callable[[Any], Awaitable[None]]
+
+
+def internal_error(scope: Any, exc: BaseException) -> JSONResponse:
+    """Log `exc` and build the JSON 500 `{"detail": "Internal server error: <type>: <message>"}`."""
+    logger.error("Unhandled error on %s %s", scope.get("method"), scope.get("path"), exc_info=exc)
+    detail = f"Internal server error: {type(exc).__name__}: {exc}"[:2000]
+    return JSONResponse({"detail": detail.encode("utf-8", "backslashreplace").decode()}, status_code=500)
+
+
+class JsonServerErrors:
+    """ASGI middleware: an unexpected exception becomes a JSON 500 and the connection stays usable.
+
+    Starlette's own 500 handler re-raises after answering, which makes uvicorn close the
+    keep-alive connection: the client's next request on it then fails. This one logs the
+    error and answers `{"detail": "Internal server error: <type>: <message>"}` instead.
+    """
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_tracking(message: Any) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracking)
+        except Exception as exc:
+            if started:
+                logger.exception("Unhandled error on %s %s", scope.get("method"), scope.get("path"))
+                raise
+            await internal_error(scope, exc)(scope, receive, send)
+
+
+class ProxyFastPath:
+    """The proxy route's POSTs without FastAPI's stack (see the module docstring).
+
+    `guard` is configured as the app's RequestGuard, `route` is the proxy Route (its path
+    regex decides what is proxied), `exception_handlers` the app's (FastAPI's defaults + ours).
+    """
+
+    def __init__(self, gateway: Gateway, guard: RequestGuard, route: Route,
+                 exception_handlers: Mapping[Any, Callable[..., Any]]):
+        self.gateway, self.guard = gateway, guard
+        self._regex, self._convertors = route.path_regex, route.param_convertors
+        self._handlers = exception_handlers
+
+    def match(self, path: str) -> dict[str, Any] | None:
+        """The route's path parameters, or None when `path` is not the proxy route's."""
+        found = self._regex.match(path)
+        if found is None:
+            return None
+        return {name: self._convertors[name].convert(value) for name, value in found.groupdict().items()}
+
+    async def __call__(self, scope: Any, receive: ASGIReceive, send: ASGISend, params: dict[str, Any]) -> None:
+        refusal, length_known = self.guard.screen(scope)
+        if refusal is not None:
+            await refuse(scope, receive, send, *refusal)
+            return
+        if length_known:
+            read_body: Callable[[], Awaitable[bytes]] = lambda: _read_body(receive)  # noqa: E731
+        else:  # chunked: read up to the limit before anything else, as RequestGuard does
+            body = await self.guard.read_bounded(receive)
+            if body is None:
+                await refuse(scope, receive, send, 413, self.guard.too_big_detail())
+                return
+            receive = replay(body, receive)
+            read_body = lambda: _read_body(receive)  # noqa: E731
+        try:
+            response = await self.gateway.handle(read_body, receive, params["rollout_id"], params["attempt_id"],
+                                                 params["mode"], params["upstream_path"])
+        except Exception as exc:
+            response = await self._handled(scope, receive, exc)
+        await send({"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers})
+        await send({"type": "http.response.body", "body": response.body})
+
+    async def _handled(self, scope: Any, receive: ASGIReceive, exc: Exception) -> Response:
+        """The answer FastAPI's ExceptionMiddleware (or else JsonServerErrors) gives for `exc`."""
+        handler = None  # FastAPI gives the handlers of 500 and Exception to ServerErrorMiddleware instead
+        if isinstance(exc, HTTPException) and exc.status_code != 500:
+            handler = self._handlers.get(exc.status_code)
+        if handler is None:
+            handler = next((self._handlers[cls] for cls in type(exc).__mro__
+                            if cls in self._handlers and cls is not Exception), None)
+        if handler is None:
+            return internal_error(scope, exc)
+        try:
+            response = handler(Request(scope, receive), exc)
+            return await response if inspect.isawaitable(response) else response
+        except Exception as error:
+            return internal_error(scope, error)
+
+
+async def _read_body(receive: ASGIReceive) -> bytes:
+    """The request body (ClientDisconnect if the agent hangs up first, like Request.body)."""
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            raise ClientDisconnect()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+class AglApp(FastAPI):
+    """FastAPI, with the proxy's POSTs handed to `proxy_fast_path` when it is set."""
+
+    proxy_fast_path: ProxyFastPath | None = None
+
+    async def __call__(self, scope: Any, receive: ASGIReceive, send: ASGISend) -> None:
+        fast = self.proxy_fast_path
+        if (fast is not None and scope["type"] == "http" and scope["method"] == "POST"
+                and not scope.get("root_path") and not self.root_path):
+            params = fast.match(scope["path"])
+            if params is not None:
+                scope["app"] = self
+                await fast(scope, receive, send, params)
+                return
+        await super().__call__(scope, receive, send)
+
+
+# ---------------------------------------------------------------------------------------------
+# One write per response: uvicorn's httptools protocol, the head held until the body
+# ---------------------------------------------------------------------------------------------
+
+
+class _Held:
+    """Stands in for the transport while uvicorn writes a response's head: keeps the bytes."""
+
+    def __init__(self) -> None:
+        self.data = b""
+
+    def write(self, data: bytes) -> None:
+        self.data += data
+
+
+class _Prefixed:
+    """The transport, writing `head` in front of the first write (and before closing)."""
+
+    def __init__(self, transport: Any, head: bytes):
+        self.transport, self.head = transport, head
+
+    def write(self, data: bytes) -> None:
+        head, self.head = self.head, b""
+        self.transport.write(head + data if head else data)
+
+    def flush(self) -> None:
+        if self.head:
+            self.write(b"")
+
+    def close(self) -> None:
+        self.flush()
+        self.transport.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.transport, name)
+
+
+try:
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+except ImportError:  # pragma: no cover - httptools is a dependency; without it uvicorn's h11
+    HTTP_PROTOCOL: Any = "auto"
+else:
+
+    class _OneWriteCycle(RequestResponseCycle):
+        """uvicorn's request/response cycle with the head written together with the body."""
+
+        _head = b""
+
+        async def send(self, message: Any) -> None:
+            if message["type"] == "http.response.start" and not self.response_started:
+                transport, self.transport = self.transport, _Held()  # type: ignore[assignment]
+                try:
+                    await super().send(message)
+                    self._head = self.transport.data  # type: ignore[attr-defined]
+                finally:
+                    self.transport = transport
+                return
+            if not self._head:
+                await super().send(message)
+                return
+            transport = self.transport
+            prefixed = _Prefixed(transport, self._head)
+            self._head, self.transport = b"", prefixed  # type: ignore[assignment]
+            try:
+                await super().send(message)
+            finally:
+                self.transport = transport
+            if not self.disconnected:
+                prefixed.flush()  # a HEAD answer writes no body
+
+    class OneWriteHttpToolsProtocol(HttpToolsProtocol):
+        """uvicorn's httptools protocol whose responses go out as one write (head + body)."""
+
+        def on_headers_complete(self) -> None:
+            super().on_headers_complete()
+            if type(self.cycle) is RequestResponseCycle:  # its task has not run yet
+                self.cycle.__class__ = _OneWriteCycle
+
+    HTTP_PROTOCOL = OneWriteHttpToolsProtocol
