@@ -548,6 +548,9 @@ CREATE INDEX IF NOT EXISTS terminal_log_rollout ON terminal_log (rollout_id, idx
 """
 
 
+INSERT_ROWS = 1000  # events per INSERT statement (5 parameters each; SQLite allows 32766)
+
+
 class SqliteStore(Store):
     """One SQLite file (WAL mode); one connection shared under the store's lock.
 
@@ -731,34 +734,58 @@ class SqliteStore(Store):
             with self._pending_lock:
                 batch, self._pending = self._pending, []
                 self._writer_scheduled = False  # appends queued from now on need another flush
-            if not batch:
-                return
             try:
-                with self._transaction():
-                    rows = []
-                    for append in batch:
-                        event = append.event
-                        if self._exists(event.rollout_id):
-                            rows.append((event.rollout_id, event.attempt_id, event.event_type,
-                                         event.timestamp, append.blob))
-                        else:
-                            append.error = RolloutNotFound(event.rollout_id)
-                    self._db.executemany(
-                        "INSERT INTO events (rollout_id, attempt_id, event_type, timestamp, data) "
-                        "VALUES (?, ?, ?, ?, ?)", rows)
-            except BaseException as exc:  # nothing of this transaction is stored or acknowledged
+                stored = [append for append in batch if self._check_rollout(append)]
+                try:
+                    self._insert_events(stored)
+                except sqlite3.Error:  # each append of the failed commit holds the error
+                    if len(stored) > 1:  # find whose row fails: retry each in a commit of its own
+                        for append in stored:
+                            with contextlib.suppress(sqlite3.Error):
+                                self._insert_events([append])
+            except BaseException as exc:  # e.g. the store was closed: its callers get the error
                 for append in batch:
                     append.error = append.error or exc
                 if not isinstance(exc, Exception):
                     raise
-            else:
-                self.append_commits += 1
-                self.appends_committed += len(rows)
-                for append in batch:
-                    if append.error is None:  # an event renews a running rollout's lease
-                        self._activity[append.event.rollout_id] = append.event.timestamp
             finally:
                 _settle(batch)
+
+    def _check_rollout(self, append: _Append) -> bool:
+        if self._exists(append.event.rollout_id):
+            return True
+        append.error = RolloutNotFound(append.event.rollout_id)
+        return False
+
+    def _insert_events(self, appends: list[_Append]) -> None:
+        """Commit `appends` (one transaction); on failure each gets the error, none is stored.
+
+        One multi-row INSERT per INSERT_ROWS events, autocommitted when it is the only one: the
+        writer thread gives up the GIL once per statement (sqlite3 releases it around each step)
+        and, while the event loop is busy, may wait the interpreter's switch interval (5 ms) to
+        get it back; executemany would wait once per row.
+        """
+        if not appends:
+            return
+        try:
+            with self._transaction() if len(appends) > INSERT_ROWS else contextlib.nullcontext():
+                for start in range(0, len(appends), INSERT_ROWS):
+                    chunk = appends[start : start + INSERT_ROWS]
+                    values = ",".join(["(?, ?, ?, ?, ?)"] * len(chunk))
+                    params = [field for append in chunk for field in (
+                        append.event.rollout_id, append.event.attempt_id, append.event.event_type,
+                        append.event.timestamp, append.blob)]
+                    self._db.execute("INSERT INTO events (rollout_id, attempt_id, event_type, timestamp, data) "
+                                     f"VALUES {values}", params)
+        except sqlite3.Error as exc:
+            for append in appends:
+                append.error = exc
+            raise
+        self.append_commits += 1
+        self.appends_committed += len(appends)
+        for append in appends:
+            append.error = None
+            self._activity[append.event.rollout_id] = append.event.timestamp  # renews a running rollout's lease
 
     # --- primitives ----------------------------------------------------------------------------
 
