@@ -716,6 +716,8 @@ class SqliteStore(Store):
         """Queue `event` for the next group commit; with a `future`, make sure a writer flush is
         scheduled (the caller is an event loop, which must not wait for the lock)."""
         append = _Append(event, dump_storable(event.data, "data").decode(), future)
+        if self._closed.is_set():  # as any other call on a closed store (sqlite3's error)
+            raise sqlite3.ProgrammingError(f"Cannot operate on a closed database: {self!r} was closed")
         with self._pending_lock:
             self._pending.append(append)
             schedule = future is not None and not self._writer_scheduled
