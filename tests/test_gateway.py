@@ -57,7 +57,7 @@ def events(client, rid="r1", **params):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("upstream_client", ["aiohttp", "httpx"])
+@pytest.mark.parametrize("upstream_client", ["raw", "aiohttp", "httpx"])
 def test_proxy_chat_completion_rewrites_forwards_and_records(make_gateway, fake_upstream, upstream_client):
     server, client = make_gateway(version=7, upstream_client=upstream_client)
     new_rollout(client)
@@ -261,7 +261,7 @@ def test_retries_then_succeeds(make_gateway, fake_upstream, caplog, status, upst
     assert caplog.text.count("Retrying upstream request") == 2
 
 
-@pytest.mark.parametrize("upstream_client", ["aiohttp", "httpx"])
+@pytest.mark.parametrize("upstream_client", ["raw", "aiohttp", "httpx"])
 def test_retries_exhausted_returns_last_answer(make_gateway, fake_upstream, upstream_client):
     server, client = make_gateway(upstream_max_attempts=3, upstream_client=upstream_client)
     new_rollout(client)
@@ -272,7 +272,7 @@ def test_retries_exhausted_returns_last_answer(make_gateway, fake_upstream, upst
     assert (data["retry_count"], data["http_status"], data["status"]) == (2, 500, "error")
 
 
-@pytest.mark.parametrize("upstream_client", ["aiohttp", "httpx"])
+@pytest.mark.parametrize("upstream_client", ["raw", "aiohttp", "httpx"])
 def test_timeout_is_504_and_refused_connection_is_503_and_both_are_recorded(make_gateway, fake_upstream,
                                                                             upstream_client):
     server, client = make_gateway(upstream_timeout_seconds=0.2, upstream_max_attempts=2,

@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from agl_lab.server.embedded import ThreadedUvicorn, _parser, serve_config
+from agl_lab.server.store import MemoryStore
 from tests.fakes import FakeOpenAI
 
 KEY = "k"
@@ -112,7 +113,7 @@ def _dead_endpoint() -> tuple[str, int]:
 # -- finding 15: upstream garbage -> 502 + error event -------------------------------------------------
 
 
-@pytest.mark.parametrize("upstream_client", ["aiohttp", "httpx"])
+@pytest.mark.parametrize("upstream_client", ["raw", "aiohttp", "httpx"])
 @pytest.mark.parametrize("mode, cause", [("html", "text/html"), ("badjson", "invalid JSON"),
                                          ("nanlogprob", "invalid JSON"), ("list", "not an object")])
 def test_upstream_garbage_is_502_with_cause_and_an_error_event(gateway, upstream, mode, cause, upstream_client):
@@ -139,7 +140,7 @@ def test_upstream_answer_too_deep_to_store_is_502_and_store_stays_readable(gatew
 # -- finding 16: a total deadline per call; CLI flags ------------------------------------------------------
 
 
-@pytest.mark.parametrize("upstream_client", ["aiohttp", "httpx"])
+@pytest.mark.parametrize("upstream_client", ["raw", "aiohttp", "httpx"])
 def test_dripping_upstream_is_cut_by_the_attempt_timeout_and_the_call_deadline(gateway, upstream, upstream_client):
     server, client = gateway(upstream.endpoint("drip"), upstream_timeout_seconds=0.3, upstream_max_attempts=50,
                              upstream_call_deadline_seconds=1.0, upstream_client=upstream_client)
@@ -162,7 +163,7 @@ def test_serve_has_flags_for_the_upstream_bounds():
 # -- finding 17: the agent disconnects -> its upstream call and retries stop ------------------------------
 
 
-@pytest.mark.parametrize("upstream_client", ["aiohttp", "httpx"])
+@pytest.mark.parametrize("upstream_client", ["raw", "aiohttp", "httpx"])
 def test_agent_disconnect_cancels_the_upstream_call_and_its_retries(gateway, upstream, upstream_client):
     server, client = gateway(upstream.endpoint("slow"), upstream_max_attempts=20, upstream_client=upstream_client)
     before = upstream.count("slow")
@@ -180,10 +181,39 @@ def test_agent_disconnect_cancels_the_upstream_call_and_its_retries(gateway, ups
     assert data and data[-1]["http_status"] == 499 and "disconnected" in data[-1]["response"]["error"]["cause"]
 
 
+class SlowAppends(MemoryStore):
+    """A store whose gateway appends wait for `release`: a hang-up can land while a call is recorded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+
+    async def append_event_async(self, *args, **kwargs):
+        await asyncio.to_thread(self.release.wait, 30)
+        return await super().append_event_async(*args, **kwargs)
+
+
+def test_a_hang_up_while_the_answer_is_recorded_keeps_that_one_event(embedded_server, fake_upstream):
+    store = SlowAppends()
+    server = embedded_server(key=KEY, store=store, default_proxy={"model_name": "m"})
+    client = httpx.Client(base_url=server.url, headers=server.headers, trust_env=False, timeout=60)
+    client.post("/api/models", json=[{"model": "m", "endpoint": fake_upstream.url + "/v1"}]).raise_for_status()
+    client.post("/api/rollouts", json=[{"rollout_id": "r1", "input": {}}]).raise_for_status()
+    with pytest.raises(httpx.TimeoutException):
+        chat(client, timeout=0.5)  # the answer came back; the agent hangs up while it is being stored
+    store.release.set()
+    for _ in range(200):
+        if client.get("/proxy/state").json()["inflight"] == 0:
+            break
+        time.sleep(0.05)
+    (data,) = recorded(client)  # the answered call, once — no second "499 disconnected" event
+    assert (data["http_status"], data["status"]) == (200, "ok")
+
+
 # -- finding 18: a dead engine fails fast; Retry-After is honoured ----------------------------------------
 
 
-@pytest.mark.parametrize("upstream_client", ["aiohttp", "httpx"])
+@pytest.mark.parametrize("upstream_client", ["raw", "aiohttp", "httpx"])
 def test_dead_engine_fails_fast_then_recovers(gateway, upstream_client):
     endpoint, port = _dead_endpoint()
     server, client = gateway(endpoint, upstream_breaker_seconds=0.5, upstream_max_attempts=6,
