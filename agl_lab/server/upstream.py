@@ -102,8 +102,6 @@ class AiohttpUpstream:
         await self.session.close()
 
 
-
-
 class _Exchange(asyncio.Protocol):
     """One keep-alive HTTP/1.1 connection to the model server, one request at a time.
 
