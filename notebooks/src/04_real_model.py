@@ -42,9 +42,10 @@ try:
 except PresetNotInstalled as err:
     class RealModelNotInstalled(Exception):
         def _render_traceback_(self):  # IPython shows this message instead of a traceback
-            return [f"This notebook needs the real-model extra: run `./lab real-model` and restart the kernel.\n{err}"]
+            return [str(self)]
 
-    raise RealModelNotInstalled(str(err)) from None
+    raise RealModelNotInstalled("This notebook needs the real-model extra: run `./lab real-model`, then "
+                                f"restart the kernel.\n{err}") from None
 print(MODEL_DIR.name, sorted(f.name for f in MODEL_DIR.iterdir()))
 
 # %% [markdown]
@@ -112,15 +113,14 @@ ro.triplets
 # **Rows**: at trajectory level the calls of a rollout merge into one training row while
 # each prompt extends the previous prompt + reply token for token. The tool result and the
 # template's turn markers between two replies become observation tokens (attended, not
-# trained). **Merges** and **breaks** list each call's fate.
+# trained). **Breaks** lists every call whose prompt did not extend its rollout's row — none
+# here: zero-shot, SmolLM2 mostly answers in one call, and an append-only agent with the
+# token-preserving gateway cannot break a merge (section 3).
 
 # %%
 b = trainer.build_batch(ro)
 b.rows[["rollout_id", "n_calls", "prompt_tokens", "response_tokens", "loss_tokens", "observation_tokens",
         "reward"]]
-
-# %%
-b.merges.head(8)
 
 # %%
 b.breaks
@@ -141,8 +141,11 @@ print("every call recorded its token ids and logprobs:", bool(ro.triplets.has_lo
 # (drop old `<think>` reasoning, rewrite the system message to narrow the tools).
 
 # %%
+import logging
+
 from benchmarks.token_preserving import compare
 
+logging.getLogger("agl_lab.server").setLevel(logging.ERROR)  # its loopback gateways run without a key
 RUNS = [("calc", None), ("lookup", "append_only"), ("lookup", "reasoning_dropping"),
         ("lookup", "history_editing")]
 table = compare(trainer.engine.server, trainer.tokenizer, RUNS, n=8, model_name=trainer.engine.model_name)
@@ -150,12 +153,19 @@ table[["agent", "mode", "calls", "rows / rollout", "merge breaks / step", "break
        "calls preserved"]]
 
 # %% [markdown]
-# With SmolLM2's tokenizer the replies decode and re-encode to the same ids, so the
-# append-only agents merge every call in both modes: no `retokenization` break shows up
-# (the tiny model, whose replies are byte soup, has many). The breaks that remain are the
-# agents' own: `template` when old reasoning is dropped, `history_edit` when the system
-# message is rewritten. The token-preserving mode cannot undo those — the text the agent
-# sends really differs from what the model saw — so the rate is the same with it on.
+# What the real tokenizer and template produce (measured with more rollouts in
+# docs/real-model.md): without the token-preserving mode, a few replies of SmolLM2
+# re-encode to other ids than were sampled — `retokenization` breaks, a few % of the later
+# calls (the tiny model, whose replies are byte soup, has many more). With the mode on there
+# are none. What remains are breaks no gateway can undo, because the text really differs:
+#
+# * `history_edit` when the agent rewrites its system message (every rollout, both modes);
+# * `template` when the reasoning-dropping agent drops a `<think>` block (only when the
+#   model wrote one: zero-shot SmolLM2 rarely does);
+# * `template` in `calc` when the model writes text *after* its `<tool_call>…</tool_call>`:
+#   the reply is returned as a tool call, and the template renders the turn back without
+#   that text, so the next prompt does not extend what the model sampled (the gateway
+#   records `template_mismatch` for that call and takes the normal path).
 
 # %% [markdown]
 # ## 4 · The logprob gap and one update
@@ -183,19 +193,21 @@ u.weights
 # ## What this notebook claims, checked
 #
 # * every call went through the gateway with its token ids and logprobs;
-# * the append-only agents never break a merge with the token-preserving gateway, and the
-#   history-editing agents break with their own classes (template / history_edit) in both modes;
+# * with the token-preserving gateway no call breaks by retokenization, and the
+#   history-editing agent breaks as `history_edit` in both modes;
 # * the trainer's recomputed logprobs equal the engine's sampling logprobs to < 1e-4;
 # * when a group's rewards differ, the update changes the weights.
 
 # %%
 by_mode = table.set_index(["agent", "mode"])
-for run in ["calc/default", "lookup/append_only"]:
-    assert by_mode.loc[(run, "token_preserving"), "merge breaks / step"] == 0, by_mode.loc[run]
-assert "template" in by_mode.loc[("lookup/reasoning_dropping", "token_preserving"), "break kinds (all steps)"]
-assert "history_edit" in by_mode.loc[("lookup/history_editing", "token_preserving"), "break kinds (all steps)"]
+for run in by_mode.index.get_level_values("agent").unique():  # the mode's guarantee: no BPE drift
+    assert "retokenization" not in by_mode.loc[(run, "token_preserving"), "break kinds (all steps)"], run
+for mode in ["off (re-tokenise)", "token_preserving"]:
+    assert "history_edit" in by_mode.loc[("lookup/history_editing", mode), "break kinds (all steps)"]
 assert m["training/rollout_logprobs_diff_max"] < 1e-4, m["training/rollout_logprobs_diff_max"]
-trained = m.get("training/n_sample_trained", 0)
-assert change > 0 or trained == 0, (change, trained)
+group_of = pd.Series({r.rollout_id: r.data_id for r in ro.rollouts})
+rewards = pd.Series({r.rollout_id: r.final_reward for r in ro.rollouts})
+if rewards.groupby(group_of).nunique().gt(1).any():  # some group has an advantage ≠ 0
+    assert m["actor/grad_norm"] > 0 and change > 0, (m["actor/grad_norm"], change)
 trainer.close()
 print("checked")
