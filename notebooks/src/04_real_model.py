@@ -26,7 +26,6 @@ import tempfile
 from pathlib import Path
 
 import pandas as pd
-import torch
 
 from agl_lab.models import PresetNotInstalled, smollm2
 
