@@ -183,7 +183,10 @@ class Trainer:
         from agl_lab.engines.local import LocalEngine
         from agl_lab.quiet import quiet_hf
 
-        with quiet_hf(), _stage(f"model: {lab.model.path or 'built-in tiny model (cached in ' + _cache_hint() + ')'}"):
+        preset = lab.model.get("preset")
+        label = lab.model.path or (f"preset {preset} (converted once into {_cache_hint()})" if preset
+                                   else f"built-in tiny model (cached in {_cache_hint()})")
+        with quiet_hf(), _stage(f"model: {label}"):
             engine = LocalEngine.from_config(self.cfg)
         self._closers.append(engine.close)
         if self.task is not None and int(lab.model.warm_start_steps) > 0 and lab.model.path is None \

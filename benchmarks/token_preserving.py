@@ -13,6 +13,7 @@ merges each rollout's calls at trajectory level and the table reports:
 
     python benchmarks/token_preserving.py [--rollouts 32] [--steps 2] [--warm-start-steps 0]
     python benchmarks/token_preserving.py --preset smollm2-135m --task calc --rollouts 16 --steps 1
+    python benchmarks/token_preserving.py --preset smollm2-135m --task lookup --agents all --rollouts 16 --steps 1
 
 By default the model is freshly initialised: its replies are byte soup, which is where BPE
 drift is most frequent; `--warm-start-steps 150` fits the task format first (cached).
@@ -80,15 +81,18 @@ def step_stats(completed: list[CompletedRollout], tokenizer: Any) -> dict[str, f
 
 
 def run_mode(engine: OpenAIServer, tokenizer: Any, on: bool, n: int, steps: int, task: str = "lookup",
-             model_name: str = DEFAULT_MODEL_NAME) -> dict[str, Any]:
+             model_name: str = DEFAULT_MODEL_NAME, agent: str | None = None) -> dict[str, Any]:
+    """`steps` steps of `n` rollouts of `agent` (a name in the task's `agents`, None: its default
+    agent) through a fresh gateway on `engine`, token-preserving `on` or off → one table row."""
     spec = get_task(task)
+    play = spec.agent if agent is None else spec.agents[agent]
     server = EmbeddedServer(default_proxy={"model_name": model_name}, token_preserving=on)
     try:
         server.store.upsert_models([Model(model=model_name, endpoint=engine.base_url)])
         if on:
             server.set_tokenizer(model_name, tokenizer)
         start = time.perf_counter()
-        stats = [step_stats(run_step(server, spec.agent, spec.train_tasks(n, s), s), tokenizer) for s in range(steps)]
+        stats = [step_stats(run_step(server, play, spec.train_tasks(n, s), s), tokenizer) for s in range(steps)]
         seconds = time.perf_counter() - start
     finally:
         server.stop()
@@ -98,6 +102,7 @@ def run_mode(engine: OpenAIServer, tokenizer: Any, on: bool, n: int, steps: int,
             kinds[kind] = kinds.get(kind, 0) + count
     total = {k: sum(s[k] for s in stats) for k in stats[0]}
     return {
+        "agent": f"{task}/{agent or 'default'}",
         "mode": "token_preserving" if on else "off (re-tokenise)",
         "rollouts": total["rollouts"],
         "calls": total["calls"],
@@ -113,6 +118,13 @@ def run_mode(engine: OpenAIServer, tokenizer: Any, on: bool, n: int, steps: int,
     }
 
 
+def compare(engine: OpenAIServer, tokenizer: Any, agents: list[tuple[str, str | None]], n: int, steps: int = 1,
+            model_name: str = DEFAULT_MODEL_NAME) -> pd.DataFrame:
+    """Each (task, agent) with the token-preserving gateway off, then on: one row per (agent, mode)."""
+    return pd.DataFrame([run_mode(engine, tokenizer, on, n, steps, task, model_name, agent)
+                         for task, agent in agents for on in (False, True)])
+
+
 def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rollouts", type=int, default=32, help="rollouts per step")
@@ -120,6 +132,9 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser.add_argument("--warm-start-steps", type=int, default=0)
     parser.add_argument("--task", default="lookup", help="a built-in task (lookup | calc)")
     parser.add_argument("--preset", default=None, help="a model preset (e.g. smollm2-135m) instead of the tiny model")
+    parser.add_argument("--agents", default=None,
+                        help="comma-separated agents of the task's `agents` (e.g. append_only,history_editing,"
+                             "reasoning_dropping for lookup; `all` for every one); default: the task's agent")
     args = parser.parse_args(argv)
 
     model_path = None
@@ -133,15 +148,21 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         from agl_lab.tasks.warmstart import warm_start
 
         warm_start(model, tokenizer, args.task, steps=args.warm_start_steps, seed=0)
+    agents: list[str | None] = [None]
+    if args.agents:
+        known = get_task(args.task).agents
+        agents = list(known) if args.agents == "all" else args.agents.split(",")
+        unknown = [a for a in agents if a not in known]
+        if unknown:
+            parser.error(f"--agents: {unknown} are not agents of task {args.task!r}; known: {sorted(known)}")
     engine = OpenAIServer(model, tokenizer, model_name=name, max_model_len=2048 if model_path else 1024)
     try:
-        table = pd.DataFrame([run_mode(engine, tokenizer, on, args.rollouts, args.steps, args.task, name)
-                              for on in (False, True)])
+        table = compare(engine, tokenizer, [(args.task, a) for a in agents], args.rollouts, args.steps, name)
     finally:
         engine.stop()
     print(f"{args.task} task, {name} (warm start {args.warm_start_steps} steps), "
           f"{args.rollouts} rollouts x {args.steps} steps, trajectory level")
-    print(table.set_index("mode").T.to_string())
+    print(table.set_index(["agent", "mode"]).T.to_string())
     return table
 
 

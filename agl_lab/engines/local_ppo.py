@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from verl import DataProto
 from verl.trainer.ppo.core_algos import agg_loss, get_policy_loss_fn, kl_penalty
 from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
@@ -52,8 +53,7 @@ from agl_lab.engines.base import logprob_gap, sampling_log_probs
 
 logger = logging.getLogger(__name__)
 
-LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
-                  "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 _PREFIX = "actor_rollout_ref.actor."
 
 
@@ -209,58 +209,64 @@ def _position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return torch.clamp(attention_mask.long().cumsum(-1) - 1, min=0)
 
 
+TRIM_PADDING = True  # False: forward every padding column too (the engine before; benchmarks/update.py)
+
+
+def _trim(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+          response_length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Cut the columns no row attends to (left padding of all prompts, right padding of all
+    responses) → the [n, L'] tensors and the kept response width R' ≤ R. Rows are padded to
+    max_prompt + max_response (768 columns in configs/cpu_smollm2.yaml; a calc rollout
+    attends to ~300) and a pass costs what it reads. The loss is unchanged: cut columns are
+    masked keys or masked response positions, and `position_ids` are cut along."""
+    attended = attention_mask.bool().any(0).nonzero()
+    if not TRIM_PADDING or not attended.numel():
+        return input_ids, attention_mask, position_ids, response_length
+    prompt_width = input_ids.shape[1] - response_length
+    kept = max(int(attended[-1]) + 1 - prompt_width, 1)
+    cols = slice(min(int(attended[0]), prompt_width), prompt_width + kept)
+    return input_ids[:, cols], attention_mask[:, cols], position_ids[:, cols], kept
+
+
 def _response_forward(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                       position_ids: torch.Tensor, response_length: int, temperature: float,
                       entropy: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One forward → (logprobs [n, R], entropy [n, R] | None); entropy: none | grad | detached."""
+    """One forward over the attended columns (`_trim`) → (logprobs [n, R], entropy [n, R] | None);
+    entropy: none | grad | detached."""
     device = next(model.parameters()).device
+    input_ids, attention_mask, position_ids, kept = _trim(input_ids, attention_mask, position_ids, response_length)
     out = model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                position_ids=position_ids.to(device), use_cache=False, logits_to_keep=response_length + 1)
-    # Critical: position t predicts token t+1, so the R logits before the last one score the
-    # R response tokens; the last position predicts past the end and is dropped.
-    logits = out.logits[:, -(response_length + 1):-1, :].float() / temperature
-    labels = input_ids[:, -response_length:].to(device)
-    logprobs = logprobs_from_logits(logits, labels)
+                position_ids=position_ids.to(device), use_cache=False, logits_to_keep=kept + 1)
+    # Critical: position t predicts token t+1, so the R' logits before the last one score the
+    # R' response tokens; the last position predicts past the end and is dropped.
+    logits = out.logits[:, -(kept + 1):-1, :].float() / temperature
+    attended = attention_mask[:, -kept:].to(device, logits.dtype)  # padding → 0.0, cut off or not
+    widen = lambda t: F.pad(t * attended, (0, response_length - kept))  # noqa: E731  [n, R'] → [n, R]
+    logprobs = widen(logprobs_from_logits(logits, input_ids[:, -kept:].to(device)))
     if entropy == "none":
         return logprobs, None
-    if entropy == "detached":
-        with torch.no_grad():
-            return logprobs, entropy_from_logits(logits.detach())
-    return logprobs, entropy_from_logits(logits)
+    return logprobs, widen(entropy_from_logits(logits if entropy == "grad" else logits.detach()))
 
 
-def sequence_log_probs(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    position_ids: torch.Tensor | None,
-    response_length: int,
-    temperature: float = 1.0,
-    micro_batch_size: int | None = None,
-    with_entropy: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def sequence_log_probs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                       position_ids: torch.Tensor | None, response_length: int, temperature: float = 1.0,
+                       micro_batch_size: int | None = None, with_entropy: bool = False,
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log π(response token | everything before it) at `temperature`: ([N, R], entropy [N, R] | None).
 
     `input_ids`/`attention_mask`/`position_ids` are [N, L] with the response in the last R
     columns; logits are divided by the temperature before log-softmax (the distribution the
-    engine sampled from). `model` is a transformers causal LM (called with `logits_to_keep`,
-    so only the R + 1 last positions are projected to the vocabulary). Rows go through the
-    model `micro_batch_size` at a time. Gradients
-    flow when the caller has grad enabled; wrap in `torch.no_grad()` for inference. Results
-    are on the model's device, float32.
-    """
+    engine sampled from); only the last R' + 1 positions reach the vocabulary projection
+    (`logits_to_keep`). Rows go `micro_batch_size` at a time; gradients flow when enabled.
+    Results are float32 on the model's device."""
     if position_ids is None:
         position_ids = _position_ids(attention_mask)
     n = input_ids.shape[0]
     step = micro_batch_size or max(n, 1)
-    logps, ents = [], []
-    for s in range(0, n, step):
-        sl = slice(s, s + step)
-        lp, ent = _response_forward(model, input_ids[sl], attention_mask[sl], position_ids[sl],
-                                    response_length, temperature, "grad" if with_entropy else "none")
-        logps.append(lp)
-        ents.append(ent)
-    return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
+    parts = [_response_forward(model, input_ids[s:s + step], attention_mask[s:s + step], position_ids[s:s + step],
+                               response_length, temperature, "grad" if with_entropy else "none")
+             for s in range(0, n, step)]
+    return torch.cat([lp for lp, _ in parts]), (torch.cat([e for _, e in parts]) if with_entropy else None)
 
 
 def batch_log_probs(model: torch.nn.Module, data: DataProto, temperature: float,
