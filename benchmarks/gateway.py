@@ -22,9 +22,7 @@ Per server and agent count:
 3. the gateway process's user+system CPU per proxied call (/proc), the figure least sensitive
    to the machine's load.
 
-Then in process: `Store.append_event` rate on both stores (model_request-sized payloads), one
-caller appending after another (on SQLite each append is its own commit) and 32 asyncio tasks
-awaiting `append_event_async` at once as the gateway does (on SQLite they share commits), and
+Then in process: `Store.append_event` rate on both stores (model_request-sized payloads), and
 the cost of a terminal-cursor poll with 10 000 terminal rollouts in the store (the caught-up
 poll a rollout manager makes every tick, and a full 1000-item page).
 
@@ -310,7 +308,6 @@ def store_rows(n_events: int, tmp: str) -> list[list[str]]:
         for i in range(n_events):
             store.append_event(f"s{i % 32}", "0", "model_request", data)
         append_rate = n_events / (time.perf_counter() - t0)
-        concurrent_rate = asyncio.run(concurrent_appends(store, data, n_events))
         t0 = time.perf_counter()
         n_read = sum(len(store.events(f"s{i}")) for i in range(32))
         read_rate = n_read / (time.perf_counter() - t0)
@@ -331,21 +328,9 @@ def store_rows(n_events: int, tmp: str) -> list[list[str]]:
         page_ms = (time.perf_counter() - t0) / 5 * 1000
         assert len(page.items) == 1000
         store.close()
-        rows.append([url.split(":")[0], str(n_events), f"{append_rate:,.0f}", f"{concurrent_rate:,.0f}", f"{read_rate:,.0f}",
+        rows.append([url.split(":")[0], str(n_events), f"{append_rate:,.0f}", f"{read_rate:,.0f}",
                      f"{caught_up_us:,.0f}", f"{page_ms:.1f}", load()])
     return rows
-
-
-async def concurrent_appends(store, data: dict, n_events: int, agents: int = 32) -> float:
-    """Appends/s of `agents` tasks awaiting `append_event_async` (the gateway's path: on SQLite
-    they share commits) -> rate."""
-    async def agent(k: int) -> None:
-        for _ in range(n_events // agents):
-            await store.append_event_async(f"s{k}", "0", "model_request", data)
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(agent(k) for k in range(agents)))
-    return n_events // agents * agents / (time.perf_counter() - t0)
 
 
 def table(header: list[str], rows: list[list[str]]) -> str:
@@ -396,7 +381,7 @@ def main() -> None:
                     results[name, agents] = asyncio.run(measure(base, pid, upstream, rollout_ids, agents, args))
         print_gateway(results, counts, list(servers), use_agl)
         print(f"\nStore (in process; 10k terminal rollouts for the polls)  load={load()}")
-        print(table(["store", "events", "appends/s", "appends/s (32 async)", "reads/s", "caught-up poll µs", "1000-item page ms", "load"],
+        print(table(["store", "events", "appends/s", "reads/s", "caught-up poll µs", "1000-item page ms", "load"],
                     store_rows(args.events, tmp)))
 
 

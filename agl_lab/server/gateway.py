@@ -318,7 +318,7 @@ class Gateway:
                 raise  # cancelled from outside (server shutdown): not the agent's hang-up
             cause = "the agent disconnected before the model server answered; the upstream call was cancelled"
             logger.warning("Rollout %s: %s", call.rollout.rollout_id, cause)
-            await self._record_failure(call, UpstreamFailure(499, "Client disconnected", cause), 0)
+            self._record_failure(call, UpstreamFailure(499, "Client disconnected", cause), 0)
             return Response(status_code=499)
         finally:
             watch.cancel()
@@ -348,7 +348,7 @@ class Gateway:
                     if inspect.isawaitable(payload):
                         payload = await payload
                 content = _dumps(payload)
-            unrecordable = await self._record(call, payload, upstream.status_code, latency_ms, retry_count)
+            unrecordable = self._record(call, payload, upstream.status_code, latency_ms, retry_count)
             if unrecordable is not None and upstream.status_code < 400:
                 return UpstreamFailure(502, "The model server's answer cannot be recorded", unrecordable).response()
             headers = {"Retry-After": upstream.retry_after} if upstream.retry_after and upstream.status_code >= 400 else None
@@ -356,7 +356,7 @@ class Gateway:
                             headers=headers)
         except UpstreamFailure as failure:
             logger.warning("Rollout %s: %s", call.rollout.rollout_id, failure)
-            await self._record_failure(call, failure, (time.perf_counter() - started) * 1000.0)
+            self._record_failure(call, failure, (time.perf_counter() - started) * 1000.0)
             return failure.response()
         finally:
             self.gate.leave()
@@ -429,15 +429,14 @@ class Gateway:
                               f"{self.config.upstream_breaker_seconds:g}); start or restart the model server",
                               retry_after=until - now)
 
-    async def _record_failure(self, call: ProxyCall, failure: UpstreamFailure, latency_ms: float) -> None:
+    def _record_failure(self, call: ProxyCall, failure: UpstreamFailure, latency_ms: float) -> None:
         """The error event of a call the gateway answered itself (no upstream payload)."""
         error = {"error": {"message": failure.detail, "cause": failure.cause, "type": "gateway_error"}}
-        await self._record(call, error, failure.status, latency_ms, 0)
+        self._record(call, error, failure.status, latency_ms, 0)
 
-    async def _record(self, call: ProxyCall, response: Any, http_status: int, latency_ms: float,
+    def _record(self, call: ProxyCall, response: Any, http_status: int, latency_ms: float,
                 retry_count: int) -> str | None:
-        """Append the model_request event (AGL's data dict + rewriter annotations); returns
-        once it is stored (`append_event_async`: on SQLite, committed off the event loop).
+        """Append the model_request event (AGL's data dict + rewriter annotations).
 
         Returns why the call could not be recorded as is (then an error event says so), else None.
         """
@@ -466,13 +465,13 @@ class Gateway:
             data["upstream_request"] = call.request if call.upstream_request is None else call.upstream_request
         try:
             try:
-                await self.store.append_event_async(call.rollout.rollout_id, call.attempt_id, "model_request", data)
+                self.store.append_event(call.rollout.rollout_id, call.attempt_id, "model_request", data)
             except NotStorable as exc:  # e.g. an answer nested too deep: record why, tell the agent
                 keep = ("model", "model_version", "server", "latency_ms", "retry_count")
                 data = {**{k: data[k] for k in keep}, "request": None, "usage": None, "finish_reason": None,
                         "response": {"error": {"message": f"call not recordable: {exc}"}},
                         "http_status": 502, "status": "error"}
-                await self.store.append_event_async(call.rollout.rollout_id, call.attempt_id, "model_request", data)
+                self.store.append_event(call.rollout.rollout_id, call.attempt_id, "model_request", data)
                 return str(exc)
         except RolloutNotFound:
             logger.warning("Rollout %s was deleted while its model call was in flight: the answer is "

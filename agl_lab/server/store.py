@@ -32,9 +32,7 @@ Design decisions:
 
 from __future__ import annotations
 
-import asyncio
 import collections
-import concurrent.futures
 import contextlib
 import itertools
 import json
@@ -198,32 +196,23 @@ class Store(ABC):
     def append_event(
         self, rollout_id: str, attempt_id: str, event_type: str, data: dict[str, Any] | None = None
     ) -> Event:
-        """Append one event (timestamped now) under (rollout, attempt); RolloutNotFound if unknown.
-
-        Returns once the event is stored (on SQLite: committed, see `SqliteStore`).
-        """
-        event = self._new_event(rollout_id, attempt_id, event_type, data)
-        with self._lock:
-            if not self._append_event(event):
-                raise RolloutNotFound(rollout_id)
-            self._activity[rollout_id] = event.timestamp  # an event renews a running rollout's lease
-            return event
-
-    async def append_event_async(
-        self, rollout_id: str, attempt_id: str, event_type: str, data: dict[str, Any] | None = None
-    ) -> Event:
-        """`append_event` for code on an event loop (the gateway). This default runs it inline
-        (a dict append in MemoryStore); SqliteStore commits on its writer thread instead."""
-        return self.append_event(rollout_id, attempt_id, event_type, data)
-
-    def _new_event(self, rollout_id: str, attempt_id: str, event_type: str, data: dict[str, Any] | None) -> Event:
-        """The event to append, checked: TypeError / NotStorable name what cannot be stored."""
+        """Append one event (timestamped now) under (rollout, attempt); RolloutNotFound if unknown."""
         if data is not None and not isinstance(data, dict):
             raise TypeError(f"event data must be a dict, got {type(data).__name__}")
         check_storable([rollout_id, attempt_id, event_type], "event ids")
         self._check_event_data(data)
-        return Event.model_construct(event_type=event_type, rollout_id=rollout_id, attempt_id=attempt_id,
-                                     timestamp=time.time(), data={} if data is None else data)
+        with self._lock:
+            event = Event.model_construct(
+                event_type=event_type,
+                rollout_id=rollout_id,
+                attempt_id=attempt_id,
+                timestamp=time.time(),
+                data={} if data is None else data,
+            )
+            if not self._append_event(event):
+                raise RolloutNotFound(rollout_id)
+            self._activity[rollout_id] = event.timestamp  # an event renews a running rollout's lease
+            return event
 
     def events(
         self, rollout_id: str, *, event_type: str | None = None, attempt_id: str | None = None
@@ -548,37 +537,19 @@ CREATE INDEX IF NOT EXISTS terminal_log_rollout ON terminal_log (rollout_id, idx
 """
 
 
-INSERT_ROWS = 1000  # events per INSERT statement (5 parameters each; SQLite allows 32766)
-
-
 class SqliteStore(Store):
     """One SQLite file (WAL mode); one connection shared under the store's lock.
 
-    Durability: `journal_mode=WAL`, `synchronous=NORMAL`. Every write, event appends included,
-    is committed before the call returns (acknowledged == committed):
-    - a crash of the process (kill -9, OOM) loses no acknowledged write: a commit is in the
-      WAL file, in the OS page cache, when the call returns (`tests/test_crash.py`);
-    - a power loss or OS crash may undo the writes since the last WAL sync (NORMAL syncs the
-      WAL at checkpoints, not per commit); the database file stays consistent.
-    WAL checkpoints run on a background thread's own connection (PASSIVE: they never block the
-    server), not inside a model call's commit.
-
-    Group commit of event appends: an append queues its row; the first appender to get the
-    lock (the leader; for `append_event_async`, the store's writer thread) commits every row
-    queued by then in one transaction, and each of them returns only after that COMMIT. So
-    concurrent appends (many agents) share commits, a lone append commits at once, and the
-    event loop never waits on SQLite. A rollout that does not exist fails only its own append
-    (RolloutNotFound); a failed COMMIT fails every append of that transaction, none of which
-    was acknowledged. `append_commits` / `appends_committed` count them.
+    Durability: `synchronous=NORMAL` in WAL mode. Every write, event appends included, is
+    committed before the call returns, so an acknowledged write survives a crash of the process
+    (a power loss may undo the last ones). A commit in WAL mode with NORMAL does not fsync, so an
+    append costs one INSERT and a WAL write. WAL checkpoints run on a background thread's own
+    connection (PASSIVE: they never block the server), not inside a model call's commit.
 
     One store per file: opening takes an exclusive lock on `<path>.lock` (released by
     `close()` or when the process ends, even by kill -9) and a second opener gets StoreLocked.
     Two servers on one file would each hold their own lock and cursor state and meet as
-    `database is locked` errors after 5 s busy waits, so it is refused, not supported. That
-    lock is also what makes the read caches valid: this store is the file's only writer while
-    open, so decoded rollouts and the model registry are cached write-through, and the
-    gateway's reads (`get_rollout`, `models_for`) hit them without the lock. The caches hold
-    committed state only (a transaction's changes are published after its COMMIT).
+    `database is locked` errors after 5 s busy waits, so it is refused, not supported.
     """
 
     CHECKPOINT_SECONDS = 1.0
@@ -595,16 +566,7 @@ class SqliteStore(Store):
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")  # durable across process crashes
         self._db.executescript(_SCHEMA)
-        self._cache: dict[str, Rollout] = {}  # rollout_id -> Rollout as committed (see _load)
-        self._uncommitted: dict[str, Rollout | None] | None = None  # the open transaction's rollouts
-        self._model_cache: dict[str, list[Model]] = {}  # model name -> models_for's answer, as committed
-        self._models_changed = False
-        self._pending: list[_Append] = []  # appends waiting for their group commit
-        self._pending_lock = threading.Lock()
-        self._writer: concurrent.futures.ThreadPoolExecutor | None = None  # commits append_event_async's rows
-        self._writer_scheduled = False  # a writer flush is queued and has not drained `_pending` yet
-        self.append_commits = 0  # COMMITs that carried event appends
-        self.appends_committed = 0
+        self._cache: dict[str, Rollout] = {}  # rollout_id -> Rollout as stored (see _load)
         self._closed = threading.Event()
         self._checkpointer: threading.Thread | None = None
         if path != ":memory:":  # an in-memory database has no WAL to checkpoint
@@ -623,8 +585,6 @@ class SqliteStore(Store):
             if self._closed.is_set():
                 return
             self._closed.set()
-        if self._writer is not None:  # queued appends commit (or fail) before the connection closes
-            self._writer.shutdown(wait=not threading.current_thread().name.startswith("agl-sqlite-writer"))
         if self._checkpointer is not None and threading.current_thread() is not self._checkpointer:
             self._checkpointer.join(5)
         with self._lock:
@@ -660,143 +620,17 @@ class SqliteStore(Store):
             yield
             return
         self._db.execute("BEGIN")
-        self._uncommitted, self._models_changed = {}, False
         try:
             yield
-            self._db.execute("COMMIT")
         except BaseException:
-            if self._db.in_transaction:
-                self._db.execute("ROLLBACK")
+            self._db.execute("ROLLBACK")
+            self._cache.clear()  # it may hold rows of the rolled-back transaction
             raise
-        else:  # publish to the lock-free readers only what is committed
-            for rid, rollout in self._uncommitted.items():
-                if rollout is not None:
-                    self._cached(rollout)
-            if self._models_changed:
-                self._model_cache.clear()
-        finally:
-            self._uncommitted = None
-
-    # --- the gateway's reads: committed state from the caches, without the lock -------------
-
-    def get_rollout(self, rollout_id: str) -> Rollout | None:
-        rollout = self._cache.get(rollout_id)
-        return rollout if rollout is not None else super().get_rollout(rollout_id)
-
-    def models_for(self, model_name: str) -> list[Model]:
-        models = self._model_cache.get(model_name)
-        if models is None:
-            with self._lock:
-                models = super().models_for(model_name)
-                if self._uncommitted is None:  # not inside a (re-entrant) transaction
-                    self._model_cache[model_name] = models
-        return list(models)
-
-    # --- event appends: group commit -----------------------------------------------------------
-
-    def append_event(
-        self, rollout_id: str, attempt_id: str, event_type: str, data: dict[str, Any] | None = None
-    ) -> Event:
-        append = self._queue(self._new_event(rollout_id, attempt_id, event_type, data), None)
-        self._flush_appends()  # commits it, or finds it committed by the leader before us
-        return append.outcome()
-
-    async def append_event_async(
-        self, rollout_id: str, attempt_id: str, event_type: str, data: dict[str, Any] | None = None
-    ) -> Event:
-        append = self._queue(self._new_event(rollout_id, attempt_id, event_type, data),
-                             asyncio.get_running_loop().create_future())
-        assert append.future is not None
-        return await append.future
-
-    def _check_event_data(self, data: dict[str, Any] | None) -> None:
-        pass  # `_queue` encodes with dump_storable, which is the check
-
-    def _queue(self, event: Event, future: asyncio.Future[Event] | None) -> _Append:
-        """Queue `event` for the next group commit; with a `future`, make sure a writer flush is
-        scheduled (the caller is an event loop, which must not wait for the lock)."""
-        append = _Append(event, dump_storable(event.data, "data").decode(), future)
-        if self._closed.is_set():  # as any other call on a closed store (sqlite3's error)
-            raise sqlite3.ProgrammingError(f"Cannot operate on a closed database: {self!r} was closed")
-        with self._pending_lock:
-            self._pending.append(append)
-            schedule = future is not None and not self._writer_scheduled
-            if schedule:
-                self._writer_scheduled = True
-                if self._writer is None:
-                    self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="agl-sqlite-writer")
-        if schedule:
-            assert self._writer is not None
-            self._writer.submit(self._flush_appends)
-        return append
-
-    def _flush_appends(self) -> None:
-        """Commit every queued append in one transaction, then settle each one's caller."""
-        with self._lock:
-            with self._pending_lock:
-                batch, self._pending = self._pending, []
-                self._writer_scheduled = False  # appends queued from now on need another flush
-            try:
-                stored = [append for append in batch if self._check_rollout(append)]
-                try:
-                    self._insert_events(stored)
-                except sqlite3.Error:  # each append of the failed commit holds the error
-                    if len(stored) > 1:  # find whose row fails: retry each in a commit of its own
-                        for append in stored:
-                            with contextlib.suppress(sqlite3.Error):
-                                self._insert_events([append])
-            except BaseException as exc:  # e.g. the store was closed: its callers get the error
-                for append in batch:
-                    append.error = append.error or exc
-                if not isinstance(exc, Exception):
-                    raise
-            finally:
-                _settle(batch)
-
-    def _check_rollout(self, append: _Append) -> bool:
-        if self._exists(append.event.rollout_id):
-            return True
-        append.error = RolloutNotFound(append.event.rollout_id)
-        return False
-
-    def _insert_events(self, appends: list[_Append]) -> None:
-        """Commit `appends` (one transaction); on failure each gets the error, none is stored.
-
-        One multi-row INSERT per INSERT_ROWS events, autocommitted when it is the only one: the
-        writer thread gives up the GIL once per statement (sqlite3 releases it around each step)
-        and, while the event loop is busy, may wait the interpreter's switch interval (5 ms) to
-        get it back; executemany would wait once per row.
-        """
-        if not appends:
-            return
-        try:
-            with self._transaction() if len(appends) > INSERT_ROWS else contextlib.nullcontext():
-                for start in range(0, len(appends), INSERT_ROWS):
-                    chunk = appends[start : start + INSERT_ROWS]
-                    values = ",".join(["(?, ?, ?, ?, ?)"] * len(chunk))
-                    params = [field for append in chunk for field in (
-                        append.event.rollout_id, append.event.attempt_id, append.event.event_type,
-                        append.event.timestamp, append.blob)]
-                    self._db.execute("INSERT INTO events (rollout_id, attempt_id, event_type, timestamp, data) "
-                                     f"VALUES {values}", params)
-        except sqlite3.Error as exc:
-            for append in appends:
-                append.error = exc
-            raise
-        self.append_commits += 1
-        self.appends_committed += len(appends)
-        for append in appends:
-            append.error = None
-            self._activity[append.event.rollout_id] = append.event.timestamp  # renews a running rollout's lease
-
-    # --- primitives ----------------------------------------------------------------------------
+        self._db.execute("COMMIT")
 
     def _load(self, rollout_id: str) -> Rollout | None:
         # every proxied call reads its rollout: decoded rows are cached (this store is the file's
-        # only writer while open), bounded by clearing at ROLLOUT_CACHE entries; a row read here
-        # is committed unless this transaction wrote it, and then `_uncommitted` has it
-        if self._uncommitted is not None and rollout_id in self._uncommitted:
-            return self._uncommitted[rollout_id]
+        # only writer while open), bounded by clearing at ROLLOUT_CACHE entries
         rollout = self._cache.get(rollout_id)
         if rollout is not None:
             return rollout
@@ -809,14 +643,6 @@ class SqliteStore(Store):
         self._cache[rollout.rollout_id] = rollout
         return rollout
 
-    def _written(self, rollout_id: str, rollout: Rollout | None) -> None:
-        """Record a write of this transaction (None: deleted); published on COMMIT."""
-        self._cache.pop(rollout_id, None)  # lock-free readers wait for the lock meanwhile
-        if self._uncommitted is not None:
-            self._uncommitted[rollout_id] = rollout
-        elif rollout is not None:  # autocommitted (outside any transaction)
-            self._cached(rollout)
-
     def _load_many(self, rollout_ids: Sequence[str]) -> dict[str, Rollout]:
         out: dict[str, Rollout] = {}
         for chunk in _chunks(list(dict.fromkeys(rollout_ids)), 500):
@@ -827,8 +653,6 @@ class SqliteStore(Store):
         return out
 
     def _exists(self, rollout_id: str) -> bool:
-        if self._uncommitted is not None and rollout_id in self._uncommitted:
-            return self._uncommitted[rollout_id] is not None
         if rollout_id in self._cache:
             return True
         sql = "SELECT 1 FROM rollouts WHERE rollout_id=?"
@@ -839,17 +663,17 @@ class SqliteStore(Store):
             "INSERT INTO rollouts (rollout_id, state, body) VALUES (?, ?, ?)",
             (rollout.rollout_id, rollout.status.state.value, rollout.model_dump_json()),
         )
-        self._written(rollout.rollout_id, rollout)
+        self._cached(rollout)
 
     def _replace(self, rollout: Rollout) -> None:
         self._db.execute(
             "UPDATE rollouts SET state=?, body=? WHERE rollout_id=?",
             (rollout.status.state.value, rollout.model_dump_json(), rollout.rollout_id),
         )
-        self._written(rollout.rollout_id, rollout)
+        self._cached(rollout)
 
     def _remove(self, rollout_id: str) -> None:
-        self._written(rollout_id, None)
+        self._cache.pop(rollout_id, None)
         self._db.execute("DELETE FROM rollouts WHERE rollout_id=?", (rollout_id,))
         self._db.execute("DELETE FROM events WHERE rollout_id=?", (rollout_id,))
 
@@ -859,8 +683,19 @@ class SqliteStore(Store):
         rows = self._db.execute(sql, [s.value for s in states] + [limit])
         return [Rollout.model_validate_json(body) for (body,) in rows]
 
+    def _check_event_data(self, data: dict[str, Any] | None) -> None:
+        pass  # `_append_event` encodes with dump_storable, which is the check
+
     def _append_event(self, event: Event) -> bool:
-        raise AssertionError("unreachable: SqliteStore appends through _queue / _flush_appends")
+        # the hot path of every model call: one autocommitted INSERT (the rollout check hits the
+        # cache); dump_storable is also the write-time check that the data can be read back
+        if not self._exists(event.rollout_id):
+            return False
+        self._db.execute(
+            "INSERT INTO events (rollout_id, attempt_id, event_type, timestamp, data) VALUES (?, ?, ?, ?, ?)",
+            (event.rollout_id, event.attempt_id, event.event_type, event.timestamp,
+             dump_storable(event.data, "data").decode()))
+        return True
 
     def _events(self, rollout_id: str, attempt_id: str) -> list[Event]:
         sql = (
@@ -911,54 +746,13 @@ class SqliteStore(Store):
             "INSERT OR REPLACE INTO models (model, endpoint, version) VALUES (?, ?, ?)",
             (model.model, model.endpoint, model.version),
         )
-        self._models_changed = True
 
     def _clear_models(self) -> None:
         self._db.execute("DELETE FROM models")
-        self._models_changed = True
 
     def _models(self, model_name: str) -> list[Model]:
         sql = "SELECT model, endpoint, version FROM models WHERE model=?"
         return [Model(model=m, endpoint=e, version=v) for m, e, v in self._db.execute(sql, (model_name,))]
-
-
-class _Append:
-    """One queued event append: the event, its encoded data, and its outcome once settled."""
-
-    __slots__ = ("event", "blob", "future", "error", "done")
-
-    def __init__(self, event: Event, blob: str, future: asyncio.Future[Event] | None):
-        self.event, self.blob, self.future = event, blob, future
-        self.error: BaseException | None = None
-        self.done = False
-
-    def outcome(self) -> Event:
-        assert self.done, "an append is settled by the flush that drained it"
-        if self.error is not None:
-            raise self.error
-        return self.event
-
-
-def _settle(batch: list[_Append]) -> None:
-    """Mark a flushed batch done; resolve the awaited ones on their loops (one wake-up per loop)."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[_Append]] = {}
-    for append in batch:
-        append.done = True
-        if append.future is not None:
-            by_loop.setdefault(append.future.get_loop(), []).append(append)
-    for loop, appends in by_loop.items():
-        with contextlib.suppress(RuntimeError):  # that loop is closed: nobody awaits these any more
-            loop.call_soon_threadsafe(_resolve, appends)
-
-
-def _resolve(appends: list[_Append]) -> None:
-    for append in appends:
-        if append.future is None or append.future.done():  # e.g. cancelled: the agent hung up
-            continue
-        if append.error is not None:
-            append.future.set_exception(append.error)
-        else:
-            append.future.set_result(append.event)
 
 
 def _lock_exclusively(path: str) -> Any:
