@@ -167,7 +167,6 @@ class ProxyCall:
     upstream_request: dict[str, Any] | None = None
     response_hooks: list[ResponseHook] = field(default_factory=list)
     agent_path: str = field(init=False)  # the path the agent called
-    recording: bool = field(init=False, default=False)  # its event is being stored: a hang-up no longer cancels
 
     def __post_init__(self) -> None:
         self.agent_path = self.upstream_path
@@ -310,7 +309,7 @@ class Gateway:
         task = asyncio.current_task()
         assert task is not None
         hung_up = asyncio.get_running_loop().create_future()
-        watch = asyncio.ensure_future(_cancel_on_disconnect(receive, task, hung_up, call))
+        watch = asyncio.ensure_future(_cancel_on_disconnect(receive, task, hung_up))
         try:
             return await self._forward(call)
         except asyncio.CancelledError:
@@ -440,7 +439,6 @@ class Gateway:
 
         Returns why the call could not be recorded as is (then an error event says so), else None.
         """
-        call.recording = True  # from here on the agent's hang-up does not cancel the call
         server = call.server
         choices = response.get("choices") if isinstance(response, dict) else None
         first = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
@@ -534,14 +532,13 @@ def _timeout_cause(exc: BaseException, attempts: int, per_attempt: float, deadli
 
 
 async def _cancel_on_disconnect(receive: Callable[[], Awaitable[Any]], task: asyncio.Task[Any],
-                                hung_up: asyncio.Future[None], call: ProxyCall) -> None:
-    """Wait for the agent's disconnect, then mark `hung_up` done and cancel `task` — unless the
-    call is already being recorded: its one event is then stored in full (no second 499 event)."""
+                                hung_up: asyncio.Future[None]) -> None:
+    """Wait for the agent's disconnect, then mark `hung_up` done and cancel `task`. (Recording a
+    call's event is synchronous: a hang-up never lands between its answer and its event.)"""
     while (await receive())["type"] != "http.disconnect":
         pass
-    if not call.recording:
-        hung_up.set_result(None)
-        task.cancel()
+    hung_up.set_result(None)
+    task.cancel()
 
 
 # ---------------------------------------------------------------------------------------------
