@@ -258,3 +258,46 @@ def test_one_write_protocol_streams_later_chunks_as_uvicorn_does():
     writes = asyncio.run(_exchange(request, streaming)).writes
     assert writes[0].startswith(b"HTTP/1.1 200 OK") and writes[0].endswith(b"\r\n\r\n1\r\na\r\n")
     assert writes[1:] == [b"1\r\nb\r\n", b"0\r\n\r\n"]
+
+
+# ---------------------------------------------------------------------------------------------
+# GET /healthz answered by the protocol, without an ASGI task
+# ---------------------------------------------------------------------------------------------
+
+
+async def _no_healthz_route(scope: Any, receive: Any, send: Any) -> None:
+    await send({"type": "http.response.start", "status": 404, "headers": [(b"content-length", b"0")]})
+    await send({"type": "http.response.body", "body": b""})
+
+
+def test_healthz_is_answered_by_the_protocol_as_the_app_answers_it():
+    """An app without the route still answers it (the protocol does), with the app's own answer."""
+    from starlette.testclient import TestClient
+
+    from agl_lab.server.app import create_app
+
+    transport = asyncio.run(_exchange(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n", _no_healthz_route))
+    (write,) = transport.writes
+    head, _, body = write.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 OK") and b"content-type: application/json" in head
+    with TestClient(create_app({"key": "k"})) as client:  # the route the protocol stands in for
+        assert body == client.get("/healthz").content
+    assert not transport.closed  # keep-alive
+    # anything else about the path goes to the app: a query string, HEAD, another path
+    for request in (b"GET /healthz?x=1 HTTP/1.1\r\nHost: x\r\n\r\n", b"HEAD /healthz HTTP/1.1\r\nHost: x\r\n\r\n",
+                    b"GET /healthz/ HTTP/1.1\r\nHost: x\r\n\r\n"):
+        assert asyncio.run(_exchange(request, _no_healthz_route)).writes[0].startswith(b"HTTP/1.1 404"), request
+
+
+def test_healthz_pipelined_and_connection_close_over_a_real_socket(server):
+    with socket.create_connection((server.config.host, server.config.port)) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n" * 2 + b"GET /openapi.json HTTP/1.1\r\nHost: x\r\n"
+                     b"Authorization: Bearer " + server.config.key.encode() + b"\r\n\r\n"
+                     b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        data = b""
+        while chunk := sock.recv(65536):  # the server closes after the last answer
+            data += chunk
+    answers = data.split(b"HTTP/1.1 ")[1:]
+    assert [a[:3] for a in answers] == [b"200"] * 4, data[:500]
+    assert answers[2].count(b'"openapi"') == 1  # the app's route, in order between the probes
+    assert answers[0].endswith(b'{"status":"ok"}') and b"connection: close" in answers[3]

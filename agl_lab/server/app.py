@@ -71,7 +71,7 @@ from agl_lab.protocol import (
 )
 from agl_lab.records import triplet_events
 from agl_lab.server.config import ServerConfig, load_server_config
-from agl_lab.server.asgi import AglApp, JsonServerErrors, ProxyFastPath
+from agl_lab.server.asgi import HEALTH_PATH, AglApp, JsonServerErrors, ProxyFastPath
 from agl_lab.server.guard import DOCS_PATHS, RequestGuard
 from agl_lab.server.gateway import Gateway, RequestRewriter, gateway_router, proxy_route
 from agl_lab.server.seeding import SeededCallsRewriter
@@ -188,8 +188,10 @@ def create_app(
     app.router.routes.append(route)
     app.proxy_fast_path = ProxyFastPath(gateway, RequestGuard(None, **guard), route, app.exception_handlers)
 
-    @app.get("/healthz", tags=["health"])
+    @app.get(HEALTH_PATH, tags=["health"])
     async def healthz() -> dict[str, str]:
+        """Liveness. Served by agl_lab's uvicorn protocol (asgi.HTTP_PROTOCOL) without reaching
+        this route; other ASGI servers (and test clients) reach it."""
         return {"status": "ok"}
 
     app.include_router(_rollout_router(store, cfg.max_batch_items, cfg.lease_seconds), prefix="/api")
