@@ -79,7 +79,7 @@ class ThreadedUvicorn:
         if health_path is None:
             return
         with httpx.Client(trust_env=False, timeout=5.0) as client:
-            while True:  # started means the socket listens; /healthz means the routes answer
+            while True:  # started: the lifespan ran and the socket listens; /healthz: requests are served
                 try:
                     if client.get(self.url + health_path).status_code == 200:
                         return
