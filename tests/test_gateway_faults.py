@@ -159,6 +159,16 @@ def test_serve_has_flags_for_the_upstream_bounds():
             cfg.upstream_breaker_seconds) == (30.0, 2, 90.0, 0.0)
 
 
+def test_serve_has_flags_for_the_request_and_lease_limits():
+    args = _parser().parse_args(["--lease-seconds", "0", "--max-body-bytes", "1000", "--max-batch-items", "5",
+                                 "--terminal-log-limit", "7"])
+    cfg = serve_config(args)
+    assert (cfg.lease_seconds, cfg.max_body_bytes, cfg.max_batch_items, cfg.terminal_log_limit) == (0, 1000, 5, 7)
+    assert serve_config(_parser().parse_args([])).max_body_bytes == 32 * 2**20  # unset: the default
+    with pytest.raises(ValueError, match="max_body_bytes"):
+        serve_config(_parser().parse_args(["--max-body-bytes", "0"]))
+
+
 # -- finding 17: the agent disconnects -> its upstream call and retries stop ------------------------------
 
 

@@ -228,15 +228,24 @@ def _parser() -> argparse.ArgumentParser:
                    help="upstream_backoff_max_seconds (default 8)")
     p.add_argument("--upstream-breaker-seconds", type=float, default=None, metavar="S",
                    help="fail fast this long after the model server refused a connection (default 5; 0: retry)")
+    p.add_argument("--lease-seconds", type=float, default=None, metavar="S",
+                   help="fail a running rollout with no heartbeat, event or status change this long (default 600; 0: off)")
+    p.add_argument("--max-body-bytes", type=int, default=None, metavar="N",
+                   help="larger request bodies answer 413 (default 32 MiB)")
+    p.add_argument("--max-batch-items", type=int, default=None, metavar="N",
+                   help="items per POST of rollouts or models, 413 beyond (default 10000)")
     p.add_argument("--log-level", default="info")
     return p
 
 
-_UPSTREAM_FLAGS = {"upstream_timeout": "upstream_timeout_seconds", "upstream_max_attempts": "upstream_max_attempts",
-                   "upstream_call_deadline": "upstream_call_deadline_seconds",
-                   "upstream_backoff_base": "upstream_backoff_base_seconds",
-                   "upstream_backoff_max": "upstream_backoff_max_seconds",
-                   "upstream_breaker_seconds": "upstream_breaker_seconds"}
+# flag (argparse dest) -> ServerConfig key, for the limits set only when given
+_LIMIT_FLAGS = {"upstream_timeout": "upstream_timeout_seconds", "upstream_max_attempts": "upstream_max_attempts",
+                "upstream_call_deadline": "upstream_call_deadline_seconds",
+                "upstream_backoff_base": "upstream_backoff_base_seconds",
+                "upstream_backoff_max": "upstream_backoff_max_seconds",
+                "upstream_breaker_seconds": "upstream_breaker_seconds", "terminal_log_limit": "terminal_log_limit",
+                "lease_seconds": "lease_seconds", "max_body_bytes": "max_body_bytes",
+                "max_batch_items": "max_batch_items"}
 
 
 def serve_key(args: argparse.Namespace, environ: Mapping[str, str]) -> str:
@@ -290,9 +299,7 @@ def serve_config(args: argparse.Namespace, environ: Mapping[str, str] | None = N
     raw: dict[str, Any] = {"host": args.host, "port": args.port, "key": key, "store": args.store,
                            "default_proxy": proxy, "token_preserving": args.token_preserving,
                            "upstream_client": args.upstream_client}
-    if args.terminal_log_limit is not None:
-        raw["terminal_log_limit"] = args.terminal_log_limit
-    raw.update({key: getattr(args, flag) for flag, key in _UPSTREAM_FLAGS.items() if getattr(args, flag) is not None})
+    raw.update({key: getattr(args, flag) for flag, key in _LIMIT_FLAGS.items() if getattr(args, flag) is not None})
     return load_server_config(raw)
 
 
