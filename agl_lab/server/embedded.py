@@ -22,6 +22,7 @@ import logging
 import socket
 import threading
 import time
+import typing
 from collections.abc import Mapping
 from typing import Any
 
@@ -214,38 +215,33 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--token-preserving", action="store_true")
     p.add_argument("--tokenizer-path", default=None,
                    help="tokenizer (with chat template) of --model-name, for --token-preserving")
-    p.add_argument("--upstream-client", default="auto", choices=["auto", "raw", "aiohttp", "httpx"])
-    p.add_argument("--terminal-log-limit", type=int, default=None)
-    p.add_argument("--upstream-timeout", type=float, default=None, metavar="S",
-                   help="upstream_timeout_seconds: bound on each upstream attempt (default 300)")
-    p.add_argument("--upstream-max-attempts", type=int, default=None, metavar="N",
-                   help="upstream_max_attempts: tries per call on timeouts, 408/409/429/5xx (default 6)")
-    p.add_argument("--upstream-call-deadline", type=float, default=None, metavar="S",
-                   help="upstream_call_deadline_seconds: bound on a whole call, retries included (default 600)")
-    p.add_argument("--upstream-backoff-base", type=float, default=None, metavar="S",
-                   help="upstream_backoff_base_seconds (default 0.5)")
-    p.add_argument("--upstream-backoff-max", type=float, default=None, metavar="S",
-                   help="upstream_backoff_max_seconds (default 8)")
-    p.add_argument("--upstream-breaker-seconds", type=float, default=None, metavar="S",
-                   help="fail fast this long after the model server refused a connection (default 5; 0: retry)")
-    p.add_argument("--lease-seconds", type=float, default=None, metavar="S",
-                   help="fail a running rollout with no heartbeat, event or status change this long (default 600; 0: off)")
-    p.add_argument("--max-body-bytes", type=int, default=None, metavar="N",
-                   help="larger request bodies answer 413 (default 32 MiB)")
-    p.add_argument("--max-batch-items", type=int, default=None, metavar="N",
-                   help="items per POST of rollouts or models, 413 beyond (default 10000)")
+    p.add_argument("--upstream-client", default="auto",
+                   choices=typing.get_args(ServerConfig.model_fields["upstream_client"].annotation))
+    for flag, (key, kind, metavar, text) in LIMIT_FLAGS.items():
+        p.add_argument(flag, dest=key, type=kind, default=None, metavar=metavar, help=f"{key}: {text}")
     p.add_argument("--log-level", default="info")
     return p
 
 
-# flag (argparse dest) -> ServerConfig key, for the limits set only when given
-_LIMIT_FLAGS = {"upstream_timeout": "upstream_timeout_seconds", "upstream_max_attempts": "upstream_max_attempts",
-                "upstream_call_deadline": "upstream_call_deadline_seconds",
-                "upstream_backoff_base": "upstream_backoff_base_seconds",
-                "upstream_backoff_max": "upstream_backoff_max_seconds",
-                "upstream_breaker_seconds": "upstream_breaker_seconds", "terminal_log_limit": "terminal_log_limit",
-                "lease_seconds": "lease_seconds", "max_body_bytes": "max_body_bytes",
-                "max_batch_items": "max_batch_items"}
+# `agl-lab serve` flags of the ServerConfig keys set only when given: flag -> (key, type, metavar, help)
+LIMIT_FLAGS: dict[str, tuple[str, type, str, str]] = {
+    "--terminal-log-limit": ("terminal_log_limit", int, "N", "terminal rollouts kept for the managers' polls "
+                                                             "(default 100000)"),
+    "--upstream-timeout": ("upstream_timeout_seconds", float, "S", "bound on each upstream attempt (default 300)"),
+    "--upstream-max-attempts": ("upstream_max_attempts", int, "N",
+                                "tries per call on timeouts, 408/409/429/5xx (default 6)"),
+    "--upstream-call-deadline": ("upstream_call_deadline_seconds", float, "S",
+                                 "bound on a whole call, retries included (default 600)"),
+    "--upstream-backoff-base": ("upstream_backoff_base_seconds", float, "S", "(default 0.5)"),
+    "--upstream-backoff-max": ("upstream_backoff_max_seconds", float, "S", "(default 8)"),
+    "--upstream-breaker-seconds": ("upstream_breaker_seconds", float, "S", "fail fast this long after the model "
+                                                                          "server refused a connection (default 5; 0: retry)"),
+    "--lease-seconds": ("lease_seconds", float, "S", "fail a running rollout with no heartbeat, event or status "
+                                                     "change this long (default 600; 0: off)"),
+    "--max-body-bytes": ("max_body_bytes", int, "N", "larger request bodies answer 413 (default 32 MiB)"),
+    "--max-batch-items": ("max_batch_items", int, "N", "items per POST of rollouts or models, 413 beyond "
+                                                       "(default 10000)"),
+}
 
 
 def serve_key(args: argparse.Namespace, environ: Mapping[str, str]) -> str:
@@ -299,7 +295,7 @@ def serve_config(args: argparse.Namespace, environ: Mapping[str, str] | None = N
     raw: dict[str, Any] = {"host": args.host, "port": args.port, "key": key, "store": args.store,
                            "default_proxy": proxy, "token_preserving": args.token_preserving,
                            "upstream_client": args.upstream_client}
-    raw.update({key: getattr(args, flag) for flag, key in _LIMIT_FLAGS.items() if getattr(args, flag) is not None})
+    raw.update({key: getattr(args, key) for key, *_ in LIMIT_FLAGS.values() if getattr(args, key) is not None})
     return load_server_config(raw)
 
 
