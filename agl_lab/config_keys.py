@@ -158,11 +158,15 @@ def ineffective_keys(cfg: DictConfig, defaults: DictConfig, keys: Iterable[str])
     for path in keys:
         if _honoured(path) or path.rsplit(".", 1)[-1] == "_target_":
             continue
-        value = OmegaConf.select(cfg, path, default=None, throw_on_missing=False)
-        default = OmegaConf.select(defaults, path, default=None, throw_on_missing=False)
-        if value != default:
+        if _changed(cfg, defaults, path):
             out.append(path)
     return out
+
+
+def _changed(cfg: DictConfig, defaults: DictConfig, path: str) -> bool:
+    """The user's value at `path` differs from the default (a missing key reads as None)."""
+    return (OmegaConf.select(cfg, path, default=None, throw_on_missing=False)
+            != OmegaConf.select(defaults, path, default=None, throw_on_missing=False))
 
 
 def warn_ineffective(cfg: DictConfig, defaults: DictConfig, keys: Iterable[str]) -> list[str]:
@@ -183,12 +187,12 @@ def warn_ineffective(cfg: DictConfig, defaults: DictConfig, keys: Iterable[str])
     if str(cfg.agl_lab.engine) == "verl":
         messages += [f"{p} has no effect on the verl engine (agl_lab.engine=verl): {VERL_IGNORED[prefix]}"
                      for p in keys for prefix in VERL_IGNORED if (p == prefix or p.startswith(prefix + "."))
-                     and OmegaConf.select(cfg, p) != OmegaConf.select(defaults, p, default=None)]
+                     and _changed(cfg, defaults, p)]
     if not cfg.agl_lab.server.embedded:  # every other agl_lab.server key configures the embedded server
         messages += [f"{p} has no effect with agl_lab.server.embedded=false: the server at "
                      "agentlightning.agl_base_url runs with its own settings (set them there)"
                      for p in keys if p.startswith("agl_lab.server.") and p != "agl_lab.server.embedded"
-                     and OmegaConf.select(cfg, p) != OmegaConf.select(defaults, p, default=None)]
+                     and _changed(cfg, defaults, p)]
     n, est = int(cfg.actor_rollout_ref.rollout.n), str(cfg.algorithm.adv_estimator).lower()
     if n == 1 and est in ("grpo", "grpo_passk", "rloo", "opo", "gpg"):
         messages.append(f"actor_rollout_ref.rollout.n=1 with algorithm.adv_estimator={est}: every group has one "
