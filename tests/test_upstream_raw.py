@@ -120,7 +120,7 @@ def server():
 
 def run(coro_fn):
     async def main():
-        client = RawUpstream(timeout_seconds=5.0)
+        client = RawUpstream()
         try:
             return await coro_fn(client)
         finally:

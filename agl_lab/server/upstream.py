@@ -206,8 +206,8 @@ class RawUpstream:
     failed mid-answer closes its connection.
     """
 
-    def __init__(self, timeout_seconds: float, max_idle_per_endpoint: int = 512):
-        self.timeout_seconds, self.max_idle = timeout_seconds, max_idle_per_endpoint
+    def __init__(self, max_idle_per_endpoint: int = 512):
+        self.max_idle = max_idle_per_endpoint
         self._idle: dict[tuple[str, str, int], list[_Exchange]] = {}
         self._busy: set[_Exchange] = set()
         self._targets: dict[str, tuple[tuple[str, str, int], bytes]] = {}
@@ -291,7 +291,7 @@ UpstreamClient = RawUpstream | HttpxUpstream | AiohttpUpstream
 def open_upstream_client(kind: str, timeout_seconds: float) -> UpstreamClient:
     """`kind`: "raw", "aiohttp", "httpx", or "auto" (the raw client)."""
     if kind in ("auto", "raw"):
-        return RawUpstream(timeout_seconds)
+        return RawUpstream()  # bounded by the gateway's per-attempt asyncio.timeout
     if kind == "aiohttp":
         return AiohttpUpstream(timeout_seconds)
     if kind == "httpx":
