@@ -178,7 +178,7 @@ def create_app(
     app.state.config, app.state.store, app.state.gateway = cfg, store, gateway
     _install_error_handlers(app)
     app.add_middleware(JsonServerErrors)
-    open_paths = ("/healthz",) if cfg.docs_auth else ("/healthz", *DOCS_PATHS)
+    open_paths = (HEALTH_PATH,) if cfg.docs_auth else (HEALTH_PATH, *DOCS_PATHS)
     guard = {"key": cfg.key, "max_body_bytes": cfg.max_body_bytes, "open_paths": open_paths,
              "token_check": rollout_token_checker(cfg.key)}
     app.add_middleware(RequestGuard, **guard)  # auth lives here, before the body is read

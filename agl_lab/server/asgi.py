@@ -37,7 +37,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from agl_lab.server.gateway import Gateway
-from agl_lab.server.guard import RequestGuard, refuse, replay
+from agl_lab.server.guard import RequestGuard
 
 logger = logging.getLogger("agl_lab.server")
 
@@ -107,24 +107,14 @@ class ProxyFastPath:
         return {name: self._convertors[name].convert(value) for name, value in found.groupdict().items()}
 
     async def __call__(self, scope: Any, receive: ASGIReceive, send: ASGISend, params: dict[str, Any]) -> None:
-        refusal, length_known = self.guard.screen(scope)
-        if refusal is not None:
-            await refuse(scope, receive, send, *refusal)
+        admitted = await self.guard.admit(scope, receive, send)  # RequestGuard's checks, in its order
+        if admitted is None:
             return
-        if length_known:
-            read_body: Callable[[], Awaitable[bytes]] = lambda: _read_body(receive)  # noqa: E731
-        else:  # chunked: read up to the limit before anything else, as RequestGuard does
-            body = await self.guard.read_bounded(receive)
-            if body is None:
-                await refuse(scope, receive, send, 413, self.guard.too_big_detail())
-                return
-            receive = replay(body, receive)
-            read_body = lambda: _read_body(receive)  # noqa: E731
         try:
-            response = await self.gateway.handle(read_body, receive, params["rollout_id"], params["attempt_id"],
-                                                 params["mode"], params["upstream_path"])
+            response = await self.gateway.handle(lambda: _read_body(admitted), admitted, params["rollout_id"],
+                                                 params["attempt_id"], params["mode"], params["upstream_path"])
         except Exception as exc:
-            response = await self._handled(scope, receive, exc)
+            response = await self._handled(scope, admitted, exc)
         await send({"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers})
         await send({"type": "http.response.body", "body": response.body})
 

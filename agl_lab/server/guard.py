@@ -56,18 +56,24 @@ class RequestGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        admitted = await self.admit(scope, receive, send)
+        if admitted is not None:
+            await self.app(scope, admitted, send)
+
+    async def admit(self, scope: Any, receive: Any, send: Any) -> Any:
+        """Apply the checks: the `receive` the app must read the body from (a chunked body was
+        read up to the limit and is replayed), or None when the request was refused (answered)."""
         refusal, length_known = self.screen(scope)
         if refusal is not None:
             await refuse(scope, receive, send, *refusal)
-            return
+            return None
         if length_known:
-            await self.app(scope, receive, send)
-            return
+            return receive
         body = await self.read_bounded(receive)
         if body is None:
             await refuse(scope, receive, send, 413, self.too_big_detail())
-            return
-        await self.app(scope, replay(body, receive), send)
+            return None
+        return replay(body, receive)
 
     def screen(self, scope: Any) -> tuple[tuple[int, str] | None, bool]:
         """Checks 1-3 on the headers: ((status, detail) to refuse with, or None; whether the
