@@ -196,9 +196,14 @@ def test_sqlite_reopen_keeps_everything(tmp_path):
 
 
 def test_model_registry_upsert_sorted_and_clear(store):
+    # models_for is cached between model writes: each write must show in the next answer
+    assert store.models_for("m") == []
     store.upsert_models([Model(model="m", endpoint="http://z/v1"), Model(model="m", endpoint="http://a/v1")])
+    assert [(m.endpoint, m.version) for m in store.models_for("m")] == [("http://a/v1", 0), ("http://z/v1", 0)]
     store.upsert_models([Model(model="m", endpoint="http://z/v1", version=5), Model(model="o", endpoint="http://o")])
     assert [(m.endpoint, m.version) for m in store.models_for("m")] == [("http://a/v1", 0), ("http://z/v1", 5)]
+    store.models_for("m").clear()  # the caller's list, not the cache
+    assert len(store.models_for("m")) == 2 and len(store.models_for("o")) == 1
     store.clear_models()
     assert store.models_for("m") == [] and store.models_for("o") == []
 
@@ -242,6 +247,40 @@ def test_sqlite_appends_are_read_deleted_and_reopened_consistently(tmp_path):
     assert [e.data for e in s2.events("a", attempt_id="1")] == [{"value": 3.0}]
     assert s2.get_rollout("b") is None and _rows_on_disk(tmp_path / "queued.db") == 2
     s2.close()
+
+
+def test_sqlite_event_order_survives_deleting_the_newest_rows(tmp_path):
+    # events.seq is a plain INTEGER PRIMARY KEY (max + 1): deleting the newest rows may reuse
+    # their numbers, which keeps every surviving row before every later one
+    s = SqliteStore(str(tmp_path / "order.db"))
+    create(s, "a"), create(s, "b")
+    s.append_event("a", "0", "reward", {"n": 0})
+    s.append_event("b", "0", "reward", {"n": 9})
+    s.delete_rollout("b")
+    for n in (1, 2):
+        s.append_event("a", "0", "reward", {"n": n})
+    assert [e.data["n"] for e in s.events("a")] == [0, 1, 2]
+    s.close()
+
+
+def test_sqlite_reads_files_with_text_event_data(tmp_path):
+    # files written before event data became a BLOB hold it as TEXT, under AUTOINCREMENT
+    import sqlite3
+
+    path = tmp_path / "old.db"
+    s = SqliteStore(str(path))
+    create(s, "a")
+    s.close()
+    with sqlite3.connect(path) as db:
+        db.execute("DROP TABLE events")
+        db.execute("CREATE TABLE events (seq INTEGER PRIMARY KEY AUTOINCREMENT, rollout_id TEXT NOT NULL, "
+                   "attempt_id TEXT NOT NULL, event_type TEXT NOT NULL, timestamp REAL NOT NULL, data TEXT NOT NULL)")
+        db.execute("INSERT INTO events (rollout_id, attempt_id, event_type, timestamp, data) "
+                   "VALUES ('a', '0', 'reward', 1.0, '{\"value\": 0.5}')")
+    s = SqliteStore(str(path))
+    s.append_event("a", "0", "reward", {"value": 1.0})
+    assert [e.data for e in s.events("a")] == [{"value": 0.5}, {"value": 1.0}]
+    s.close()
 
 
 def test_memory_event_data_is_a_fresh_copy_and_non_json_data_is_refused():

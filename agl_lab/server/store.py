@@ -120,6 +120,7 @@ class Store(ABC):
         self.terminal_log_limit = int(terminal_log_limit)
         self._lock = threading.RLock()
         self._activity: dict[str, float] = {}  # running rollout id -> last heartbeat or event (not persisted)
+        self._pools: dict[str, tuple[Model, ...]] = {}  # models_for's answers, dropped on any model write
 
     # --- rollouts ---------------------------------------------------------------------------
 
@@ -317,19 +318,35 @@ class Store(ABC):
     def upsert_models(self, models: Sequence[Model]) -> list[Model]:
         for i, model in enumerate(models):
             check_storable(model.model_dump(), f"[{i}]")
-        with self._lock, self._transaction():
-            for model in models:
-                self._put_model(model)
+        with self._lock:
+            try:
+                with self._transaction():
+                    for model in models:
+                        self._put_model(model)
+            finally:
+                self._pools = {}
         return list(models)
 
     def clear_models(self) -> None:
-        with self._lock, self._transaction():
-            self._clear_models()
+        with self._lock:
+            try:
+                with self._transaction():
+                    self._clear_models()
+            finally:
+                self._pools = {}
 
     def models_for(self, model_name: str) -> list[Model]:
-        """The endpoints registered for `model_name`, sorted by endpoint string."""
-        with self._lock:
-            return sorted(self._models(model_name), key=lambda m: m.endpoint)
+        """The endpoints registered for `model_name`, sorted by endpoint string.
+
+        Every proxied call asks, so the answer is kept until the next model write (a plain
+        dict read: the gateway's loop does not take the lock on a hit).
+        """
+        pool = self._pools.get(model_name)
+        if pool is None:
+            with self._lock:
+                pool = tuple(sorted(self._models(model_name), key=lambda m: m.endpoint))
+                self._pools[model_name] = pool
+        return list(pool)
 
     def close(self) -> None:
         """Release resources (SQLite connection); the in-memory store has none."""
@@ -517,12 +534,12 @@ CREATE TABLE IF NOT EXISTS rollouts (
 );
 CREATE INDEX IF NOT EXISTS rollouts_state ON rollouts (state, seq);
 CREATE TABLE IF NOT EXISTS events (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,   -- insertion order
+    seq INTEGER PRIMARY KEY,                 -- insertion order (a new row gets max(seq) + 1)
     rollout_id TEXT NOT NULL,
     attempt_id TEXT NOT NULL,
     event_type TEXT NOT NULL,
     timestamp REAL NOT NULL,
-    data TEXT NOT NULL
+    data BLOB NOT NULL                       -- JSON (TEXT in files written before 2026-12)
 );
 CREATE INDEX IF NOT EXISTS events_rollout ON events (rollout_id, attempt_id, seq);
 CREATE TABLE IF NOT EXISTS models (
@@ -694,7 +711,7 @@ class SqliteStore(Store):
         self._db.execute(
             "INSERT INTO events (rollout_id, attempt_id, event_type, timestamp, data) VALUES (?, ?, ?, ?, ?)",
             (event.rollout_id, event.attempt_id, event.event_type, event.timestamp,
-             dump_storable(event.data, "data").decode()))
+             dump_storable(event.data, "data")))  # a BLOB: no decode to str and re-encode by sqlite3
         return True
 
     def _events(self, rollout_id: str, attempt_id: str) -> list[Event]:
