@@ -1,6 +1,6 @@
 """The gateway hop and the store, side by side with Agent Lightning 1.0.2's server, in one run.
 
-    python benchmarks/gateway.py [--agents 1,8,64,256] [--delay 0.005] [--seconds 3] [--no-agl]
+    python benchmarks/gateway.py [--agents 1,8,64,256] [--delay 0.005] [--seconds 3] [--no-agl] [--no-floor]
 
 Processes as in a real run, all on loopback:
 - a fake OpenAI upstream: a minimal asyncio HTTP/1.1 server (uvloop when installed) answering
@@ -9,6 +9,11 @@ Processes as in a real run, all on loopback:
 - the servers under test: `agl-lab serve` with the memory store and with the SQLite store,
   and (when `agentlightning` is importable) AGL's own `create_app` under uvicorn with its
   entry point's settings — each process idle while another is measured;
+- two hand-written floors on uvloop + httptools (this script's `--serve-floor`), for what the
+  hop costs at the least: `floor` forwards the bytes over one keep-alive connection; `floor+json`
+  also does the JSON work no recording gateway can skip (parse the request, rewrite and
+  re-encode it, parse the answer, encode one event with both). Neither checks, retries, or
+  speaks ASGI;
 - this script's agents: asyncio tasks sharing one aiohttp session, each with its own rollout.
 
 Per server and agent count:
@@ -16,9 +21,11 @@ Per server and agent count:
    gateway (same ~1 KB body), so both see the same load; added = gateway − direct percentile
    (agents start staggered over one model time, as real agents do not call in lock-step);
 2. **throughput**: every agent calls through the gateway back to back for `--seconds`; proxied
-   calls/s, and meanwhile a probe process GETs /healthz every 20 ms (its p99 says whether
-   anything blocks the server's event loop; in a process of its own, so that it does not queue
-   behind the agents' work in this one);
+   calls/s and those calls' latency ("busy", model time included: once the machine saturates,
+   agents / calls/s, so compare it where the "added" figures of step 1 — a difference of two
+   loaded percentiles — get noisy), and meanwhile a probe process GETs /healthz every 20 ms
+   (its p99 says whether anything blocks the server's event loop; in a process of its own, so
+   that it does not queue behind the agents' work in this one);
 3. the gateway process's user+system CPU per proxied call (/proc), the figure least sensitive
    to the machine's load.
 
@@ -62,6 +69,8 @@ MESSAGES = [{"role": "system", "content": "You are a careful math assistant. " *
 ]
 # the body the gateway forwards in train mode, so the upstream does the same work either way
 BODY = {"model": MODEL, "messages": MESSAGES, "temperature": 1.0, "return_token_ids": True, "logprobs": True}
+
+FLOORS = {"floor": "bytes", "floor+json": "json"}  # rows of the hand-written floor servers
 
 AGL_SERVER = """
 import sys, uvicorn
@@ -117,6 +126,96 @@ async def serve_upstream(port: int, delay: float) -> None:
             writer.close()
 
     server = await asyncio.start_server(handle, "127.0.0.1", port, backlog=4096)
+    async with server:
+        await server.serve_forever()
+
+
+# ---------------------------------------------------------------------------------------------
+# The floor: the least a recording gateway can do, hand-written on uvloop + httptools
+# ---------------------------------------------------------------------------------------------
+
+
+class _FloorUpstream(asyncio.Protocol):
+    """One keep-alive connection to the upstream; `answer` is the future of the request in flight."""
+
+    def __init__(self) -> None:
+        import httptools
+
+        self.parser, self.chunks, self.answer = httptools.HttpResponseParser(self), [], None
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.parser.feed_data(data)
+
+    def on_body(self, body: bytes) -> None:
+        self.chunks.append(body)
+
+    def on_message_complete(self) -> None:
+        body, self.chunks = b"".join(self.chunks), []
+        self.answer.set_result(body)
+
+
+class _FloorServer(asyncio.Protocol):
+    """Answers GET /healthz; forwards every POST to the upstream, and with `record` does the JSON
+    work a recording gateway cannot skip: parse the request, rewrite and re-encode it, parse the
+    answer, encode one event holding both (kept in a list). No checks, no retries, no ASGI."""
+
+    def __init__(self, upstream_port: int, record: bool, pool: list, log: list):
+        import httptools
+
+        self.parser, self.url, self.chunks = httptools.HttpRequestParser(self), b"", []
+        self.upstream_port, self.record, self.pool, self.log = upstream_port, record, pool, log
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.parser.feed_data(data)
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_body(self, body: bytes) -> None:
+        self.chunks.append(body)
+
+    def on_message_complete(self) -> None:
+        url, body, self.url, self.chunks = self.url, b"".join(self.chunks), b"", []
+        if url.startswith(b"/proxy/"):
+            asyncio.ensure_future(self.forward(body))
+        else:
+            self.answer(b'{"status":"ok"}')
+
+    async def forward(self, body: bytes) -> None:
+        import orjson
+
+        loop = asyncio.get_running_loop()
+        if self.record:
+            request = {**orjson.loads(body), "model": MODEL, "temperature": 1.0, "return_token_ids": True,
+                       "logprobs": True}
+            body = orjson.dumps(request)
+        upstream = self.pool.pop() if self.pool else (
+            await loop.create_connection(_FloorUpstream, "127.0.0.1", self.upstream_port))[1]
+        upstream.answer = loop.create_future()
+        upstream.transport.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: floor\r\ncontent-type: "
+                                 b"application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+        answer = await upstream.answer
+        self.pool.append(upstream)
+        if self.record:
+            self.log.append(orjson.dumps({"request": request, "response": orjson.loads(answer), "status": 200}))
+        self.answer(answer)
+
+    def answer(self, body: bytes) -> None:
+        self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                             % (len(body), body))
+
+
+async def serve_floor(port: int, upstream_port: int, record: bool) -> None:
+    pool: list = []
+    log: list = []
+    server = await asyncio.get_running_loop().create_server(
+        lambda: _FloorServer(upstream_port, record, pool, log), "127.0.0.1", port, backlog=4096)
     async with server:
         await server.serve_forever()
 
@@ -226,20 +325,19 @@ async def latency_phase(session, direct: str, gateways: list[str], calls: int, s
 
 
 async def throughput_phase(session, base: str, gateways: list[str], seconds: float):
-    """Back-to-back proxied calls for `seconds` + a /healthz probe -> (calls/s, healthz ms)."""
+    """Back-to-back proxied calls for `seconds` + a /healthz probe -> (calls/s, call ms, healthz ms)."""
     import orjson
 
     payload = orjson.dumps(BODY)
     headers = {"Authorization": f"Bearer {KEY}", "content-type": "application/json"}
-    done = 0
+    call_ms: list[float] = []
     stop = time.perf_counter() + seconds
 
     async def agent(gw: str) -> None:
-        nonlocal done
-        while time.perf_counter() < stop:
+        while (t0 := time.perf_counter()) < stop:
             async with session.post(gw + "/chat/completions", data=payload, headers=headers) as r:
                 await r.read()
-            done += 1
+            call_ms.append((time.perf_counter() - t0) * 1000)
 
     # the probe runs in its own process: in this one it would queue behind the agents' own work
     probe = await asyncio.create_subprocess_exec(
@@ -248,9 +346,9 @@ async def throughput_phase(session, base: str, gateways: list[str], seconds: flo
 
     t0 = time.perf_counter()
     await asyncio.gather(*(agent(gw) for gw in gateways))
-    rate = done / (time.perf_counter() - t0)
+    rate = len(call_ms) / (time.perf_counter() - t0)
     out, _ = await probe.communicate()
-    return rate, [float(x) for x in out.split()]
+    return rate, call_ms, [float(x) for x in out.split()]
 
 
 def probe_health(url: str, seconds: float) -> None:
@@ -275,10 +373,10 @@ async def measure(base: str, pid: int, direct: str, rollout_ids: list[str], agen
         calls = max(4, 400 // agents) if agents < 256 else 3
         d_ms, g_ms = await latency_phase(session, direct + "/v1/chat/completions", gateways, calls, args.delay)
         cpu0 = cpu_seconds(pid)
-        rate, health = await throughput_phase(session, base, gateways, args.seconds)
+        rate, busy_ms, health = await throughput_phase(session, base, gateways, args.seconds)
         cpu_ms = (cpu_seconds(pid) - cpu0) * 1000 / max(1.0, rate * args.seconds)
     return {"d50": pct(d_ms, 50), "d99": pct(d_ms, 99), "g50": pct(g_ms, 50), "g99": pct(g_ms, 99),
-            "rate": rate, "h50": pct(health, 50), "h99": pct(health, 99), "cpu": cpu_ms, "load": load()}
+            "rate": rate, "b50": pct(busy_ms, 50), "b99": pct(busy_ms, 99), "h50": pct(health, 50), "h99": pct(health, 99), "cpu": cpu_ms, "load": load()}
 
 
 def setup_server(base: str, upstream: str, rollout_ids: list[str]) -> None:
@@ -347,7 +445,9 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=3.0, help="throughput phase per server and agent count")
     p.add_argument("--events", type=int, default=5000)
     p.add_argument("--no-agl", action="store_true", help="skip AGL even when importable")
+    p.add_argument("--no-floor", action="store_true", help="skip the two hand-written floor servers")
     p.add_argument("--serve-upstream", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--serve-floor", nargs=3, default=None, help=argparse.SUPPRESS)  # PORT UPSTREAM_PORT bytes|json
     p.add_argument("--probe", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.probe is not None:
@@ -355,6 +455,10 @@ def main() -> None:
         return
     if args.serve_upstream is not None:
         run_loop(serve_upstream(args.serve_upstream, args.delay))
+        return
+    if args.serve_floor is not None:
+        port, upstream_port, kind = args.serve_floor
+        run_loop(serve_floor(int(port), int(upstream_port), kind == "json"))
         return
     counts = [int(x) for x in args.agents.split(",")]
     use_agl = importlib.util.find_spec("agentlightning") is not None and not args.no_agl
@@ -373,9 +477,15 @@ def main() -> None:
         health = lambda port: f"http://127.0.0.1:{port}/healthz"  # noqa: E731
         with process(upstream_args, lambda port: f"http://127.0.0.1:{port}/v1/chat/completions") as (upstream, _), \
                 contextlib.ExitStack() as stack:
+            if not args.no_floor:  # the floors get the upstream's port on their command line
+                up_port = upstream.rsplit(":", 1)[1]
+                for name, kind in FLOORS.items():
+                    servers[name] = lambda port, kind=kind: ["benchmarks/gateway.py", "--serve-floor", str(port),
+                                                             up_port, kind]
             started = {name: stack.enter_context(process(cmd, health)) for name, cmd in servers.items()}
-            for base, _pid in started.values():
-                setup_server(base, upstream, rollout_ids)
+            for name, (base, _pid) in started.items():
+                if name not in FLOORS:
+                    setup_server(base, upstream, rollout_ids)
             for agents in counts:  # servers side by side per agent count: the same machine load
                 for name, (base, pid) in started.items():
                     results[name, agents] = asyncio.run(measure(base, pid, upstream, rollout_ids, agents, args))
@@ -387,9 +497,10 @@ def main() -> None:
 
 def print_gateway(results: dict, counts: list[int], names: list[str], use_agl: bool) -> None:
     print(f"\nGateway: {counts} agents, ms; added = gateway − direct percentile; calls/s with agents calling "
-          "back to back; /healthz probed every 20 ms during it")
+          "back to back, busy p50/p99 their calls' latency (model time included), /healthz probed every 20 ms "
+          "during it")
     header = ["server", "agents", "p50 dir", "p50 gw", "+p50", "p99 dir", "p99 gw", "+p99", "calls/s",
-              "healthz p50", "healthz p99", "CPU ms/call", "load"]
+              "busy p50", "busy p99", "healthz p50", "healthz p99", "CPU ms/call", "load"]
     if use_agl:
         header += ["+p50 / AGL", "+p99 / AGL", "calls/s × AGL"]
     rows = []
@@ -398,7 +509,7 @@ def print_gateway(results: dict, counts: list[int], names: list[str], use_agl: b
             r = results[name, agents]
             row = [name, str(agents), f"{r['d50']:.2f}", f"{r['g50']:.2f}", f"{r['g50'] - r['d50']:+.2f}",
                    f"{r['d99']:.2f}", f"{r['g99']:.2f}", f"{r['g99'] - r['d99']:+.2f}", f"{r['rate']:,.0f}",
-                   f"{r['h50']:.1f}", f"{r['h99']:.1f}", f"{r['cpu']:.2f}", r["load"]]
+                   f"{r['b50']:.1f}", f"{r['b99']:.1f}", f"{r['h50']:.1f}", f"{r['h99']:.1f}", f"{r['cpu']:.2f}", r["load"]]
             if use_agl:
                 a = results["AGL", agents]
                 ratio = lambda x, y: f"{x / y:.2f}" if y > 0 else "n/a"  # noqa: E731
