@@ -19,7 +19,8 @@ Processes as in a real run, all on loopback:
 Per server and agent count:
 1. **latency**: each agent alternates a direct call to the upstream and a call through the
    gateway (same ~1 KB body), so both see the same load; added = gateway − direct percentile
-   (agents start staggered over one model time, as real agents do not call in lock-step);
+   (agents start staggered over one model time, as real agents do not call in lock-step; 400
+   pairs at one agent, at least 1,600 of each kind above);
 2. **throughput**: every agent calls through the gateway back to back for `--seconds`; proxied
    calls/s and those calls' latency ("busy", model time included: once the machine saturates,
    agents / calls/s, so compare it where the "added" figures of step 1 — a difference of two
@@ -370,7 +371,7 @@ async def measure(base: str, pid: int, direct: str, rollout_ids: list[str], agen
     gateways = [proxy_base_url(base, r) for r in rollout_ids[:agents]]
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     async with aiohttp.ClientSession(connector=connector) as session:
-        calls = max(4, 400 // agents) if agents < 256 else 3
+        calls = 400 if agents == 1 else max(8, 1600 // agents)  # ≥ 1,600 samples of each kind: p99s steady
         d_ms, g_ms = await latency_phase(session, direct + "/v1/chat/completions", gateways, calls, args.delay)
         cpu0 = cpu_seconds(pid)
         rate, busy_ms, health = await throughput_phase(session, base, gateways, args.seconds)

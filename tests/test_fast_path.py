@@ -301,3 +301,29 @@ def test_healthz_pipelined_and_connection_close_over_a_real_socket(server):
     assert [a[:3] for a in answers] == [b"200"] * 4, data[:500]
     assert answers[2].count(b'"openapi"') == 1  # the app's route, in order between the probes
     assert answers[0].endswith(b'{"status":"ok"}') and b"connection: close" in answers[3]
+
+
+def test_one_write_protocol_only_where_uvicorn_has_its_hooks():
+    # the protocol subclasses uvicorn internals: an installed uvicorn without them gets uvicorn's
+    # own httptools protocol (see asgi._fits), never a half-working subclass
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+
+    from agl_lab.server import asgi
+
+    assert asgi._fits(HttpToolsProtocol, RequestResponseCycle)
+    assert asgi.HTTP_PROTOCOL is asgi.OneWriteHttpToolsProtocol
+
+    class OlderProtocol(HttpToolsProtocol):
+        _start_asgi_task = None  # e.g. a uvicorn from before the hook existed
+
+    class OtherCycle(RequestResponseCycle):
+        def __init__(self, scope: Any, transport: Any) -> None:  # fields renamed or gone
+            pass
+
+    class SyncSend(RequestResponseCycle):
+        def send(self, message: Any) -> None:  # type: ignore[override]
+            pass
+
+    assert not asgi._fits(OlderProtocol, RequestResponseCycle)
+    assert not asgi._fits(HttpToolsProtocol, OtherCycle)
+    assert not asgi._fits(HttpToolsProtocol, SyncSend)

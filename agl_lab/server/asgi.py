@@ -3,7 +3,8 @@
     AglApp                 the FastAPI app `create_app` returns; answers the proxy's POSTs itself
     JsonServerErrors       ASGI middleware: unexpected errors -> JSON 500, keep-alive preserved
     HTTP_PROTOCOL          uvicorn's `http=` choice: httptools, a response's head and body in one write,
-                           `GET /healthz` answered without an ASGI task
+                           `GET /healthz` answered without an ASGI task (uvicorn's own httptools
+                           protocol instead, with a warning, if the installed uvicorn's internals moved)
 
 Every LLM call of every agent is a POST to the proxy route, so its path through the server is
 the hot path. Through FastAPI's stack it passes ~10 layers (ServerErrorMiddleware, FastAPI's
@@ -201,6 +202,20 @@ class _Prefixed:
         return getattr(self.transport, name)
 
 
+# what the classes below rely on in uvicorn's httptools protocol (checked at import: see _fits)
+_CYCLE_FIELDS = ("scope", "transport", "flow", "message_event", "keep_alive", "on_response")
+_PROTOCOL_HOOKS = ("on_headers_complete", "on_response_complete", "_start_asgi_task")
+
+
+def _fits(protocol: Any, cycle: Any) -> bool:
+    """Whether this uvicorn's httptools protocol and cycle have the hooks and fields used below
+    (they are uvicorn's internals, not its API: a release may change them)."""
+    fields = inspect.signature(cycle.__init__).parameters
+    return (all(callable(getattr(protocol, hook, None)) for hook in _PROTOCOL_HOOKS)
+            and all(name in fields for name in _CYCLE_FIELDS)
+            and inspect.iscoroutinefunction(getattr(cycle, "send", None)))
+
+
 try:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 except ImportError:  # pragma: no cover - httptools is a dependency; without it uvicorn's h11
@@ -266,4 +281,10 @@ else:
                 self.transport.close()
             self.on_response_complete()  # keep-alive timer, pipelined requests: as after any answer
 
-    HTTP_PROTOCOL = OneWriteHttpToolsProtocol
+    if _fits(HttpToolsProtocol, RequestResponseCycle):
+        HTTP_PROTOCOL = OneWriteHttpToolsProtocol
+    else:  # pragma: no cover - depends on the installed uvicorn
+        logger.warning("This uvicorn's httptools protocol lacks what agl_lab's one-write protocol hooks into "
+                       "(%s; cycle fields %s): serving with uvicorn's own httptools protocol, which is correct "
+                       "and somewhat slower per call", ", ".join(_PROTOCOL_HOOKS), ", ".join(_CYCLE_FIELDS))
+        HTTP_PROTOCOL = "httptools"
