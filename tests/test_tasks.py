@@ -268,11 +268,13 @@ class TokenIdsTransport(httpx.BaseTransport):
     """What the gateway does to each call, in miniature: ask the server for token ids and
     keep `(prompt_ids, response_ids)` per call."""
 
-    def __init__(self) -> None:
-        self.inner, self.calls = httpx.HTTPTransport(), []
+    def __init__(self, seed: int | None = None) -> None:
+        self.inner, self.calls, self.seed = httpx.HTTPTransport(), [], seed
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         body = {**json.loads(request.content), "return_token_ids": True}
+        if self.seed is not None:  # the engine seeds each request's sampler from OS entropy otherwise
+            body["seed"] = self.seed + len(self.calls)
         headers = {k: v for k, v in request.headers.items() if k.lower() != "content-length"}
         response = self.inner.handle_request(httpx.Request(request.method, request.url, headers=headers, json=body))
         response.read()
@@ -317,8 +319,8 @@ def test_each_merge_breaker_causes_its_kind_of_break(warm_server, tiny):
     found: dict[str, list[str]] = {}
     for name in ("append_only", "history_editing", "reasoning_dropping"):
         found[name] = []
-        for task in spec.val_tasks(6, 0):
-            transport = TokenIdsTransport()
+        for i, task in enumerate(spec.val_tasks(6, 0)):
+            transport = TokenIdsTransport(seed=100 * i)  # seeded calls: the same replies on every run
             ctx = transport_ctx(warm_server.base_url, transport)
             assert 0.0 <= spec.agents[name](task, ctx) <= 1.0
             assert len(transport.calls) >= 2
@@ -334,8 +336,8 @@ def test_each_merge_breaker_causes_its_kind_of_break(warm_server, tiny):
 def test_untrained_babble_breaks_append_only_merges_by_retokenization(server, tiny):
     _, tok = tiny
     kinds = []
-    for task in get_task("lookup").val_tasks(4, 0):
-        transport = TokenIdsTransport()
+    for i, task in enumerate(get_task("lookup").val_tasks(4, 0)):
+        transport = TokenIdsTransport(seed=100 * i)
         ctx = transport_ctx(server.base_url, transport)
         merge_breakers.append_only_agent(task, ctx)
         kinds += merge_break_kinds(transport.calls, tok)
