@@ -27,7 +27,8 @@ Design decisions:
   both backends; running rollouts hold a lease (`heartbeat`, `expire_leases`). The triplet view the app serves (`triplet_events`) is a pure function
   over events and lives in `agl_lab.records`, beside the code that consumes it.
 - Objects returned by `MemoryStore` are the stored ones (treat them as read-only), except event
-  data: each read decodes a fresh copy of the stored JSON bytes.
+  data: each read decodes a fresh copy of the stored JSON bytes. `models_for` answers from a
+  cache on both backends: its `Model`s are shared too (the list is the caller's).
 """
 
 from __future__ import annotations
