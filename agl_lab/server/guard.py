@@ -1,6 +1,7 @@
 """The server's front door: auth before the body is read, body size limit, no cross-site bodies.
 
     RequestGuard(app, key=..., max_body_bytes=..., open_paths=..., token_check=...)   ASGI middleware
+    await guard.admit(scope, receive, send)   the checks alone (the proxy's fast path calls them)
 
 Per HTTP request, before any route (and so before FastAPI reads or parses the body):
 
@@ -63,21 +64,21 @@ class RequestGuard:
     async def admit(self, scope: Any, receive: Any, send: Any) -> Any:
         """Apply the checks: the `receive` the app must read the body from (a chunked body was
         read up to the limit and is replayed), or None when the request was refused (answered)."""
-        refusal, length_known = self.screen(scope)
+        refusal, length_known = self._screen(scope)
         if refusal is not None:
-            await refuse(scope, receive, send, *refusal)
+            await _refuse(scope, receive, send, *refusal)
             return None
         if length_known:
             return receive
-        body = await self.read_bounded(receive)
+        body = await self._read_bounded(receive)
         if body is None:
-            await refuse(scope, receive, send, 413, self.too_big_detail())
+            await _refuse(scope, receive, send, 413, self._too_big_detail())
             return None
-        return replay(body, receive)
+        return _replay(body, receive)
 
-    def screen(self, scope: Any) -> tuple[tuple[int, str] | None, bool]:
+    def _screen(self, scope: Any) -> tuple[tuple[int, str] | None, bool]:
         """Checks 1-3 on the headers: ((status, detail) to refuse with, or None; whether the
-        body has a Content-Length — without one, `read_bounded` must read it)."""
+        body has a Content-Length — without one, `_read_bounded` must read it)."""
         headers = scope["headers"]
         content_type = length = None
         for name, value in headers:
@@ -95,7 +96,7 @@ class RequestGuard:
             too_big = int(length) > self.max_body_bytes
         except ValueError:
             return (400, "Invalid Content-Length header"), True
-        return ((413, self.too_big_detail()) if too_big else None), True
+        return ((413, self._too_big_detail()) if too_big else None), True
 
     def _authorized(self, scope: Any, headers: Any) -> bool:
         path = scope["path"]
@@ -108,11 +109,11 @@ class RequestGuard:
             return True
         return self.token_check is not None and self.token_check(presented, scope["method"], path)
 
-    def too_big_detail(self) -> str:
+    def _too_big_detail(self) -> str:
         return (f"Request body larger than {self.max_body_bytes} bytes (server setting max_body_bytes); "
                 "send fewer items per request")
 
-    async def read_bounded(self, receive: Any) -> bytes | None:
+    async def _read_bounded(self, receive: Any) -> bytes | None:
         """A body without Content-Length, read up to the limit (None: it is larger)."""
         chunks, size = [], 0
         while True:
@@ -128,7 +129,7 @@ class RequestGuard:
         return b"".join(chunks)
 
 
-def replay(body: bytes, receive: Any) -> Any:
+def _replay(body: bytes, receive: Any) -> Any:
     """An ASGI `receive` that answers `body` once, then defers to `receive` (disconnects)."""
     sent = False
 
@@ -142,7 +143,7 @@ def replay(body: bytes, receive: Any) -> Any:
     return replayed
 
 
-async def refuse(scope: Any, receive: Any, send: Any, status: int, detail: str) -> None:
+async def _refuse(scope: Any, receive: Any, send: Any, status: int, detail: str) -> None:
     """Answer `status` with `{"detail": detail}` (401s with WWW-Authenticate: Bearer)."""
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
     await JSONResponse({"detail": detail}, status_code=status, headers=headers)(scope, receive, send)
