@@ -9,18 +9,21 @@ Processes as in a real run, all on loopback:
 - the servers under test: `agl-lab serve` with the memory store and with the SQLite store,
   and (when `agentlightning` is importable) AGL's own `create_app` under uvicorn with its
   entry point's settings — each process idle while another is measured;
-- two hand-written floors on uvloop + httptools (this script's `--serve-floor`), for what the
-  hop costs at the least: `floor` forwards the bytes over one keep-alive connection; `floor+json`
-  also does the JSON work no recording gateway can skip (parse the request, rewrite and
-  re-encode it, parse the answer, encode one event with both). Neither checks, retries, or
-  speaks ASGI;
+- three floors (this script's `--serve-floor`), for what the hop costs at the least: `floor`,
+  hand-written on uvloop + httptools, forwards the bytes over one keep-alive connection;
+  `floor+json`, the same, also does the JSON work no recording gateway can skip (parse the
+  request, rewrite and re-encode it, parse the answer, encode one event with both);
+  `uvicorn+json` does that work in a bare ASGI app served the way `agl-lab serve` serves
+  (uvicorn with agl_lab's HTTP protocol, agl_lab's raw upstream client). None checks, retries
+  or stores;
 - this script's agents: asyncio tasks sharing one aiohttp session, each with its own rollout.
 
 Per server and agent count:
 1. **latency**: each agent alternates a direct call to the upstream and a call through the
    gateway (same ~1 KB body), so both see the same load; added = gateway − direct percentile
    (agents start staggered over one model time, as real agents do not call in lock-step; 400
-   pairs at one agent, at least 1,600 of each kind above);
+   pairs at one agent, at least 1,600 of each kind above), in 4 rounds with the servers taking
+   turns, so that a drift of the machine's load lands on every row alike;
 2. **throughput**: every agent calls through the gateway back to back for `--seconds`; proxied
    calls/s and those calls' latency ("busy", model time included: once the machine saturates,
    agents / calls/s, so compare it where the "added" figures of step 1 — a difference of two
@@ -71,7 +74,7 @@ MESSAGES = [{"role": "system", "content": "You are a careful math assistant. " *
 # the body the gateway forwards in train mode, so the upstream does the same work either way
 BODY = {"model": MODEL, "messages": MESSAGES, "temperature": 1.0, "return_token_ids": True, "logprobs": True}
 
-FLOORS = {"floor": "bytes", "floor+json": "json"}  # rows of the hand-written floor servers
+FLOORS = {"floor": "bytes", "floor+json": "json", "uvicorn+json": "uvicorn"}  # rows of the floor servers
 
 AGL_SERVER = """
 import sys, uvicorn
@@ -189,13 +192,9 @@ class _FloorServer(asyncio.Protocol):
             self.answer(b'{"status":"ok"}')
 
     async def forward(self, body: bytes) -> None:
-        import orjson
-
         loop = asyncio.get_running_loop()
         if self.record:
-            request = {**orjson.loads(body), "model": MODEL, "temperature": 1.0, "return_token_ids": True,
-                       "logprobs": True}
-            body = orjson.dumps(request)
+            request, body = rewritten(body)
         upstream = self.pool.pop() if self.pool else (
             await loop.create_connection(_FloorUpstream, "127.0.0.1", self.upstream_port))[1]
         upstream.answer = loop.create_future()
@@ -204,12 +203,27 @@ class _FloorServer(asyncio.Protocol):
         answer = await upstream.answer
         self.pool.append(upstream)
         if self.record:
-            self.log.append(orjson.dumps({"request": request, "response": orjson.loads(answer), "status": 200}))
+            self.log.append(event_of(request, answer))
         self.answer(answer)
 
     def answer(self, body: bytes) -> None:
         self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
                              % (len(body), body))
+
+
+def rewritten(body: bytes) -> tuple[dict, bytes]:
+    """The request JSON work of `floor+json` and `uvicorn+json`: parse, rewrite for train mode, re-encode."""
+    import orjson
+
+    request = {**orjson.loads(body), "model": MODEL, "temperature": 1.0, "return_token_ids": True, "logprobs": True}
+    return request, orjson.dumps(request)
+
+
+def event_of(request: dict, answer: bytes) -> bytes:
+    """The answer's JSON work of `floor+json` and `uvicorn+json`: parse it, encode one event with both."""
+    import orjson
+
+    return orjson.dumps({"request": request, "response": orjson.loads(answer), "status": 200})
 
 
 async def serve_floor(port: int, upstream_port: int, record: bool) -> None:
@@ -219,6 +233,40 @@ async def serve_floor(port: int, upstream_port: int, record: bool) -> None:
         lambda: _FloorServer(upstream_port, record, pool, log), "127.0.0.1", port, backlog=4096)
     async with server:
         await server.serve_forever()
+
+
+def serve_uvicorn_floor(port: int, upstream_port: int) -> None:
+    """`uvicorn+json`: `floor+json`'s work as a bare ASGI app, served by uvicorn the way `agl-lab serve`
+    serves (agl_lab's HTTP protocol, uvloop) and forwarding through agl_lab's raw upstream client —
+    what any recording gateway served by uvicorn costs at the least. No checks, retries or store."""
+    import uvicorn
+
+    from agl_lab.server.asgi import HTTP_PROTOCOL
+    from agl_lab.server.upstream import RawUpstream
+
+    client, log, url = RawUpstream(), [], f"http://127.0.0.1:{upstream_port}/v1/chat/completions"
+    start = {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]}
+
+    async def app(scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        chunks, more = [], True
+        while more:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        if scope["path"].startswith("/proxy/"):
+            request, body = rewritten(b"".join(chunks))
+            answer = (await client.post_json(url, body)).content
+            log.append(event_of(request, answer))
+        else:
+            answer = b'{"status":"ok"}'
+        headers = [*start["headers"], (b"content-length", b"%d" % len(answer))]
+        await send({**start, "headers": headers})
+        await send({"type": "http.response.body", "body": answer})
+
+    uvicorn.run(app, host="127.0.0.1", port=port, http=HTTP_PROTOCOL, lifespan="off", access_log=False,
+                log_level="warning", timeout_keep_alive=120)
 
 
 def run_loop(coro) -> None:
@@ -365,19 +413,58 @@ def probe_health(url: str, seconds: float) -> None:
     print("\n".join(f"{x:.3f}" for x in out))
 
 
-async def measure(base: str, pid: int, direct: str, rollout_ids: list[str], agents: int, args) -> dict:
+LATENCY_ROUNDS = 4  # the latency phase's rounds, the servers taking turns (see measure_latency)
+
+
+def latency_calls(agents: int) -> int:
+    """Pairs per agent in the latency phase: 400 at one agent, ≥ 1,600 samples of each kind above."""
+    return 400 if agents == 1 else max(2 * LATENCY_ROUNDS, 1600 // agents)
+
+
+async def measure_latency(base: str, direct: str, rollout_ids: list[str], agents: int, calls: int,
+                          delay: float) -> tuple[list[float], list[float]]:
+    """One round of the latency phase on one server -> (direct ms, gateway ms)."""
     import aiohttp
 
     gateways = [proxy_base_url(base, r) for r in rollout_ids[:agents]]
-    connector = aiohttp.TCPConnector(limit=0, force_close=False)
-    async with aiohttp.ClientSession(connector=connector) as session:
-        calls = 400 if agents == 1 else max(8, 1600 // agents)  # ≥ 1,600 samples of each kind: p99s steady
-        d_ms, g_ms = await latency_phase(session, direct + "/v1/chat/completions", gateways, calls, args.delay)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        return await latency_phase(session, direct + "/v1/chat/completions", gateways, calls, delay)
+
+
+async def measure_throughput(base: str, pid: int, rollout_ids: list[str], agents: int, args) -> dict:
+    """The throughput phase on one server -> calls/s, busy and /healthz percentiles, CPU per call."""
+    import aiohttp
+
+    gateways = [proxy_base_url(base, r) for r in rollout_ids[:agents]]
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         cpu0 = cpu_seconds(pid)
         rate, busy_ms, health = await throughput_phase(session, base, gateways, args.seconds)
         cpu_ms = (cpu_seconds(pid) - cpu0) * 1000 / max(1.0, rate * args.seconds)
-    return {"d50": pct(d_ms, 50), "d99": pct(d_ms, 99), "g50": pct(g_ms, 50), "g99": pct(g_ms, 99),
-            "rate": rate, "b50": pct(busy_ms, 50), "b99": pct(busy_ms, 99), "h50": pct(health, 50), "h99": pct(health, 99), "cpu": cpu_ms, "load": load()}
+    return {"rate": rate, "b50": pct(busy_ms, 50), "b99": pct(busy_ms, 99), "h50": pct(health, 50),
+            "h99": pct(health, 99), "cpu": cpu_ms, "load": load()}
+
+
+def measure(started: dict[str, tuple[str, int]], direct: str, rollout_ids: list[str], agents: int,
+            args) -> dict[str, dict]:
+    """Both phases on every server at one agent count -> {server: row}.
+
+    The latency phase runs in LATENCY_ROUNDS rounds with the servers taking turns, so a drift of
+    the machine's load (another process, the kernel writing back a file) lands on all of them
+    alike rather than on whichever ran at the time: its percentiles are compared across rows.
+    """
+    samples: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in started}
+    calls = -(-latency_calls(agents) // LATENCY_ROUNDS)  # per round, rounded up
+    for _ in range(LATENCY_ROUNDS):
+        for name, (base, _pid) in started.items():
+            d_ms, g_ms = asyncio.run(measure_latency(base, direct, rollout_ids, agents, calls, args.delay))
+            samples[name][0].extend(d_ms)
+            samples[name][1].extend(g_ms)
+    rows = {}
+    for name, (base, pid) in started.items():
+        d_ms, g_ms = samples[name]
+        rows[name] = {"d50": pct(d_ms, 50), "d99": pct(d_ms, 99), "g50": pct(g_ms, 50), "g99": pct(g_ms, 99),
+                      **asyncio.run(measure_throughput(base, pid, rollout_ids, agents, args))}
+    return rows
 
 
 def setup_server(base: str, upstream: str, rollout_ids: list[str]) -> None:
@@ -446,9 +533,9 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=3.0, help="throughput phase per server and agent count")
     p.add_argument("--events", type=int, default=5000)
     p.add_argument("--no-agl", action="store_true", help="skip AGL even when importable")
-    p.add_argument("--no-floor", action="store_true", help="skip the two hand-written floor servers")
+    p.add_argument("--no-floor", action="store_true", help="skip the three floor servers")
     p.add_argument("--serve-upstream", type=int, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--serve-floor", nargs=3, default=None, help=argparse.SUPPRESS)  # PORT UPSTREAM_PORT bytes|json
+    p.add_argument("--serve-floor", nargs=3, default=None, help=argparse.SUPPRESS)  # PORT UPSTREAM_PORT bytes|json|uvicorn
     p.add_argument("--probe", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.probe is not None:
@@ -459,7 +546,10 @@ def main() -> None:
         return
     if args.serve_floor is not None:
         port, upstream_port, kind = args.serve_floor
-        run_loop(serve_floor(int(port), int(upstream_port), kind == "json"))
+        if kind == "uvicorn":
+            serve_uvicorn_floor(int(port), int(upstream_port))
+        else:
+            run_loop(serve_floor(int(port), int(upstream_port), kind == "json"))
         return
     counts = [int(x) for x in args.agents.split(",")]
     use_agl = importlib.util.find_spec("agentlightning") is not None and not args.no_agl
@@ -488,8 +578,8 @@ def main() -> None:
                 if name not in FLOORS:
                     setup_server(base, upstream, rollout_ids)
             for agents in counts:  # servers side by side per agent count: the same machine load
-                for name, (base, pid) in started.items():
-                    results[name, agents] = asyncio.run(measure(base, pid, upstream, rollout_ids, agents, args))
+                for name, row in measure(started, upstream, rollout_ids, agents, args).items():
+                    results[name, agents] = row
         print_gateway(results, counts, list(servers), use_agl)
         print(f"\nStore (in process; 10k terminal rollouts for the polls)  load={load()}")
         print(table(["store", "events", "appends/s", "reads/s", "caught-up poll µs", "1000-item page ms", "load"],
