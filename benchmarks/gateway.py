@@ -37,6 +37,9 @@ Then in process: `Store.append_event` rate on both stores (model_request-sized p
 the cost of a terminal-cursor poll with 10 000 terminal rollouts in the store (the caught-up
 poll a rollout manager makes every tick, and a full 1000-item page).
 
+Without `agentlightning` the AGL ratio columns use the figures of issue #17 (quiet machine,
+2026-11-30), labelled as such.
+
 Timings depend on the machine and its load (printed with `os.getloadavg()` next to each
 table): compare rows of one run — the ratio columns — not runs.
 """
@@ -586,14 +589,34 @@ def main() -> None:
                     store_rows(args.events, tmp)))
 
 
+# Issue #17's figures for AGL 1.0.2's server (quiet machine, 2026-11-30): added p50/p99 in ms at
+# 1 and 8 agents, and its ceiling, ~130-200 calls/s (compared at 256 agents, where it saturates).
+# Used when agentlightning is not importable.
+AGL_FIGURES = {1: {"g50": 3.46, "g99": 23.6}, 8: {"g50": 7.78, "g99": 47.1}}
+AGL_CEILING = 200.0  # calls/s, the top of the 130-200 range: the conservative ratio
+
+
+def agl_reference(results: dict, counts: list[int], use_agl: bool) -> dict[int, dict]:
+    """Per agent count, AGL's added p50/p99 (`g50`, `g99`, direct subtracted) and calls/s: measured
+    in this run, or else issue #17's figures (NaN where it gives none)."""
+    if use_agl:
+        return {n: {"g50": results["AGL", n]["g50"] - results["AGL", n]["d50"],
+                    "g99": results["AGL", n]["g99"] - results["AGL", n]["d99"], "rate": results["AGL", n]["rate"]}
+                for n in counts}
+    nan = float("nan")
+    return {n: {**AGL_FIGURES.get(n, {"g50": nan, "g99": nan}), "rate": AGL_CEILING if n >= 256 else nan}
+            for n in counts}
+
+
 def print_gateway(results: dict, counts: list[int], names: list[str], use_agl: bool) -> None:
     print(f"\nGateway: {counts} agents, ms; added = gateway − direct percentile; calls/s with agents calling "
           "back to back, busy p50/p99 their calls' latency (model time included), /healthz probed every 20 ms "
           "during it")
     header = ["server", "agents", "p50 dir", "p50 gw", "+p50", "p99 dir", "p99 gw", "+p99", "calls/s",
               "busy p50", "busy p99", "healthz p50", "healthz p99", "CPU ms/call", "load"]
-    if use_agl:
-        header += ["+p50 / AGL", "+p99 / AGL", "calls/s × AGL"]
+    header += ["+p50 / AGL", "+p99 / AGL", "calls/s × AGL"]
+    agl = agl_reference(results, counts, use_agl)
+    ratio = lambda x, y: f"{x / y:.2f}" if y > 0 else "n/a"  # noqa: E731  (NaN > 0 is False)
     rows = []
     for agents in counts:
         for name in names:
@@ -601,12 +624,14 @@ def print_gateway(results: dict, counts: list[int], names: list[str], use_agl: b
             row = [name, str(agents), f"{r['d50']:.2f}", f"{r['g50']:.2f}", f"{r['g50'] - r['d50']:+.2f}",
                    f"{r['d99']:.2f}", f"{r['g99']:.2f}", f"{r['g99'] - r['d99']:+.2f}", f"{r['rate']:,.0f}",
                    f"{r['b50']:.1f}", f"{r['b99']:.1f}", f"{r['h50']:.1f}", f"{r['h99']:.1f}", f"{r['cpu']:.2f}", r["load"]]
-            if use_agl:
-                a = results["AGL", agents]
-                ratio = lambda x, y: f"{x / y:.2f}" if y > 0 else "n/a"  # noqa: E731
-                row += [ratio(r["g50"] - r["d50"], a["g50"] - a["d50"]), ratio(r["g99"] - r["d99"], a["g99"] - a["d99"]),
-                        f"{r['rate'] / a['rate']:.2f}"]
+            a = agl[agents]
+            row += [ratio(r["g50"] - r["d50"], a["g50"]), ratio(r["g99"] - r["d99"], a["g99"]),
+                    ratio(r["rate"], a["rate"])]
             rows.append(row)
+    if not use_agl:
+        print("AGL columns: issue #17's figures (agentlightning not importable), not measured in this run: added "
+              "+3.46 / +23.6 ms p50/p99 at 1 agent, +7.78 / +47.1 at 8 (none at 64 and 256: n/a), ceiling ~130-200 calls/s "
+              f"(calls/s at 256 agents against {AGL_CEILING:.0f})")
     print(table(header, rows))
 
 
