@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
+import math
 import os
 import statistics
 import sys
@@ -126,6 +127,14 @@ def compare(ours, agl) -> str:
     return "yes" if not bad else "NO: " + ",".join(bad)
 
 
+def shown(ms: float) -> str:
+    return "n/a" if math.isnan(ms) else f"{ms:.0f}"
+
+
+def speed_up(agl_ms: float, ours_ms: float) -> str:
+    return "n/a" if math.isnan(agl_ms) else f"{agl_ms / ours_ms:.2f}x"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeat", type=int, default=5)
@@ -158,8 +167,8 @@ def main() -> None:
         mask = ours.data.batch["attention_mask"]
         forward[level] = int(mask.sum())
         print(f"{level:<11} {len(ours.data):>5} {ours_s * 1000:>9.0f} {agl_label:>15} "
-              f"{agl_ms / (ours_s * 1000):>8.2f}x {ours_cpu * 1000:>9.0f} {agl_cpu_ms:>10.0f} "
-              f"{agl_cpu_ms / (ours_cpu * 1000):>8.2f}x {same:>9} {forward[level]:>15,} {mask.numel():>14,}")
+              f"{speed_up(agl_ms, ours_s * 1000):>9} {ours_cpu * 1000:>9.0f} {shown(agl_cpu_ms):>10} "
+              f"{speed_up(agl_cpu_ms, ours_cpu * 1000):>9} {same:>9} {forward[level]:>15,} {mask.numel():>14,}")
         del ours
     print(f"load={os.getloadavg()[0]:.1f} (end); transition / trajectory forward tokens: "
           f"{forward['transition'] / forward['trajectory']:.2f}x")

@@ -1,6 +1,7 @@
 """The gateway hop and the store, side by side with Agent Lightning 1.0.2's server, in one run.
 
     python benchmarks/gateway.py [--agents 1,8,64,256] [--delay 0.005] [--seconds 3] [--no-agl] [--no-floor]
+                                 [--pairs N] [--events 5000]
 
 Processes as in a real run, all on loopback:
 - a fake OpenAI upstream: a minimal asyncio HTTP/1.1 server (uvloop when installed) answering
@@ -419,8 +420,11 @@ def probe_health(url: str, seconds: float) -> None:
 LATENCY_ROUNDS = 4  # the latency phase's rounds, the servers taking turns (see measure_latency)
 
 
-def latency_calls(agents: int) -> int:
-    """Pairs per agent in the latency phase: 400 at one agent, ≥ 1,600 samples of each kind above."""
+def latency_calls(agents: int, pairs: int | None = None) -> int:
+    """Pairs per agent in the latency phase: `pairs` if given, else 400 at one agent and
+    ≥ 1,600 samples of each kind above."""
+    if pairs is not None:
+        return pairs
     return 400 if agents == 1 else max(2 * LATENCY_ROUNDS, 1600 // agents)
 
 
@@ -456,7 +460,7 @@ def measure(started: dict[str, tuple[str, int]], direct: str, rollout_ids: list[
     alike rather than on whichever ran at the time: its percentiles are compared across rows.
     """
     samples: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in started}
-    calls = -(-latency_calls(agents) // LATENCY_ROUNDS)  # per round, rounded up
+    calls = -(-latency_calls(agents, args.pairs) // LATENCY_ROUNDS)  # per round, rounded up
     for _ in range(LATENCY_ROUNDS):
         for name, (base, _pid) in started.items():
             d_ms, g_ms = asyncio.run(measure_latency(base, direct, rollout_ids, agents, calls, args.delay))
@@ -534,7 +538,10 @@ def main() -> None:
     p.add_argument("--agents", default="1,8,64,256", help="comma-separated agent counts")
     p.add_argument("--delay", type=float, default=0.005, help="upstream model time per call (s)")
     p.add_argument("--seconds", type=float, default=3.0, help="throughput phase per server and agent count")
-    p.add_argument("--events", type=int, default=5000)
+    p.add_argument("--events", type=int, default=5000, help="event appends per store in the store table")
+    p.add_argument("--pairs", type=int, default=None,
+                   help="direct/gateway pairs per agent in the latency phase (default: 400 at one agent, "
+                        "≥ 1,600 samples above; a small number only checks that the script runs)")
     p.add_argument("--no-agl", action="store_true", help="skip AGL even when importable")
     p.add_argument("--no-floor", action="store_true", help="skip the three floor servers")
     p.add_argument("--serve-upstream", type=int, default=None, help=argparse.SUPPRESS)
