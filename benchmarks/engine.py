@@ -30,7 +30,6 @@ import time
 from pathlib import Path
 
 import httpx
-import torch
 
 from agl_lab.engines.openai_server import OpenAIServer
 from agl_lab.engines.tiny import DEFAULT_MODEL_NAME, load_model_and_tokenizer
