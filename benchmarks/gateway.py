@@ -17,20 +17,22 @@ Processes as in a real run, all on loopback:
   `uvicorn+json` does that work in a bare ASGI app served the way `agl-lab serve` serves
   (uvicorn with agl_lab's HTTP protocol, agl_lab's raw upstream client). None checks, retries
   or stores;
-- this script's agents: asyncio tasks sharing one aiohttp session, each with its own rollout.
+- this script's agents: asyncio tasks, each with its own rollout, sharing one aiohttp session per
+  server.
 
-Per server and agent count:
+Per agent count, each phase in 4 rounds with the servers taking turns (a drift of the
+machine's load lands on every row alike; each server keeps its agents' connections across them):
 1. **latency**: each agent alternates a direct call to the upstream and a call through the
    gateway (same ~1 KB body), so both see the same load; added = gateway − direct percentile
    (agents start staggered over one model time, as real agents do not call in lock-step; 400
-   pairs at one agent, at least 1,600 of each kind above), in 4 rounds with the servers taking
-   turns, so that a drift of the machine's load lands on every row alike;
-2. **throughput**: every agent calls through the gateway back to back for `--seconds`; proxied
-   calls/s and those calls' latency ("busy", model time included: once the machine saturates,
-   agents / calls/s, so compare it where the "added" figures of step 1 — a difference of two
-   loaded percentiles — get noisy), and meanwhile a probe process GETs /healthz every 20 ms
-   (its p99 says whether anything blocks the server's event loop; in a process of its own, so
-   that it does not queue behind the agents' work in this one);
+   pairs at one agent, at least 1,600 of each kind above);
+2. **throughput**: every agent calls through the gateway back to back for `--seconds` in all;
+   proxied calls/s and those calls' latency ("busy", model time included: once the machine
+   saturates, agents / calls/s, so compare it where the "added" figures of step 1 — a
+   difference of two loaded percentiles — get noisy), and meanwhile a probe process GETs
+   /healthz every 20 ms (its p99 says whether anything blocks the server's event loop; in a
+   process of its own, so that it does not queue behind the agents' work in this one, started
+   before the agents and stopped with them, so every probe falls inside the load);
 3. the gateway process's user+system CPU per proxied call (/proc), the figure least sensitive
    to the machine's load.
 
@@ -378,12 +380,20 @@ async def latency_phase(session, direct: str, gateways: list[str], calls: int, s
 
 
 async def throughput_phase(session, base: str, gateways: list[str], seconds: float):
-    """Back-to-back proxied calls for `seconds` + a /healthz probe -> (calls/s, call ms, healthz ms)."""
+    """Back-to-back proxied calls for `seconds` + a /healthz probe -> (calls, seconds, call ms, healthz ms)."""
     import orjson
 
     payload = orjson.dumps(BODY)
     headers = {"Authorization": f"Bearer {KEY}", "content-type": "application/json"}
     call_ms: list[float] = []
+
+    # the probe runs in its own process (in this one it would queue behind the agents' own work);
+    # the agents start once it has started up and it stops when they stop, so every probe falls
+    # inside the load
+    probe = await asyncio.create_subprocess_exec(
+        sys.executable, __file__, "--probe", base + "/healthz", stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE)
+    assert (await probe.stdout.readline()).strip() == b"ready"
     stop = time.perf_counter() + seconds
 
     async def agent(gw: str) -> None:
@@ -392,32 +402,34 @@ async def throughput_phase(session, base: str, gateways: list[str], seconds: flo
                 await r.read()
             call_ms.append((time.perf_counter() - t0) * 1000)
 
-    # the probe runs in its own process: in this one it would queue behind the agents' own work
-    probe = await asyncio.create_subprocess_exec(
-        sys.executable, __file__, "--probe", base + "/healthz", "--seconds", str(seconds),
-        stdout=asyncio.subprocess.PIPE)
-
     t0 = time.perf_counter()
     await asyncio.gather(*(agent(gw) for gw in gateways))
-    rate = len(call_ms) / (time.perf_counter() - t0)
+    elapsed = time.perf_counter() - t0
+    probe.stdin.close()
     out, _ = await probe.communicate()
-    return rate, call_ms, [float(x) for x in out.split()]
+    return len(call_ms), elapsed, call_ms, [float(x) for x in out.split()]
 
 
-def probe_health(url: str, seconds: float) -> None:
-    """--probe: GET `url` every 20 ms for `seconds`; print the latencies (ms), one per line."""
+def probe_health(url: str) -> None:
+    """--probe: print "ready", then GET `url` every 20 ms until stdin closes; then print the
+    latencies (ms), one per line."""
+    import threading
+
+    stopped = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.read(), stopped.set()), daemon=True).start()
     out = []
     with httpx.Client(trust_env=False, timeout=30) as client:
-        stop = time.perf_counter() + seconds
-        while time.perf_counter() < stop:
+        client.get(url)  # connected and warm before the load starts
+        print("ready", flush=True)
+        while not stopped.is_set():
             t0 = time.perf_counter()
             client.get(url)
             out.append((time.perf_counter() - t0) * 1000)
-            time.sleep(0.02)
+            stopped.wait(0.02)
     print("\n".join(f"{x:.3f}" for x in out))
 
 
-LATENCY_ROUNDS = 4  # the latency phase's rounds, the servers taking turns (see measure_latency)
+ROUNDS = 4  # each phase runs in this many rounds, the servers taking turns (see measure)
 
 
 def latency_calls(agents: int, pairs: int | None = None) -> int:
@@ -425,52 +437,54 @@ def latency_calls(agents: int, pairs: int | None = None) -> int:
     ≥ 1,600 samples of each kind above."""
     if pairs is not None:
         return pairs
-    return 400 if agents == 1 else max(2 * LATENCY_ROUNDS, 1600 // agents)
+    return 400 if agents == 1 else max(2 * ROUNDS, 1600 // agents)
 
 
-async def measure_latency(base: str, direct: str, rollout_ids: list[str], agents: int, calls: int,
-                          delay: float) -> tuple[list[float], list[float]]:
-    """One round of the latency phase on one server -> (direct ms, gateway ms)."""
-    import aiohttp
-
-    gateways = [proxy_base_url(base, r) for r in rollout_ids[:agents]]
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        return await latency_phase(session, direct + "/v1/chat/completions", gateways, calls, delay)
-
-
-async def measure_throughput(base: str, pid: int, rollout_ids: list[str], agents: int, args) -> dict:
-    """The throughput phase on one server -> calls/s, busy and /healthz percentiles, CPU per call."""
-    import aiohttp
-
-    gateways = [proxy_base_url(base, r) for r in rollout_ids[:agents]]
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        cpu0 = cpu_seconds(pid)
-        rate, busy_ms, health = await throughput_phase(session, base, gateways, args.seconds)
-        cpu_ms = (cpu_seconds(pid) - cpu0) * 1000 / max(1.0, rate * args.seconds)
-    return {"rate": rate, "b50": pct(busy_ms, 50), "b99": pct(busy_ms, 99), "h50": pct(health, 50),
-            "h99": pct(health, 99), "cpu": cpu_ms, "load": load()}
-
-
-def measure(started: dict[str, tuple[str, int]], direct: str, rollout_ids: list[str], agents: int,
-            args) -> dict[str, dict]:
+async def measure(started: dict[str, tuple[str, int]], direct: str, rollout_ids: list[str], agents: int,
+                  args) -> dict[str, dict]:
     """Both phases on every server at one agent count -> {server: row}.
 
-    The latency phase runs in LATENCY_ROUNDS rounds with the servers taking turns, so a drift of
-    the machine's load (another process, the kernel writing back a file) lands on all of them
-    alike rather than on whichever ran at the time: its percentiles are compared across rows.
+    Each phase runs in ROUNDS rounds with the servers taking turns, so that a drift of the
+    machine's load (another process, the kernel writing back a file) lands on all of them alike
+    rather than on whichever ran at the time; a round's samples join its server's. Every server
+    keeps one client session (its agents' keep-alive connections) across the rounds.
     """
-    samples: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in started}
-    calls = -(-latency_calls(agents, args.pairs) // LATENCY_ROUNDS)  # per round, rounded up
-    for _ in range(LATENCY_ROUNDS):
-        for name, (base, _pid) in started.items():
-            d_ms, g_ms = asyncio.run(measure_latency(base, direct, rollout_ids, agents, calls, args.delay))
-            samples[name][0].extend(d_ms)
-            samples[name][1].extend(g_ms)
+    import aiohttp
+
+    calls = -(-latency_calls(agents, args.pairs) // ROUNDS)  # per round, rounded up
+    gateways = {name: [proxy_base_url(base, r) for r in rollout_ids[:agents]] for name, (base, _) in started.items()}
+    lat: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in started}
+    busy: dict[str, list[float]] = {name: [] for name in started}
+    health: dict[str, list[float]] = {name: [] for name in started}
+    done = {name: [0, 0.0, 0.0] for name in started}  # calls, seconds, CPU seconds of the throughput phase
+    loads: dict[str, str] = {}
+    async with contextlib.AsyncExitStack() as stack:
+        sessions = {name: await stack.enter_async_context(aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0))) for name in started}
+        for _ in range(ROUNDS):
+            for name in started:
+                d_ms, g_ms = await latency_phase(sessions[name], direct + "/v1/chat/completions", gateways[name],
+                                                 calls, args.delay)
+                lat[name][0].extend(d_ms)
+                lat[name][1].extend(g_ms)
+        for _ in range(ROUNDS):
+            for name, (base, pid) in started.items():
+                cpu0 = cpu_seconds(pid)
+                n, seconds, call_ms, probe_ms = await throughput_phase(sessions[name], base, gateways[name],
+                                                                       args.seconds / ROUNDS)
+                done[name][0] += n
+                done[name][1] += seconds
+                done[name][2] += cpu_seconds(pid) - cpu0
+                busy[name].extend(call_ms)
+                health[name].extend(probe_ms)
+                loads[name] = load()
     rows = {}
-    for name, (base, pid) in started.items():
-        d_ms, g_ms = samples[name]
+    for name in started:
+        (d_ms, g_ms), (n, seconds, cpu) = lat[name], done[name]
         rows[name] = {"d50": pct(d_ms, 50), "d99": pct(d_ms, 99), "g50": pct(g_ms, 50), "g99": pct(g_ms, 99),
-                      **asyncio.run(measure_throughput(base, pid, rollout_ids, agents, args))}
+                      "rate": n / seconds, "b50": pct(busy[name], 50), "b99": pct(busy[name], 99),
+                      "h50": pct(health[name], 50), "h99": pct(health[name], 99),
+                      "cpu": cpu * 1000 / max(1, n), "load": loads[name]}
     return rows
 
 
@@ -549,7 +563,7 @@ def main() -> None:
     p.add_argument("--probe", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.probe is not None:
-        probe_health(args.probe, args.seconds)
+        probe_health(args.probe)
         return
     if args.serve_upstream is not None:
         run_loop(serve_upstream(args.serve_upstream, args.delay))
@@ -588,7 +602,7 @@ def main() -> None:
                 if name not in FLOORS:
                     setup_server(base, upstream, rollout_ids)
             for agents in counts:  # servers side by side per agent count: the same machine load
-                for name, row in measure(started, upstream, rollout_ids, agents, args).items():
+                for name, row in asyncio.run(measure(started, upstream, rollout_ids, agents, args)).items():
                     results[name, agents] = row
         print_gateway(results, counts, list(servers), use_agl)
         print(f"\nStore (in process; 10k terminal rollouts for the polls)  load={load()}")
