@@ -1,7 +1,7 @@
 """The gateway hop and the store, side by side with Agent Lightning 1.0.2's server, in one run.
 
     python benchmarks/gateway.py [--agents 1,8,64,256] [--delay 0.005] [--seconds 3] [--no-agl] [--no-floor]
-                                 [--pairs N] [--events 5000]
+                                 [--rounds 4] [--pairs N] [--events 5000]
 
 Processes as in a real run, all on loopback:
 - a fake OpenAI upstream: a minimal asyncio HTTP/1.1 server (uvloop when installed) answering
@@ -429,7 +429,7 @@ def probe_health(url: str) -> None:
     print("\n".join(f"{x:.3f}" for x in out))
 
 
-ROUNDS = 4  # each phase runs in this many rounds, the servers taking turns (see measure)
+ROUNDS = 4  # each phase runs in this many rounds by default, the servers taking turns (see measure)
 
 
 def latency_calls(agents: int, pairs: int | None = None) -> int:
@@ -444,14 +444,15 @@ async def measure(started: dict[str, tuple[str, int]], direct: str, rollout_ids:
                   args) -> dict[str, dict]:
     """Both phases on every server at one agent count -> {server: row}.
 
-    Each phase runs in ROUNDS rounds with the servers taking turns, so that a drift of the
+    Each phase runs in `args.rounds` rounds with the servers taking turns, so that a drift of the
     machine's load (another process, the kernel writing back a file) lands on all of them alike
     rather than on whichever ran at the time; a round's samples join its server's. Every server
     keeps one client session (its agents' keep-alive connections) across the rounds.
     """
     import aiohttp
 
-    calls = -(-latency_calls(agents, args.pairs) // ROUNDS)  # per round, rounded up
+    rounds = args.rounds
+    calls = -(-latency_calls(agents, args.pairs) // rounds)  # per round, rounded up
     gateways = {name: [proxy_base_url(base, r) for r in rollout_ids[:agents]] for name, (base, _) in started.items()}
     lat: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in started}
     busy: dict[str, list[float]] = {name: [] for name in started}
@@ -461,17 +462,17 @@ async def measure(started: dict[str, tuple[str, int]], direct: str, rollout_ids:
     async with contextlib.AsyncExitStack() as stack:
         sessions = {name: await stack.enter_async_context(aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0))) for name in started}
-        for _ in range(ROUNDS):
+        for _ in range(rounds):
             for name in started:
                 d_ms, g_ms = await latency_phase(sessions[name], direct + "/v1/chat/completions", gateways[name],
                                                  calls, args.delay)
                 lat[name][0].extend(d_ms)
                 lat[name][1].extend(g_ms)
-        for _ in range(ROUNDS):
+        for _ in range(rounds):
             for name, (base, pid) in started.items():
                 cpu0 = cpu_seconds(pid)
                 n, seconds, call_ms, probe_ms = await throughput_phase(sessions[name], base, gateways[name],
-                                                                       args.seconds / ROUNDS)
+                                                                       args.seconds / rounds)
                 done[name][0] += n
                 done[name][1] += seconds
                 done[name][2] += cpu_seconds(pid) - cpu0
@@ -553,6 +554,7 @@ def main() -> None:
     p.add_argument("--delay", type=float, default=0.005, help="upstream model time per call (s)")
     p.add_argument("--seconds", type=float, default=3.0, help="throughput phase per server and agent count")
     p.add_argument("--events", type=int, default=5000, help="event appends per store in the store table")
+    p.add_argument("--rounds", type=int, default=ROUNDS, help="rounds per phase, the servers taking turns")
     p.add_argument("--pairs", type=int, default=None,
                    help="direct/gateway pairs per agent in the latency phase (default: 400 at one agent, "
                         "≥ 1,600 samples above; a small number only checks that the script runs)")

@@ -38,8 +38,9 @@ def _rows(out: str, first_column: str) -> dict[str, list[str]]:
 
 @pytest.mark.slow
 def test_gateway_benchmark_prints_every_server_and_the_store_table():
-    out = _run("benchmarks/gateway.py", "--agents", "1", "--pairs", "4", "--seconds", "0.3", "--events", "50",
-               "--no-agl")
+    # two rounds: the servers take turns and each keeps its client session across them
+    out = _run("benchmarks/gateway.py", "--agents", "1", "--rounds", "2", "--pairs", "4", "--seconds", "0.3",
+               "--events", "50", "--no-agl")
     gateway = _rows(out, "server")
     assert set(gateway) == {f"{name}@1" for name in ("memory", "sqlite", "floor", "floor+json", "uvicorn+json")}
     for cells in gateway.values():
