@@ -432,12 +432,12 @@ def probe_health(url: str) -> None:
 ROUNDS = 4  # each phase runs in this many rounds by default, the servers taking turns (see measure)
 
 
-def latency_calls(agents: int, pairs: int | None = None) -> int:
+def latency_calls(agents: int, pairs: int | None, rounds: int) -> int:
     """Pairs per agent in the latency phase: `pairs` if given, else 400 at one agent and
-    ≥ 1,600 samples of each kind above."""
+    ≥ 1,600 samples of each kind above (at least 2 per round)."""
     if pairs is not None:
         return pairs
-    return 400 if agents == 1 else max(2 * ROUNDS, 1600 // agents)
+    return 400 if agents == 1 else max(2 * rounds, 1600 // agents)
 
 
 async def measure(started: dict[str, tuple[str, int]], direct: str, rollout_ids: list[str], agents: int,
@@ -452,7 +452,7 @@ async def measure(started: dict[str, tuple[str, int]], direct: str, rollout_ids:
     import aiohttp
 
     rounds = args.rounds
-    calls = -(-latency_calls(agents, args.pairs) // rounds)  # per round, rounded up
+    calls = -(-latency_calls(agents, args.pairs, rounds) // rounds)  # per round, rounded up
     gateways = {name: [proxy_base_url(base, r) for r in rollout_ids[:agents]] for name, (base, _) in started.items()}
     lat: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in started}
     busy: dict[str, list[float]] = {name: [] for name in started}
@@ -652,9 +652,10 @@ def print_gateway(results: dict, counts: list[int], names: list[str], use_agl: b
                     ratio(r["rate"], a["rate"])]
             rows.append(row)
     if not use_agl:
-        print("AGL columns: issue #17's figures (agentlightning not importable), not measured in this run: added "
-              "+3.46 / +23.6 ms p50/p99 at 1 agent, +7.78 / +47.1 at 8 (none at 64 and 256: n/a), ceiling ~130-200 calls/s "
-              f"(calls/s at 256 agents against {AGL_CEILING:.0f})")
+        given = ", ".join(f"+{f['g50']} / +{f['g99']} at {n} agent{'s' * (n > 1)}" for n, f in AGL_FIGURES.items())
+        print(f"AGL columns: issue #17's figures (agentlightning not importable), not measured in this run: added "
+              f"p50 / p99 ms {given} (n/a at other counts), ceiling ~130-200 calls/s (calls/s at 256 agents "
+              f"against {AGL_CEILING:.0f})")
     print(table(header, rows))
 
 
