@@ -15,7 +15,7 @@ import sys
 
 SUBCOMMANDS = {
     "serve": ("agl_lab.server.embedded", "serve_main", "run the rollout store + LLM gateway"),
-    "engine": ("agl_lab.engines.openai_server", "engine_main", "serve the local model OpenAI-style"),
+    "engine": ("agl_lab.engines.serving.openai_server", "engine_main", "serve the local model OpenAI-style"),
     "train": ("agl_lab.trainer", "train_main", "train from a YAML config"),
 }
 

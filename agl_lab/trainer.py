@@ -169,7 +169,7 @@ class Trainer:
     def _make_engine(self):
         lab = self.cfg.agl_lab
         if lab.engine == "verl":
-            from agl_lab.engines.verl import VerlEngine
+            from agl_lab.engines.verl.engine import VerlEngine
 
             if lab.model.path is None:  # verl's workers load from disk: the tiny model, warm-started like local's
                 from agl_lab.tasks.warmstart import warm_started_model_dir

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import httpx
 
-from agl_lab.engines.openai_server import OpenAIServer
+from agl_lab.engines.serving.openai_server import OpenAIServer
 from agl_lab.engines.tiny import DEFAULT_MODEL_NAME, load_model_and_tokenizer
 
 

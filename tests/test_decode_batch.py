@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agl_lab.engines.decode_batch import DecodeBatch, sample_tokens
+from agl_lab.engines.serving.decode_batch import DecodeBatch, sample_tokens
 from agl_lab.engines.tiny import load_model_and_tokenizer
 
 
@@ -120,7 +120,7 @@ def test_prefill_decode_merge_select_equal_fresh_forwards(model, one_thread):
 
 def test_prefill_with_cached_prefixes_equals_fresh_forwards(model, one_thread):
     """Rows whose first tokens come from a CachedPrefix (and rows without) compute what fresh forwards do."""
-    from agl_lab.engines.prefix_cache import CachedPrefix
+    from agl_lab.engines.serving.prefix_cache import CachedPrefix
 
     gen = torch.Generator().manual_seed(4)
     shared = torch.randint(4, 1024, (40,), generator=gen).tolist()
@@ -145,7 +145,7 @@ def test_prefill_with_cached_prefixes_equals_fresh_forwards(model, one_thread):
 
 
 def test_fast_decode_step_equals_the_hf_forward_and_follows_weight_updates(one_thread):
-    from agl_lab.engines import fast_decode
+    from agl_lab.engines.serving import fast_decode
 
     model = load_model_and_tokenizer(device="cpu")[0]  # a private copy: this test edits weights
     assert fast_decode.supports(model)

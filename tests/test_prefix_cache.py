@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from agl_lab.engines.prefix_cache import BLOCK, CachedPrefix, PrefixCache
+from agl_lab.engines.serving.prefix_cache import BLOCK, CachedPrefix, PrefixCache
 
 
 def _entry(tokens: list[int], layers: int = 2) -> CachedPrefix:
@@ -30,7 +30,7 @@ def test_hash_hit_is_verified_token_by_token(monkeypatch):
     cache = PrefixCache()
     cache.put(_entry(list(range(2 * BLOCK))))
     # forge a collision: every block hash of any prompt maps to the stored entry
-    monkeypatch.setattr("agl_lab.engines.prefix_cache._block_hashes",
+    monkeypatch.setattr("agl_lab.engines.serving.prefix_cache._block_hashes",
                         lambda tokens: list(cache._index)[: len(tokens) // BLOCK])
     assert cache.match([9] * (2 * BLOCK + 1)) == (0, None)
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from agl_lab.diagnose import diagnose_break
-from agl_lab.engines.openai_server import OpenAIServer
+from agl_lab.engines.serving.openai_server import OpenAIServer
 from agl_lab.engines.tiny import load_model_and_tokenizer
 from agl_lab.tasks import TaskSpec, get_task, lookup, merge_breakers, task_names
 from agl_lab.tasks.lookup import Action, LookupEnv, episode_reward, parse_action

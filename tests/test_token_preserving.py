@@ -296,7 +296,7 @@ class SampledLog:
 
 @pytest.fixture(scope="module")
 def engine() -> Any:
-    from agl_lab.engines.openai_server import OpenAIServer
+    from agl_lab.engines.serving.openai_server import OpenAIServer
     from agl_lab.engines.tiny import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(device="cpu")

@@ -1,6 +1,6 @@
 """API contract between agl_lab's verl engine and the installed verl (and vLLM, when present).
 
-`agl_lab.engines.verl_api.VERL_API` is the one table of verl symbols the engine uses; here every
+`agl_lab.engines.verl.api.VERL_API` is the one table of verl symbols the engine uses; here every
 row is checked against the installed packages (import, parameter names in order, no new
 required parameter, instance attributes and source words), the config keys the engine reads
 against verl's generated `ppo_trainer.yaml`, and the engine's own source against the table
@@ -19,10 +19,9 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from agl_lab.engines.verl_api import VERL_API, VERL_CONFIG_KEYS, VerlSymbol, check_symbol, check_verl_api
+from agl_lab.engines.verl.api import VERL_API, VERL_CONFIG_KEYS, VerlSymbol, check_symbol, check_verl_api
 
-ENGINE_FILES = [Path(__file__).resolve().parents[1] / "agl_lab" / "engines" / name
-                for name in ("verl.py", "verl_trainer.py", "verl_api.py", "verl_cpu.py", "verl_cpu_rollout.py")]
+ENGINE_FILES = sorted((Path(__file__).resolve().parents[1] / "agl_lab" / "engines" / "verl").glob("*.py"))
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 VERL_ROWS = sorted(k for k, s in VERL_API.items() if not s.needs_vllm)
 VLLM_ROWS = sorted(k for k, s in VERL_API.items() if s.needs_vllm)
@@ -45,7 +44,7 @@ def test_vllm_symbol_matches_installed_vllm(key):
 
 
 def test_table_rows_have_unique_qualified_names():
-    from agl_lab.engines.verl_api import _ROWS
+    from agl_lab.engines.verl.api import _ROWS
 
     assert len(VERL_API) == len(_ROWS)
 
@@ -144,8 +143,8 @@ def test_every_table_key_used_by_the_engine_exists():
 
 
 def _self_attribute_uses(cls_name: str) -> tuple[set[str], set[tuple[str, str]]]:
-    """`self.X` names and `self.X.Y` pairs used inside class `cls_name` of verl_trainer.py."""
-    tree = _trees()["verl_trainer.py"]
+    """`self.X` names and `self.X.Y` pairs used inside class `cls_name` of engines/verl/trainer.py."""
+    tree = _trees()["trainer.py"]
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls_name)
     names, pairs = set(), set()
     for node in ast.walk(cls):
@@ -158,7 +157,7 @@ def _self_attribute_uses(cls_name: str) -> tuple[set[str], set[tuple[str, str]]]
 
 
 def test_every_inherited_trainer_member_the_engine_touches_is_in_the_table():
-    from agl_lab.engines.verl_trainer import AglRayPPOTrainer, RayPPOTrainer
+    from agl_lab.engines.verl.trainer import AglRayPPOTrainer, RayPPOTrainer
 
     names, pairs = _self_attribute_uses("AglRayPPOTrainer")
     own = set(vars(AglRayPPOTrainer))
@@ -181,7 +180,7 @@ def test_every_inherited_trainer_member_the_engine_touches_is_in_the_table():
 
 def test_engine_module_imports_without_verl_torch_ray_or_vllm():
     code = ("import sys; sys.modules['vllm'] = None\n"
-            "import agl_lab.engines.verl\n"
+            "import agl_lab.engines.verl.engine\n"
             "heavy = [m for m in ('verl', 'torch', 'ray', 'vllm') if sys.modules.get(m) is not None]\n"
             "assert heavy == [], heavy\n")
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
@@ -191,7 +190,7 @@ def test_engine_module_imports_without_verl_torch_ray_or_vllm():
 def test_verl_trainer_module_imports_on_cpu_without_vllm():
     if HAS_VLLM:
         pytest.skip("vLLM is installed here; this checks the CPU machine")
-    import agl_lab.engines.verl_trainer as vt
+    import agl_lab.engines.verl.trainer as vt
 
     assert issubclass(vt.AglRayPPOTrainer, vt.RayPPOTrainer)
     assert "vllm" not in sys.modules

@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 ray = pytest.importorskip("ray")
 torch = pytest.importorskip("torch")
 
-from agl_lab.engines.verl import WORKER_ENV_KEYS  # noqa: E402
+from agl_lab.engines.verl.engine import WORKER_ENV_KEYS  # noqa: E402
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "cpu_verl.yaml")
 ENV_BEFORE: dict[str, str | None] = {}  # the env the trainer fixture started from: close() restores it
@@ -91,7 +91,7 @@ def _served_state(engine):
     """The weights the replica serves (= the actor's after a sync), read from the worker."""
 
     def read(_actor):
-        from agl_lab.engines.verl_cpu_rollout import _ADAPTERS
+        from agl_lab.engines.verl.cpu_rollout import _ADAPTERS
 
         model = _ADAPTERS[0].server.scheduler.model
         return {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -191,7 +191,7 @@ def test_served_logprobs_equal_the_actors_after_sync(trainer):
 def test_one_step_drives_the_real_replica_in_the_phase_order(trainer):
     """The phase-order test of tests/test_verl_phases.py, on the real replica: what verl asked of
     the server inside the worker during one Trainer.step(), in order."""
-    from agl_lab.engines.verl_api import run_coroutine
+    from agl_lab.engines.verl.api import run_coroutine
 
     engine = trainer.engine
     replica = engine.trainer.rollout_replicas()[0]
@@ -227,7 +227,7 @@ def test_save_and_load_round_trip_on_the_real_workers(trainer, tmp_path):
 
 
 def test_placement_check_names_the_config_keys():
-    from agl_lab.engines.verl_trainer import check_placement
+    from agl_lab.engines.verl.trainer import check_placement
 
     check_placement({"global_pool": [1]}, 3, {"CPU": 4.0, "GPU": 1.0})  # fits: nothing raised
     # the first cpu_verl run: num_cpus 2, while verl asks {CPU: 3, GPU: 1} per worker → Ray waited for ever
@@ -239,7 +239,7 @@ def test_placement_check_names_the_config_keys():
 
 def test_a_second_engine_that_cannot_be_placed_fails_at_start_up(trainer):
     """The module's engine holds the cluster's one (fake) GPU: a second one cannot be placed."""
-    from agl_lab.engines.verl import VerlEngine
+    from agl_lab.engines.verl.engine import VerlEngine
 
     with pytest.raises(ValueError, match=r"ray_kwargs\.ray_init\.num_gpus>=1"):
         VerlEngine(trainer.cfg, train_dataset=trainer.train_dataset)
@@ -250,7 +250,7 @@ def test_killed_worker_fails_the_step_naming_it_and_close_leaves_no_ray_process(
     """Runs last: SIGKILL the actor/rollout worker, then the Trainer's next step and close."""
     import psutil
 
-    from agl_lab.engines.verl import VerlWorkerDied
+    from agl_lab.engines.verl.engine import VerlWorkerDied
 
     engine = trainer.engine
     ray_procs = [p for p in psutil.Process().children(recursive=True) if "ray" in " ".join(p.cmdline()).lower()]

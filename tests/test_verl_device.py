@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from agl_lab.config import ConfigError, load_config
-from agl_lab.engines import verl_cpu
-from agl_lab.engines.verl_cpu_rollout import ROLLOUT_NAME
+from agl_lab.engines.verl import cpu as verl_cpu
+from agl_lab.engines.verl.cpu_rollout import ROLLOUT_NAME
 
 CPU_VERL = Path(__file__).resolve().parents[1] / "configs" / "cpu_verl.yaml"
 ROWS = [{"question": "q", "answer": "a"}]
@@ -48,7 +48,7 @@ def test_worker_env_loads_this_agl_lab_and_the_platform_in_every_worker(monkeypa
 
 
 def test_verl_on_cpu_with_a_vllm_rollout_says_which_key_to_set():
-    from agl_lab.engines.verl import VerlEngine
+    from agl_lab.engines.verl.engine import VerlEngine
 
     cfg = load_config(CPU_VERL, ["actor_rollout_ref.rollout.name=vllm"])
     with pytest.raises(RuntimeError, match=rf"not 'vllm': set actor_rollout_ref\.rollout\.name={ROLLOUT_NAME}"):
@@ -60,7 +60,7 @@ def test_verl_on_cuda_without_a_cuda_device_says_what_to_set():
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present: agl_lab.verl.device=cuda is valid here")
-    from agl_lab.engines.verl import VerlEngine
+    from agl_lab.engines.verl.engine import VerlEngine
 
     cfg = load_config(CPU_VERL, ["agl_lab.verl.device=cuda"])
     with pytest.raises(RuntimeError, match=r"needs a CUDA device and none is visible: set agl_lab\.verl\.device=cpu"):
@@ -70,7 +70,7 @@ def test_verl_on_cuda_without_a_cuda_device_says_what_to_set():
 def test_every_way_a_worker_process_goes_away_counts_as_a_dead_worker():
     from ray.exceptions import ActorDiedError, NodeDiedError, OutOfMemoryError, RayTaskError, WorkerCrashedError
 
-    from agl_lab.engines.verl import _dead_actor_error
+    from agl_lab.engines.verl.engine import _dead_actor_error
 
     oom = OutOfMemoryError("1 worker(s) were killed due to the node running low on memory")
     for error in (ActorDiedError(), oom, WorkerCrashedError(), NodeDiedError("node gone")):

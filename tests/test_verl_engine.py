@@ -18,9 +18,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from agl_lab.engines.verl import VerlEngine
-from agl_lab.engines.verl_api import verl_import
-from agl_lab.engines.verl_trainer import AGL_STATE_FILE, InMemoryDataset
+from agl_lab.engines.verl.engine import VerlEngine
+from agl_lab.engines.verl.api import verl_import
+from agl_lab.engines.verl.trainer import AGL_STATE_FILE, InMemoryDataset
 from tests.verl_fakes import fake_verl_trainer
 
 import verl  # noqa: E402  (tests may import verl directly; the engine may not)
@@ -275,7 +275,7 @@ GPU_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "gpu_verl.yaml"
 def test_gpu_config_builds_the_trainer_on_cpu_up_to_init_workers():
     from agl_lab.config import load_config
     from agl_lab.engines.tiny import tiny_model_dir
-    from agl_lab.engines.verl_trainer import build_trainer
+    from agl_lab.engines.verl.trainer import build_trainer
 
     model_dir = str(tiny_model_dir())  # a real local HF model dir instead of Qwen (no downloads)
     cfg = load_config(GPU_CONFIG, [f"agl_lab.model.path={model_dir}", "data.dataloader_num_workers=0"])

@@ -37,10 +37,10 @@ from typing import Any
 
 import pytest
 
-import agl_lab.engines.verl as verl_module
-import agl_lab.engines.verl_trainer as verl_trainer_module
+import agl_lab.engines.verl.engine as verl_module
+import agl_lab.engines.verl.trainer as verl_trainer_module
 from agl_lab.client import AglClient, AglHTTPError
-from agl_lab.engines.verl import VerlEngine
+from agl_lab.engines.verl.engine import VerlEngine
 from agl_lab.tasks import get_task
 from agl_lab.trainer import Trainer
 from tests.fakes import FakeOpenAI

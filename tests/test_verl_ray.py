@@ -1,4 +1,4 @@
-"""A real local Ray cluster started through `agl_lab.engines.verl.init_ray` (CPU, one worker).
+"""A real local Ray cluster started through `agl_lab.engines.verl.engine.init_ray` (CPU, one worker).
 
 What it proves: a Ray worker (a task; verl's actors start the same way) that never imports
 agl_lab itself finds `per_rollout_mean` in verl's policy-loss registry (the
@@ -52,7 +52,7 @@ def ray_tmpdir(monkeypatch):
 
 @pytest.mark.timeout(120)
 def test_init_ray_registers_the_loss_in_every_worker(ray_tmpdir):
-    from agl_lab.engines.verl import WORKER_SETUP_HOOK, init_ray
+    from agl_lab.engines.verl.engine import WORKER_SETUP_HOOK, init_ray
 
     if ray.is_initialized():
         ray.shutdown()

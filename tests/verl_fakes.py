@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from agl_lab.engines.verl_api import verl_import
-from agl_lab.engines.verl_trainer import AglRayPPOTrainer, InMemoryDataset
+from agl_lab.engines.verl.api import verl_import
+from agl_lab.engines.verl.trainer import AglRayPPOTrainer, InMemoryDataset
 from verl.trainer.ppo.utils import Role
 from verl.utils import tensordict_utils as tu
 
@@ -216,7 +216,7 @@ def fake_verl_trainer(cfg, tasks: Sequence[dict], *, log: CallLog | None = None,
 
     One replica per `aborted` count; `addresses` are what `server_addresses()` returns
     (real loopback servers in the phase tests, made-up ones elsewhere). `spawn=False`
-    leaves `init_workers()` to the caller, as `agl_lab.engines.verl_trainer.build_trainer` does.
+    leaves `init_workers()` to the caller, as `agl_lab.engines.verl.trainer.build_trainer` does.
     """
     ds = InMemoryDataset(tasks, None, cfg.data, name="train_dataset")
     trainer = FakeStackTrainer(

@@ -30,7 +30,7 @@ import torch
 from omegaconf import OmegaConf
 
 from agl_lab.engines.base import Engine
-from agl_lab.engines.openai_server import OpenAIServer
+from agl_lab.engines.serving.openai_server import OpenAIServer
 from agl_lab.engines.tiny import DEFAULT_MODEL_NAME, load_model_and_tokenizer
 
 _STATE_FILE = "engine_state.pt"

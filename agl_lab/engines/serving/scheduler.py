@@ -47,8 +47,8 @@ from typing import Any
 
 import torch
 
-from agl_lab.engines.decode_batch import DecodeBatch, sample_tokens
-from agl_lab.engines.prefix_cache import BLOCK, CachedPrefix, PrefixCache
+from agl_lab.engines.serving.decode_batch import DecodeBatch, sample_tokens
+from agl_lab.engines.serving.prefix_cache import BLOCK, CachedPrefix, PrefixCache
 
 
 class GenerationAborted(RuntimeError):

@@ -1,7 +1,7 @@
 """The verl engine: verl 0.9.1's RayPPOTrainer worker groups + vLLM replicas on Ray.
 
 `VerlEngine` implements the `Engine` contract (agl_lab/engines/base.py) on top of
-`AglRayPPOTrainer` (agl_lab/engines/verl_trainer.py), a `RayPPOTrainer` whose monolithic
+`AglRayPPOTrainer` (agl_lab/engines/verl/trainer.py), a `RayPPOTrainer` whose monolithic
 `fit()` is cut into phases that the stepwise `agl_lab.Trainer` calls one by one. verl's own
 agent loop never runs: rollouts come from agents through the agl_lab gateway, which calls
 the vLLM replicas' OpenAI servers.
@@ -53,16 +53,16 @@ replicas pushes weights first (serving weights must equal trained weights), and
 `policy_version` is the global step the served weights were trained to.
 
 Without CUDA (or with `agl_lab.verl.device: cpu`) `_select_device` loads agl_lab's verl
-platform for CPU (agl_lab/engines/verl_cpu.py) here and in every Ray worker, and the replicas
-are agl_lab's OpenAI server (the `agl_lab_cpu` rollout, agl_lab/engines/verl_cpu_rollout.py)
+platform for CPU (agl_lab/engines/verl/cpu.py) here and in every Ray worker, and the replicas
+are agl_lab's OpenAI server (the `agl_lab_cpu` rollout, agl_lab/engines/verl/cpu_rollout.py)
 instead of vLLM; everything else above runs unchanged. A worker that dies ends the engine
 call with `VerlWorkerDied` naming it (every later call too), never a hang.
 
-Every verl symbol comes through `VERL_API` (agl_lab/engines/verl_api.py); the verl-side
-classes live in agl_lab/engines/verl_trainer.py. Imports go one way:
-verl.py → verl_trainer.py → verl_api.py. This module imports neither verl, torch, Ray nor
+Every verl symbol comes through `VERL_API` (agl_lab/engines/verl/api.py); the verl-side
+classes live in agl_lab/engines/verl/trainer.py. Imports go one way:
+engine.py → trainer.py → api.py. This module imports neither verl, torch, Ray nor
 vLLM at import time (CPU-safe and cheap); `VerlEngine(cfg, train_dataset=…)` imports
-verl_trainer and builds the stack lazily.
+engines/verl/trainer.py and builds the stack lazily.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from agl_lab.engines.base import Engine
-from agl_lab.engines.verl_api import check_verl_api, verl_import
+from agl_lab.engines.verl.api import check_verl_api, verl_import
 
 #: Ray runs this in every worker process; importing agl_lab.algorithms registers the loss
 WORKER_SETUP_HOOK = "agl_lab.algorithms.register_in_worker"
@@ -142,8 +142,8 @@ def _select_device(config: Any) -> dict[str, str]:
     Ray worker through the returned env (`agl_lab.verl.device` forces one or the other)."""
     from omegaconf import DictConfig, OmegaConf
 
-    from agl_lab.engines.verl_cpu import activate, cpu_platform_wanted
-    from agl_lab.engines.verl_cpu_rollout import ROLLOUT_NAME
+    from agl_lab.engines.verl.cpu import activate, cpu_platform_wanted
+    from agl_lab.engines.verl.cpu_rollout import ROLLOUT_NAME
 
     config = config if isinstance(config, DictConfig) else OmegaConf.create(dict(config or {}))
     if cpu_platform_wanted(config):
@@ -223,7 +223,7 @@ class VerlEngine(Engine):
 
     def __init__(self, config: Any, train_dataset: Sequence[Mapping[str, Any]] | None = None,
                  val_dataset: Sequence[Mapping[str, Any]] | None = None):
-        from agl_lab.engines.verl_trainer import build_trainer
+        from agl_lab.engines.verl.trainer import build_trainer
 
         problems = check_verl_api()
         if problems:

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from agl_lab.engines import fast_decode
-from agl_lab.engines.prefix_cache import CachedPrefix
+from agl_lab.engines.serving import fast_decode
+from agl_lab.engines.serving.prefix_cache import CachedPrefix
 
 _HEADROOM = 64  # spare cache columns allocated with a slab, so most steps write in place
 

@@ -12,7 +12,7 @@ platform (see shared/design/VERL-CPU-FACTS.md for what was measured):
 | + `VERL_PLATFORM=<name>`              | Ray resource `GPU` (fake GPUs declared by `ray.init(num_gpus)`)|
 | `VERL_ENGINE_DEVICE=cuda`             | finds the FSDP engine verl registers for `cuda`                 |
 | `RolloutReplicaRegistry`, `_ROLLOUT_REGISTRY` | `agl_lab_cpu` rollout: agl_lab's OpenAI server as the replica |
-|                                       | (agl_lab/engines/verl_cpu_rollout.py)                           |
+|                                       | (agl_lab/engines/verl/cpu_rollout.py)                           |
 
 Two places of verl still assume an accelerator and are patched when this module is imported:
 1. `initialize_global_process_group_ray` builds `cpu:gloo,<device>:<backend>`, which is
@@ -34,10 +34,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from agl_lab.engines.verl_api import VERL_API, verl_import, verl_module
+from agl_lab.engines.verl.api import VERL_API, verl_import, verl_module
 
-PLATFORM_NAME = "agl_lab_cpu"  # VERL_PLATFORM; the rollout has the same name (verl_cpu_rollout.ROLLOUT_NAME)
-MODULE = __name__  # "agl_lab.engines.verl_cpu"
+PLATFORM_NAME = "agl_lab_cpu"  # VERL_PLATFORM; the rollout has the same name (cpu_rollout.ROLLOUT_NAME)
+MODULE = __name__  # "agl_lab.engines.verl.cpu"
 _AGL_LAB_ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding agl_lab/
 
 
@@ -150,7 +150,7 @@ class CpuDeviceModule:
 
     def __getattr__(self, name: str) -> Any:
         raise AttributeError(f"agl_lab's CPU platform has no stand-in for torch.cuda.{name}: "
-                             "add it to agl_lab.engines.verl_cpu.CpuDeviceModule")
+                             "add it to agl_lab.engines.verl.cpu.CpuDeviceModule")
 
 
 def _platform_class() -> type:
@@ -264,9 +264,9 @@ def install() -> None:
     CpuPlatform = verl_import("PlatformRegistry.register")(PLATFORM_NAME)(_platform_class())
     _patch_process_group()
     _patch_offload_policy()
-    from agl_lab.engines import verl_cpu_rollout
+    from agl_lab.engines.verl import cpu_rollout
 
-    verl_cpu_rollout.register()
+    cpu_rollout.register()
 
 
 # Imported by verl itself (VERL_USE_EXTERNAL_MODULES) at the end of `import verl`: install now.

@@ -41,9 +41,9 @@ from typing import Any
 
 import torch
 
-from agl_lab.engines.verl_api import verl_import
+from agl_lab.engines.verl.api import verl_import
 
-#: actor_rollout_ref.rollout.name of this rollout (agl_lab.engines.verl_cpu registers it)
+#: actor_rollout_ref.rollout.name of this rollout (agl_lab.engines.verl.cpu registers it)
 ROLLOUT_NAME = "agl_lab_cpu"
 
 #: replica_rank → the adapter living in this worker process
@@ -73,7 +73,7 @@ def _adapter_class() -> type:
 
         def __init__(self, config: Any, model_config: Any, device_mesh: Any, replica_rank: int = -1):
             super().__init__(config, model_config, device_mesh)
-            from agl_lab.engines.openai_server import OpenAIServer
+            from agl_lab.engines.serving.openai_server import OpenAIServer
             from agl_lab.engines.tiny import load_model_and_tokenizer
 
             world = _rollout_world_size(self.config)
@@ -228,7 +228,7 @@ def _replica_class() -> type:
 
 
 def __getattr__(name: str) -> Any:
-    # verl resolves "agl_lab.engines.verl_cpu_rollout.CpuServerAdapter" by getattr: build the
+    # verl resolves "agl_lab.engines.verl.cpu_rollout.CpuServerAdapter" by getattr: build the
     # classes on first use so importing this module does not import verl's rollout stack.
     if name == "CpuServerAdapter":
         globals()[name] = _adapter_class()

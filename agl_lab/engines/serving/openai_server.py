@@ -35,7 +35,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from agl_lab.chat_format import parse_tool_calls
-from agl_lab.engines.scheduler import BatchScheduler, GenerationAborted, GenerationResult, SamplingParams
+from agl_lab.engines.serving.scheduler import BatchScheduler, GenerationAborted, GenerationResult, SamplingParams
 from agl_lab.server.embedded import ThreadedUvicorn
 
 DEFAULT_MAX_TOKENS = 256  # completion budget when the request names none (capped by the context)

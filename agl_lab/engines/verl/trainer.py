@@ -3,7 +3,7 @@
 Imported only when a `VerlEngine` is built, and by tests: importing it imports verl (seconds),
 never vLLM (verl loads its vLLM replica class lazily when replicas are created) and needs
 no GPU. Every verl symbol comes from `VERL_API` through `verl_import` (see
-agl_lab/engines/verl_api.py for the table, agl_lab/engines/verl.py for the phase order and
+agl_lab/engines/verl/api.py for the table, agl_lab/engines/verl/engine.py for the phase order and
 the replica state machine).
 
 `AglRayPPOTrainer` keeps verl's heavy lifting (FSDP workers, critic, KL, rollout correction,
@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from agl_lab.engines.verl_api import call_replicas, verl_import
+from agl_lab.engines.verl.api import call_replicas, verl_import
 
 RLHFDataset = verl_import("RLHFDataset")
 RayPPOTrainer = verl_import("RayPPOTrainer")

@@ -136,7 +136,7 @@ _ROWS: tuple[VerlSymbol, ...] = (
     _row(_SC + "RayResourcePool.get_placement_groups", returns='bundle = {"CPU": self.max_colocate_count}'),
     _row(_SC + "RayWorkerGroup.workers"),
     _row(_SC + "RayWorkerGroup.worker_names"),
-    # --- verl on CPU (verl_cpu.py, verl_cpu_rollout.py): platform, two patches, rollout ------
+    # --- verl on CPU (cpu.py, cpu_rollout.py): platform, two patches, rollout ------
     _row(_PM + "PlatformRegistry.register", "platform"),
     _row(_PM + "set_platform", "platform"),
     _row(_PM + "get_platform", returns="_current_platform"),  # the cached platform activate() replaces
@@ -226,7 +226,7 @@ def verl_import(key: str) -> Any:
     try:
         symbol = VERL_API[key]
     except KeyError:
-        raise KeyError(f"{key!r} is not in agl_lab.engines.verl_api.VERL_API: add a row "
+        raise KeyError(f"{key!r} is not in agl_lab.engines.verl.api.VERL_API: add a row "
                        "(the contract test then checks it against the installed verl)") from None
     return _resolve(symbol)
 

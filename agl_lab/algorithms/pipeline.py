@@ -1,0 +1,126 @@
+"""The update-batch pipeline: a built batch → the batch the policy update trains on (pure).
+
+    marked rows dropped (row by row, AGL v1)          selection.drop_marked_rows
+    → advantages on the whole batch                    advantage.compute_advantages
+    → whole mini-batches (zero-advantage groups first) selection.select_for_update
+    → group and data metrics of the trained rows       advantage.group_metrics, verl's compute_data_metrics
+    → per-rollout loss weights                         loss.normalize_batch
+
+With `drop_order="agl"` the alignment cut runs before the advantages, by row
+(`selection.agl_alignment`), as AGL v1 does; the tail (metrics, loss weights) is the same.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from agl_lab.algorithms.advantage import check_estimator, compute_advantages, fill_reward_defaults, group_metrics
+from agl_lab.algorithms.loss import LOSS_NAME, normalize_batch
+from agl_lab.algorithms.selection import agl_alignment, check_selection_args, drop_marked_rows, select_for_update
+
+logger = logging.getLogger(__name__)
+
+#: agl_lab.parity.drop_order: after_advantage (agl_lab) | agl (AGL v1: before advantages, by row)
+DROP_ORDERS = ("after_advantage", "agl")
+
+
+def _data_metrics(data: Any) -> dict[str, Any]:
+    """verl's `compute_data_metrics` (critic/*, response_length/*) when the batch has its keys."""
+    needed = ("token_level_scores", "token_level_rewards", "advantages", "returns", "prompts",
+              "responses", "attention_mask", "response_mask")
+    if not all(k in data.batch.keys() for k in needed):
+        return {}
+    from verl.trainer.ppo.metric_utils import compute_data_metrics
+
+    return {k: float(v) for k, v in compute_data_metrics(data, use_critic=False).items()}
+
+
+def prepare_update_batch(
+    data: Any,
+    *,
+    mini_batch_rows: int,
+    adv_estimator: Any = "grpo",
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    num_repeat: int = 1,
+    norm_adv_by_std_in_grpo: bool = True,
+    rollout_level_advantage: bool = True,
+    algo_config: Any = None,
+    max_ppo_update_times: int | None = None,
+    seed: int = 0,
+    selection_policy: str = "zero_adv_first",
+    small_batch: str = "train",
+    loss_mode: str = LOSS_NAME,
+    divisor: str = "rollouts",
+    compute_advantage_fn: Callable[..., Any] | None = None,
+    drop_order: str = "after_advantage",
+    bf16_rewards: bool = False,
+) -> tuple[Any | None, list[dict[str, Any]], dict[str, Any]]:
+    """marked drop → advantages → group metrics → alignment drops → per-rollout normalisation.
+
+    Returns `(batch or None when the step is skipped, drop records, metrics)`. The batch's
+    `advantages` are normalised for `per_rollout_mean` (raw ones stay in `rollout_advantages`,
+    for `rollout_weights_table`); `critic/*` metrics are computed on the raw advantages.
+
+    Parity switches (agl_lab.parity): `drop_order="agl"` runs AGL v1's row-level alignment
+    (`agl_alignment`) before the advantages; `bf16_rewards` stores `token_level_scores` in
+    bfloat16 as AGL v1 does (rewards, GRPO statistics and advantages inherit its precision).
+    """
+    if drop_order not in DROP_ORDERS:
+        raise ValueError(f"agl_lab.parity.drop_order={drop_order!r} is not one of {list(DROP_ORDERS)}")
+    if bf16_rewards:
+        import torch
+
+        for key in ("token_level_scores", "token_level_rewards"):
+            if key in data.batch.keys():
+                data.batch[key] = data.batch[key].to(torch.bfloat16)
+    check_selection_args(mini_batch_rows, max_ppo_update_times, selection_policy, small_batch)
+    check_estimator(adv_estimator, rollout_level=rollout_level_advantage)
+    fill_reward_defaults(data)
+    advantage_args = dict(rollout_level=rollout_level_advantage, compute_advantage_fn=compute_advantage_fn,
+                          adv_estimator=adv_estimator, gamma=gamma, lam=lam, num_repeat=num_repeat,
+                          norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo, config=algo_config)
+    # 0. rows the batch builder marked go first, row by row (AGL v1)
+    kept, records, metrics = drop_marked_rows(data)
+    collected = {k: metrics[k] for k in ("training/n_sample_collected", "training/n_sample_dropped/marked")}
+    data = data.select_idxs(kept)
+    if len(data) == 0:
+        logger.warning("skipping this training step: every row was marked for dropping")
+        return None, records, {**metrics, "training/n_sample_trained": 0, "training/skipped_steps": 1}
+
+    if drop_order == "agl":
+        # AGL v1: align rows first, advantages on what is left
+        kept, sel_records, sel_metrics = agl_alignment(data, mini_batch_rows=mini_batch_rows,
+                                                       max_ppo_update_times=max_ppo_update_times, seed=seed)
+        records += sel_records  # marked rows are gone already: these are alignment drops only
+        metrics.update(sel_metrics)
+        if sel_metrics["training/skipped_steps"]:
+            logger.warning("skipping this training step: no trainable batch after drop+floor (AGL v1 drop order)")
+            return None, records, metrics
+        data, adv_metrics = compute_advantages(data.select_idxs(kept), **advantage_args)
+        metrics.update(adv_metrics)
+    else:
+        # 1. advantages on the whole batch, before any alignment drop
+        data, adv_metrics = compute_advantages(data, **advantage_args)
+        metrics.update(adv_metrics)
+        metrics.update(group_metrics(data, "_collected"))  # before the alignment drops (agl_lab's own)
+        # 2. whole mini-batches: zero-advantage groups first, then whole rollouts, seeded
+        kept, sel_records, sel_metrics = select_for_update(
+            data, mini_batch_rows=mini_batch_rows, max_ppo_update_times=max_ppo_update_times, seed=seed,
+            policy=selection_policy, small_batch=small_batch)
+        records += sel_records
+        metrics.update({**sel_metrics, **collected})
+        if sel_metrics["training/skipped_steps"]:
+            return None, records, metrics
+        data = data.select_idxs(kept)
+
+    # 3. the trained rows: their metrics (AGL v1 counts the groups of the trained batch), then
+    #    every rollout carries the same loss weight
+    metrics["critic/n_transition_after_dropping"] = len(data)
+    metrics.update(group_metrics(data))
+    metrics.update(_data_metrics(data))
+    if loss_mode == LOSS_NAME:
+        normalize_batch(data, divisor)
+    return data, records, metrics
