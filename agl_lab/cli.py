@@ -4,8 +4,8 @@
     agl-lab engine --port 8001 [--model-path DIR]
     agl-lab train  configs/cpu_tiny.yaml [--run-dir DIR] [key=value ...]
 
-Each subcommand lives beside the code it runs; this module only dispatches, so that
-`agl-lab serve` never imports torch.
+`serve` and `engine` live beside the code they run; `train` is here. Each is imported only
+when it runs, so `agl-lab serve` never imports torch.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sys
 SUBCOMMANDS = {
     "serve": ("agl_lab.server.embedded", "serve_main", "run the rollout store + LLM gateway"),
     "engine": ("agl_lab.engines.serving.openai_server", "engine_main", "serve the local model OpenAI-style"),
-    "train": ("agl_lab.trainer", "train_main", "train from a YAML config"),
+    "train": ("agl_lab.cli", "train_main", "train from a YAML config"),
 }
 
 
@@ -38,6 +38,59 @@ def main(argv: list[str] | None = None) -> int:
     module_name, func_name, _ = SUBCOMMANDS[name]
     func = getattr(importlib.import_module(module_name), func_name)
     return int(func(rest) or 0)
+
+
+def train_main(argv: list[str]) -> int:
+    """`agl-lab train CONFIG [--run-dir DIR] [--steps N] [--resume [CHECKPOINT]] [key=value ...]`."""
+    import argparse
+    import time
+
+    from agl_lab import config as config_mod
+    from agl_lab.trainer import Trainer
+
+    parser = argparse.ArgumentParser(prog="agl-lab train", description="Train from a YAML config.")
+    parser.add_argument("config", help="YAML config, e.g. configs/cpu_tiny.yaml")
+    parser.add_argument("--run-dir", default=None, help="where metrics.jsonl and plots go")
+    parser.add_argument("--steps", type=int, default=None, help="number of steps (default: from config)")
+    parser.add_argument("--resume", nargs="?", const="auto", default=None, metavar="CHECKPOINT",
+                        help="continue from the latest checkpoint under trainer.default_local_dir, "
+                             "or from CHECKPOINT (…/global_step_N)")
+    parser.add_argument("overrides", nargs="*", help="key=value config overrides")
+    args = parser.parse_intermixed_args(argv)  # overrides may come before or after options
+    overrides = list(args.overrides)
+    if args.resume == "auto":
+        overrides.append("trainer.resume_mode=auto")
+    elif args.resume is not None:
+        overrides += ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={args.resume}"]
+    try:
+        cfg = config_mod.load_config(args.config, overrides)
+    except config_mod.ConfigError as e:
+        print(f"agl-lab train: {e}")
+        return 2
+    t0 = time.time()
+    with Trainer(cfg, run_dir=args.run_dir) as trainer:
+        print(f"agl-lab train: run dir {trainer.run_dir} · engine {cfg.agl_lab.engine} · "
+              f"model {trainer.engine.model_name} · task {cfg.agl_lab.task.name}", flush=True)
+        resumed = trainer.resume()
+        if resumed is not None:
+            print(f"agl-lab train: resumed from {resumed} at step {trainer.global_step}", flush=True)
+        history = trainer.fit(args.steps, progress=False)
+        _summarise(trainer.run_dir, history, time.time() - t0)
+    return 0
+
+
+def _summarise(run_dir, history: list[dict], wall: float) -> None:
+    """The run's last line: steps, minutes, mean training reward first k → last k steps."""
+    rewards = [h["training/reward"] for h in history if "training/reward" in h]
+    if not rewards:
+        print(f"\ndone: no training steps in {wall / 60:.1f} min · metrics {run_dir / 'metrics.jsonl'}", flush=True)
+        return
+    png = run_dir / "reward_curve.png"  # written by fit()
+    k = min(10, max(len(rewards) // 2, 1))
+    first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+    print(f"\ndone: {len(rewards)} steps in {wall / 60:.1f} min · mean training reward "
+          f"first {k} steps {first:.3f} → last {k} steps {last:.3f} · curve {png} · "
+          f"metrics {run_dir / 'metrics.jsonl'}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,7 @@
 """HTTP client of the agl server: retries where they are safe, cursor-based waiting.
 
-Two clients with the same methods — `AglClient` (sync, used by the rollout managers and the
-trainer) and `AsyncAglClient` (async, used by runners) — speak the AGL v1 wire protocol
-(`agl_lab.protocol`). Three choices differ from AGL v1's client, each on purpose:
+`AglClient` — used by the trainer, the rollout managers and the runner — speaks the AGL v1
+wire protocol (`agl_lab.protocol`). Three choices differ from AGL v1's client, each on purpose:
 
 1. **Retry only what can succeed on retry.** Idempotent calls (every GET, the batch
    `POST /api/rollouts` with client-assigned ids, `POST /api/models` upserts, pause/resume,
@@ -13,19 +12,17 @@ trainer) and `AsyncAglClient` (async, used by runners) — speak the AGL v1 wire
    `retry=True` because it can tolerate a resend (the runner's terminal PATCH and reward).
 2. **Errors carry the server's words.** `AglHTTPError` holds method, path, status and the
    server's `detail`; a 401 is an `AglAuthError` that names the config key to fix.
-3. **One request per poll.** `wait_for_terminal` follows the append-only terminal log
-   (`GET /api/rollouts/terminal?after=cursor`) instead of one GET per rollout per second, and
-   its timeout error names the unfinished rollouts with their current states.
+3. **One request per poll.** `poll_terminal` follows the append-only terminal log
+   (`GET /api/rollouts/terminal?after=cursor`) instead of one GET per rollout per second; the
+   rollout managers' timeout error (`RolloutWaitTimeout`) names the unfinished rollouts with
+   their current states (`states_of`).
 
 The request/response shapes live in small pure helpers (`_Call` builders and parsers) and the
-retry decisions in one `_RetryPolicy.outcome`, shared by both clients: the sync and async
-`_send` are the same five-line loop (one blocks, one awaits) and cannot drift apart. The
-runner talks to the server through an `AglClient` too, so there is one request/retry path.
+retry decisions in one `_RetryPolicy.outcome`, so there is one request/retry path.
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import time
@@ -415,30 +412,6 @@ class AglClient:
             if not _page_is_full(page):
                 return found, after
 
-    def wait_for_terminal(
-        self,
-        ids: Iterable[str],
-        timeout: float | None = None,
-        poll_interval: float = 0.2,
-        after: int = 0,
-    ) -> tuple[list[TerminalItem], int]:
-        """Wait until every id is terminal; return their terminal items and the new cursor.
-
-        Raises `RolloutWaitTimeout` (naming unfinished rollouts and states) after `timeout` s.
-        """
-        pending, items = set(ids), []
-        n_total = len(pending)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            new, after = self.poll_terminal(pending, after)
-            items += new
-            pending -= {item.rollout_id for item in new}
-            if not pending:
-                return items, after
-            if deadline is not None and time.monotonic() >= deadline:
-                raise RolloutWaitTimeout(timeout, self.states_of(pending), n_total)
-            time.sleep(poll_interval)
-
     def states_of(self, ids: Iterable[str], limit: int = _MAX_NAMED_IN_ERROR) -> dict[str, str]:
         """Current state of (at most `limit` of) `ids`, `"missing"` for unknown ids (for errors)."""
         ids = sorted(ids)
@@ -470,197 +443,5 @@ class AglClient:
     def proxy_state(self) -> PauseState:
         return PauseState.model_validate(self._send(_Call("GET", "/proxy/state", retry=True)))
 
-    def drain(self, timeout: float = 300.0, poll_interval: float = 0.25) -> float:
-        """Wait until no proxied call is in flight; return the seconds waited (bounded)."""
-        start = time.monotonic()
-        while (state := self.proxy_state()).inflight > 0:
-            if time.monotonic() - start >= timeout:
-                raise TimeoutError(
-                    f"gateway still has {state.inflight} in-flight model calls after {timeout:g}s "
-                    f"of draining; raise the drain timeout or check the engine"
-                )
-            time.sleep(poll_interval)
-        return time.monotonic() - start
-
     def healthz(self) -> dict[str, Any]:
         return self._send(_Call("GET", "/healthz", retry=True))
-
-
-# =============================================================================================
-# Async client (same methods, awaited)
-# =============================================================================================
-
-
-class AsyncAglClient:
-    """`AglClient` for asyncio code (runners); same arguments, methods are coroutines."""
-
-    def __init__(
-        self,
-        base_url: str,
-        key: str = "",
-        timeout: float = 120.0,
-        max_retries: int = 10,
-        backoff_base: float = 1.0,
-        backoff_cap: float = 30.0,
-        *,
-        transport: httpx.AsyncBaseTransport | None = None,
-        event_hooks: dict[str, list] | None = None,
-    ):
-        self.base_url = base_url.rstrip("/")
-        self._policy = _RetryPolicy(max_retries, backoff_base, backoff_cap)
-        self.http = httpx.AsyncClient(
-            base_url=self.base_url, headers=_auth_headers(key), timeout=timeout,
-            transport=transport, event_hooks=event_hooks,
-        )
-
-    async def _send(self, call: _Call) -> Any:
-        """`AglClient._send`, awaited: same request, same retry decisions."""
-        for attempt in itertools.count():
-            try:
-                answer: httpx.Response | Exception = await self.http.request(**_request_args(call))
-            except httpx.TransportError as exc:
-                answer = exc
-            done, value = self._policy.outcome(self.base_url, call, attempt, answer)
-            if done:
-                return value
-            await asyncio.sleep(value)
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    async def _best_effort(self, call: _Call) -> bool:
-        try:
-            await self._send(call)
-            return True
-        except AglAuthError:
-            raise
-        except (AglHTTPError, AglConnectionError) as exc:
-            logger.warning("best-effort %s %s failed: %s", call.method, call.path, exc)
-            return False
-
-    async def aclose(self) -> None:
-        await self.http.aclose()
-
-    async def __aenter__(self) -> "AsyncAglClient":
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
-    async def create_rollouts(self, requests: Sequence[RolloutCreate]) -> list[Rollout]:
-        return _parse_rollouts(await self._send(_create_rollouts_call(requests)), len(requests))
-
-    async def get_rollout(self, rollout_id: str) -> tuple[Rollout, list[str]]:
-        return _parse_rollout_with_attempts(
-            await self._send(_Call("GET", f"/api/rollouts/{_q(rollout_id)}", retry=True))
-        )
-
-    async def list_rollouts(self, states: Iterable[str | RolloutState], limit: int = 500) -> list[Rollout]:
-        params = {"state_in": [str(s) for s in states], "limit": limit}
-        return _parse_rollouts(await self._send(_Call("GET", "/api/rollouts", params=params, retry=True)))
-
-    async def patch_status(self, rollout_id: str, *, retry: bool = False, **fields: Any) -> Rollout:
-        return Rollout.model_validate(await self._send(_patch_status_call(rollout_id, fields, retry)))
-
-    async def heartbeat(self, rollout_ids: Sequence[str]) -> dict[str, Any]:
-        return await self._send(_Call("POST", "/api/rollouts/heartbeat", json={"rollout_ids": list(rollout_ids)},
-                                      retry=True))
-
-    async def fail_rollouts(self, rollout_ids: Sequence[str], reason: str) -> list[str]:
-        failed = []
-        for rid in rollout_ids:
-            try:
-                await self.patch_status(rid, state=RolloutState.FAILED.value, error_message=reason, retry=True)
-                failed.append(rid)
-            except AglHTTPError as exc:
-                if exc.status_code not in (404, 409):
-                    raise
-        return failed
-
-    async def delete_rollout(self, rollout_id: str) -> bool:
-        return await self._best_effort(_Call("DELETE", f"/api/rollouts/{_q(rollout_id)}", retry=True))
-
-    async def add_event(
-        self, rollout_id: str, attempt_id: str, event_type: str, data: dict, *, retry: bool = False
-    ) -> Event:
-        body = await self._send(_add_event_call(rollout_id, attempt_id, event_type, data, retry))
-        return Event.model_validate(body)
-
-    async def get_events(
-        self, rollout_id: str, event_type: str | None = None, fmt: str | None = None
-    ) -> list[dict[str, Any]]:
-        return list(await self._send(_events_call(rollout_id, event_type, fmt)))
-
-    async def terminal_page(self, after: int = 0, limit: int = TERMINAL_PAGE_LIMIT) -> TerminalPage:
-        return TerminalPage.model_validate(await self._send(_terminal_call(after, limit)))
-
-    async def poll_terminal(self, ids: Iterable[str], after: int) -> tuple[list[TerminalItem], int]:
-        wanted, found = set(ids), []
-        while True:
-            page = await self.terminal_page(after)
-            found += _select_terminal(page, wanted)
-            after = page.next_after
-            if not _page_is_full(page):
-                return found, after
-
-    async def wait_for_terminal(
-        self,
-        ids: Iterable[str],
-        timeout: float | None = None,
-        poll_interval: float = 0.2,
-        after: int = 0,
-    ) -> tuple[list[TerminalItem], int]:
-        pending, items = set(ids), []
-        n_total = len(pending)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            new, after = await self.poll_terminal(pending, after)
-            items += new
-            pending -= {item.rollout_id for item in new}
-            if not pending:
-                return items, after
-            if deadline is not None and time.monotonic() >= deadline:
-                raise RolloutWaitTimeout(timeout, await self.states_of(pending), n_total)
-            await asyncio.sleep(poll_interval)
-
-    async def states_of(self, ids: Iterable[str], limit: int = _MAX_NAMED_IN_ERROR) -> dict[str, str]:
-        ids = sorted(ids)
-        states: dict[str, str] = {}
-        for rid in ids[:limit]:
-            try:
-                states[rid] = str((await self.get_rollout(rid))[0].status.state)
-            except AglHTTPError as exc:
-                states[rid] = "missing" if exc.status_code == 404 else f"unknown ({exc.status_code})"
-        states.update({rid: "not fetched" for rid in ids[limit:]})
-        return states
-
-    async def register_models(self, models: Sequence[Model]) -> list[Model]:
-        body = [m.model_dump(mode="json") for m in models]
-        answer = await self._send(_Call("POST", "/api/models", json=body, retry=True))
-        return [Model.model_validate(m) for m in answer]
-
-    async def delete_models(self) -> bool:
-        return await self._best_effort(_Call("DELETE", "/api/models", retry=True))
-
-    async def pause(
-        self, reason: str | None = None, retry_after_seconds: int = 5, timeout: float = 300.0
-    ) -> PauseState:
-        return PauseState.model_validate(await self._send(_pause_call(reason, retry_after_seconds, timeout)))
-
-    async def resume(self) -> PauseState:
-        return PauseState.model_validate(await self._send(_Call("POST", "/proxy/resume", retry=True)))
-
-    async def proxy_state(self) -> PauseState:
-        return PauseState.model_validate(await self._send(_Call("GET", "/proxy/state", retry=True)))
-
-    async def drain(self, timeout: float = 300.0, poll_interval: float = 0.25) -> float:
-        start = time.monotonic()
-        while (state := await self.proxy_state()).inflight > 0:
-            if time.monotonic() - start >= timeout:
-                raise TimeoutError(
-                    f"gateway still has {state.inflight} in-flight model calls after {timeout:g}s "
-                    f"of draining; raise the drain timeout or check the engine"
-                )
-            await asyncio.sleep(poll_interval)
-        return time.monotonic() - start
-
-    async def healthz(self) -> dict[str, Any]:
-        return await self._send(_Call("GET", "/healthz", retry=True))

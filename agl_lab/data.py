@@ -101,3 +101,25 @@ def load_task_files(files: Any, key: str, required_columns: Sequence[str] = ()) 
             raise KeyError(f"{key}: row {missing[0]} (of {len(missing)} rows) has no column {column!r}; "
                            f"columns: {sorted(rows[missing[0]])}")
     return rows
+
+
+def resolve_datasets(cfg: Any, task: Any, train: Sequence[dict] | None, val: Sequence[dict] | None,
+                     train_files: Any, val_files: Any) -> tuple[list[dict], list[dict]]:
+    """Explicit datasets, else `data.train_files` / `data.val_files`, else the task's generators
+    (`agl_lab.task.n_train` / `n_val` tasks, seeded by `agl_lab.seed`)."""
+    from agl_lab import config as config_mod
+
+    lab, columns = cfg.agl_lab, config_mod.env_map_columns(cfg)
+    if train is None and train_files is not None:
+        train = load_task_files(train_files, "data.train_files", columns)
+    if val is None and val_files is not None:
+        val = load_task_files(val_files, "data.val_files", columns)
+    if train is None and task is None:
+        raise config_mod.ConfigError(
+            "agentlightning.local.agent_class is set but there are no tasks to run it on: set "
+            "data.train_files (parquet or JSONL) or pass Trainer(..., train_dataset=[{...}, ...])")
+    if train is None:
+        train = task.train_tasks(int(lab.task.n_train), seed=int(lab.seed))
+    if val is None:
+        val = task.val_tasks(int(lab.task.n_val), seed=int(lab.seed) + 1) if task else []
+    return list(train), list(val)

@@ -8,15 +8,11 @@ DataFrames are computed on first access from the stage's own records (`agl_lab.v
 cached, so a result is cheap to create and can be rebuilt with other settings from the same
 rollouts. Outside a Trainer, wrap the batch builder's record yourself:
 `BatchResult(agl_lab.batch.build_batch(rollouts, ...))`.
-
-Deprecated for one release: `BatchResult.merges` (use `.breaks`) and `UpdateResult.advantages`
-(use `.weights`); both warn with DeprecationWarning.
 """
 
 from __future__ import annotations
 
 import html
-import warnings
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
@@ -53,11 +49,6 @@ def _first_line(message: str | None, limit: int = 200) -> str:
     text = (message or "").strip()
     line = text.splitlines()[0] if text else "no error message"
     return line if len(line) <= limit else line[: limit - 1] + "…"
-
-
-def _deprecated(old: str, new: str) -> None:
-    warnings.warn(f"{old} is deprecated and will be removed in the next release; use {new}",
-                  DeprecationWarning, stacklevel=3)
 
 
 @dataclass(repr=False)
@@ -172,12 +163,6 @@ class BatchResult:
 
         return breaks_frame(self.built.breaks)
 
-    @property
-    def merges(self) -> pd.DataFrame:
-        """Deprecated alias of `.breaks`."""
-        _deprecated("BatchResult.merges", "BatchResult.breaks")
-        return self.breaks
-
     @cached_property
     def groups(self) -> pd.DataFrame:
         from agl_lab.views import groups_df
@@ -214,12 +199,6 @@ class UpdateResult:
     dropped: pd.DataFrame
     skipped: bool = False
     policy_version: int = 0
-
-    @property
-    def advantages(self) -> pd.DataFrame:
-        """Deprecated alias of `.weights`."""
-        _deprecated("UpdateResult.advantages", "UpdateResult.weights")
-        return self.weights
 
     def __repr__(self) -> str:
         return _short_repr(self, [f"step={self.step}", f"skipped={self.skipped}",

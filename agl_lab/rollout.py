@@ -555,3 +555,16 @@ class AsyncRolloutManager:
             pending.update({e["rollout_id"]: _Entry(**e) for e in g["pending"]})
         self._collector.pending = pending
         self._collector.cursor = state.get("cursor")
+
+
+def report_failures(completed, step: int, is_train: bool) -> dict[str, Any]:
+    """`training/n_failed_rollouts` (`val/…`) and, when any failed, one warning with the count
+    and the first error message."""
+    failed = [r for r in completed if r.state == "failed"]
+    if failed:
+        first = (failed[0].error_message or "no error message").strip()
+        logger.warning("step %d: %d of %d %s rollouts failed; first error (rollout %s): %s\n"
+                       "(every error: RolloutResult.lifecycle[['rollout_id', 'state', 'error_message']])",
+                       step, len(failed), len(completed), "training" if is_train else "validation",
+                       failed[0].rollout_id, first[:2000])
+    return {f"{'training' if is_train else 'val'}/n_failed_rollouts": len(failed)}

@@ -92,6 +92,43 @@ _RETRIES = {"max_retries": 4, "backoff_base": 0.1, "backoff_cap": 2.0}
 # ---------------------------------------------------------------------------------------------
 
 
+def load_agent(spec: str) -> AgentFn | str:
+    """The callable named by `"module:function"` (`agl_lab.agent=...` on the command line).
+
+    A name that is not a function (a class, an AGL agent class) is returned as the string, for
+    the runner to run as an AGL agent subprocess."""
+    import importlib
+
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"agl_lab.agent={spec!r} must be 'module:function' (e.g. my_agents:solve), "
+                         "importable from the current directory or PYTHONPATH")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"agl_lab.agent={spec!r}: {obj.__name__!r} has no attribute {part!r}")
+        obj = getattr(obj, part)
+    if isinstance(obj, type):
+        return spec  # a class: run as an AGL agent (Class().run()) in a subprocess
+    if not callable(obj):
+        raise ValueError(f"agl_lab.agent={spec!r} names a {type(obj).__name__}, not a function agent(task, ctx)")
+    return obj
+
+
+def agl_agent_class_spec(cls: type) -> str:
+    """`"module:Qualname"` of an Agent Lightning agent class (no-argument constructor, `run()`),
+    which the runner starts in a subprocess per rollout with `AGL_OPENAI_BASE_URL`,
+    `AGL_EVENT_URL` and `AGL_KEY` set — the AGL v1 contract, so the class runs unchanged."""
+    if not callable(getattr(cls, "run", None)):
+        raise TypeError(f"agent={cls.__name__} is a class without run(): pass a function agent(task, ctx), "
+                        "or an Agent Lightning agent class (no-argument constructor and run())")
+    if cls.__module__ in ("__main__", "builtins") or "<locals>" in cls.__qualname__:
+        raise TypeError(f"agent={cls.__name__}: an Agent Lightning agent class runs in a subprocess, which "
+                        "imports it by name; define it in a module (not in a notebook cell or a function), "
+                        "or write the agent as a function agent(task, ctx)")
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
 def agent_urls(server_url: str, rollout_id: str, is_train: bool,
                attempt_id: str = DEFAULT_ATTEMPT_ID) -> tuple[str, str]:
     """`(openai_base_url, event_url)` of one rollout, exactly as AGL v1 injects them."""

@@ -6,12 +6,14 @@
     → advantage → selection → normalisation  agl_lab.algorithms.prepare_update_batch
     → engine.update(batch)                   PPO epochs
     → engine.sync_weights()                  policy_version += 1
+    → engine.resume()                        always, in the `finally` of the pause
 
 Whether a step trains depends on row counts alone, so it is decided first, once, before the
 engine stops serving (verl would sleep its replicas, recompute logprobs and push the same
 weights back for nothing). A skipped step makes no engine call and is reported once: the
 metric `training/skipped_steps` = 1 and one warning on this module's logger. Selection
-runs once, inside `prepare_update_batch`. The Trainer resumes the engine afterwards.
+runs once, inside `prepare_update_batch`. The engine is paused and resumed here, in one
+`try`/`finally`, so an error inside the update never leaves it paused.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from agl_lab.algorithms import (
     skip_reason,
     skipped_step,
 )
-from agl_lab.engines.base import Engine, logprob_gap
+from agl_lab.engines.base import Engine, check_batch, logprob_gap
 from agl_lab.results import BatchResult, UpdateResult
 
 logger = logging.getLogger(__name__)
@@ -65,6 +67,7 @@ def update_options(cfg) -> dict[str, Any]:
 def run_update(cfg, engine: Engine, batch: BatchResult, *, step: int) -> UpdateResult:
     """skip? → pause → prepare → advantage/selection/normalisation → update → sync_weights."""
     opts = update_options(cfg)
+    check_batch(batch.data)  # the keys, dtypes and shapes of BATCH_SCHEMA; consumers rely on them
     data = batch.data.select_idxs(list(range(len(batch.data))))  # never mutate the caller's batch
     data.meta_info["temperature"] = float(cfg.actor_rollout_ref.rollout.temperature)
     small_batch = "skip" if opts["drop_order"] == "agl" else opts["small_batch"]  # AGL skips a small batch
@@ -74,21 +77,24 @@ def run_update(cfg, engine: Engine, batch: BatchResult, *, step: int) -> UpdateR
 
     metrics: dict[str, Any] = {}
     engine.pause(float(cfg.agl_lab.rollout.drain_timeout_seconds))
-    with _timed(metrics, "old_log_prob"):  # verl: old/ref logprobs, values, KL-in-reward, IS weights
-        data, prep_metrics = engine.prepare(data)
-    metrics.update(prep_metrics)
-    if "training/rollout_logprobs_diff_max" not in metrics:  # engines that report only verl's probability gap
-        metrics.update(logprob_gap(data))
-    with _timed(metrics, "adv"):
-        prepared, records, adv_metrics = prepare_update_batch(data, seed=int(cfg.agl_lab.seed) + step, **opts)
-    metrics.update(adv_metrics)
-    metrics.update(alignment_report(adv_metrics, opts["mini_batch_rows"], int(cfg.actor_rollout_ref.rollout.n), step))
-    # Critical: skip_reason decided on the same row counts, so selection keeps ≥ 1 row here.
-    assert prepared is not None, "skip_reason and select_for_update disagree on this batch"
-    with _timed(metrics, "update_actor"):
-        metrics.update(engine.update(prepared))
-    with _timed(metrics, "update_weights"):
-        engine.sync_weights()
+    try:
+        with _timed(metrics, "old_log_prob"):  # verl: old/ref logprobs, values, KL-in-reward, IS weights
+            data, prep_metrics = engine.prepare(data)
+        metrics.update(prep_metrics)
+        metrics.update(logprob_gap(data))  # how far the update starts from on-policy (both engines)
+        with _timed(metrics, "adv"):
+            prepared, records, adv_metrics = prepare_update_batch(data, seed=int(cfg.agl_lab.seed) + step, **opts)
+        metrics.update(adv_metrics)
+        metrics.update(alignment_report(adv_metrics, opts["mini_batch_rows"], int(cfg.actor_rollout_ref.rollout.n),
+                                        step))
+        # Critical: skip_reason decided on the same row counts, so selection keeps ≥ 1 row here.
+        assert prepared is not None, "skip_reason and select_for_update disagree on this batch"
+        with _timed(metrics, "update_actor"):
+            metrics.update(engine.update(prepared))
+        with _timed(metrics, "update_weights"):
+            engine.sync_weights()
+    finally:
+        engine.resume()  # serve again, with the new weights or (after an error) the old ones
     metrics["training/policy_version"] = engine.policy_version
     if "attention_mask" in prepared.batch.keys():  # verl: tokens of the trained batch
         metrics["perf/total_num_tokens"] = int(prepared.batch["attention_mask"].sum())

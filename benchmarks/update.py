@@ -19,14 +19,17 @@ either way: the printed `pg_loss` and parameter change of both runs are compared
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import time
+from unittest import mock
 
 import torch
 
 from agl_lab.batch import build_batch
 from agl_lab.engines import local_ppo
+from agl_lab.engines.base import logprob_gap
 from agl_lab.engines.local import LocalEngine
 from agl_lab.protocol import Model
 from agl_lab.server.embedded import EmbeddedServer
@@ -60,7 +63,7 @@ def timed_passes(engine: LocalEngine, data, start_state: dict) -> dict[str, floa
     metrics = engine.update(batch)
     t2 = time.perf_counter()
     change = max((p.detach() - start_state[k]).abs().max().item() for k, p in engine.model.named_parameters())
-    gap = local_ppo.logprob_gap(batch)
+    gap = logprob_gap(batch)
     return {"old logprobs s": round(t1 - t0, 1), "actor update s": round(t2 - t1, 1),
             "pg_loss": metrics["actor/pg_loss"], "grad_norm": metrics["actor/grad_norm"],
             "max |Δw|": change, "lp_diff_max": gap.get("training/rollout_logprobs_diff_max", float("nan"))}
@@ -106,8 +109,10 @@ def main(argv: list[str] | None = None) -> None:
         start = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
         rows = {}
         for trim in (False, True):
-            local_ppo.TRIM_PADDING = trim
-            rows["trimmed" if trim else "padded (before)"] = timed_passes(engine, data, start)
+            # "padded (before)": the engine before it cut unattended columns (_trim as a no-op)
+            untrimmed = mock.patch.object(local_ppo, "_trim", lambda ids, mask, pos, r: (ids, mask, pos, r))
+            with contextlib.nullcontext() if trim else untrimmed:
+                rows["trimmed" if trim else "padded (before)"] = timed_passes(engine, data, start)
             print(("trimmed" if trim else "padded (before)"), rows["trimmed" if trim else "padded (before)"],
                   f"load {os.getloadavg()[0]:.2f}", flush=True)
         a, b = rows["padded (before)"], rows["trimmed"]

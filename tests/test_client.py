@@ -1,4 +1,4 @@
-"""AglClient / AsyncAglClient against a real agl server on loopback (and a flaky fake one).
+"""AglClient against a real agl server on loopback (and a flaky fake one).
 
 Covered: every route the learning side calls, retry policy (5xx/429/transport retried,
 401/404/409/422 not), the 401 message naming the config key, cursor waiting with one request
@@ -7,7 +7,6 @@ per poll, and the timeout error that names unfinished rollouts and their states.
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 
@@ -22,8 +21,6 @@ from agl_lab.client import (
     AglClient,
     AglConnectionError,
     AglHTTPError,
-    AsyncAglClient,
-    RolloutWaitTimeout,
 )
 from agl_lab.protocol import Model, RolloutCreate, RolloutState, new_rollout_id
 from agl_lab.server.embedded import EmbeddedServer, ThreadedUvicorn
@@ -106,15 +103,14 @@ def test_rollout_status_events_and_delete(client):
     assert err.value.status_code == 404 and rid in err.value.detail
 
 
-def test_models_pause_resume_drain(client):
+def test_models_pause_resume(client):
     models = client.register_models([Model(model="test-model", endpoint="http://127.0.0.1:1/v1", version=3)])
     assert models[0].version == 3
     assert client.delete_models() is True
     paused = client.pause(reason="update", retry_after_seconds=7)
     assert paused.paused and paused.reason == "update" and paused.retry_after_seconds == 7
-    assert client.proxy_state().paused
-    assert client.drain(timeout=5) >= 0.0
-    assert client.resume().paused is False
+    assert client.proxy_state().paused and client.proxy_state().inflight == 0
+    assert client.resume().paused is False and client.proxy_state().paused is False
 
 
 def test_terminal_page_cursor(client):
@@ -279,65 +275,27 @@ def _finish_later(server, ids: list[str], delay: float) -> threading.Thread:
     return thread
 
 
-def test_wait_for_terminal_sends_one_request_per_poll(server, client, log):
+def test_poll_terminal_is_one_request_however_many_ids_are_pending(server, client, log):
     after = client.terminal_page(after=0, limit=1).total_terminal
     ids = _create(client, 40)
-    thread = _finish_later(server, ids, delay=0.2)
+    _finish_later(server, ids[:25], delay=0.0).join()
     log.calls.clear()
-    items, cursor = client.wait_for_terminal(ids, timeout=20, poll_interval=0.02, after=after)
-    thread.join()
-    assert sorted(i.rollout_id for i in items) == sorted(ids)
-    assert all(i.state == RolloutState.SUCCEEDED for i in items)
-    assert cursor == after + 40
-    # Every request of the wait was one terminal-page GET — none per rollout — and there were
-    # several polls, each a single request however many ids were pending.
-    assert set(log.paths()) == {"/api/rollouts/terminal"} and len(log.calls) >= 2
+    items, cursor = client.poll_terminal(ids, after=after)
+    assert sorted(i.rollout_id for i in items) == sorted(ids[:25])
+    assert all(i.state == RolloutState.SUCCEEDED for i in items) and cursor == after + 25
+    assert log.paths() == ["/api/rollouts/terminal"]  # one GET for 40 pending ids, none per rollout
+    _finish_later(server, ids[25:], delay=0.0).join()
+    items, cursor = client.poll_terminal(ids, after=cursor)  # from the cursor: only what is new
+    assert sorted(i.rollout_id for i in items) == sorted(ids[25:]) and cursor == after + 40
 
 
-def test_wait_for_terminal_timeout_names_unfinished_rollouts_and_states(client):
-    after = client.terminal_page(after=0, limit=1).total_terminal
+def test_states_of_names_each_rollout_and_missing_ones(client):
     done, running, queued = _create(client, 3)
     client.patch_status(done, state="failed")
     client.patch_status(running, state="running")
-    with pytest.raises(RolloutWaitTimeout) as err:
-        client.wait_for_terminal([done, running, queued], timeout=0.1, poll_interval=0.02, after=after)
-    assert isinstance(err.value, TimeoutError)
-    assert err.value.unfinished == {running: "running", queued: "queuing"}
-    message = str(err.value)
-    assert f"{running} (running)" in message and f"{queued} (queuing)" in message
-    assert "2 of 3 rollouts" in message and done not in message
+    assert client.states_of([done, running, queued, "ghost"]) == {
+        done: "failed", running: "running", queued: "queuing", "ghost": "missing"}
+    first, *rest = sorted([done, running, queued])  # fetched in id order, up to `limit`
+    assert client.states_of([done, running, queued], limit=1) == {
+        first: {done: "failed", running: "running", queued: "queuing"}[first], **{r: "not fetched" for r in rest}}
 
-
-def test_wait_timeout_reports_missing_rollouts(client):
-    with pytest.raises(RolloutWaitTimeout) as err:
-        client.wait_for_terminal(["ghost"], timeout=0.0, poll_interval=0.01)
-    assert err.value.unfinished == {"ghost": "missing"}
-
-
-# =============================================================================================
-# Async client
-# =============================================================================================
-
-
-def test_async_client_same_behaviour(server):
-    async def scenario() -> None:
-        async with AsyncAglClient(server.url, key=KEY, backoff_base=0.001) as c:
-            after = (await c.terminal_page(after=0, limit=1)).total_terminal
-            rid = new_rollout_id()
-            await c.create_rollouts([RolloutCreate(input={"data_id": "g"}, rollout_id=rid)])
-            await c.patch_status(rid, state="running", last_attempt_id="0")
-            await c.add_event(rid, "0", "reward", {"value": 1.0})
-            await c.patch_status(rid, state="succeeded")
-            items, cursor = await c.wait_for_terminal([rid], timeout=5, poll_interval=0.01, after=after)
-            assert [(i.rollout_id, i.data_id) for i in items] == [(rid, "g")] and cursor == after + 1
-            assert (await c.get_events(rid, fmt="triplet"))[0]["data"] == {"value": 1.0}
-            assert (await c.get_rollout(rid))[1] == ["0"]
-            with pytest.raises(RolloutWaitTimeout, match="ghost \\(missing\\)"):
-                await c.wait_for_terminal(["ghost"], timeout=0.0)
-            assert (await c.proxy_state()).paused is False
-            assert await c.delete_rollout(rid)
-        async with AsyncAglClient(server.url, key="wrong", backoff_base=0.001) as bad:
-            with pytest.raises(AglAuthError, match="agentlightning.agl_key"):
-                await bad.list_rollouts(["queuing"])
-
-    asyncio.run(scenario())

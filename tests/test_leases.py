@@ -108,20 +108,14 @@ def test_timed_out_wait_fails_its_rollouts_and_a_later_runner_runs_none(embedded
     assert ran == []
 
 
-def test_async_client_heartbeat_and_fail(embedded_server):
-    import asyncio
-
-    from agl_lab.client import AsyncAglClient
+def test_client_heartbeat_and_fail(embedded_server):
+    from agl_lab.client import AglClient
 
     server = embedded_server(key=KEY, default_proxy={"model_name": "m"})
-
-    async def go():
-        async with AsyncAglClient(server.url, key=KEY) as client:
-            await client.create_rollouts([RolloutCreate(input={}, rollout_id="a1")])
-            await client.patch_status("a1", state="running")
-            assert (await client.heartbeat(["a1"]))["not_running"] == []
-            assert await client.fail_rollouts(["a1", "gone"], "stop") == ["a1"]
-            return (await client.get_rollout("a1"))[0].status
-
-    status = asyncio.run(go())
+    with AglClient(server.url, key=KEY) as client:
+        client.create_rollouts([RolloutCreate(input={}, rollout_id="a1")])
+        client.patch_status("a1", state="running")
+        assert client.heartbeat(["a1"])["not_running"] == []
+        assert client.fail_rollouts(["a1", "gone"], "stop") == ["a1"]
+        status = client.get_rollout("a1")[0].status
     assert status.state == "failed" and status.error_message == "stop"

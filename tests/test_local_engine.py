@@ -161,7 +161,7 @@ def test_from_config():
             "rollout": {"n": 4, "temperature": 0.9}},
     })
     with LocalEngine.from_config(cfg) as eng:
-        assert eng.actor_cfg.ppo_mini_batch_size == 16 and eng.actor_cfg.temperature == 0.9
+        assert eng.actor_cfg.ppo_mini_batch_size == 16 and not hasattr(eng.actor_cfg, "temperature")  # meta_info's
         assert eng.actor_cfg.lr == 3e-3 and eng.optimizer.param_groups[0]["lr"] == 3e-3
         assert eng.ref_model is not None and not any(p.requires_grad for p in eng.ref_model.parameters())
         assert eng.server.max_model_len == 512 and eng.server.scheduler.max_batch_size == 8

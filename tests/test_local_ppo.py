@@ -17,11 +17,12 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from verl import DataProto
 
 import agl_lab.algorithms as alg
+from agl_lab.engines.base import logprob_gap, sampling_log_probs
 from agl_lab.engines.local_ppo import (
     ActorUpdateConfig,
     build_optimizer,
+    batch_log_probs,
     ppo_update,
-    prepare_old_log_probs,
     rollout_mismatch_metrics,
     sequence_log_probs,
 )
@@ -52,7 +53,7 @@ def sample_batch(model: Qwen2ForCausalLM) -> DataProto:
         prompts[i, P - length:] = torch.randint(3, 300, (length,), generator=g)
         prompt_mask[i, P - length:] = 1
     torch.manual_seed(2)
-    out = model.generate(input_ids=prompts, attention_mask=prompt_mask, do_sample=True, temperature=T, top_k=0,
+    out = model.generate(input_ids=prompts, attention_mask=prompt_mask, do_sample=True, top_k=0,
                          top_p=1.0, max_new_tokens=R, min_new_tokens=R, eos_token_id=None, pad_token_id=0,
                          output_logits=True, return_dict_in_generate=True)
     responses = out.sequences[:, P:].clone()
@@ -83,9 +84,12 @@ def base() -> tuple[Qwen2ForCausalLM, DataProto]:
 
 
 def prepared(model, data: DataProto, loss_mode: str = "per_rollout_mean") -> DataProto:
-    """The trainer's chain: advantages (verl GRPO, rollout level) → normalisation → old logprobs."""
+    """The trainer's chain: advantages (verl GRPO, rollout level) → normalisation → old logprobs
+    at the sampling temperature, which travels in `meta_info` (as `run_update` sets it)."""
     out, _, _ = alg.prepare_update_batch(copy.deepcopy(data), mini_batch_rows=4, num_repeat=4, loss_mode=loss_mode)
-    return prepare_old_log_probs(model, out, temperature=T, micro_batch_size=3)
+    out.batch["old_log_probs"] = batch_log_probs(model, out, T, micro_batch_size=3)
+    out.meta_info["temperature"] = T
+    return out
 
 
 def params(model) -> torch.Tensor:
@@ -114,22 +118,23 @@ def test_sequence_log_probs_match_sampling_logprobs(base):
     assert ((ent > 0) & (ent < np.log(300) + 1e-4))[on].all()
 
 
-def test_prepare_old_log_probs_recompute_and_bypass(base):
+def test_old_log_probs_recomputed_and_in_bypass_mode(base):
     model, data = base
-    d = prepare_old_log_probs(model, copy.deepcopy(data), temperature=T, micro_batch_size=4)
-    m = rollout_mismatch_metrics(d)
-    assert m["training/rollout_logprobs_diff_max"] < 1e-5 and m["training/rollout_logprobs_diff_mean"] < 1e-6
+    d = copy.deepcopy(data)
+    d.batch["old_log_probs"] = batch_log_probs(model, d, T, micro_batch_size=4)
+    gap, m = logprob_gap(d), rollout_mismatch_metrics(d)
+    assert gap["training/rollout_logprobs_diff_max"] < 1e-5 and gap["training/rollout_logprobs_diff_mean"] < 1e-6
     assert m["training/rollout_probs_diff_max"] < 1e-5 and m["training/rollout_probs_diff_valid"] == 1
-    d = prepare_old_log_probs(model, copy.deepcopy(data), temperature=T, bypass_mode=True)
-    torch.testing.assert_close(d.batch["old_log_probs"], data.batch["rollout_log_probs"])
+    assert not any(k.startswith("training/rollout_logprobs_diff") for k in m)  # the log gap has one owner
+    torch.testing.assert_close(sampling_log_probs(data), data.batch["rollout_log_probs"])
     missing = copy.deepcopy(data)
     missing.batch.pop("rollout_log_probs")
     with pytest.raises(RuntimeError, match="bypass_mode requires rollout_log_probs in batch"):
-        prepare_old_log_probs(model, missing, temperature=T, bypass_mode=True)
+        sampling_log_probs(missing)
     bad = copy.deepcopy(data)
     bad.batch["rollout_log_probs"][0, 0] = float("nan")
     with pytest.raises(RuntimeError, match="bypass_mode requires finite rollout_log_probs everywhere"):
-        prepare_old_log_probs(model, bad, temperature=T, bypass_mode=True)
+        sampling_log_probs(bad)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -140,17 +145,16 @@ def test_prepare_old_log_probs_recompute_and_bypass(base):
 def test_ppo_update_moves_the_policy_along_the_advantages(base):
     model = copy.deepcopy(base[0])
     data = prepared(model, base[1])
-    cfg = ActorUpdateConfig(ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2, temperature=T, lr=1e-2)
+    cfg = ActorUpdateConfig(ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2, lr=1e-2)
     before = params(model)
     metrics = ppo_update(model, build_optimizer(model, cfg), data, cfg)
     assert not torch.equal(before, params(model))
     for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower", "actor/entropy",
-                "actor/grad_norm", "actor/lr", "training/rollout_probs_diff_mean", "training/rollout_probs_diff_max",
-                "training/rollout_logprobs_diff_mean", "training/rollout_logprobs_diff_max"):
+                "actor/grad_norm", "actor/lr", "training/rollout_probs_diff_mean", "training/rollout_probs_diff_max"):
         assert key in metrics and np.isfinite(metrics[key]), key
     assert metrics["actor/n_updates"] == 2 and metrics["actor/lr"] == 1e-2
     assert not [k for k in metrics if "*" in k or k == "entropy_sum"]  # accumulators stay internal (#12)
-    assert metrics["training/rollout_logprobs_diff_max"] < 1e-5  # same model sampled the batch
+    assert metrics["training/rollout_probs_diff_max"] < 1e-5  # same model sampled the batch
     assert metrics["actor/entropy"] > 0 and metrics["actor/grad_norm"] > 0
     # the first mini-batch starts at ratio 1: the loss is −Σ Â (per_rollout_mean sums tokens)
     # and the policy moved towards positive-advantage tokens
@@ -175,7 +179,7 @@ def test_grad_accumulation_equals_one_big_batch(base, loss_mode, agg, entropy_co
     for micro in (1, 4):
         model = copy.deepcopy(base[0])
         cfg = ActorUpdateConfig(ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=micro, loss_mode=loss_mode,
-                                loss_agg_mode=agg, entropy_coeff=entropy_coeff, temperature=T, grad_clip=None)
+                                loss_agg_mode=agg, entropy_coeff=entropy_coeff, grad_clip=None)
         # SGD: the parameter change is the gradient itself (Adam's first step would hide its scale)
         metrics = ppo_update(model, torch.optim.SGD(model.parameters(), lr=1.0), data, cfg)
         results.append((params(model), metrics))
@@ -193,7 +197,7 @@ def test_kl_loss_against_a_frozen_reference(base):
     ref = copy.deepcopy(base[0])
     data = prepared(model, base[1])
     cfg = ActorUpdateConfig(ppo_epochs=2, ppo_mini_batch_size=8, use_kl_loss=True, kl_loss_coef=0.1,
-                            temperature=T, lr=1e-2)
+                            lr=1e-2)
     metrics = ppo_update(model, build_optimizer(model, cfg), data, cfg, ref_model=ref)
     assert metrics["actor/kl_loss"] > 0 and metrics["actor/kl_coef"] == 0.1  # epoch 2 has moved from ref
     assert metrics["actor/n_updates"] == 2
@@ -203,19 +207,22 @@ def test_kl_loss_against_a_frozen_reference(base):
 
 def test_ppo_update_errors_name_the_fix(base):
     model = copy.deepcopy(base[0])
-    cfg = ActorUpdateConfig(ppo_mini_batch_size=4, temperature=T)
+    cfg = ActorUpdateConfig(ppo_mini_batch_size=4)
     data, _, _ = alg.prepare_update_batch(copy.deepcopy(base[1]), mini_batch_rows=4, num_repeat=4)
-    with pytest.raises(KeyError, match="prepare_old_log_probs"):
+    with pytest.raises(KeyError, match="Engine.prepare"):
         ppo_update(model, build_optimizer(model, cfg), data, cfg)
     data = prepared(model, base[1])
-    data.meta_info["temperature"] = 1.0
-    with pytest.raises(ValueError, match="actor_rollout_ref.rollout.temperature"):
+    del data.meta_info["temperature"]
+    with pytest.raises(KeyError, match=r"meta_info\['temperature'\].*run_update sets it"):
+        ppo_update(model, build_optimizer(model, cfg), data, cfg)
+    data.meta_info["temperature"] = 0.0
+    with pytest.raises(ValueError, match="must be > 0 .*actor_rollout_ref.rollout.temperature"):
         ppo_update(model, build_optimizer(model, cfg), data, cfg)
     with pytest.raises(ValueError, match="actor_rollout_ref.actor.loss_agg_mode"):
         ActorUpdateConfig(loss_agg_mode="mean")
     with pytest.raises(ValueError, match="Unsupported loss mode"):
         ppo_update(model, build_optimizer(model, cfg), prepared(model, base[1]),
-                   ActorUpdateConfig(ppo_mini_batch_size=4, temperature=T, loss_mode="nope"))
+                   ActorUpdateConfig(ppo_mini_batch_size=4, loss_mode="nope"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,10 +235,10 @@ def test_from_verl_actor_config_reads_verl_defaults():
 
     path = Path(verl.__file__).parent / "trainer/config/_generated_ppo_trainer.yaml"
     actor = OmegaConf.load(path).actor_rollout_ref.actor
-    cfg = ActorUpdateConfig.from_verl_actor_config(actor, rollout_n=4, temperature=0.9)
+    cfg = ActorUpdateConfig.from_verl_actor_config(actor, rollout_n=4)
     assert cfg.ppo_mini_batch_size == 256 * 4 and cfg.ppo_epochs == 1 and cfg.loss_mode == "vanilla"
     assert (cfg.clip_ratio, cfg.clip_ratio_c, cfg.grad_clip, cfg.lr) == (0.2, 3.0, 1.0, 1e-6)
-    assert cfg.temperature == 0.9 and cfg.kl_loss_type == "low_var_kl" and cfg.loss_agg_mode == "token-mean"
+    assert cfg.kl_loss_type == "low_var_kl" and cfg.loss_agg_mode == "token-mean"
     assert "rollout_correction" not in cfg.policy_loss_options and "_target_" not in cfg.policy_loss_options
     verl_cfg = cfg.to_verl_actor_config()
     assert verl_cfg.policy_loss.loss_mode == "vanilla" and verl_cfg.ppo_micro_batch_size_per_gpu == 1024

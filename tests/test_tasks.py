@@ -22,7 +22,7 @@ import torch
 from agl_lab.diagnose import diagnose_break
 from agl_lab.engines.serving.openai_server import OpenAIServer
 from agl_lab.engines.tiny import load_model_and_tokenizer
-from agl_lab.tasks import TaskSpec, get_task, lookup, merge_breakers, task_names
+from agl_lab.tasks import Task, get_task, lookup, merge_breakers, task_names
 from agl_lab.tasks.lookup import Action, LookupEnv, episode_reward, parse_action
 from agl_lab.tasks.warmstart import transcript_to_ids, warm_start
 
@@ -44,7 +44,7 @@ def play_replies(replies: list[Any], task: dict = TASK) -> tuple[LookupEnv, list
 
 def test_registry_returns_the_lookup_spec():
     spec = get_task("lookup")
-    assert isinstance(spec, TaskSpec) and spec.name == "lookup" and "lookup" in task_names()
+    assert isinstance(spec, Task) and spec.name == "lookup" and "lookup" in task_names()
     assert spec.agent is lookup.lookup_agent and spec.reward is lookup.reward
     assert set(spec.agents) == {"append_only", "history_editing", "reasoning_dropping"}
     assert spec.warm_start_steps > 0 and spec.description
@@ -148,8 +148,8 @@ def test_transcript_mask_covers_exactly_the_replies(tiny):
     assert learnt == "get c<|im_end|>answer red<|im_end|>"
 
 
-def test_demo_transcripts_learn_then_blur():
-    demos = lookup.demo_transcripts(200, 0, blur_fraction=0.25, think_fraction=0.5)
+def test_demonstrations_learn_then_blur():
+    demos = lookup.demonstrations(200, 0, blur_fraction=0.25, think_fraction=0.5)
     asked = [m[1]["content"].split()[1].rstrip(".") for m in demos]
     called = [lookup.parse_action(m[2]["content"]).arg for m in demos]
     assert all(a == c for a, c in zip(asked[:150], called[:150]))  # clean part: the right key
@@ -366,5 +366,5 @@ def test_calc_tasks_tool_and_reward():
     # a transcript renders through the tiny model's template (tool_calls with content None included)
     from agl_lab.engines.tiny import load_tokenizer
 
-    text = load_tokenizer().apply_chat_template(spec.demo_transcripts(1, 0)[0], tools=calc.TOOLS, tokenize=False)
+    text = load_tokenizer().apply_chat_template(spec.demonstrations(1, 0)[0], tools=calc.TOOLS, tokenize=False)
     assert '<tool_call>{"name": "calculator", "arguments": {"expression": ' in text

@@ -67,12 +67,11 @@ class RecordingEngine(Engine):
         self.calls.append(("sync_weights", None))
         self.version += 1
 
-    def save(self, path: str, agl_state: Any = None) -> None:
+    def save(self, path: str) -> None:
         self.calls.append(("save", path))
 
-    def load(self, path: str) -> dict[str, Any] | None:
+    def load(self, path: str) -> None:
         self.calls.append(("load", path))
-        return None
 
 
 def config(**overrides: Any):
@@ -96,6 +95,7 @@ def selections(monkeypatch) -> list[int]:
         return original(data, **kwargs)
 
     monkeypatch.setattr(agl_lab.algorithms, "select_for_update", counted)
+    monkeypatch.setattr(agl_lab.algorithms.pipeline, "select_for_update", counted)
     monkeypatch.setattr(agl_lab.algorithms.selection, "select_for_update", counted)
     return calls
 
@@ -105,7 +105,7 @@ def test_a_training_step_is_one_straight_line(selections):
     data = one_row_rollouts({"z": [1, 1, 1, 1], "a": [1, 0, 0, 1], "b": [0, 1, 1, 1]})
     engine = RecordingEngine()
     result = run_update(config(), engine, SimpleNamespace(data=data, step=3), step=3)
-    assert names(engine) == ["pause", "prepare", "compute_log_probs", "update", "sync_weights"]
+    assert names(engine) == ["pause", "prepare", "compute_log_probs", "update", "sync_weights", "resume"]
     assert engine.calls[0] == ("pause", 12.0)  # bounded by agl_lab.rollout.drain_timeout_seconds
     assert engine.calls[1] == ("prepare", 12) and engine.calls[2] == ("compute_log_probs", 0.7)
     assert engine.calls[3] == ("update", 8)
@@ -138,11 +138,24 @@ def test_a_skipped_step_makes_no_engine_call_and_is_reported_once(case, selectio
     assert capsys.readouterr().out == ""  # no print
 
 
+def test_an_engine_error_inside_the_update_still_resumes_the_engine(selections):
+    class FailingEngine(RecordingEngine):
+        def update(self, data: Any) -> dict[str, float]:
+            super().update(data)
+            raise RuntimeError("worker died")
+
+    data = one_row_rollouts({"a": [1, 0, 1, 0], "b": [0, 1, 1, 1]})
+    engine = FailingEngine()
+    with pytest.raises(RuntimeError, match="worker died"):
+        run_update(config(), engine, SimpleNamespace(data=data, step=0), step=0)
+    assert names(engine) == ["pause", "prepare", "compute_log_probs", "update", "resume"]  # no sync, but serving
+
+
 def test_bypass_mode_takes_the_sampling_logprobs_without_a_forward(selections):
     data = one_row_rollouts({"a": [1, 0, 1, 0], "b": [0, 1, 1, 1]})
     data.batch["rollout_log_probs"] = torch.full_like(data.batch["response_mask"], -0.5)
     engine = RecordingEngine()
     engine.bypass_mode = True
     run_update(config(), engine, SimpleNamespace(data=data, step=0), step=0)
-    assert names(engine) == ["pause", "prepare", "update", "sync_weights"]
+    assert names(engine) == ["pause", "prepare", "update", "sync_weights", "resume"]
     assert torch.all(engine.updated.batch["old_log_probs"] == -0.5)

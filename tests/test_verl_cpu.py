@@ -22,6 +22,7 @@ import shutil
 import signal
 import tempfile
 
+import pandas as pd
 import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -142,8 +143,9 @@ def test_local_and_verl_engines_make_the_same_update(trainer):
     lm, vm = local_result.metrics, verl_result.metrics
     assert lm["actor/pg_loss"] == pytest.approx(vm["actor/pg_loss"], rel=1e-5, abs=1e-7)
     assert lm["actor/grad_norm"] == pytest.approx(vm["actor/grad_norm"], rel=1e-5)
-    table_cols = [c for c in local_result.advantages.columns if c in verl_result.advantages.columns]
-    assert local_result.advantages[table_cols].equals(verl_result.advantages[table_cols])
+    # the same loss weight for every rollout: the whole table, every column, on both engines
+    assert len(local_result.weights) > 0 and list(local_result.weights.columns) == list(verl_result.weights.columns)
+    pd.testing.assert_frame_equal(local_result.weights, verl_result.weights)
     d_local = torch.cat([(after_local[k] - before[k]).flatten() for k in before])
     d_verl = torch.cat([(after_verl[k] - before[k]).flatten() for k in before])
     assert d_local.abs().max() > 0

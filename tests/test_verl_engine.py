@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 
 from agl_lab.engines.verl.engine import VerlEngine
 from agl_lab.engines.verl.api import verl_import
-from agl_lab.engines.verl.trainer import AGL_STATE_FILE, InMemoryDataset
+from agl_lab.engines.verl.trainer import InMemoryDataset
 from tests.verl_fakes import fake_verl_trainer
 
 import verl  # noqa: E402  (tests may import verl directly; the engine may not)
@@ -186,7 +186,7 @@ def test_update_pads_a_partial_mini_batch_with_zero_weight_rows():
     engine, trainer, _ = make_engine()
     batch, _ = engine.prepare(make_batch(3))
     batch.batch["advantages"] = torch.ones(3, R)
-    assert engine.mini_batch_rows == 2 * 2
+    assert trainer.mini_batch_rows() == 2 * 2
     loss_tokens = batch.batch["response_mask"].sum(-1).tolist()
     metrics = engine.update(batch)
     assert metrics["training/n_sample_padded"] == 1.0 and len(batch) == 3  # the caller's batch is untouched
@@ -212,19 +212,19 @@ def test_update_rejects_an_empty_or_unprepared_batch():
 # ------------------------------------------------------------------------------------------
 
 
-def test_save_and_load_round_trip_verl_state_and_agl_lab_state(tmp_path):
+def test_save_and_load_round_trip_verl_state(tmp_path):
     engine, trainer, _ = make_engine(awake=True)
     batch, _ = engine.prepare(make_batch(4))
     batch.batch["advantages"] = torch.ones(4, R)
     engine.update(batch)
-    engine.save(str(tmp_path), agl_state={"carry_over": ["r1", "r2"]})
+    engine.save(str(tmp_path))
     step_dir = tmp_path / "global_step_1"
     assert (step_dir / "actor" / "weights.txt").read_text() == "1"
-    assert (step_dir / "data.pt").exists() and (step_dir / AGL_STATE_FILE).exists()
+    assert (step_dir / "data.pt").exists()
     assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "1"
 
     fresh, fresh_trainer, _ = make_engine(awake=True)
-    assert fresh.load(str(tmp_path)) == {"carry_over": ["r1", "r2"]}
+    fresh.load(str(tmp_path))
     assert fresh_trainer.global_steps == 1 and fresh.policy_version == 1
     assert fresh_trainer.actor_rollout_wg.calls[-1] == ("load_checkpoint", str(step_dir / "actor"), "1")
     assert fresh_trainer.checkpoint_manager.calls == [("sleep_replicas",), ("update_weights", 1)]

@@ -1,5 +1,5 @@
 """DataFrame views: golden frames on hand-built rollouts, agreement with build_batch, and the
-BatchResult / UpdateResult frames (with their deprecated aliases)."""
+BatchResult frames."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from agl_lab import batch
 from agl_lab.records import CompletedRollout, Triplet
-from agl_lab.results import BatchResult, UpdateResult
+from agl_lab.results import BatchResult
 from agl_lab.views import breaks_df, groups_df, lifecycle_df, rows_df, triplets_df
 
 
@@ -109,16 +109,6 @@ def test_lifecycle_df_spans_and_missing_timestamps(rollouts):
     assert math.isnan(df.loc["b", "queue_wait_s"]) and math.isnan(df.loc["b", "run_s"])
     assert df.loc["b", "total_s"] == 3.0 and df.loc["b", "state"] == "failed"
     assert df.loc["c", ["queue_wait_s", "run_s", "total_s"]].isna().all()
-
-
-def test_deprecated_aliases_warn_and_return_the_new_frames(rollouts):
-    result = build_batch(rollouts, "trajectory", max_prompt_length=4, max_response_length=8)
-    with pytest.warns(DeprecationWarning, match="BatchResult.merges is deprecated.*BatchResult.breaks"):
-        assert result.merges is result.breaks
-    weights = pd.DataFrame({"rollout_id": ["a"], "advantage": [0.5]})
-    update = UpdateResult(step=0, metrics={}, weights=weights, dropped=pd.DataFrame())
-    with pytest.warns(DeprecationWarning, match="UpdateResult.advantages is deprecated.*UpdateResult.weights"):
-        assert update.advantages is weights
 
 
 def test_groups_df_a_group_of_one_has_advantage_unless_its_reward_is_zero():

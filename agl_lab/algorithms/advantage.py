@@ -142,12 +142,9 @@ def _verl_compute_advantage() -> Callable[..., Any]:
 
 
 def fill_reward_defaults(data: Any) -> None:
-    """token_level_rewards = scores (no KL in reward); response_mask from the attention mask."""
+    """token_level_rewards = token_level_scores when nothing wrote them (no KL in reward)."""
     if "token_level_rewards" not in data.batch.keys():
         data.batch["token_level_rewards"] = data.batch["token_level_scores"]
-    if "response_mask" not in data.batch.keys():
-        r = data.batch["responses"].shape[-1]
-        data.batch["response_mask"] = data.batch["attention_mask"][:, -r:]
 
 
 def compute_advantages(data: Any, *, rollout_level: bool = True,

@@ -20,7 +20,7 @@ engine what it has (`hasattr`): a method with a default body is optional to over
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -38,11 +38,6 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def policy_version(self) -> int:
         """Version of the weights being served; bumped by every `sync_weights()`."""
-
-    @property
-    def mini_batch_rows(self) -> int | None:
-        """Rows per PPO mini-batch when the engine fixes it (verl pads to it); None: any size."""
-        return None
 
     @abc.abstractmethod
     def endpoints(self) -> list[str]:
@@ -86,12 +81,12 @@ class Engine(abc.ABC):
         """Make the serving weights equal the trained weights and bump `policy_version`."""
 
     @abc.abstractmethod
-    def save(self, path: str, agl_state: Mapping[str, Any] | None = None) -> None:
-        """Weights, optimiser and engine state under `path/`, plus the caller's `agl_state`."""
+    def save(self, path: str) -> None:
+        """Weights, optimiser and engine state under `path/` (the Trainer saves its own beside it)."""
 
     @abc.abstractmethod
-    def load(self, path: str) -> dict[str, Any] | None:
-        """Restore `save(path)` and serve the loaded weights; returns the saved `agl_state`."""
+    def load(self, path: str) -> None:
+        """Restore `save(path)` and serve the loaded weights."""
 
     def close(self) -> None:
         """Release servers and threads. Idempotent."""
@@ -119,3 +114,78 @@ def logprob_gap(data: Any) -> dict[str, float]:
         return {}
     return {"training/rollout_logprobs_diff_mean": diff.mean().item(),
             "training/rollout_logprobs_diff_max": diff.max().item()}
+
+
+# ---------------------------------------------------------------------------------------------
+# The batch schema: every key of the DataProto a training step passes around, declared once.
+# ---------------------------------------------------------------------------------------------
+
+_MASK = ("int64", "bool", "float32")  # a 0/1 mask: build_batch writes int64; verl's rejection masks are float
+
+
+@dataclass(frozen=True)
+class BatchKey:
+    """One key of the batch: its dtypes, its shape (N rows, P prompt and R response columns),
+    who writes it, and whether the update stage needs it on entry."""
+
+    dtypes: tuple[str, ...]
+    shape: str
+    writer: str
+    required: bool = False
+
+
+#: name → BatchKey. `run_update` checks a batch against it on entry (`check_batch`); the
+#: consumers read these keys as declared and invent no defaults.
+BATCH_SCHEMA: dict[str, BatchKey] = {
+    # written by agl_lab.batch.build_batch (to_dataproto)
+    "input_ids": BatchKey(("int64",), "N, P+R", "batch.build_batch"),
+    "attention_mask": BatchKey(("int64",), "N, P+R", "batch.build_batch"),
+    "position_ids": BatchKey(("int64",), "N, P+R", "batch.build_batch"),
+    "prompts": BatchKey(("int64",), "N, P", "batch.build_batch"),
+    "responses": BatchKey(("int64",), "N, R", "batch.build_batch"),
+    "response_mask": BatchKey(_MASK, "N, R", "batch.build_batch (1 on model-sampled tokens)", required=True),
+    "is_drop_mask": BatchKey(("bool",), "N", "batch.build_batch (prompt or response too long)"),
+    "token_level_scores": BatchKey(("float32", "bfloat16"), "N, R", "batch.build_batch (reward on the last token)",
+                                   required=True),
+    "rollout_log_probs": BatchKey(("float32",), "N, R", "batch.build_batch (when every call has logprobs)"),
+    "rollout_id_list": BatchKey(("object",), "N", "batch.build_batch", required=True),
+    "data_id_list": BatchKey(("object",), "N", "batch.build_batch (the group)", required=True),
+    "uid": BatchKey(("object",), "N", "batch.build_batch (= data_id_list, verl's group key)"),
+    "turn_index_list": BatchKey(("object",), "N", "batch.build_batch (first call of the row)"),
+    # written during the update
+    "old_log_probs": BatchKey(("float32",), "N, R", "Engine.prepare"),
+    "ref_log_prob": BatchKey(("float32",), "N, R", "Engine.prepare (verl: reference policy; local: KL in reward)"),
+    "token_level_rewards": BatchKey(("float32", "bfloat16"), "N, R", "Engine.prepare (KL in reward) or "
+                                    "algorithms.advantage.fill_reward_defaults (= token_level_scores)"),
+    "advantages": BatchKey(("float32",), "N, R", "algorithms.advantage, then algorithms.loss.normalize_batch"),
+    "returns": BatchKey(("float32",), "N, R", "algorithms.advantage"),
+    "rollout_advantages": BatchKey(("float32",), "N, R", "algorithms.loss.normalize_batch (the raw advantages)"),
+}
+
+
+def check_batch(data: Any, where: str = "run_update") -> None:
+    """Raise ValueError naming every missing required key and every key of `BATCH_SCHEMA`
+    whose dtype or shape (rows N, prompt P, response R, from `response_mask` and `prompts`)
+    differs from its declaration."""
+    tensors, extras = data.batch, data.non_tensor_batch
+    present = {**{k: tensors[k] for k in tensors.keys()}, **dict(extras)}
+    problems = [f"{k!r} is missing (written by {spec.writer})"
+                for k, spec in BATCH_SCHEMA.items() if spec.required and k not in present]
+    if "response_mask" in present:
+        n, r = (int(x) for x in present["response_mask"].shape)
+        p = int(present["prompts"].shape[1]) if "prompts" in present else None
+        sizes = {"N": n, "R": r, "P": p, "P+R": None if p is None else p + r}
+        for key, spec in BATCH_SCHEMA.items():
+            if key not in present:
+                continue
+            value = present[key]
+            dtype = str(value.dtype).removeprefix("torch.")
+            if dtype not in spec.dtypes:
+                problems.append(f"{key!r} has dtype {dtype}, expected {' or '.join(spec.dtypes)}")
+            want = [sizes[d.strip()] for d in spec.shape.split(",")]
+            got = [int(x) for x in value.shape]
+            if len(got) != len(want) or any(w is not None and w != g for w, g in zip(want, got)):
+                problems.append(f"{key!r} has shape {got}, expected [{spec.shape}] = {want}")
+    if problems:
+        raise ValueError(f"{where}: the batch does not match agl_lab.engines.base.BATCH_SCHEMA: "
+                         + "; ".join(problems) + " (build batches with agl_lab.batch.build_batch)")

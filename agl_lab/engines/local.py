@@ -18,14 +18,12 @@ Device: `device=None` → CUDA if available (bfloat16 weights), else CPU (float3
 
 from __future__ import annotations
 
-import random
 import threading
 from collections.abc import Mapping
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from omegaconf import OmegaConf
 
@@ -107,13 +105,12 @@ class LocalEngine(Engine):
     @classmethod
     def from_config(cls, cfg: Any) -> "LocalEngine":
         """Build from a composed agl_lab config (`agl_lab.model.*`, `agl_lab.engine_options.*`,
-        `actor_rollout_ref.actor.*`, `actor_rollout_ref.rollout.{n,temperature}`,
+        `actor_rollout_ref.actor.*`, `actor_rollout_ref.rollout.n`,
         `algorithm.rollout_correction.bypass_mode`)."""
         from agl_lab.engines.local_ppo import ActorUpdateConfig
 
         lab, rollout = cfg.agl_lab, cfg.actor_rollout_ref.rollout
-        actor = ActorUpdateConfig.from_verl_actor_config(
-            cfg.actor_rollout_ref.actor, rollout_n=int(rollout.n), temperature=float(rollout.temperature))
+        actor = ActorUpdateConfig.from_verl_actor_config(cfg.actor_rollout_ref.actor, rollout_n=int(rollout.n))
         opts = lab.get("engine_options", {}) or {}
         _check_model_dir(cfg)
         log_prob_micro = rollout.get("log_prob_micro_batch_size_per_gpu") or actor.ppo_micro_batch_size_per_gpu
@@ -179,8 +176,6 @@ class LocalEngine(Engine):
           `rollout_corr/*` metrics (logged even with rollout_is/rollout_rs null, as AGL does).
         """
         data, metrics = super().prepare(data)
-        if "response_mask" not in data.batch.keys():
-            data.batch["response_mask"] = data.batch["attention_mask"][:, -data.batch["responses"].shape[-1]:]
         if self.use_kl_in_reward:
             from agl_lab.engines.local_ppo import batch_log_probs
             from verl.trainer.ppo.ray_trainer import apply_kl_penalty
@@ -214,9 +209,9 @@ class LocalEngine(Engine):
 
     # --- checkpoints ----------------------------------------------------------------------
 
-    def save(self, path: str, agl_state: Mapping[str, Any] | None = None) -> None:
+    def save(self, path: str) -> None:
         """`path/` = a loadable HF model dir (weights + tokenizer) + `engine_state.pt`
-        (optimizer, policy_version, RNG states, the caller's `agl_state`)."""
+        (optimizer, policy_version). The process's RNG states are the Trainer's to save."""
         out = Path(path)
         out.mkdir(parents=True, exist_ok=True)
         with self.weights_lock:
@@ -226,14 +221,11 @@ class LocalEngine(Engine):
                 "optimizer": self.optimizer.state_dict(),
                 "policy_version": self._policy_version,
                 "model_name": self.model_name,
-                "rng": _rng_state(),
-                "agl_state": None if agl_state is None else dict(agl_state),
             }
             torch.save(state, out / _STATE_FILE)
 
-    def load(self, path: str) -> dict[str, Any] | None:
-        """Restore `save(path)` in place (the server keeps serving the same, now loaded, module);
-        returns the saved `agl_state`."""
+    def load(self, path: str) -> None:
+        """Restore `save(path)` in place (the server keeps serving the same, now loaded, module)."""
         from transformers import AutoModelForCausalLM
 
         src = Path(path)
@@ -246,8 +238,6 @@ class LocalEngine(Engine):
             self.model.load_state_dict(loaded.state_dict())
             self.optimizer.load_state_dict(state["optimizer"])
             self._policy_version = int(state["policy_version"])
-            _set_rng_state(state["rng"])
-        return state.get("agl_state")
 
     def close(self) -> None:
         if not self._closed:
@@ -275,18 +265,3 @@ def _check_model_dir(cfg: Any) -> None:
         f"{key}={str(path)!r} is not a local Hugging Face model directory (no config.json) and the local "
         f"engine never downloads: fetch it first (`huggingface-cli download {path} --local-dir DIR`) and "
         f"set {key}=DIR, or use agl_lab.engine=verl")
-
-
-def _rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])

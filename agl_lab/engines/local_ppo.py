@@ -27,7 +27,7 @@ Tensors (N rows, P prompt, R response positions, L = P + R):
 | `position_ids`      | [N, L] | cumsum(mask) − 1 (computed if absent)                       |
 | `responses`         | [N, R] | the response window                                         |
 | `response_mask`     | [N, R] | 1 on sampled tokens: the loss tokens                        |
-| `old_log_probs`     | [N, R] | log π_old (`prepare_old_log_probs`)                         |
+| `old_log_probs`     | [N, R] | log π_old (`Engine.prepare`)                                |
 | `advantages`        | [N, R] | from `agl_lab.algorithms` (normalised for per_rollout_mean) |
 | `rollout_log_probs` | [N, R] | sampling logprobs from the engine (optional: mismatch)      |
 | `ref_log_prob`      | [N, R] | reference logprobs (optional; else `ref_model`)             |
@@ -49,7 +49,6 @@ from verl.trainer.ppo.core_algos import agg_loss, get_policy_loss_fn, kl_penalty
 from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
 
 import agl_lab.algorithms  # noqa: F401  (registers per_rollout_mean)
-from agl_lab.engines.base import logprob_gap, sampling_log_probs
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +84,6 @@ class ActorUpdateConfig:
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
     grad_clip: float | None = 1.0
-    temperature: float = 1.0
     loss_agg_mode: str = "token-mean"
     loss_scale_factor: int | None = None
     shuffle: bool = False
@@ -104,8 +102,6 @@ class ActorUpdateConfig:
             raise ValueError(f"{_PREFIX}ppo_micro_batch_size_per_gpu must be positive or null, got {micro}")
         if self.loss_agg_mode not in LOSS_AGG_MODES:
             raise ValueError(f"{_PREFIX}loss_agg_mode={self.loss_agg_mode!r} is not one of {list(LOSS_AGG_MODES)}")
-        if self.temperature <= 0:
-            raise ValueError(f"actor_rollout_ref.rollout.temperature must be > 0 for training, got {self.temperature}")
         if self.clip_ratio_c <= 1.0:
             raise ValueError(f"{_PREFIX}clip_ratio_c must be greater than 1.0, got {self.clip_ratio_c}")
         self.betas = tuple(self.betas)  # type: ignore[assignment]
@@ -116,13 +112,13 @@ class ActorUpdateConfig:
 
     @classmethod
     def from_verl_actor_config(
-        cls, actor: Any, *, rollout_n: int = 1, temperature: float = 1.0, **overrides: Any
+        cls, actor: Any, *, rollout_n: int = 1, **overrides: Any
     ) -> ActorUpdateConfig:
         """Map `actor_rollout_ref.actor.*` (dict, DictConfig or verl dataclass) to this config.
 
         verl's `ppo_mini_batch_size` counts tasks: rows = it × `rollout_n`
-        (`actor_rollout_ref.rollout.n`). `temperature` is `actor_rollout_ref.rollout.temperature`
-        (the sampling temperature; logprobs are recomputed at it). Unknown keys are ignored.
+        (`actor_rollout_ref.rollout.n`). Unknown keys are ignored. The sampling temperature is
+        not part of it: it travels with the batch, in `data.meta_info["temperature"]`, as in verl.
         """
         micro = _get(actor, "ppo_micro_batch_size_per_gpu")
         if micro is None:
@@ -138,7 +134,6 @@ class ActorUpdateConfig:
             ppo_micro_batch_size_per_gpu=None if micro is None else int(micro),
             loss_mode=str(loss_options.pop("loss_mode", "vanilla")),
             grad_clip=grad_clip,
-            temperature=float(temperature),
             seed=int(_get(actor, "data_loader_seed", 42)),
             lr=float(_get(actor, "optim.lr", 1e-6)),
             weight_decay=float(_get(actor, "optim.weight_decay", 0.01)),
@@ -209,9 +204,6 @@ def _position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return torch.clamp(attention_mask.long().cumsum(-1) - 1, min=0)
 
 
-TRIM_PADDING = True  # False: forward every padding column too (the engine before; benchmarks/update.py)
-
-
 def _trim(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
           response_length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Cut the columns no row attends to (left padding of all prompts, right padding of all
@@ -220,7 +212,7 @@ def _trim(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: t
     attends to ~300) and a pass costs what it reads. The loss is unchanged: cut columns are
     masked keys or masked response positions, and `position_ids` are cut along."""
     attended = attention_mask.bool().any(0).nonzero()
-    if not TRIM_PADDING or not attended.numel():
+    if not attended.numel():
         return input_ids, attention_mask, position_ids, response_length
     prompt_width = input_ids.shape[1] - response_length
     kept = max(int(attended[-1]) + 1 - prompt_width, 1)
@@ -285,29 +277,19 @@ def batch_log_probs(model: torch.nn.Module, data: DataProto, temperature: float,
     return logp.cpu()
 
 
-def prepare_old_log_probs(model: torch.nn.Module, data: DataProto, temperature: float,
-                          micro_batch_size: int | None = None, bypass_mode: bool = False) -> DataProto:
-    """Write `old_log_probs` [N, R]: recomputed at the sampling temperature, or (bypass) the
-    engine's own `rollout_log_probs`. Returns `data` (modified in place)."""
-    data.batch["old_log_probs"] = (sampling_log_probs(data) if bypass_mode
-                                   else batch_log_probs(model, data, temperature, micro_batch_size))
-    return data
-
-
 def rollout_mismatch_metrics(data: DataProto) -> dict[str, float]:
-    """How far the trainer's old logprobs are from the engine's sampling logprobs.
-
-    `training/rollout_probs_diff_*` and `training/rollout_actor_probs_pearson_corr` are verl's
-    own (`calculate_debug_metrics`: |π_old − π_rollout| in *probability* space, same names as
-    a verl run); `training/rollout_logprobs_diff_{mean,max}` are |log π_old − log π_rollout|
-    over `response_mask`. `{}` without `rollout_log_probs`.
+    """How far the trainer's old logprobs are from the engine's sampling logprobs, in verl's
+    own terms: `training/rollout_probs_diff_*` and `training/rollout_actor_probs_pearson_corr`
+    (`calculate_debug_metrics`: |π_old − π_rollout| in *probability* space, the names of a verl
+    run). The gap in log space is `agl_lab.update`'s (`engines.base.logprob_gap`, once per step).
+    `{}` without `rollout_log_probs`.
     """
     b = data.batch
     if "rollout_log_probs" not in b.keys() or "old_log_probs" not in b.keys():
         return {}
     from verl.utils.debug.metrics import calculate_debug_metrics
 
-    return {**{k: float(v) for k, v in calculate_debug_metrics(data).items()}, **logprob_gap(data)}
+    return {k: float(v) for k, v in calculate_debug_metrics(data).items()}
 
 
 # =============================================================================================
@@ -318,20 +300,22 @@ _NEEDED = ("input_ids", "attention_mask", "responses", "response_mask", "old_log
 
 
 def _update_tensors(model: torch.nn.Module, data: DataProto, cfg: ActorUpdateConfig,
-                    ref_model: torch.nn.Module | None) -> dict[str, torch.Tensor]:
-    """The tensors of the loop, checked, with reference logprobs when the KL loss is on."""
+                    ref_model: torch.nn.Module | None) -> tuple[dict[str, torch.Tensor], float]:
+    """The tensors of the loop, checked, with reference logprobs when the KL loss is on, and the
+    sampling temperature the logprobs are computed at (`data.meta_info["temperature"]`)."""
     b = data.batch
-    if "response_mask" not in b.keys():
-        b["response_mask"] = b["attention_mask"][:, -b["responses"].shape[-1]:]
     for key in _NEEDED:
         if key not in b.keys():
-            hint = (" (call prepare_old_log_probs(model, data, temperature) first)" if key == "old_log_probs"
+            hint = (" (Engine.prepare(data) writes them)" if key == "old_log_probs"
                     else " (compute them with agl_lab.algorithms first)" if key == "advantages" else "")
             raise KeyError(f"ppo_update needs {key!r} in data.batch{hint}")
-    meta_t = data.meta_info.get("temperature")
-    if meta_t is not None and not math.isclose(float(meta_t), cfg.temperature):
-        raise ValueError(f"data.meta_info['temperature']={meta_t} differs from the update temperature "
-                         f"{cfg.temperature}: set both to actor_rollout_ref.rollout.temperature")
+    if "temperature" not in data.meta_info:
+        raise KeyError("ppo_update needs data.meta_info['temperature'], the sampling temperature "
+                       "(actor_rollout_ref.rollout.temperature; agl_lab.update.run_update sets it)")
+    temperature = float(data.meta_info["temperature"])
+    if not temperature > 0:
+        raise ValueError(f"data.meta_info['temperature']={temperature}: the sampling temperature must be > 0 "
+                         "for training (actor_rollout_ref.rollout.temperature)")
     t = {k: b[k] for k in _NEEDED}
     t["position_ids"] = b["position_ids"] if "position_ids" in b.keys() else _position_ids(b["attention_mask"])
     if "rollout_is_weights" in b.keys():
@@ -340,18 +324,18 @@ def _update_tensors(model: torch.nn.Module, data: DataProto, cfg: ActorUpdateCon
         if "ref_log_prob" in b.keys():
             t["ref_log_prob"] = b["ref_log_prob"]
         elif ref_model is not None:
-            t["ref_log_prob"] = batch_log_probs(ref_model, data, cfg.temperature, cfg.micro_batch_rows)
+            t["ref_log_prob"] = batch_log_probs(ref_model, data, temperature, cfg.micro_batch_rows)
         else:
             raise ValueError(f"{_PREFIX}use_kl_loss=true needs ref_log_prob in the batch or a ref_model")
-    return t
+    return t, temperature
 
 
-def _micro_loss(model: torch.nn.Module, mb: dict[str, torch.Tensor], cfg: ActorUpdateConfig,
+def _micro_loss(model: torch.nn.Module, mb: dict[str, torch.Tensor], cfg: ActorUpdateConfig, temperature: float,
                 verl_cfg: Any, loss_fn: Any) -> tuple[torch.Tensor, dict[str, float]]:
     """Loss of one micro-batch, normalised by the mini-batch totals in `verl_cfg.global_batch_info`."""
     response_length = mb["responses"].shape[-1]
     logp, ent = _response_forward(model, mb["input_ids"], mb["attention_mask"], mb["position_ids"],
-                                  response_length, cfg.temperature,
+                                  response_length, temperature,
                                   "grad" if cfg.entropy_coeff != 0 else "detached")
     device = logp.device
     mask = mb["response_mask"].to(device).bool()
@@ -377,7 +361,7 @@ def _micro_loss(model: torch.nn.Module, mb: dict[str, torch.Tensor], cfg: ActorU
 
 
 def _mini_batch_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mb: dict[str, torch.Tensor],
-                     cfg: ActorUpdateConfig, verl_cfg: Any, loss_fn: Any) -> dict[str, float]:
+                     cfg: ActorUpdateConfig, temperature: float, verl_cfg: Any, loss_fn: Any) -> dict[str, float]:
     """Micro-batches → accumulated gradient → clip → optimiser step; the mini-batch's metrics."""
     rows, mask = mb["input_ids"].shape[0], mb["response_mask"]
     tokens = max(int(mask.sum()), 1)
@@ -388,7 +372,7 @@ def _mini_batch_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, m
     totals: dict[str, float] = {}
     for s in range(0, rows, cfg.micro_batch_rows):
         micro = {k: v[s:s + cfg.micro_batch_rows] for k, v in mb.items()}
-        loss, stats = _micro_loss(model, micro, cfg, verl_cfg, loss_fn)
+        loss, stats = _micro_loss(model, micro, cfg, temperature, verl_cfg, loss_fn)
         loss.backward()
         for k, v in stats.items():
             totals[k] = totals.get(k, 0.0) + v
@@ -420,14 +404,15 @@ def ppo_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, data: D
                ref_model: torch.nn.Module | None = None) -> dict[str, float]:
     """PPO epochs over mini-batches (one optimiser step each) of `data`; returns metrics.
 
-    Needs `old_log_probs` and `advantages` in the batch (the trainer prepares them). The last
+    Needs `old_log_probs` and `advantages` in the batch and the sampling temperature in
+    `data.meta_info["temperature"]` (`agl_lab.update.run_update` prepares them). The last
     mini-batch may be smaller than `ppo_mini_batch_size` (after whole-rollout drops).
     Metrics (averaged over optimiser steps): actor/{pg_loss, pg_clipfrac, ppo_kl,
     pg_clipfrac_lower, entropy, grad_norm, [entropy_loss], [kl_loss, kl_coef]}, actor/lr,
     actor/n_updates, actor/nonfinite_grad_steps, and the rollout/trainer logprob mismatch
     (`rollout_mismatch_metrics`, measured before the first step).
     """
-    tensors = _update_tensors(model, data, cfg, ref_model)
+    tensors, temperature = _update_tensors(model, data, cfg, ref_model)
     metrics: dict[str, float] = rollout_mismatch_metrics(data)
     verl_cfg = cfg.to_verl_actor_config()
     loss_fn = get_policy_loss_fn(cfg.loss_mode)
@@ -439,7 +424,7 @@ def ppo_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, data: D
         for s in range(0, n, cfg.ppo_mini_batch_size):
             idx = order[s:s + cfg.ppo_mini_batch_size]
             mb = {k: v[idx] for k, v in tensors.items()}
-            steps.append(_mini_batch_step(model, optimizer, mb, cfg, verl_cfg, loss_fn))
+            steps.append(_mini_batch_step(model, optimizer, mb, cfg, temperature, verl_cfg, loss_fn))
     for key in dict.fromkeys(k for step in steps for k in step):
         values = [step[key] for step in steps if key in step]
         metrics[key] = float(np.mean(values)) if key != "actor/nonfinite_grad_steps" else float(sum(values))

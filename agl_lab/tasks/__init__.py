@@ -67,7 +67,6 @@ class Task:
     A demonstration is a chat transcript (`[{"role", "content"}, ...]`); the warm start
     trains on its assistant turns only. Lists are accepted wherever a generator is and are
     cycled, so `train_tasks=my_list` gives `n_train` tasks from `my_list` in order.
-    `demo_transcripts` is the older name of `demonstrations` (same value).
     """
 
     name: str
@@ -93,25 +92,18 @@ class Task:
         if self.val_tasks is None:
             object.__setattr__(self, "val_tasks", lambda n, seed=0: [])
 
-    @property
-    def demo_transcripts(self) -> Callable[[int, int], list[Messages]] | None:
-        return self.demonstrations
 
-
-TaskSpec = Task  # the name before tasks were public
-
-
-def _lookup_spec() -> TaskSpec:
+def _lookup_spec() -> Task:
     from agl_lab.tasks import lookup, merge_breakers
 
-    return TaskSpec(
+    return Task(
         name="lookup",
         description=lookup.__doc__.strip().split("\n\n")[0],
         train_tasks=lookup.train_tasks,
         val_tasks=lookup.val_tasks,
         agent=lookup.lookup_agent,
         reward=lookup.reward,
-        demonstrations=lookup.demo_transcripts,
+        demonstrations=lookup.demonstrations,
         agents={
             "append_only": merge_breakers.append_only_agent,
             "history_editing": merge_breakers.history_editing_agent,
@@ -131,7 +123,7 @@ def _calc_spec() -> Task:
         val_tasks=calc.val_tasks,
         agent=calc.calc_agent,
         reward=calc.reward,
-        demonstrations=calc.demo_transcripts,
+        demonstrations=calc.demonstrations,
     )
 
 
@@ -189,4 +181,27 @@ def get_task(name: Any) -> Task:
                    "as 'module:attr')")
 
 
-__all__ = ["Task", "TaskSpec", "get_task", "register_task", "task_names"]
+def agent_and_task(cfg: Any, agent: Any, task: Any, *, has_tasks: bool) -> tuple[Any, Task | None]:
+    """Who runs, and the task that supplies what nothing else does.
+
+    The agent: `agent` (a function, a `"module:function"` string, an AGL agent class), else
+    `agl_lab.agent`, else the task's; none at all when `agentlightning.local.agent_class` names
+    the AGL agent class the runner starts per rollout. The task (`task`, else
+    `agl_lab.task.name`) is loaded when it is given or when it must supply the agent or, without
+    `has_tasks` (no dataset, no `data.train_files`), the tasks.
+    """
+    from agl_lab.runner import agl_agent_class_spec, load_agent
+
+    lab, agent_class = cfg.agl_lab, cfg.agentlightning.local.agent_class
+    if agent is None and lab.get("agent"):
+        agent = load_agent(str(lab.agent))  # `agl_lab.agent=module:function` (CLI)
+    if isinstance(agent, type):
+        agent = agl_agent_class_spec(agent)  # an AGL agent class: Class().run() in a subprocess
+    if task is not None or (not agent_class and (agent is None or not has_tasks)):
+        task = get_task(task if task is not None else str(lab.task.name))
+    if agent is None and task is not None and not agent_class:
+        agent = task.agent
+    return agent, task
+
+
+__all__ = ["Task", "agent_and_task", "get_task", "register_task", "task_names"]

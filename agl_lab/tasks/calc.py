@@ -121,7 +121,7 @@ def calc_agent(task: dict[str, Any], ctx: Any) -> float | None:
     return value
 
 
-def demo_transcripts(n: int, seed: int) -> list[list[dict[str, Any]]]:
+def demonstrations(n: int, seed: int) -> list[list[dict[str, Any]]]:
     """`n` correct transcripts (for a supervised warm start, if one is wanted)."""
     out = []
     for task in make_tasks(n, seed, "train"):

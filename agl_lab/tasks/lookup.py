@@ -56,7 +56,7 @@ THINK_FRACTION = 0.25  # share of warm-start transcripts in the reasoning style
 
 FORMAT_WEIGHT, LOOKUP_WEIGHT, ANSWER_WEIGHT = 0.1, 0.3, 0.6
 
-# Warm start (see warmstart.py and `demo_transcripts`): a curriculum of clean transcripts,
+# Warm start (see warmstart.py and `demonstrations`): a curriculum of clean transcripts,
 # then a final `BLUR_FRACTION` of them whose tool call names a random key.
 BLUR_FRACTION = 0.2
 KEY_NOISE, VALUE_NOISE = 1.0, 0.0
@@ -333,7 +333,7 @@ def lookup_agent(task: dict[str, Any], ctx: Any) -> float | None:
     return finish(task, ctx, play(task, ctx))
 
 
-def demo_transcripts(n: int, seed: int, blur_fraction: float = BLUR_FRACTION, key_noise: float = KEY_NOISE,
+def demonstrations(n: int, seed: int, blur_fraction: float = BLUR_FRACTION, key_noise: float = KEY_NOISE,
                      value_noise: float = VALUE_NOISE, think_fraction: float = THINK_FRACTION) -> list[Messages]:
     """`n` warm-start transcripts in curriculum order: learn the skill, then blur it.
 

@@ -131,7 +131,7 @@ def fit_transcripts(model: Any, tokenizer: Any, transcripts: list[list[dict[str,
     """`steps` AdamW steps of masked cross-entropy over `transcripts` *in order*; returns the losses.
 
     Step k fits transcripts[k·B : (k+1)·B] (wrapping around), so the caller's order is a
-    curriculum (see `lookup.demo_transcripts`). One optimiser for the whole fit: a fresh
+    curriculum (see `lookup.demonstrations`). One optimiser for the whole fit: a fresh
     AdamW between phases would take full-size first steps and can wreck what was learnt.
     `progress`: a progress-bar description (None: no bar).
     """

@@ -92,7 +92,6 @@ _ROWS: tuple[VerlSymbol, ...] = (
     _row(_RT + "RayPPOTrainer._save_checkpoint", returns="global_step_"),
     _row(_RT + "RayPPOTrainer._load_checkpoint", returns="resume_from_path"),
     _row(_RT + "RayPPOTrainer._shutdown_dump_executor"),
-    _row(_RT + "compute_response_mask", "data"),
     _row(_RT + "apply_kl_penalty", "data", "kl_ctrl", "kl_penalty"),
     # --- building the stack, as verl's TaskRunner.run does ---------------------------------
     _row(_TR, attrs=("role_worker_mapping",)),

@@ -355,11 +355,6 @@ class VerlEngine(Engine):
         output, _mfu = self.trainer.compute_old_log_probs(data)
         return output.batch["old_log_probs"]
 
-    @property
-    def mini_batch_rows(self) -> int:
-        """Rows per PPO mini-batch; `update` pads a batch to a multiple of it with zero-weight rows."""
-        return self.trainer.mini_batch_rows()
-
     @_fails_on_worker_death
     def prepare(self, data: Any) -> tuple[Any, dict[str, float]]:
         """Everything the advantage needs: old/ref logprobs, values, token_level_rewards, IS weights."""
@@ -378,17 +373,16 @@ class VerlEngine(Engine):
     # --- checkpoints -----------------------------------------------------------------------
 
     @_fails_on_worker_death
-    def save(self, path: str, agl_state: Mapping[str, Any] | None = None) -> None:
-        """verl checkpoint under `path/global_step_N` plus agl_lab's own state (carry-over…)."""
-        self.trainer.save_to(os.fspath(path), agl_state)
+    def save(self, path: str) -> None:
+        """verl checkpoint under `path/global_step_N` (the Trainer saves its own state beside it)."""
+        self.trainer.save_to(os.fspath(path))
 
     @_fails_on_worker_death
-    def load(self, path: str) -> dict[str, Any] | None:
-        """Restore actor/critic/dataloader state, push the loaded weights; returns agl_lab state."""
+    def load(self, path: str) -> None:
+        """Restore actor/critic/dataloader state and push the loaded weights."""
         self.pause()
-        agl_state = self.trainer.load_from(os.fspath(path))
+        self.trainer.load_from(os.fspath(path))
         self.sync_weights()
-        return agl_state
 
     def close(self) -> None:
         with self._lock:

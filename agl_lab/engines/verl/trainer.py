@@ -37,7 +37,6 @@ RLHFDataset = verl_import("RLHFDataset")
 RayPPOTrainer = verl_import("RayPPOTrainer")
 
 #: agl_lab's own checkpoint state, next to verl's actor/, critic/ and data.pt
-AGL_STATE_FILE = "agl_lab_state.pt"
 
 # ------------------------------------------------------------------------------------------
 # Datasets passed in memory
@@ -161,8 +160,6 @@ class AglRayPPOTrainer(RayPPOTrainer):
 
     def compute_old_log_probs(self, batch: Any) -> tuple[Any, float]:
         """`_compute_old_log_prob` on a batch padded to the DP size → (DataProto [N rows], mfu)."""
-        if "response_mask" not in batch.batch.keys():
-            batch.batch["response_mask"] = verl_import("compute_response_mask")(batch)
         return self._run_padded(self._compute_old_log_prob, batch)
 
     def prepare_for_advantage(self, batch: Any) -> tuple[Any, dict[str, float]]:
@@ -177,8 +174,6 @@ class AglRayPPOTrainer(RayPPOTrainer):
         if "token_level_scores" not in batch.batch.keys():
             raise ValueError("batch.batch['token_level_scores'] is missing: "
                              "build the batch with agl_lab.batch.build_batch")
-        if "response_mask" not in batch.batch.keys():
-            batch.batch["response_mask"] = verl_import("compute_response_mask")(batch)
         batch.meta_info.setdefault("temperature", self.config.actor_rollout_ref.rollout.temperature)
         metrics: dict[str, float] = {}
         batch = self._attach_log_probs(batch, metrics)
@@ -198,8 +193,6 @@ class AglRayPPOTrainer(RayPPOTrainer):
         rows (`pad_to_mini_batches`; metric `training/n_sample_padded`).
         """
         metrics: dict[str, Any] = {}
-        if "response_mask" not in batch.batch.keys():
-            batch.batch["response_mask"] = verl_import("compute_response_mask")(batch)
         batch = self._attach_log_probs(batch, metrics)
         self._check_update_batch(batch)
         batch, metrics["training/n_sample_padded"] = self.pad_to_mini_batches(batch)
@@ -223,17 +216,14 @@ class AglRayPPOTrainer(RayPPOTrainer):
 
     # --- checkpoints -----------------------------------------------------------------------
 
-    def save_to(self, path: str, agl_state: Mapping[str, Any] | None = None) -> str:
-        """verl `_save_checkpoint` under `path/global_step_N` (+ agl_lab state); returns that folder."""
+    def save_to(self, path: str) -> str:
+        """verl `_save_checkpoint` under `path/global_step_N`; returns that folder."""
         with open_dict(self.config):
             self.config.trainer.default_local_dir = path
         self._save_checkpoint()
-        folder = os.path.join(path, f"global_step_{self.global_steps}")
-        if agl_state is not None:
-            torch.save(dict(agl_state), os.path.join(folder, AGL_STATE_FILE))
-        return folder
+        return os.path.join(path, f"global_step_{self.global_steps}")
 
-    def load_from(self, path: str) -> dict[str, Any] | None:
+    def load_from(self, path: str) -> None:
         """verl `_load_checkpoint` from `path/global_step_N` (or the latest under `path`)."""
         folder = path if os.path.basename(os.path.normpath(path)).startswith("global_step_") else \
             verl_import("find_latest_ckpt_path")(path)
@@ -244,8 +234,6 @@ class AglRayPPOTrainer(RayPPOTrainer):
             self.config.trainer.resume_mode = "resume_path"
             self.config.trainer.resume_from_path = os.path.abspath(folder)
         self._load_checkpoint()
-        state_file = os.path.join(folder, AGL_STATE_FILE)
-        return torch.load(state_file, weights_only=False) if os.path.exists(state_file) else None
 
     def close(self) -> None:
         self._shutdown_dump_executor()

@@ -1,0 +1,78 @@
+"""Where checkpoints live and which one a run resumes from (verl's layout and `resume_mode`).
+
+    trainer.default_local_dir/            (verl: checkpoints/{project}/{experiment})
+      global_step_N/                      one `Trainer.save()`: engine/, trainer_state.pt, config.yaml
+      latest_checkpointed_iteration.txt   N of the newest complete checkpoint (verl's marker)
+
+A checkpoint is written under a temporary name and renamed into place, then marked latest, so
+a killed save never leaves a half checkpoint under the real name. The RNG helpers capture every
+process-wide generator a step draws from; the Trainer is their one owner.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from agl_lab.config import ConfigError
+
+LATEST = "latest_checkpointed_iteration.txt"
+STATE_FILE = "trainer_state.pt"
+
+
+def checkpoint_root(cfg: Any) -> Path:
+    """`trainer.default_local_dir`, with `~` expanded."""
+    return Path(str(cfg.trainer.default_local_dir)).expanduser()
+
+
+def save_atomically(root: Path, step: int, save: Callable[[Path], Any]) -> Path:
+    """`save(tmp)`, rename tmp → `root/global_step_{step}`, then mark it the latest."""
+    final, tmp = root / f"global_step_{step}", root / f".global_step_{step}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save(tmp)
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)  # Critical: a killed save never leaves a half checkpoint under the real name
+    (root / LATEST).write_text(str(step))
+    return final
+
+
+def resume_target(cfg: Any) -> Path | None:
+    """The checkpoint `trainer.resume_mode` asks for: `auto` (the latest under
+    `default_local_dir`, None when there is none), `resume_path` (`trainer.resume_from_path`,
+    which must be a checkpoint), `disable` (None)."""
+    mode = str(cfg.trainer.resume_mode)
+    if mode == "disable":
+        return None
+    if mode == "resume_path":
+        path = cfg.trainer.resume_from_path
+        if not path or not (Path(str(path)) / STATE_FILE).exists():
+            raise ConfigError(
+                f"trainer.resume_mode=resume_path needs trainer.resume_from_path to be a checkpoint "
+                f"directory (…/global_step_N), got {path!r}")
+        return Path(str(path))
+    if mode == "auto":
+        latest = checkpoint_root(cfg) / LATEST
+        return checkpoint_root(cfg) / f"global_step_{int(latest.read_text().strip())}" if latest.exists() else None
+    raise ConfigError(f"trainer.resume_mode={mode!r} is not one of auto, resume_path, disable")
+
+
+def rng_state() -> dict[str, Any]:
+    """Every process-wide RNG a step draws from (python, numpy, torch, CUDA when present)."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

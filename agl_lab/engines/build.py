@@ -1,0 +1,84 @@
+"""The engine a config asks for: `agl_lab.engine` = local | verl, with the tiny model's warm start.
+
+    build_engine(cfg, task=…, train_dataset=…, val_dataset=…) -> Engine
+
+- `local`: `LocalEngine.from_config(cfg)`; with the built-in tiny model (no `agl_lab.model.path`
+  or preset) and a task with demonstrations, the model is first fitted for
+  `agl_lab.model.warm_start_steps` steps on them (`agl_lab.tasks.warmstart`), so the first
+  rollouts parse.
+- `verl`: verl's workers load weights from disk, so the tiny model is warm-started into a cached
+  directory first (`warm_started_model_dir`) and `agl_lab.model.path` points at it.
+
+The caller owns the engine and closes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+from typing import Any, Sequence
+
+from agl_lab.engines.base import Engine
+
+logger = logging.getLogger(__name__)
+
+
+def build_engine(cfg: Any, *, task: Any = None, train_dataset: Sequence[dict] = (),
+                 val_dataset: Sequence[dict] = ()) -> Engine:
+    """The engine of `cfg.agl_lab.engine`, its model warm-started where that applies."""
+    lab = cfg.agl_lab
+    steps = int(lab.model.warm_start_steps) if task is not None else 0
+    if lab.engine == "verl":
+        from agl_lab.engines.verl.engine import VerlEngine
+
+        if lab.model.path is None:  # verl's workers load from disk: the tiny model, warm-started like local's
+            from agl_lab.tasks.warmstart import warm_started_model_dir
+
+            lab.model.path = str(warm_started_model_dir(task.name if task else "", steps, seed=int(lab.seed)))
+        return VerlEngine(cfg, train_dataset=list(train_dataset), val_dataset=list(val_dataset))
+
+    from agl_lab.engines.local import LocalEngine
+    from agl_lab.quiet import quiet_hf
+
+    preset = lab.model.get("preset")
+    label = lab.model.path or (f"preset {preset} (converted once into {_cache_hint()})" if preset
+                               else f"built-in tiny model (cached in {_cache_hint()})")
+    with quiet_hf(), _stage(f"model: {label}"):
+        engine = LocalEngine.from_config(cfg)
+    if steps > 0 and lab.model.path is None and preset is None:
+        try:
+            _warm_start(engine, task, steps, int(lab.seed))
+        except BaseException:
+            engine.close()
+            raise
+    return engine
+
+
+def _warm_start(engine: Any, task: Any, steps: int, seed: int) -> None:
+    from agl_lab.tasks.warmstart import warm_start
+
+    if task.demonstrations is None:
+        logger.warning("task %r has no demonstrations: agl_lab.model.warm_start_steps=%s has no effect "
+                       "(give Task(demonstrations=...) for a warm start)", task.name, steps)
+        return
+    warm_start(engine.model, engine.tokenizer, task, steps=steps, seed=seed, progress=True)
+
+
+def _cache_hint() -> str:
+    from agl_lab.engines.tiny import cache_root
+
+    return str(cache_root()).replace(str(Path.home()), "~")
+
+
+@contextlib.contextmanager
+def _stage(description: str):
+    """A one-step progress bar naming long first-run work (model build/load)."""
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=1, desc=description, leave=False, bar_format="{desc} {elapsed}")
+    try:
+        yield
+    finally:
+        bar.update(1)
+        bar.close()

@@ -1,0 +1,155 @@
+"""The execution side a Trainer owns: where agents run and how their calls reach the engine.
+
+    Execution(cfg, engine, agent)
+      key        the admin key (an embedded server without one gets a fresh random key)
+      server     EmbeddedServer (store + gateway in this process), or None for an external
+                 `agl-lab serve` / AGL controller at `agentlightning.agl_base_url`
+      client     AglClient on `base_url`
+      runner     Runner executing `agent` for each queued rollout (None: agents run elsewhere)
+      hooks      RolloutHooks from `agentlightning.hooks` (on_startup has run), or None
+
+Per rollout phase the Trainer opens the gateway with `serving(engine)`: the engine's endpoints
+are registered under its current policy version, the engine serves, the gateway (async mode)
+admits calls again; when the phase ends, sync mode aborts stray generations and async mode
+pauses the gateway and waits, bounded, until no proxied call is in flight. `close()` stops
+the pieces in reverse order of their start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from agl_lab import config as config_mod
+
+
+class Execution:
+    """Server, client, runner, key and hooks of one Trainer; see the module docstring."""
+
+    def __init__(self, cfg: Any, *, engine: Any, agent: Callable | str | None):
+        lab, agl = cfg.agl_lab, cfg.agentlightning
+        self.cfg = cfg
+        self._closers: list[Callable[[], None]] = []
+        self.server = self.runner = self.hooks = None
+        try:
+            self._start(cfg, engine, agent)
+            if agl.hooks:
+                from agl_lab.hooks import load_hooks
+
+                self.hooks = load_hooks(str(agl.hooks))
+                self.hooks.on_startup(self.client)  # AGL passes no store here; we pass the client
+        except BaseException:
+            self.close()
+            raise
+        self.rollout_config = _rollout_config(agl)
+        self.timeout_seconds = config_mod.rollout_wait_timeout(cfg)
+        self.poll_interval = float(lab.rollout.poll_interval_seconds)
+
+    def _start(self, cfg: Any, engine: Any, agent: Callable | str | None) -> None:
+        lab, agl = cfg.agl_lab, cfg.agentlightning
+        from agl_lab.client import AglClient
+
+        # An embedded server is never left open: without a configured key it gets a fresh one
+        # (agents receive it through their context / AGL_KEY like any other key).
+        self.key = str(agl.agl_key or "") or (secrets.token_hex(16) if lab.server.embedded else "")
+        if lab.server.embedded:
+            from agl_lab.server.embedded import EmbeddedServer
+
+            self.server = EmbeddedServer(
+                key=self.key,
+                store=str(lab.server.store),
+                token_preserving=bool(lab.server.token_preserving),
+                call_seed=int(lab.seed) if lab.server.seed_calls else None,
+                **config_mod.server_overrides(cfg),  # lease_seconds, upstream_* …: ServerConfig's defaults if unset
+                default_proxy={
+                    "model_name": engine.model_name,
+                    "include_log_probs": bool(lab.server.include_log_probs),
+                    # Critical: the gateway samples training calls at the temperature the update
+                    # recomputes old logprobs at. AGL v1 let the two differ silently; here both
+                    # come from actor_rollout_ref.rollout.temperature.
+                    "train": {"temperature": float(cfg.actor_rollout_ref.rollout.temperature)},
+                    "val": {"temperature": float(lab.server.val_temperature)},
+                },
+            )
+            self._closers.append(self.server.stop)
+            if lab.server.token_preserving:
+                self.server.set_tokenizer(engine.model_name, engine.tokenizer)
+            self.base_url = self.server.url
+        else:
+            self.base_url = str(agl.agl_base_url).rstrip("/")
+        self.client = AglClient(self.base_url, key=self.key)
+        self._closers.append(self.client.close)
+        if lab.runner.enabled and (agent is not None or agl.local.agent_class):
+            from agl_lab.runner import Runner
+
+            timeout = lab.runner.agent_timeout_seconds
+            self.runner = Runner(self.base_url, key=self.key, agent=agent,
+                                 concurrency=int(lab.runner.concurrency),
+                                 rollout_timeout_seconds=None if timeout is None else float(timeout))
+            self.runner.start()
+            self._closers.append(self.runner.stop)
+
+    def manager_args(self) -> dict[str, Any]:
+        """The keyword arguments both rollout managers take from the execution side."""
+        return dict(rollout_config=self.rollout_config, hooks=self.hooks,
+                    timeout_seconds=self.timeout_seconds, poll_interval=self.poll_interval)
+
+    @contextlib.contextmanager
+    def serving(self, engine: Any, *, drain: bool, reason: str) -> Iterator[dict[str, Any]]:
+        """One rollout phase: register → serve → (the caller collects rollouts) → abort or drain.
+
+        Yields the phase's metrics dict; after a phase that ended normally it holds
+        `training/n_aborted_generations` (sync) or the gateway's drain figures (async).
+        """
+        from agl_lab.protocol import Model
+
+        metrics: dict[str, Any] = {}
+        self.client.delete_models()  # stale endpoints (a previous engine, an earlier run) go first
+        self.client.register_models([
+            Model(model=engine.model_name, endpoint=ep, version=engine.policy_version)
+            for ep in engine.endpoints()])
+        engine.resume()
+        if drain:
+            self.client.resume()
+        yield metrics
+        if drain:
+            metrics.update(self.pause_and_drain(reason))
+        else:
+            metrics["training/n_aborted_generations"] = engine.abort()
+
+    def pause_and_drain(self, reason: str) -> dict[str, float]:
+        """Pause the gateway and wait (bounded) until no proxied call is in flight."""
+        t0 = time.time()
+        timeout = float(self.cfg.agl_lab.rollout.drain_timeout_seconds)
+        state = self.client.pause(reason=reason, retry_after_seconds=5)
+        inflight_at_pause = state.inflight
+        while state.inflight > 0:
+            if time.time() > t0 + timeout:
+                raise TimeoutError(
+                    f"gateway still has {state.inflight} calls in flight after {timeout} s of draining; "
+                    "raise agl_lab.rollout.drain_timeout_seconds or check the engine")
+            time.sleep(0.05)
+            state = self.client.proxy_state()
+        return {"training/async/proxy_inflight_at_pause": inflight_at_pause,
+                "training/async/proxy_drain_seconds": time.time() - t0}
+
+    def close(self) -> None:
+        """Stop runner, client and server (reverse start order). Idempotent; never raises."""
+        while self._closers:
+            with contextlib.suppress(Exception):
+                self._closers.pop()()
+
+
+def _rollout_config(agl: Any) -> dict[str, Any]:
+    """The `config` every rollout is created with: its timeout and how to run the agent."""
+    rc: dict[str, Any] = {"timeout_seconds": int(agl.rollout_timeout_seconds)}
+    if agl.local.agent_class:
+        rc["local"] = {"agent_class": str(agl.local.agent_class),
+                       "env_map": config_mod.as_listconfig_free(agl.local.env_map) or {}}
+    if agl.k8s.job_template_path:
+        rc["k8s"] = {"job_template": Path(agl.k8s.job_template_path).read_text()}
+    return rc
