@@ -12,7 +12,7 @@ ratio, and whether the two DataProtos are bit-identical on every key AGL emits
 each AGL figure came from, and the lines under the table give that environment's versions:
 
 - `own`, with `--agl-python PATH`: AGL in its own environment. `benchmarks/agl_peer.py` runs under
-  PATH as a subprocess (no PYTHONPATH passed on; it imports nothing from agl_lab), reads the same
+  PATH as a subprocess (`python -I`: no PYTHONPATH; it imports nothing from agl_lab), reads the same
   rollouts from a temporary .npz, times the adapter there and sends back its timings, versions
   and the DataProto's tensors (a temporary .pt) for the identity check. One subprocess per level,
   each right after agl_lab's timing of that level.
@@ -149,15 +149,14 @@ class Peer:
         self.python, self.workdir = python, workdir
         self.rollouts = os.path.join(workdir, "rollouts.npz")
         save_rollouts(self.rollouts, recs)
-        self.label = f"AGL in its own env (not measured yet): {python}"
+        self.label = ""  # its versions, once it has run
 
     def run(self, level: str, p: int, r: int, repeat: int, ours) -> AglRun:
         out = os.path.join(self.workdir, f"{level}.pt")
-        # its own environment only: none of this process's import paths
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-        done = subprocess.run([self.python, str(PEER), "--rollouts", self.rollouts, "--level", level,
+        # -I: its own environment only (no PYTHONPATH, no user site, not even benchmarks/ on its path)
+        done = subprocess.run([self.python, "-I", str(PEER), "--rollouts", self.rollouts, "--level", level,
                                "--max-prompt-length", str(p), "--max-response-length", str(r),
-                               "--repeat", str(repeat), "--out", out], env=env, capture_output=True, text=True)
+                               "--repeat", str(repeat), "--out", out], capture_output=True, text=True)
         if done.returncode:
             raise SystemExit(f"agl_peer.py under {self.python} failed ({done.returncode}):\n{done.stderr[-3000:]}")
         res = torch.load(out, weights_only=True)
