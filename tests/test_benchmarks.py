@@ -7,6 +7,7 @@ the next benchmarking session.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -53,11 +54,49 @@ def test_gateway_benchmark_prints_every_server_and_the_store_table():
     assert set(store) == {"memory@50", "sqlite@50"}
 
 
+def _batch_rows(out: str) -> dict[tuple[str, str], list[str]]:
+    """batch.py's rows: {(level, AGL env tag): cells}."""
+    return {(cells[0], cells[-1]): cells for cells in map(str.split, out.splitlines())
+            if cells[:1] in (["trajectory"], ["transition"])}
+
+
 @pytest.mark.slow
 def test_batch_benchmark_prints_both_levels():
     out = _run("benchmarks/batch.py", "--repeat", "1", "--no-agl")
-    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split()[:1] in (["trajectory"], ["transition"])}
-    assert rows["trajectory"][1] == "512" and rows["transition"][1] == "4096"  # one row per rollout / per call
-    assert rows["trajectory"][3:5] == ["433", "(issue)"]  # AGL's figure from issue #17, labelled
+    rows = _batch_rows(out)
+    assert set(rows) == {("trajectory", "issue"), ("transition", "issue")}
+    assert rows["trajectory", "issue"][1] == "512" and rows["transition", "issue"][1] == "4096"  # per rollout / call
+    assert rows["trajectory", "issue"][3:5] == ["433", "(issue)"]  # AGL's figure from issue #17, labelled
     assert "nan" not in out
-    assert "issue #17's figures (agentlightning not importable)" in out
+    assert "issue #17's figures (agentlightning not importable)" in out or "issue #17's figures (--no-agl)" in out
+
+
+def test_batch_peer_rollout_file_round_trips(tmp_path):
+    # what batch.py hands AGL's own environment is exactly the rollouts it times itself on
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import agl_peer
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    prompt, response = [5, 6, 7], [8, 9]
+    records = [("r0", "d0", 0, 0, 1.0, [(prompt, response, [-0.5, -0.25]),
+                                         (prompt + response + [10], [11], [-0.125])]),
+               ("r1", "d0", 0, 1, 0.0, [([1], [2, 3], [-1.0, -2.0])])]
+    agl_peer.save_rollouts(str(tmp_path / "r.npz"), records)
+    assert agl_peer.load_rollouts(str(tmp_path / "r.npz")) == records
+    with pytest.raises(ValueError, match="not a prefix"):  # only append-only rollouts travel this way
+        agl_peer.save_rollouts(str(tmp_path / "bad.npz"), [("r2", "d1", 0, 0, 0.0, [([1], [2], [0.0]), ([3], [4], [0.0])])])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("AGL_PYTHON"),
+                    reason="AGL_PYTHON unset: no Python of AGL's own environment (recipe in benchmarks/batch.py)")
+def test_batch_benchmark_times_agl_in_its_own_environment():
+    out = _run("benchmarks/batch.py", "--repeat", "1", "--no-agl", "--agl-python", os.environ["AGL_PYTHON"])
+    rows = _batch_rows(out)
+    assert set(rows) == {("trajectory", "own"), ("transition", "own")}
+    for cells in rows.values():
+        assert len(cells) == 12 and cells[8] == "yes", cells  # measured, bit-identical to agl_lab's batch
+    label = next(line for line in out.splitlines() if line.startswith("AGL env own: "))
+    assert "AGL in its own env (verl " in label and "numpy " in label and os.environ["AGL_PYTHON"] in label
+    assert "issue #17" not in out and "nan" not in out
