@@ -1,4 +1,4 @@
-"""Issue #15 findings 1-4: what the API accepts can be read back; bad values answer 4xx naming the field.
+"""What the store's API accepts can be read back; bad values answer 4xx naming the field.
 
 Real HTTP on loopback, both store backends (`store_url`). Each test sends what once stored an
 unreadable value or answered 500, then checks the answer and that every listing still reads.

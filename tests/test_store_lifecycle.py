@@ -1,4 +1,4 @@
-"""Issue #15 findings 5, 7, 8, 10: connections survive a 500, ids are validated and quoted, one
+"""Store lifecycle: connections survive a 500, ids are validated and quoted, one
 server per SQLite file, and a deleted + re-created id appears once in the terminal cursor."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue #15 findings 6, 11, 12: auth before the body, size and count limits, store work off the
+"""The server's guard (agl_lab.server.guard): auth before the body, size and count limits, store work off the
 event loop, keyless serve stays on loopback, no cross-site bodies, per-rollout agent tokens, docs auth."""
 
 from __future__ import annotations

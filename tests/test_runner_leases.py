@@ -1,4 +1,4 @@
-"""Issue #15 finding 9: running rollouts hold a lease (runner heartbeat, events); a dead runner's
+"""Running rollouts hold a lease (runner heartbeat, events); a dead runner's
 rollouts fail with a reason; a timed-out wait fails its rollouts so no runner runs them later."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue #15 findings 15-18: misbehaving model servers and agents, over real loopback HTTP.
+"""The gateway under misbehaving model servers and agents, over real loopback HTTP.
 
 A small misbehaving upstream (`Misbehaving`) answers per URL prefix: HTML or invalid JSON with
 200, NaN logprobs, a JSON list, an answer nested too deep to store, a dripping body that never

@@ -1,4 +1,4 @@
-"""Issue #12: AGL/verl config keys the Trainer honours on the local engine, end to end on CPU.
+"""AGL/verl config keys the Trainer honours on the local engine, end to end on CPU.
 
 Real tiny model, real gateway, real agents; tasks written to parquet/JSONL files in the test.
 """

@@ -1,4 +1,4 @@
-"""Issue #15: kill -9 the SQLite server under concurrent writers, restart it, and find every
+"""The SQLite store survives kill -9: kill the server under concurrent writers, restart it, and find every
 acknowledged event and terminal state (and the file lock of the dead server released)."""
 
 from __future__ import annotations

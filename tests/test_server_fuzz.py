@@ -1,4 +1,4 @@
-"""Fuzz the HTTP API (issue #15): no request answers 5xx, and every value stored reads back.
+"""Fuzz the HTTP API: no request answers 5xx, and every value stored reads back.
 
 Hypothesis (derandomized, so the examples are the same on every run) sends rollout creates,
 event posts, status patches, model upserts and listing queries with JSON values that include

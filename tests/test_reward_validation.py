@@ -1,4 +1,4 @@
-"""Issue #15 findings 13-14: a reward is a finite float32, else the rollout is FAILED with the reason;
+"""A reward is a finite float32, else the rollout is FAILED with the reason;
 collection never loses a step or deletes what it did not read; failed rollouts can be excluded."""
 
 from __future__ import annotations
