@@ -4,8 +4,9 @@
     trainer = Trainer.from_config("configs/cpu_tiny.yaml")
     ro = trainer.rollout(); b = trainer.build_batch(); u = trainer.update()
 
-Importing agl_lab registers the `per_rollout_mean` policy loss in verl's registry (lazily,
-the first time `agl_lab.algorithms` is imported).
+Importing agl_lab is cheap (no torch, verl or web stack); `agl_lab.Trainer` imports the trainer
+on first use. The `per_rollout_mean` policy loss is registered in verl's registry when
+`agl_lab.algorithms` is imported (the Trainer and both engines import it).
 """
 
 from __future__ import annotations

@@ -445,6 +445,5 @@ def build_batch(
     arrays = pad_rows(kept, max_prompt_length, max_response_length, pad_token_id)
     plan.data, n_without = to_dataproto(kept, arrays)
     plan.metrics = train_metrics(plan, reward_fillna_value, n_without)
-    plan.metrics["training/n_failed_rollouts"] = n_failed
     plan.metrics["training/n_failed_rollouts_excluded"] = n_failed if exclude_failed else 0
     return plan

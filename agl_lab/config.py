@@ -303,13 +303,12 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(str(e)) from None
     agl = cfg.agentlightning
     if agl.async_rollout.enabled:
-        a, b = agl.async_rollout.async_train_batch_size, cfg.data.train_batch_size
-        if a is None or a <= b:
-            raise ConfigError(
-                f"agentlightning.async_rollout.async_train_batch_size ({a}) must be > "
-                f"data.train_batch_size ({b}) when async_rollout.enabled=true; "
-                f"AGL recommends 2 × train_batch_size (e.g. {2 * b})"
-            )
+        from agl_lab.rollout import check_async_sizes
+
+        try:
+            check_async_sizes(cfg.data.train_batch_size, agl.async_rollout.async_train_batch_size)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     wait = cfg.agl_lab.rollout.wait_timeout_seconds
     if wait is not None and wait != "auto" and (isinstance(wait, bool) or not isinstance(wait, (int, float))
                                                 or wait <= 0):

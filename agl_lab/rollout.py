@@ -368,20 +368,17 @@ class _Group:
         return [self.finished[rid] for rid in self.rollout_ids]
 
 
-def _check_async_sizes(train_batch_size: int, async_train_batch_size: int | None) -> None:
-    key = "agentlightning.async_rollout.async_train_batch_size"
+def check_async_sizes(train_batch_size: int, async_train_batch_size: int | None) -> None:
+    """The async rule, in one place (config validation and the manager both call it): more
+    groups in flight than a step trains on, or nothing is ever carried over."""
     if not isinstance(train_batch_size, int) or train_batch_size < 1:
         raise ValueError(f"data.train_batch_size must be an int >= 1, got {train_batch_size!r}")
-    if async_train_batch_size is None:
+    if (not isinstance(async_train_batch_size, int) or isinstance(async_train_batch_size, bool)
+            or async_train_batch_size <= train_batch_size):
         raise ValueError(
-            f"{key} is not set; async rollout needs it > data.train_batch_size "
-            f"({train_batch_size}), e.g. {2 * train_batch_size} (2 x train_batch_size)"
-        )
-    if not isinstance(async_train_batch_size, int) or async_train_batch_size <= train_batch_size:
-        raise ValueError(
-            f"{key} ({async_train_batch_size!r}) must be an int > data.train_batch_size "
-            f"({train_batch_size}); set it to e.g. {2 * train_batch_size} (2 x train_batch_size)"
-        )
+            f"agentlightning.async_rollout.async_train_batch_size ({async_train_batch_size!r}) must be an int > "
+            f"data.train_batch_size ({train_batch_size}) when async rollout is on; set it to e.g. "
+            f"{2 * train_batch_size} (2 × train_batch_size, as AGL recommends)")
 
 
 class AsyncRolloutManager:
@@ -412,7 +409,7 @@ class AsyncRolloutManager:
         poll_interval: float = 0.2,
         track_running: bool = True,
     ):
-        _check_async_sizes(train_batch_size, async_train_batch_size)
+        check_async_sizes(train_batch_size, async_train_batch_size)
         self.n = _check_n(n)
         self.train_batch_size, self.async_train_batch_size = train_batch_size, async_train_batch_size
         self.rollout_config = _as_rollout_config(rollout_config)

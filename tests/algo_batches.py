@@ -1,7 +1,7 @@
 """Hand-built DataProto batches for the algorithm tests (advantage, loss, selection, update).
 
 `make_batch(masks, rewards, rollout_ids, data_ids)`: one row per mask; the reward sits on
-the row's last mask token. Upstream §7.6 fixture: `upstream_batch()` = rows (r1, r1, r2).
+the row's last mask token. AGL v1's fixture (its tests/verl/test_rollout_level_advantage.py): `upstream_batch()` = rows (r1, r1, r2).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def rows_of(data: DataProto, rollout_id: str) -> int:
     return int((data.non_tensor_batch["rollout_id_list"] == rollout_id).sum())
 
 
-# Upstream §7.6 fixture: rows (r1, r1, r2), one group "data-1".
+# AGL v1's test_rollout_level_advantage.py fixture: rows (r1, r1, r2), one group "data-1".
 def upstream_batch(rewards=(1.0, 1.0, 3.0)) -> DataProto:
     return make_batch([[1, 1, 0], [1, 0, 0], [1, 1, 1]], list(rewards), ["r1", "r1", "r2"], ["data-1"] * 3)
 

@@ -1,6 +1,7 @@
 """agl_lab.algorithms.advantage: rollout-level advantage, zero-advantage groups, estimator checks.
 
-Parity tests (marked `# §7.6`) use upstream's fixtures and expected values.
+Parity tests (marked `# AGL parity`) use the fixtures and expected values of AGL v1's
+tests/verl/test_rollout_level_advantage.py.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from tests.algo_batches import make_batch, three_groups, upstream_batch
 
 
 
-def test_rollout_level_advantage_collapses_rollouts_and_broadcasts_rows():  # §7.6
+def test_rollout_level_advantage_collapses_rollouts_and_broadcasts_rows():  # AGL parity
     seen = {}
 
     def estimator(sub, **kwargs):
@@ -40,20 +41,20 @@ def test_rollout_level_advantage_collapses_rollouts_and_broadcasts_rows():  # §
     assert data.batch["returns"].tolist() == [[3, 3, 0], [3, 0, 0], [-2, -2, -2]]
 
 
-def test_rollout_level_advantage_requires_rollout_ids():  # §7.6
+def test_rollout_level_advantage_requires_rollout_ids():  # AGL parity
     data = upstream_batch()
     data.non_tensor_batch.pop("rollout_id_list")
     with pytest.raises(RuntimeError, match="rollout_id_list"):
         alg.compute_rollout_level_advantage(data, "grpo", num_repeat=2, compute_advantage_fn=lambda d, **k: d)
 
 
-def test_rollout_level_advantage_rejects_inconsistent_rollout_rewards():  # §7.6
+def test_rollout_level_advantage_rejects_inconsistent_rollout_rewards():  # AGL parity
     with pytest.raises(RuntimeError, match="same scalar token_level_rewards"):
         alg.compute_rollout_level_advantage(upstream_batch((1.0, 2.0, 3.0)), "grpo", num_repeat=2,
                                             compute_advantage_fn=lambda d, **k: d)
 
 
-def test_rollout_level_advantage_rejects_non_scalar_token_advantages():  # §7.6
+def test_rollout_level_advantage_rejects_non_scalar_token_advantages():  # AGL parity
     def estimator(sub, **kwargs):
         sub.batch["advantages"] = torch.tensor([[1.0, 2.0, 0.0], [-1.0, -1.0, -1.0]])
         return sub

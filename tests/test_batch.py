@@ -1,7 +1,7 @@
 """Golden tests of agl_lab.batch on hand-built rollouts (fake tokenizer = space-joined ids).
 
 Covers every rule of the module docstring, AGL v1's tests/verl/test_rollout_adapter.py
-(reference §7.7; its W&B side tables are in test_logger.py) and the invariances: reordering
+(AGL v1's tests/verl/test_rollout_adapter.py; its W&B side tables are in test_logger.py) and the invariances: reordering
 rollouts, running twice, trajectory row ≡ last transition row's tokens. Rows and breaks are
 read through the DataFrames of `agl_lab.results.BatchResult`, as a notebook reads them.
 """
@@ -87,7 +87,6 @@ def test_metrics_names_and_values():
         "training/n_rollouts": 3,
         "training/n_rollouts_w_trace": 2,
         "training/n_rollouts_w_reward": 2,
-        "training/n_failed_rollouts": 0,
         "training/n_failed_rollouts_excluded": 0,
         "training/n_truncated_sample": 1,
         "training/n_skipped_empty_rows": 0,

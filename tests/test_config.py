@@ -46,9 +46,9 @@ def test_free_form_subtrees_accept_any_key():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["agentlightning.async_rollout.enabled=true"], r"async_train_batch_size \(None\) must be > data\.train_batch_size"),
+    (["agentlightning.async_rollout.enabled=true"], r"async_train_batch_size \(None\) must be an int > data\.train_batch_size"),
     (["agentlightning.async_rollout.enabled=true", "data.train_batch_size=8",
-      "agentlightning.async_rollout.async_train_batch_size=8"], r"\(8\) must be > data\.train_batch_size \(8\)"),
+      "agentlightning.async_rollout.async_train_batch_size=8"], r"\(8\) must be an int > data\.train_batch_size \(8\)"),
     (["algorithm.adv_estimator=gae"], r"adv_estimator=gae"),
     (["algorithm.adv_estimator=remax"], r"remax is not supported"),
     (["agl_lab.engine=tpu"], r"agl_lab\.engine='tpu' is not one of"),

@@ -5,6 +5,10 @@
 - No import cycles between agl_lab modules, counting imports inside functions too: a lazy
   import may defer a cost, never hide a cycle.
 - No learning-core module grows past ~450 lines.
+- The tree is grouped by what things are (ARCHITECTURE.md): the Trainer holds the loop only
+  (the execution side, the engine factory and the CLI live elsewhere), engines/serving/ is the
+  OpenAI serving stack, engines/verl/ everything verl.
+- `agl-lab serve` never imports torch.
 """
 
 from __future__ import annotations
@@ -25,7 +29,15 @@ IO_PARTS = ["agl_lab.client", "agl_lab.server", "agl_lab.runner", "agl_lab.engin
 WEB_STACK = ["aiohttp", "fastapi", "uvicorn"]
 CORE_FILES = ["records.py", "batch.py", "padding.py", "validation.py", "diagnose.py", "views.py", "update.py", "results.py",
               "algorithms/__init__.py", "algorithms/advantage.py", "algorithms/loss.py",
-              "algorithms/selection.py", "engines/local_ppo.py"]
+              "algorithms/selection.py", "algorithms/pipeline.py", "engines/local_ppo.py"]
+PACKAGES = {  # package → the modules it holds (ARCHITECTURE.md's layout)
+    "engines/serving": {"__init__", "openai_server", "scheduler", "decode_batch", "fast_decode", "prefix_cache"},
+    "engines/verl": {"__init__", "engine", "trainer", "api", "cpu", "cpu_rollout"},
+}
+TRAINER_MAX_LINES = 560
+# What the Trainer reaches only through agl_lab.execution / agl_lab.engines.build / agl_lab.cli
+NOT_IN_TRAINER = ["agl_lab.server", "agl_lab.client", "agl_lab.runner", "agl_lab.hooks", "agl_lab.engines.local",
+                  "agl_lab.engines.verl", "agl_lab.tasks.warmstart", "argparse"]
 MAX_CORE_LINES = 450
 
 
@@ -121,3 +133,36 @@ def test_core_modules_stay_small(name: str) -> None:
     assert path.exists(), f"{name} is part of the layout (ARCHITECTURE.md)"
     lines = len(path.read_text().splitlines())
     assert lines <= MAX_CORE_LINES, f"{name} has {lines} lines; split it (limit {MAX_CORE_LINES})"
+
+
+@pytest.mark.parametrize("package", sorted(PACKAGES))
+def test_packages_hold_what_they_are(package: str) -> None:
+    have = {p.stem for p in (PACKAGE / package).glob("*.py")}
+    assert PACKAGES[package] <= have, f"{package} lacks {sorted(PACKAGES[package] - have)}"
+    flat = {p.stem for p in (PACKAGE / "engines").glob("*.py")}
+    strays = flat & (set().union(*PACKAGES.values()) - {"__init__"}) | {m for m in flat if m.startswith("verl")}
+    assert not strays, f"engines/ has {sorted(strays)} beside the packages they belong in"
+
+
+def test_trainer_holds_the_loop_only() -> None:
+    path = PACKAGE / "trainer.py"
+    lines = len(path.read_text().splitlines())
+    assert lines <= TRAINER_MAX_LINES, f"trainer.py has {lines} lines (limit {TRAINER_MAX_LINES}): move what is not the loop out"
+    files = [p for p in PACKAGE.rglob("*.py")]
+    imported = _imports(path, {_module_name(p) for p in files} | {"argparse"})
+    tree = ast.parse(path.read_text())
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    leaked = sorted(m for m in imported | names for bad in NOT_IN_TRAINER if m == bad or m.startswith(bad + "."))
+    assert not leaked, f"trainer.py imports {leaked}: those belong to execution.py, engines/build.py or cli.py"
+    doc = ast.get_docstring(next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Trainer"))
+    for section in ("Args:", "Example:", "One step, hop by hop"):
+        assert section in doc, f"the Trainer's docstring lacks its {section!r} section"
+
+
+def test_agl_lab_serve_never_imports_torch() -> None:
+    code = ("import sys\nfrom agl_lab import cli\nfrom agl_lab.server import embedded\n"
+            "assert cli.SUBCOMMANDS['serve'][:2] == ('agl_lab.server.embedded', 'serve_main')\n"
+            "print('torch' in sys.modules)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.strip().splitlines()[-1] == "False"

@@ -1,6 +1,6 @@
 """The metrics logger: console line, metrics.jsonl, and AGL v1's W&B side tables.
 
-The W&B tables (AGL v1's tests/verl/test_rollout_adapter.py, reference §7.7) run against a
+The W&B tables (AGL v1's tests/verl/test_rollout_adapter.py) run against a
 fake W&B module and run (`FakeWandb`, `FakeRun`, also used by test_trainer.py); one test
 checks that the real `wandb.Table` / `wandb.Artifact` accept what we pass.
 """
@@ -86,7 +86,7 @@ def test_console_line_shows_the_logprob_gap_not_the_probability_gap():
     assert "lp_diff_max 0.250" in line and "0.750" not in line
 
 
-# =========================================================================== §7.7 W&B side tables
+# =========================================================================== AGL v1's W&B side tables
 
 
 def test_trajectory_prefix_mismatch_uploads_trace_merge_table_to_wandb():

@@ -1,6 +1,7 @@
 """agl_lab.algorithms.loss: per-rollout normalisation, the per_rollout_mean loss, its registration, weights.
 
-Parity tests (marked `# §7.5`) use upstream's fixtures and expected values; the others pin
+Parity tests (marked `# AGL parity`) use the fixtures and expected values of AGL v1's
+tests/verl/test_per_rollout_loss.py; the others pin
 the improvement (the rollouts divisor).
 """
 
@@ -26,7 +27,7 @@ def _mass(norm: torch.Tensor, mask: torch.Tensor, rows: list[int]) -> float:
 
 
 
-def test_normalize_rows_divisor_matches_upstream():  # §7.5
+def test_normalize_rows_divisor_matches_upstream():  # AGL parity
     norm = alg.normalize_advantages_by_rollout(torch.ones(3, 3), MASK_753, ["A", "A", "B"], num_trained_rows=3,
                                                divisor="rows")
     assert _mass(norm, MASK_753, [0, 1]) == pytest.approx(1 / 3)
@@ -41,7 +42,7 @@ def test_normalize_rollouts_divisor_gives_each_rollout_one_over_R():
     assert norm[0, 0].item() == pytest.approx(1 / 6) and norm[2, 2].item() == pytest.approx(1 / 6)
 
 
-def test_normalize_validates_inputs():  # §7.5
+def test_normalize_validates_inputs():  # AGL parity
     with pytest.raises(ValueError, match="rollout_ids length"):
         alg.normalize_advantages_by_rollout(torch.ones(3, 3), MASK_753, ["A", "B"], num_trained_rows=3)
     with pytest.raises(ValueError, match="num_trained_rows"):
@@ -76,7 +77,7 @@ def test_one_merged_row_equals_its_transition_rows_under_rollouts_divisor():
     assert _mass(r_m, merged, [0]) == pytest.approx(1.0) and _mass(r_s, split, [0, 1]) == pytest.approx(2 / 3)
 
 
-def test_loss_is_registered():  # §7.5
+def test_loss_is_registered():  # AGL parity
     assert "per_rollout_mean" in core_algos.POLICY_LOSS_REGISTRY
     assert core_algos.get_policy_loss_fn("per_rollout_mean") is alg.compute_policy_loss_per_rollout_mean
 
@@ -98,7 +99,7 @@ def test_ray_hook_path_resolves_to_the_registration():
     assert getattr(importlib.import_module(module), name) is alg.register_in_worker
 
 
-def test_policy_loss_matches_masked_sum():  # §7.5
+def test_policy_loss_matches_masked_sum():  # AGL parity
     adv = torch.tensor([[0.5, 0.5, 0.0], [-0.2, -0.2, -0.2]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
     logp = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.7, -0.9]])

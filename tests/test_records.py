@@ -1,6 +1,6 @@
 """Records: the triplet view, events -> CompletedRollout, lifecycle metrics, the rollout order.
 
-All pure (`agl_lab.records`): tested on hand-built events (AGL v1 §7.4 parity, golden
+All pure (`agl_lab.records`): tested on hand-built events (parity with AGL v1's tests/verl/test_agl_rollout_manager.py, golden
 lifecycle numbers). The same events travel over HTTP in test_rollout.py and test_server.py.
 """
 

@@ -1,4 +1,4 @@
-"""The HTTP API over real loopback HTTP, on both store backends (AGL v1 parity: reference §7.2, §7.3)."""
+"""The HTTP API over real loopback HTTP, on both store backends (parity with AGL v1's tests/server/test_endpoints.py and tests/test_package.py)."""
 
 from __future__ import annotations
 

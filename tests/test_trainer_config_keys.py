@@ -197,7 +197,7 @@ def test_killed_cli_run_resumes_and_continues_like_an_uninterrupted_run(tmp_path
 
 # Every metric name AGL v1 logs for calc_x's settings (sync, trajectory level, GRPO, no critic,
 # no reference model, rollout correction config present, validation after the last step),
-# upstream-reference §6.
+# as its verl trainer, rollout adapter and validation emit them.
 AGL_METRICS = [
     # rollout adapter (train) and trajectory level
     "training/reward", "training/n_sample", "training/n_rollouts", "training/n_rollouts_w_trace",

@@ -3,7 +3,8 @@
     create_app(config) -> FastAPI        config: ServerConfig | Mapping (AGL server.yaml keys)
     ServerConfig, load_server_config                    the settings (agl_lab.server.config)
 
-Routes (upstream-reference §2; paths, JSON shapes, codes and error texts are AGL's):
+Routes (Agent Lightning v1's `server/app.py` and `server/routes/*`; paths, JSON shapes, codes and
+error texts are AGL's):
 
     GET    /healthz                                         open
     POST   /api/rollouts                  [RolloutCreate]   201 [Rollout]

@@ -2,7 +2,7 @@
 
 An agent gets `{server}/proxy/rollout/{rid}/attempt/{aid}/mode/{train|val}/openai/v1` as its
 OpenAI `base_url`; the URL path alone attributes the call to the rollout. Per call (AGL v1,
-upstream-reference §2.5, in this order):
+Agent Lightning v1's `server/proxy.py`, in this order):
 
     validate  mode -> upstream path -> rollout exists -> (agl_lab) rollout not terminal
               -> client configured -> JSON body -> a server registered for the model

@@ -6,7 +6,7 @@ One `Store` interface, two backends chosen by URL (`open_store`):
     "memory" | None          -> MemoryStore   (default; lost when the process ends)
     "sqlite:///path/to.db"   -> SqliteStore   (a restarted kernel re-attaches to it)
 
-The semantics (AGL v1, upstream-reference §1) live once, in the `Store` base class; a backend
+The semantics (AGL v1's data model, `agentlightning/schemas.py` and `server/store.py`) live once, in the `Store` base class; a backend
 only implements storage primitives (`_load`, `_insert`, `_append_event`, ...). So both
 backends answer every question identically, and the tests run the same suite on both.
 
