@@ -34,6 +34,7 @@ from agl_lab.results import BatchResult, RolloutResult, UpdateResult
 
 logger = logging.getLogger(__name__)
 
+
 class Trainer:
     """Agentic GRPO, one stage per call.
 
@@ -62,8 +63,8 @@ class Trainer:
               (`client:AglClient.register_models`) under its `policy_version`; `engine.resume()`.
            b. `rollout:SyncRolloutManager.run` (or `AsyncRolloutManager.run`, which carries slow
               groups over) creates `n` rollouts per task (`client:AglClient.create_rollouts`).
-           c. `runner:Runner._claim` takes each queued rollout and runs the agent; its OpenAI
-              calls go through `server.gateway:Gateway.handle`, which forwards them to the
+           c. `runner:Runner._tick` claims each queued rollout (`Runner._claim`) and runs the agent
+              (`Runner._launch`); its OpenAI calls go through `server.gateway:Gateway.handle`, which forwards them to the
               engine's OpenAI server and records token ids + logprobs as `model_request` events.
            d. the managers follow the store's terminal log (`client:AglClient.poll_terminal`) and
               turn each finished rollout's events into triplets

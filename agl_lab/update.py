@@ -6,14 +6,14 @@
     → advantage → selection → normalisation  agl_lab.algorithms.prepare_update_batch
     → engine.update(batch)                   PPO epochs
     → engine.sync_weights()                  policy_version += 1
-    → engine.resume()                        always, in the `finally` of the pause
+    → engine.resume()                        always: in the `finally`, after a skip or an error too
 
 Whether a step trains depends on row counts alone, so it is decided first, once, before the
 engine stops serving (verl would sleep its replicas, recompute logprobs and push the same
-weights back for nothing). A skipped step makes no engine call and is reported once: the
-metric `training/skipped_steps` = 1 and one warning on this module's logger. Selection
-runs once, inside `prepare_update_batch`. The engine is paused and resumed here, in one
-`try`/`finally`, so an error inside the update never leaves it paused.
+weights back for nothing). A skipped step makes no training call (only the closing `resume`)
+and is reported once: the metric `training/skipped_steps` = 1 and one warning on this module's
+logger. Selection runs once, inside `prepare_update_batch`. The engine is paused and resumed
+here, in one `try`/`finally`, so neither a skip nor an error inside the update leaves it paused.
 """
 
 from __future__ import annotations
@@ -72,12 +72,11 @@ def run_update(cfg, engine: Engine, batch: BatchResult, *, step: int) -> UpdateR
     data.meta_info["temperature"] = float(cfg.actor_rollout_ref.rollout.temperature)
     small_batch = "skip" if opts["drop_order"] == "agl" else opts["small_batch"]  # AGL skips a small batch
     reason = skip_reason(int((~marked_rows(data)).sum()), opts["mini_batch_rows"], small_batch)
-    if reason is not None:
-        return _skipped(step, data, reason, engine)
-
     metrics: dict[str, Any] = {}
-    engine.pause(float(cfg.agl_lab.rollout.drain_timeout_seconds))
-    try:
+    try:  # whatever happens below, the step ends with the engine serving (resume)
+        if reason is not None:
+            return _skipped(step, data, reason, engine)
+        engine.pause(float(cfg.agl_lab.rollout.drain_timeout_seconds))
         with _timed(metrics, "old_log_prob"):  # verl: old/ref logprobs, values, KL-in-reward, IS weights
             data, prep_metrics = engine.prepare(data)
         metrics.update(prep_metrics)
@@ -94,7 +93,9 @@ def run_update(cfg, engine: Engine, batch: BatchResult, *, step: int) -> UpdateR
         with _timed(metrics, "update_weights"):
             engine.sync_weights()
     finally:
-        engine.resume()  # serve again, with the new weights or (after an error) the old ones
+        # serve again: with the new weights, or the old ones after a skip or an error (verl's abort
+        # at the end of a sync rollout phase leaves its replicas paused until this resume)
+        engine.resume()
     metrics["training/policy_version"] = engine.policy_version
     if "attention_mask" in prepared.batch.keys():  # verl: tokens of the trained batch
         metrics["perf/total_num_tokens"] = int(prepared.batch["attention_mask"].sum())

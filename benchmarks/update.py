@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
 
     engine = LocalEngine(str(preset_dir(args.preset)), device="cpu", max_model_len=2048,
                          actor={"ppo_mini_batch_size": args.rollouts, "ppo_micro_batch_size_per_gpu": args.micro,
-                                "loss_mode": "vanilla", "lr": args.lr, "temperature": 1.0},
+                                "loss_mode": "vanilla", "lr": args.lr},
                          log_prob_micro_batch_size=args.micro)
     try:
         t0 = time.perf_counter()

@@ -21,8 +21,7 @@ from agl_lab.engines.local_ppo import ActorUpdateConfig
 
 @pytest.fixture(scope="module")
 def engine():
-    eng = LocalEngine(device="cpu", actor={"ppo_mini_batch_size": 64, "loss_mode": "vanilla", "lr": 1e-2,
-                                           "temperature": 1.0})
+    eng = LocalEngine(device="cpu", actor={"ppo_mini_batch_size": 64, "loss_mode": "vanilla", "lr": 1e-2})
     yield eng
     eng.close()
 
@@ -46,8 +45,9 @@ def _sample_calls(engine: LocalEngine, temperature: float, n: int = 4) -> list[d
         return [f.result() for f in futures]
 
 
-def _to_batch(calls: list[dict], pad_id: int) -> DataProto:
-    """Left-padded prompts + right-padded responses, verl layout; `rollout_log_probs` from the server."""
+def _to_batch(calls: list[dict], pad_id: int, temperature: float = 1.0) -> DataProto:
+    """Left-padded prompts + right-padded responses, verl layout; `rollout_log_probs` from the server;
+    the sampling temperature in `meta_info`, as `run_update` puts it there."""
     p_len = max(len(c["prompt"]) for c in calls)
     r_len = max(len(c["response"]) for c in calls)
     n = len(calls)
@@ -64,7 +64,12 @@ def _to_batch(calls: list[dict], pad_id: int) -> DataProto:
     return DataProto.from_dict(tensors={
         "input_ids": torch.cat([prompts, responses], dim=1), "attention_mask": mask,
         "position_ids": (mask.cumsum(-1) - 1).clamp(min=0), "responses": responses, "response_mask": r_mask,
-        "rollout_log_probs": served})
+        "rollout_log_probs": served}, meta_info={"temperature": temperature})
+
+
+def test_a_flat_actor_dict_with_unknown_keys_is_refused_naming_them():
+    with pytest.raises(ValueError, match=r"not ActorUpdateConfig fields: \['temperature'\].*meta_info"):
+        LocalEngine(device="cpu", actor={"lr": 1e-2, "temperature": 1.0})
 
 
 def test_engine_contract_basics(engine):
@@ -82,7 +87,7 @@ def test_engine_contract_basics(engine):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_compute_log_probs_equals_served_logprobs(engine, temperature):
     calls = _sample_calls(engine, temperature)
-    data = _to_batch(calls, engine.tokenizer.pad_token_id)
+    data = _to_batch(calls, engine.tokenizer.pad_token_id, temperature)
     logp = engine.compute_log_probs(data, temperature=temperature)
     mask = data.batch["response_mask"].bool()
     assert logp.shape == data.batch["responses"].shape and logp.dtype == torch.float32
@@ -174,8 +179,8 @@ def test_kl_in_reward_and_rollout_correction_with_verls_functions_and_names(roll
                  "rollout_correction": {"rollout_is": rollout_is, "rollout_is_threshold": 2.0, "rollout_rs": None,
                                         "rollout_rs_threshold": None, "bypass_mode": False,
                                         "loss_type": "ppo_clip", "rollout_is_batch_normalize": False}}
-    with LocalEngine(device="cpu", actor={"ppo_mini_batch_size": 64, "loss_mode": "vanilla", "lr": 5e-2,
-                                          "temperature": 1.0}, algorithm=algorithm) as eng:
+    with LocalEngine(device="cpu", actor={"ppo_mini_batch_size": 64, "loss_mode": "vanilla", "lr": 5e-2},
+                     algorithm=algorithm) as eng:
         assert eng.ref_model is not None  # the KL reference: the initial weights
         data = _to_batch(_sample_calls(eng, 1.0), eng.tokenizer.pad_token_id)
         # move the policy once, so old ≠ rollout (IS weights ≠ 1) and old ≠ ref (KL ≠ 0)

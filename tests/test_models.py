@@ -52,7 +52,7 @@ def smollm2_engine(tmp_path_factory):
 
     model_dir = models.smollm2(cache_dir=tmp_path_factory.mktemp("presets"))  # a real conversion
     engine = LocalEngine(str(model_dir), device="cpu", max_model_len=512,
-                         actor={"ppo_mini_batch_size": 64, "loss_mode": "vanilla", "lr": 1e-5, "temperature": 1.0})
+                         actor={"ppo_mini_batch_size": 64, "loss_mode": "vanilla", "lr": 1e-5})
     yield model_dir, engine
     engine.close()
 

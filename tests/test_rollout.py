@@ -299,7 +299,7 @@ def test_bad_arguments_name_the_key(client):
 
 
 @pytest.mark.parametrize("async_size, match", [
-    (None, "agentlightning.async_rollout.async_train_batch_size is not set"),
+    (None, r"agentlightning.async_rollout.async_train_batch_size \(None\) must be an int > data.train_batch_size"),
     (2, r"agentlightning.async_rollout.async_train_batch_size \(2\) must be an int > data.train_batch_size \(2\)"),
     (1, r"async_train_batch_size \(1\) must be"),
     ("3", r"async_train_batch_size \('3'\) must be an int"),

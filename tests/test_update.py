@@ -119,7 +119,7 @@ def test_a_training_step_is_one_straight_line(selections):
 
 
 @pytest.mark.parametrize("case", ["small_batch_skip", "all_marked"])
-def test_a_skipped_step_makes_no_engine_call_and_is_reported_once(case, selections, caplog, capsys):
+def test_a_skipped_step_makes_no_training_call_and_is_reported_once(case, selections, caplog, capsys):
     if case == "small_batch_skip":  # 3 rows < one mini-batch of 8 rows, small_batch=skip
         data, cfg = one_row_rollouts({"a": [1, 0, 1]}), config(**{"agl_lab.algorithm.small_batch": "skip"})
     else:  # every row marked by the batch builder: skipped whatever small_batch says
@@ -127,7 +127,7 @@ def test_a_skipped_step_makes_no_engine_call_and_is_reported_once(case, selectio
     engine = RecordingEngine()
     with caplog.at_level(logging.INFO):
         result = run_update(cfg, engine, SimpleNamespace(data=data, step=5), step=5)
-    assert engine.calls == [] and selections == []
+    assert names(engine) == ["resume"] and selections == []  # only: serve again
     assert result.skipped and result.metrics["training/skipped_steps"] == 1 and result.weights.empty
     assert result.metrics["training/n_sample_trained"] == 0
     expected = {"small_batch_skip": ["small_batch_skip"] * 3, "all_marked": ["marked", "marked"]}[case]
@@ -136,6 +136,27 @@ def test_a_skipped_step_makes_no_engine_call_and_is_reported_once(case, selectio
     assert len(skip_lines) == 1 and skip_lines[0].name == "agl_lab.update"
     assert skip_lines[0].levelno == logging.WARNING and "step 5" in skip_lines[0].getMessage()
     assert capsys.readouterr().out == ""  # no print
+
+
+def test_a_batch_off_the_schema_is_refused_before_any_engine_call(selections):
+    from agl_lab.engines.base import BATCH_SCHEMA
+
+    engine = RecordingEngine()
+    data = one_row_rollouts({"a": [1, 0, 1, 0], "b": [0, 1, 1, 1]})
+    data.batch.pop("response_mask")
+    with pytest.raises(ValueError, match=r"'response_mask' is missing \(written by batch.build_batch"):
+        run_update(config(), engine, SimpleNamespace(data=data, step=0), step=0)
+    data = one_row_rollouts({"a": [1, 0, 1, 0], "b": [0, 1, 1, 1]})
+    data.batch["token_level_scores"] = data.batch["token_level_scores"].long()
+    r = data.batch["response_mask"].shape[1]  # R: the response_mask's width
+    data.batch["rollout_log_probs"] = torch.zeros(len(data), r + 1)
+    with pytest.raises(ValueError) as err:
+        run_update(config(), engine, SimpleNamespace(data=data, step=0), step=0)
+    assert "'token_level_scores' has dtype int64, expected float32 or bfloat16" in str(err.value)
+    assert f"'rollout_log_probs' has shape [8, {r + 1}], expected [N, R] = [8, {r}]" in str(err.value)
+    assert engine.calls == [] and selections == []
+    assert {k for k, spec in BATCH_SCHEMA.items() if spec.required} == {
+        "response_mask", "token_level_scores", "rollout_id_list", "data_id_list"}
 
 
 def test_an_engine_error_inside_the_update_still_resumes_the_engine(selections):

@@ -43,7 +43,7 @@ def test_worker_env_loads_this_agl_lab_and_the_platform_in_every_worker(monkeypa
     assert env["VERL_USE_EXTERNAL_MODULES"] == f"{verl_cpu.MODULE},my.plugin"  # the user's module kept
     assert env["VERL_ENGINE_DEVICE"] == "cuda"
     root = env["PYTHONPATH"].split(os.pathsep)[0]
-    assert Path(root, "agl_lab", "engines", "verl_cpu.py").exists()  # workers import this checkout
+    assert Path(root, "agl_lab", "engines", "verl", "cpu.py").exists()  # workers import this checkout
     assert env["PYTHONPATH"].endswith("/elsewhere")
 
 

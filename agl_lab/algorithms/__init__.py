@@ -25,17 +25,9 @@ returns just the tensor, like upstream). Importing this package registers `per_r
 in verl's policy-loss registry, so a Ray worker only needs the setup hook
 `agl_lab.algorithms.register_in_worker`.
 
-Batch keys used (N rows, R response positions):
-
-| key                         | shape      | meaning                                            |
-|-----------------------------|------------|----------------------------------------------------|
-| `response_mask`             | [N, R]     | 1 on model-sampled tokens (the loss tokens)        |
-| `token_level_scores/rewards`| [N, R]     | the rollout's reward on the last response token    |
-| `advantages`, `returns`     | [N, R]     | written here                                       |
-| `rollout_advantages`        | [N, R]     | the raw advantages, kept when `advantages` are normalised |
-| `is_drop_mask`              | [N] bool   | rows the batch builder marked (prompt too long)    |
-| `rollout_id_list`           | [N] object | the rollout of each row                            |
-| `uid` / `data_id_list`      | [N] object | the group (task in this step) of each row          |
+The batch keys they read and write (`response_mask`, `token_level_scores/rewards`,
+`advantages`, `returns`, `rollout_advantages`, `is_drop_mask`, `rollout_id_list`, `uid` /
+`data_id_list`) are declared once, with shapes and writers, in `agl_lab.engines.base.BATCH_SCHEMA`.
 """
 
 from __future__ import annotations

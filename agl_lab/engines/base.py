@@ -160,6 +160,8 @@ BATCH_SCHEMA: dict[str, BatchKey] = {
     "advantages": BatchKey(("float32",), "N, R", "algorithms.advantage, then algorithms.loss.normalize_batch"),
     "returns": BatchKey(("float32",), "N, R", "algorithms.advantage"),
     "rollout_advantages": BatchKey(("float32",), "N, R", "algorithms.loss.normalize_batch (the raw advantages)"),
+    "rollout_is_weights": BatchKey(("float32",), "N, R", "Engine.prepare (algorithm.rollout_correction)"),
+    "values": BatchKey(("float32",), "N, R", "Engine.prepare (verl's critic, GAE)"),
 }
 
 

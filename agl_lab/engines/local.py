@@ -43,7 +43,13 @@ def actor_config(actor: Any = None, lr: float | None = None) -> Any:
         cfg = ActorUpdateConfig(lr=DEFAULT_TINY_LR)
     elif isinstance(actor, ActorUpdateConfig):
         cfg = actor
-    elif isinstance(actor, Mapping) and set(actor) <= {f.name for f in fields(ActorUpdateConfig)}:
+    elif isinstance(actor, Mapping) and not {"optim", "policy_loss"} & set(actor):  # a field dict
+        unknown = sorted(set(actor) - {f.name for f in fields(ActorUpdateConfig)})
+        if unknown:
+            raise ValueError(
+                f"actor={{...}} has keys that are not ActorUpdateConfig fields: {unknown}. Pass its fields "
+                "(lr, ppo_mini_batch_size, ...) or a verl actor section (with optim: and policy_loss:); the "
+                "sampling temperature is not an actor key: it travels in data.meta_info['temperature']")
         cfg = ActorUpdateConfig(**dict(actor))
     else:  # `actor_rollout_ref.actor` of a verl config (dict, DictConfig or dataclass)
         cfg = ActorUpdateConfig.from_verl_actor_config(actor)
@@ -74,10 +80,10 @@ class LocalEngine(Engine):
         bypass_mode: bool = False,
         algorithm: Any = None,
     ):
+        self.actor_cfg = actor_config(actor, lr)  # first: a bad actor dict fails before the model loads
         self.model, self.tokenizer = load_model_and_tokenizer(model_path, device=device, dtype=dtype, seed=seed)
         self.device = next(self.model.parameters()).device
         self.model_name = model_name or (Path(model_path).resolve().name if model_path else DEFAULT_MODEL_NAME)
-        self.actor_cfg = actor_config(actor, lr)
         from agl_lab.engines.local_ppo import build_optimizer
 
         self.optimizer = build_optimizer(self.model, self.actor_cfg)

@@ -18,19 +18,11 @@ forward over the whole mini-batch, exactly, for every `loss_agg_mode`. `per_roll
 is a plain token sum (its normalisation is already in the advantages): it is *not*
 divided again. tests/test_local_ppo.py checks the equivalence on a real model.
 
-Tensors (N rows, P prompt, R response positions, L = P + R):
-
-| key                 | shape  | meaning                                                     |
-|---------------------|--------|-------------------------------------------------------------|
-| `input_ids`         | [N, L] | left-padded prompt + right-padded response                  |
-| `attention_mask`    | [N, L] | 1 on real tokens (observations included)                    |
-| `position_ids`      | [N, L] | cumsum(mask) − 1 (computed if absent)                       |
-| `responses`         | [N, R] | the response window                                         |
-| `response_mask`     | [N, R] | 1 on sampled tokens: the loss tokens                        |
-| `old_log_probs`     | [N, R] | log π_old (`Engine.prepare`)                                |
-| `advantages`        | [N, R] | from `agl_lab.algorithms` (normalised for per_rollout_mean) |
-| `rollout_log_probs` | [N, R] | sampling logprobs from the engine (optional: mismatch)      |
-| `ref_log_prob`      | [N, R] | reference logprobs (optional; else `ref_model`)             |
+The batch keys it reads are declared, with shapes and writers, in
+`agl_lab.engines.base.BATCH_SCHEMA`: input_ids, attention_mask, position_ids, responses,
+response_mask, old_log_probs, advantages, and when present rollout_log_probs (the mismatch
+metrics), ref_log_prob (else `ref_model`) and rollout_is_weights; the sampling temperature comes
+from `data.meta_info["temperature"]`.
 """
 
 from __future__ import annotations
@@ -269,8 +261,7 @@ def batch_log_probs(model: torch.nn.Module, data: DataProto, temperature: float,
     model.eval()
     try:
         with torch.no_grad():
-            pos = b["position_ids"] if "position_ids" in b.keys() else None
-            logp, _ = sequence_log_probs(model, b["input_ids"], b["attention_mask"], pos,
+            logp, _ = sequence_log_probs(model, b["input_ids"], b["attention_mask"], b["position_ids"],
                                          b["responses"].shape[-1], temperature, micro_batch_size)
     finally:
         model.train(was_training)
@@ -296,7 +287,7 @@ def rollout_mismatch_metrics(data: DataProto) -> dict[str, float]:
 # The update loop
 # =============================================================================================
 
-_NEEDED = ("input_ids", "attention_mask", "responses", "response_mask", "old_log_probs", "advantages")
+_NEEDED = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask", "old_log_probs", "advantages")
 
 
 def _update_tensors(model: torch.nn.Module, data: DataProto, cfg: ActorUpdateConfig,
@@ -317,7 +308,6 @@ def _update_tensors(model: torch.nn.Module, data: DataProto, cfg: ActorUpdateCon
         raise ValueError(f"data.meta_info['temperature']={temperature}: the sampling temperature must be > 0 "
                          "for training (actor_rollout_ref.rollout.temperature)")
     t = {k: b[k] for k in _NEEDED}
-    t["position_ids"] = b["position_ids"] if "position_ids" in b.keys() else _position_ids(b["attention_mask"])
     if "rollout_is_weights" in b.keys():
         t["rollout_is_weights"] = b["rollout_is_weights"]
     if cfg.use_kl_loss:
