@@ -131,6 +131,9 @@ AGL_LAB_DEFAULTS: dict[str, Any] = {
             "drop_order": "after_advantage",  # agl: AGL's row-level alignment before advantages
         },
         "engine_options": {"batch_window_ms": 3, "max_batch_size": 64},
+        # every step's rollouts and results → run_dir/recording/ (agl_lab.replay: replay any step);
+        # max_steps: keep the newest N (null: all); events: false leaves the raw events out
+        "record": {"enabled": True, "max_steps": None, "events": True},
         # null: offline when trainer.logger has wandb, else off; offline | online | disabled win
         "wandb": {"mode": None},
     }
@@ -288,6 +291,18 @@ CHOICES = {
     "agl_lab.parity.drop_order": DROP_ORDERS,
     "agentlightning.trace_aggregator.level": LEVELS,
 }
+
+
+def load_saved_config(path: str | os.PathLike, overrides: Iterable[str] = ()) -> DictConfig:
+    """A run's or checkpoint's saved `config.yaml` (already composed), with `key=value` overrides
+    checked against it, then validated."""
+    cfg = OmegaConf.load(path)
+    if overrides:
+        layer = OmegaConf.from_dotlist(list(overrides))
+        check_unknown_keys(cfg, layer, "overrides")
+        cfg = OmegaConf.merge(cfg, layer)
+    validate(cfg)
+    return cfg
 
 
 def validate(cfg: DictConfig) -> None:

@@ -142,6 +142,9 @@ class Trainer:
             config=config_mod.to_container(cfg))
         self._closers.append(self.metrics_logger.close)
         OmegaConf.save(cfg, self.run_dir / "config.yaml", resolve=False)  # what this run was asked to do
+        from agl_lab.replay import Recorder
+
+        self.recorder = Recorder(self.run_dir, lab.record)  # every step, replayable (agl_lab.replay)
         self.async_manager = None
         if self.is_async:
             from agl_lab.rollout import AsyncRolloutManager
@@ -299,7 +302,7 @@ class Trainer:
         update). Validation runs when `trainer.test_freq` divides the step or it is the last
         step of `fit`; a checkpoint is saved likewise for `trainer.save_freq`.
         """
-        t0 = time.time()
+        t0, rng, serving = time.time(), checkpoints.rng_state(), self.engine.policy_version
         ro = self.rollout()
         b = self.build_batch(ro)
         u = self.update(b)
@@ -317,6 +320,9 @@ class Trainer:
             t1 = time.time()
             self.save_checkpoint()
             metrics["timing_s/save_checkpoint"] = time.time() - t1
+        metrics["recording/bytes"] = self.recorder.record(
+            step_no, batch_step=b.step, rollouts=ro.rollouts, metrics=metrics, update=u, policy_version=serving,
+            seed=int(self.cfg.agl_lab.seed), rng=rng, pad_token_id=self._pad_token_id())
         self.metrics_logger.log(step_no, metrics)
         return metrics
 
@@ -419,6 +425,14 @@ class Trainer:
             print(format_transcript(rollout, self.tokenizer), flush=True)
         return rollout
 
+    @staticmethod
+    def replay(run_dir: str | os.PathLike, step: int, overrides: Sequence[str] = ()):
+        """Step `step` of the run in `run_dir` rebuilt from its recording, with no engine, server
+        or agent (`agl_lab.replay.replay_step`); with `overrides`, under other settings."""
+        from agl_lab.replay import replay_step
+
+        return replay_step(run_dir, step, overrides)
+
     # ------------------------------------------------------------------ checkpoints
 
     def save(self, path: str | os.PathLike) -> Path:
@@ -440,13 +454,7 @@ class Trainer:
     def load(cls, path: str | os.PathLike, overrides: Sequence[str] | None = None, **kwargs) -> "Trainer":
         """A Trainer that continues exactly where `save(path)` left off."""
         path = Path(path)
-        cfg = OmegaConf.load(path / "config.yaml")
-        if overrides:
-            layer = OmegaConf.from_dotlist(list(overrides))
-            config_mod.check_unknown_keys(cfg, layer, "overrides")
-            cfg = OmegaConf.merge(cfg, layer)
-        config_mod.validate(cfg)
-        trainer = cls(cfg, **kwargs)
+        trainer = cls(config_mod.load_saved_config(path / "config.yaml", overrides or ()), **kwargs)
         trainer.restore(path)
         return trainer
 

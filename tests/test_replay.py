@@ -1,0 +1,179 @@
+"""Record and replay: every step of a run is written to run_dir/recording/, and any recorded step
+rebuilds — with no engine, server or agent — to the exact numbers the run logged.
+
+The cassette (tests/fixtures/cassette/, made by scripts/make_cassette.py) is a 2-step recording
+of the demo; replaying it is a golden test of batch building and the algorithms: a change that
+moves any number fails here with the differing metrics.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from agl_lab import checkpoints
+from agl_lab.config import ConfigError
+from agl_lab.replay import (
+    Recorder,
+    load_recording,
+    recorded_steps,
+    replay_main,
+    replay_step,
+    rng_from_json,
+    step_path,
+    what_if,
+)
+
+CASSETTE = Path(__file__).parent / "fixtures" / "cassette"
+SMALL = ["data.train_batch_size=4", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=3",
+         "trainer.test_freq=0", "trainer.save_freq=0", "trainer.logger=[console]", "agl_lab.task.n_val=0"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The cassette: a golden replay
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("step", [1, 2])
+def test_the_cassette_replays_to_the_recorded_numbers(step):
+    result = replay_step(CASSETTE, step)
+    assert len(result.comparison) > 40  # batch, advantage, selection, group and data metrics
+    assert result.differences.empty, f"replay of step {step} moved:\n{result.differences.to_string()}"
+    assert result.weights_equal and result.dropped_equal and result.equal
+    logged = [json.loads(line) for line in (CASSETTE / "metrics.jsonl").read_text().splitlines()]
+    assert {k: v for k, v in logged[step - 1].items() if k not in ("step", "recording/bytes")} == \
+        result.recording.metrics  # the recording holds the step's logged metrics (but its own size)
+
+
+def test_the_cassette_has_what_a_golden_test_needs():
+    """Both steps drop rows (alignment), so selection is exercised, and rewards spread."""
+    recordings = [load_recording(CASSETTE, s) for s in recorded_steps(CASSETTE)]
+    assert [r.step for r in recordings] == [1, 2] and [r.batch_step for r in recordings] == [0, 1]
+    assert all(r.metrics["training/n_sample_dropped/alignment"] > 0 for r in recordings)
+    assert all(len(set(r.weights["reward"])) > 1 for r in recordings)
+    assert all(len(r.rollouts) == 16 and r.rollouts[0].events for r in recordings)
+
+
+def test_a_moved_number_fails_with_the_diff(tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(CASSETTE, run)
+    path = step_path(run, 1)
+    with gzip.open(path, "rt") as f:
+        doc = json.load(f)
+    doc["metrics"]["training/reward"] += 1e-9  # what a change to the reward aggregation would do
+    doc["weights"][0]["loss_weight"] *= 2
+    with gzip.open(path, "wt") as f:
+        json.dump(doc, f)
+    result = replay_step(run, 1)
+    assert not result.equal and not result.weights_equal
+    assert list(result.differences["metric"]) == ["training/reward"]
+
+
+# ---------------------------------------------------------------------------------------------
+# What if
+# ---------------------------------------------------------------------------------------------
+
+
+def test_what_if_the_step_had_run_at_transition_level(tmp_path):
+    diff = what_if(CASSETTE, 1, ["agentlightning.trace_aggregator.level=transition"])
+    moved = diff.metrics.set_index("metric")
+    base_rows, alt_rows = moved.loc["training/n_sample", ["base", "alt"]]
+    assert alt_rows > base_rows  # a multi-call rollout is one row merged, one row per call otherwise
+    assert moved.loc["training/n_sample", "delta"] == alt_rows - base_rows
+    w = diff.weights
+    assert {"rollout_id", "share_base", "share_alt", "share_delta", "reward_base", "reward_alt"} <= set(w.columns)
+    assert w["share_base"].sum() == pytest.approx(1.0) and w["share_alt"].sum() == pytest.approx(1.0)
+    assert set(diff.dropped["dropped_in"]) <= {"base", "alt"}
+    png = diff.plot(tmp_path / "what_if.png")
+    assert png.exists() and png.stat().st_size > 5000
+
+
+def test_what_if_with_the_same_settings_moves_nothing():
+    diff = what_if(CASSETTE, 2, ["agl_lab.algorithm.normalize_by=rollouts"])  # the recorded value
+    assert diff.metrics.empty and diff.dropped.empty and (diff.weights["share_delta"] == 0).all()
+
+
+def test_what_if_under_the_agl_drop_order_drops_other_rollouts():
+    diff = what_if(CASSETTE, 1, ["agl_lab.parity.drop_order=agl"])
+    assert not diff.metrics.empty  # AGL v1 aligns rows before the advantages: another selection
+
+
+# ---------------------------------------------------------------------------------------------
+# Recording during training, and the CLI
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def recorded_run(tmp_path_factory):
+    from agl_lab.trainer import Trainer
+
+    run = tmp_path_factory.mktemp("rec") / "run"
+    trainer = Trainer.from_config("configs/cpu_tiny.yaml", overrides=[*SMALL, "agl_lab.record.max_steps=2"],
+                                  run_dir=run, console=False)
+    try:
+        history = [trainer.step() for _ in range(3)]
+    finally:
+        trainer.close()
+    return run, history
+
+
+def test_training_records_every_step_and_replays_it_exactly(recorded_run):
+    run, history = recorded_run
+    assert recorded_steps(run) == [2, 3]  # max_steps=2 keeps the newest two
+    for step in (2, 3):
+        rec = load_recording(run, step)
+        assert history[step - 1]["recording/bytes"] == step_path(run, step).stat().st_size > 0
+        assert rec.policy_version == step - 1  # the weights that served this step's calls
+        result = replay_step(run, step)
+        assert result.equal, result.differences
+
+
+def test_recording_off_and_without_events(tmp_path):
+    off = Recorder(tmp_path / "a", {"enabled": False})
+    assert off.record(1, batch_step=0, rollouts=[], metrics={}, update=None, policy_version=0, seed=0,
+                      rng=checkpoints.rng_state(), pad_token_id=0) == 0
+    assert not (tmp_path / "a").exists()
+    rec = load_recording(CASSETTE, 1)
+    from agl_lab.results import UpdateResult
+
+    update = UpdateResult(step=0, metrics={}, weights=rec.weights, dropped=rec.dropped)
+    lean = Recorder(tmp_path / "b", {"events": False})
+    size = lean.record(1, batch_step=0, rollouts=rec.rollouts, metrics=rec.metrics, update=update, policy_version=0,
+                       seed=0, rng=checkpoints.rng_state(), pad_token_id=rec.pad_token_id)
+    assert 0 < size < step_path(CASSETTE, 1).stat().st_size
+    assert all(r.events == [] and r.triplets for r in load_recording(tmp_path / "b", 1).rollouts)
+
+
+@pytest.mark.parametrize("bad", [0, -1, "ten", True, 1.5])
+def test_a_bad_max_steps_fails_naming_the_key(tmp_path, bad):
+    with pytest.raises(ConfigError, match=r"agl_lab.record.max_steps="):
+        Recorder(tmp_path, {"max_steps": bad})
+
+
+def test_rng_states_round_trip_through_json():
+    random.seed(3), np.random.seed(4), torch.manual_seed(5)
+    state = checkpoints.rng_state()
+    from agl_lab.replay import _rng_to_json
+
+    doc = json.loads(json.dumps(_rng_to_json(state)))
+    draws = (random.random(), np.random.rand(), torch.rand(1).item())
+    checkpoints.set_rng_state(rng_from_json(doc))
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == draws
+
+
+def test_cli_replays_and_names_what_is_recorded(capsys):
+    assert replay_main([str(CASSETTE), "--step", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "every engine-independent metric and table equal" in out and "training/reward" in out
+    assert replay_main([str(CASSETTE), "--step", "7"]) == 2
+    out = capsys.readouterr().out
+    assert "no recording of step 7" in out and "recorded steps are 1, 2" in out
+    assert replay_main([str(CASSETTE), "agentlightning.trace_aggregator.level=transition"]) == 0
+    assert "training/n_sample" in capsys.readouterr().out
