@@ -32,9 +32,11 @@ differences as DataFrames and a plot.
 from __future__ import annotations
 
 import base64
+import contextlib
 import gzip
 import json
-from collections.abc import Mapping, Sequence
+import logging
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -271,11 +273,23 @@ def replay_step(run_dir: str | Path, step: int, overrides: Sequence[str] = (), *
                         tokenizer=tokenizer, multi_segment=bool(agl.trace_aggregator.multi_segment),
                         exclude_failed=bool(cfg.agl_lab.algorithm.exclude_failed_rollouts))
     batch = BatchResult(built, step=rec.batch_step)
-    update = run_update(cfg, _NoEngine(rec.policy_version), batch, step=rec.batch_step)
+    with _quiet_update_log():  # the run already warned about this step (alignment, skips)
+        update = run_update(cfg, _NoEngine(rec.policy_version), batch, step=rec.batch_step)
     replayed = {**batch.metrics, **update.metrics}
     return Replay(recording=rec, batch=batch, update=update, comparison=_compare(rec.metrics, replayed),
                   weights_equal=_frames_equal(rec.weights, update.weights),
                   dropped_equal=_frames_equal(rec.dropped, update.dropped))
+
+
+@contextlib.contextmanager
+def _quiet_update_log() -> Iterator[None]:
+    log = logging.getLogger("agl_lab.update")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -298,6 +312,80 @@ def _frames_equal(recorded: pd.DataFrame, replayed: pd.DataFrame) -> bool:
     if list(again.columns) != list(recorded.columns) or len(again) != len(recorded):
         return False
     return all(_same(a, b) for col in recorded.columns for a, b in zip(recorded[col], again[col]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Replaying the update on the engine, from the checkpoint before the step
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class UpdateReplay:
+    """A recorded step's update recomputed on the engine, from the checkpoint of the step before.
+
+    `losses`: the engine's `actor/*` metrics as recorded and as recomputed, with `abs_diff`.
+    `param_change`: ‖Δθ‖ of the recomputed update, and — when the checkpoint of the step itself
+    exists — ‖Δθ_recorded‖ and the relative gap ‖Δθ − Δθ_recorded‖ / ‖Δθ_recorded‖ (None
+    otherwise). Parameters are compared on the local engine, whose weights live in this process.
+    """
+
+    replay: Replay
+    update: UpdateResult
+    losses: pd.DataFrame
+    param_change: dict[str, float | None]
+
+
+def replay_update(run_dir: str | Path, step: int, *, checkpoint_root: str | Path | None = None) -> UpdateReplay:
+    """Recompute step `step`'s update: the engine loads `global_step_{step-1}` (the run's initial
+    weights for step 1), the recorded batch is rebuilt, the RNG states of the step are restored,
+    and `run_update` trains once; the loss and the parameter change are compared with the run's."""
+    import torch
+
+    from agl_lab import checkpoints
+    from agl_lab.config import load_saved_config
+    from agl_lab.engines.build import build_engine
+    from agl_lab.tasks import agent_and_task
+    from agl_lab.update import run_update
+
+    base = replay_step(run_dir, step)
+    rec, cfg = base.recording, load_saved_config(Path(run_dir) / "config.yaml")
+    root = Path(checkpoint_root) if checkpoint_root is not None else checkpoints.checkpoint_root(cfg)
+    before_dir, after_dir = root / f"global_step_{step - 1}", root / f"global_step_{step}"
+    if step > 1 and not before_dir.exists():
+        raise FileNotFoundError(f"replaying step {step}'s update needs the checkpoint of step {step - 1} at "
+                                f"{before_dir} (trainer.save_freq=1 keeps one per step)")
+    _, task = agent_and_task(cfg, None, None, has_tasks=True)
+    engine = build_engine(cfg, task=task)
+    try:
+        if step > 1:
+            engine.load(str(before_dir / "engine"))
+        model = getattr(engine, "model", None)
+        start = _flat_params(model) if model is not None else None
+        checkpoints.set_rng_state(rng_from_json(rec.rng))
+        update = run_update(cfg, engine, base.batch, step=rec.batch_step)
+        change = _flat_params(model) - start if model is not None else None
+        recorded_change = None
+        if change is not None and after_dir.exists():
+            engine.load(str(after_dir / "engine"))
+            recorded_change = _flat_params(model) - start
+    finally:
+        engine.close()
+    keys = sorted(k for k in set(rec.metrics) & set(update.metrics) if k.startswith("actor/"))
+    losses = pd.DataFrame([{"metric": k, "recorded": rec.metrics[k], "replayed": float(update.metrics[k]),
+                            "abs_diff": abs(float(update.metrics[k]) - float(rec.metrics[k]))} for k in keys],
+                          columns=["metric", "recorded", "replayed", "abs_diff"])
+    norm = (lambda t: float(torch.linalg.vector_norm(t))) if change is not None else None
+    param_change = {"replayed_norm": norm(change) if norm else None,
+                    "recorded_norm": norm(recorded_change) if recorded_change is not None else None,
+                    "relative_gap": (norm(change - recorded_change) / max(norm(recorded_change), 1e-30))
+                    if recorded_change is not None else None}
+    return UpdateReplay(replay=base, update=update, losses=losses, param_change=param_change)
+
+
+def _flat_params(model: Any) -> Any:
+    import torch
+
+    return torch.cat([p.detach().flatten().float().clone() for p in model.parameters()])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -338,7 +426,7 @@ class WhatIf:
         ax.set_xlabel("rollout (sorted by its share as run)")
         ax.set_ylabel("share of the policy loss")
         ax.set_title(f"step {self.base.recording.step}: who carries the loss")
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="lower right")
         fig.tight_layout()
         if path is not None:
             fig.savefig(path, dpi=110)

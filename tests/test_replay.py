@@ -135,6 +135,26 @@ def test_training_records_every_step_and_replays_it_exactly(recorded_run):
         assert result.equal, result.differences
 
 
+def test_the_update_replays_on_the_engine_from_the_checkpoint_before(tmp_path):
+    from agl_lab.replay import replay_update
+    from agl_lab.trainer import Trainer
+
+    run, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    with Trainer.from_config("configs/cpu_tiny.yaml", run_dir=run, console=False,
+                             overrides=[*SMALL, "trainer.save_freq=1", f"trainer.default_local_dir={ckpt}"]) as t:
+        t.step(), t.step()
+    again = replay_update(run, 2)
+    assert again.replay.equal
+    pg = again.losses.set_index("metric").loc["actor/pg_loss"]
+    assert pg["abs_diff"] <= 1e-6 * max(1.0, abs(pg["recorded"]))
+    change = again.param_change
+    assert change["replayed_norm"] > 0 and change["recorded_norm"] > 0
+    assert change["relative_gap"] < 1e-5, change  # the same update, to float32 noise
+    shutil.rmtree(ckpt / "global_step_1")
+    with pytest.raises(FileNotFoundError, match=r"needs the checkpoint of step 1 .*save_freq=1"):
+        replay_update(run, 2)
+
+
 def test_recording_off_and_without_events(tmp_path):
     off = Recorder(tmp_path / "a", {"enabled": False})
     assert off.record(1, batch_step=0, rollouts=[], metrics={}, update=None, policy_version=0, seed=0,
