@@ -180,9 +180,9 @@ _ROWS: tuple[VerlSymbol, ...] = (
          "node_rank", "gpus_per_node", "nnodes", "cuda_visible_devices",
          returns="ray.util.get_node_ip_address()", needs_vllm=True),
     _row(_VS + ".launch_servers", returns="get_server_address", needs_vllm=True),
-    # the server actor's env comes from the platform (the CPU platform adds vLLM's CPU settings)
+    # the server actor's env comes from the platform (the CPU platform adds vLLM's CPU settings;
+    # tests/vllm/test_vllm_engine.py checks they arrive in the server process)
     _row("verl.plugin.platform.platform_base:PlatformBase.rollout_env_vars"),
-    _row(_VSV + "vLLMReplica.launch_servers", returns="rollout_env_vars()", needs_vllm=True),
     # the weight receiver the layerwise-reload shim wraps: its call-time import of
     # process_weights_after_loading is what the shim substitutes, _update_weights what it clones for
     _row(_VU + "vLLMColocateWorkerExtension.update_weights_from_ipc", "peft_config", "base_sync_done", "use_shm",
