@@ -37,6 +37,7 @@ if importlib.util.find_spec("vllm") is None:
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 
 import httpx  # noqa: E402
+import pandas as pd  # noqa: E402
 import psutil  # noqa: E402
 import ray  # noqa: E402
 import torch  # noqa: E402
@@ -135,9 +136,7 @@ def test_replicas_are_verl_vllm_and_the_gateway_registers_their_bound_address(tr
 
     node_ip = ray.get(node_ip_of_a_worker.remote())
     assert host == node_ip == "127.0.0.1"  # Ray's node IP, kept on loopback by the engine (one node)
-    assert engine.endpoints() == [f"http://{host}:{port}/v1"]
-    trainer._register_endpoints()
-    assert [m.endpoint for m in trainer.server.store.models_for(engine.model_name)] == engine.endpoints()
+    assert engine.endpoints() == [f"http://{host}:{port}/v1"]  # what the gateway registers at each rollout
     # vLLM's CPU settings reached the server actor (verl's launch_servers: platform.rollout_env_vars())
     env = ray.get(replica.servers[0].__ray_call__.remote(
         lambda _actor: {k: os.environ.get(k) for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND",
@@ -158,6 +157,8 @@ def test_local_and_vllm_engines_make_the_same_update(trainer):
     engine = trainer.engine
     assert engine.policy_version == 0
     batch = trainer.build_batch(trainer.rollout())
+    # the rollout registered the replica's own address with the gateway, and the agents' calls went there
+    assert [m.endpoint for m in trainer.server.store.models_for(engine.model_name)] == engine.endpoints()
     _give_rollouts_distinct_rewards(batch.data)
     engine.resume()  # the rollout ended with abort(): vLLM holds new requests until resume
     probe, served_before = _fixed_sequence(engine)
@@ -174,8 +175,8 @@ def test_local_and_vllm_engines_make_the_same_update(trainer):
     lm, vm = local_result.metrics, vllm_result.metrics
     assert lm["actor/pg_loss"] == pytest.approx(vm["actor/pg_loss"], rel=1e-5, abs=1e-7)
     assert lm["actor/grad_norm"] == pytest.approx(vm["actor/grad_norm"], rel=1e-5)
-    cols = [c for c in local_result.advantages.columns if c in vllm_result.advantages.columns]
-    assert local_result.advantages[cols].equals(vllm_result.advantages[cols])
+    assert len(local_result.weights) > 0 and list(local_result.weights.columns) == list(vllm_result.weights.columns)
+    pd.testing.assert_frame_equal(local_result.weights, vllm_result.weights)  # the loss-weights tables
     moved = (local_after - local_before).abs().max().item()
     gap = (served_after - local_after).abs().max().item()
     print(f"pg_loss local {lm['actor/pg_loss']:.6g} verl {vm['actor/pg_loss']:.6g}; update moved the probe's "

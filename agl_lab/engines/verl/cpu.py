@@ -38,7 +38,7 @@ from agl_lab.engines.verl.api import VERL_API, verl_import, verl_module
 
 PLATFORM_NAME = "agl_lab_cpu"  # VERL_PLATFORM; the rollout has the same name (cpu_rollout.ROLLOUT_NAME)
 MODULE = __name__  # "agl_lab.engines.verl.cpu"
-_AGL_LAB_ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding agl_lab/
+_AGL_LAB_ROOT = str(Path(__file__).resolve().parents[3])  # the directory holding agl_lab/ (…/agl_lab/engines/verl/cpu.py)
 
 
 # ------------------------------------------------------------------------------------------
