@@ -142,6 +142,7 @@ AGL_LAB_DEFAULTS: dict[str, Any] = {
 # verl sub-trees whose keys are free-form (anything goes below them).
 _OPEN_PREFIXES = (
     "actor_rollout_ref.rollout.engine_kwargs",
+    "actor_rollout_ref.rollout.enable_sleep_mode",  # verl's RolloutConfig field (default true), not in its yaml
     "actor_rollout_ref.model.override_config",
     "actor_rollout_ref.actor.fsdp_config.mixed_precision",  # verl's FSDPEngineConfig dict (not in its yaml)
     "actor_rollout_ref.ref.fsdp_config.mixed_precision",

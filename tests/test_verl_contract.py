@@ -37,7 +37,7 @@ def test_verl_symbol_matches_installed_verl(key):
     assert check_symbol(VERL_API[key]) == []
 
 
-@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (GPU extra): its rows are checked on the GPU machine")
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed here: its rows are checked in .venv-vllm (./lab test) and on a GPU machine")
 @pytest.mark.parametrize("key", VLLM_ROWS)
 def test_vllm_symbol_matches_installed_vllm(key):
     assert check_symbol(VERL_API[key]) == []

