@@ -46,6 +46,7 @@ import contextlib
 import json
 import logging
 import secrets
+import sqlite3
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
@@ -114,9 +115,11 @@ ERROR_TEXTS = {
     413: "body larger than max_body_bytes, or more items than max_batch_items",
     415: "body sent as text/plain or a form (cross-site content types): send application/json",
     422: "invalid field, or a value the store could not read back (named in detail)",
+    503: "the SQLite store could not write (e.g. busy): nothing was stored, retry",
+    507: "the SQLite store's disk is full: nothing was stored",
     500: "unexpected server error (JSON; the connection stays usable)",
 }
-COMMON_ERRORS = (401, 413, 415, 500)
+COMMON_ERRORS = (401, 413, 415, 500, 503, 507)
 
 
 class HeartbeatRequest(BaseModel):
@@ -238,6 +241,14 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(NotStorable)
     async def not_storable(_: Request, exc: NotStorable) -> JSONResponse:
         return JSONResponse({"detail": f"{exc} — nothing was stored"}, status_code=422)
+
+    @app.exception_handler(sqlite3.OperationalError)
+    async def store_refused(_: Request, exc: sqlite3.OperationalError) -> JSONResponse:
+        # the SQLite store rolled the write back (store._transaction): what reads back is the file
+        full = "full" in str(exc)
+        hint = "free disk space on the store's filesystem and retry" if full else "retry"
+        return JSONResponse({"detail": f"store refused the write ({exc}) — nothing was stored; {hint}"},
+                            status_code=507 if full else 503)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> Response:
