@@ -59,6 +59,8 @@ class ServerConfig(_Strict):
     max_batch_items: int = Field(10_000, ge=1)  # items per POST /api/rollouts or /api/models (413 beyond)
     lease_seconds: float = Field(600.0, ge=0)  # a running rollout without heartbeat/event/status change this
     #                                          long is failed (its runner died); 0 disables leases
+    allowed_hosts: list[str] = Field(default_factory=lambda: ["localhost", "127.0.0.1", "::1"])  # Host names a
+    #                      server without a key answers (403 otherwise: DNS rebinding); "*": any; unused with a key
     docs_auth: bool = True  # /docs, /redoc and /openapi.json need the key too (false: open like /healthz)
     token_preserving: bool = False  # flag only; the mode plugs in as a gateway request rewriter
     call_seed: int | None = None  # seed calls that carry none from their position (server/seeding.py)

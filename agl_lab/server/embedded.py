@@ -219,6 +219,9 @@ def _parser() -> argparse.ArgumentParser:
                    choices=typing.get_args(ServerConfig.model_fields["upstream_client"].annotation))
     for flag, (key, kind, metavar, text) in LIMIT_FLAGS.items():
         p.add_argument(flag, dest=key, type=kind, default=None, metavar=metavar, help=f"{key}: {text}")
+    p.add_argument("--allowed-host", dest="allowed_hosts", action="append", default=None, metavar="NAME",
+                   help="allowed_hosts: without a key, also answer requests whose Host header is NAME "
+                        "(repeatable; '*' for any; default only localhost, 127.0.0.1, ::1)")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -296,6 +299,8 @@ def serve_config(args: argparse.Namespace, environ: Mapping[str, str] | None = N
                            "default_proxy": proxy, "token_preserving": args.token_preserving,
                            "upstream_client": args.upstream_client}
     raw.update({key: getattr(args, key) for key, *_ in LIMIT_FLAGS.values() if getattr(args, key) is not None})
+    if getattr(args, "allowed_hosts", None):
+        raw["allowed_hosts"] = [*ServerConfig().allowed_hosts, *args.allowed_hosts]
     return load_server_config(raw)
 
 
