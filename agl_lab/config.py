@@ -123,6 +123,7 @@ AGL_LAB_DEFAULTS: dict[str, Any] = {
             "normalize_by": "rollouts",  # rollouts (tech report Eq. 16) | rows (AGL v1 parity)
             "small_batch": "train",  # train a batch smaller than one mini-batch | skip the step
             "exclude_failed_rollouts": False,  # true: FAILED rollouts get no rows (AGL: reward_fillna_value)
+            "max_abs_reward": 1.0e6,  # a rollout with a larger |reward| fails alone (learnable.learning_problem)
         },
         # Parity switches: reproduce AGL v1's numbers for side-by-side runs (the defaults are
         # agl_lab's deliberate improvements; agl_lab.algorithm.normalize_by=rows is the third)

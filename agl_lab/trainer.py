@@ -194,7 +194,7 @@ class Trainer:
         completes when `train_batch_size` whole groups are done and carries the rest over.
         """
         from agl_lab.records import lifecycle_metrics
-        from agl_lab.rollout import report_failures
+        from agl_lab.rollout import fail_unlearnable_rollouts, report_failures
 
         self._check_open("rollout()")
         t0 = time.time()
@@ -205,6 +205,9 @@ class Trainer:
                 completed, carry = self._collect_async(tasks, metrics)
             else:
                 completed, carry = self._collect_sync(tasks, is_train), []
+        metrics.update(fail_unlearnable_rollouts(completed, self.engine.vocab_size,
+                                                 float(self.cfg.agl_lab.algorithm.max_abs_reward),
+                                                 self.global_step, is_train))
         if is_train:
             metrics.update(lifecycle_metrics(completed))
         metrics.update(report_failures(completed, self.global_step, is_train))
