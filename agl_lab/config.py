@@ -14,6 +14,7 @@ configs) and accept anything. `validate()` then rejects contradictory settings w
 
 from __future__ import annotations
 
+import copy
 import difflib
 import importlib.util
 import os
@@ -369,6 +370,16 @@ def _check_learning_rules(cfg: DictConfig) -> None:
                          small_batch=str(cfg.agl_lab.algorithm.small_batch))
 
 
+def check_validation_tasks(cfg: DictConfig, n_val_tasks: int) -> None:
+    """`config_keys.check_validation_tasks` (the Trainer knows the tasks), failing as ConfigError."""
+    from agl_lab import config_keys
+
+    try:
+        config_keys.check_validation_tasks(cfg, n_val_tasks)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def rollout_wait_timeout(cfg: DictConfig) -> float | None:
     """Seconds a rollout phase waits for its rollouts (None = unbounded); see the agl_lab defaults."""
     wait = cfg.agl_lab.rollout.wait_timeout_seconds
@@ -411,7 +422,46 @@ def env_map_columns(cfg: DictConfig) -> list[str]:
 
 
 def to_container(cfg: DictConfig) -> dict[str, Any]:
-    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+    """The resolved config as plain Python, secrets redacted (`redact_secrets`): what W&B gets."""
+    return redact_secrets(OmegaConf.to_container(cfg, resolve=True))  # type: ignore[return-value]
+
+
+# Config keys whose values are secrets: never written (config.yaml of a run or a checkpoint, W&B).
+SECRET_KEYS = ("agentlightning.agl_key",)
+REDACTED = "<redacted>"
+
+
+def redact_secrets(cfg: Any) -> Any:
+    """A copy of `cfg` (DictConfig or dict) with each set SECRET_KEYS value replaced by REDACTED.
+    An interpolation (`${oc.env:AGL_KEY}`) is kept: it names where the secret is, not the secret."""
+    is_config = isinstance(cfg, DictConfig)
+    out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False)) if is_config else copy.deepcopy(cfg)
+    for path in SECRET_KEYS:
+        parent_path, _, leaf = path.rpartition(".")
+        parent = OmegaConf.select(out, parent_path) if is_config else _dict_at(out, parent_path)
+        if parent is None or leaf not in parent:
+            continue
+        raw = parent._get_node(leaf)._value() if is_config else parent[leaf]  # type: ignore[union-attr]
+        if raw and not (isinstance(raw, str) and raw.startswith("${")):
+            parent[leaf] = REDACTED
+    return out
+
+
+def _dict_at(tree: Any, path: str) -> Any:
+    for part in path.split("."):
+        tree = tree.get(part) if isinstance(tree, dict) else None
+    return tree
+
+
+def unredact(cfg: DictConfig) -> list[str]:
+    """Blank the redacted secrets of a config read back from a run or checkpoint (an embedded
+    server then gets a fresh key); returns their keys, so the caller can say to pass them again."""
+    blanked = []
+    for path in SECRET_KEYS:
+        if OmegaConf.select(cfg, path, default=None) == REDACTED:
+            OmegaConf.update(cfg, path, "")
+            blanked.append(path)
+    return blanked
 
 
 def trace_limits(cfg: DictConfig, level: str | None = None) -> tuple[int, int]:

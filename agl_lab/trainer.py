@@ -117,6 +117,7 @@ class Trainer:
         self.train_dataset, self.val_dataset = resolve_datasets(
             cfg, self.task, train_dataset, val_dataset, train_files, val_files)
         self.feeder = TaskFeeder(self.train_dataset, seed=int(lab.seed), shuffle=bool(cfg.data.shuffle))
+        config_mod.check_validation_tasks(cfg, len(self.val_dataset or []))
 
         try:
             if engine is None:
@@ -140,7 +141,7 @@ class Trainer:
             project=str(cfg.trainer.project_name), experiment=str(cfg.trainer.experiment_name),
             config=config_mod.to_container(cfg))
         self._closers.append(self.metrics_logger.close)
-        OmegaConf.save(cfg, self.run_dir / "config.yaml", resolve=False)  # what this run was asked to do
+        OmegaConf.save(config_mod.redact_secrets(cfg), self.run_dir / "config.yaml")  # asked for, less secrets
         self.async_manager = None
         if self.is_async:
             from agl_lab.rollout import AsyncRolloutManager
@@ -435,7 +436,7 @@ class Trainer:
             "rng": checkpoints.rng_state(),
         }
         torch.save(state, path / checkpoints.STATE_FILE)
-        OmegaConf.save(self.cfg, path / "config.yaml", resolve=False)  # interpolations kept
+        OmegaConf.save(config_mod.redact_secrets(self.cfg), path / "config.yaml")  # interpolations kept
         return path
 
     @classmethod
@@ -443,6 +444,7 @@ class Trainer:
         """A Trainer that continues exactly where `save(path)` left off."""
         path = Path(path)
         cfg = OmegaConf.load(path / "config.yaml")
+        config_mod.unredact(cfg)  # the saved key is "<redacted>": pass agentlightning.agl_key in overrides
         if overrides:
             layer = OmegaConf.from_dotlist(list(overrides))
             config_mod.check_unknown_keys(cfg, layer, "overrides")
@@ -463,6 +465,8 @@ class Trainer:
             self.async_manager.load_state_dict(state["async"])
         checkpoints.set_rng_state(state["rng"])
         self._resumed = True
+        if self.metrics_logger.drop_after(self.global_step):  # a killed run's later steps: redone now
+            logger.warning("metrics.jsonl: dropped the lines of steps after %d (resumed there)", self.global_step)
 
     @property
     def checkpoint_root(self) -> Path:
