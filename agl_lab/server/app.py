@@ -171,7 +171,8 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        gateway.client = open_upstream_client(cfg.upstream_client, cfg.upstream_timeout_seconds)
+        gateway.client = open_upstream_client(cfg.upstream_client, cfg.upstream_timeout_seconds,
+                                              cfg.max_upstream_answer_bytes)
         sweeper = asyncio.ensure_future(_expire_leases_forever(store, cfg.lease_seconds)) if cfg.lease_seconds else None
         try:
             yield
