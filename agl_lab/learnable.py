@@ -40,7 +40,7 @@ def learning_problem(completed: CompletedRollout, vocab_size: int | None,
     rewards = [completed.final_reward] + [t.reward for t in completed.triplets or []]
     for r in rewards:
         if r is not None and not abs(r) <= max_abs_reward:
-            return (f"reward {r:g} is beyond agl_lab.algorithm.max_abs_reward={max_abs_reward:g} "
+            return (f"reward {r!r} is beyond agl_lab.algorithm.max_abs_reward={max_abs_reward:g} "
                     "(raise it if rewards this large are meant)")
     return None
 
