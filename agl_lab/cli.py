@@ -58,13 +58,10 @@ def train_main(argv: list[str]) -> int:
                         help="continue from the latest checkpoint under trainer.default_local_dir, "
                              "or from CHECKPOINT (…/global_step_N)")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
-    args = parser.parse_intermixed_args(argv)  # overrides may come before or after options
+    args = parser.parse_intermixed_args(_bare_resume(argv))  # overrides may come before or after options
     overrides = list(args.overrides)
-    if args.resume == "auto":
-        overrides.append("trainer.resume_mode=auto")
-    elif args.resume is not None:
-        overrides += ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={args.resume}"]
     try:
+        overrides += resume_overrides(args.resume)
         cfg = config_mod.load_config(args.config, overrides)
     except config_mod.ConfigError as e:
         print(f"agl-lab train: {e}")
@@ -79,6 +76,40 @@ def train_main(argv: list[str]) -> int:
         history = trainer.fit(args.steps, progress=False)
         _summarise(trainer.run_dir, history, time.time() - t0)
     return 0
+
+
+def _bare_resume(argv: list[str]) -> list[str]:
+    """`--resume key=value` (and `--resume config.yaml`) is a bare `--resume` followed by an
+    override (or the config), not a checkpoint: argparse would take it as the optional
+    CHECKPOINT. A checkpoint is a directory; an override holds "=" and names no file."""
+    import os
+
+    out = list(argv)
+    for i, arg in enumerate(out[:-1]):
+        following = out[i + 1]
+        if arg != "--resume" or following.startswith("-"):
+            continue
+        if ("=" in following and not os.path.exists(following)) or os.path.isfile(following):
+            out[i] = "--resume=auto"
+    return out
+
+
+def resume_overrides(resume: str | None) -> list[str]:
+    """The overrides of `--resume` (None: not given; "auto": the latest checkpoint; else a
+    checkpoint directory, which must exist — ConfigError naming --resume otherwise)."""
+    from pathlib import Path
+
+    from agl_lab.config import ConfigError
+
+    if resume is None:
+        return []
+    if resume == "auto":
+        return ["trainer.resume_mode=auto"]
+    if not (Path(resume) / "trainer_state.pt").exists():  # checkpoints.STATE_FILE (that module imports torch)
+        raise ConfigError(f"--resume {resume!r} is not a checkpoint directory (…/global_step_N holding "
+                          "trainer_state.pt): give one, or a bare --resume for the latest under "
+                          "trainer.default_local_dir")
+    return ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={resume}"]
 
 
 def _summarise(run_dir, history: list[dict], wall: float) -> None:

@@ -14,6 +14,7 @@ configs) and accept anything. `validate()` then rejects contradictory settings w
 
 from __future__ import annotations
 
+import copy
 import difflib
 import importlib.util
 import os
@@ -73,6 +74,7 @@ SERVER_PASSTHROUGH = (
     "lease_seconds", "max_body_bytes", "max_batch_items", "terminal_log_limit", "upstream_client",
     "upstream_timeout_seconds", "upstream_call_deadline_seconds", "upstream_max_attempts",
     "upstream_backoff_base_seconds", "upstream_backoff_max_seconds", "upstream_breaker_seconds",
+    "max_header_bytes", "header_timeout_seconds", "body_timeout_seconds", "max_upstream_answer_bytes",
 )
 
 
@@ -123,6 +125,7 @@ AGL_LAB_DEFAULTS: dict[str, Any] = {
             "normalize_by": "rollouts",  # rollouts (tech report Eq. 16) | rows (AGL v1 parity)
             "small_batch": "train",  # train a batch smaller than one mini-batch | skip the step
             "exclude_failed_rollouts": False,  # true: FAILED rollouts get no rows (AGL: reward_fillna_value)
+            "max_abs_reward": 1.0e6,  # a rollout with a larger |reward| fails alone (learnable.learning_problem)
         },
         # Parity switches: reproduce AGL v1's numbers for side-by-side runs (the defaults are
         # agl_lab's deliberate improvements; agl_lab.algorithm.normalize_by=rows is the third)
@@ -298,6 +301,7 @@ def load_saved_config(path: str | os.PathLike, overrides: Iterable[str] = ()) ->
     """A run's or checkpoint's saved `config.yaml` (already composed), with `key=value` overrides
     checked against it, then validated."""
     cfg = OmegaConf.load(path)
+    unredact(cfg)  # the saved key is "<redacted>": pass agentlightning.agl_key in overrides
     if overrides:
         layer = OmegaConf.from_dotlist(list(overrides))
         check_unknown_keys(cfg, layer, "overrides")
@@ -384,6 +388,16 @@ def _check_learning_rules(cfg: DictConfig) -> None:
                          small_batch=str(cfg.agl_lab.algorithm.small_batch))
 
 
+def check_validation_tasks(cfg: DictConfig, n_val_tasks: int) -> None:
+    """`config_keys.check_validation_tasks` (the Trainer knows the tasks), failing as ConfigError."""
+    from agl_lab import config_keys
+
+    try:
+        config_keys.check_validation_tasks(cfg, n_val_tasks)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def rollout_wait_timeout(cfg: DictConfig) -> float | None:
     """Seconds a rollout phase waits for its rollouts (None = unbounded); see the agl_lab defaults."""
     wait = cfg.agl_lab.rollout.wait_timeout_seconds
@@ -426,7 +440,46 @@ def env_map_columns(cfg: DictConfig) -> list[str]:
 
 
 def to_container(cfg: DictConfig) -> dict[str, Any]:
-    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+    """The resolved config as plain Python, secrets redacted (`redact_secrets`): what W&B gets."""
+    return redact_secrets(OmegaConf.to_container(cfg, resolve=True))  # type: ignore[return-value]
+
+
+# Config keys whose values are secrets: never written (config.yaml of a run or a checkpoint, W&B).
+SECRET_KEYS = ("agentlightning.agl_key",)
+REDACTED = "<redacted>"
+
+
+def redact_secrets(cfg: Any) -> Any:
+    """A copy of `cfg` (DictConfig or dict) with each set SECRET_KEYS value replaced by REDACTED.
+    An interpolation (`${oc.env:AGL_KEY}`) is kept: it names where the secret is, not the secret."""
+    is_config = isinstance(cfg, DictConfig)
+    out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False)) if is_config else copy.deepcopy(cfg)
+    for path in SECRET_KEYS:
+        parent_path, _, leaf = path.rpartition(".")
+        parent = OmegaConf.select(out, parent_path) if is_config else _dict_at(out, parent_path)
+        if parent is None or leaf not in parent:
+            continue
+        raw = parent._get_node(leaf)._value() if is_config else parent[leaf]  # type: ignore[union-attr]
+        if raw and not (isinstance(raw, str) and raw.startswith("${")):
+            parent[leaf] = REDACTED
+    return out
+
+
+def _dict_at(tree: Any, path: str) -> Any:
+    for part in path.split("."):
+        tree = tree.get(part) if isinstance(tree, dict) else None
+    return tree
+
+
+def unredact(cfg: DictConfig) -> list[str]:
+    """Blank the redacted secrets of a config read back from a run or checkpoint (an embedded
+    server then gets a fresh key); returns their keys, so the caller can say to pass them again."""
+    blanked = []
+    for path in SECRET_KEYS:
+        if OmegaConf.select(cfg, path, default=None) == REDACTED:
+            OmegaConf.update(cfg, path, "")
+            blanked.append(path)
+    return blanked
 
 
 def trace_limits(cfg: DictConfig, level: str | None = None) -> tuple[int, int]:

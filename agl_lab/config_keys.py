@@ -85,6 +85,7 @@ RANGES: tuple[tuple[str, float, bool], ...] = (
     ("agl_lab.rollout.poll_interval_seconds", 0, True),
     ("agl_lab.rollout.drain_timeout_seconds", 0, True),
     ("agl_lab.runner.concurrency", 0, True),
+    ("agl_lab.algorithm.max_abs_reward", 0, True),
 )
 
 
@@ -193,6 +194,7 @@ def warn_ineffective(cfg: DictConfig, defaults: DictConfig, keys: Iterable[str])
                      "agentlightning.agl_base_url runs with its own settings (set them there)"
                      for p in keys if p.startswith("agl_lab.server.") and p != "agl_lab.server.embedded"
                      and _changed(cfg, defaults, p)]
+    messages += contradictions(cfg)
     n, est = int(cfg.actor_rollout_ref.rollout.n), str(cfg.algorithm.adv_estimator).lower()
     if n == 1 and est in ("grpo", "grpo_passk", "rloo", "opo", "gpg"):
         messages.append(f"actor_rollout_ref.rollout.n=1 with algorithm.adv_estimator={est}: every group has one "
@@ -201,3 +203,36 @@ def warn_ineffective(cfg: DictConfig, defaults: DictConfig, keys: Iterable[str])
     for m in messages:
         warnings.warn(m, ConfigWarning, stacklevel=3)
     return messages
+
+
+def contradictions(cfg: DictConfig) -> list[str]:
+    """Settings that work against each other but can both be meant: one message per pair, naming both keys."""
+    lab, out = cfg.agl_lab, []
+    if lab.server.embedded and not lab.runner.enabled:
+        out.append("agl_lab.runner.enabled=false with agl_lab.server.embedded=true: nothing runs the agents of the "
+                   "embedded server's rollouts unless you start a Runner on trainer.base_url with trainer.key "
+                   "yourself (rollouts wait until agl_lab.rollout.wait_timeout_seconds); enable the runner, or set "
+                   "agl_lab.server.embedded=false to use the runners of an external server")
+    fill = float(cfg.agentlightning.reward_fillna_value)
+    if lab.algorithm.exclude_failed_rollouts and fill != 0.0:
+        out.append(f"agentlightning.reward_fillna_value={fill:g} with agl_lab.algorithm.exclude_failed_rollouts=true: "
+                   "failed rollouts get no rows, so the fill value reaches only succeeded rollouts without a "
+                   "reward; set exclude_failed_rollouts=false to train failed rollouts with it")
+    return out
+
+
+def check_validation_tasks(cfg: DictConfig, n_val_tasks: int) -> None:
+    """The validation keys against the validation tasks there are: with none, `trainer.val_only`
+    fails (ValueError naming the keys) and `val_before_train` / `test_freq > 0` warn (they
+    would silently validate nothing)."""
+    if n_val_tasks > 0:
+        return
+    source = ("there are no validation tasks (agl_lab.task.n_val=0 and no data.val_files or val_dataset; "
+              "set one of them")
+    if cfg.trainer.val_only:
+        raise ValueError(f"trainer.val_only=true but {source}, or trainer.val_only=false)")
+    keys = [k for k, on in (("trainer.val_before_train=true", cfg.trainer.val_before_train),
+                            (f"trainer.test_freq={cfg.trainer.test_freq}", int(cfg.trainer.test_freq) > 0)) if on]
+    if keys:
+        warnings.warn(f"{' and '.join(keys)} validate nothing: {source}, or turn validation off)",
+                      ConfigWarning, stacklevel=3)

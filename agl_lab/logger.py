@@ -103,6 +103,30 @@ class MetricsLogger:
         if self._wandb_run is not None:
             self._wandb_run.log(dict(metrics), step=step)
 
+    def drop_after(self, step: int) -> int:
+        """Keep only the lines of steps <= `step` in metrics.jsonl (rewritten atomically), and a
+        torn last line is dropped too: after a resume from `step`, the log matches the model
+        (a killed run's later steps are redone, not listed twice). Returns the lines dropped."""
+        if not self.path.exists():
+            return 0
+        kept, dropped = [], 0
+        for line in self.path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:  # the line a kill -9 cut short
+                dropped += 1
+                continue
+            if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step:
+                dropped += 1
+            else:
+                kept.append(line + "\n")
+        if dropped:
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("".join(kept))
+            os.replace(tmp, self.path)
+        self.history = [r for r in self.history if r.get("step", 0) <= step]
+        return dropped
+
     @property
     def wandb_run(self):
         return self._wandb_run

@@ -565,3 +565,16 @@ def report_failures(completed, step: int, is_train: bool) -> dict[str, Any]:
                        step, len(failed), len(completed), "training" if is_train else "validation",
                        failed[0].rollout_id, first[:2000])
     return {f"{'training' if is_train else 'val'}/n_failed_rollouts": len(failed)}
+
+
+def fail_unlearnable_rollouts(completed, vocab_size: int | None, max_abs_reward: float, step: int,
+                              is_train: bool) -> dict[str, Any]:
+    """Fail the rollouts the policy cannot learn from (`learnable.fail_unlearnable`: a token id
+    outside the vocabulary, an empty prompt, a reward beyond `max_abs_reward`), so one agent's
+    bad events fail its rollout alone; `training/n_unlearnable_rollouts` (`val/…`) counts them."""
+    from agl_lab.learnable import fail_unlearnable
+
+    failed = fail_unlearnable(completed, vocab_size, max_abs_reward)
+    for rollout in failed[:5]:
+        logger.warning("step %d: rollout %s failed: %s", step, rollout.rollout_id, rollout.metadata["learning_error"])
+    return {f"{'training' if is_train else 'val'}/n_unlearnable_rollouts": len(failed)}

@@ -177,7 +177,8 @@ def agent_env(rollout: dict[str, Any], server_url: str, key: str) -> dict[str, s
     local = (rollout.get("config") or {}).get("local") or {}
     env = resolve_env_map(local.get("env_map") or {}, rollout.get("input"))
     base_url, event_url = agent_urls(server_url, rollout["rollout_id"], rollout.get("is_train", True))
-    env.update(AGL_OPENAI_BASE_URL=base_url, AGL_EVENT_URL=event_url, AGL_KEY=rollout_token(key, rollout["rollout_id"]))
+    token = rollout_token(key, rollout["rollout_id"], rollout["status"]["created_at"])
+    env.update(AGL_OPENAI_BASE_URL=base_url, AGL_EVENT_URL=event_url, AGL_KEY=token)
     return env
 
 
@@ -545,9 +546,9 @@ class Runner:
     def _context(self, rollout: dict[str, Any]) -> AgentContext:
         rid, is_train = rollout["rollout_id"], bool(rollout.get("is_train", True))
         base_url, event_url = agent_urls(self.agent_server_url, rid, is_train)
+        token = rollout_token(self.key, rid, rollout["status"]["created_at"])
         return AgentContext(rollout_id=rid, attempt_id=DEFAULT_ATTEMPT_ID, is_train=is_train,
-                            base_url=base_url, event_url=event_url, api_key=rollout_token(self.key, rid),
-                            rollout=rollout, client=self._client)
+                            base_url=base_url, event_url=event_url, api_key=token, rollout=rollout, client=self._client)
 
     def _supervise_callable(self, ex: _Execution) -> None:
         """Run the callable in an abandonable daemon thread; decide on its outcome."""

@@ -118,6 +118,7 @@ class Trainer:
         self.train_dataset, self.val_dataset = resolve_datasets(
             cfg, self.task, train_dataset, val_dataset, train_files, val_files)
         self.feeder = TaskFeeder(self.train_dataset, seed=int(lab.seed), shuffle=bool(cfg.data.shuffle))
+        config_mod.check_validation_tasks(cfg, len(self.val_dataset or []))
 
         try:
             if engine is None:
@@ -141,7 +142,7 @@ class Trainer:
             project=str(cfg.trainer.project_name), experiment=str(cfg.trainer.experiment_name),
             config=config_mod.to_container(cfg))
         self._closers.append(self.metrics_logger.close)
-        OmegaConf.save(cfg, self.run_dir / "config.yaml", resolve=False)  # what this run was asked to do
+        OmegaConf.save(config_mod.redact_secrets(cfg), self.run_dir / "config.yaml")  # asked for, less secrets
         from agl_lab.replay import Recorder
 
         self.recorder = Recorder(self.run_dir, lab.record)  # every step, replayable (agl_lab.replay)
@@ -198,7 +199,7 @@ class Trainer:
         completes when `train_batch_size` whole groups are done and carries the rest over.
         """
         from agl_lab.records import lifecycle_metrics
-        from agl_lab.rollout import report_failures
+        from agl_lab.rollout import fail_unlearnable_rollouts, report_failures
 
         self._check_open("rollout()")
         t0 = time.time()
@@ -209,6 +210,9 @@ class Trainer:
                 completed, carry = self._collect_async(tasks, metrics)
             else:
                 completed, carry = self._collect_sync(tasks, is_train), []
+        metrics.update(fail_unlearnable_rollouts(completed, self.engine.vocab_size,
+                                                 float(self.cfg.agl_lab.algorithm.max_abs_reward),
+                                                 self.global_step, is_train))
         if is_train:
             metrics.update(lifecycle_metrics(completed))
         metrics.update(report_failures(completed, self.global_step, is_train))
@@ -447,7 +451,7 @@ class Trainer:
             "rng": checkpoints.rng_state(),
         }
         torch.save(state, path / checkpoints.STATE_FILE)
-        OmegaConf.save(self.cfg, path / "config.yaml", resolve=False)  # interpolations kept
+        OmegaConf.save(config_mod.redact_secrets(self.cfg), path / "config.yaml")  # interpolations kept
         return path
 
     @classmethod
@@ -469,6 +473,8 @@ class Trainer:
             self.async_manager.load_state_dict(state["async"])
         checkpoints.set_rng_state(state["rng"])
         self._resumed = True
+        if self.metrics_logger.drop_after(self.global_step):  # a killed run's later steps: redone now
+            logger.warning("metrics.jsonl: dropped the lines of steps after %d (resumed there)", self.global_step)
 
     @property
     def checkpoint_root(self) -> Path:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -131,3 +133,22 @@ class CalcXAgent:
         answer = client.chat.completions.create(model="auto", messages=messages, max_tokens=6).choices[0].message.content
         reward = 1.0 if os.environ["RESULT"] in answer else float(len(answer) % 2)
         _post_event("reward", {"value": reward})
+
+
+_started, _lock = 0, threading.Lock()
+
+
+def killed_lookup_agent(task: dict, ctx) -> float | None:
+    """The lookup task's agent; the process dies by SIGKILL (kill -9) as rollout number
+    `$AGL_TEST_KILL_AT_ROLLOUT` of this process starts (unset: never)."""
+    from agl_lab.tasks.lookup import lookup_agent
+
+    global _started
+    with _lock:
+        _started += 1
+        n = _started
+    kill_at = int(os.environ.get("AGL_TEST_KILL_AT_ROLLOUT", "0"))
+    if kill_at and n >= kill_at:
+        os.kill(os.getpid(), signal.SIGKILL)
+        threading.Event().wait()  # SIGKILL is not delivered synchronously everywhere
+    return lookup_agent(task, ctx)

@@ -47,7 +47,8 @@ def contract_agent(task, ctx):
     ctx.emit("note", {"i": task["i"], "reply": reply.choices[0].message.content})
     with _LOCK:
         SEEN.append({"rollout_id": ctx.rollout_id, "is_train": ctx.is_train, "base_url": ctx.base_url,
-                     "api_key": ctx.api_key, "event_url": ctx.event_url, "model": reply.model})
+                     "api_key": ctx.api_key, "event_url": ctx.event_url, "model": reply.model,
+                     "created_at": ctx.rollout["status"]["created_at"]})
     return 0.25 * task["i"]
 
 
@@ -78,7 +79,7 @@ def test_each_ctx_field_reaches_the_agent(trainer):
         assert seen["base_url"] == f"{trainer.base_url}/proxy/rollout/{r.rollout_id}/attempt/0/mode/train/openai/v1"
         assert seen["event_url"] == f"{trainer.base_url}/api/rollouts/{r.rollout_id}/attempt/0/events"
         # a per-rollout token derived from the embedded server's fresh key, not the admin key
-        assert seen["api_key"] == rollout_token(trainer.key, r.rollout_id) != trainer.key
+        assert seen["api_key"] == rollout_token(trainer.key, r.rollout_id, seen["created_at"]) != trainer.key
         # ctx.openai_client(): the call went through the gateway and is a triplet of the rollout,
         # although the agent named a model the engine does not call itself
         assert len(r.triplets) == 1 and r.triplets[0].response_ids

@@ -112,9 +112,9 @@ CASES: dict[str, tuple[Any, ...]] = {  # name: (method, rollout, mode, path, hea
     "no key": ("POST", "r1", "train", "chat/completions", {"Content-Type": "application/json"}, CHAT, None),
     "wrong key": ("POST", "r1", "train", "chat/completions", {**AUTH, "Authorization": "Bearer nope"}, CHAT, None),
     "other rollout's token": ("POST", "r1", "train", "chat/completions",
-                              {**AUTH, "Authorization": f"Bearer {rollout_token(KEY, 'boom')}"}, CHAT, None),
+                              {**AUTH, "Authorization": "token-of:boom"}, CHAT, None),
     "own token": ("POST", "r1", "train", "chat/completions",
-                  {**AUTH, "Authorization": f"Bearer {rollout_token(KEY, 'r1')}"}, CHAT, None),
+                  {**AUTH, "Authorization": "token-of:r1"}, CHAT, None),
     "length over the limit": ("POST", "r1", "train", "chat/completions", {**AUTH, "Content-Length": str(LIMIT + 1)},
                               None, None),
     "bad mode": ("POST", "r1", "eval", "chat/completions", AUTH, CHAT, None),
@@ -132,8 +132,18 @@ NOT_FAST = {"GET"}  # other methods take FastAPI's stack in both runs
 COMPARED_HEADERS = ("content-type", "content-length", "www-authenticate", "retry-after", "connection", "allow")
 
 
+def _with_token(server, headers: dict[str, str]) -> dict[str, str]:
+    """`Authorization: token-of:<id>` -> the rollout token of that rollout's life in the server's store."""
+    auth = headers.get("Authorization", "")
+    if not auth.startswith("token-of:"):
+        return headers
+    rid = auth.removeprefix("token-of:")
+    return {**headers, "Authorization": f"Bearer {rollout_token(KEY, rid, server.store.get_rollout(rid).status.created_at)}"}
+
+
 def _send(server, case: tuple[Any, ...]) -> tuple[int, dict[str, str], bytes, bytes]:
     method, rid, mode, path, headers, body, chunks = case
+    headers = _with_token(server, headers)
     conn = Connection(server.url)
     try:
         status, got_headers, answer = conn.request(method, PROXY.format(rid=rid, mode=mode, path=path), headers,

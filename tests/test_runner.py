@@ -155,9 +155,10 @@ def test_callable_agent_success_posts_reward_and_gets_its_context(server, api):
     ctx = seen[ids[1]]
     assert ctx.base_url == f"{server.url}/proxy/rollout/{ids[1]}/attempt/0/mode/val/openai/v1"
     assert ctx.event_url == f"{server.url}/api/rollouts/{ids[1]}/attempt/0/events"
-    assert (ctx.api_key, ctx.attempt_id, ctx.is_train) == (rollout_token(KEY, ids[1]), "0", False)
+    token = rollout_token(KEY, ids[1], ctx.rollout["status"]["created_at"])
+    assert (ctx.api_key, ctx.attempt_id, ctx.is_train) == (token, "0", False)
     client = ctx.openai_client(max_retries=1)
-    assert str(client.base_url).rstrip("/") == ctx.base_url and client.api_key == rollout_token(KEY, ids[1])
+    assert str(client.base_url).rstrip("/") == ctx.base_url and client.api_key == token
     assert runner.stats == {"claimed": 3, "succeeded": 3, "failed": 0, "abandoned": 0, "running": 0}
 
 
@@ -305,7 +306,7 @@ def test_subprocess_agent_gets_the_agl_environment(server, api):
     assert env == {
         "AGL_OPENAI_BASE_URL": f"{server.url}/proxy/rollout/{ids[0]}/attempt/0/mode/train/openai/v1",
         "AGL_EVENT_URL": f"{server.url}/api/rollouts/{ids[0]}/attempt/0/events",
-        "AGL_KEY": rollout_token(KEY, ids[0]),  # the rollout's own token, not the server key
+        "AGL_KEY": rollout_token(KEY, ids[0], final[ids[0]]["created_at"]),  # its own token, not the server key
         "T_Q": "¿cuánto es 2+2?", "T_N": "4", "T_META": '{"level": 1}',
         "T_ALL": json.dumps(task, ensure_ascii=False), "T_MODEL": "Qwen/Qwen2.5-1.5B-Instruct",
     }

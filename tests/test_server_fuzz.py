@@ -14,7 +14,7 @@ import math
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 EXAMPLES_PER_STORE = 150
@@ -123,3 +123,86 @@ def test_fuzz_api_never_5xx_and_reads_back(embedded_server, tmp_path, store_kind
 
         run()
         assert counts["ok"] and counts["refused"], counts  # both branches were exercised
+
+
+# ---------------------------------------------------------------------------------------------
+# The learning side: whatever events agents send, a step of the real Trainer goes on
+# ---------------------------------------------------------------------------------------------
+
+LEARNING_EXAMPLES = 25
+VOCAB = 1024  # the built-in tiny model's (tests/test_trainer.py's SMALL settings)
+_id = st.integers(min_value=0, max_value=VOCAB - 1)
+_ids = (st.lists(_id, min_size=1, max_size=12)  # mostly learnable: the fuzzed rollouts must also train
+        | st.lists(_id | st.integers(min_value=-3, max_value=VOCAB + 3) | st.sampled_from([2**31, 2**62, -(2**63)]),
+                   max_size=12))
+_calls = st.lists(st.tuples(_ids, _ids, st.lists(st.floats(allow_nan=False, allow_infinity=False,
+                                                           width=32), max_size=12)), max_size=3)
+_rewards = (st.none() | st.floats(min_value=-10, max_value=10)
+            | st.floats(allow_nan=False, allow_infinity=False, width=32) | st.sampled_from([3.0e38, -1e7]))
+rollout_events = st.tuples(_calls, _rewards)
+
+
+def _post_fuzzed(ctx, calls, reward) -> None:
+    """The rollout's model calls and reward, posted as the gateway and an agent would post them."""
+    headers = {"Authorization": f"Bearer {ctx.api_key}"}
+    with httpx.Client(headers=headers, trust_env=False, timeout=30) as c:
+        for prompt, response, logprobs in calls:
+            data = {"model": "m", "request": {"messages": []}, "http_status": 200, "status": "ok",
+                    "response": {"prompt_token_ids": prompt, "choices": [
+                        {"token_ids": response, "logprobs": {"content": [{"logprob": lp} for lp in logprobs]}}]}}
+            c.post(ctx.event_url, json={"event_type": "model_request", "data": data}).raise_for_status()
+        if reward is not None:
+            c.post(ctx.event_url, json={"event_type": "reward", "data": {"value": reward}}).raise_for_status()
+
+
+def test_fuzz_events_never_crash_a_training_step(tmp_path):
+    """Arbitrary token ids (outside the vocabulary, huge, negative), lengths (empty prompts,
+    empty responses, logprobs of another length) and rewards (up to 3e38) from three of a
+    step's four agents: every step of the real Trainer returns (the fourth agent plays the
+    task, so the step has a row to train), and a rollout that cannot be learned from is failed
+    with its reason. Not shrunk (a step is seconds): a failure prints the example as found."""
+    import itertools
+    import threading
+
+    from agl_lab.tasks.lookup import lookup_agent
+
+    from agl_lab.trainer import Trainer
+    from tests.test_trainer import SMALL
+
+    current: dict = {"batch": []}
+    counter, lock = itertools.count(), threading.Lock()
+
+    def agent(task, ctx):
+        with lock:
+            k = next(counter) % 4
+        if k == 3:  # one healthy agent per step: a batch with no trainable row fails loudly, by design
+            return lookup_agent(task, ctx)
+        calls, reward = current["batch"][k]
+        _post_fuzzed(ctx, calls, reward)
+        return None  # the reward, if any, was posted as an event
+
+    overrides = [*SMALL, "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                 "actor_rollout_ref.rollout.n=2"]
+    with Trainer.from_config("configs/cpu_tiny.yaml", overrides=overrides, agent=agent, run_dir=tmp_path / "run",
+                             console=False) as trainer:
+        assert trainer.engine.vocab_size == VOCAB
+
+        @settings(max_examples=LEARNING_EXAMPLES, derandomize=True, deadline=None, database=None,
+                  suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate])
+        @given(batch=st.lists(rollout_events, min_size=3, max_size=3))
+        def run(batch):
+            current["batch"] = batch
+            step = trainer.global_step
+            metrics = trainer.step()
+            assert trainer.global_step == step + 1
+            for rollout in trainer._last_rollout.rollouts:
+                if "learning_error" in rollout.metadata:
+                    assert rollout.state == "failed" and rollout.triplets == []
+                for t in rollout.triplets:
+                    assert t.prompt_ids and all(0 <= x < VOCAB for x in t.prompt_ids + t.response_ids)
+            seen["unlearnable"] += metrics.get("training/n_unlearnable_rollouts", 0)
+            seen["trained_fuzzed"] += sum(bool(r.triplets) for r in trainer._last_rollout.rollouts) - 1
+
+        seen = {"unlearnable": 0, "trained_fuzzed": 0}
+        run()
+        assert seen["unlearnable"] and seen["trained_fuzzed"], seen  # both kinds of fuzzed rollout occurred

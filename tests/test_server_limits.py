@@ -154,8 +154,8 @@ def test_cross_site_content_types_are_refused_on_every_route_without_auth(embedd
 
 def test_per_rollout_token_opens_only_its_proxy_route_and_event_posts(server, client, fake_upstream):
     client.post("/api/models", json=[{"model": "m", "endpoint": fake_upstream.base_url}])
-    client.post("/api/rollouts", json=[{"input": {}, "rollout_id": "r1"}, {"input": {}, "rollout_id": "r2"}])
-    token = rollout_token(KEY, "r1")
+    created = client.post("/api/rollouts", json=[{"input": {}, "rollout_id": "r1"}, {"input": {}, "rollout_id": "r2"}])
+    token = rollout_token(KEY, "r1", created.json()[0]["status"]["created_at"])
     with httpx.Client(base_url=server.url, trust_env=False, headers={"Authorization": f"Bearer {token}"}) as agent:
         ok = agent.post("/proxy/rollout/r1/attempt/0/mode/train/openai/v1/chat/completions",
                         json={"messages": [{"role": "user", "content": "hi"}]})
@@ -183,8 +183,9 @@ def test_per_rollout_token_opens_only_its_proxy_route_and_event_posts(server, cl
 
 
 def test_rollout_token_is_empty_without_a_key():
-    assert rollout_token("", "r1") == ""
-    assert rollout_token("k", "r1") != rollout_token("k", "r2") != rollout_token("j", "r2")
+    assert rollout_token("", "r1", 1.0) == ""
+    assert rollout_token("k", "r1", 1.0) != rollout_token("k", "r2", 1.0) != rollout_token("j", "r2", 1.0)
+    assert rollout_token("k", "r1", 1.0) != rollout_token("k", "r1", 1.5)  # another life of the id
 
 
 def test_docs_follow_the_api_auth_unless_opened(embedded_server):
@@ -218,12 +219,12 @@ def test_runner_agents_get_the_rollout_token(server, client):
         (rollout,) = admin.create_rollouts([RolloutCreate(input={}, rollout_id="rt1")])
         with Runner(server.url, key=KEY, agent=agent):
             deadline = time.monotonic() + 30
-            while admin.get_rollout("rt1")[0].status.state not in ("succeeded", "failed"):
+            while not admin.get_rollout("rt1")[0].is_terminal:  # (AglClient.wait_for_terminal was removed)
                 assert time.monotonic() < deadline, "the runner never finished rt1"
                 time.sleep(0.02)
         assert admin.get_rollout("rt1")[0].status.state == "succeeded", admin.get_rollout("rt1")[0].status
         types = [e["event_type"] for e in admin.get_events("rt1")]
-    assert seen["key"] == rollout_token(KEY, "rt1") and {"note", "own", "reward"} <= set(types)
+    assert seen["key"] == rollout_token(KEY, "rt1", rollout.status.created_at) and {"note", "own", "reward"} <= set(types)
 
 
 # -- OpenAPI: every route lists the errors it answers ------------------------------------------------------

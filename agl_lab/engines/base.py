@@ -35,6 +35,13 @@ class Engine(abc.ABC):
     bypass_mode: bool = False
 
     @property
+    def vocab_size(self) -> int | None:
+        """Token ids the policy can score are in [0, vocab_size): the tokenizer's size here (an
+        engine that knows its embedding's rows says so); None when there is no tokenizer. A
+        rollout with other ids fails alone (`learnable.learning_problem`)."""
+        return len(self.tokenizer) if self.tokenizer is not None else None
+
+    @property
     @abc.abstractmethod
     def policy_version(self) -> int:
         """Version of the weights being served; bumped by every `sync_weights()`."""

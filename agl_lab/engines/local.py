@@ -108,6 +108,11 @@ class LocalEngine(Engine):
             max_model_len=max_model_len, batch_window_ms=batch_window_ms, max_batch_size=max_batch_size,
             weights_lock=self.weights_lock)
 
+    @property
+    def vocab_size(self) -> int:
+        """The embedding's rows: every id the model can sample and score."""
+        return int(self.model.get_input_embeddings().num_embeddings)
+
     @classmethod
     def from_config(cls, cfg: Any) -> "LocalEngine":
         """Build from a composed agl_lab config (`agl_lab.model.*`, `agl_lab.engine_options.*`,

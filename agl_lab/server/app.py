@@ -46,6 +46,7 @@ import contextlib
 import json
 import logging
 import secrets
+import sqlite3
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
@@ -58,7 +59,9 @@ from starlette.concurrency import run_in_threadpool
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from agl_lab.protocol import (
+    DEFAULT_ATTEMPT_ID,
     ROLLOUT_TOKEN_PREFIX,
+    TERMINAL_STATES,
     Event,
     EventCreate,
     Model,
@@ -109,14 +112,17 @@ def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
 ERROR_TEXTS = {
     400: "body is not valid JSON",
     401: "missing or wrong key (checked before the body is read)",
+    403: "a server without a key: the Host header names a host outside allowed_hosts",
     404: "no such rollout",
     409: "transition not allowed from the rollout's state",
     413: "body larger than max_body_bytes, or more items than max_batch_items",
     415: "body sent as text/plain or a form (cross-site content types): send application/json",
     422: "invalid field, or a value the store could not read back (named in detail)",
+    503: "the SQLite store could not write (e.g. busy): nothing was stored, retry",
+    507: "the SQLite store's disk is full: nothing was stored",
     500: "unexpected server error (JSON; the connection stays usable)",
 }
-COMMON_ERRORS = (401, 413, 415, 500)
+COMMON_ERRORS = (401, 403, 413, 415, 500, 503, 507)
 
 
 class HeartbeatRequest(BaseModel):
@@ -165,7 +171,8 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        gateway.client = open_upstream_client(cfg.upstream_client, cfg.upstream_timeout_seconds)
+        gateway.client = open_upstream_client(cfg.upstream_client, cfg.upstream_timeout_seconds,
+                                              cfg.max_upstream_answer_bytes)
         sweeper = asyncio.ensure_future(_expire_leases_forever(store, cfg.lease_seconds)) if cfg.lease_seconds else None
         try:
             yield
@@ -181,7 +188,7 @@ def create_app(
     app.add_middleware(JsonServerErrors)
     open_paths = (HEALTH_PATH,) if cfg.docs_auth else (HEALTH_PATH, *DOCS_PATHS)
     guard = {"key": cfg.key, "max_body_bytes": cfg.max_body_bytes, "open_paths": open_paths,
-             "token_check": rollout_token_checker(cfg.key)}
+             "token_check": rollout_token_checker(cfg.key, store), "allowed_hosts": tuple(cfg.allowed_hosts)}
     app.add_middleware(RequestGuard, **guard)  # auth lives here, before the body is read
     # the hot path as a plain Starlette route (no dependency solving), which AglApp's fast path
     # answers before the middleware stack with the same checks (agl_lab.server.asgi)
@@ -206,22 +213,29 @@ def _no_check(_: Request) -> None:
     """The proxy route's own check: none, RequestGuard authorised the request already."""
 
 
-def rollout_token_checker(key: str) -> Callable[[str, str, str], bool]:
+def rollout_token_checker(key: str, store: Store) -> Callable[[str, str, str], bool]:
     """`check(token, method, path)`: a per-rollout token (`rollout_token`) opens only POSTs to
-    its rollout's proxy route and event route."""
+    its rollout's proxy route and event route, and only for the rollout's live attempt: the
+    rollout exists with the `created_at` the token was made for (not a re-created one), is
+    not terminal, and the path names its current attempt (`last_attempt_id`, default "0")."""
 
     def check(token: str, method: str, path: str) -> bool:
         if method != "POST" or not token.startswith(ROLLOUT_TOKEN_PREFIX):
             return False
         rollout_id = token[len(ROLLOUT_TOKEN_PREFIX):].rpartition(".")[0]
-        if not rollout_id or not secrets.compare_digest(token.encode(), rollout_token(key, rollout_id).encode()):
-            return False
         parts = path.split("/")  # "", "proxy"|"api", "rollout"|"rollouts", id, "attempt", aid, ...
-        if len(parts) < 7 or parts[3] != rollout_id or parts[4] != "attempt":
+        if not rollout_id or len(parts) < 7 or parts[3] != rollout_id or parts[4] != "attempt":
             return False
-        if parts[1] == "proxy" and parts[2] == "rollout":
-            return True
-        return parts[1] == "api" and parts[2] == "rollouts" and len(parts) == 7 and parts[6] == "events"
+        proxy = parts[1] == "proxy" and parts[2] == "rollout"
+        if not proxy and not (parts[1] == "api" and parts[2] == "rollouts" and len(parts) == 7 and parts[6] == "events"):
+            return False
+        rollout = store.get_rollout(rollout_id)
+        if rollout is None or rollout.status.state in TERMINAL_STATES:
+            return False
+        if parts[5] != (rollout.status.last_attempt_id or DEFAULT_ATTEMPT_ID):
+            return False
+        expected = rollout_token(key, rollout_id, rollout.status.created_at)
+        return secrets.compare_digest(token.encode(), expected.encode())
 
     return check
 
@@ -238,6 +252,14 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(NotStorable)
     async def not_storable(_: Request, exc: NotStorable) -> JSONResponse:
         return JSONResponse({"detail": f"{exc} — nothing was stored"}, status_code=422)
+
+    @app.exception_handler(sqlite3.OperationalError)
+    async def store_refused(_: Request, exc: sqlite3.OperationalError) -> JSONResponse:
+        # the SQLite store rolled the write back (store._transaction): what reads back is the file
+        full = "full" in str(exc)
+        hint = "free disk space on the store's filesystem and retry" if full else "retry"
+        return JSONResponse({"detail": f"store refused the write ({exc}) — nothing was stored; {hint}"},
+                            status_code=507 if full else 503)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> Response:

@@ -3,8 +3,10 @@
     AglApp                 the FastAPI app `create_app` returns; answers the proxy's POSTs itself
     JsonServerErrors       ASGI middleware: unexpected errors -> JSON 500, keep-alive preserved
     HTTP_PROTOCOL          uvicorn's `http=` choice: httptools, a response's head and body in one write,
-                           `GET /healthz` answered without an ASGI task (uvicorn's own httptools
-                           protocol instead, with a warning, if the installed uvicorn's internals moved)
+                           `GET /healthz` answered without an ASGI task, bounded request heads and reads
+                           (uvicorn's own httptools protocol instead, with a warning, if the installed
+                           uvicorn's internals moved)
+    http_protocol(limits)  HTTP_PROTOCOL with a server's ReadLimits (header size, header/body timeouts)
 
 Every LLM call of every agent is a POST to the proxy route, so its path through the server is
 the hot path. Through FastAPI's stack it passes ~10 layers (ServerErrorMiddleware, FastAPI's
@@ -22,13 +24,23 @@ calls: two send syscalls and two wake-ups of the agent per call. `HTTP_PROTOCOL`
 head until the first body chunk and writes both at once, and answers `GET /healthz` in the
 I/O callback instead of queuing an ASGI task behind the turn's calls (at 256 agents calling
 back to back that queue is tens of ms); everything else is uvicorn's.
+
+uvicorn itself bounds neither a request head's size nor how long it may take to arrive (its
+keep-alive timer runs only between requests), so a client could hold a connection open forever
+idle, mid-head or mid-body, or send a 40 MiB header that is buffered whole. `HTTP_PROTOCOL`
+applies `ReadLimits`: a head larger than `max_header_bytes` answers 431 and closes; a head not
+complete within `header_timeout_seconds` of the connection (or of its first byte, on a reused
+connection) answers 408 and closes; a body with no data for `body_timeout_seconds` while the app
+waits for it answers 408 and closes. A request the app is still answering is never cut.
 """
 
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI
@@ -202,9 +214,27 @@ class _Prefixed:
         return getattr(self.transport, name)
 
 
+@dataclass(frozen=True)
+class ReadLimits:
+    """How much of a request head the protocol reads, and how long it waits (ServerConfig keys)."""
+
+    max_header_bytes: int = 64 * 2**10  # request line + headers; larger: 431
+    header_timeout_seconds: float = 30.0  # a head must be complete this long after it started: else 408
+    body_timeout_seconds: float = 60.0  # longest pause in a body the app is reading: else 408
+
+
+def _close_with(transport: Any, status: int, reason: bytes, detail: str) -> None:
+    """Write a JSON error answer with `connection: close` and close the connection."""
+    body = json.dumps({"detail": detail}).encode()
+    transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                    b"connection: close\r\n\r\n%s" % (status, reason, len(body), body))
+    transport.close()
+
+
 # what the classes below rely on in uvicorn's httptools protocol (checked at import: see _fits)
 _CYCLE_FIELDS = ("scope", "transport", "flow", "message_event", "keep_alive", "on_response")
-_PROTOCOL_HOOKS = ("on_headers_complete", "on_response_complete", "_start_asgi_task")
+_PROTOCOL_HOOKS = ("on_headers_complete", "on_response_complete", "_start_asgi_task", "on_body",
+                   "on_message_complete", "data_received", "connection_made", "connection_lost")
 
 
 def _fits(protocol: Any, cycle: Any) -> bool:
@@ -250,13 +280,98 @@ else:
                 prefixed.flush()  # a HEAD answer writes no body
 
     class OneWriteHttpToolsProtocol(HttpToolsProtocol):
-        """uvicorn's httptools protocol whose responses go out as one write (head + body), and
-        which answers `GET /healthz` itself (see `_answer_health`)."""
+        """uvicorn's httptools protocol whose responses go out as one write (head + body), which
+        answers `GET /healthz` itself (see `_answer_health`) and applies `limits` (ReadLimits;
+        `http_protocol(limits)` makes the subclass of a server's settings)."""
+
+        limits = ReadLimits()
+
+        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._head_open, self._head_bytes, self._tail = True, 0, b""  # reading a request head?
+            self._read_timer: Any = None
+            self._arm(self.limits.header_timeout_seconds, self._head_timed_out)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            if self._head_open:
+                if self._read_timer is None:  # the first byte of a head on a reused connection
+                    self._arm(self.limits.header_timeout_seconds, self._head_timed_out)
+                if self._head_too_big(data):
+                    self._disarm()
+                    self._head_open = False
+                    _close_with(self.transport, 431, b"Request Header Fields Too Large",
+                                f"request head larger than {self.limits.max_header_bytes} bytes "
+                                "(server setting max_header_bytes)")
+                    return
+            super().data_received(data)
+
+        def _head_too_big(self, data: bytes) -> bool:
+            """Count the head's bytes before the parser buffers them (it would hold a 40 MiB header)."""
+            window = self._tail + data
+            end = window.find(b"\r\n\r\n")
+            self._head_bytes += len(data) if end < 0 else end + 4 - len(self._tail)
+            self._tail = window[-3:]
+            return self._head_bytes > self.limits.max_header_bytes
 
         def on_headers_complete(self) -> None:
+            self._head_open = False
+            self._disarm()
             super().on_headers_complete()
             if type(self.cycle) is RequestResponseCycle:  # its task has not run yet
                 self.cycle.__class__ = _OneWriteCycle
+            self._arm(self.limits.body_timeout_seconds, self._body_timed_out)
+
+        def on_body(self, body: bytes) -> None:
+            super().on_body(body)
+            self._arm(self.limits.body_timeout_seconds, self._body_timed_out)  # a pause, not the whole body
+
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            self._disarm()
+            self._head_open, self._head_bytes, self._tail = True, 0, b""  # what follows is the next head
+
+        def _arm(self, seconds: float, handler: Callable[[], None]) -> None:
+            self._disarm()
+            self._read_timer = self.loop.call_later(seconds, handler)
+
+        def _disarm(self) -> None:
+            timer, self._read_timer = getattr(self, "_read_timer", None), None
+            if timer is not None:
+                timer.cancel()
+
+        def _answering(self) -> bool:
+            return self.cycle is not None and not self.cycle.response_complete
+
+        def _head_timed_out(self) -> None:
+            self._read_timer = None
+            if self.transport.is_closing() or not self._head_open:
+                return
+            if self._answering():  # a pipelined head behind a request in progress: wait for it
+                self._arm(self.limits.header_timeout_seconds, self._head_timed_out)
+                return
+            _close_with(self.transport, 408, b"Request Timeout",
+                        f"request head not complete within {self.limits.header_timeout_seconds:g} s "
+                        "(server setting header_timeout_seconds)")
+
+        def _body_timed_out(self) -> None:
+            self._read_timer = None
+            cycle = self.cycle
+            if self.transport.is_closing() or cycle is None or not cycle.more_body:
+                return
+            if self.flow.read_paused:  # the app has not taken what was sent yet: not the client's pause
+                self._arm(self.limits.body_timeout_seconds, self._body_timed_out)
+                return
+            if cycle.response_started:
+                self.transport.close()
+                return
+            cycle.response_started = cycle.response_complete = True  # the app's answer, if any, is dropped
+            _close_with(self.transport, 408, b"Request Timeout",
+                        f"no request body data for {self.limits.body_timeout_seconds:g} s "
+                        "(server setting body_timeout_seconds)")
 
         def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
             scope = cycle.scope
@@ -285,6 +400,21 @@ else:
         HTTP_PROTOCOL = OneWriteHttpToolsProtocol
     else:  # pragma: no cover - depends on the installed uvicorn
         logger.warning("This uvicorn's httptools protocol lacks what agl_lab's one-write protocol hooks into "
-                       "(%s; cycle fields %s): serving with uvicorn's own httptools protocol, which is correct "
-                       "and somewhat slower per call", ", ".join(_PROTOCOL_HOOKS), ", ".join(_CYCLE_FIELDS))
+                       "(%s; cycle fields %s): serving with uvicorn's own httptools protocol, which is correct, "
+                       "somewhat slower per call, and does not apply max_header_bytes, header_timeout_seconds "
+                       "and body_timeout_seconds", ", ".join(_PROTOCOL_HOOKS), ", ".join(_CYCLE_FIELDS))
         HTTP_PROTOCOL = "httptools"
+
+
+def http_protocol(limits: ReadLimits) -> Any:
+    """uvicorn's `http=` for a server with `limits`: a subclass of HTTP_PROTOCOL (HTTP_PROTOCOL
+    itself when it is uvicorn's, which cannot apply them)."""
+    if isinstance(HTTP_PROTOCOL, str):  # pragma: no cover - depends on the installed uvicorn
+        return HTTP_PROTOCOL
+    return type("AglHttpProtocol", (HTTP_PROTOCOL,), {"limits": limits})
+
+
+def read_limits(config: Any) -> ReadLimits:
+    """The ReadLimits of a ServerConfig."""
+    return ReadLimits(max_header_bytes=config.max_header_bytes, header_timeout_seconds=config.header_timeout_seconds,
+                      body_timeout_seconds=config.body_timeout_seconds)

@@ -56,9 +56,15 @@ class ServerConfig(_Strict):
     #                                                     this long (503 + Retry-After); 0: retry instead
     upstream_client: Literal["auto", "raw", "aiohttp", "httpx"] = "auto"  # auto: the raw client (least CPU per call)
     max_body_bytes: int = Field(32 * 2**20, ge=1)  # larger request bodies answer 413 (checked before reading)
+    max_header_bytes: int = Field(64 * 2**10, ge=1024)  # a request head (line + headers) beyond this: 431
+    header_timeout_seconds: float = Field(30.0, gt=0)  # a request head not complete this long after it began: 408
+    body_timeout_seconds: float = Field(60.0, gt=0)  # no body data this long while the app reads it: 408
+    max_upstream_answer_bytes: int = Field(32 * 2**20, ge=1)  # a larger model answer is refused (502), not stored
     max_batch_items: int = Field(10_000, ge=1)  # items per POST /api/rollouts or /api/models (413 beyond)
     lease_seconds: float = Field(600.0, ge=0)  # a running rollout without heartbeat/event/status change this
     #                                          long is failed (its runner died); 0 disables leases
+    allowed_hosts: list[str] = Field(default_factory=lambda: ["localhost", "127.0.0.1", "::1"])  # Host names a
+    #                      server without a key answers (403 otherwise: DNS rebinding); "*": any; unused with a key
     docs_auth: bool = True  # /docs, /redoc and /openapi.json need the key too (false: open like /healthz)
     token_preserving: bool = False  # flag only; the mode plugs in as a gateway request rewriter
     call_seed: int | None = None  # seed calls that carry none from their position (server/seeding.py)

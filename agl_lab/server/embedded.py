@@ -30,7 +30,7 @@ import httpx
 import uvicorn
 
 from agl_lab.server.app import create_app
-from agl_lab.server.asgi import HTTP_PROTOCOL
+from agl_lab.server.asgi import HTTP_PROTOCOL, http_protocol, read_limits
 from agl_lab.server.config import ServerConfig, load_server_config
 from agl_lab.server.store import Store, open_store
 
@@ -41,7 +41,7 @@ class ThreadedUvicorn:
     """Serve an ASGI app with uvicorn in a daemon thread on an already-bound socket."""
 
     def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, *, log_level: str = "warning",
-                 health_path: str | None = None, start_timeout: float = 20.0):
+                 health_path: str | None = None, start_timeout: float = 20.0, http: Any = HTTP_PROTOCOL):
         self.app, self.host = app, host
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY only on sockets that declare it,
@@ -52,7 +52,7 @@ class ThreadedUvicorn:
         self.port: int = self._sock.getsockname()[1]
         # log_config=None: leave the host program's (notebook's) logging configuration alone
         config = uvicorn.Config(app, log_level=log_level, log_config=None, timeout_keep_alive=120,
-                                lifespan="on", access_log=False, http=HTTP_PROTOCOL)
+                                lifespan="on", access_log=False, http=http)
         self._server = uvicorn.Server(config)
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"uvicorn:{self.port}", daemon=True)
@@ -128,7 +128,8 @@ class EmbeddedServer:
         self.app = create_app(self.config, store=self.store, rewriters=rewriters)
         try:
             self._uvicorn = ThreadedUvicorn(self.app, self.config.host, self.config.port if port_given else 0,
-                                            log_level=log_level, health_path="/healthz")
+                                            log_level=log_level, health_path="/healthz",
+                                            http=http_protocol(read_limits(self.config)))
         except BaseException:
             if self._owns_store:
                 self.store.close()
@@ -219,6 +220,9 @@ def _parser() -> argparse.ArgumentParser:
                    choices=typing.get_args(ServerConfig.model_fields["upstream_client"].annotation))
     for flag, (key, kind, metavar, text) in LIMIT_FLAGS.items():
         p.add_argument(flag, dest=key, type=kind, default=None, metavar=metavar, help=f"{key}: {text}")
+    p.add_argument("--allowed-host", dest="allowed_hosts", action="append", default=None, metavar="NAME",
+                   help="allowed_hosts: without a key, also answer requests whose Host header is NAME "
+                        "(repeatable; '*' for any; default only localhost, 127.0.0.1, ::1)")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -241,6 +245,11 @@ LIMIT_FLAGS: dict[str, tuple[str, type, str, str]] = {
     "--max-body-bytes": ("max_body_bytes", int, "N", "larger request bodies answer 413 (default 32 MiB)"),
     "--max-batch-items": ("max_batch_items", int, "N", "items per POST of rollouts or models, 413 beyond "
                                                        "(default 10000)"),
+    "--max-header-bytes": ("max_header_bytes", int, "N", "a larger request head answers 431 (default 64 KiB)"),
+    "--header-timeout": ("header_timeout_seconds", float, "S", "a request head must arrive within this (default 30)"),
+    "--body-timeout": ("body_timeout_seconds", float, "S", "longest pause within a request body (default 60)"),
+    "--max-upstream-answer-bytes": ("max_upstream_answer_bytes", int, "N", "a larger model answer is refused "
+                                                                          "with 502 (default 32 MiB)"),
 }
 
 
@@ -296,6 +305,8 @@ def serve_config(args: argparse.Namespace, environ: Mapping[str, str] | None = N
                            "default_proxy": proxy, "token_preserving": args.token_preserving,
                            "upstream_client": args.upstream_client}
     raw.update({key: getattr(args, key) for key, *_ in LIMIT_FLAGS.values() if getattr(args, key) is not None})
+    if getattr(args, "allowed_hosts", None):
+        raw["allowed_hosts"] = [*ServerConfig().allowed_hosts, *args.allowed_hosts]
     return load_server_config(raw)
 
 
@@ -319,7 +330,7 @@ def serve_main(argv: list[str]) -> int:
         # uvicorn formats each access-log line before its logger filters it: only when shown
         access_log = args.log_level.lower() in ("trace", "debug", "info")
         uvicorn.run(app, host=config.host, port=config.port, workers=1, timeout_keep_alive=120,
-                    log_level=args.log_level, http=HTTP_PROTOCOL, access_log=access_log)
+                    log_level=args.log_level, http=http_protocol(read_limits(config)), access_log=access_log)
     finally:
         store.close()
     return 0

@@ -62,6 +62,7 @@ from agl_lab.server.upstream import (
     UpstreamRefused,
     UpstreamResponse,
     UpstreamTimeout,
+    UpstreamTooLarge,
     UpstreamTransportError,
 )
 
@@ -383,6 +384,8 @@ class Gateway:
                     raise UpstreamFailure(504, "Upstream model server timed out", _timeout_cause(
                         exc, attempt + 1, cfg.upstream_timeout_seconds, cfg.upstream_call_deadline_seconds)) from exc
                 reason = f"timeout ({str(exc) or 'attempt timed out'})"
+            except UpstreamTooLarge as exc:  # the same request would get the same answer: not retried
+                raise UpstreamFailure(502, "The model server's answer is too large", str(exc)) from exc
             except UpstreamRefused as exc:
                 if cfg.upstream_breaker_seconds > 0:
                     self._down_until[endpoint] = loop.time() + cfg.upstream_breaker_seconds

@@ -1,6 +1,6 @@
 """The server's front door: auth before the body is read, body size limit, no cross-site bodies.
 
-    RequestGuard(app, key=..., max_body_bytes=..., open_paths=..., token_check=...)   ASGI middleware
+    RequestGuard(app, key=..., max_body_bytes=..., open_paths=..., token_check=..., allowed_hosts=...)
     await guard.admit(scope, receive, send)   the checks alone (the proxy's fast path calls them)
 
 Per HTTP request, before any route (and so before FastAPI reads or parses the body):
@@ -9,11 +9,16 @@ Per HTTP request, before any route (and so before FastAPI reads or parses the bo
    or `multipart/form-data` answers 415: those are the content types a browser may POST to
    any site without a CORS preflight, so a web page could otherwise drive a keyless server on
    loopback (pause the gateway, delete models). Every client of this API sends JSON.
-2. **Auth.** Unless the path is open (`/healthz`; `/docs`, `/redoc`, `/openapi.json` when
+2. **Host names (keyless servers only).** Without a key, a request whose `Host` header names a
+   host outside `allowed_hosts` (default: localhost, 127.0.0.1, ::1; "*" allows any) answers
+   403: a web page whose DNS name was rebound to 127.0.0.1 sends its own name as `Host`, so it
+   cannot pause the gateway, list rollouts or register a model endpoint. With a key set the key
+   is the check (a page cannot present it).
+3. **Auth.** Unless the path is open (`/healthz`; `/docs`, `/redoc`, `/openapi.json` when
    `docs_auth` is off), the request needs `Authorization: Bearer <key>` or `x-api-key: <key>`
    — or a per-rollout token that `token_check(token, method, path)` accepts (the token covers
    only its rollout's proxy route and event posts). 401 otherwise, with the body unread.
-3. **Size.** A `Content-Length` above `max_body_bytes` answers 413 at once; a body without
+4. **Size.** A `Content-Length` above `max_body_bytes` answers 413 at once; a body without
    one (chunked) is read up to the limit and refused past it.
 """
 
@@ -27,6 +32,7 @@ from starlette.responses import JSONResponse
 
 CROSS_SITE_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data")
 DOCS_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 
 TokenCheck = Callable[[str, str, str], bool]
 
@@ -44,13 +50,28 @@ def presented_key(headers: dict[bytes, bytes] | list[tuple[bytes, bytes]]) -> st
     return api_key.decode("latin-1") if api_key is not None else None
 
 
+def host_name(headers: Any) -> str | None:
+    """The host name of the `Host` header, lower case, without port or IPv6 brackets (None: no header)."""
+    raw = next((value for name, value in headers if name == b"host"), None)
+    if raw is None:
+        return None
+    text = raw.decode("latin-1").strip().lower()
+    if text.startswith("["):  # [::1]:8080
+        return text[1:text.find("]")] if "]" in text else text
+    if text.count(":") == 1:  # name:port (a bare IPv6 address has several colons)
+        text = text.partition(":")[0]
+    return text.rstrip(".")
+
+
 class RequestGuard:
     """ASGI middleware applying the module's three checks (see the module docstring)."""
 
     def __init__(self, app: Any, *, key: str, max_body_bytes: int, open_paths: tuple[str, ...] = ("/healthz",),
-                 token_check: TokenCheck | None = None):
+                 token_check: TokenCheck | None = None, allowed_hosts: tuple[str, ...] = LOOPBACK_HOSTS):
         self.app, self.key, self.max_body_bytes = app, key, max_body_bytes
         self.open_paths, self.token_check = frozenset(open_paths), token_check
+        hosts = frozenset(h.strip().lower().strip("[]").rstrip(".") for h in allowed_hosts)
+        self.allowed_hosts = None if key or "*" in hosts else hosts  # None: any Host name
         self._expected = key.encode()
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -88,6 +109,12 @@ class RequestGuard:
                 length = value
         if content_type in CROSS_SITE_TYPES:
             return (415, f"Content-Type {content_type} is not accepted: send the body as application/json"), True
+        if self.allowed_hosts is not None and scope["path"] not in self.open_paths:
+            host = host_name(headers)
+            if host not in self.allowed_hosts:
+                return (403, f"Host {host!r} is not allowed on a server without a key (server setting allowed_hosts: "
+                             f"{', '.join(sorted(self.allowed_hosts))}): connect by one of those names, add "
+                             "yours to allowed_hosts, or set a key"), True
         if not self._authorized(scope, headers):
             return (401, "Invalid or missing API key"), True
         if length is None:

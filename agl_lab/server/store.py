@@ -70,7 +70,6 @@ except ImportError:  # pragma: no cover - orjson is optional
     _loads = json.loads
 
 DEFAULT_TERMINAL_LOG_LIMIT = 100_000
-CREATE_CHUNK = 500  # rollouts created per lock hold: other callers (the gateway) interleave
 
 
 def _pack(data: Any) -> bytes:
@@ -128,22 +127,29 @@ class Store(ABC):
     def create_rollouts(self, creates: Sequence[RolloutCreate]) -> list[Rollout]:
         """Create rollouts in order; a client id that exists returns the existing rollout.
 
+        All or nothing: the batch is one transaction, so a refused write (a full disk) or a
+        killed server stores none of it. The rollouts are built before the lock is taken; the
+        lock is held only for the id lookup and the inserts.
+
         Raises NotStorable (and stores none of them) when any request breaks the storable
         rule (`agl_lab.server.storable`) or names an invalid rollout id.
         """
         _check_creates(creates)
         now = time.time()
-        out: list[Rollout] = []
-        for start in range(0, len(creates), CREATE_CHUNK):  # release the lock between chunks
-            with self._lock, self._transaction():
-                for create in creates[start : start + CREATE_CHUNK]:
-                    existing = self._load(create.rollout_id) if create.rollout_id else None
-                    if existing is not None:  # idempotent retry: never reset a started rollout
-                        out.append(existing)
-                        continue
-                    rollout = create.to_rollout(now)
-                    self._insert(rollout)
-                    out.append(rollout)
+        built = [create.to_rollout(now) for create in creates]
+        client_ids = [create.rollout_id for create in creates if create.rollout_id]
+        with self._lock, self._transaction():
+            known = self._load_many(client_ids) if client_ids else {}
+            out: list[Rollout] = []
+            new: list[Rollout] = []
+            for create, rollout in zip(creates, built):
+                if create.rollout_id and create.rollout_id in known:  # idempotent retry: never reset
+                    out.append(known[create.rollout_id])  # a started rollout (or a repeat in the batch)
+                    continue
+                known[rollout.rollout_id] = rollout
+                new.append(rollout)
+                out.append(rollout)
+            self._insert_many(new)
         return out
 
     def get_rollout(self, rollout_id: str) -> Rollout | None:
@@ -376,6 +382,10 @@ class Store(ABC):
     @abstractmethod
     def _insert(self, rollout: Rollout) -> None: ...
 
+    def _insert_many(self, rollouts: Sequence[Rollout]) -> None:
+        for rollout in rollouts:
+            self._insert(rollout)
+
     @abstractmethod
     def _replace(self, rollout: Rollout) -> None: ...
 
@@ -564,8 +574,9 @@ class SqliteStore(Store):
     append costs one INSERT and a WAL write. WAL checkpoints run on a background thread's own
     connection (PASSIVE: they never block the server), not inside a model call's commit.
 
-    One store per file: opening takes an exclusive lock on `<path>.lock` (released by
-    `close()` or when the process ends, even by kill -9) and a second opener gets StoreLocked.
+    One store per file: opening takes an exclusive flock on the database file's identity, so a
+    symlink or hard link to it is the same file (`_FileLock`; released by `close()` or when the
+    process ends, even by kill -9), and a second opener gets StoreLocked.
     Two servers on one file would each hold their own lock and cursor state and meet as
     `database is locked` errors after 5 s busy waits, so it is refused, not supported.
     """
@@ -576,15 +587,21 @@ class SqliteStore(Store):
     def __init__(self, path: str, terminal_log_limit: int = DEFAULT_TERMINAL_LOG_LIMIT):
         super().__init__(terminal_log_limit)
         self.path = path
-        self._lock_file: Any = None
+        self._lock_file: _FileLock | None = None
         if path != ":memory:":
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             self._lock_file = _lock_exclusively(path)
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")  # durable across process crashes
-        self._db.executescript(_SCHEMA)
+        try:
+            self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")  # durable across process crashes
+            self._db.executescript(_SCHEMA)
+        except BaseException:
+            if self._lock_file is not None:
+                self._lock_file.close()
+            raise
         self._cache: dict[str, Rollout] = {}  # rollout_id -> Rollout as stored (see _load)
+        self._depth = 0  # nesting of _transaction (re-entrant under the RLock)
         self._closed = threading.Event()
         self._checkpointer: threading.Thread | None = None
         if path != ":memory:":  # an in-memory database has no WAL to checkpoint
@@ -634,17 +651,33 @@ class SqliteStore(Store):
 
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[None]:
-        if self._db.in_transaction:  # re-entrant use under the RLock
+        """One write transaction: committed, or rolled back and the exception raised (never
+        left open). COMMIT is inside the error handling: on a full disk (SQLITE_FULL) it is
+        the statement that fails, and what the cache holds from the transaction is then not
+        on disk, so the cache is dropped too."""
+        if self._depth:  # re-entrant use under the RLock: the outer call commits
             yield
             return
-        self._db.execute("BEGIN")
+        if self._db.in_transaction:  # pragma: no cover - only after a failed ROLLBACK
+            self._rollback()
+        self._depth += 1
         try:
+            self._db.execute("BEGIN")
             yield
+            self._db.execute("COMMIT")
         except BaseException:
-            self._db.execute("ROLLBACK")
-            self._cache.clear()  # it may hold rows of the rolled-back transaction
+            self._rollback()
             raise
-        self._db.execute("COMMIT")
+        finally:
+            self._depth -= 1
+
+    def _rollback(self) -> None:
+        """Undo the open transaction (SQLite may have undone it already) and drop the cache,
+        which may hold rows of it; the caller raises the error that caused it."""
+        self._cache.clear()
+        if self._db.in_transaction:
+            with contextlib.suppress(sqlite3.Error):
+                self._db.execute("ROLLBACK")
 
     def _load(self, rollout_id: str) -> Rollout | None:
         # every proxied call reads its rollout: decoded rows are cached (this store is the file's
@@ -682,6 +715,14 @@ class SqliteStore(Store):
             (rollout.rollout_id, rollout.status.state.value, rollout.model_dump_json()),
         )
         self._cached(rollout)
+
+    def _insert_many(self, rollouts: Sequence[Rollout]) -> None:
+        self._db.executemany(
+            "INSERT INTO rollouts (rollout_id, state, body) VALUES (?, ?, ?)",
+            ((r.rollout_id, r.status.state.value, r.model_dump_json()) for r in rollouts),
+        )
+        for rollout in rollouts:
+            self._cached(rollout)
 
     def _replace(self, rollout: Rollout) -> None:
         self._db.execute(
@@ -773,29 +814,69 @@ class SqliteStore(Store):
         return [Model(model=m, endpoint=e, version=v) for m, e, v in self._db.execute(sql, (model_name,))]
 
 
-def _lock_exclusively(path: str) -> Any:
-    """Open `<path>.lock` and flock it exclusively (no-op where fcntl is missing); StoreLocked if taken."""
+_HELD: set[tuple[int, int]] = set()  # (st_dev, st_ino) of the SQLite files this process's stores hold
+_HELD_LOCK = threading.Lock()
+
+
+class _FileLock:
+    """An exclusive flock on the database file itself, plus the holder's pid in `<realpath>.lock`.
+
+    The lock is on the file's identity (its inode), not on a name: a symlink or a hard link to
+    the file is the same file. A second store in this process is refused by `_HELD` before the
+    file is opened again, because closing a second descriptor of the file would drop the
+    POSIX locks SQLite holds on it in this process.
+    """
+
+    def __init__(self, fd: int, ident: tuple[int, int]):
+        self.fd, self.ident = fd, ident
+
+    def close(self) -> None:
+        with _HELD_LOCK:
+            _HELD.discard(self.ident)
+            os.close(self.fd)  # releases the flock
+
+
+def _lock_exclusively(path: str) -> _FileLock | None:
+    """Flock the database file (created if missing) exclusively; StoreLocked if another store
+    holds it, through whatever name (no-op where fcntl is missing)."""
     try:
         import fcntl
     except ImportError:  # pragma: no cover - Windows
         return None
-    lock_path = os.path.abspath(path) + ".lock"
-    handle = open(lock_path, "a+")
+    real = os.path.realpath(path)
+    with _HELD_LOCK:
+        with contextlib.suppress(FileNotFoundError):
+            stat = os.stat(real)
+            if (stat.st_dev, stat.st_ino) in _HELD:
+                raise _locked(path, real, str(os.getpid()))
+        fd = os.open(real, os.O_RDWR | os.O_CREAT, 0o644)
+        stat = os.fstat(fd)
+        ident = (stat.st_dev, stat.st_ino)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)  # no SQLite connection of this process is on the file (`_HELD`)
+            raise _locked(path, real, _read_pid(real + ".lock")) from None
+        _HELD.add(ident)
+    with contextlib.suppress(OSError), open(real + ".lock", "w") as pid_file:  # for the refusal message
+        pid_file.write(str(os.getpid()))
+    return _FileLock(fd, ident)
+
+
+def _read_pid(pid_path: str) -> str:
     try:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        holder = handle.read().strip() or "unknown"
-        handle.close()
-        raise StoreLocked(
-            f"SQLite store {path!r} is already open in another store or server process (pid {holder}); "
-            f"stop that server, or give this one its own file (store: sqlite:///other.db)"
-        ) from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(str(os.getpid()))
-    handle.flush()
-    return handle
+        with open(pid_path) as pid_file:
+            return pid_file.read().strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def _locked(path: str, real: str, holder: str) -> StoreLocked:
+    same = "" if os.path.abspath(path) == real else f" (the file {real!r})"
+    return StoreLocked(
+        f"SQLite store {path!r}{same} is already open in another store or server process (pid {holder}); "
+        f"stop that server, or give this one its own file (store: sqlite:///other.db)"
+    )
 
 
 def _check_creates(creates: Sequence[RolloutCreate]) -> None:

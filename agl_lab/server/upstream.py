@@ -1,13 +1,15 @@
 """Upstream clients: how the gateway POSTs a call's JSON to the model server.
 
-    open_upstream_client(kind, timeout_seconds) -> client     kind: "auto" | "raw" | "aiohttp" | "httpx"
+    open_upstream_client(kind, timeout_seconds, max_answer_bytes) -> client   kind: "auto" | "raw" | "aiohttp" | "httpx"
     await client.post_json(url, payload) -> UpstreamResponse   (status, content type, body, Retry-After)
     await client.aclose()
 
 One client (one connection pool) per app, opened in the lifespan. Failures are mapped to three
 exceptions the gateway's retry loop understands: UpstreamTimeout, UpstreamRefused (no
 connection could be opened: the server is down) and UpstreamTransportError (anything else on
-the wire). "auto" is the raw client (asyncio + httptools, both dependencies of uvicorn's fast
+the wire), and UpstreamTooLarge: an answer body beyond `max_answer_bytes` (the server setting
+`max_upstream_answer_bytes`) is not read further, its connection is closed, and it is not
+retried (the same request would get the same answer). "auto" is the raw client (asyncio + httptools, both dependencies of uvicorn's fast
 path): measured on this project's 2-core machine it costs the gateway the least CPU per call
 (benchmarks/gateway.py); aiohttp and httpx stay as choices.
 """
@@ -37,6 +39,18 @@ class UpstreamRefused(UpstreamTransportError):
     """No connection could be opened to the model server (refused, unreachable): it is down."""
 
 
+class UpstreamTooLarge(Exception):
+    """The model server's answer body is larger than `max_upstream_answer_bytes`."""
+
+    def __init__(self, limit: int):
+        super().__init__(f"the model server's answer is larger than {limit} bytes (server setting "
+                         "max_upstream_answer_bytes): ask for fewer tokens or logprobs, or raise the limit")
+        self.limit = limit
+
+
+DEFAULT_MAX_ANSWER_BYTES = 32 * 2**20
+
+
 @dataclass
 class UpstreamResponse:
     status_code: int
@@ -48,20 +62,28 @@ class UpstreamResponse:
 class HttpxUpstream:
     """POSTs JSON through one shared httpx.AsyncClient (the portable choice)."""
 
-    def __init__(self, timeout_seconds: float):
+    def __init__(self, timeout_seconds: float, max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES):
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
         self.client = httpx.AsyncClient(timeout=timeout_seconds, limits=limits, trust_env=False)
+        self.max_answer_bytes = max_answer_bytes
 
     async def post_json(self, url: str, payload: bytes) -> UpstreamResponse:
         try:
-            r = await self.client.post(url, content=payload, headers=_JSON_HEADERS)
+            async with self.client.stream("POST", url, content=payload, headers=_JSON_HEADERS) as r:
+                chunks, size = [], 0
+                async for chunk in r.aiter_bytes():
+                    size += len(chunk)
+                    if size > self.max_answer_bytes:
+                        raise UpstreamTooLarge(self.max_answer_bytes)
+                    chunks.append(chunk)
+                content = b"".join(chunks)
         except httpx.TimeoutException as exc:
             raise UpstreamTimeout(f"{type(exc).__name__}: {exc}") from exc
         except httpx.ConnectError as exc:
             raise UpstreamRefused(f"{type(exc).__name__}: {exc}") from exc
         except (httpx.HTTPError, httpx.InvalidURL) as exc:
             raise UpstreamTransportError(f"{type(exc).__name__}: {exc}") from exc
-        return UpstreamResponse(r.status_code, r.headers.get("content-type", ""), r.content,
+        return UpstreamResponse(r.status_code, r.headers.get("content-type", ""), content,
                                 r.headers.get("retry-after"))
 
     async def aclose(self) -> None:
@@ -77,9 +99,10 @@ class AiohttpUpstream:
     writes and runs more event-loop turns per request).
     """
 
-    def __init__(self, timeout_seconds: float):
+    def __init__(self, timeout_seconds: float, max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES):
         import aiohttp
 
+        self.max_answer_bytes = max_answer_bytes
         self._aiohttp = aiohttp
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
         # like httpx's timeout: a bound on connecting and on each wait for bytes, not on the total
@@ -89,7 +112,13 @@ class AiohttpUpstream:
     async def post_json(self, url: str, payload: bytes) -> UpstreamResponse:
         try:
             async with self.session.post(url, data=payload, headers=_JSON_HEADERS) as r:
-                return UpstreamResponse(r.status, r.headers.get("content-type", ""), await r.read(),
+                content = await r.content.read(self.max_answer_bytes + 1)
+                while len(content) <= self.max_answer_bytes and not r.content.at_eof():
+                    content += await r.content.read(self.max_answer_bytes + 1 - len(content))
+                if len(content) > self.max_answer_bytes:
+                    r.close()  # the rest is not read: the connection is not reused
+                    raise UpstreamTooLarge(self.max_answer_bytes)
+                return UpstreamResponse(r.status, r.headers.get("content-type", ""), content,
                                         r.headers.get("retry-after"))
         except asyncio.TimeoutError as exc:  # aiohttp's timeouts subclass it
             raise UpstreamTimeout(f"{type(exc).__name__}: {exc}") from exc
@@ -109,8 +138,9 @@ class _Exchange(asyncio.Protocol):
     `answer` is the future of the request in flight.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES) -> None:
         self.transport: asyncio.Transport | None = None
+        self.max_answer_bytes = max_answer_bytes
         self.parser = httptools.HttpResponseParser(self)
         self.answer: asyncio.Future[UpstreamResponse] | None = None
         self.closed = False  # the server closed it or it broke: never reuse
@@ -118,7 +148,7 @@ class _Exchange(asyncio.Protocol):
         self._reset_answer()
 
     def _reset_answer(self) -> None:
-        self.received, self._status, self._chunks = False, 0, []
+        self.received, self._status, self._chunks, self._size = False, 0, [], 0
         self._content_type = self._retry_after = ""
         self._headers_done = self._framed = self._complete = False
 
@@ -170,6 +200,10 @@ class _Exchange(asyncio.Protocol):
         self._status, self._headers_done = self.parser.get_status_code(), True
 
     def on_body(self, body: bytes) -> None:
+        self._size += len(body)
+        if self._size > self.max_answer_bytes:
+            self._break(UpstreamTooLarge(self.max_answer_bytes))
+            return
         self._chunks.append(body)
 
     def on_message_complete(self) -> None:
@@ -206,8 +240,8 @@ class RawUpstream:
     failed mid-answer closes its connection.
     """
 
-    def __init__(self, max_idle_per_endpoint: int = 512):
-        self.max_idle = max_idle_per_endpoint
+    def __init__(self, max_idle_per_endpoint: int = 512, max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES):
+        self.max_idle, self.max_answer_bytes = max_idle_per_endpoint, max_answer_bytes
         self._idle: dict[tuple[str, str, int], list[_Exchange]] = {}
         self._busy: set[_Exchange] = set()
         self._targets: dict[str, tuple[tuple[str, str, int], bytes]] = {}
@@ -273,7 +307,7 @@ class RawUpstream:
             tls = self._ssl
         try:
             _, exchange = await asyncio.get_running_loop().create_connection(
-                _Exchange, host, port, ssl=tls, server_hostname=host if tls else None)
+                lambda: _Exchange(self.max_answer_bytes), host, port, ssl=tls, server_hostname=host if tls else None)
         except OSError as exc:  # refused, unreachable, unknown host
             raise UpstreamRefused(f"{type(exc).__name__}: cannot connect to {host}:{port}: {exc}") from exc
         return exchange, False
@@ -288,14 +322,15 @@ class RawUpstream:
 UpstreamClient = RawUpstream | HttpxUpstream | AiohttpUpstream
 
 
-def open_upstream_client(kind: str, timeout_seconds: float) -> UpstreamClient:
+def open_upstream_client(kind: str, timeout_seconds: float,
+                         max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES) -> UpstreamClient:
     """`kind`: "raw", "aiohttp", "httpx", or "auto" (the raw client)."""
     if kind in ("auto", "raw"):
-        return RawUpstream()  # bounded by the gateway's per-attempt asyncio.timeout
+        return RawUpstream(max_answer_bytes=max_answer_bytes)  # bounded by the gateway's per-attempt asyncio.timeout
     if kind == "aiohttp":
-        return AiohttpUpstream(timeout_seconds)
+        return AiohttpUpstream(timeout_seconds, max_answer_bytes)
     if kind == "httpx":
-        return HttpxUpstream(timeout_seconds)
+        return HttpxUpstream(timeout_seconds, max_answer_bytes)
     raise ValueError(f"upstream_client must be 'auto', 'raw', 'aiohttp' or 'httpx', got {kind!r}")
 
 

@@ -1,0 +1,104 @@
+"""Who gets in: keyless servers answer only loopback Host names (DNS rebinding), and a rollout
+token opens its rollout's live attempt only — real servers on loopback."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from agl_lab.protocol import rollout_token
+
+KEY = "access-key"
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+def _attempts(c: httpx.Client, headers: dict[str, str]) -> list[int]:
+    """A rebound page's moves: list rollouts, pause the gateway, register its endpoint, call the proxy."""
+    return [
+        c.get("/api/rollouts", params={"state_in": "queuing"}, headers=headers).status_code,
+        c.post("/proxy/pause", json={}, headers=headers).status_code,
+        c.post("/api/models", json=[{"model": "m", "endpoint": "http://evil.example/v1"}], headers=headers).status_code,
+        c.post("/proxy/rollout/r1/attempt/0/mode/train/openai/v1/chat/completions", json=CHAT,
+               headers=headers).status_code,
+    ]
+
+
+def test_a_keyless_server_refuses_foreign_host_names(embedded_server, fake_upstream):
+    server = embedded_server(default_proxy={"model_name": "m"})
+    port = server.config.port
+    with httpx.Client(base_url=server.url, trust_env=False) as c:
+        c.post("/api/models", json=[{"model": "m", "endpoint": fake_upstream.base_url}]).raise_for_status()
+        c.post("/api/rollouts", json=[{"input": {}, "rollout_id": "r1"}]).raise_for_status()
+        for host in (f"evil.example:{port}", "evil.example", f"127.0.0.1.evil.example:{port}", "10.0.0.1"):
+            assert _attempts(c, {"Host": host}) == [403] * 4, host
+        refused = c.get("/api/rollouts", params={"state_in": "queuing"}, headers={"Host": "evil.example"})
+        assert "allowed_hosts" in refused.json()["detail"]
+        assert c.get("/proxy/state").json()["paused"] is False  # nothing it tried took effect
+        assert [m.endpoint for m in server.store.models_for("m")] == [fake_upstream.base_url]
+        assert c.get("/healthz", headers={"Host": "evil.example"}).status_code == 200  # liveness stays open
+        for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}", "LOCALHOST."):
+            assert c.get("/api/rollouts", params={"state_in": "queuing"}, headers={"Host": host}).status_code == 200
+
+
+def test_allowed_hosts_is_configurable_and_a_key_makes_it_moot(embedded_server):
+    listed = embedded_server(default_proxy={"model_name": "m"}, allowed_hosts=["lab.internal"])
+    anyone = embedded_server(default_proxy={"model_name": "m"}, allowed_hosts=["*"])
+    keyed = embedded_server(key=KEY, default_proxy={"model_name": "m"})
+    listing = ("/api/rollouts", {"state_in": "queuing"})
+
+    def status(server, host, headers=None):
+        return httpx.get(server.url + listing[0], params=listing[1], headers={"Host": host, **(headers or {})},
+                         trust_env=False).status_code
+
+    assert (status(listed, "lab.internal:1"), status(listed, "evil.example")) == (200, 403)
+    assert status(anyone, "evil.example") == 200
+    assert (status(keyed, "evil.example"), status(keyed, "evil.example", keyed.headers)) == (401, 200)
+
+
+def test_serve_flag_adds_allowed_hosts():
+    from agl_lab.server.embedded import _parser, serve_config
+
+    config = serve_config(_parser().parse_args(["--allowed-host", "lab.internal"]), environ={})
+    assert config.allowed_hosts == ["localhost", "127.0.0.1", "::1", "lab.internal"]
+
+
+@pytest.fixture
+def keyed(embedded_server, fake_upstream, store_url):
+    server = embedded_server(key=KEY, default_proxy={"model_name": "m"}, store=store_url)
+    with httpx.Client(base_url=server.url, headers=server.headers, trust_env=False) as admin:
+        admin.post("/api/models", json=[{"model": "m", "endpoint": fake_upstream.base_url}]).raise_for_status()
+        yield server, admin
+
+
+def _token_of(admin: httpx.Client, rid: str) -> str:
+    created_at = admin.get(f"/api/rollouts/{rid}").json()["rollout"]["status"]["created_at"]
+    return rollout_token(KEY, rid, created_at)
+
+
+def _agent_moves(url: str, token: str, rid: str, attempt: str = "0") -> list[int]:
+    headers = {"Authorization": f"Bearer {token}"}
+    with httpx.Client(base_url=url, headers=headers, trust_env=False) as agent:
+        return [agent.post(f"/api/rollouts/{rid}/attempt/{attempt}/events",
+                           json={"event_type": "reward", "data": {"value": 99.0}}).status_code,
+                agent.post(f"/proxy/rollout/{rid}/attempt/{attempt}/mode/train/openai/v1/chat/completions",
+                           json=CHAT).status_code]
+
+
+def test_a_rollout_token_dies_with_its_rollouts_live_attempt(keyed):
+    server, admin = keyed
+    admin.post("/api/rollouts", json=[{"input": {}, "rollout_id": "r1"}]).raise_for_status()
+    token = _token_of(admin, "r1")
+    admin.patch("/api/rollouts/r1", json={"status": {"state": "running", "last_attempt_id": "0"}}).raise_for_status()
+    assert _agent_moves(server.url, token, "r1") == [200, 200]  # live: its events and calls
+    assert _agent_moves(server.url, token, "r1", attempt="1") == [401, 401]  # not its live attempt
+    admin.post("/api/rollouts/r1/attempt/0/events", json={"event_type": "reward", "data": {"value": 1.0}})
+    admin.patch("/api/rollouts/r1", json={"status": {"state": "succeeded"}}).raise_for_status()
+    assert _agent_moves(server.url, token, "r1") == [401, 401]  # succeeded: no late reward
+    rewards = admin.get("/api/rollouts/r1/events", params={"event_type": "reward"}).json()
+    assert rewards[-1]["data"] == {"value": 1.0}
+
+    admin.delete("/api/rollouts/r1")
+    admin.post("/api/rollouts", json=[{"input": {}, "rollout_id": "r1"}]).raise_for_status()  # same id, new life
+    assert _agent_moves(server.url, token, "r1") == [401, 401]
+    assert admin.get("/api/rollouts/r1/events").json() == []
+    assert _agent_moves(server.url, _token_of(admin, "r1"), "r1") == [200, 200]  # its own token works
