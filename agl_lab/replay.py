@@ -108,6 +108,14 @@ class Recorder:
         return path.stat().st_size
 
 
+    def drop_after(self, step: int) -> int:
+        """Remove the recordings of steps after `step` (a resume redoes them); returns how many."""
+        later = [s for s in recorded_steps(self.dir.parent) if s > step]
+        for s in later:
+            step_path(self.dir.parent, s).unlink(missing_ok=True)
+        return len(later)
+
+
 def _jsonable(value: Any) -> Any:
     if isinstance(value, Mapping):
         return {str(k): _jsonable(v) for k, v in value.items()}

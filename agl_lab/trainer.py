@@ -431,8 +431,7 @@ class Trainer:
 
     @staticmethod
     def replay(run_dir: str | os.PathLike, step: int, overrides: Sequence[str] = ()):
-        """Step `step` of the run in `run_dir` rebuilt from its recording, with no engine, server
-        or agent (`agl_lab.replay.replay_step`); with `overrides`, under other settings."""
+        """Step `step` of `run_dir` rebuilt from its recording, no engine needed (`replay.replay_step`)."""
         from agl_lab.replay import replay_step
 
         return replay_step(run_dir, step, overrides)
@@ -473,8 +472,10 @@ class Trainer:
             self.async_manager.load_state_dict(state["async"])
         checkpoints.set_rng_state(state["rng"])
         self._resumed = True
-        if self.metrics_logger.drop_after(self.global_step):  # a killed run's later steps: redone now
-            logger.warning("metrics.jsonl: dropped the lines of steps after %d (resumed there)", self.global_step)
+        dropped = self.metrics_logger.drop_after(self.global_step) + self.recorder.drop_after(self.global_step)
+        if dropped:  # a killed run's later steps: redone now
+            logger.warning("metrics.jsonl and recording/: dropped what steps after %d wrote (resumed there)",
+                           self.global_step)
 
     @property
     def checkpoint_root(self) -> Path:

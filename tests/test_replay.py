@@ -171,6 +171,13 @@ def test_recording_off_and_without_events(tmp_path):
     assert all(r.events == [] and r.triplets for r in load_recording(tmp_path / "b", 1).rollouts)
 
 
+def test_a_resume_drops_the_recordings_of_the_steps_it_redoes(tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(CASSETTE, run)
+    assert Recorder(run, {}).drop_after(1) == 1 and recorded_steps(run) == [1]
+    assert Recorder(run, {}).drop_after(1) == 0
+
+
 @pytest.mark.parametrize("bad", [0, -1, "ten", True, 1.5])
 def test_a_bad_max_steps_fails_naming_the_key(tmp_path, bad):
     with pytest.raises(ConfigError, match=r"agl_lab.record.max_steps="):
