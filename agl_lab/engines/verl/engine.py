@@ -55,8 +55,10 @@ replicas pushes weights first (serving weights must equal trained weights), and
 Without CUDA (or with `agl_lab.verl.device: cpu`) `_select_device` loads agl_lab's verl
 platform for CPU (agl_lab/engines/verl/cpu.py) here and in every Ray worker, and the replicas
 are agl_lab's OpenAI server (the `agl_lab_cpu` rollout, agl_lab/engines/verl/cpu_rollout.py)
-instead of vLLM; everything else above runs unchanged. A worker that dies ends the engine
-call with `VerlWorkerDied` naming it (every later call too), never a hang.
+or, with `rollout.name: vllm` in the vLLM environment, verl's own vLLM replicas on vLLM's CPU
+build (plus the shim in agl_lab/engines/verl/vllm_cpu.py); everything else above runs
+unchanged. A worker or replica server that dies ends the engine call with `VerlWorkerDied`
+naming it (every later call too), never a hang; so does a dead vLLM EngineCore (`_watched`).
 
 Every verl symbol comes through `VERL_API` (agl_lab/engines/verl/api.py); the verl-side
 classes live in agl_lab/engines/verl/trainer.py. Imports go one way:
