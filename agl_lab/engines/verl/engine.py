@@ -55,8 +55,10 @@ replicas pushes weights first (serving weights must equal trained weights), and
 Without CUDA (or with `agl_lab.verl.device: cpu`) `_select_device` loads agl_lab's verl
 platform for CPU (agl_lab/engines/verl/cpu.py) here and in every Ray worker, and the replicas
 are agl_lab's OpenAI server (the `agl_lab_cpu` rollout, agl_lab/engines/verl/cpu_rollout.py)
-instead of vLLM; everything else above runs unchanged. A worker that dies ends the engine
-call with `VerlWorkerDied` naming it (every later call too), never a hang.
+or, with `rollout.name: vllm` in the vLLM environment, verl's own vLLM replicas on vLLM's CPU
+build (plus the shim in agl_lab/engines/verl/vllm_cpu.py); everything else above runs
+unchanged. A worker or replica server that dies ends the engine call with `VerlWorkerDied`
+naming it (every later call too), never a hang; so does a dead vLLM EngineCore (`_watched`).
 
 Every verl symbol comes through `VERL_API` (agl_lab/engines/verl/api.py); the verl-side
 classes live in agl_lab/engines/verl/trainer.py. Imports go one way:
@@ -175,6 +177,20 @@ def _select_device(config: Any) -> dict[str, str]:
 
 def _alive(_actor: Any) -> bool:
     return True
+
+
+REPLICA_WATCH_INTERVAL_S = 2.0  # how often a waiting serving call checks the vLLM replicas' engines
+
+
+def _vllm_engine_failure(actor: Any) -> str | None:
+    """Runs inside a replica's server actor (`__ray_call__`): why its vLLM engine is dead, or None
+    (alive, or not a vLLM server). A dead EngineCore process leaves the server actor alive, but
+    every later engine call on it (resume, pause) waits for ever: this is what tells them apart."""
+    engine = getattr(actor, "engine", None)
+    if engine is None or not hasattr(engine, "errored") or not engine.errored:  # VERL_API: AsyncLLM.errored.fget
+        return None
+    error = engine.dead_error  # VERL_API: AsyncLLM.dead_error.fget
+    return f"{type(error).__name__}: {error}"
 
 
 class VerlWorkerDied(RuntimeError):
@@ -317,6 +333,55 @@ class VerlEngine(Engine):
                 pass  # busy, not known dead
         return dead
 
+    def _check_replica_engines(self) -> None:
+        """Raise `VerlWorkerDied` naming the replica whose vLLM engine (EngineCore process) is dead.
+
+        One Ray round trip per replica server, before each serving call: with a dead engine
+        verl's `resume_generation` / `abort_all_requests` / `sleep` would never return."""
+        import ray
+        from ray.exceptions import GetTimeoutError
+
+        for name, server in self._workers().values():
+            if not (name.startswith("rollout_replica/") and "(vLLMReplica)" in name):
+                continue
+            try:
+                why = ray.get(server.__ray_call__.remote(_vllm_engine_failure), timeout=30)
+            except GetTimeoutError:
+                continue  # busy, not known dead
+            if why:
+                self._dead = (f"the vLLM engine of {name} died ({why}): its EngineCore process is gone, so the "
+                              "replica cannot serve, abort or sleep. The verl engine cannot go on: close the Trainer "
+                              "and start a new one (the replica's log is under $RAY_TMPDIR/session_latest/logs)")
+                raise VerlWorkerDied(self._dead)
+
+    def _watched(self, call: Any) -> Any:
+        """`call()` (a serving call into the replicas), watched for a dead vLLM engine.
+
+        A vLLM EngineCore that dies while (or just before) verl waits on it leaves the server actor
+        alive and the wait unending. With vLLM replicas the call runs on a daemon thread while
+        this one checks the replicas' engines every `REPLICA_WATCH_INTERVAL_S`; a dead engine ends
+        it with `VerlWorkerDied` naming the replica (the abandoned wait dies with the process or
+        with Ray). Other replicas (agl_lab_cpu) are called directly."""
+        if not any("(vLLMReplica)" in name for name in self.worker_names().values()):
+            return call()
+        outcome: dict[str, Any] = {}
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                outcome["result"] = call()
+            except BaseException as exc:  # noqa: BLE001 (re-raised in the caller's thread)
+                outcome["error"] = exc
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name=f"agl-lab-{getattr(call, '__name__', 'replica-call')}", daemon=True).start()
+        while not done.wait(REPLICA_WATCH_INTERVAL_S):
+            self._check_replica_engines()
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome.get("result")
+
     def _describe_death(self, error: Any) -> str:
         actor_id = getattr(error, "actor_id", None)
         name = self.worker_names().get(actor_id or "")
@@ -338,15 +403,17 @@ class VerlEngine(Engine):
 
     @_fails_on_worker_death
     def resume(self) -> None:
+        self._check_replica_engines()
         if not self._awake:
             self.sync_weights()  # wakes the replicas with the trained weights
-        self.trainer.resume_generation()
+        self._watched(self.trainer.resume_generation)
 
     @_fails_on_worker_death
     def abort(self) -> int:
         if not self._awake:
             return 0
-        return self.trainer.abort_generation()
+        self._check_replica_engines()
+        return self._watched(self.trainer.abort_generation)
 
     @_fails_on_worker_death
     def pause(self, timeout: float | None = None) -> None:
@@ -355,14 +422,15 @@ class VerlEngine(Engine):
         `timeout` is not enforced: verl's `sleep_replicas` has none (in sync mode `abort()`
         already ended every generation; in async mode the Trainer drained the gateway)."""
         if self._awake:
-            self.trainer.sleep_rollout_replicas()
+            self._check_replica_engines()
+            self._watched(self.trainer.sleep_rollout_replicas)
             self._awake = False
 
     @_fails_on_worker_death
     def sync_weights(self) -> None:
         if self.trainer.weight_sync_needs_sleep():
             self.pause()
-        self.trainer.push_weights()
+        self._watched(self.trainer.push_weights)
         self._awake = True
         self._version = int(self.trainer.global_steps)
 
