@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
-import tempfile
 
 import pandas as pd
 import pytest
@@ -31,6 +29,7 @@ ray = pytest.importorskip("ray")
 torch = pytest.importorskip("torch")
 
 from agl_lab.engines.verl.engine import WORKER_ENV_KEYS  # noqa: E402
+from tests.ray_env import isolated_ray_env  # noqa: E402
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "cpu_verl.yaml")
 ENV_BEFORE: dict[str, str | None] = {}  # the env the trainer fixture started from: close() restores it
@@ -38,16 +37,8 @@ ENV_BEFORE: dict[str, str | None] = {}  # the env the trainer fixture started fr
 
 @pytest.fixture(scope="module")
 def ray_env():
-    path = tempfile.mkdtemp(prefix="aglv", dir="/tmp")  # Ray's socket paths stay short
-    saved = {k: os.environ.get(k) for k in ("RAY_TMPDIR", "RAY_AUTH_MODE")}
-    os.environ.update(RAY_TMPDIR=path, RAY_AUTH_MODE="disabled")
-    yield path
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-    shutil.rmtree(path, ignore_errors=True)
+    with isolated_ray_env("aglv") as path:
+        yield path
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
-import tempfile
 
 import pytest
 
@@ -23,6 +21,7 @@ if importlib.util.find_spec("vllm") is None:
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 
 from tests.vllm.test_vllm_engine import _fixed_sequence, _served_logprobs_of  # noqa: E402
+from tests.ray_env import isolated_ray_env  # noqa: E402
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "cpu_vllm.yaml")
 
@@ -31,22 +30,14 @@ CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "cpu_vll
 def trainer():
     from agl_lab.trainer import Trainer
 
-    path = tempfile.mkdtemp(prefix="aglva", dir="/tmp")
-    saved = {k: os.environ.get(k) for k in ("RAY_TMPDIR", "RAY_AUTH_MODE")}
-    os.environ.update(RAY_TMPDIR=path, RAY_AUTH_MODE="disabled")
-    t = Trainer.from_config(CONFIG, [
-        "agl_lab.task.n_train=16", "agl_lab.task.n_val=2", "data.train_batch_size=4",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "trainer.total_training_steps=4",
-        "agentlightning.async_rollout.enabled=true", "agentlightning.async_rollout.async_train_batch_size=8"],
-        console=False, run_dir=os.path.join(path, "run"))
-    yield t
-    t.close()
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-    shutil.rmtree(path, ignore_errors=True)
+    with isolated_ray_env("aglva") as path:
+        t = Trainer.from_config(CONFIG, [
+            "agl_lab.task.n_train=16", "agl_lab.task.n_val=2", "data.train_batch_size=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4", "trainer.total_training_steps=4",
+            "agentlightning.async_rollout.enabled=true", "agentlightning.async_rollout.async_train_batch_size=8"],
+            console=False, run_dir=os.path.join(path, "run"))
+        yield t
+        t.close()
 
 
 def test_async_steps_drain_the_gateway_then_sleep_sync_and_wake_the_replicas(trainer):

@@ -22,9 +22,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-import shutil
 import signal
-import tempfile
 import threading
 import time
 
@@ -43,6 +41,7 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 
 from agl_lab.engines.verl.engine import WORKER_ENV_KEYS  # noqa: E402
+from tests.ray_env import isolated_ray_env  # noqa: E402
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "cpu_vllm.yaml")
 ENV_BEFORE: dict[str, str | None] = {}
@@ -51,16 +50,8 @@ FIXED_PROMPT = "Look up the capital of"
 
 @pytest.fixture(scope="module")
 def ray_env():
-    path = tempfile.mkdtemp(prefix="aglvl", dir="/tmp")  # Ray's socket paths stay short
-    saved = {k: os.environ.get(k) for k in ("RAY_TMPDIR", "RAY_AUTH_MODE")}
-    os.environ.update(RAY_TMPDIR=path, RAY_AUTH_MODE="disabled")
-    yield path
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-    shutil.rmtree(path, ignore_errors=True)
+    with isolated_ray_env("aglvl") as path:
+        yield path
 
 
 @pytest.fixture(scope="module")
