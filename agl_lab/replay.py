@@ -265,7 +265,8 @@ def replay_step(run_dir: str | Path, step: int, overrides: Sequence[str] = (), *
 
     `overrides` (`key=value`) change the run's config first: with none, the replay must
     reproduce the recorded engine-independent metrics exactly; with some, it answers "what if".
-    `tokenizer` only adds decoded text to the merge-break views.
+    `tokenizer` (default: the run's, loaded from its model directory — no model weights) decodes
+    the tokens around a merge break, which its classification needs (retokenization vs other).
     """
     from agl_lab.batch import build_batch
     from agl_lab.config import load_saved_config, trace_limits
@@ -273,6 +274,11 @@ def replay_step(run_dir: str | Path, step: int, overrides: Sequence[str] = (), *
 
     rec = load_recording(run_dir, step)
     cfg = load_saved_config(Path(run_dir) / "config.yaml", overrides)
+    if tokenizer is None:
+        from agl_lab.engines.tiny import load_tokenizer
+        from agl_lab.models import resolve_model_path
+
+        tokenizer = load_tokenizer(model_path=resolve_model_path(cfg.agl_lab.model))
     agl = cfg.agentlightning
     level = str(agl.trace_aggregator.level)
     max_prompt, max_response = trace_limits(cfg, level)
