@@ -92,6 +92,9 @@ AGL_LAB_DEFAULTS: dict[str, Any] = {
         # agl_lab's CPU platform (agl_lab/engines/verl/cpu.py); cpu | cuda force one
         "verl": {"device": "auto"},
         "seed": 0,
+        # torch intra-op threads: auto = 1 on ≤ 4 cores (torch's default collapses on a shared
+        # machine, README "Torch threads"), else half the cores; a number; null = torch's default
+        "torch_threads": "auto",
         "run_dir": None,  # default: runs/<experiment_name>-<timestamp>
         "model": {
             "path": None,  # None → the built-in tiny model (built from config, cached)
