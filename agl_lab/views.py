@@ -53,7 +53,7 @@ BREAK_COLUMNS = [
     "current_trace_tokens", "previous_trace", "current_trace",
 ]
 TRIPLET_COLUMNS = ["rollout_id", "data_id", "call", "prompt_tokens", "response_tokens", "reward",
-                   "has_logprobs", "server_version"]
+                   "has_logprobs", "server_version", "repeats_dropped"]
 LIFECYCLE_COLUMNS = ["rollout_id", "data_id", "step", "state", "error_message", "enqueued_at_s",
                      "running_at_s", "finished_at_s", "queue_wait_s", "run_s", "total_s"]
 GROUP_COLUMNS = ["data_id", "n_rollouts", "rewards", "reward_mean", "reward_std", "zero_adv", "n_rows"]
@@ -97,7 +97,8 @@ def breaks_frame(breaks: Sequence[BreakRecord]) -> pd.DataFrame:
 
 
 def triplets_df(completed: Sequence[CompletedRollout]) -> pd.DataFrame:
-    """One line per call: token counts, reward (set on the last call), logprobs, serving version."""
+    """One line per call: token counts, reward (set on the last call), logprobs, serving version, and
+    `repeats_dropped`: earlier calls with this very prompt that the triplet reduction dropped."""
     records = []
     for r in sort_rollouts(completed):
         for call, t in enumerate(r.triplets or []):
@@ -105,6 +106,7 @@ def triplets_df(completed: Sequence[CompletedRollout]) -> pd.DataFrame:
             records.append([
                 r.rollout_id, r.data_id, call, len(t.prompt_ids), len(t.response_ids), t.reward,
                 t.logprobs is not None and len(t.logprobs) == len(t.response_ids), server.get("version"),
+                int((t.metadata or {}).get("repeats_dropped", 0)),
             ])
     return pd.DataFrame(records, columns=TRIPLET_COLUMNS)
 

@@ -49,7 +49,7 @@ def rollouts():
 def test_triplets_df_golden(rollouts):
     df = triplets_df(rollouts)
     assert list(df.columns) == ["rollout_id", "data_id", "call", "prompt_tokens", "response_tokens", "reward",
-                                "has_logprobs", "server_version"]
+                                "has_logprobs", "server_version", "repeats_dropped"]
     assert df.rollout_id.tolist() == ["a", "a", "b", "b", "c"]
     assert df.call.tolist() == [0, 1, 0, 1, 0]
     assert df.prompt_tokens.tolist() == [2, 4, 3, 1, 1]
