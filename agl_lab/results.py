@@ -187,10 +187,12 @@ class BatchResult:
 
 @dataclass(repr=False)
 class UpdateResult:
-    """One policy update: metrics, the per-rollout loss-weight table and every dropped row.
+    """One policy update: metrics, the per-rollout loss-weight table and every dropped rollout.
 
     `weights`: one line per trained rollout with its advantage and the loss weight it carries
     (`agl_lab.algorithms.rollout_weights_table`); empty when the step was skipped.
+    `dropped`: one line per rollout that lost rows, `rows` of them, and why (`reason`); the
+    console's `dropped_rows` and `training/n_sample_dropped/*` count rows (`dropped_rows` here).
     """
 
     step: int
@@ -200,13 +202,20 @@ class UpdateResult:
     skipped: bool = False
     policy_version: int = 0
 
+    @property
+    def dropped_rows(self) -> int:
+        """Rows of the dropped rollouts (the unit of the console's `dropped_rows`)."""
+        return int(self.dropped["rows"].sum()) if len(self.dropped) else 0
+
     def __repr__(self) -> str:
         return _short_repr(self, [f"step={self.step}", f"skipped={self.skipped}",
-                                  f"policy_version={self.policy_version}", f"dropped={len(self.dropped)}"])
+                                  f"policy_version={self.policy_version}",
+                                  f"dropped={len(self.dropped)} rollouts/{self.dropped_rows} rows"])
 
     def _repr_html_(self) -> str:
         state = "skipped (no trainable rows)" if self.skipped else f"policy version → {self.policy_version}"
-        lines = [f"step {self.step} · {state}", f"{len(self.dropped)} dropped rollouts"]
+        lines = [f"step {self.step} · {state}",
+                 f"{len(self.dropped)} dropped rollouts ({self.dropped_rows} rows)"]
         keys = ["training/n_sample_trained", "training/n_zero_adv_groups", "actor/pg_loss",
                 "actor/grad_norm", "actor/entropy", "training/rollout_probs_diff_max"]
         return _summary_html("UpdateResult", lines, self.metrics, keys)
