@@ -28,6 +28,7 @@ from omegaconf import OmegaConf
 
 from agl_lab import checkpoints
 from agl_lab import config as config_mod
+from agl_lab import watch
 from agl_lab.data import TaskFeeder
 from agl_lab.logger import MetricsLogger
 from agl_lab.results import BatchResult, RolloutResult, UpdateResult
@@ -119,6 +120,7 @@ class Trainer:
             cfg, self.task, train_dataset, val_dataset, train_files, val_files)
         self.feeder = TaskFeeder(self.train_dataset, seed=int(lab.seed), shuffle=bool(cfg.data.shuffle))
 
+        self._reward_watch = watch.for_run(cfg, self.task, engine_given=engine is not None)
         try:
             if engine is None:
                 from agl_lab.engines.build import build_engine
@@ -215,6 +217,7 @@ class Trainer:
                                is_train=is_train, carry_over=carry)
         if is_train:
             self._last_rollout, self._last_batch, self._last_update = result, None, None
+            self._reward_watch.observe_rollouts(self.global_step + 1, completed)
         return result
 
     def _collect_sync(self, tasks: Sequence[dict] | None, is_train: bool) -> list:
