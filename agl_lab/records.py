@@ -205,7 +205,7 @@ def _trim_model_request(data: dict[str, Any]) -> dict[str, Any]:
         "response_log_probs": log_probs,
         "server": {"model": server.get("model"), "version": server.get("version")},
     }
-    out.update({k: data[k] for k in ("http_status", "status") if k in data})
+    out.update({k: data[k] for k in ("http_status", "status", "overridden") if k in data})
     if isinstance(response, dict) and "error" in response:
         out["error"] = response["error"]
     if bad:
@@ -265,7 +265,8 @@ def triplets_from_events(triplet_events: Sequence[Mapping[str, Any]]) -> list[Tr
                 prompt_ids=[int(t) for t in data.get("prompt_token_ids") or []],
                 response_ids=response_ids,
                 logprobs=clean_logprobs(data.get("response_log_probs"), len(response_ids)),
-                metadata={"server": data.get("server")},
+                metadata={"server": data.get("server"), **({"overridden": data["overridden"]}
+                                                            if data.get("overridden") else {})},
             )
         )
     return triplets
