@@ -332,7 +332,7 @@ class Trainer:
         """Train until step `trainer.total_training_steps` (else `total_epochs` epochs), or for
         `steps` more steps. Resumes first per `trainer.resume_mode`; validates first when
         `trainer.val_before_train` (and only, when `trainer.val_only`)."""
-        from tqdm.auto import tqdm
+        from agl_lab.progress import progress_bar
 
         self._check_open("fit()")
         self.resume()
@@ -345,7 +345,7 @@ class Trainer:
             history.append(val)
             if self.cfg.trainer.val_only:
                 return history
-        bar = tqdm(total=total, initial=self.global_step, disable=not progress, desc="train", leave=False)
+        bar = progress_bar(total=total, initial=self.global_step, disable=not progress, desc="train", leave=False)
         while self.global_step < total:
             history.append(self.step())
             bar.update(1)

@@ -105,9 +105,9 @@ def _cache_hint() -> str:
 @contextlib.contextmanager
 def _stage(description: str):
     """A one-step progress bar naming long first-run work (model build/load)."""
-    from tqdm.auto import tqdm
+    from agl_lab.progress import progress_bar
 
-    bar = tqdm(total=1, desc=description, leave=False, bar_format="{desc} {elapsed}")
+    bar = progress_bar(total=1, desc=description, leave=False, bar_format="{desc} {elapsed}")
     try:
         yield
     finally:
