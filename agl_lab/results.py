@@ -60,12 +60,13 @@ class RolloutResult:
     metrics: dict[str, Any]
     is_train: bool = True
     carry_over: list[dict[str, Any]] = field(default_factory=list)
+    tokenizer: Any = field(default=None, repr=False)  # decodes `.triplets`' text columns
 
     @cached_property
     def triplets(self) -> pd.DataFrame:
         from agl_lab.views import triplets_df
 
-        return triplets_df(self.rollouts)
+        return triplets_df(self.rollouts, self.tokenizer)
 
     @cached_property
     def lifecycle(self) -> pd.DataFrame:
@@ -129,6 +130,7 @@ class BatchResult:
 
     built: "BuiltBatch"
     step: int = 0
+    tokenizer: Any = field(default=None, repr=False)  # decodes `.rows`' text columns
     metrics: dict[str, Any] = field(init=False)
     # The policy version an update of this batch produced (None: not used for an update yet).
     # `Trainer.update` refuses a used batch: its rollouts are off-policy now.
@@ -155,7 +157,7 @@ class BatchResult:
     def rows(self) -> pd.DataFrame:
         from agl_lab.views import rows_frame
 
-        return rows_frame(self.built.rows)
+        return rows_frame(self.built.rows, self.tokenizer)
 
     @cached_property
     def breaks(self) -> pd.DataFrame:

@@ -214,7 +214,7 @@ class Trainer:
         metrics["timing/rollout_phase_end_wall"] = time.time()
         metrics["timing_s/gen"] = time.time() - t0
         result = RolloutResult(step=self.global_step, rollouts=completed, metrics=metrics,
-                               is_train=is_train, carry_over=carry)
+                               is_train=is_train, carry_over=carry, tokenizer=self.tokenizer)
         if is_train:
             self._last_rollout, self._last_batch, self._last_update = result, None, None
             self._reward_watch.observe_rollouts(self.global_step + 1, completed)
@@ -255,7 +255,7 @@ class Trainer:
                       tokenizer=self.tokenizer, multi_segment=bool(agl.trace_aggregator.multi_segment),
                       exclude_failed=bool(self.cfg.agl_lab.algorithm.exclude_failed_rollouts))
         kwargs.update(options)
-        result = BatchResult(build_batch(rollout.rollouts, **kwargs), step=rollout.step)
+        result = BatchResult(build_batch(rollout.rollouts, **kwargs), step=rollout.step, tokenizer=self.tokenizer)
         if rollout is self._last_rollout:
             self._last_batch = result
         return result
