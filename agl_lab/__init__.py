@@ -24,4 +24,8 @@ def __getattr__(name: str):
         from agl_lab.trainer import Trainer
 
         return Trainer
+    if name in ("compare", "plot_compare"):  # runs side by side (agl_lab.comparison)
+        from agl_lab import comparison as _comparison
+
+        return getattr(_comparison, name)
     raise AttributeError(f"module 'agl_lab' has no attribute {name!r}")

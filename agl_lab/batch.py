@@ -378,6 +378,7 @@ def train_metrics(plan: BuiltBatch, reward_fillna_value: float, n_without_logpro
         "training/n_dropped_prompt_too_long": sum(r.is_drop for r in kept),
         "training/n_rows_without_logprobs": n_without_logprobs,
         "training/n_turns": len(lengths),
+        "training/n_repeated_prompt_calls_dropped": sum(r.metadata.get("n_repeated_prompt_calls_dropped", 0) for r in rollouts),
         "response_length/training/avg_by_turn": float(np.mean(lengths)),
         "response_length/training/max_by_turn": int(np.max(lengths)),
         "response_length/training/min_by_turn": int(np.min(lengths)),

@@ -2,7 +2,7 @@
 
     agl-lab serve  --port 8080 --key KEY --model-name NAME [--store sqlite:///f.db]
     agl-lab engine --port 8001 [--model-path DIR]
-    agl-lab train  configs/cpu_tiny.yaml [--run-dir DIR] [key=value ...]
+    agl-lab train  configs/cpu_tiny.yaml [--run-dir DIR] [--steps N | --until STEP] [--resume] [key=value ...]
     agl-lab replay RUN_DIR [--step N] [key=value ...]
 
 `serve` and `engine` live beside the code they run; `train` is here. Each is imported only
@@ -43,7 +43,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def train_main(argv: list[str]) -> int:
-    """`agl-lab train CONFIG [--run-dir DIR] [--steps N] [--resume [CHECKPOINT]] [key=value ...]`."""
+    """`agl-lab train CONFIG [--run-dir DIR] [--steps N | --until STEP] [--resume [CHECKPOINT]] [key=value ...]`.
+
+    `--steps N` trains N steps *more* than where the run starts (after `--resume` from step 5,
+    `--steps 6` ends at step 11); `--until STEP` trains until global step STEP (5 → 11 with
+    `--until 11`; nothing when the checkpoint is already there). Without either, the run ends
+    at `trainer.total_training_steps`. Ctrl-C stops between two steps' work: no traceback, the
+    reward curve is written and the last line names the last checkpoint and the command that
+    resumes from it (exit status 130).
+    """
     import argparse
     import time
 
@@ -53,13 +61,21 @@ def train_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="agl-lab train", description="Train from a YAML config.")
     parser.add_argument("config", help="YAML config, e.g. configs/cpu_tiny.yaml")
     parser.add_argument("--run-dir", default=None, help="where metrics.jsonl and plots go")
-    parser.add_argument("--steps", type=int, default=None, help="number of steps (default: from config)")
+    span = parser.add_mutually_exclusive_group()
+    span.add_argument("--steps", type=int, default=None,
+                      help="train N more steps from where the run starts (a resumed run: from its checkpoint)")
+    span.add_argument("--until", type=int, default=None, metavar="STEP",
+                      help="train until global step STEP (default: trainer.total_training_steps)")
     parser.add_argument("--resume", nargs="?", const="auto", default=None, metavar="CHECKPOINT",
                         help="continue from the latest checkpoint under trainer.default_local_dir, "
                              "or from CHECKPOINT (…/global_step_N)")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_intermixed_args(_bare_resume(argv))  # overrides may come before or after options
     overrides = list(args.overrides)
+    for name in ("steps", "until"):
+        if getattr(args, name) is not None and getattr(args, name) < 0:
+            print(f"agl-lab train: --{name} must be >= 0, got {getattr(args, name)}")
+            return 2
     try:
         overrides += resume_overrides(args.resume)
         cfg = config_mod.load_config(args.config, overrides)
@@ -67,14 +83,25 @@ def train_main(argv: list[str]) -> int:
         print(f"agl-lab train: {e}")
         return 2
     t0 = time.time()
-    with Trainer(cfg, run_dir=args.run_dir) as trainer:
-        print(f"agl-lab train: run dir {trainer.run_dir} · engine {cfg.agl_lab.engine} · "
-              f"model {trainer.engine.model_name} · task {cfg.agl_lab.task.name}", flush=True)
-        resumed = trainer.resume()
-        if resumed is not None:
-            print(f"agl-lab train: resumed from {resumed} at step {trainer.global_step}", flush=True)
-        history = trainer.fit(args.steps, progress=False)
-        _summarise(trainer.run_dir, history, time.time() - t0)
+    trainer = None
+    try:
+        with Trainer(cfg, run_dir=args.run_dir) as trainer:
+            print(f"agl-lab train: run dir {trainer.run_dir} · engine {cfg.agl_lab.engine} · "
+                  f"model {trainer.engine.model_name} · task {cfg.agl_lab.task.name}", flush=True)
+            resumed = trainer.resume()
+            start = trainer.global_step
+            if resumed is not None:
+                print(f"agl-lab train: resumed from {resumed} at step {start}", flush=True)
+            steps = args.steps if args.until is None else max(args.until - start, 0)
+            if steps is not None or resumed is not None:
+                end = start + steps if steps is not None else trainer._default_total_steps()
+                print(f"agl-lab train: steps {start + 1}–{end}" if end > start
+                      else f"agl-lab train: already at step {start} (≥ {end}): nothing to train", flush=True)
+            history = trainer.fit(steps, progress=False)
+            _summarise(trainer.run_dir, history, time.time() - t0)
+    except KeyboardInterrupt:
+        _interrupted(trainer, argv, args.resume, time.time() - t0)
+        return 130
     return 0
 
 
@@ -110,6 +137,43 @@ def resume_overrides(resume: str | None) -> list[str]:
                           "trainer_state.pt): give one, or a bare --resume for the latest under "
                           "trainer.default_local_dir")
     return ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={resume}"]
+
+
+def _interrupted(trainer, argv: list[str], resume_arg: str | None, wall: float) -> None:
+    """Ctrl-C: the reward curve so far, the last checkpoint and the command that resumes from it."""
+    import shlex
+
+    from agl_lab import checkpoints
+
+    print(f"\ninterrupted after {wall / 60:.1f} min", end="", flush=True)
+    if trainer is None:
+        print(" (before the Trainer started)", flush=True)
+        return
+    print(f" at step {trainer.global_step}", flush=True)
+    try:
+        png = trainer.plot_metrics(trainer.run_dir / "reward_curve.png")
+    except Exception as e:  # a plot must not hide the resume line
+        png, why = None, f" (the curve could not be drawn: {e})"
+    else:
+        why = ""
+    print(f"reward curve: {png}" if png is not None else f"reward curve: none, no training step ended{why}",
+          flush=True)
+    latest = checkpoints.checkpoint_root(trainer.cfg) / checkpoints.LATEST
+    if not latest.exists():
+        print(f"last checkpoint: none under {checkpoints.checkpoint_root(trainer.cfg)} (trainer.save_freq="
+              f"{trainer.cfg.trainer.save_freq}); nothing to resume from", flush=True)
+        return
+    step = int(latest.read_text().strip())
+    rest, skip = [], False
+    for a in argv:  # the same command without its --resume [CHECKPOINT]: the line adds `--resume`
+        if skip and a == resume_arg:
+            skip = False
+            continue
+        skip = a == "--resume"
+        if not skip and not a.startswith("--resume="):
+            rest.append(a)
+    print(f"last checkpoint: step {step} ({latest.parent / f'global_step_{step}'}) — resume with: "
+          f"agl-lab train {shlex.join(rest)} --resume", flush=True)
 
 
 def _summarise(run_dir, history: list[dict], wall: float) -> None:

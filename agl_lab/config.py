@@ -94,6 +94,9 @@ AGL_LAB_DEFAULTS: dict[str, Any] = {
         # agl_lab's CPU platform (agl_lab/engines/verl/cpu.py); cpu | cuda force one
         "verl": {"device": "auto"},
         "seed": 0,
+        # torch intra-op threads: auto = 1 on ≤ 4 cores (torch's default collapses on a shared
+        # machine, README "Torch threads"), else half the cores; a number; null = torch's default
+        "torch_threads": "auto",
         "run_dir": None,  # default: runs/<experiment_name>-<timestamp>
         "model": {
             "path": None,  # None → the built-in tiny model (built from config, cached)
@@ -118,8 +121,10 @@ AGL_LAB_DEFAULTS: dict[str, Any] = {
         "runner": {"enabled": True, "concurrency": 32, "agent_timeout_seconds": None},
         # wait_timeout_seconds: "auto" = agentlightning.rollout_timeout_seconds + 60 s (every
         # rollout ends by its own timeout first); a number; or null = unbounded (AGL v1)
+        # keep_repeated_prompts: false = AGL v1's triplet reduction (the last call per distinct prompt;
+        # the dropped ones are counted: training/n_repeated_prompt_calls_dropped); true keeps every call
         "rollout": {"wait_timeout_seconds": "auto", "poll_interval_seconds": 0.05,
-                    "drain_timeout_seconds": 60},
+                    "drain_timeout_seconds": 60, "keep_repeated_prompts": False},
         # (not named `update`: DictConfig attribute access would hit dict.update)
         "algorithm": {
             "normalize_by": "rollouts",  # rollouts (tech report Eq. 16) | rows (AGL v1 parity)

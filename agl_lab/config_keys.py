@@ -89,6 +89,28 @@ RANGES: tuple[tuple[str, float, bool], ...] = (
 )
 
 
+# Keys read as a number whose default is null or a word, or whose default's type says too little
+# (verl's `entropy_coeff: 0` is an int, the key a float): key → (kind, the words accepted besides
+# a number). `trainer.total_training_steps=ten` fails at load naming the key, not after the
+# engine is built. These override the type of the default.
+TYPED: dict[str, tuple[str, tuple[str, ...]]] = {
+    "actor_rollout_ref.actor.entropy_coeff": ("float", ()),
+    "trainer.total_training_steps": ("int", ()),
+    "agentlightning.max_ppo_update_times": ("int", ()),
+    "agentlightning.async_rollout.async_train_batch_size": ("int", ()),
+    "agl_lab.runner.agent_timeout_seconds": ("float", ()),
+    "agl_lab.torch_threads": ("int", ("auto",)),
+}
+
+# verl's agg_loss modes (core_algos.agg_loss); the local engine accepts the same ones.
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+# Keys of TYPED (None: checked above) that must be > 0 when set.
+TYPED_POSITIVE = ("trainer.total_training_steps", "agentlightning.max_ppo_update_times",
+                  "agentlightning.async_rollout.async_train_batch_size", "agl_lab.runner.agent_timeout_seconds",
+                  "agl_lab.torch_threads")
+
+
 def user_keys(layer: Any, prefix: str = "") -> list[str]:
     """Leaf paths a user layer sets (a mapping's keys recursively; a set empty dict is a leaf)."""
     out: list[str] = []
@@ -132,13 +154,25 @@ def check_values(cfg: DictConfig, defaults: DictConfig, keys: Iterable[str]) -> 
     problems: list[str] = []
     for path in keys:
         default = OmegaConf.select(defaults, path, default=None, throw_on_missing=False)
-        kind = _kind(default)
+        kind = None if path in TYPED else _kind(default)
         if kind is None:
             continue
         value = OmegaConf.select(cfg, path, default=None, throw_on_missing=False)
         msg = _type_error(path, value, kind)
         if msg:
             problems.append(msg)
+    for path, (kind, words) in TYPED.items():
+        value = OmegaConf.select(cfg, path, default=None, throw_on_missing=False)
+        if value in words:
+            continue
+        msg = _type_error(path, value, kind)
+        if msg:
+            problems.append(msg + (f" (or {' / '.join(words)})" if words else ""))
+        elif path in TYPED_POSITIVE and value is not None and value <= 0:
+            problems.append(f"{path} must be > 0, got {value!r}")
+    mode = OmegaConf.select(cfg, "actor_rollout_ref.actor.loss_agg_mode", default=None)
+    if mode is not None and mode not in LOSS_AGG_MODES:
+        problems.append(f"actor_rollout_ref.actor.loss_agg_mode={mode!r} is not one of verl's modes {list(LOSS_AGG_MODES)}")
     for path, low, strict in RANGES:
         value = OmegaConf.select(cfg, path, default=None, throw_on_missing=False)
         if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -195,6 +229,7 @@ def warn_ineffective(cfg: DictConfig, defaults: DictConfig, keys: Iterable[str])
                      for p in keys if p.startswith("agl_lab.server.") and p != "agl_lab.server.embedded"
                      and _changed(cfg, defaults, p)]
     messages += contradictions(cfg)
+    messages += _loss_agg_unused(cfg, keys)  # both engines: per_rollout_mean is the same loss in verl's registry
     n, est = int(cfg.actor_rollout_ref.rollout.n), str(cfg.algorithm.adv_estimator).lower()
     if n == 1 and est in ("grpo", "grpo_passk", "rloo", "opo", "gpg"):
         messages.append(f"actor_rollout_ref.rollout.n=1 with algorithm.adv_estimator={est}: every group has one "
@@ -236,3 +271,18 @@ def check_validation_tasks(cfg: DictConfig, n_val_tasks: int) -> None:
     if keys:
         warnings.warn(f"{' and '.join(keys)} validate nothing: {source}, or turn validation off)",
                       ConfigWarning, stacklevel=3)
+
+
+def _loss_agg_unused(cfg: DictConfig, keys: list[str]) -> list[str]:
+    """loss_agg_mode set under `per_rollout_mean`: that loss is a plain token sum (its normalisation is
+    in the advantages), so the mode aggregates only the entropy and KL terms — none when both are off."""
+    actor = cfg.actor_rollout_ref.actor
+    if ("actor_rollout_ref.actor.loss_agg_mode" not in keys
+            or str(actor.policy_loss.loss_mode) != "per_rollout_mean"):
+        return []
+    if float(actor.entropy_coeff) != 0 or bool(actor.use_kl_loss):
+        return []
+    return [f"actor_rollout_ref.actor.loss_agg_mode={actor.loss_agg_mode} has no effect under "
+            "actor_rollout_ref.actor.policy_loss.loss_mode=per_rollout_mean (a token sum normalised per rollout "
+            "in the advantages; the mode aggregates only the entropy and KL terms, and entropy_coeff=0, "
+            "use_kl_loss=false): set policy_loss.loss_mode=vanilla for verl's aggregation"]

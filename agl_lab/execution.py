@@ -48,6 +48,7 @@ class Execution:
         self.rollout_config = _rollout_config(agl)
         self.timeout_seconds = config_mod.rollout_wait_timeout(cfg)
         self.poll_interval = float(lab.rollout.poll_interval_seconds)
+        self.keep_repeated_prompts = bool(lab.rollout.keep_repeated_prompts)
 
     def _start(self, cfg: Any, engine: Any, agent: Callable | str | None) -> None:
         lab, agl = cfg.agl_lab, cfg.agentlightning
@@ -96,7 +97,8 @@ class Execution:
     def manager_args(self) -> dict[str, Any]:
         """The keyword arguments both rollout managers take from the execution side."""
         return dict(rollout_config=self.rollout_config, hooks=self.hooks,
-                    timeout_seconds=self.timeout_seconds, poll_interval=self.poll_interval)
+                    timeout_seconds=self.timeout_seconds, poll_interval=self.poll_interval,
+                    keep_repeated_prompts=self.keep_repeated_prompts)
 
     @contextlib.contextmanager
     def serving(self, engine: Any, *, drain: bool, reason: str) -> Iterator[dict[str, Any]]:

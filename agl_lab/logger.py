@@ -47,7 +47,7 @@ CONSOLE_KEYS = (
     ("training/reward", "reward"),
     ("val/reward", "val"),
     ("training/n_sample_trained", "rows"),
-    ("training/n_sample_dropped/alignment", "dropped"),
+    ("training/n_sample_dropped/alignment", "dropped_rows"),  # rows; UpdateResult.dropped has one line per rollout
     ("training/n_failed_rollouts", "failed"),
     ("training/n_zero_adv_groups", "zero_adv"),
     ("actor/pg_loss", "pg_loss"),
@@ -66,12 +66,23 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+def format_number(value: Any) -> str:
+    """A console number that keeps its magnitude: 3 decimals, scientific below 1e-3 (4e-05, not
+    0.000), `0` only for an exact zero; ints and other values as they are."""
+    if not isinstance(value, float):
+        return str(value)
+    if value == 0:
+        return "0"
+    if math.isfinite(value) and abs(value) < 1e-3:
+        return f"{value:.1e}"
+    return f"{value:.3f}"
+
+
 def format_console_line(step: int, metrics: Mapping[str, Any]) -> str:
     parts = [f"step {step:>4}"]
     for key, label in CONSOLE_KEYS:
         if key in metrics and metrics[key] is not None:
-            value = _jsonable(metrics[key])
-            parts.append(f"{label} {value:.3f}" if isinstance(value, float) else f"{label} {value}")
+            parts.append(f"{label} {format_number(_jsonable(metrics[key]))}")
     return " | ".join(parts)
 
 

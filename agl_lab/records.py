@@ -11,7 +11,8 @@ The path of one rollout's events, top to bottom:
 1. **Triplet view** (server side, `GET .../events?format=triplet`): each `model_request`
    is trimmed to `{prompt_token_ids, response_token_ids, response_log_probs, server, ...}`,
    each `reward` to `{value, [source], [reason]}`; only the last call per distinct prompt
-   survives (an agent retrying a prompt keeps its final answer).
+   survives (AGL v1: retries keep their final answer); the dropped calls are counted
+   (`agl_lab.rollout.count_repeated_prompts`), `agl_lab.rollout.keep_repeated_prompts=true` keeps them.
 2. **Events -> CompletedRollout** (learning side, AGL v1 parity): error calls and calls
    without response tokens are skipped, the last reward event wins and lands on the last
    triplet, malformed logprobs become None, `policy_version` is the oldest `model_version`
@@ -130,7 +131,7 @@ def clean_logprobs(value: Any, n_tokens: int | None = None) -> list[float] | Non
 # =============================================================================================
 
 
-def triplet_events(events: Sequence[Event]) -> list[Event]:
+def triplet_events(events: Sequence[Event], *, keep_repeated_prompts: bool = False) -> list[Event]:
     """Trim events for the learning side, then keep the last model_request per prompt.
 
     model_request -> {prompt_token_ids, response_token_ids, response_log_probs,
@@ -139,8 +140,11 @@ def triplet_events(events: Sequence[Event]) -> list[Event]:
     other types   -> unchanged
     Among model_requests only the last event per distinct prompt_token_ids survives (an agent
     retrying a prompt keeps its final answer); other events are never removed.
+    `keep_repeated_prompts=True` keeps every model_request.
     """
     trimmed = [_trim_event(e) for e in events]
+    if keep_repeated_prompts:
+        return trimmed
     last_by_prompt: dict[tuple[Any, ...], int] = {}
     for i, event in enumerate(trimmed):
         if event.event_type == "model_request":
@@ -201,7 +205,7 @@ def _trim_model_request(data: dict[str, Any]) -> dict[str, Any]:
         "response_log_probs": log_probs,
         "server": {"model": server.get("model"), "version": server.get("version")},
     }
-    out.update({k: data[k] for k in ("http_status", "status") if k in data})
+    out.update({k: data[k] for k in ("http_status", "status", "overridden") if k in data})
     if isinstance(response, dict) and "error" in response:
         out["error"] = response["error"]
     if bad:
@@ -261,7 +265,8 @@ def triplets_from_events(triplet_events: Sequence[Mapping[str, Any]]) -> list[Tr
                 prompt_ids=[int(t) for t in data.get("prompt_token_ids") or []],
                 response_ids=response_ids,
                 logprobs=clean_logprobs(data.get("response_log_probs"), len(response_ids)),
-                metadata={"server": data.get("server")},
+                metadata={"server": data.get("server"), **({"overridden": data["overridden"]}
+                                                            if data.get("overridden") else {})},
             )
         )
     return triplets

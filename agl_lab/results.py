@@ -60,12 +60,13 @@ class RolloutResult:
     metrics: dict[str, Any]
     is_train: bool = True
     carry_over: list[dict[str, Any]] = field(default_factory=list)
+    tokenizer: Any = field(default=None, repr=False)  # decodes `.triplets`' text columns
 
     @cached_property
     def triplets(self) -> pd.DataFrame:
         from agl_lab.views import triplets_df
 
-        return triplets_df(self.rollouts)
+        return triplets_df(self.rollouts, self.tokenizer)
 
     @cached_property
     def lifecycle(self) -> pd.DataFrame:
@@ -129,6 +130,7 @@ class BatchResult:
 
     built: "BuiltBatch"
     step: int = 0
+    tokenizer: Any = field(default=None, repr=False)  # decodes `.rows`' text columns
     metrics: dict[str, Any] = field(init=False)
     # The policy version an update of this batch produced (None: not used for an update yet).
     # `Trainer.update` refuses a used batch: its rollouts are off-policy now.
@@ -155,7 +157,7 @@ class BatchResult:
     def rows(self) -> pd.DataFrame:
         from agl_lab.views import rows_frame
 
-        return rows_frame(self.built.rows)
+        return rows_frame(self.built.rows, self.tokenizer)
 
     @cached_property
     def breaks(self) -> pd.DataFrame:
@@ -187,10 +189,12 @@ class BatchResult:
 
 @dataclass(repr=False)
 class UpdateResult:
-    """One policy update: metrics, the per-rollout loss-weight table and every dropped row.
+    """One policy update: metrics, the per-rollout loss-weight table and every dropped rollout.
 
     `weights`: one line per trained rollout with its advantage and the loss weight it carries
     (`agl_lab.algorithms.rollout_weights_table`); empty when the step was skipped.
+    `dropped`: one line per rollout that lost rows, `rows` of them, and why (`reason`); the
+    console's `dropped_rows` and `training/n_sample_dropped/*` count rows (`dropped_rows` here).
     """
 
     step: int
@@ -200,13 +204,20 @@ class UpdateResult:
     skipped: bool = False
     policy_version: int = 0
 
+    @property
+    def dropped_rows(self) -> int:
+        """Rows of the dropped rollouts (the unit of the console's `dropped_rows`)."""
+        return int(self.dropped["rows"].sum()) if len(self.dropped) else 0
+
     def __repr__(self) -> str:
         return _short_repr(self, [f"step={self.step}", f"skipped={self.skipped}",
-                                  f"policy_version={self.policy_version}", f"dropped={len(self.dropped)}"])
+                                  f"policy_version={self.policy_version}",
+                                  f"dropped={len(self.dropped)} rollouts/{self.dropped_rows} rows"])
 
     def _repr_html_(self) -> str:
         state = "skipped (no trainable rows)" if self.skipped else f"policy version → {self.policy_version}"
-        lines = [f"step {self.step} · {state}", f"{len(self.dropped)} dropped rollouts"]
+        lines = [f"step {self.step} · {state}",
+                 f"{len(self.dropped)} dropped rollouts ({self.dropped_rows} rows)"]
         keys = ["training/n_sample_trained", "training/n_zero_adv_groups", "actor/pg_loss",
                 "actor/grad_norm", "actor/entropy", "training/rollout_probs_diff_max"]
         return _summary_html("UpdateResult", lines, self.metrics, keys)

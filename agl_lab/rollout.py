@@ -18,6 +18,7 @@ import logging
 import time
 import uuid
 import warnings
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -37,6 +38,7 @@ from agl_lab.records import (
     completed_rollout_to_dict,
     events_to_completed_rollout,
 )
+from agl_lab.records import triplet_events as records_triplet_events
 
 if TYPE_CHECKING:
     from agl_lab.client import AglClient
@@ -127,6 +129,25 @@ def _events_by_attempt(rollout: Rollout, raw_events: Sequence[Mapping[str, Any]]
     return grouped or {rollout.status.last_attempt_id or "unknown": []}
 
 
+def count_repeated_prompts(completed: CompletedRollout, every_call: Sequence[Mapping[str, Any]],
+                           triplet_events: Sequence[Mapping[str, Any]]) -> int:
+    """Calls the triplet view dropped because they repeated an identical prompt (AGL v1 keeps the
+    last call per prompt): the kept triplet of such a prompt gets `metadata["repeats_dropped"]`
+    (a column of `ro.triplets`), the rollout `metadata["n_repeated_prompt_calls_dropped"]`
+    (summed into `training/n_repeated_prompt_calls_dropped`; `dry_run` prints it)."""
+    def counts(events: Sequence[Mapping[str, Any]]) -> Counter:
+        return Counter(tuple((e.get("data") or {}).get("prompt_token_ids") or ())
+                       for e in events if e.get("event_type") == "model_request")
+
+    everything, kept = counts(every_call), counts(triplet_events)
+    repeats = {k: n - kept[k] for k, n in everything.items() if n > kept[k]}
+    for t in (t for t in completed.triplets if tuple(t.prompt_ids) in repeats):
+        t.metadata["repeats_dropped"] = repeats[tuple(t.prompt_ids)]
+    if repeats:
+        completed.metadata["n_repeated_prompt_calls_dropped"] = sum(repeats.values())
+    return sum(repeats.values())
+
+
 class _Collector:
     """Shared core: follow the terminal cursor and turn each terminal rollout into a result.
 
@@ -134,8 +155,10 @@ class _Collector:
     been seen running, one `GET /api/rollouts?state_in=running` for the running timestamp).
     """
 
-    def __init__(self, client: AglClient, hooks: RolloutHooks | None, poll_interval: float, track_running: bool):
+    def __init__(self, client: AglClient, hooks: RolloutHooks | None, poll_interval: float, track_running: bool,
+                 keep_repeated_prompts: bool = False):
         self.client, self.hooks = client, hooks
+        self.keep_repeated_prompts = keep_repeated_prompts  # else the server's triplet view (AGL: last per prompt)
         self.poll_interval, self.track_running = poll_interval, track_running
         self.cursor: int | None = None
         self.pending: dict[str, _Entry] = {}
@@ -223,7 +246,10 @@ class _Collector:
         n_written, hook_error = self._run_hook(rollout, raw_events)
         if n_written:  # the hook's events belong to the rollout's record too
             raw_events = self.client.get_events(rollout.rollout_id)
-        triplet_events = self.client.get_events(rollout.rollout_id, fmt="triplet")
+        every_call = [e.model_dump(mode="json") for e in records_triplet_events(  # trimmed, no call dropped
+            [Event.model_validate(e) for e in raw_events], keep_repeated_prompts=True)]
+        triplet_events = every_call if self.keep_repeated_prompts else self.client.get_events(
+            rollout.rollout_id, fmt="triplet")
         timing = dict(data_id=entry.data_id, step=entry.step, sample_idx=entry.sample_idx, copy_idx=entry.copy_idx,
                       enqueue_time=entry.enqueue_time, running_at=running_at, finished_at=finished_at,
                       enqueue_policy_version=entry.enqueue_policy_version)
@@ -239,6 +265,7 @@ class _Collector:
             return completed
         if hook_error is not None:
             completed.metadata["hook_error"] = hook_error
+        count_repeated_prompts(completed, every_call, triplet_events)
         self.client.delete_rollout(rollout.rollout_id)  # read in full: bound the store by what is in flight
         return completed
 
@@ -306,11 +333,12 @@ class SyncRolloutManager:
         timeout_seconds: float | None = None,
         poll_interval: float = 0.2,
         track_running: bool = True,
+        keep_repeated_prompts: bool = False,
     ):
         self.n, self.step = _check_n(n), step
         self.rollout_config = _as_rollout_config(rollout_config)
         self.timeout_seconds = timeout_seconds
-        self._collector = _Collector(client, hooks, poll_interval, track_running)
+        self._collector = _Collector(client, hooks, poll_interval, track_running, keep_repeated_prompts)
 
     @property
     def n_hook_errors(self) -> int:
@@ -408,13 +436,14 @@ class AsyncRolloutManager:
         timeout_seconds: float | None = None,
         poll_interval: float = 0.2,
         track_running: bool = True,
+        keep_repeated_prompts: bool = False,
     ):
         check_async_sizes(train_batch_size, async_train_batch_size)
         self.n = _check_n(n)
         self.train_batch_size, self.async_train_batch_size = train_batch_size, async_train_batch_size
         self.rollout_config = _as_rollout_config(rollout_config)
         self.timeout_seconds = timeout_seconds
-        self._collector = _Collector(client, hooks, poll_interval, track_running)
+        self._collector = _Collector(client, hooks, poll_interval, track_running, keep_repeated_prompts)
         self._groups: dict[str, _Group] = {}  # insertion order = enqueue order (oldest first)
 
     @property

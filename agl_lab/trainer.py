@@ -28,6 +28,7 @@ from omegaconf import OmegaConf
 
 from agl_lab import checkpoints
 from agl_lab import config as config_mod
+from agl_lab import watch
 from agl_lab.data import TaskFeeder
 from agl_lab.logger import MetricsLogger
 from agl_lab.results import BatchResult, RolloutResult, UpdateResult
@@ -120,6 +121,7 @@ class Trainer:
         self.feeder = TaskFeeder(self.train_dataset, seed=int(lab.seed), shuffle=bool(cfg.data.shuffle))
         config_mod.check_validation_tasks(cfg, len(self.val_dataset or []))
 
+        self._reward_watch = watch.for_run(cfg, self.task, engine_given=engine is not None)
         try:
             if engine is None:
                 from agl_lab.engines.build import build_engine
@@ -219,9 +221,10 @@ class Trainer:
         metrics["timing/rollout_phase_end_wall"] = time.time()
         metrics["timing_s/gen"] = time.time() - t0
         result = RolloutResult(step=self.global_step, rollouts=completed, metrics=metrics,
-                               is_train=is_train, carry_over=carry)
+                               is_train=is_train, carry_over=carry, tokenizer=self.tokenizer)
         if is_train:
             self._last_rollout, self._last_batch, self._last_update = result, None, None
+            self._reward_watch.observe_rollouts(self.global_step + 1, completed)
         return result
 
     def _collect_sync(self, tasks: Sequence[dict] | None, is_train: bool) -> list:
@@ -259,7 +262,7 @@ class Trainer:
                       tokenizer=self.tokenizer, multi_segment=bool(agl.trace_aggregator.multi_segment),
                       exclude_failed=bool(self.cfg.agl_lab.algorithm.exclude_failed_rollouts))
         kwargs.update(options)
-        result = BatchResult(build_batch(rollout.rollouts, **kwargs), step=rollout.step)
+        result = BatchResult(build_batch(rollout.rollouts, **kwargs), step=rollout.step, tokenizer=self.tokenizer)
         if rollout is self._last_rollout:
             self._last_batch = result
         return result
@@ -339,7 +342,7 @@ class Trainer:
         """Train until step `trainer.total_training_steps` (else `total_epochs` epochs), or for
         `steps` more steps. Resumes first per `trainer.resume_mode`; validates first when
         `trainer.val_before_train` (and only, when `trainer.val_only`)."""
-        from tqdm.auto import tqdm
+        from agl_lab.progress import progress_bar
 
         self._check_open("fit()")
         self.resume()
@@ -352,7 +355,7 @@ class Trainer:
             history.append(val)
             if self.cfg.trainer.val_only:
                 return history
-        bar = tqdm(total=total, initial=self.global_step, disable=not progress, desc="train", leave=False)
+        bar = progress_bar(total=total, initial=self.global_step, disable=not progress, desc="train", leave=False)
         while self.global_step < total:
             history.append(self.step())
             bar.update(1)

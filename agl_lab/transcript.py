@@ -61,6 +61,10 @@ def format_transcript(rollout: CompletedRollout, tokenizer: Any = None, *, width
         lines.append(f"  ▸ {cut(_decode(tokenizer, shown))}")
         lines.append(f"  ◂ {cut(_decode(tokenizer, response))}")
         context = prompt + response
+    repeats = int((rollout.metadata or {}).get("n_repeated_prompt_calls_dropped", 0))
+    if repeats:
+        lines.append(f"{repeats} call(s) repeated an identical prompt and were dropped (AGL's triplet reduction keeps "
+                     "the last call per prompt; agl_lab.rollout.keep_repeated_prompts=true keeps every call)")
     reward = "None" if rollout.final_reward is None else f"{rollout.final_reward:.3f}"
     lines.append(f"reward {reward} · {rollout.state}")
     if rollout.error_message:

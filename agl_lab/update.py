@@ -106,24 +106,31 @@ def run_update(cfg, engine: Engine, batch: BatchResult, *, step: int) -> UpdateR
                         dropped=pd.DataFrame(records, columns=_DROP_COLUMNS), policy_version=engine.policy_version)
 
 
-ALIGNMENT_WARN_FRACTION = 0.2  # warn when mini-batch alignment drops more than this share of rows
+ALIGNMENT_WARN_FRACTION = 0.2  # warn when alignment drops more than this share of the rows that carry signal
 
 
 def alignment_report(metrics: dict[str, Any], mini_batch_rows: int, n: int, step: int) -> dict[str, Any]:
-    """`training/n_sample_dropped/alignment` (rows dropped to fill whole mini-batches) and, when
-    more than 20 % of the trainable rows went, one warning with the numbers and the fix."""
-    dropped = int(metrics.get("training/n_sample_dropped/same_reward", 0)) + int(
-        metrics.get("training/n_sample_dropped/random", 0))
-    trainable = dropped + int(metrics.get("training/n_sample_trained", 0))
-    if trainable and dropped / trainable > ALIGNMENT_WARN_FRACTION:
+    """`training/n_sample_dropped/alignment`: rows (not rollouts) dropped to fill whole mini-batches.
+
+    Zero-advantage rows (`n_sample_dropped/same_reward`: whole groups with one reward) go first and
+    carry no policy-gradient signal, so dropping them costs nothing; one warning, with the numbers
+    and the fix, only when more than 20 % of the rows *with* signal (`n_sample_dropped/random`) went.
+    `UpdateResult.dropped` lists the same drops per rollout, its `rows` column in these units."""
+    zero_adv = int(metrics.get("training/n_sample_dropped/same_reward", 0))
+    signal = int(metrics.get("training/n_sample_dropped/random", 0))
+    dropped = zero_adv + signal
+    trained = int(metrics.get("training/n_sample_trained", 0))
+    with_signal = signal + trained
+    if with_signal and signal / with_signal > ALIGNMENT_WARN_FRACTION:
         logger.warning(
-            "step %d: mini-batch alignment dropped %d of %d trainable rows (%.0f%%): a step trains whole "
-            "mini-batches of ppo_mini_batch_size × rollout.n = %d × %d = %d rows. Pick "
-            "actor.ppo_mini_batch_size so that the rows of a step fill whole mini-batches (trajectory "
-            "level: one row per rollout, so a divisor of data.train_batch_size keeps them all; "
-            "transition level: rows vary, and smaller mini-batches lose fewer). Every dropped "
-            "rollout is in UpdateResult.dropped.",
-            step, dropped, trainable, 100 * dropped / trainable, mini_batch_rows // n, n, mini_batch_rows)
+            "step %d: mini-batch alignment dropped %d of %d rows that carry a learning signal (%.0f%%; plus %d "
+            "zero-advantage rows, which carry none): a step trains whole mini-batches of ppo_mini_batch_size × "
+            "rollout.n = %d × %d = %d rows. Pick actor.ppo_mini_batch_size so that the rows of a step fill whole "
+            "mini-batches (trajectory level: one row per rollout, so a divisor of data.train_batch_size keeps "
+            "them all; transition level: rows vary, and smaller mini-batches lose fewer). Every dropped "
+            "rollout is in UpdateResult.dropped (one line per rollout, its rows in `rows`).",
+            step, signal, with_signal, 100 * signal / with_signal, zero_adv, mini_batch_rows // n, n,
+            mini_batch_rows)
     return {"training/n_sample_dropped/alignment": dropped}
 
 

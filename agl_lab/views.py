@@ -53,7 +53,8 @@ BREAK_COLUMNS = [
     "current_trace_tokens", "previous_trace", "current_trace",
 ]
 TRIPLET_COLUMNS = ["rollout_id", "data_id", "call", "prompt_tokens", "response_tokens", "reward",
-                   "has_logprobs", "server_version"]
+                   "has_logprobs", "server_version", "repeats_dropped"]
+TEXT_COLUMNS = ["prompt_tail", "response_text"]  # with a tokenizer (a Trainer's results have one)
 LIFECYCLE_COLUMNS = ["rollout_id", "data_id", "step", "state", "error_message", "enqueued_at_s",
                      "running_at_s", "finished_at_s", "queue_wait_s", "run_s", "total_s"]
 GROUP_COLUMNS = ["data_id", "n_rollouts", "rewards", "reward_mean", "reward_std", "zero_adv", "n_rows"]
@@ -62,8 +63,9 @@ GROUP_COLUMNS = ["data_id", "n_rollouts", "rewards", "reward_mean", "reward_std"
 # =========================================================================== frames of records
 
 
-def rows_frame(rows: Sequence[Row]) -> pd.DataFrame:
-    """One line per row (skipped rows included, `batch_index` -1). Counts are after limits."""
+def rows_frame(rows: Sequence[Row], tokenizer: Any = None) -> pd.DataFrame:
+    """One line per row (skipped rows included, `batch_index` -1). Counts are after limits. With a
+    `tokenizer`, `prompt_tail` and `response_text` (the row's response: replies and observations)."""
     records = []
     for r in rows:
         loss = int(sum(r.response_mask))
@@ -71,8 +73,9 @@ def rows_frame(rows: Sequence[Row]) -> pd.DataFrame:
             r.batch_index, r.rollout_id, r.data_id, r.calls[0], r.calls[-1], len(r.calls),
             len(r.prompt_ids), len(r.response_ids), loss, len(r.response_ids) - loss,
             r.logprobs is not None, r.is_drop, r.truncated, r.tokens_cut, r.skipped_empty, r.reward,
+            *(_text_columns(tokenizer, r.prompt_ids, r.response_ids) if tokenizer is not None else []),
         ])
-    return pd.DataFrame(records, columns=ROW_COLUMNS)
+    return pd.DataFrame(records, columns=ROW_COLUMNS + (TEXT_COLUMNS if tokenizer is not None else []))
 
 
 def breaks_frame(breaks: Sequence[BreakRecord]) -> pd.DataFrame:
@@ -96,8 +99,19 @@ def breaks_frame(breaks: Sequence[BreakRecord]) -> pd.DataFrame:
 # =========================================================================== views
 
 
-def triplets_df(completed: Sequence[CompletedRollout]) -> pd.DataFrame:
-    """One line per call: token counts, reward (set on the last call), logprobs, serving version."""
+TEXT_TAIL_CHARS = 80  # `prompt_tail`: the last characters of a decoded prompt
+
+
+def _text_columns(tokenizer: Any, prompt_ids: Sequence[int], response_ids: Sequence[int]) -> list[str]:
+    """`[prompt_tail, response_text]` decoded (special tokens kept: the chat template shows)."""
+    prompt = tokenizer.decode(list(prompt_ids), skip_special_tokens=False)
+    return [prompt[-TEXT_TAIL_CHARS:], tokenizer.decode(list(response_ids), skip_special_tokens=False)]
+
+
+def triplets_df(completed: Sequence[CompletedRollout], tokenizer: Any = None) -> pd.DataFrame:
+    """One line per call: token counts, reward (set on the last call), logprobs, serving version, and
+    `repeats_dropped`: earlier calls with this very prompt that the triplet reduction dropped.
+    With a `tokenizer`, `prompt_tail` (its last 80 characters) and `response_text`, decoded."""
     records = []
     for r in sort_rollouts(completed):
         for call, t in enumerate(r.triplets or []):
@@ -105,8 +119,10 @@ def triplets_df(completed: Sequence[CompletedRollout]) -> pd.DataFrame:
             records.append([
                 r.rollout_id, r.data_id, call, len(t.prompt_ids), len(t.response_ids), t.reward,
                 t.logprobs is not None and len(t.logprobs) == len(t.response_ids), server.get("version"),
+                int((t.metadata or {}).get("repeats_dropped", 0)),
+                *(_text_columns(tokenizer, t.prompt_ids, t.response_ids) if tokenizer is not None else []),
             ])
-    return pd.DataFrame(records, columns=TRIPLET_COLUMNS)
+    return pd.DataFrame(records, columns=TRIPLET_COLUMNS + (TEXT_COLUMNS if tokenizer is not None else []))
 
 
 def _record(batch: Any) -> BuiltBatch | None:

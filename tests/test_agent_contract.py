@@ -133,20 +133,25 @@ def test_all_rollouts_failed_says_so_with_the_first_error(trainer):
         trainer.build_batch(ro)
 
 
-def test_alignment_drops_above_a_fifth_warn_with_the_numbers(caplog):
+def test_alignment_warns_only_when_rows_with_signal_are_dropped(caplog):
     from agl_lab.update import alignment_report
 
-    metrics = {"training/n_sample_dropped/same_reward": 2, "training/n_sample_dropped/random": 1,
+    metrics = {"training/n_sample_dropped/same_reward": 2, "training/n_sample_dropped/random": 3,
                "training/n_sample_trained": 8}
     with caplog.at_level(logging.WARNING, logger="agl_lab.update"):
-        assert alignment_report(metrics, mini_batch_rows=8, n=4, step=5) == {"training/n_sample_dropped/alignment": 3}
+        assert alignment_report(metrics, mini_batch_rows=8, n=4, step=5) == {"training/n_sample_dropped/alignment": 5}
     (record,) = caplog.records
-    assert "dropped 3 of 11 trainable rows (27%)" in record.getMessage()
+    assert "dropped 3 of 11 rows that carry a learning signal (27%; plus 2 zero-advantage rows" in record.getMessage()
     assert "2 × 4 = 8 rows" in record.getMessage() and "ppo_mini_batch_size" in record.getMessage()
     caplog.clear()
+    # only zero-advantage rows dropped (8 of 16 rows): nothing was lost, no warning
     with caplog.at_level(logging.WARNING, logger="agl_lab.update"):
-        alignment_report({**metrics, "training/n_sample_dropped/same_reward": 0}, mini_batch_rows=8, n=4, step=5)
-    assert not caplog.records  # 1 of 9 rows: no warning
+        out = alignment_report({"training/n_sample_dropped/same_reward": 8, "training/n_sample_dropped/random": 0,
+                                "training/n_sample_trained": 8}, mini_batch_rows=8, n=4, step=5)
+    assert out == {"training/n_sample_dropped/alignment": 8} and not caplog.records
+    with caplog.at_level(logging.WARNING, logger="agl_lab.update"):
+        alignment_report({**metrics, "training/n_sample_dropped/random": 1}, mini_batch_rows=8, n=4, step=5)
+    assert not caplog.records  # 1 of 9 rows with signal: no warning
 
 
 def test_console_line_shows_dropped_and_failed():
@@ -154,7 +159,7 @@ def test_console_line_shows_dropped_and_failed():
 
     line = format_console_line(3, {"training/reward": 0.5, "training/n_sample_dropped/alignment": 2,
                                    "training/n_failed_rollouts": 1})
-    assert "dropped 2" in line and "failed 1" in line
+    assert "dropped_rows 2" in line and "failed 1" in line
 
 
 # =========================================================================== a notebook-safe Trainer

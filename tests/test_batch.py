@@ -93,6 +93,7 @@ def test_metrics_names_and_values():
         "training/n_dropped_prompt_too_long": 0,
         "training/n_rows_without_logprobs": 0,
         "training/n_turns": 3,
+        "training/n_repeated_prompt_calls_dropped": 0,
         "response_length/training/avg_by_turn": pytest.approx(7 / 3),
         "response_length/training/max_by_turn": 4,
         "response_length/training/min_by_turn": 1,

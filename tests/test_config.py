@@ -1,6 +1,9 @@
 """Config composition: AGL configs load unchanged; typos and contradictions fail clearly."""
 
+import re
+
 import pytest
+from omegaconf import OmegaConf
 
 from agl_lab.config import ConfigError, default_config, load_config, trace_limits
 
@@ -101,10 +104,46 @@ def test_missing_file_is_a_clear_error():
     ("agl_lab.server.lease_seconds=-1", r"agl_lab\.server\.lease_seconds=-1: Input should be greater than or equal to 0"),
     ("agl_lab.server.upstream_client=curl", r"agl_lab\.server\.upstream_client='curl': Input should be 'auto'"),
     ("agl_lab.server.max_body_bytes=big", r"agl_lab\.server\.max_body_bytes='big'"),
+    # keys whose default is null: their type comes from the TYPED table
+    ("trainer.total_training_steps=ten", r"trainer\.total_training_steps must be an integer, got 'ten'"),
+    ("trainer.total_training_steps=0", r"trainer\.total_training_steps must be > 0, got 0"),
+    ("agentlightning.max_ppo_update_times=many", r"agentlightning\.max_ppo_update_times must be an integer"),
+    ("agl_lab.runner.agent_timeout_seconds=soon", r"agl_lab\.runner\.agent_timeout_seconds must be a number"),
+    ("actor_rollout_ref.actor.loss_agg_mode=seq-mean",
+     r"actor_rollout_ref\.actor\.loss_agg_mode='seq-mean' is not one of verl's modes \['token-mean'"),
 ])
 def test_wrong_type_or_range_fails_at_load_naming_the_key(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, [override])
+
+
+def test_every_typed_key_with_a_null_default_is_a_real_key_and_rejects_a_word():
+    from agl_lab.config import default_config
+    from agl_lab.config_keys import TYPED
+
+    defaults = default_config()
+    for key, (_, words) in TYPED.items():
+        assert OmegaConf.select(defaults, key, default="MISSING") != "MISSING", key
+        with pytest.raises(ConfigError, match=re.escape(key)):
+            load_config(None, [f"{key}=notanumber"])
+    cfg = load_config(None, ["trainer.total_training_steps=10", "actor_rollout_ref.actor.entropy_coeff=0.01"])
+    assert cfg.trainer.total_training_steps == 10 and cfg.actor_rollout_ref.actor.entropy_coeff == 0.01
+
+
+def test_loss_agg_mode_under_per_rollout_mean_warns_it_has_no_effect():
+    import warnings
+
+    from agl_lab.config import ConfigWarning
+
+    with pytest.warns(ConfigWarning, match=r"actor_rollout_ref\.actor\.loss_agg_mode=seq-mean-token-mean has no "
+                                           r"effect under actor_rollout_ref\.actor\.policy_loss\.loss_mode=per_rollout_mean"):
+        load_config(None, ["actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean"])
+    for used in (["actor_rollout_ref.actor.policy_loss.loss_mode=vanilla"],   # verl's aggregation reads it
+                 ["actor_rollout_ref.actor.entropy_coeff=0.01"]):             # it aggregates the entropy term
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            load_config(None, ["actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean", *used])
+        assert not [w for w in caught if "loss_agg_mode" in str(w.message)], used
 
 
 def test_grpo_with_one_rollout_per_task_warns():

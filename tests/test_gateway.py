@@ -70,8 +70,10 @@ def test_proxy_chat_completion_rewrites_forwards_and_records(make_gateway, fake_
     [event] = events(client)
     data = event["data"]
     assert event["event_type"] == "model_request" and event["attempt_id"] == "0"
-    assert list(data) == ["model", "model_version", "request", "response", "server", "latency_ms", "http_status",
-                          "status", "retry_count", "usage", "finish_reason"]
+    # AGL's keys, after the gateway's note that it served another temperature than the agent asked for
+    assert list(data) == ["overridden", "model", "model_version", "request", "response", "server", "latency_ms",
+                          "http_status", "status", "retry_count", "usage", "finish_reason"]
+    assert data["overridden"] == {"temperature": {"agent": 0.1, "served": 1.0}}
     assert (data["model"], data["model_version"], data["http_status"], data["status"], data["retry_count"]) == (
         "test-model", 7, 200, "ok", 0)
     assert data["request"] == sent["json"] and data["response"] == r.json()
@@ -80,7 +82,8 @@ def test_proxy_chat_completion_rewrites_forwards_and_records(make_gateway, fake_
     [trip] = events(client, format="triplet")
     assert trip["data"] == {"prompt_token_ids": chatml_ids(MESSAGES), "response_token_ids": list(b"ok"),
                             "response_log_probs": fake_logprobs(2), "server": {"model": "test-model", "version": 7},
-                            "http_status": 200, "status": "ok"}
+                            "http_status": 200, "status": "ok",
+                            "overridden": {"temperature": {"agent": 0.1, "served": 1.0}}}
 
 
 def test_val_mode_and_completions_api(make_gateway, fake_upstream):

@@ -86,6 +86,16 @@ def test_console_line_shows_the_logprob_gap_not_the_probability_gap():
     assert "lp_diff_max 0.250" in line and "0.750" not in line
 
 
+def test_console_line_keeps_the_magnitude_of_small_numbers():
+    from agl_lab.logger import format_console_line
+
+    line = format_console_line(2, {"training/rollout_logprobs_diff_max": 4e-5, "actor/pg_loss": -1.234e-6,
+                                   "actor/entropy": 0.0, "training/reward": 0.338,
+                                   "training/n_sample_dropped/alignment": 4})
+    assert "lp_diff_max 4.0e-05" in line and "pg_loss -1.2e-06" in line
+    assert "entropy 0 " in line + " " and "reward 0.338" in line and "dropped_rows 4" in line
+
+
 # =========================================================================== AGL v1's W&B side tables
 
 

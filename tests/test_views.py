@@ -49,7 +49,7 @@ def rollouts():
 def test_triplets_df_golden(rollouts):
     df = triplets_df(rollouts)
     assert list(df.columns) == ["rollout_id", "data_id", "call", "prompt_tokens", "response_tokens", "reward",
-                                "has_logprobs", "server_version"]
+                                "has_logprobs", "server_version", "repeats_dropped"]
     assert df.rollout_id.tolist() == ["a", "a", "b", "b", "c"]
     assert df.call.tolist() == [0, 1, 0, 1, 0]
     assert df.prompt_tokens.tolist() == [2, 4, 3, 1, 1]
@@ -118,3 +118,21 @@ def test_groups_df_a_group_of_one_has_advantage_unless_its_reward_is_zero():
     nil = CompletedRollout("z", "g2", step=0, sample_idx=1, final_reward=0.0,
                            triplets=[Triplet([1], [3], [-0.1], reward=0.0)])
     assert groups_df([one, nil]).zero_adv.tolist() == [False, True]
+
+
+def test_trainer_results_decode_the_text_of_every_call_and_row(tmp_path):
+    from agl_lab.trainer import Trainer
+    from tests.test_trainer import SMALL
+
+    with Trainer.from_config("configs/cpu_tiny.yaml", overrides=SMALL, run_dir=tmp_path, console=False) as t:
+        ro = t.rollout()
+        b = t.build_batch(ro)
+        tok = t.tokenizer
+        first = ro.rollouts[0].triplets[0]
+    tri = ro.triplets
+    assert {"prompt_tail", "response_text"} <= set(tri.columns) and {"prompt_tail", "response_text"} <= set(b.rows.columns)
+    row = tri[(tri.rollout_id == ro.rollouts[0].rollout_id) & (tri.call == 0)].iloc[0]
+    assert row.response_text == tok.decode(first.response_ids, skip_special_tokens=False)
+    assert tok.decode(first.prompt_ids, skip_special_tokens=False).endswith(row.prompt_tail)
+    assert 0 < len(row.prompt_tail) <= 80
+    assert b.rows.response_text.str.len().gt(0).all()

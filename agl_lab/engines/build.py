@@ -9,6 +9,11 @@
 - `verl`: verl's workers load weights from disk, so the tiny model is warm-started into a cached
   directory first (`warm_started_model_dir`) and `agl_lab.model.path` points at it.
 
+Before either, `apply_torch_threads` sizes torch's intra-op pool from `agl_lab.torch_threads`
+(`auto`: 1 thread on a machine with ≤ 4 cores, else half the cores; a number; null: torch's own
+default, one thread per core). On a shared 2-core machine torch's default collapses: the warm
+start ran ~15× slower with 2 threads than with 1 under load (README, "Torch threads").
+
 The caller owns the engine and closes it.
 """
 
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -28,6 +34,7 @@ def build_engine(cfg: Any, *, task: Any = None, train_dataset: Sequence[dict] = 
                  val_dataset: Sequence[dict] = ()) -> Engine:
     """The engine of `cfg.agl_lab.engine`, its model warm-started where that applies."""
     lab = cfg.agl_lab
+    apply_torch_threads(lab.get("torch_threads", "auto"))
     steps = int(lab.model.warm_start_steps) if task is not None else 0
     if lab.engine == "verl":
         from agl_lab.engines.verl.engine import VerlEngine
@@ -55,6 +62,30 @@ def build_engine(cfg: Any, *, task: Any = None, train_dataset: Sequence[dict] = 
     return engine
 
 
+AUTO_THREADS_MAX_CORES = 4  # at or below this many cores, `auto` means 1 thread
+
+
+def torch_threads(value: Any, cores: int | None = None) -> int | None:
+    """The thread count `agl_lab.torch_threads` asks for (None: leave torch's default)."""
+    if value is None:
+        return None
+    if value == "auto":
+        cores = cores or os.cpu_count() or 1
+        return 1 if cores <= AUTO_THREADS_MAX_CORES else cores // 2
+    return int(value)
+
+
+def apply_torch_threads(value: Any) -> int:
+    """Set torch's intra-op threads from `agl_lab.torch_threads`; returns the count in force."""
+    import torch
+
+    n = torch_threads(value)
+    if n is not None and torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+        logger.info("torch uses %d intra-op thread(s) (agl_lab.torch_threads=%s)", n, value)
+    return torch.get_num_threads()
+
+
 def _warm_start(engine: Any, task: Any, steps: int, seed: int) -> None:
     from agl_lab.tasks.warmstart import warm_start
 
@@ -74,9 +105,9 @@ def _cache_hint() -> str:
 @contextlib.contextmanager
 def _stage(description: str):
     """A one-step progress bar naming long first-run work (model build/load)."""
-    from tqdm.auto import tqdm
+    from agl_lab.progress import progress_bar
 
-    bar = tqdm(total=1, desc=description, leave=False, bar_format="{desc} {elapsed}")
+    bar = progress_bar(total=1, desc=description, leave=False, bar_format="{desc} {elapsed}")
     try:
         yield
     finally:

@@ -41,10 +41,10 @@ from verl.trainer.ppo.core_algos import agg_loss, get_policy_loss_fn, kl_penalty
 from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
 
 import agl_lab.algorithms  # noqa: F401  (registers per_rollout_mean)
+from agl_lab.config_keys import LOSS_AGG_MODES
 
 logger = logging.getLogger(__name__)
 
-LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 _PREFIX = "actor_rollout_ref.actor."
 
 

@@ -127,6 +127,17 @@ def rewrite_request(body: dict[str, Any], mode: str, proxy: DefaultProxyConfig) 
     return {**body, **forced}
 
 
+# Sampling parameters the gateway forces whose agent value is worth reporting when it differs.
+OVERRIDE_REPORTED = ("temperature",)
+
+
+def overridden_params(body: dict[str, Any], request: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """`{name: {"agent": asked, "served": forced}}` for each reported parameter the agent set to
+    another value than the one the gateway serves with (recorded on the call, said once)."""
+    return {k: {"agent": body[k], "served": request[k]} for k in OVERRIDE_REPORTED
+            if k in body and body[k] is not None and body[k] != request.get(k)}
+
+
 def backoff_seconds(attempt: int, base: float, cap: float, rng: random.Random) -> float:
     """Sleep before retry `attempt` (0-based): min(base * 2^attempt, cap) * U(0.75, 1.25)."""
     return min(base * 2.0**attempt, cap) * rng.uniform(0.75, 1.25)
@@ -264,6 +275,7 @@ class Gateway:
         self.client: UpstreamClient | None = None
         self._rng = random.Random()
         self._down_until: dict[str, float] = {}  # endpoint -> loop time its breaker closes again
+        self._said_override = False  # the agent-temperature override is logged once per gateway
 
     async def handle(self, read_body: Callable[[], Awaitable[bytes]], receive: Callable[[], Awaitable[Any]],
                      rollout_id: str, attempt_id: str, mode: str, upstream_path: str) -> Response:
@@ -294,6 +306,17 @@ class Gateway:
         call = ProxyCall(rollout=rollout, attempt_id=attempt_id, mode=mode, upstream_path=upstream_path,
                          server=server, request=rewrite_request(body, mode, self.config.default_proxy),
                          store=self.store)
+        overridden = overridden_params(body, call.request)
+        if overridden:
+            call.annotations["overridden"] = overridden
+            if not self._said_override:
+                self._said_override = True
+                logger.warning("the gateway samples with %s, not the agent's %s (%s mode): the policy is trained on "
+                               "its own sampling distribution (actor_rollout_ref.rollout.temperature; validation: "
+                               "agl_lab.server.val_temperature). Each such call records it in "
+                               "triplet.metadata['overridden']; said once.",
+                               ", ".join(f"{k}={v['served']}" for k, v in overridden.items()),
+                               ", ".join(f"{k}={v['agent']}" for k, v in overridden.items()), mode)
         for rewriter in self.rewriters:
             result = rewriter(call)
             if inspect.isawaitable(result):

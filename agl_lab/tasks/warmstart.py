@@ -146,9 +146,9 @@ def fit_transcripts(model: Any, tokenizer: Any, transcripts: list[list[dict[str,
     losses = []
     bar = None
     if progress is not None:
-        from tqdm.auto import tqdm
+        from agl_lab.progress import progress_bar
 
-        bar = tqdm(total=steps, desc=progress, leave=False, mininterval=1.0)
+        bar = progress_bar(total=steps, desc=progress, leave=False, mininterval=1.0)
     for step in range(steps):
         batch_rows = [rows[(step * batch_size + j) % len(rows)] for j in range(batch_size)]
         batch = {k: v.to(device) for k, v in _pad_batch(batch_rows, pad_id).items()}

@@ -1,0 +1,89 @@
+"""Runs that cannot learn, said early and with the fix (pure: no I/O beyond the warning).
+
+Two ways a first run trains nothing while every line looks normal:
+
+- **The tiny model was never warm-started for this agent.** A custom agent or dataset has no
+  demonstrations, so the built-in tiny model (0.46 M parameters, random weights) answers in
+  byte soup and no reply parses. `untrained_tiny_model_message` says so when the engine is built.
+- **Every rollout gets the same reward, step after step** (all 0.000: nothing parsed; all 1:
+  too easy). Every GRPO group then has advantage 0 and the update has no signal.
+  `FlatRewardWatch` warns once, after `FLAT_STEPS` such steps in a row, with the likely cause.
+
+Both go to this module's logger as warnings (a notebook shows them; `agl-lab train` prints them).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+
+logger = logging.getLogger(__name__)
+
+FLAT_STEPS = 3  # training steps in a row with one reward for every rollout before the warning
+
+TINY_FIX = ("give the model demonstrations to warm-start on (register a Task with demonstrations= and set "
+            "agl_lab.model.warm_start_steps; README 'A task: datasets, agent, reward and demonstrations'), "
+            "or train a real model (agl_lab.model.preset=smollm2-135m, or agl_lab.model.path=DIR)")
+
+
+def untrained_tiny_model_message(*, tiny: bool, warm_start_steps: int, has_demonstrations: bool) -> str | None:
+    """The warning for a built-in tiny model that starts with random weights, else None."""
+    if not tiny or (warm_start_steps > 0 and has_demonstrations):
+        return None
+    why = ("agl_lab.model.warm_start_steps=0" if has_demonstrations
+           else "the agent/dataset comes without demonstrations")
+    return ("the built-in tiny model gets no warm start (" + why + "): it starts from random weights, so its "
+            "replies will not parse for your agent and every reward is likely the same. Fix: " + TINY_FIX)
+
+
+def for_run(cfg, task, *, engine_given: bool) -> "FlatRewardWatch":
+    """The watch of a Trainer on `cfg`; warns now when its engine will be an untrained tiny model."""
+    lab = cfg.agl_lab
+    tiny = not engine_given and lab.model.path is None and lab.model.get("preset") is None
+    message = untrained_tiny_model_message(
+        tiny=tiny, warm_start_steps=int(lab.model.warm_start_steps) if task is not None else 0,
+        has_demonstrations=task is not None and task.demonstrations is not None)
+    if message:
+        logger.warning(message)
+    return FlatRewardWatch(untrained_tiny=message is not None,
+                           fillna=float(cfg.agentlightning.reward_fillna_value))
+
+
+class FlatRewardWatch:
+    """`observe(step, rewards)` once per training step; warns once when the last `steps` steps
+    each gave every rollout one and the same reward (returns the message, else None)."""
+
+    def __init__(self, steps: int = FLAT_STEPS, *, untrained_tiny: bool = False, fillna: float = 0.0):
+        self.steps, self.fillna = steps, fillna
+        self.untrained_tiny = untrained_tiny
+        self.flat: list[tuple[int, float]] = []  # (step, the one reward) of the current flat streak
+        self.warned = False
+
+    def observe_rollouts(self, step: int, rollouts: Sequence) -> str | None:
+        """`observe` on CompletedRollouts (a missing reward counts as reward_fillna_value, as in training)."""
+        return self.observe(step, [self.fillna if r.final_reward is None else r.final_reward for r in rollouts])
+
+    def observe(self, step: int, rewards: Sequence[float]) -> str | None:
+        values = [float(r) for r in rewards if r is not None and math.isfinite(float(r))]
+        if not values or max(values) - min(values) > 1e-9 or (self.flat and abs(self.flat[-1][1] - values[0]) > 1e-9):
+            self.flat = []
+        if values and max(values) - min(values) <= 1e-9:
+            self.flat.append((step, values[0]))
+        if self.warned or len(self.flat) < self.steps:
+            return None
+        self.warned = True
+        first, value = self.flat[0]
+        if self.untrained_tiny or value == 0:
+            cause = ("no reply earned any reward: the agent's replies most likely do not parse. "
+                     + ("The built-in tiny model had no warm start for this agent. Fix: " + TINY_FIX
+                        if self.untrained_tiny else
+                        "Look at one rollout call by call (trainer.dry_run()) and at ro.triplets; "
+                        "a model that cannot produce the format needs demonstrations or a bigger model"))
+        else:
+            cause = ("the task gives every rollout the same score: make rewards vary within a group (a harder "
+                     "or easier task, partial credit) and check the reward with trainer.dry_run()")
+        message = (f"steps {first}–{step}: every rollout got reward {value:.3f}, {len(self.flat)} steps in a row, "
+                   f"so every GRPO group has advantage 0 and the policy cannot learn; {cause}")
+        logger.warning(message)
+        return message

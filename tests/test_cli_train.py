@@ -1,0 +1,79 @@
+"""`agl-lab train`: Ctrl-C ends cleanly with the resume line; `--steps` / `--until` with `--resume`.
+
+Real command (a subprocess for Ctrl-C, `train_main` in process otherwise), real tiny model,
+gateway, runner, checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from agl_lab.cli import train_main
+from tests.test_trainer import SMALL
+from tests.test_trainer_config_keys import _env
+
+
+def _args(tmp_path, run: str, *extra: str) -> list[str]:
+    return ["configs/cpu_tiny.yaml", "--run-dir", str(tmp_path / run), *SMALL, "trainer.save_freq=1",
+            f"trainer.default_local_dir={tmp_path / 'ck'}", *extra]
+
+
+def _steps(path) -> list[int]:
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()]
+
+
+@pytest.mark.timeout(600)
+def test_ctrl_c_prints_the_last_checkpoint_and_the_resume_command_without_a_traceback(tmp_path):
+    args = _args(tmp_path, "run", "trainer.total_training_steps=200")
+    proc = subprocess.Popen([sys.executable, "-m", "agl_lab.cli", "train", *args], env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 400
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.time() < deadline
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in out + err and "KeyboardInterrupt" not in out + err
+    at = int((tmp_path / "ck" / "latest_checkpointed_iteration.txt").read_text())
+    assert at >= 2
+    assert f"last checkpoint: step {at} ({tmp_path / 'ck' / f'global_step_{at}'}) — resume with: agl-lab train " in out
+    resume_line = out.split("resume with: ")[1].splitlines()[0]
+    assert resume_line.endswith(" --resume") and "trainer.total_training_steps=200" in resume_line
+    assert "reward curve: " + str(tmp_path / "run" / "reward_curve.png") in out
+    assert (tmp_path / "run" / "reward_curve.png").stat().st_size > 0
+
+
+@pytest.mark.timeout(600)
+def test_steps_after_resume_means_more_steps_and_until_means_up_to_that_step(tmp_path, capsys):
+    assert train_main(_args(tmp_path, "a", "--until", "2")) == 0
+    assert _steps(tmp_path / "a" / "metrics.jsonl") == [1, 2]
+    capsys.readouterr()
+
+    assert train_main(_args(tmp_path, "b", "--resume", "--steps", "1")) == 0  # 1 more: step 3
+    out = capsys.readouterr().out
+    assert "resumed from" in out and "at step 2" in out and "agl-lab train: steps 3–3" in out
+    assert _steps(tmp_path / "b" / "metrics.jsonl") == [3]
+
+    assert train_main(_args(tmp_path, "c", "--resume", "--until", "3")) == 0  # already there
+    assert "already at step 3 (≥ 3): nothing to train" in capsys.readouterr().out
+    assert not (tmp_path / "c" / "metrics.jsonl").exists() or not _steps(tmp_path / "c" / "metrics.jsonl")
+
+    assert train_main(_args(tmp_path, "d", "--resume", "--until", "4")) == 0
+    assert _steps(tmp_path / "d" / "metrics.jsonl") == [4]
+
+
+def test_steps_and_until_are_exclusive_and_not_negative(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        train_main(_args(tmp_path, "x", "--steps", "1", "--until", "2"))
+    assert "not allowed with argument" in capsys.readouterr().err
+    assert train_main(_args(tmp_path, "x", "--until", "-1")) == 2
+    assert "--until must be >= 0" in capsys.readouterr().out

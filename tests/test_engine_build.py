@@ -1,0 +1,42 @@
+"""agl_lab.engines.build: torch's thread count (`agl_lab.torch_threads`) is set where the engine starts.
+
+Real Trainer on the real tiny model; the thread count is read back from torch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agl_lab.config import ConfigError, load_config
+from agl_lab.engines.build import torch_threads
+from agl_lab.trainer import Trainer
+from tests.test_trainer import SMALL
+
+
+def test_auto_is_one_thread_on_small_machines_and_half_the_cores_on_big_ones():
+    assert torch_threads("auto", cores=2) == 1
+    assert torch_threads("auto", cores=4) == 1
+    assert torch_threads("auto", cores=16) == 8
+    assert torch_threads(3) == 3 and torch_threads(None) is None
+
+
+@pytest.mark.parametrize("value, message", [
+    ("two", r"agl_lab\.torch_threads must be an integer, got 'two' \(or auto\)"),
+    ("0", r"agl_lab\.torch_threads must be > 0, got 0"),
+])
+def test_bad_torch_threads_fail_at_load_naming_the_key(value, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [f"agl_lab.torch_threads={value}"])
+
+
+@pytest.mark.parametrize("setting, expected", [("auto", torch_threads("auto")), ("1", 1), ("2", 2)])
+def test_the_trainer_sets_torch_threads_when_it_builds_its_engine(tmp_path, setting, expected):
+    before = torch.get_num_threads()
+    torch.set_num_threads(2 if expected == 1 else 1)  # the opposite of what the config asks for
+    try:
+        with Trainer.from_config("configs/cpu_tiny.yaml", overrides=[*SMALL, f"agl_lab.torch_threads={setting}"],
+                                 run_dir=tmp_path, console=False):
+            assert torch.get_num_threads() == expected
+    finally:
+        torch.set_num_threads(before)
