@@ -62,6 +62,13 @@ def resume_target(cfg: Any) -> Path | None:
     raise ConfigError(f"trainer.resume_mode={mode!r} is not one of auto, resume_path, disable")
 
 
+def seed_everything(seed: int) -> None:
+    """Seed every process-wide RNG a step draws from (python, numpy, torch)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
 def rng_state() -> dict[str, Any]:
     """Every process-wide RNG a step draws from (python, numpy, torch, CUDA when present)."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}

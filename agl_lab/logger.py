@@ -156,6 +156,14 @@ class MetricsLogger:
             self._wandb_run = None
 
 
+def throughput_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """verl's `perf/*` step metrics (one device): tokens of the trained batch per step second."""
+    tokens = float(metrics.get("perf/total_num_tokens", 0.0))
+    seconds = float(metrics["timing_s/step"])
+    return {"perf/total_num_tokens": tokens, "perf/time_per_step": seconds,
+            "perf/throughput": tokens / seconds if seconds > 0 else 0.0}
+
+
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     """The records of a `metrics.jsonl` file, in order."""
     with open(path) as f:

@@ -17,12 +17,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import random
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-import numpy as np
 import torch
 from omegaconf import OmegaConf
 
@@ -30,7 +28,7 @@ from agl_lab import checkpoints
 from agl_lab import config as config_mod
 from agl_lab import watch
 from agl_lab.data import TaskFeeder
-from agl_lab.logger import MetricsLogger
+from agl_lab.logger import MetricsLogger, throughput_metrics
 from agl_lab.results import BatchResult, RolloutResult, UpdateResult
 
 logger = logging.getLogger(__name__)
@@ -105,7 +103,7 @@ class Trainer:
 
         self.cfg = cfg
         lab = cfg.agl_lab
-        seed_everything(int(lab.seed))
+        checkpoints.seed_everything(int(lab.seed))
         self.global_step = 0  # steps done = verl's 1-based global_steps of the last step
         self._last_step: int | None = None  # the last step of the running `fit`
         self._resumed = self._closed = False
@@ -315,7 +313,7 @@ class Trainer:
         u = self.update(b)
         step_no = self.global_step
         metrics = {**ro.metrics, **b.metrics, **u.metrics, "timing_s/step": time.time() - t0}
-        metrics.update(_throughput(metrics))
+        metrics.update(throughput_metrics(metrics))
         self._log_tables(step_no, b, "train")
         last = self._last_step is not None and step_no >= self._last_step
         test_freq, save_freq = int(self.cfg.trainer.test_freq), int(self.cfg.trainer.save_freq)
@@ -547,17 +545,3 @@ class Trainer:
             self.close()
         except Exception:  # interpreter shutdown: modules may already be gone
             pass
-
-
-def _throughput(metrics: Mapping[str, Any]) -> dict[str, float]:
-    """verl's `perf/*` step metrics (one device): tokens of the trained batch per step second."""
-    tokens = float(metrics.get("perf/total_num_tokens", 0.0))
-    seconds = float(metrics["timing_s/step"])
-    return {"perf/total_num_tokens": tokens, "perf/time_per_step": seconds,
-            "perf/throughput": tokens / seconds if seconds > 0 else 0.0}
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
