@@ -205,6 +205,16 @@ def test_one_step_drives_the_real_replica_in_the_phase_order(trainer):
                                                 "n_weight_syncs": version + 2}]  # + the initial sync
 
 
+def test_a_verl_step_is_recorded_and_replays_without_the_engine(trainer):
+    from agl_lab.replay import load_recording, replay_step
+
+    trainer.step()
+    step = trainer.global_step
+    assert load_recording(trainer.run_dir, step).policy_version == trainer.engine.policy_version - 1
+    result = replay_step(trainer.run_dir, step)  # on this CPU, no Ray worker involved
+    assert result.equal, result.differences
+
+
 def test_save_and_load_round_trip_on_the_real_workers(trainer, tmp_path):
     """verl's own FSDP2 checkpoint of the actor on CPU; load serves it again."""
     engine = trainer.engine

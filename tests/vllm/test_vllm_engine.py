@@ -89,7 +89,7 @@ def _fixed_sequence(engine, max_tokens: int = 12):
     data = DataProto.from_dict(tensors={
         "input_ids": ids, "attention_mask": torch.ones_like(ids),
         "position_ids": torch.arange(ids.shape[1]).unsqueeze(0), "prompts": torch.tensor([prompt]),
-        "responses": torch.tensor([response])})
+        "responses": torch.tensor([response]), "response_mask": torch.ones(1, len(response), dtype=torch.long)})
     return data, served
 
 
