@@ -100,6 +100,7 @@ TYPED: dict[str, tuple[str, tuple[str, ...]]] = {
     "agentlightning.async_rollout.async_train_batch_size": ("int", ()),
     "agl_lab.runner.agent_timeout_seconds": ("float", ()),
     "agl_lab.torch_threads": ("int", ("auto",)),
+    "agl_lab.record.max_steps": ("int", ()),  # null: keep every step's recording
 }
 
 # verl's agg_loss modes (core_algos.agg_loss); the local engine accepts the same ones.
@@ -108,7 +109,7 @@ LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-tok
 # Keys of TYPED (None: checked above) that must be > 0 when set.
 TYPED_POSITIVE = ("trainer.total_training_steps", "agentlightning.max_ppo_update_times",
                   "agentlightning.async_rollout.async_train_batch_size", "agl_lab.runner.agent_timeout_seconds",
-                  "agl_lab.torch_threads")
+                  "agl_lab.torch_threads", "agl_lab.record.max_steps")
 
 
 def user_keys(layer: Any, prefix: str = "") -> list[str]:

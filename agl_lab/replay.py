@@ -72,15 +72,11 @@ class Recorder:
     """Writes one recording per step into `run_dir/recording/` (see the module docstring)."""
 
     def __init__(self, run_dir: str | Path, options: Mapping[str, Any]):
-        from agl_lab.config import ConfigError
-
+        """`options`: `agl_lab.record` (its types and range are checked when the config loads)."""
         self.enabled = bool(options.get("enabled", True))
         self.events = bool(options.get("events", True))
         max_steps = options.get("max_steps")
-        if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1):
-            raise ConfigError(f"agl_lab.record.max_steps={max_steps!r}: use null (keep every step) or an int >= 1 "
-                              "(keep the newest N step recordings)")
-        self.max_steps = max_steps
+        self.max_steps = None if max_steps is None else int(max_steps)
         self.dir = Path(run_dir) / DIRNAME
 
     def record(self, step: int, *, batch_step: int, rollouts: Sequence[CompletedRollout], metrics: Mapping[str, Any],
@@ -103,17 +99,17 @@ class Recorder:
             json.dump(doc, f, separators=(",", ":"), allow_nan=True)
         tmp.replace(path)  # a killed write never leaves a half recording under the real name
         if self.max_steps is not None:
-            for old in recorded_steps(self.dir.parent)[:-self.max_steps]:
-                step_path(self.dir.parent, old).unlink(missing_ok=True)
+            self._remove(recorded_steps(self.dir.parent)[:-self.max_steps])
         return path.stat().st_size
-
 
     def drop_after(self, step: int) -> int:
         """Remove the recordings of steps after `step` (a resume redoes them); returns how many."""
-        later = [s for s in recorded_steps(self.dir.parent) if s > step]
-        for s in later:
+        return self._remove([s for s in recorded_steps(self.dir.parent) if s > step])
+
+    def _remove(self, steps: Sequence[int]) -> int:
+        for s in steps:
             step_path(self.dir.parent, s).unlink(missing_ok=True)
-        return len(later)
+        return len(steps)
 
 
 def _jsonable(value: Any) -> Any:
@@ -136,10 +132,9 @@ def _rng_to_json(state: Mapping[str, Any]) -> dict[str, Any]:
     """`checkpoints.rng_state()` as JSON: python's tuple, numpy's MT19937 state, torch's bytes."""
     version, internal, gauss = state["python"]
     name, keys, pos, has_gauss, cached = state["numpy"]
-    out = {"python": [version, list(internal), gauss],
-           "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
-           "torch": base64.b64encode(state["torch"].numpy().tobytes()).decode()}
-    return out
+    return {"python": [version, list(internal), gauss],
+            "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+            "torch": base64.b64encode(state["torch"].numpy().tobytes()).decode()}
 
 
 def rng_from_json(doc: Mapping[str, Any]) -> dict[str, Any]:
@@ -286,7 +281,7 @@ def replay_step(run_dir: str | Path, step: int, overrides: Sequence[str] = (), *
                         pad_token_id=rec.pad_token_id, reward_fillna_value=float(agl.reward_fillna_value),
                         tokenizer=tokenizer, multi_segment=bool(agl.trace_aggregator.multi_segment),
                         exclude_failed=bool(cfg.agl_lab.algorithm.exclude_failed_rollouts))
-    batch = BatchResult(built, step=rec.batch_step)
+    batch = BatchResult(built, step=rec.batch_step, tokenizer=tokenizer)
     with _quiet_update_log():  # the run already warned about this step (alignment, skips)
         update = run_update(cfg, _NoEngine(rec.policy_version), batch, step=rec.batch_step)
     replayed = {**batch.metrics, **update.metrics}
@@ -452,7 +447,7 @@ class WhatIf:
 def what_if(run_dir: str | Path, step: int, overrides: Sequence[str]) -> WhatIf:
     """Replay `step` as run and under `overrides`; the differences as DataFrames (see `WhatIf`)."""
     base = replay_step(run_dir, step)
-    alt = replay_step(run_dir, step, overrides)
+    alt = replay_step(run_dir, step, overrides, tokenizer=base.batch.tokenizer)
     a = {**base.batch.metrics, **base.update.metrics}
     b = {**alt.batch.metrics, **alt.update.metrics}
     moved = []

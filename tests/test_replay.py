@@ -179,9 +179,11 @@ def test_a_resume_drops_the_recordings_of_the_steps_it_redoes(tmp_path):
 
 
 @pytest.mark.parametrize("bad", [0, -1, "ten", True, 1.5])
-def test_a_bad_max_steps_fails_naming_the_key(tmp_path, bad):
-    with pytest.raises(ConfigError, match=r"agl_lab.record.max_steps="):
-        Recorder(tmp_path, {"max_steps": bad})
+def test_a_bad_max_steps_fails_at_load_naming_the_key(bad):
+    from agl_lab.config import load_config
+
+    with pytest.raises(ConfigError, match=r"agl_lab\.record\.max_steps (must be an integer|must be > 0), got"):
+        load_config("configs/cpu_tiny.yaml", {"agl_lab": {"record": {"max_steps": bad}}})
 
 
 def test_rng_states_round_trip_through_json():
