@@ -40,7 +40,9 @@ LOCAL_HONOURED = (
     "algorithm.kl_ctrl", "algorithm.rollout_correction",
     "data.train_batch_size", "data.max_prompt_length", "data.max_response_length", "data.shuffle",
     "data.train_files", "data.val_files",
-    "actor_rollout_ref.model.path",
+    "actor_rollout_ref.model.path", "actor_rollout_ref.model.lora_rank", "actor_rollout_ref.model.lora_alpha",
+    "actor_rollout_ref.model.target_modules", "actor_rollout_ref.model.exclude_modules",
+    "actor_rollout_ref.model.lora_adapter_path",
     "actor_rollout_ref.rollout.n", "actor_rollout_ref.rollout.temperature",
     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", "actor_rollout_ref.rollout.val_kwargs.n",
     "actor_rollout_ref.actor.ppo_epochs", "actor_rollout_ref.actor.ppo_mini_batch_size",
@@ -95,6 +97,7 @@ RANGES: tuple[tuple[str, float, bool], ...] = (
 # engine is built. These override the type of the default.
 TYPED: dict[str, tuple[str, tuple[str, ...]]] = {
     "actor_rollout_ref.actor.entropy_coeff": ("float", ()),
+    "actor_rollout_ref.model.lora_alpha": ("float", ()),
     "trainer.total_training_steps": ("int", ()),
     "agentlightning.max_ppo_update_times": ("int", ()),
     "agentlightning.async_rollout.async_train_batch_size": ("int", ()),
