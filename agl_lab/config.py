@@ -320,6 +320,14 @@ def validate(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key)
         if value not in CHOICES[key]:
             raise ConfigError(f"{key}={value!r} is not one of {list(CHOICES[key])}")
+    unknown = [n for n in logger_names(cfg) if n not in LOGGERS]
+    if unknown:
+        raise ConfigError(f"trainer.logger has {unknown}, which agl_lab does not write; accepted values: "
+                          f"{list(LOGGERS)} (metrics.jsonl is always written)")
+    keep = cfg.trainer.get("max_actor_ckpt_to_keep")
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 0):
+        raise ConfigError(f"trainer.max_actor_ckpt_to_keep={keep!r}: use null or 0 (keep every checkpoint, "
+                          "verl's rule) or N > 0 (keep the newest N this run saved)")
     if cfg.actor_rollout_ref.rollout.n < 1:
         raise ConfigError("actor_rollout_ref.rollout.n must be >= 1 (the GRPO group size)")
     try:
@@ -411,20 +419,23 @@ def rollout_wait_timeout(cfg: DictConfig) -> float | None:
     return None if wait is None else float(wait)
 
 
-def loggers(cfg: DictConfig) -> tuple[bool, str]:
-    """(console on?, W&B mode) from `trainer.logger` (verl) and `agl_lab.wandb.mode`."""
-    names = cfg.trainer.logger
-    names = [str(names)] if isinstance(names, str) else [str(n) for n in names]
-    unknown = set(names) - {"console", "wandb"}
-    if unknown:
-        import warnings
+#: `trainer.logger` entries agl_lab writes (verl's names; `metrics.jsonl` is always written)
+LOGGERS = ("console", "wandb", "tensorboard")
 
-        warnings.warn(f"trainer.logger entries {sorted(unknown)} have no effect in agl_lab (console and wandb "
-                      "are supported; metrics.jsonl is always written)", ConfigWarning, stacklevel=2)
+
+def logger_names(cfg: DictConfig) -> list[str]:
+    """`trainer.logger` as a list (verl accepts one name or a list)."""
+    names = cfg.trainer.logger
+    return [str(names)] if isinstance(names, str) else [str(n) for n in (names or [])]
+
+
+def loggers(cfg: DictConfig) -> tuple[bool, str, bool]:
+    """(console on?, W&B mode, tensorboard on?) from `trainer.logger` (verl) and `agl_lab.wandb.mode`."""
+    names = logger_names(cfg)
     mode = cfg.agl_lab.wandb.mode
     if mode is None:
         mode = "offline" if "wandb" in names else "disabled"
-    return "console" in names, str(mode)
+    return "console" in names, str(mode), "tensorboard" in names
 
 
 def task_files(cfg: DictConfig) -> tuple[Any, Any]:
