@@ -203,6 +203,30 @@ class UpdateResult:
     dropped: pd.DataFrame
     skipped: bool = False
     policy_version: int = 0
+    # For `tokens`: the BatchResult updated on, the batch as trained (old_log_probs, advantages;
+    # dropped rows gone), the engine that trained it and the sampling temperature.
+    batch: Any = field(default=None, repr=False)
+    trained: Any = field(default=None, repr=False)
+    engine: Any = field(default=None, repr=False)
+    temperature: float = 1.0
+
+    def tokens(self, row: Any) -> pd.DataFrame:
+        """One line per response token of `row` — an int (the row of the batch: `b.rows.batch_index`)
+        or a line of `b.rows` — with the rollout, old and new logprob, ratio, entropy, loss mask and
+        advantage (`agl_lab.token_view`; new logprob and entropy: the engine's current policy,
+        computed now, = this update's policy unless the engine trained again)."""
+        from agl_lab.token_view import find_row, row_key, tokens_frame
+
+        if self.trained is None or self.engine is None or self.batch is None:
+            raise RuntimeError("UpdateResult.tokens needs the trained batch and its engine: use the result of "
+                               "Trainer.update() (a skipped or replayed update has neither)")
+        rollout_id, first_call = row_key(row, self.batch.data)
+        i = find_row(self.trained, rollout_id, first_call)
+        if i is None:
+            raise KeyError(f"the row of rollout {rollout_id} starting at call {first_call} was not trained "
+                           "(dropped before the update: see UpdateResult.dropped)")
+        return tokens_frame(self.trained, i, self.engine, self.batch.tokenizer, temperature=self.temperature,
+                            policy_version=self.policy_version)
 
     @property
     def dropped_rows(self) -> int:

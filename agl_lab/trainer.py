@@ -295,6 +295,19 @@ class Trainer:
         self.global_step = batch.step + 1
         return result
 
+    def tokens(self, row: Any, result: UpdateResult | BatchResult | None = None):
+        """Per-token logprobs, ratio, entropy, loss mask and advantage of one row (`agl_lab.token_view`)
+        of `result` (default: the last update). A BatchResult not yet updated on: old logprob
+        and ratio NaN, new logprob and entropy of the current policy."""
+        from agl_lab.token_view import find_row, row_key, tokens_frame
+
+        result = result or self._require(self._last_update, "trainer.update()")
+        if isinstance(result, UpdateResult):
+            return result.tokens(row)
+        temperature = float(self.cfg.actor_rollout_ref.rollout.temperature)
+        i = find_row(result.data, *row_key(row, result.data))
+        return tokens_frame(result.data, i, self.engine, result.tokenizer, temperature=temperature)
+
     # ------------------------------------------------------------------ loops
 
     def step(self) -> dict[str, Any]:

@@ -175,6 +175,23 @@ class LocalEngine(Engine):
         with self.weights_lock:
             return batch_log_probs(self.model, data, temperature, self.log_prob_micro_batch_size).float()
 
+    def compute_log_probs_and_entropy(self, data: Any, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log π(responses), entropy of π) [N, R] each, float32 on CPU: one eval-mode forward of the
+        current weights at `temperature`, no gradients (the entropy of `actor/entropy`, per token)."""
+        from agl_lab.engines.local_ppo import sequence_log_probs
+
+        b = data.batch
+        with self.weights_lock, torch.no_grad():
+            was_training = self.model.training
+            self.model.eval()
+            try:
+                logp, ent = sequence_log_probs(self.model, b["input_ids"], b["attention_mask"], b["position_ids"],
+                                               b["responses"].shape[-1], temperature, self.log_prob_micro_batch_size,
+                                               with_entropy=True)
+            finally:
+                self.model.train(was_training)
+        return logp.float().cpu(), ent.float().cpu()
+
     def prepare(self, data: Any) -> tuple[Any, dict[str, float]]:
         """Old logprobs (base: recomputed, or the sampling ones in bypass mode), then what AGL's
         trainer does before the advantage, with verl's own functions and metric names:
