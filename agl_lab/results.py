@@ -220,13 +220,19 @@ class UpdateResult:
         if self.trained is None or self.engine is None or self.batch is None:
             raise RuntimeError("UpdateResult.tokens needs the trained batch and its engine: use the result of "
                                "Trainer.update() (a skipped or replayed update has neither)")
+        import warnings
+
         rollout_id, first_call = row_key(row, self.batch.data)
-        i = find_row(self.trained, rollout_id, first_call)
-        if i is None:
-            raise KeyError(f"the row of rollout {rollout_id} starting at call {first_call} was not trained "
-                           "(dropped before the update: see UpdateResult.dropped)")
-        return tokens_frame(self.trained, i, self.engine, self.batch.tokenizer, temperature=self.temperature,
-                            policy_version=self.policy_version)
+        i, data = find_row(self.trained, rollout_id, first_call), self.trained
+        if i is None:  # dropped before the update: its tokens from the built batch, nothing of the update
+            warnings.warn(f"the row of rollout {rollout_id} starting at call {first_call} was not trained (dropped "
+                          "before the update: see UpdateResult.dropped); old_logprob, ratio and advantage are NaN",
+                          stacklevel=2)
+            i, data = find_row(self.batch.data, rollout_id, first_call), self.batch.data
+        frame = tokens_frame(data, i, self.engine, self.batch.tokenizer, temperature=self.temperature,
+                             policy_version=self.policy_version)
+        frame.attrs["trained"] = data is self.trained
+        return frame
 
     @property
     def dropped_rows(self) -> int:

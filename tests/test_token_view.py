@@ -78,9 +78,12 @@ def test_old_logprob_is_the_sampler_s_and_the_update_moved_the_policy_along_the_
     t, b, u, _ = stepped
     moved = 0.0
     for i in b.rows[b.rows.batch_index >= 0].batch_index:
-        try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             tok = u.tokens(int(i))
-        except KeyError:  # dropped before the update (alignment): the message says so
+        if not tok.attrs["trained"]:  # dropped before the update (alignment): said, and nothing of the update shown
+            assert any("was not trained" in str(w.message) for w in caught)
+            assert tok.old_logprob.isna().all() and tok.advantage.isna().all()
             continue
         on = tok[tok.loss_mask == 1]
         assert (on.old_logprob - on.rollout_logprob).abs().max() < 1e-3  # on-policy before the update
@@ -121,3 +124,18 @@ def test_a_later_update_is_named_and_bad_rows_fail_clearly(stepped):
         tok = u.tokens(0)
     assert tok.attrs["policy_version"] == 2 and any("policy version 2" in str(w.message) for w in caught)
     assert math.isfinite(tok.entropy.iloc[0])
+
+
+def test_a_row_dropped_before_the_update_shows_its_tokens_and_says_it_was_not_trained(stepped):
+    import dataclasses
+
+    t, b, u, _ = stepped
+    first = u.trained.non_tensor_batch
+    rid, call = str(first["rollout_id_list"][0]), int(first["turn_index_list"][0])
+    line = b.rows[(b.rows.rollout_id == rid) & (b.rows.first_call == call)].iloc[0]
+    without = dataclasses.replace(u, trained=u.trained.select_idxs(list(range(1, len(u.trained)))))  # as if dropped
+    with pytest.warns(UserWarning, match="was not trained .*UpdateResult.dropped"):
+        tok = without.tokens(line)
+    assert not tok.attrs["trained"] and len(tok) == line.response_tokens
+    assert tok.old_logprob.isna().all() and tok.advantage.isna().all() and tok.new_logprob.notna().all()
+    assert u.tokens(line).attrs["trained"]
