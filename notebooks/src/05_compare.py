@@ -79,7 +79,29 @@ for seed in SEEDS:
               f"{time.time() - t0:.0f} s")
 
 # %% [markdown]
-# ## 2 · The comparison table
+# ## 2 · The mechanism, on one recorded step
+#
+# Every step is recorded (`run_dir/recording/`), so step 1 of the first run can be rebuilt
+# without an engine under the other divisor (`agl_lab.replay.replay_step` with an override) and
+# the loss weight of each rollout compared. The prediction's first half, in the data: every
+# rollout's weight changes by the *same* factor, rollouts/rows — the relative shares, which decide
+# the direction of the update, do not move; only the gradient's scale does.
+
+# %%
+from agl_lab.replay import replay_step  # noqa: E402
+
+as_run = replay_step(run_dirs[0], 1)  # normalize_by=rollouts, seed 0
+as_rows = replay_step(run_dirs[0], 1, ["agl_lab.algorithm.normalize_by=rows"])
+side = as_run.update.weights[["rollout_id", "n_rows", "advantage", "loss_weight"]].merge(
+    as_rows.update.weights[["rollout_id", "loss_weight"]], on="rollout_id", suffixes=(" rollouts", " rows"))
+side["factor"] = side["loss_weight rows"] / side["loss_weight rollouts"]
+n_rows = as_rows.update.metrics["training/n_sample_trained"]
+print(f"{len(side)} rollouts, {n_rows} rows trained: every loss weight × {side.factor.mean():.4f} "
+      f"(spread {side.factor.max() - side.factor.min():.1e}); rollouts/rows = {len(side) / n_rows:.4f}")
+side.head()
+
+# %% [markdown]
+# ## 3 · The comparison table
 #
 # `agl_lab.compare` groups the runs by the config keys that differ between them (the seed is a
 # replicate, not a setting) and gives, per setting, the mean over seeds and its standard error
@@ -104,7 +126,7 @@ print("columns:", [c for c in table.columns if c.endswith(" mean")])
 table.attrs["runs"]
 
 # %% [markdown]
-# ## 3 · The curves
+# ## 4 · The curves
 #
 # Mean over seeds per step, a band of ± 1 s.e., validation reward as dots (the curve each run
 # wrote to its `reward_curve.png` as it went, at every validation). Left, the reward; right, the
@@ -121,7 +143,7 @@ ax.set_title("gradient norm before clipping")
 plt.show()
 
 # %% [markdown]
-# ## 4 · Do the numbers agree with the prediction?
+# ## 5 · Do the numbers agree with the prediction?
 #
 # The sentences below are computed from the tables, not written by hand. The seeds differ far
 # more from each other than the settings do (see the per-run table), so besides the unpaired
@@ -177,8 +199,9 @@ for divisor in SETTINGS:
 # * two settings × three seeds ran the steps asked for, each writing validation points at every
 #   `test_freq` step and its reward curve;
 # * the table holds one line per setting, over three seeds, for every metric;
-# * the gradient under `rows` is smaller than under `rollouts` — the arithmetic part of the
-#   mechanism. (Whether the rewards agree is the experiment's answer, printed above, not asserted.)
+# * replayed under the other divisor, every rollout's loss weight changes by one factor,
+#   rollouts/rows, and the gradient under `rows` is smaller than under `rollouts` — the arithmetic
+#   part of the mechanism. (Whether the rewards agree is the experiment's answer, printed above, not asserted.)
 
 # %%
 runs = table.attrs["runs"]
@@ -187,5 +210,6 @@ assert list(table.n_seeds) == [len(SEEDS)] * len(SETTINGS) and not table.filter(
 for run_dir in run_dirs:
     steps = pd.read_json(run_dir / "metrics.jsonl", lines=True).dropna(subset=["val/reward"]).step
     assert list(steps) == list(range(TEST_FREQ, STEPS + 1, TEST_FREQ)) and (run_dir / "reward_curve.png").exists()
+assert side.factor.max() - side.factor.min() < 1e-6 and abs(side.factor.mean() - len(side) / n_rows) < 1e-6
 assert measured < 1
 print("all claims hold")
