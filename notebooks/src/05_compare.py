@@ -107,7 +107,8 @@ side.head()
 # replicate, not a setting) and gives, per setting, the mean over seeds and its standard error
 # of each metric's value per run — here its mean over the last 4 steps (both validation points).
 # `training/n_sample_trained` is rows trained per step: with 16 rollouts a step, rollouts/rows
-# is 16 / that number.
+# is about 16 / that number (about: mini-batch alignment sometimes drops a whole rollout, as in
+# the step replayed above).
 
 # %%
 METRICS = ("training/reward", "val/reward", "actor/grad_norm", "training/n_sample_trained")
@@ -123,7 +124,7 @@ print("columns:", [c for c in table.columns if c.endswith(" mean")])
 # One line per run, for a look at the spread behind each mean:
 
 # %%
-table.attrs["runs"]
+table.attrs["runs"].assign(run=lambda d: d.run.map(lambda p: Path(p).name))  # the run directory's name
 
 # %% [markdown]
 # ## 4 · The curves
