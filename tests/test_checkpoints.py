@@ -62,3 +62,27 @@ def test_prune_matches_verls_register_checkpoint(tmp_path):
             path.mkdir(parents=True)
             manager.register_checkpoint(str(path), keep)
         assert _on_disk(ours) == _on_disk(theirs), keep
+
+
+@pytest.mark.parametrize("value, error", [
+    ("-1", "trainer.max_actor_ckpt_to_keep=-1: use null or 0"),
+    ("two", "trainer.max_actor_ckpt_to_keep must be an integer, got 'two'"),
+])
+def test_a_bad_max_actor_ckpt_to_keep_fails_at_load_naming_the_key(value, error):
+    from agl_lab.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=error):
+        load_config("configs/cpu_tiny.yaml", [f"trainer.max_actor_ckpt_to_keep={value}"])
+
+
+def test_max_actor_ckpt_to_keep_0_says_it_keeps_every_checkpoint_and_2_is_honoured_quietly():
+    import warnings
+
+    from agl_lab.config import load_config
+
+    with pytest.warns(UserWarning, match=r"max_actor_ckpt_to_keep=0 keeps every checkpoint"):
+        load_config("configs/cpu_tiny.yaml", ["trainer.max_actor_ckpt_to_keep=0"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_config("configs/cpu_tiny.yaml", ["trainer.max_actor_ckpt_to_keep=2"])
+    assert not [w for w in caught if "max_actor_ckpt_to_keep" in str(w.message)]  # read on the local engine
