@@ -141,6 +141,10 @@ def redact(url: str) -> str:
     return urllib.parse.urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())  # libpq's messages span lines
+
+
 class _Discard(dict):  # type: ignore[type-arg]
     """The base class's in-memory lease map, as a sink: lease activity lives in the database here."""
 
@@ -196,7 +200,7 @@ class _Checkout:
 
     def _unavailable(self, exc: BaseException) -> StoreUnavailable:
         return StoreUnavailable(
-            f"PostgreSQL store {self._where} failed: {type(exc).__name__}: {str(exc).strip()} — nothing was "
+            f"PostgreSQL store {self._where} failed: {type(exc).__name__}: {_one_line(exc)} — nothing was "
             f"stored; retry (is PostgreSQL up and reachable? the store URL is the `store` setting / --store)")
 
 
@@ -217,14 +221,14 @@ class PostgresStore(Store):
         try:
             conninfo = psycopg.conninfo.make_conninfo(url, connect_timeout=max(1, round(connect_timeout)))
         except psycopg.ProgrammingError as exc:
-            raise ValueError(f"store url {self._where!r} is not a PostgreSQL URL ({exc}): use "
+            raise ValueError(f"store url {self._where!r} is not a PostgreSQL URL ({_one_line(exc)}): use "
                              "'postgresql://user:password@host:5432/database'") from None
         try:
             with psycopg.connect(conninfo, autocommit=True) as conn:
                 _create_or_check_schema(conn, self._where)
         except psycopg.OperationalError as exc:
             raise StoreUnavailable(
-                f"cannot connect to the PostgreSQL store {self._where}: {str(exc).strip()}; start PostgreSQL or "
+                f"cannot connect to the PostgreSQL store {self._where}: {_one_line(exc)}; start PostgreSQL or "
                 f"fix the URL (the `store` setting / --store)") from None
         self._pool = psycopg_pool.ConnectionPool(
             conninfo, min_size=1, max_size=pool_size, timeout=connect_timeout, open=True,
