@@ -50,7 +50,8 @@ class PostgresCluster:
                 pytest.skip(f"PostgreSQL is not installed ({tool} is not on PATH): the postgresql store "
                             "tests need PostgreSQL's server binaries (apt-get install postgresql)")
         user: dict[str, Any] = {}
-        root = tempfile.mkdtemp(prefix="agl-pg-")
+        # /tmp, not $TMPDIR: a short path (a Unix socket path has ~100 bytes) the postgres user can reach
+        root = tempfile.mkdtemp(prefix="agl-pg-", dir="/tmp" if os.path.isdir("/tmp") else None)
         if os.geteuid() == 0:  # initdb refuses root
             try:
                 pw = pwd.getpwnam("postgres")

@@ -340,7 +340,7 @@ class PostgresStore(Store):
     def _touch(self, rollout_ids: Sequence[str], now: float) -> set[str]:
         """Record activity at `now` for those of `rollout_ids` that are running; returns them.
 
-        Rows are locked in id order (two heartbeats, or a heartbeat and a create, cannot deadlock);
+        Rows are locked in id order (two heartbeats over overlapping ids cannot deadlock);
         `active_at` only moves forward.
         """
         rows = self._db.execute(
