@@ -4,9 +4,10 @@ backend) cannot show from one process.
 Real `agl-lab serve` processes on one real PostgreSQL database (tests/postgres.py), real HTTP on
 loopback. Two servers may share a store (a second `serve` is allowed, unlike SQLite's); a claim
 raced through both is won once; a lease renewed through one is honoured by the other's sweeper; a
-model registered through one is served by the other; kill -9 of any server loses no acknowledged
-write; the terminal cursor read through either server lists every terminal rollout once, in one
-order. Plus the errors of opening: a bad URL, an unreachable server, another schema version.
+model registered through one is served by the other; kill -9 of any server (agl_lab's or a
+PostgreSQL backend) loses no acknowledged write; the terminal cursor read through either server
+lists every terminal rollout once, in one order. Plus the errors of opening (a bad URL, an
+unreachable server, another schema version) and of a database that drops its sessions.
 """
 
 from __future__ import annotations
@@ -119,11 +120,23 @@ def test_open_errors_name_the_url_and_the_fix(postgres, postgres_database, tmp_p
 
 
 def test_a_restarted_postgres_answers_503_once_then_serves(postgres, postgres_database):
-    """A pooled connection that PostgreSQL dropped fails one call as StoreUnavailable (the app's
-    503: nothing stored, retry); the pool replaces it and the next call works."""
+    """When PostgreSQL drops every session, one call fails as StoreUnavailable (the app's 503:
+    nothing stored, retry), not one per pooled connection; the next call works."""
     store = open_store(postgres_database)
     try:
         store.create_rollouts([RolloutCreate(rollout_id="a", input={})])
+        together = threading.Barrier(4, timeout=10)
+
+        def hold() -> None:
+            with store._lock:  # four threads at once: four pooled connections
+                together.wait()
+
+        threads = [threading.Thread(target=hold) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        assert store._pool.get_stats()["pool_size"] >= 4
         with postgres.admin() as conn:  # what a PostgreSQL restart does to every session
             conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s AND pid <> "
                          "pg_backend_pid()", (postgres_database.split("/")[3].split("?")[0],))
@@ -132,6 +145,37 @@ def test_a_restarted_postgres_answers_503_once_then_serves(postgres, postgres_da
         assert store.get_rollout("a").rollout_id == "a"
     finally:
         store.close()
+
+
+def test_kill_9_of_postgres_loses_no_acknowledged_write(postgres, postgres_database):
+    """SIGKILL of a PostgreSQL backend makes the postmaster reset every session and replay the WAL
+    (crash recovery): what the store acknowledged before is all there afterwards."""
+    with postgres.durable():
+        store = open_store(postgres_database)
+        try:
+            store.create_rollouts([RolloutCreate(rollout_id=f"r{i}", input={}) for i in range(10)])
+            for i in range(200):
+                store.append_event(f"r{i % 10}", "0", "e", {"i": i})
+            store.patch_status("r0", RUNNING)
+            with postgres.admin() as conn:
+                (pid,) = conn.execute("SELECT pid FROM pg_stat_activity WHERE datname = %s LIMIT 1",
+                                      (postgres_database.split("/")[3].split("?")[0],)).fetchone()
+            os.kill(pid, signal.SIGKILL)
+        finally:
+            store.close()
+        deadline = time.monotonic() + 60
+        while True:  # the cluster refuses connections while it recovers
+            try:
+                store = open_store(postgres_database)
+                break
+            except StoreUnavailable:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+        try:
+            assert [e.data["i"] for e in store.events("r3")] == list(range(3, 200, 10))
+            assert store.get_rollout("r0").status.state == "running"
+        finally:
+            store.close()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ How each primitive is done:
 
 Durability: every write is committed before the call returns, with the server's
 `synchronous_commit` (default on: the WAL is flushed), so an acknowledged write survives kill -9 of
-any agl_lab server process, and of PostgreSQL itself.
+any agl_lab server process, and of a PostgreSQL process (crash recovery replays the WAL).
 
 Driver: **psycopg 3** (`psycopg[binary]`, `psycopg-pool`). The store's API is synchronous and
 called from the app's worker threads (and, for the gateway's per-call reads, from its event loop
@@ -196,6 +196,9 @@ class _Checkout:
             conn, local.conn = local.conn, None
             self._pool.putconn(conn)  # the pool discards a broken connection
             if isinstance(exc, psycopg.OperationalError):
+                if conn.broken:  # PostgreSQL restarted? its other idle connections are dead too: test them
+                    with contextlib.suppress(psycopg.Error):
+                        self._pool.check()  # now, so that one call fails, not one per pooled connection
                 raise self._unavailable(exc) from exc
 
     def _unavailable(self, exc: BaseException) -> StoreUnavailable:
