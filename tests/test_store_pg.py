@@ -214,6 +214,34 @@ def test_concurrent_batch_claims_lock_disjoint_rollouts(postgres_database):
         b.close()
 
 
+def test_racing_creates_of_one_client_id_store_it_once(postgres_database):
+    """Two stores POST the same client ids at the same moment (a retried batch reaching two
+    servers): each id is stored once and both callers get the stored rollout back."""
+    a, b = PostgresStore(postgres_database), PostgresStore(postgres_database)
+    try:
+        got: dict[str, list] = {"a": [], "b": []}
+        start = threading.Barrier(2, timeout=10)
+
+        def create(store: PostgresStore, name: str) -> None:
+            for i in range(60):
+                start.wait()
+                batch = [RolloutCreate(rollout_id=f"c{i}-{k}", input={"by": name}) for k in range(3)]
+                got[name].append(store.create_rollouts(batch))
+
+        threads = [threading.Thread(target=create, args=(s, n)) for s, n in ((a, "a"), (b, "b"))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert len(got["a"]) == len(got["b"]) == 60  # no caller failed (a unique violation would)
+        for batch_a, batch_b in zip(got["a"], got["b"]):
+            assert [r.model_dump() for r in batch_a] == [r.model_dump() for r in batch_b]
+        assert len(a.list_rollouts(["queuing"], limit=1000)) == 180
+    finally:
+        a.close()
+        b.close()
+
+
 def test_lease_activity_seen_by_one_store_is_honoured_by_another(postgres_database):
     """Heartbeats and events through store A renew the lease that store B's sweep checks."""
     a, b = PostgresStore(postgres_database), PostgresStore(postgres_database)
