@@ -76,7 +76,7 @@ import psycopg.conninfo
 import psycopg.errors
 import psycopg_pool
 
-from agl_lab.protocol import Event, Model, Rollout, RolloutState, RolloutStatusPatch
+from agl_lab.protocol import Event, Model, Rollout, RolloutState, RolloutStatusPatch, TerminalPage
 from agl_lab.server.storable import dump_storable
 from agl_lab.server.store import (
     DEFAULT_TERMINAL_LOG_LIMIT,
@@ -293,7 +293,7 @@ class PostgresStore(Store):
 
     # --- public methods that differ: cross-process state -----------------------------------------
 
-    def terminal_page(self, after: int = 0, limit: int = 1000):  # type: ignore[no-untyped-def]
+    def terminal_page(self, after: int = 0, limit: int = 1000) -> TerminalPage:
         # Critical: one snapshot for the head, the window and the slice; separate statements could
         # see a trim in between and hand out a cursor that re-reads entries
         with self._snapshot():
