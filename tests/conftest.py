@@ -1,6 +1,7 @@
 """Shared fixtures: real servers on loopback (no mocks).
 
-- `store_url`       parametrised: "memory" and a fresh "sqlite:///…" file (runs a test on both backends)
+- `store_url`       parametrised: "memory" and a fresh "sqlite:///…" file (runs a test on both backends;
+                    AGL_LAB_TEST_STORES=memory,sqlite,postgresql adds PostgreSQL)
 - `every_store_url` the same plus a fresh "postgresql://…" database (`postgres_database`)
 - `postgres`        one real PostgreSQL server for the session (tests/postgres.py), skipped where not installed
 - `embedded_server` factory: `embedded_server(**ServerConfig overrides) -> EmbeddedServer`, stopped at teardown
@@ -9,6 +10,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -27,7 +29,12 @@ def _store_url(request: pytest.FixtureRequest, tmp_path: Any) -> str:
     return request.getfixturevalue("postgres_database")
 
 
-@pytest.fixture(params=["memory", "sqlite"])
+# the backends of `store_url` (AGL_LAB_TEST_STORES=memory,sqlite,postgresql runs the server, gateway
+# and runner tests on PostgreSQL too: they pass there, ~1.5 min more)
+STORE_BACKENDS = os.environ.get("AGL_LAB_TEST_STORES", "memory,sqlite").split(",")
+
+
+@pytest.fixture(params=STORE_BACKENDS)
 def store_url(request: pytest.FixtureRequest, tmp_path: Any) -> str:
     return _store_url(request, tmp_path)
 
