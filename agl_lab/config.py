@@ -109,7 +109,7 @@ AGL_LAB_DEFAULTS: dict[str, Any] = {
         "agent": None,  # "module:function" agent(task, ctx) → overrides the task's agent (CLI)
         "server": {
             "embedded": True,  # start store + gateway in process; false → use agl_base_url
-            "store": "memory",  # memory | sqlite:///path.db
+            "store": "memory",  # memory | sqlite:///path.db | postgresql://user:pass@host:5432/db
             "include_log_probs": True,
             "val_temperature": 0.7,
             "token_preserving": False,

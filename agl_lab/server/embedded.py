@@ -32,7 +32,8 @@ import uvicorn
 from agl_lab.server.app import create_app
 from agl_lab.server.asgi import HTTP_PROTOCOL, http_protocol, read_limits
 from agl_lab.server.config import ServerConfig, load_server_config
-from agl_lab.server.store import Store, open_store
+from agl_lab.server.backends import open_store
+from agl_lab.server.store import Store, StoreError
 
 logger = logging.getLogger("agl_lab.server")
 
@@ -209,7 +210,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="API key; prefer AGL_KEY or --key-file (ps shows arguments). None: auth off, loopback only")
     p.add_argument("--key-file", default=None, metavar="PATH", help="read the API key from this file")
     p.add_argument("--model-name", default=None, help="default_proxy.model_name: the model engines register")
-    p.add_argument("--store", default="memory", help="'memory' or 'sqlite:///path/to/store.db'")
+    p.add_argument("--store", default="memory",
+                   help="'memory', 'sqlite:///path/to/store.db' (this server only) or "
+                        "'postgresql://user:pass@host:5432/db' (shared by several servers)")
     p.add_argument("--train-temperature", type=float, default=None)
     p.add_argument("--val-temperature", type=float, default=None)
     p.add_argument("--no-log-probs", action="store_true", help="do not ask upstream for logprobs in train mode")
@@ -317,7 +320,10 @@ def serve_main(argv: list[str]) -> int:
     if args.tokenizer_path and not config.token_preserving:
         raise SystemExit("agl-lab serve: --tokenizer-path is only used with --token-preserving")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    store = open_store(config.store, terminal_log_limit=config.terminal_log_limit)
+    try:
+        store = open_store(config.store, terminal_log_limit=config.terminal_log_limit)
+    except (StoreError, ValueError) as exc:  # locked file, unreachable database, bad URL: say which
+        raise SystemExit(f"agl-lab serve: --store: {exc}") from None
     try:
         app = create_app(config, store=store)
         gc.collect()
