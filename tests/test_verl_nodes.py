@@ -145,7 +145,6 @@ def test_two_nodes_train_like_one(cluster_address):
             assert all(torch.equal(state[k], start1[k]) for k in start1)  # same initial weights
         got = _updates(t2, frozen)
         for step, ((m1, s1), (m2, s2)) in enumerate(zip(ref, got), start=1):
-            print("DEBUG", step, {k: (m1.get(k), m2.get(k)) for k in sorted(set(m1) | set(m2)) if "actor/" in k or "n_sample" in k})
             assert m2["actor/pg_loss"] == pytest.approx(m1["actor/pg_loss"], rel=1e-5, abs=1e-7), step
             assert m2["actor/grad_norm"] == pytest.approx(m1["actor/grad_norm"], rel=1e-5), step
             (_, _, w1), ((_, _, a), (_, _, b)) = s1[0], s2

@@ -233,6 +233,8 @@ class AglRayPPOTrainer(RayPPOTrainer):
         batch.meta_info = dict(batch.meta_info)
         if self.config.trainer.balance_batch:
             self._balance_batch(batch, metrics=metrics)
+        else:
+            batch = self.rows_in_rank_order(batch)
         batch.meta_info["global_token_num"] = torch.sum(batch.batch["attention_mask"], dim=-1).tolist()
         if self.use_critic:
             out = self._timed(metrics, "update_critic", lambda: self._update_critic(batch))
@@ -377,6 +379,25 @@ class AglRayPPOTrainer(RayPPOTrainer):
         padded = batch.concat([batch, pad])
         padded.meta_info = dict(batch.meta_info)
         return padded, n_pad
+
+    def rows_in_rank_order(self, batch: Any) -> Any:
+        """`batch` reordered so that verl trains exactly agl_lab's mini-batches at any DP size.
+
+        verl cuts a batch into `dp` contiguous chunks, one per rank, and each rank cuts its chunk
+        into mini-batches of `M/dp` rows (M = `mini_batch_rows()`): global mini-batch m would be
+        the m-th slice of every chunk — rows {0..7, 16..23} of 32 at dp=2, M=16 — not rows
+        [m·M, (m+1)·M) that the zero-advantage-first alignment planned (and that dp=1 and the
+        local engine train). Rank r's chunk here is, for each m, rows m·M + r·M/dp … + M/dp.
+        Needs `len(batch) % M == 0` (`pad_to_mini_batches`) and `M % dp == 0` (checked)."""
+        dp, mini = self.data_parallel_size(), self.mini_batch_rows()
+        rows = len(batch)
+        if dp == 1 or rows % mini:
+            return batch
+        # [m, r, j] → [r, m, j]: row m·M + r·M/dp + j goes to rank r's chunk, in mini-batch m
+        order = torch.arange(rows).view(rows // mini, dp, mini // dp).transpose(0, 1).reshape(-1)
+        ordered = batch.select_idxs(order)
+        ordered.meta_info = dict(batch.meta_info)
+        return ordered
 
     def mini_batch_rows(self) -> int:
         """Rows per PPO mini-batch: verl counts `ppo_mini_batch_size` in tasks, × `rollout.n`."""
