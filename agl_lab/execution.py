@@ -62,8 +62,8 @@ class Execution:
 
             self.server = EmbeddedServer(
                 key=self.key,
-                host=str(lab.server.host),  # agl_lab.server.host / advertise_host: agl_lab/addresses.py
-                advertise_host=lab.server.advertise_host,
+                host=str(lab.server.get("host") or "127.0.0.1"),  # agl_lab.server.host / advertise_host: addresses.py
+                advertise_host=lab.server.get("advertise_host"),
                 store=str(lab.server.store),
                 token_preserving=bool(lab.server.token_preserving),
                 call_seed=int(lab.seed) if lab.server.seed_calls else None,

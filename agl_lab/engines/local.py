@@ -124,6 +124,7 @@ class LocalEngine(Engine):
         lab, rollout = cfg.agl_lab, cfg.actor_rollout_ref.rollout
         actor = ActorUpdateConfig.from_verl_actor_config(cfg.actor_rollout_ref.actor, rollout_n=int(rollout.n))
         opts = lab.get("engine_options", {}) or {}
+        serving = lab.get("serving", {}) or {}  # agl_lab.serving.host / advertise_host (agl_lab/addresses.py)
         _check_model_dir(cfg)
         log_prob_micro = rollout.get("log_prob_micro_batch_size_per_gpu") or actor.ppo_micro_batch_size_per_gpu
         from agl_lab.models import resolve_model_path
@@ -131,7 +132,7 @@ class LocalEngine(Engine):
         return cls(
             resolve_model_path(lab.model), device=lab.model.device, seed=int(lab.seed), max_model_len=int(lab.model.max_model_len),
             actor=actor, model_name=lab.model.get("name"),
-            host=str(lab.serving.host or "127.0.0.1"), advertise_host=lab.serving.advertise_host,
+            host=str(serving.get("host") or "127.0.0.1"), advertise_host=serving.get("advertise_host"),
             batch_window_ms=float(opts.get("batch_window_ms", 3.0)), max_batch_size=int(opts.get("max_batch_size", 64)),
             log_prob_micro_batch_size=int(log_prob_micro) if log_prob_micro else 16,
             bypass_mode=bool(OmegaConf.select(cfg, "algorithm.rollout_correction.bypass_mode", default=False)),
