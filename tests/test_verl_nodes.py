@@ -13,10 +13,10 @@ them through `RAY_ADDRESS`, as the README says. On the same two batches:
 
 Also, on the live cluster: the placement check refuses `n_gpus_per_node=2` on two 1-GPU nodes
 with the numbers (verl would wait for ever), a placement group no node can hold times out
-with a clear error, a path missing on the nodes is refused naming them, and every process
-of both nodes is gone afterwards.
+with a clear error, a path missing on the nodes is refused naming them, a checkpoint holds
+both ranks' shards, and every process of both nodes is gone afterwards.
 
-Wall time on the loaded 2-core machine: ~20-50 s for the nodes, then two engines (~40-60 s each).
+Wall time on the shared 2-core machine: ~1.5-2 min for the module (nodes ~20-50 s, two engines).
 """
 
 from __future__ import annotations
@@ -176,6 +176,11 @@ def test_two_nodes_train_like_one(cluster_address):
         with pytest.raises(FileNotFoundError, match=r"agl_lab\.missing=/nonexistent/agl_lab is missing on node"):
             cluster.check_paths_on_nodes({"agl_lab.missing": "/nonexistent/agl_lab"})
         cluster.check_shared_dir(os.path.join(tmp, "shared"))  # one machine: the dir is shared
+        # a checkpoint: each rank writes its shard on its own node, into the (shared) directory
+        engine.save(os.path.join(tmp, "ckpt"))
+        actor_dir = os.path.join(tmp, "ckpt", f"global_step_{engine.policy_version}", "actor")
+        shards = sorted(f for f in os.listdir(actor_dir) if "world_size_2_rank" in f)
+        assert any("rank_0" in f for f in shards) and any("rank_1" in f for f in shards), os.listdir(actor_dir)
     finally:
         t2.close()
 
