@@ -76,3 +76,38 @@ def test_init_ray_registers_the_loss_in_every_worker(ray_tmpdir):
     assert view["algorithms_imported"] is True
     assert view["probe"] == "overlay-ok"  # ray_kwargs.ray_init.runtime_env overlay
     assert view["tokenizers_parallelism"] == "true"  # verl's default PPO runtime env
+
+
+def test_joining_a_cluster_drops_the_keys_ray_init_refuses_and_says_so_once(monkeypatch):
+    """ray.init(address=…) raises "When connecting to an existing cluster, num_cpus and num_gpus
+    must not be provided" (and the same for resources, object_store_memory, …)."""
+    import warnings
+
+    from agl_lab.engines.verl import cluster
+
+    kwargs = {"num_cpus": 4, "num_gpus": 1, "object_store_memory": 1 << 27, "include_dashboard": False}
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert cluster.ray_init_kwargs(kwargs) == kwargs  # starting a cluster: unchanged
+    assert cluster.ray_init_kwargs({**kwargs, "address": "local"}) == {**kwargs, "address": "local"}
+    monkeypatch.setattr(cluster, "_said_dropped", set())
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    with pytest.warns(RuntimeWarning, match=r"joining the existing Ray cluster at '10\.0\.0\.1:6379': ignoring "
+                                            r"ray_kwargs\.ray_init\.num_cpus, ray_kwargs\.ray_init\.num_gpus, "
+                                            r"ray_kwargs\.ray_init\.object_store_memory"):
+        assert cluster.ray_init_kwargs(kwargs) == {"include_dashboard": False}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once: the second call is silent
+        assert cluster.ray_init_kwargs(kwargs) == {"include_dashboard": False}
+    monkeypatch.delenv("RAY_ADDRESS")
+    assert cluster.ray_init_kwargs({**kwargs, "address": "auto"}) == {"include_dashboard": False, "address": "auto"}
+
+
+def test_agl_lab_ships_as_a_py_module_once():
+    from pathlib import Path
+
+    import agl_lab
+    from agl_lab.engines.verl.cluster import agl_lab_py_modules
+
+    package = str(Path(agl_lab.__file__).parent)
+    assert agl_lab_py_modules({}) == [package]
+    assert agl_lab_py_modules({"py_modules": ["/x/other", package]}) == ["/x/other", package]
