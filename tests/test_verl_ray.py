@@ -111,3 +111,21 @@ def test_agl_lab_ships_as_a_py_module_once():
     package = str(Path(agl_lab.__file__).parent)
     assert agl_lab_py_modules({}) == [package]
     assert agl_lab_py_modules({"py_modules": ["/x/other", package]}) == ["/x/other", package]
+
+
+def test_replicas_bind_loopback_on_one_machine_and_the_node_ip_across_machines(monkeypatch):
+    """`agl_lab.serving.host` unset: loopback while every Ray node has one address (one machine),
+    the worker's node IP once the nodes are on several machines; `node_ip` and explicit hosts win;
+    a wildcard bind advertises the node IP. (Ray's node table is replaced: one process, no cluster.)"""
+    from agl_lab.engines.verl.cpu_rollout import SERVING_ADVERTISE_ENV, SERVING_HOST_ENV, serving_address
+
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "10.0.0.2")
+    nodes = [{"Alive": True, "NodeManagerAddress": "10.0.0.1"}, {"Alive": True, "NodeManagerAddress": "10.0.0.1"}]
+    monkeypatch.setattr(ray, "nodes", lambda: nodes)
+    assert serving_address({}) == ("127.0.0.1", "127.0.0.1")  # one machine, two nodes
+    nodes[1]["NodeManagerAddress"] = "10.0.0.2"
+    assert serving_address({}) == ("10.0.0.2", "10.0.0.2")  # two machines: reachable from the driver's
+    assert serving_address({SERVING_HOST_ENV: "node_ip"}) == ("10.0.0.2", "10.0.0.2")
+    assert serving_address({SERVING_HOST_ENV: "0.0.0.0"}) == ("0.0.0.0", "10.0.0.2")
+    assert serving_address({SERVING_HOST_ENV: "0.0.0.0", SERVING_ADVERTISE_ENV: "gpu-7.lan"}) == ("0.0.0.0", "gpu-7.lan")
+    assert serving_address({SERVING_HOST_ENV: "127.0.0.1"}) == ("127.0.0.1", "127.0.0.1")
