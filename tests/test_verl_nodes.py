@@ -16,7 +16,7 @@ with the numbers (verl would wait for ever), a placement group no node can hold 
 with a clear error, a path missing on the nodes is refused naming them, a checkpoint holds
 both ranks' shards, and every process of both nodes is gone afterwards.
 
-Wall time on the shared 2-core machine: ~1.5-2 min for the module (nodes ~20-50 s, two engines).
+Wall time on the shared 2-core machine: 98-145 s for the module (nodes 20-50 s, then two engines).
 """
 
 from __future__ import annotations
