@@ -27,6 +27,8 @@ import warnings
 
 import pytest
 
+import agl_lab
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 ray = pytest.importorskip("ray")
@@ -43,6 +45,8 @@ OVERRIDES = ["agl_lab.model.warm_start_steps=0", "agl_lab.task.n_train=16", "agl
 
 @pytest.fixture(scope="module")
 def cluster_address():
+    if ray.is_initialized():  # a connection left by another module would be reused, not joined
+        ray.shutdown()
     with isolated_ray_env("aglm") as path, ray_nodes(2, num_cpus=4, num_gpus=1) as address:
         old = os.environ.get("RAY_ADDRESS")
         os.environ["RAY_ADDRESS"] = address  # the README's way of joining
@@ -139,8 +143,9 @@ def test_two_nodes_train_like_one(cluster_address):
         engine = t2.engine
         states = _served_states(engine)
         assert len({node for node, _, _ in states}) == 2, "the two ranks are not on two Ray nodes"
-        for _, agl_lab_file, _ in states:  # the code a worker runs came through py_modules
-            assert "runtime_resources" in agl_lab_file and not agl_lab_file.startswith("/work/"), agl_lab_file
+        checkout = os.path.dirname(os.path.dirname(os.path.abspath(agl_lab.__file__)))
+        for _, agl_lab_file, _ in states:  # the code a worker runs came through py_modules, not the checkout
+            assert "runtime_resources" in agl_lab_file and not agl_lab_file.startswith(checkout), agl_lab_file
         for _, _, state in states:
             assert all(torch.equal(state[k], start1[k]) for k in start1)  # same initial weights
         got = _updates(t2, frozen)
