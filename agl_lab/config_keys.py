@@ -87,6 +87,7 @@ RANGES: tuple[tuple[str, float, bool], ...] = (
     ("agl_lab.rollout.drain_timeout_seconds", 0, True),
     ("agl_lab.runner.concurrency", 0, True),
     ("agl_lab.algorithm.max_abs_reward", 0, True),
+    ("agl_lab.verl.placement_timeout_seconds", 0, True),
 )
 
 

@@ -73,6 +73,7 @@ class LocalEngine(Engine):
         lr: float | None = None,
         model_name: str | None = None,
         host: str = "127.0.0.1",
+        advertise_host: str | None = None,
         port: int = 0,
         batch_window_ms: float = 3.0,
         max_batch_size: int = 64,
@@ -104,7 +105,7 @@ class LocalEngine(Engine):
         self._policy_version = 0
         self._closed = False
         self.server = OpenAIServer(
-            self.model, self.tokenizer, model_name=self.model_name, host=host, port=port,
+            self.model, self.tokenizer, model_name=self.model_name, host=host, advertise_host=advertise_host, port=port,
             max_model_len=max_model_len, batch_window_ms=batch_window_ms, max_batch_size=max_batch_size,
             weights_lock=self.weights_lock)
 
@@ -123,6 +124,7 @@ class LocalEngine(Engine):
         lab, rollout = cfg.agl_lab, cfg.actor_rollout_ref.rollout
         actor = ActorUpdateConfig.from_verl_actor_config(cfg.actor_rollout_ref.actor, rollout_n=int(rollout.n))
         opts = lab.get("engine_options", {}) or {}
+        serving = lab.get("serving", {}) or {}  # agl_lab.serving.host / advertise_host (agl_lab/addresses.py)
         _check_model_dir(cfg)
         log_prob_micro = rollout.get("log_prob_micro_batch_size_per_gpu") or actor.ppo_micro_batch_size_per_gpu
         from agl_lab.models import resolve_model_path
@@ -130,6 +132,7 @@ class LocalEngine(Engine):
         return cls(
             resolve_model_path(lab.model), device=lab.model.device, seed=int(lab.seed), max_model_len=int(lab.model.max_model_len),
             actor=actor, model_name=lab.model.get("name"),
+            host=str(serving.get("host") or "127.0.0.1"), advertise_host=serving.get("advertise_host"),
             batch_window_ms=float(opts.get("batch_window_ms", 3.0)), max_batch_size=int(opts.get("max_batch_size", 64)),
             log_prob_micro_batch_size=int(log_prob_micro) if log_prob_micro else 16,
             bypass_mode=bool(OmegaConf.select(cfg, "algorithm.rollout_correction.bypass_mode", default=False)),

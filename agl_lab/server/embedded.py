@@ -29,6 +29,7 @@ from typing import Any
 import httpx
 import uvicorn
 
+from agl_lab.addresses import advertised_host, url_host
 from agl_lab.server.app import create_app
 from agl_lab.server.asgi import HTTP_PROTOCOL, http_protocol, read_limits
 from agl_lab.server.config import ServerConfig, load_server_config
@@ -116,7 +117,7 @@ class EmbeddedServer:
 
     def __init__(self, config: ServerConfig | Mapping[str, Any] | None = None, *,
                  store: Store | str | None = None, rewriters: tuple[Any, ...] | list[Any] = (),
-                 log_level: str = "warning", **overrides: Any):
+                 log_level: str = "warning", advertise_host: str | None = None, **overrides: Any):
         if isinstance(store, str):
             overrides["store"], store = store, None
         base = load_server_config(config if config is not None else {})
@@ -136,11 +137,14 @@ class EmbeddedServer:
                 self.store.close()
             raise
         self.config = self.config.model_copy(update={"port": self._uvicorn.port})
+        # the host `url` names (agl_lab/addresses.py): the bind host unless a wildcard or `advertise_host`
+        self.advertise_host = advertised_host(self.config.host, advertise_host)
         self._stopped = False
 
     @property
     def url(self) -> str:
-        return self._uvicorn.url
+        """`http://HOST:PORT` with the advertised host: what runners and agents are given."""
+        return f"http://{url_host(self.advertise_host)}:{self._uvicorn.port}"
 
     @property
     def headers(self) -> dict[str, str]:
