@@ -73,6 +73,7 @@ class LocalEngine(Engine):
         lr: float | None = None,
         model_name: str | None = None,
         host: str = "127.0.0.1",
+        advertise_host: str | None = None,
         port: int = 0,
         batch_window_ms: float = 3.0,
         max_batch_size: int = 64,
@@ -113,7 +114,7 @@ class LocalEngine(Engine):
         self._policy_version = 0
         self._closed = False
         self.server = OpenAIServer(
-            self.model, self.tokenizer, model_name=self.model_name, host=host, port=port,
+            self.model, self.tokenizer, model_name=self.model_name, host=host, advertise_host=advertise_host, port=port,
             max_model_len=max_model_len, batch_window_ms=batch_window_ms, max_batch_size=max_batch_size,
             weights_lock=self.weights_lock)
 
@@ -132,6 +133,7 @@ class LocalEngine(Engine):
         lab, rollout = cfg.agl_lab, cfg.actor_rollout_ref.rollout
         actor = ActorUpdateConfig.from_verl_actor_config(cfg.actor_rollout_ref.actor, rollout_n=int(rollout.n))
         opts = lab.get("engine_options", {}) or {}
+        serving = lab.get("serving", {}) or {}  # agl_lab.serving.host / advertise_host (agl_lab/addresses.py)
         _check_model_dir(cfg)
         log_prob_micro = rollout.get("log_prob_micro_batch_size_per_gpu") or actor.ppo_micro_batch_size_per_gpu
         from agl_lab.models import resolve_model_path
@@ -139,6 +141,7 @@ class LocalEngine(Engine):
         return cls(
             resolve_model_path(lab.model), device=lab.model.device, seed=int(lab.seed), max_model_len=int(lab.model.max_model_len),
             actor=actor, model_name=lab.model.get("name"),
+            host=str(serving.get("host") or "127.0.0.1"), advertise_host=serving.get("advertise_host"),
             batch_window_ms=float(opts.get("batch_window_ms", 3.0)), max_batch_size=int(opts.get("max_batch_size", 64)),
             log_prob_micro_batch_size=int(log_prob_micro) if log_prob_micro else 16,
             bypass_mode=bool(OmegaConf.select(cfg, "algorithm.rollout_correction.bypass_mode", default=False)),
@@ -183,6 +186,23 @@ class LocalEngine(Engine):
 
         with self.weights_lock:
             return batch_log_probs(self.model, data, temperature, self.log_prob_micro_batch_size).float()
+
+    def compute_log_probs_and_entropy(self, data: Any, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log π(responses), entropy of π) [N, R] each, float32 on CPU: one eval-mode forward of the
+        current weights at `temperature`, no gradients (the entropy of `actor/entropy`, per token)."""
+        from agl_lab.engines.local_ppo import sequence_log_probs
+
+        b = data.batch
+        with self.weights_lock, torch.no_grad():
+            was_training = self.model.training
+            self.model.eval()
+            try:
+                logp, ent = sequence_log_probs(self.model, b["input_ids"], b["attention_mask"], b["position_ids"],
+                                               b["responses"].shape[-1], temperature, self.log_prob_micro_batch_size,
+                                               with_entropy=True)
+            finally:
+                self.model.train(was_training)
+        return logp.float().cpu(), ent.float().cpu()
 
     def prepare(self, data: Any) -> tuple[Any, dict[str, float]]:
         """Old logprobs (base: recomputed, or the sampling ones in bypass mode), then what AGL's

@@ -1,14 +1,15 @@
 """The rollout store: the ledger of rollouts, their events, the model registry and the
 terminal-order log.
 
-One `Store` interface, two backends chosen by URL (`open_store`):
+One `Store` interface, three backends chosen by URL (`agl_lab.server.backends.open_store`):
 
     "memory" | None          -> MemoryStore   (default; lost when the process ends)
     "sqlite:///path/to.db"   -> SqliteStore   (a restarted kernel re-attaches to it)
+    "postgresql://..."       -> PostgresStore (agl_lab.server.store_pg: several server processes share it)
 
 The semantics (AGL v1's data model, `agentlightning/schemas.py` and `server/store.py`) live once, in the `Store` base class; a backend
-only implements storage primitives (`_load`, `_insert`, `_append_event`, ...). So both
-backends answer every question identically, and the tests run the same suite on both.
+only implements storage primitives (`_load`, `_insert`, `_append_event`, ...). So all
+backends answer every question identically, and the tests run the same suite on each.
 
     rollouts   rollout_id -> Rollout                 (creation order kept)
     events     rollout_id -> attempt_id -> [Event]   (append-only; position is identity)
@@ -16,8 +17,9 @@ backends answer every question identically, and the tests run the same suite on 
     terminal   [rollout_id]                          (appended on each terminal transition)
 
 Design decisions:
-- Thread-safe: every public method holds one re-entrant lock, because the embedded server's
-  event loop and a notebook thread may use the same store at once. Each call is short.
+- Thread-safe: every public method holds one re-entrant lock (`_lock`), because the embedded server's
+  event loop and a notebook thread may use the same store at once. Each call is short. (PostgreSQL
+  replaces the lock with a connection checkout and excludes with transactions and row locks.)
 - The terminal log is bounded (`terminal_log_limit`): cursor indices stay absolute, entries
   older than the retained window are gone, and a cursor behind the window restarts at the
   oldest retained entry. `total_terminal` is the absolute count of terminal transitions.
@@ -94,6 +96,10 @@ class RolloutNotFound(StoreError, LookupError):
 
 class StoreLocked(StoreError, RuntimeError):
     """Another process already serves this SQLite file (one server per store file)."""
+
+
+class StoreUnavailable(StoreError, ConnectionError):
+    """A database server store (PostgreSQL) cannot be reached: nothing was stored; retry (app: 503)."""
 
 
 class InvalidTransition(StoreError, ValueError):
@@ -896,17 +902,3 @@ def _check_creates(creates: Sequence[RolloutCreate]) -> None:
 def _chunks(items: list[str], size: int) -> Iterator[list[str]]:
     for i in range(0, len(items), size):
         yield items[i : i + size]
-
-
-def open_store(url: str | None = None, *, terminal_log_limit: int = DEFAULT_TERMINAL_LOG_LIMIT) -> Store:
-    """`None`/"memory" -> MemoryStore; "sqlite:///rel/path.db" or "sqlite:////abs/path.db" -> SqliteStore."""
-    if url is None or url in ("memory", "memory://", ""):
-        return MemoryStore(terminal_log_limit)
-    if url.startswith("sqlite:///"):
-        path = url[len("sqlite:///"):]
-        if not path:
-            raise ValueError(f"store url {url!r} names no file: use 'sqlite:///path/to/store.db'")
-        return SqliteStore(path, terminal_log_limit)
-    raise ValueError(
-        f"unknown store url {url!r}: use 'memory' (default) or 'sqlite:///path/to/store.db'"
-    )
