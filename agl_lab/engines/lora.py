@@ -189,6 +189,25 @@ def save_adapter(model: torch.nn.Module, spec: LoraSpec, path: str | Path) -> Pa
     return out
 
 
+def injected_name(name: str) -> str:
+    """A weight name as verl or PEFT sends/saves it → its parameter name in an injected model:
+    `base_model.model.X.lora_A.weight` (PEFT's file) or `X.lora_A.default.weight` → `X.lora_A.default.weight`."""
+    name = name.removeprefix(_PEFT_PREFIX)
+    for part in ("lora_A", "lora_B"):
+        name = name.replace(f".{part}.weight", f".{part}.{_ADAPTER}.weight")
+    return name
+
+
+def spec_of_peft_config(peft_config: Mapping[str, Any]) -> LoraSpec:
+    """The LoraSpec of a PEFT config dict (what verl's weight sync sends with an adapter)."""
+    targets = peft_config.get("target_modules", "all-linear")
+    targets = sorted(targets) if isinstance(targets, (set, frozenset, tuple)) else targets
+    exclude = peft_config.get("exclude_modules")
+    exclude = sorted(exclude) if isinstance(exclude, (set, frozenset, tuple)) else exclude
+    return LoraSpec(rank=int(peft_config["r"]), alpha=peft_config.get("lora_alpha", 16), target_modules=targets,
+                    exclude_modules=exclude)
+
+
 def load_adapter(model: torch.nn.Module, path: str | Path) -> None:
     """Load a PEFT adapter dir into an injected model; every adapter tensor must find its layer."""
     from safetensors.torch import load_file
@@ -202,8 +221,7 @@ def load_adapter(model: torch.nn.Module, path: str | Path) -> None:
     params = dict(model.named_parameters())
     with torch.no_grad():
         for key, tensor in saved.items():
-            name = key.removeprefix(_PEFT_PREFIX).replace(".lora_A.weight", f".lora_A.{_ADAPTER}.weight") \
-                                                  .replace(".lora_B.weight", f".lora_B.{_ADAPTER}.weight")
+            name = injected_name(key)
             if name not in params or params[name].shape != tensor.shape:
                 raise ValueError(f"{src}: adapter tensor {key} {tuple(tensor.shape)} has no matching layer in this "
                                  "model (another base model, or another rank/targets)")

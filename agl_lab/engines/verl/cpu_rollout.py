@@ -154,11 +154,14 @@ def _adapter_class() -> type:
                 raise ValueError(f"the {ROLLOUT_NAME} rollout takes full tensors (wire_format "
                                  f"'named_tensors'), got {wire_format!r}: use checkpoint_engine.backend=naive")
             model = self.server.scheduler.model
-            params = model.state_dict(keep_vars=True)  # tied weights (lm_head = embed_tokens) listed twice
+            peft_config = kwargs.get("peft_config")
             seen = 0
             with self.server.weights_lock:  # no decode step sees half-loaded weights
+                if peft_config is not None:  # LoRA without lora.merge: verl sends the adapter alone
+                    self._adopt_adapter(model, peft_config)
+                params = model.state_dict(keep_vars=True)  # tied weights (lm_head = embed_tokens) listed twice
                 async for name, tensor in _aiter(weights):
-                    target = params.get(name)
+                    target = params.get(_served_name(name, params))
                     if target is None:
                         raise KeyError(f"weight {name!r} from the actor has no counterpart in the served model "
                                        f"({type(model).__name__} from {self.model_config.local_path})")
@@ -172,6 +175,17 @@ def _adapter_class() -> type:
             self.events.append(f"update_weights:{self.global_steps}")
             self.n_weight_syncs += 1
             self.n_tensors_last_sync = seen
+
+        def _adopt_adapter(self, model: Any, peft_config: Any) -> None:
+            """Inject verl's adapter into the served model once (the base stays as loaded: LoRA
+            never changes it); the adapter's tensors then arrive like any weight. The served
+            function is base + scale·B@A exactly as the actor computes it, in float32 —
+            `lora.merge=true` would instead send merged weights, in bfloat16 (verl's GPU choice)."""
+            from agl_lab.engines.lora import add_lora, is_lora, spec_of_peft_config
+
+            if not is_lora(model):
+                add_lora(model, spec_of_peft_config(peft_config))
+                self.events.append("adapter:injected")
 
         def control(self, method: str, **kwargs: Any) -> Any:
             """The replica's remote control (see the module docstring's table)."""
@@ -200,6 +214,20 @@ def _adapter_class() -> type:
             return None
 
     return CpuServerAdapter
+
+
+def _served_name(name: str, params: dict) -> str:
+    """The served model's parameter for a weight verl sends: as named, or its LoRA-injected name
+    (`…lora_A.weight` → `…lora_A.default.weight`; a base weight `…q_proj.weight` → `…q_proj.base_layer.weight`)."""
+    if name in params:
+        return name
+    from agl_lab.engines.lora import injected_name
+
+    injected = injected_name(name)
+    if injected in params:
+        return injected
+    head, _, leaf = name.rpartition(".")
+    return f"{head}.base_layer.{leaf}"
 
 
 async def _aiter(weights: Any):
