@@ -26,13 +26,16 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from agl_lab.engines.base import logprob_gap
 from agl_lab.engines.local import LocalEngine
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks.update`, run as a script
 VARIANTS = ("full", "lora", "lora + bypass")
 
 
