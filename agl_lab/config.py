@@ -71,7 +71,7 @@ AGL_DEFAULTS: dict[str, Any] = {
 
 # agl_lab.server keys handed to the embedded server's ServerConfig as they are (when not null).
 SERVER_PASSTHROUGH = (
-    "lease_seconds", "max_body_bytes", "max_batch_items", "terminal_log_limit", "upstream_client",
+    "lease_seconds", "max_attempts", "max_body_bytes", "max_batch_items", "terminal_log_limit", "upstream_client",
     "upstream_timeout_seconds", "upstream_call_deadline_seconds", "upstream_max_attempts",
     "upstream_backoff_base_seconds", "upstream_backoff_max_seconds", "upstream_breaker_seconds",
     "max_header_bytes", "header_timeout_seconds", "body_timeout_seconds", "max_upstream_answer_bytes",

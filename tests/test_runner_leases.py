@@ -30,14 +30,20 @@ def _wait_state(client, rid, state, bound=30.0):
     raise AssertionError(f"{rid} never reached {state}: {_state(client, rid)}")
 
 
-def test_running_rollout_without_a_runner_fails_when_its_lease_expires(embedded_server, store_url):
-    server = embedded_server(key=KEY, default_proxy={"model_name": "m"}, store=store_url, lease_seconds=0.5)
+def test_running_rollout_without_a_runner_is_requeued_then_fails_after_max_attempts(embedded_server, store_url):
+    server = embedded_server(key=KEY, default_proxy={"model_name": "m"}, store=store_url, lease_seconds=0.5,
+                             max_attempts=2)
     with AglClient(server.url, key=KEY) as client:
         client.create_rollouts([RolloutCreate(input={}, rollout_id="orphan"), RolloutCreate(input={}, rollout_id="q")])
         client.patch_status("orphan", state="running", last_attempt_id="0")  # a runner that then crashed
+        status = _wait_state(client, "orphan", "queuing")
+        assert "attempt 0: lease expired" in status.error_message and "lease_seconds=0.5" in status.error_message
+        assert "re-queued as attempt 1 of max_attempts=2" in status.error_message
+        claimed = client.claim_rollouts(5, runner_id="also-crashes")
+        assert [(r.rollout_id, r.status.last_attempt_id) for r in claimed] == [("orphan", "1"), ("q", "0")]
         status = _wait_state(client, "orphan", "failed")
-        assert "lease expired" in status.error_message and "lease_seconds=0.5" in status.error_message
-        assert _state(client, "q").state == "queuing"  # queued rollouts hold no lease
+        assert "attempt 1: lease expired" in status.error_message and "(max_attempts=2)" in status.error_message
+        assert _wait_state(client, "q", "queuing").error_message.startswith("attempt 0: lease expired")
         page = client.terminal_page(after=0)
         assert [i.rollout_id for i in page.items] == ["orphan"]
 
@@ -76,7 +82,7 @@ def test_sqlite_running_rollouts_of_a_crashed_server_expire_after_restart(embedd
     store.create_rollouts([RolloutCreate(input={}, rollout_id="left")])
     store.patch_status("left", RolloutStatusPatch(state=RolloutState.RUNNING))
     store.close()  # the server "crashed" with the rollout running
-    server = embedded_server(key=KEY, default_proxy={"model_name": "m"}, store=url, lease_seconds=0.3)
+    server = embedded_server(key=KEY, default_proxy={"model_name": "m"}, store=url, lease_seconds=0.3, max_attempts=1)
     with AglClient(server.url, key=KEY) as client:
         assert "lease expired" in _wait_state(client, "left", "failed").error_message
 

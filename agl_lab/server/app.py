@@ -11,9 +11,11 @@ error texts are AGL's):
     GET    /api/rollouts?state_in=..&limit=500              [Rollout] in creation order
     GET    /api/rollouts/terminal?after=0&limit=1000        TerminalPage (completion cursor)
     GET    /api/rollouts/{id}                               {"rollout", "attempts"}
-    PATCH  /api/rollouts/{id}             {"status": {..}}  Rollout | 404 | 409 | 422
+    PATCH  /api/rollouts/{id}[?attempt_id=A]  {"status": {..}}  Rollout | 404 | 409 | 422
     DELETE /api/rollouts/{id}                               204 (idempotent)
-    POST   /api/rollouts/heartbeat        {"rollout_ids"}   renew leases (agl_lab; not in AGL)
+    POST   /api/rollouts/claim            {"limit", "runner_id"}  [Rollout] claimed (agl_lab; not in AGL)
+    POST   /api/rollouts/release          {"attempts", "reason"}  {"released"}  (agl_lab; not in AGL)
+    POST   /api/rollouts/heartbeat        {"rollout_ids"[, "attempt_ids"]}  renew leases (agl_lab; not in AGL)
     POST   /api/rollouts/{id}/attempt/{aid}/events          Event | 404
     GET    /api/rollouts/{id}/events?event_type=&format=triplet
     POST   /api/models                    [Model]           201 echo (upsert)
@@ -32,6 +34,13 @@ pool so a large create or listing never stalls the event loop; the gateway's per
 calls stay on the loop (short, and its hot path). Values are checked at write time
 (`agl_lab.server.storable`): what is stored reads back, else 422 naming the field.
 
+Claims and attempts (agl_lab): `POST /api/rollouts/claim` hands up to `limit` queued rollouts
+to one caller in one request (no list-then-PATCH race: the store moves each to running as a
+new attempt in one transaction); AGL clients' list-then-PATCH path works unchanged. A running
+rollout whose lease expires is re-queued as the next attempt up to `max_attempts`; `?attempt_id=`
+on a PATCH applies it only while that attempt runs (409 otherwise), so a runner that lost its
+attempt cannot end the next one.
+
 Departures from AGL: a body that is not JSON answers 400 "Invalid JSON in request body" on
 every route (FastAPI would say 422); unknown config keys are rejected with the key's name;
 `host` defaults to 127.0.0.1; the store can be SQLite (`store: sqlite:///f.db`) and its
@@ -47,6 +56,7 @@ import json
 import logging
 import secrets
 import sqlite3
+from urllib.parse import unquote
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
@@ -56,12 +66,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
-from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from agl_lab.protocol import (
     DEFAULT_ATTEMPT_ID,
     ROLLOUT_TOKEN_PREFIX,
-    TERMINAL_STATES,
     Event,
     EventCreate,
     Model,
@@ -80,7 +89,7 @@ from agl_lab.server.guard import DOCS_PATHS, RequestGuard
 from agl_lab.server.gateway import Gateway, RequestRewriter, gateway_router, proxy_route
 from agl_lab.server.seeding import SeededCallsRewriter
 from agl_lab.server.storable import INT64_MAX, INT64_MIN, NotStorable, check_storable
-from agl_lab.server.store import InvalidTransition, RolloutNotFound, Store, open_store
+from agl_lab.server.store import InvalidTransition, RolloutNotFound, StaleAttempt, Store, open_store
 from agl_lab.server.token_preserving import TokenPreservingRewriter
 from agl_lab.server.upstream import open_upstream_client
 
@@ -114,7 +123,7 @@ ERROR_TEXTS = {
     401: "missing or wrong key (checked before the body is read)",
     403: "a server without a key: the Host header names a host outside allowed_hosts",
     404: "no such rollout",
-    409: "transition not allowed from the rollout's state",
+    409: "transition not allowed from the rollout's state, or the attempt named is not running",
     413: "body larger than max_body_bytes, or more items than max_batch_items",
     415: "body sent as text/plain or a form (cross-site content types): send application/json",
     422: "invalid field, or a value the store could not read back (named in detail)",
@@ -127,6 +136,23 @@ COMMON_ERRORS = (401, 403, 413, 415, 500, 503, 507)
 
 class HeartbeatRequest(BaseModel):
     rollout_ids: list[str]
+    attempt_ids: list[str] | None = None  # parallel to rollout_ids: alive only while it runs that attempt
+
+
+class ClaimRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    limit: int = Field(1, ge=1, description="most rollouts to claim (at most max_batch_items)")
+    runner_id: str = Field("", max_length=200, description="names the caller in the server log")
+
+
+class ReleaseRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    attempts: dict[str, str] = Field(description="rollout id -> the attempt the caller runs")
+    reason: str = Field("runner stopped", max_length=2000)
+
+
+class ReleaseAnswer(BaseModel):
+    released: list[str]  # back to queuing; the others were not running that attempt
 
 
 class HeartbeatAnswer(BaseModel):
@@ -134,13 +160,16 @@ class HeartbeatAnswer(BaseModel):
     lease_seconds: float  # renew well within this (0: leases are off)
 
 
-async def _expire_leases_forever(store: Store, lease_seconds: float) -> None:
-    """Fail running rollouts whose lease ran out, every min(5 s, lease/4)."""
+async def _expire_leases_forever(store: Store, lease_seconds: float, max_attempts: int) -> None:
+    """Re-queue (after max_attempts: fail) running rollouts whose lease ran out, every min(5 s, lease/4)."""
     while True:
         try:
-            expired = await run_in_threadpool(store.expire_leases, lease_seconds)
-            if expired:
-                logger.warning("Failed %d running rollout(s) whose lease expired: %s", len(expired), expired[:10])
+            expired = await run_in_threadpool(store.expire_leases, lease_seconds, max_attempts)
+            for outcome in ("requeued", "failed"):
+                ids = [rid for rid, what in expired.items() if what == outcome]
+                if ids:
+                    logger.warning("Lease expired: %s %d running rollout(s) (max_attempts=%d): %s",
+                                   outcome, len(ids), max_attempts, ids[:10])
         except Exception:  # never let the sweeper die silently
             logger.exception("Lease sweep failed")
         await asyncio.sleep(min(5.0, lease_seconds / 4))
@@ -173,7 +202,8 @@ def create_app(
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         gateway.client = open_upstream_client(cfg.upstream_client, cfg.upstream_timeout_seconds,
                                               cfg.max_upstream_answer_bytes)
-        sweeper = asyncio.ensure_future(_expire_leases_forever(store, cfg.lease_seconds)) if cfg.lease_seconds else None
+        sweeper = (asyncio.ensure_future(_expire_leases_forever(store, cfg.lease_seconds, cfg.max_attempts))
+                   if cfg.lease_seconds else None)
         try:
             yield
         finally:
@@ -217,7 +247,9 @@ def rollout_token_checker(key: str, store: Store) -> Callable[[str, str, str], b
     """`check(token, method, path)`: a per-rollout token (`rollout_token`) opens only POSTs to
     its rollout's proxy route and event route, and only for the rollout's live attempt: the
     rollout exists with the `created_at` the token was made for (not a re-created one), is
-    not terminal, and the path names its current attempt (`last_attempt_id`, default "0")."""
+    running (or queuing and never claimed), the path names its live attempt (`last_attempt_id`,
+    default "0") and the token was made for that attempt: an agent of a re-queued or released
+    attempt is refused."""
 
     def check(token: str, method: str, path: str) -> bool:
         if method != "POST" or not token.startswith(ROLLOUT_TOKEN_PREFIX):
@@ -230,11 +262,18 @@ def rollout_token_checker(key: str, store: Store) -> Callable[[str, str, str], b
         if not proxy and not (parts[1] == "api" and parts[2] == "rollouts" and len(parts) == 7 and parts[6] == "events"):
             return False
         rollout = store.get_rollout(rollout_id)
-        if rollout is None or rollout.status.state in TERMINAL_STATES:
+        if rollout is None:
             return False
-        if parts[5] != (rollout.status.last_attempt_id or DEFAULT_ATTEMPT_ID):
+        attempt_id, status = unquote(parts[5]), rollout.status
+        # Critical: a re-queued rollout (queuing, last_attempt_id set) opens to no attempt: its old
+        # attempt's agent may still run; a never-claimed one opens to attempt "0" (AGL's order:
+        # spawn the agent, then PATCH running)
+        fresh = status.state == RolloutState.QUEUING and status.last_attempt_id is None
+        if not (status.state == RolloutState.RUNNING or fresh):
             return False
-        expected = rollout_token(key, rollout_id, rollout.status.created_at)
+        if attempt_id != (status.last_attempt_id or DEFAULT_ATTEMPT_ID):
+            return False
+        expected = rollout_token(key, rollout_id, rollout.status.created_at, attempt_id)
         return secrets.compare_digest(token.encode(), expected.encode())
 
     return check
@@ -246,7 +285,8 @@ def _install_error_handlers(app: FastAPI) -> None:
         return JSONResponse({"detail": str(exc)}, status_code=404)
 
     @app.exception_handler(InvalidTransition)
-    async def conflict(_: Request, exc: InvalidTransition) -> JSONResponse:
+    @app.exception_handler(StaleAttempt)
+    async def conflict(_: Request, exc: InvalidTransition | StaleAttempt) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=409)
 
     @app.exception_handler(NotStorable)
@@ -311,8 +351,31 @@ def _rollout_router(store: Store, max_batch_items: int, lease_seconds: float) ->
     async def heartbeat(body: HeartbeatRequest) -> HeartbeatAnswer:
         """Renew the leases of running rollouts (agl_lab; AGL has no leases)."""
         _check_batch(body.rollout_ids, max_batch_items)
-        not_running = await run_in_threadpool(store.heartbeat, body.rollout_ids)
+        if body.attempt_ids is not None and len(body.attempt_ids) != len(body.rollout_ids):
+            raise HTTPException(422, f"attempt_ids has {len(body.attempt_ids)} items for {len(body.rollout_ids)} "
+                                     "rollout_ids: send one attempt id per rollout id, or none")
+        not_running = await run_in_threadpool(store.heartbeat, body.rollout_ids, body.attempt_ids)
         return HeartbeatAnswer(not_running=not_running, lease_seconds=lease_seconds)
+
+    @router.post("/rollouts/claim", response_model=list[Rollout], responses=_errors(400, 422))
+    async def claim_rollouts(body: ClaimRequest) -> Response:
+        """Claim up to `limit` queued rollouts, oldest first, each for this caller only (agl_lab).
+
+        Each comes back `running` with a new `last_attempt_id`; an empty list when none is
+        queued. One request replaces a listing plus one PATCH per rollout, and two callers
+        never get the same rollout (no 409s to retry)."""
+        _check_batch(range(body.limit), max_batch_items)
+
+        def claim() -> bytes:
+            return _ROLLOUTS.dump_json(store.claim_rollouts(body.limit, body.runner_id))
+
+        return Response(await run_in_threadpool(claim), media_type="application/json")
+
+    @router.post("/rollouts/release", response_model=ReleaseAnswer, responses=_errors(400, 422))
+    async def release_rollouts(body: ReleaseRequest) -> ReleaseAnswer:
+        """Give running attempts back to the queue (a runner stopping cleanly; agl_lab)."""
+        _check_batch(list(body.attempts), max_batch_items)
+        return ReleaseAnswer(released=await run_in_threadpool(store.release_rollouts, body.attempts, body.reason))
 
     @router.post("/rollouts", status_code=201, response_model=list[Rollout], responses=_errors(400, 422),
                  openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
@@ -358,8 +421,12 @@ def _rollout_router(store: Store, max_batch_items: int, lease_seconds: float) ->
         return await run_in_threadpool(detail)
 
     @router.patch("/rollouts/{rollout_id}", response_model=Rollout, responses=_errors(400, 404, 409, 422))
-    async def patch_rollout(rollout_id: str, body: RolloutPatch) -> Rollout:
-        return await run_in_threadpool(store.patch_status, rollout_id, body.status or RolloutStatusPatch())
+    async def patch_rollout(
+        rollout_id: str, body: RolloutPatch,
+        attempt_id: str | None = Query(None, description="agl_lab: apply only while this attempt runs (409 else)"),
+    ) -> Rollout:
+        return await run_in_threadpool(lambda: store.patch_status(rollout_id, body.status or RolloutStatusPatch(),
+                                                                  attempt_id=attempt_id))
 
     @router.delete("/rollouts/{rollout_id}", status_code=204)
     async def delete_rollout(rollout_id: str) -> Response:
