@@ -97,12 +97,12 @@ def test_leases_off(embedded_server):
         assert client.heartbeat(["forever"]) == {"not_running": [], "lease_seconds": 0.0}
 
 
-def test_timed_out_wait_fails_its_rollouts_and_a_later_runner_runs_none(embedded_server, store_url):
+def test_timed_out_wait_drops_its_unfinished_rollouts_and_a_later_runner_runs_none(embedded_server, store_url):
     server = embedded_server(key=KEY, default_proxy={"model_name": "m"}, store=store_url)
     ran = []
     with AglClient(server.url, key=KEY) as client:
         manager = SyncRolloutManager(client, n=2, step=0, rollout_config={}, timeout_seconds=0.3, poll_interval=0.02)
-        with pytest.raises(RolloutWaitTimeout) as info:
+        with pytest.raises(RolloutWaitTimeout) as info:  # nothing finished: nothing to train
             manager.run([{"q": 1}], is_train=True)
         ids = sorted(info.value.unfinished)
         assert len(ids) == 2 and set(info.value.unfinished.values()) == {"queuing"}
