@@ -361,13 +361,16 @@ class AglClient:
         """
         return Rollout.model_validate(self._send(_patch_status_call(rollout_id, fields, retry, attempt_id)))
 
-    def claim_rollouts(self, limit: int, runner_id: str = "") -> list[Rollout]:
+    def claim_rollouts(self, limit: int, runner_id: str = "", wait_seconds: float = 0.0) -> list[Rollout]:
         """Claim up to `limit` queued rollouts for this caller alone (`POST /api/rollouts/claim`,
-        agl_lab); each comes back running with its new `last_attempt_id`.
+        agl_lab); each comes back running with its new `last_attempt_id`. With none queued the
+        server waits up to `wait_seconds` for one (a long poll) before answering [].
 
         Sent once: a resend after a lost answer would claim other rollouts; the ones the lost
         answer held go back to the queue when their lease expires. An AGL server answers 404/405."""
-        body = {"limit": int(limit), "runner_id": runner_id}
+        body: dict[str, Any] = {"limit": int(limit), "runner_id": runner_id}
+        if wait_seconds:
+            body["wait_seconds"] = float(wait_seconds)
         return _parse_rollouts(self._send(_Call("POST", "/api/rollouts/claim", json=body)))
 
     def release_rollouts(self, attempts: dict[str, str], reason: str) -> list[str]:

@@ -93,6 +93,10 @@ RECONCILE_INTERVAL_SECONDS = 1.0
 HEARTBEAT_MAX_INTERVAL_SECONDS = 10.0  # renew leases at least this often (a third of the server's lease if shorter)
 SHUTDOWN_MESSAGE = "runner shutdown"
 _CLAIM_UNSUPPORTED = (404, 405)  # an AGL server: no claim / release route
+# An idle runner's claim waits this long on the server for a rollout (a long poll): idle runners
+# cost one request per this many seconds each, yet a new rollout starts at once. It also bounds
+# how late stop(), the heartbeat and the reconcile run while the queue is empty.
+CLAIM_WAIT_SECONDS = 0.5
 _LIST_LIMIT = 500
 # The runner's AglClient: 5 attempts 0.1, 0.2, 0.4, 0.8 s apart for idempotent calls (and for
 # the terminal PATCH and the reward, which the runner resends on purpose).
@@ -517,7 +521,7 @@ class Runner:
         alone; [] (and the list-then-PATCH path from now on) on a server without one."""
         assert self._client is not None
         try:
-            claimed = self._client.claim_rollouts(free, runner_id=self.runner_id)
+            claimed = self._client.claim_rollouts(free, runner_id=self.runner_id, wait_seconds=CLAIM_WAIT_SECONDS)
         except AglHTTPError as exc:
             if exc.status_code not in _CLAIM_UNSUPPORTED:
                 raise

@@ -56,9 +56,9 @@ import json
 import logging
 import secrets
 import sqlite3
-from urllib.parse import unquote
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
+from urllib.parse import unquote
 
 from fastapi import APIRouter, FastAPI, HTTPException, Query, Request, Response
 from fastapi.exception_handlers import request_validation_exception_handler
@@ -97,6 +97,8 @@ logger = logging.getLogger("agl_lab.server")
 
 NO_KEY_WARNING = "AGL_KEY not set — authentication disabled. Do not use in production."
 MAX_LIST_LIMIT = 10_000  # listings and terminal pages answer at most this many items per request
+MAX_CLAIM_WAIT_SECONDS = 30.0  # longest long poll of POST /api/rollouts/claim
+CLAIM_RECHECK_SECONDS = 0.5  # a waiting claim re-checks the queue this often (other server processes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,6 +145,30 @@ class ClaimRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     limit: int = Field(1, ge=1, description="most rollouts to claim (at most max_batch_items)")
     runner_id: str = Field("", max_length=200, description="names the caller in the server log")
+    wait_seconds: float = Field(0.0, ge=0, le=MAX_CLAIM_WAIT_SECONDS,
+                                description="with none queued, wait this long for one (long poll)")
+
+
+class QueueSignal:
+    """Wakes waiting claims when rollouts are queued (created, re-queued or released) in this
+    server. Rollouts queued by another server process on a shared store are seen by the
+    waiters' re-check every CLAIM_RECHECK_SECONDS. Used on the event loop only."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def notify(self) -> None:
+        self._event.set()  # every waiter holds this generation's event and wakes
+        self._event = asyncio.Event()
+
+    def generation(self) -> asyncio.Event:
+        """Take this before looking at the queue: a notify after the look sets it."""
+        return self._event
+
+    @staticmethod
+    async def wait(generation: asyncio.Event, seconds: float) -> None:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(generation.wait(), seconds)
 
 
 class ReleaseRequest(BaseModel):
@@ -160,11 +186,13 @@ class HeartbeatAnswer(BaseModel):
     lease_seconds: float  # renew well within this (0: leases are off)
 
 
-async def _expire_leases_forever(store: Store, lease_seconds: float, max_attempts: int) -> None:
+async def _expire_leases_forever(store: Store, lease_seconds: float, max_attempts: int, queued: QueueSignal) -> None:
     """Re-queue (after max_attempts: fail) running rollouts whose lease ran out, every min(5 s, lease/4)."""
     while True:
         try:
             expired = await run_in_threadpool(store.expire_leases, lease_seconds, max_attempts)
+            if "requeued" in expired.values():
+                queued.notify()
             for outcome in ("requeued", "failed"):
                 ids = [rid for rid, what in expired.items() if what == outcome]
                 if ids:
@@ -195,6 +223,7 @@ def create_app(
     if cfg.token_preserving and not any(hasattr(r, "set_tokenizer") for r in rewriters):
         rewriters.append(TokenPreservingRewriter())  # tokenizers: EmbeddedServer.set_tokenizer / --tokenizer-path
     gateway = Gateway(cfg, store, rewriters=rewriters)
+    queued = QueueSignal()
     if not cfg.key:
         logger.warning(NO_KEY_WARNING)
 
@@ -202,7 +231,7 @@ def create_app(
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         gateway.client = open_upstream_client(cfg.upstream_client, cfg.upstream_timeout_seconds,
                                               cfg.max_upstream_answer_bytes)
-        sweeper = (asyncio.ensure_future(_expire_leases_forever(store, cfg.lease_seconds, cfg.max_attempts))
+        sweeper = (asyncio.ensure_future(_expire_leases_forever(store, cfg.lease_seconds, cfg.max_attempts, queued))
                    if cfg.lease_seconds else None)
         try:
             yield
@@ -232,7 +261,7 @@ def create_app(
         this route; other ASGI servers (and test clients) reach it."""
         return {"status": "ok"}
 
-    app.include_router(_rollout_router(store, cfg.max_batch_items, cfg.lease_seconds), prefix="/api")
+    app.include_router(_rollout_router(store, cfg.max_batch_items, cfg.lease_seconds, queued), prefix="/api")
     app.include_router(_event_router(store), prefix="/api")
     app.include_router(_model_router(store, cfg.max_batch_items), prefix="/api")
     app.include_router(gateway_router(gateway), prefix="/proxy")
@@ -344,7 +373,7 @@ def _check_batch(items: Sequence[Any], limit: int) -> None:
 # stall /healthz and the gateway, which share the event loop. The store's lock serialises them.
 
 
-def _rollout_router(store: Store, max_batch_items: int, lease_seconds: float) -> APIRouter:
+def _rollout_router(store: Store, max_batch_items: int, lease_seconds: float, queued: QueueSignal) -> APIRouter:
     router = APIRouter(tags=["rollouts"], responses=_errors(*COMMON_ERRORS))
 
     @router.post("/rollouts/heartbeat", response_model=HeartbeatAnswer, responses=_errors(400, 422))
@@ -362,20 +391,28 @@ def _rollout_router(store: Store, max_batch_items: int, lease_seconds: float) ->
         """Claim up to `limit` queued rollouts, oldest first, each for this caller only (agl_lab).
 
         Each comes back `running` with a new `last_attempt_id`; an empty list when none is
-        queued. One request replaces a listing plus one PATCH per rollout, and two callers
-        never get the same rollout (no 409s to retry)."""
+        queued after `wait_seconds` (a long poll: idle runners cost the server one request per
+        wait, not one per poll interval). One request replaces a listing plus one PATCH per
+        rollout, and two callers never get the same rollout (no 409s to retry)."""
         _check_batch(range(body.limit), max_batch_items)
-
-        def claim() -> bytes:
-            return _ROLLOUTS.dump_json(store.claim_rollouts(body.limit, body.runner_id))
-
-        return Response(await run_in_threadpool(claim), media_type="application/json")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + body.wait_seconds
+        while True:
+            generation = queued.generation()  # Critical: before the look, or a create in between is missed
+            claimed = await run_in_threadpool(store.claim_rollouts, body.limit, body.runner_id)
+            left = deadline - loop.time()
+            if claimed or left <= 0:
+                return Response(_ROLLOUTS.dump_json(claimed), media_type="application/json")
+            await queued.wait(generation, min(left, CLAIM_RECHECK_SECONDS))
 
     @router.post("/rollouts/release", response_model=ReleaseAnswer, responses=_errors(400, 422))
     async def release_rollouts(body: ReleaseRequest) -> ReleaseAnswer:
         """Give running attempts back to the queue (a runner stopping cleanly; agl_lab)."""
         _check_batch(list(body.attempts), max_batch_items)
-        return ReleaseAnswer(released=await run_in_threadpool(store.release_rollouts, body.attempts, body.reason))
+        released = await run_in_threadpool(store.release_rollouts, body.attempts, body.reason)
+        if released:
+            queued.notify()
+        return ReleaseAnswer(released=released)
 
     @router.post("/rollouts", status_code=201, response_model=list[Rollout], responses=_errors(400, 422),
                  openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
@@ -390,7 +427,9 @@ def _rollout_router(store: Store, max_batch_items: int, lease_seconds: float) ->
             _check_batch(creates, max_batch_items)
             return _ROLLOUTS.dump_json(store.create_rollouts(creates))
 
-        return Response(await run_in_threadpool(create), status_code=201, media_type="application/json")
+        answer = await run_in_threadpool(create)
+        queued.notify()  # waiting claims look again
+        return Response(answer, status_code=201, media_type="application/json")
 
     @router.get("/rollouts", response_model=list[Rollout], responses=_errors(422))
     async def list_rollouts(
