@@ -125,3 +125,65 @@ def test_client_heartbeat_and_fail(embedded_server):
         assert client.fail_rollouts(["a1", "gone"], "stop") == ["a1"]
         status = client.get_rollout("a1")[0].status
     assert status.state == "failed" and status.error_message == "stop"
+
+
+def test_async_carry_over_and_hooks_see_a_requeued_rollout_finish_once(embedded_server, store_url):
+    """A dead runner's claim (no heartbeat) is re-queued as attempt 1, run by a live runner,
+    collected once across carry-over steps; its hook runs once and reads attempt 1 only."""
+    from agl_lab.hooks import RolloutHooks
+    from agl_lab.rollout import AsyncRolloutManager
+
+    class Hooks(RolloutHooks):
+        def __init__(self):
+            self.seen: list[tuple[str, tuple[str, ...]]] = []
+
+        def on_succeeded(self, rollout, events_by_attempt, writer):
+            self.seen.append((rollout.rollout_id, tuple(sorted(events_by_attempt))))
+
+    server = embedded_server(key=KEY, default_proxy={"model_name": "m"}, store=store_url, lease_seconds=0.6,
+                             max_attempts=2)
+    hooks = Hooks()
+
+    def agent(task, ctx):
+        ctx.emit("ran", {"attempt": ctx.attempt_id})
+        return 1.0
+
+    with AglClient(server.url, key=KEY) as client:
+        manager = AsyncRolloutManager(client, n=2, train_batch_size=1, async_train_batch_size=2, rollout_config={},
+                                      hooks=hooks, timeout_seconds=60, poll_interval=0.02)
+        dead = AglClient(server.url, key=KEY)
+        real_create = client.create_rollouts
+
+        live = Runner(server.url, key=KEY, agent=agent, poll_interval=0.02)
+
+        def create_then_die(requests):  # a runner grabs the first rollout and dies with it, then
+            out = real_create(requests)  # the live runner starts
+            if live._thread is None:
+                (victim,) = dead.claim_rollouts(1, runner_id="dies")
+                victims.append(victim.rollout_id)
+                dead.add_event(victim.rollout_id, "0", "ran", {"attempt": "0"})
+                live.start()
+            return out
+
+        client.create_rollouts = create_then_die
+        trained, victims = [], []
+        try:
+            step, end = 0, time.monotonic() + 30
+            while time.monotonic() < end:  # until the victim's group, carried over while it waits, trained
+                if victims and victims[0] in {c.rollout_id for c in trained}:
+                    break
+                step += 1
+                tasks = [{"i": step * 10 + k} for k in range(manager.n_new_tasks_needed())]
+                done, _ = manager.run(tasks, step=step)
+                trained += done
+        finally:
+            live.stop()
+            dead.close()
+    ids = [c.rollout_id for c in trained]
+    assert victims[0] in ids and len(ids) == len(set(ids)) and all(c.state == "succeeded" for c in trained)
+    carried_finished = sum(len(g.finished) for g in manager._groups.values())
+    assert len(hooks.seen) == len(ids) + carried_finished  # hooks: the trained and the carried finished ones
+    assert sorted(rid for rid, _ in hooks.seen) == sorted(set(rid for rid, _ in hooks.seen))  # once each
+    assert dict(hooks.seen)[victims[0]] == ("1",)  # the victim: its attempt 1 only
+    assert sum(attempts == ("1",) for _, attempts in hooks.seen) == 1
+    assert all(attempts in {("0",), ("1",)} for _, attempts in hooks.seen)
