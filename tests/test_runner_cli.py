@@ -142,3 +142,56 @@ def test_sigkilled_runner_loses_nothing_its_rollouts_rerun_as_attempt_1_and_fini
     rerun = [rid for rid, seen in hooks.attempts_seen.items() if seen == ["1"]]
     assert len(rerun) == 4  # the killed runner's 4 ran again as attempt 1; only attempt 1 is read
     assert all(seen == ["0"] for rid, seen in hooks.attempts_seen.items() if rid not in rerun)
+
+
+AGL_PYTHON = os.environ.get("AGL_PYTHON", "/tmp/agl-venv/bin/python")
+
+
+@pytest.mark.skipif(not os.path.exists(AGL_PYTHON), reason=f"no Agent Lightning environment at {AGL_PYTHON} "
+                    "(set AGL_PYTHON; benchmarks/batch.py's docstring has the recipe)")
+def test_runner_on_agent_lightnings_own_server_claims_by_list_then_patch(tmp_path):
+    """AGL's server has no claim, release or heartbeat route: the Runner falls back to AGL's
+    list-then-PATCH claims, attempt "0", and stop() fails what it holds ("runner shutdown")."""
+    import socket
+
+    import httpx
+
+    from agl_lab.runner import Runner
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    agl = subprocess.Popen([AGL_PYTHON, "-I", "-m", "agentlightning.server", "host=127.0.0.1", f"port={port}",
+                            f"key={KEY}", f"hydra.run.dir={tmp_path}", "hydra.output_subdir=null"],
+                           cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: _healthy(httpx, url), 60, "AGL's server")
+        with AglClient(url, key=KEY) as client:
+            client.create_rollouts([RolloutCreate(rollout_id=f"a{i}", input={}) for i in range(6)]
+                                   + [RolloutCreate(rollout_id="held", input={"hold": True})])
+            from tests.agents_for_tests import remote_agent
+
+            runners = [Runner(url, key=KEY, agent=remote_agent, concurrency=4, poll_interval=0.01).start()
+                       for _ in range(2)]
+            wait_for(lambda: all(client.get_rollout(f"a{i}")[0].is_terminal for i in range(6)), 60, "the rollouts")
+            wait_for(lambda: running_ids(client) == {"held"}, 30, "the held rollout to run")
+            for runner in runners:
+                runner.stop()
+            for i in range(6):
+                rollout, attempts = client.get_rollout(f"a{i}")
+                assert rollout.status.state == "succeeded" and attempts == ["0"]
+                assert client.get_events(f"a{i}", event_type="reward")[0]["data"] == {"value": 1.0}
+            held = client.get_rollout("held")[0].status
+            assert (held.state, held.error_message) == ("failed", "runner shutdown")
+            assert sum(r.stats["claimed"] for r in runners) == 7 and all(not r._claim_route for r in runners)
+    finally:
+        agl.terminate()
+        agl.wait(10)
+
+
+def _healthy(httpx, url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/healthz", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
