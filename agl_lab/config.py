@@ -347,6 +347,15 @@ def validate(cfg: DictConfig) -> None:
                       f"agentlightning.rollout_timeout_seconds={rollout_timeout:g}: a step can time out "
                       "while its rollouts may still legitimately run; use auto (rollout timeout + 60 s)",
                       ConfigWarning, stacklevel=3)
+    lease = cfg.agl_lab.server.get("lease_seconds")
+    if isinstance(lease, (int, float)) and lease and rollout_wait_timeout(cfg) is not None \
+            and lease >= rollout_wait_timeout(cfg):
+        import warnings
+
+        warnings.warn(f"agl_lab.server.lease_seconds={lease:g} is not below the trainer's rollout wait "
+                      f"({rollout_wait_timeout(cfg):g} s, agl_lab.rollout.wait_timeout_seconds): a dead runner's "
+                      "rollouts would not run again before the step gives up on them; lower the lease",
+                      ConfigWarning, stacklevel=3)
     model = cfg.agl_lab.model
     if model.get("preset") is not None:
         from agl_lab.models import PRESETS

@@ -78,6 +78,12 @@ def test_a_lost_attempt_can_neither_end_feed_nor_renew_the_next(server):
                                   headers={"Authorization": f"Bearer {token}"}).status_code
             assert post(token0, "0") == 401 and post(token0, "1") == 401  # the old token opens nothing
             assert post(token1, "1") == 200
+
+            def call(token: str, attempt: str) -> int:
+                return agent.post(f"/proxy/rollout/r/attempt/{attempt}/mode/train/openai/v1/chat/completions",
+                                  json={"messages": []}, headers={"Authorization": f"Bearer {token}"}).status_code
+            assert call(token0, "0") == 401 and call(token0, "1") == 401
+            assert call(token1, "1") == 503  # authorised: no model registered in this test
         client.add_event("r", "0", "late", {})  # an admin-key late event of attempt 0: kept, not read
         assert client.patch_status("r", state="succeeded", attempt_id="1").status.state == "succeeded"
         rollout, attempts = client.get_rollout("r")
