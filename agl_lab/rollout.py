@@ -275,6 +275,9 @@ class _Collector:
             return completed
         if hook_error is not None:
             completed.metadata["hook_error"] = hook_error
+        attempt = rollout.status.last_attempt_id or "0"
+        if attempt != "0":  # re-run after its runner died or stopped: only this attempt's events were read
+            completed.metadata["attempt_id"] = attempt
         count_repeated_prompts(completed, every_call, triplet_events)
         self.client.delete_rollout(rollout.rollout_id)  # read in full: bound the store by what is in flight
         return completed
@@ -632,7 +635,16 @@ class AsyncRolloutManager:
 
 def report_failures(completed, step: int, is_train: bool) -> dict[str, Any]:
     """`training/n_failed_rollouts` (`val/…`) and, when any failed, one warning with the count
-    and the first error message."""
+    and the first error message; `training/n_rerun_rollouts` counts the rollouts that ran as a
+    later attempt (their runner died or stopped: `metadata["attempt_id"]`)."""
+    prefix = "training" if is_train else "val"
+    rerun = sum(1 for r in completed if r.metadata.get("attempt_id") not in (None, "0"))
+    if rerun:
+        logger.info("step %d: %d rollout(s) ran again as a later attempt (a runner died or stopped)", step, rerun)
+    return {**_report_failed(completed, step, is_train), f"{prefix}/n_rerun_rollouts": rerun}
+
+
+def _report_failed(completed, step: int, is_train: bool) -> dict[str, Any]:
     failed = [r for r in completed if r.state == "failed"]
     if failed:
         first = (failed[0].error_message or "no error message").strip()

@@ -142,6 +142,10 @@ def test_sigkilled_runner_loses_nothing_its_rollouts_rerun_as_attempt_1_and_fini
     rerun = [rid for rid, seen in hooks.attempts_seen.items() if seen == ["1"]]
     assert len(rerun) == 4  # the killed runner's 4 ran again as attempt 1; only attempt 1 is read
     assert all(seen == ["0"] for rid, seen in hooks.attempts_seen.items() if rid not in rerun)
+    assert sorted(c.rollout_id for c in completed if c.metadata.get("attempt_id") == "1") == sorted(rerun)
+    from agl_lab.rollout import report_failures
+
+    assert report_failures(completed, 0, True) == {"training/n_failed_rollouts": 0, "training/n_rerun_rollouts": 4}
 
 
 AGL_PYTHON = os.environ.get("AGL_PYTHON", "/tmp/agl-venv/bin/python")
