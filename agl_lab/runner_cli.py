@@ -1,6 +1,17 @@
 """`agl-lab runner`: run agents for a server on another host (the `Runner`, as a process).
 
     agl-lab runner --server http://trainer-host:8080 --key KEY --agent my_agents:solve --concurrency 16
+    agl-lab runner configs/my_run.yaml [key=value ...]     # the same from the trainer's config
+
+With a config (the trainer's YAML and overrides), the defaults come from its keys, and a flag
+wins over its key:
+
+    --server       agentlightning.agl_base_url
+    --key          agentlightning.agl_key
+    --agent        agl_lab.agent, else the task's agent (agl_lab.task.name), else each rollout's
+                   config.local.agent_class (agentlightning.local.agent_class)
+    --concurrency  agl_lab.runner.concurrency
+    --rollout-timeout  agl_lab.runner.agent_timeout_seconds
 
 The process claims queued rollouts from the server (`POST /api/rollouts/claim`: each rollout
 goes to exactly one runner, however many share the server), runs `--agent` for each, renews
@@ -32,6 +43,8 @@ SUMMARY_EVERY = 50
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="agl-lab runner", description="Claim and run rollouts of an agl-lab / AGL server.")
+    p.add_argument("config", nargs="?", default=None, help="optional: the trainer's YAML config, for the defaults")
+    p.add_argument("overrides", nargs="*", help="key=value overrides of the config")
     p.add_argument("--server", default=os.environ.get("AGL_SERVER_URL"), metavar="URL",
                    help="the server's URL, e.g. http://trainer-host:8080 (default $AGL_SERVER_URL)")
     p.add_argument("--key", default=None, help="the server's key (default: --key-file, else $AGL_KEY)")
@@ -40,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the agent: a function agent(task, ctx) run in a thread, or an Agent Lightning "
                         "agent class run in a subprocess per rollout (default: each rollout's "
                         "config.local.agent_class)")
-    p.add_argument("--concurrency", type=int, default=16, metavar="N", help="most agents at once (default 16)")
+    p.add_argument("--concurrency", type=int, default=None, metavar="N",
+                   help="most agents at once (default agl_lab.runner.concurrency, else 16)")
     p.add_argument("--agent-server-url", default=None, metavar="URL",
                    help="the server URL put in the agents' URLs (default --server)")
     p.add_argument("--rollout-timeout", type=float, default=None, metavar="S",
@@ -73,11 +87,11 @@ def summary_line(stats: Mapping[str, int], wall: float, prefix: str = "agl-lab r
 
 def runner_main(argv: list[str]) -> int:
     """`agl-lab runner --server URL [--key KEY] [--agent SPEC] [--concurrency N] ...`; see the module docstring."""
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         runner = _build_runner(args)
-    except (ValueError, TypeError, ImportError) as exc:
+    except (ValueError, TypeError, ImportError, LookupError) as exc:  # ConfigError is a ValueError
         print(f"agl-lab runner: {exc}", file=sys.stderr)
         return 2
     if not _check_server(runner):
@@ -94,7 +108,9 @@ def runner_main(argv: list[str]) -> int:
         signal.signal(sig, on_signal)
     t0 = time.monotonic()
     runner.start()
-    agent = args.agent or "each rollout's config.local.agent_class"
+    spec = getattr(runner.agent, "__module__", ""), getattr(runner.agent, "__qualname__", runner.agent)
+    agent = args.agent or (f"{spec[0]}:{spec[1]}" if callable(runner.agent) else runner.agent) or \
+        "each rollout's config.local.agent_class"
     print(f"agl-lab runner {runner.runner_id}: claiming from {runner.server_url} · agent {agent} · "
           f"concurrency {runner.concurrency}", flush=True)
     printed = 0
@@ -109,9 +125,38 @@ def runner_main(argv: list[str]) -> int:
     return 0
 
 
+def _from_config(args: argparse.Namespace) -> None:
+    """Fill the flags not given from the trainer's config (see the module docstring)."""
+    if args.config is not None and "=" in args.config and not os.path.exists(args.config):
+        args.overrides.insert(0, args.config)  # `agl-lab runner key=value`: no config file
+        args.config = None
+    if args.config is None and not args.overrides:
+        return
+    from agl_lab import config as config_mod
+    from agl_lab.tasks import agent_and_task
+
+    import warnings
+
+    with warnings.catch_warnings():  # the training keys' warnings are the trainer's to print
+        warnings.simplefilter("ignore", config_mod.ConfigWarning)
+        cfg = config_mod.load_config(args.config, list(args.overrides))
+    agl, lab = cfg.agentlightning, cfg.agl_lab
+    args.server = args.server or (str(agl.agl_base_url) if agl.get("agl_base_url") else None)
+    if args.key is None and args.key_file is None and agl.get("agl_key"):
+        args.key = str(agl.agl_key)
+    if args.agent is None:
+        agent, _ = agent_and_task(cfg, None, None, has_tasks=True)
+        args.agent_object = agent  # a function, a "module:Class" string, or None (config.local.agent_class)
+    if args.concurrency is None:
+        args.concurrency = int(lab.runner.concurrency)
+    if args.rollout_timeout is None and lab.runner.get("agent_timeout_seconds") is not None:
+        args.rollout_timeout = float(lab.runner.agent_timeout_seconds)
+
+
 def _build_runner(args: argparse.Namespace):
     from agl_lab.runner import Runner, load_agent
 
+    _from_config(args)
     if not args.server:
         raise ValueError("--server URL is required (the agl-lab serve / trainer server, e.g. http://host:8080), "
                          "or set $AGL_SERVER_URL")
@@ -121,8 +166,9 @@ def _build_runner(args: argparse.Namespace):
         raise ValueError(f"--summary-every must be >= 0, got {args.summary_every}")
     if os.getcwd() not in sys.path:  # `module:function` imports from the current directory, as `python -m`
         sys.path.insert(0, os.getcwd())
-    agent = None if args.agent is None else load_agent(args.agent)
-    return Runner(args.server, key=runner_key(args, os.environ), agent=agent, concurrency=args.concurrency,
+    agent = load_agent(args.agent) if args.agent is not None else getattr(args, "agent_object", None)
+    concurrency = 16 if args.concurrency is None else args.concurrency
+    return Runner(args.server, key=runner_key(args, os.environ), agent=agent, concurrency=concurrency,
                   poll_interval=args.poll_interval, rollout_timeout_seconds=args.rollout_timeout,
                   agent_server_url=args.agent_server_url, runner_id=args.runner_id)
 

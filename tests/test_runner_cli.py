@@ -199,3 +199,27 @@ def _healthy(httpx, url: str) -> bool:
         return httpx.get(f"{url}/healthz", timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_the_trainers_config_gives_the_runner_its_server_key_agent_and_concurrency(embedded_server, tmp_path):
+    server = embedded_server(key=KEY, default_proxy={"model_name": "m"})
+    (tmp_path / "run.yaml").write_text(f"agentlightning:\n  agl_base_url: {server.url}\n  agl_key: {KEY}\n"
+                                       "agl_lab:\n  server:\n    embedded: false\n  runner:\n    concurrency: 3\n")
+    argv = [sys.executable, "-m", "agl_lab.cli", "runner", str(tmp_path / "run.yaml"), f"agl_lab.agent={AGENT}",
+            "--summary-every", "0"]
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        with AglClient(server.url, key=KEY) as client:
+            client.create_rollouts([RolloutCreate(rollout_id=f"c{i}", input={}) for i in range(4)])
+            wait_for(lambda: all(client.get_rollout(f"c{i}")[0].is_terminal for i in range(4)), 60, "the rollouts")
+            assert all(client.get_rollout(f"c{i}")[0].status.state == "succeeded" for i in range(4))
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, out
+    first = out.splitlines()[0]
+    assert f"claiming from {server.url}" in first and "agent tests.agents_for_tests:remote_agent" in first, out
+    assert "concurrency 3" in first and "stopped (SIGINT): 4 done (4 succeeded, 0 failed)" in out
