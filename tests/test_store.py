@@ -314,11 +314,18 @@ def test_concurrent_claims_hand_each_rollout_to_exactly_one_claimer(store):
         while claimed := store.claim_rollouts(1 + i % 7, runner_id=f"t{i}"):
             got[i].extend(r.rollout_id for r in claimed)
 
+    import sys
+
     threads = [threading.Thread(target=claimer, args=(i,)) for i in range(32)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible: the claims interleave
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(switch)
     flat = [rid for ids_ in got for rid in ids_]
     assert len(flat) == len(set(flat)) == 600 and set(flat) == set(ids)
     assert sum(bool(g) for g in got) > 1  # the claimers really interleaved
@@ -421,3 +428,19 @@ def test_sqlite_requeued_rollouts_and_attempts_survive_reopen(tmp_path):
         assert again.status.last_attempt_id == "1" and s.attempts("r") == ["0"]
     finally:
         s.close()
+
+
+def test_a_requeued_rollout_cannot_be_claimed_again_under_an_attempt_it_ran(store):
+    """AGL clients claim by PATCH running(last_attempt_id="0"): on a re-queued rollout that would
+    mix its attempts' events and run it forever; 409 instead, naming the attempt to use."""
+    from agl_lab.server.store import ReusedAttempt
+
+    create(store, "r")
+    store.patch_status("r", RolloutStatusPatch(state=RolloutState.RUNNING, last_attempt_id="0"))  # the AGL way
+    store.expire_leases(1.0, max_attempts=2, now=LATER)
+    with pytest.raises(ReusedAttempt, match="attempt 0 already ran .* claim it as attempt 1"):
+        store.patch_status("r", RolloutStatusPatch(state=RolloutState.RUNNING, last_attempt_id="0"))
+    with pytest.raises(InvalidTransition):  # a 409, like a rollout another runner took first
+        store.patch_status("r", RUNNING)
+    assert store.patch_status("r", RolloutStatusPatch(state=RolloutState.RUNNING, last_attempt_id="1")).status.state == "running"
+    assert store.expire_leases(1.0, max_attempts=2, now=LATER) == {"r": "failed"}  # bounded by max_attempts

@@ -112,6 +112,17 @@ class InvalidTransition(StoreError, ValueError):
         self.rollout_id, self.current, self.target = rollout_id, current, target
 
 
+class ReusedAttempt(InvalidTransition):
+    """A PATCH to running that would run a re-queued rollout under an attempt id it ran already
+    (AGL clients always claim attempt "0"): 409, so attempts stay bounded by max_attempts."""
+
+    def __init__(self, rollout: Rollout, attempt_id: str):
+        ValueError.__init__(self, f"Rollout {rollout.rollout_id}: attempt {attempt_id} already ran (the rollout was "
+                                  f"re-queued); claim it as attempt {next_attempt_id(rollout.status.last_attempt_id)} "
+                                  f"(last_attempt_id) or through POST /api/rollouts/claim")
+        self.rollout_id, self.current, self.target = rollout.rollout_id, rollout.status.state, RolloutState.RUNNING
+
+
 class StaleAttempt(StoreError, ValueError):
     """A patch conditioned on an attempt the rollout no longer runs (409, like InvalidTransition)."""
 
@@ -217,7 +228,8 @@ class Store(ABC):
 
         Raises RolloutNotFound; StaleAttempt when `attempt_id` is not the running attempt;
         InvalidTransition when `state` is set (even to None) and the move is not in
-        VALID_TRANSITIONS.
+        VALID_TRANSITIONS; ReusedAttempt (an InvalidTransition: 409) when it would run a
+        re-queued rollout under an attempt id it ran already.
         """
         updates = patch.model_dump(exclude_unset=True)
         check_storable({k: v for k, v in updates.items() if k != "state"}, "status")
@@ -232,6 +244,10 @@ class Store(ABC):
             current = rollout.status.state
             if "state" in updates and updates["state"] not in VALID_TRANSITIONS[current]:
                 raise InvalidTransition(rollout_id, current, updates["state"])
+            if updates.get("state") == RolloutState.RUNNING and rollout.status.last_attempt_id is not None:
+                wanted = updates.get("last_attempt_id") or DEFAULT_ATTEMPT_ID  # re-queued: a new attempt only
+                if _attempts_used(wanted) <= _attempts_used(rollout.status.last_attempt_id):
+                    raise ReusedAttempt(rollout, wanted)
             now = time.time()
             rollout = _with_status(rollout, now, **updates)
             self._replace(rollout)
