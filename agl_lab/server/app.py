@@ -143,7 +143,7 @@ class HeartbeatRequest(BaseModel):
 
 class ClaimRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    limit: int = Field(1, ge=1, description="most rollouts to claim (at most max_batch_items)")
+    limit: int = Field(1, ge=1, description="most rollouts to claim (the server hands at most max_batch_items)")
     runner_id: str = Field("", max_length=200, description="names the caller in the server log")
     wait_seconds: float = Field(0.0, ge=0, le=MAX_CLAIM_WAIT_SECONDS,
                                 description="with none queued, wait this long for one (long poll)")
@@ -394,12 +394,12 @@ def _rollout_router(store: Store, max_batch_items: int, lease_seconds: float, qu
         queued after `wait_seconds` (a long poll: idle runners cost the server one request per
         wait, not one per poll interval). One request replaces a listing plus one PATCH per
         rollout, and two callers never get the same rollout (no 409s to retry)."""
-        _check_batch(range(body.limit), max_batch_items)
+        limit = min(body.limit, max_batch_items)  # "up to": a claim may get fewer, never a 413
         loop = asyncio.get_running_loop()
         deadline = loop.time() + body.wait_seconds
         while True:
             generation = queued.generation()  # Critical: before the look, or a create in between is missed
-            claimed = await run_in_threadpool(store.claim_rollouts, body.limit, body.runner_id)
+            claimed = await run_in_threadpool(store.claim_rollouts, limit, body.runner_id)
             left = deadline - loop.time()
             if claimed or left <= 0:
                 return Response(_ROLLOUTS.dump_json(claimed), media_type="application/json")
