@@ -4,6 +4,9 @@
       global_step_N/                      one `Trainer.save()`: engine/, trainer_state.pt, config.yaml
       latest_checkpointed_iteration.txt   N of the newest complete checkpoint (verl's marker)
 
+`trainer.max_actor_ckpt_to_keep` = N keeps the newest N checkpoints the run saved (`prune`:
+verl's rule; null or 0 keeps all).
+
 A checkpoint is written under a temporary name and renamed into place, then marked latest, so
 a killed save never leaves a half checkpoint under the real name. The RNG helpers capture every
 process-wide generator a step draws from; the Trainer is their one owner.
@@ -31,15 +34,40 @@ def checkpoint_root(cfg: Any) -> Path:
     return Path(str(cfg.trainer.default_local_dir)).expanduser()
 
 
-def save_atomically(root: Path, step: int, save: Callable[[Path], Any]) -> Path:
-    """`save(tmp)`, rename tmp → `root/global_step_{step}`, then mark it the latest."""
+def save_atomically(root: Path, step: int, save: Callable[[Path], Any], *, saved: list[Path] | None = None,
+                    keep: int | None = None) -> Path:
+    """`save(tmp)`, rename tmp → `root/global_step_{step}`, then mark it the latest; with
+    `saved` (the checkpoints this run saved, oldest first), register it there and `prune`."""
     final, tmp = root / f"global_step_{step}", root / f".global_step_{step}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     save(tmp)
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)  # Critical: a killed save never leaves a half checkpoint under the real name
     (root / LATEST).write_text(str(step))
+    if saved is not None:
+        if final in saved:  # saved again at the same step: it is the newest now
+            saved.remove(final)
+        saved.append(final)
+        prune(saved, keep)
     return final
+
+
+def prune(saved: list[Path], keep: int | None) -> list[Path]:
+    """verl's retention rule for `trainer.max_actor_ckpt_to_keep` (`BaseCheckpointManager.
+    register_checkpoint`, verl 0.9.1), on whole `global_step_N` directories: after a save
+    completes, keep the newest `keep` of the checkpoints this run saved (`saved`, oldest
+    first; the list is trimmed in place) and delete the older ones. `keep` None or 0: keep
+    all. As in verl, the list starts empty in each process: checkpoints a run found on disk
+    (the one it resumed from, older ones) are never deleted. Returns the deleted paths.
+
+    verl with keep ≥ 2 deletes down to keep − 1 *before* a save; the result after a
+    successful save is the same, and here a save that fails deletes nothing."""
+    if not keep or keep <= 0 or len(saved) <= keep:
+        return []
+    old, saved[:] = saved[:-keep], saved[-keep:]
+    for path in old:
+        shutil.rmtree(path, ignore_errors=True)
+    return old
 
 
 def resume_target(cfg: Any) -> Path | None:

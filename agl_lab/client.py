@@ -467,5 +467,9 @@ class AglClient:
     def proxy_state(self) -> PauseState:
         return PauseState.model_validate(self._send(_Call("GET", "/proxy/state", retry=True)))
 
+    def proxy_config(self) -> dict[str, Any]:
+        """GET /proxy/config: the gateway's model name, train/val temperatures and logprobs flag."""
+        return self._send(_Call("GET", "/proxy/config", retry=True))
+
     def healthz(self) -> dict[str, Any]:
         return self._send(_Call("GET", "/healthz", retry=True))

@@ -92,9 +92,13 @@ def compare(run_dirs: Sequence[str | os.PathLike], metrics: Sequence[str] = METR
 
 
 def plot_compare(run_dirs: Sequence[str | os.PathLike], path: str | os.PathLike | None = None,
-                 metric: str = "training/reward"):
-    """Per setting, the mean over seeds of `metric` per step (a band of ± s.e.), validation reward
-    as markers; saves a PNG when `path` is given and returns its Path, else the Axes."""
+                 metric: str = "training/reward", val_metric: str | None = "auto"):
+    """Per setting, the mean over seeds of `metric` per step (a band of ± s.e.), and `val_metric`
+    as markers in the same colour (`auto`: `val/reward` when `metric` is the training reward, else
+    none — a validation reward does not belong on another metric's axis); saves a PNG when `path`
+    is given and returns its Path, else the Axes."""
+    if val_metric == "auto":
+        val_metric = "val/reward" if metric == "training/reward" else None
     import matplotlib
 
     if path is not None:
@@ -118,8 +122,8 @@ def plot_compare(run_dirs: Sequence[str | os.PathLike], path: str | os.PathLike 
         line, = ax.plot(mean.index, mean.values, label=f"{name} (n={frame.shape[1]})")
         if frame.shape[1] > 1:
             ax.fill_between(mean.index, mean - se, mean + se, alpha=0.2, color=line.get_color())
-        vals = [df.dropna(subset=["val/reward"]).groupby("step")["val/reward"].last()
-                for df in (_load_run(Path(r))[1] for r in group["run"]) if "val/reward" in df]
+        vals = [df.dropna(subset=[val_metric]).groupby("step")[val_metric].last()
+                for df in (_load_run(Path(r))[1] for r in group["run"]) if val_metric and val_metric in df]
         if vals:
             val = pd.concat(vals, axis=1).mean(axis=1)
             ax.plot(val.index, val.values, "o", color=line.get_color())

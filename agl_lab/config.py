@@ -92,7 +92,8 @@ AGL_LAB_DEFAULTS: dict[str, Any] = {
         "engine": "local",  # local | verl
         # verl engine device: auto → CUDA if present, else verl's real workers on CPU through
         # agl_lab's CPU platform (agl_lab/engines/verl/cpu.py); cpu | cuda force one
-        "verl": {"device": "auto"},
+        # placement_timeout_seconds: longest wait for verl's placement groups (a clear error, never a hang)
+        "verl": {"device": "auto", "placement_timeout_seconds": 120.0},
         "seed": 0,
         # torch intra-op threads: auto = 1 on ≤ 4 cores (torch's default collapses on a shared
         # machine, README "Torch threads"), else half the cores; a number; null = torch's default
@@ -109,7 +110,11 @@ AGL_LAB_DEFAULTS: dict[str, Any] = {
         "agent": None,  # "module:function" agent(task, ctx) → overrides the task's agent (CLI)
         "server": {
             "embedded": True,  # start store + gateway in process; false → use agl_base_url
-            "store": "memory",  # memory | sqlite:///path.db
+            # the embedded server binds `host` and hands out `advertise_host` in its URL (null: the
+            # bind host; a wildcard such as 0.0.0.0 advertises this machine's address) — addresses.py
+            "host": "127.0.0.1",
+            "advertise_host": None,
+            "store": "memory",  # memory | sqlite:///path.db | postgresql://user:pass@host:5432/db
             "include_log_probs": True,
             "val_temperature": 0.7,
             "token_preserving": False,
@@ -118,6 +123,11 @@ AGL_LAB_DEFAULTS: dict[str, Any] = {
             # null keeps the server's own default
             **{key: None for key in SERVER_PASSTHROUGH},
         },
+        # the engine's OpenAI servers (the local engine's; the verl CPU replicas', one per Ray node):
+        # the host they bind and the one their registered endpoints name. null host: loopback (the
+        # CPU replicas: their Ray node IP when the cluster's nodes are on several machines);
+        # "node_ip" (CPU replicas): the worker's Ray node IP; advertise_host null: the bind host
+        "serving": {"host": None, "advertise_host": None},
         "runner": {"enabled": True, "concurrency": 32, "agent_timeout_seconds": None},
         # wait_timeout_seconds: "auto" = agentlightning.rollout_timeout_seconds + 60 s (every
         # rollout ends by its own timeout first); a number; or null = unbounded (AGL v1)
@@ -320,6 +330,14 @@ def validate(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key)
         if value not in CHOICES[key]:
             raise ConfigError(f"{key}={value!r} is not one of {list(CHOICES[key])}")
+    unknown = [n for n in logger_names(cfg) if n not in LOGGERS]
+    if unknown:
+        raise ConfigError(f"trainer.logger has {unknown}, which agl_lab does not write; accepted values: "
+                          f"{list(LOGGERS)} (metrics.jsonl is always written)")
+    keep = cfg.trainer.get("max_actor_ckpt_to_keep")
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 0):
+        raise ConfigError(f"trainer.max_actor_ckpt_to_keep={keep!r}: use null or 0 (keep every checkpoint, "
+                          "verl's rule) or N > 0 (keep the newest N this run saved)")
     if cfg.actor_rollout_ref.rollout.n < 1:
         raise ConfigError("actor_rollout_ref.rollout.n must be >= 1 (the GRPO group size)")
     try:
@@ -365,12 +383,29 @@ def validate(cfg: DictConfig) -> None:
         if model.path is not None:
             raise ConfigError("set agl_lab.model.path or agl_lab.model.preset, not both (the preset is a path)")
     _check_server_overrides(cfg)
+    _check_hosts(cfg)
     rc = cfg.algorithm.get("rollout_correction") or {}
     if rc.get("bypass_mode") and not cfg.agl_lab.server.include_log_probs:
         raise ConfigError(
             "algorithm.rollout_correction.bypass_mode=true needs sampling logprobs: "
             "set agl_lab.server.include_log_probs=true"
         )
+
+
+HOST_KEYS = ("agl_lab.server.host", "agl_lab.server.advertise_host", "agl_lab.serving.host",
+             "agl_lab.serving.advertise_host")
+
+
+def _check_hosts(cfg: DictConfig) -> None:
+    """Bind/advertise hosts are host names or IP literals (agl_lab/addresses.py), not numbers or URLs."""
+    for key in HOST_KEYS:
+        value = OmegaConf.select(cfg, key, default=None)
+        if value is None and key != "agl_lab.server.host":
+            continue
+        if not isinstance(value, str) or not value or "/" in value or " " in value:
+            raise ConfigError(f"{key}={value!r} must be a host name or IP address (e.g. 127.0.0.1, 0.0.0.0, "
+                              "10.0.0.5; no scheme or port)" + ("" if key != "agl_lab.server.host" else
+                                                                 "; the default is 127.0.0.1"))
 
 
 def _check_server_overrides(cfg: DictConfig) -> None:
@@ -420,20 +455,23 @@ def rollout_wait_timeout(cfg: DictConfig) -> float | None:
     return None if wait is None else float(wait)
 
 
-def loggers(cfg: DictConfig) -> tuple[bool, str]:
-    """(console on?, W&B mode) from `trainer.logger` (verl) and `agl_lab.wandb.mode`."""
-    names = cfg.trainer.logger
-    names = [str(names)] if isinstance(names, str) else [str(n) for n in names]
-    unknown = set(names) - {"console", "wandb"}
-    if unknown:
-        import warnings
+#: `trainer.logger` entries agl_lab writes (verl's names; `metrics.jsonl` is always written)
+LOGGERS = ("console", "wandb", "tensorboard")
 
-        warnings.warn(f"trainer.logger entries {sorted(unknown)} have no effect in agl_lab (console and wandb "
-                      "are supported; metrics.jsonl is always written)", ConfigWarning, stacklevel=2)
+
+def logger_names(cfg: DictConfig) -> list[str]:
+    """`trainer.logger` as a list (verl accepts one name or a list)."""
+    names = cfg.trainer.logger
+    return [str(names)] if isinstance(names, str) else [str(n) for n in (names or [])]
+
+
+def loggers(cfg: DictConfig) -> tuple[bool, str, bool]:
+    """(console on?, W&B mode, tensorboard on?) from `trainer.logger` (verl) and `agl_lab.wandb.mode`."""
+    names = logger_names(cfg)
     mode = cfg.agl_lab.wandb.mode
     if mode is None:
         mode = "offline" if "wandb" in names else "disabled"
-    return "console" in names, str(mode)
+    return "console" in names, str(mode), "tensorboard" in names
 
 
 def task_files(cfg: DictConfig) -> tuple[Any, Any]:

@@ -40,7 +40,9 @@ LOCAL_HONOURED = (
     "algorithm.kl_ctrl", "algorithm.rollout_correction",
     "data.train_batch_size", "data.max_prompt_length", "data.max_response_length", "data.shuffle",
     "data.train_files", "data.val_files",
-    "actor_rollout_ref.model.path",
+    "actor_rollout_ref.model.path", "actor_rollout_ref.model.lora_rank", "actor_rollout_ref.model.lora_alpha",
+    "actor_rollout_ref.model.target_modules", "actor_rollout_ref.model.exclude_modules",
+    "actor_rollout_ref.model.lora_adapter_path",
     "actor_rollout_ref.rollout.n", "actor_rollout_ref.rollout.temperature",
     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", "actor_rollout_ref.rollout.val_kwargs.n",
     "actor_rollout_ref.actor.ppo_epochs", "actor_rollout_ref.actor.ppo_mini_batch_size",
@@ -57,6 +59,7 @@ LOCAL_HONOURED = (
     "trainer.project_name", "trainer.experiment_name", "trainer.total_training_steps", "trainer.total_epochs",
     "trainer.val_before_train", "trainer.val_only", "trainer.test_freq", "trainer.save_freq",
     "trainer.default_local_dir", "trainer.resume_mode", "trainer.resume_from_path", "trainer.logger",
+    "trainer.max_actor_ckpt_to_keep",
 )
 
 # agl_lab keys only the local engine reads → what the verl engine reads instead.
@@ -86,6 +89,7 @@ RANGES: tuple[tuple[str, float, bool], ...] = (
     ("agl_lab.rollout.drain_timeout_seconds", 0, True),
     ("agl_lab.runner.concurrency", 0, True),
     ("agl_lab.algorithm.max_abs_reward", 0, True),
+    ("agl_lab.verl.placement_timeout_seconds", 0, True),
 )
 
 
@@ -95,12 +99,14 @@ RANGES: tuple[tuple[str, float, bool], ...] = (
 # engine is built. These override the type of the default.
 TYPED: dict[str, tuple[str, tuple[str, ...]]] = {
     "actor_rollout_ref.actor.entropy_coeff": ("float", ()),
+    "actor_rollout_ref.model.lora_alpha": ("float", ()),
     "trainer.total_training_steps": ("int", ()),
     "agentlightning.max_ppo_update_times": ("int", ()),
     "agentlightning.async_rollout.async_train_batch_size": ("int", ()),
     "agl_lab.runner.agent_timeout_seconds": ("float", ()),
     "agl_lab.torch_threads": ("int", ("auto",)),
     "agl_lab.record.max_steps": ("int", ()),  # null: keep every step's recording
+    "trainer.max_actor_ckpt_to_keep": ("int", ()),  # null or 0: keep every checkpoint (verl)
 }
 
 # verl's agg_loss modes (core_algos.agg_loss); the local engine accepts the same ones.
@@ -229,6 +235,9 @@ def warn_ineffective(cfg: DictConfig, defaults: DictConfig, keys: Iterable[str])
                      "agentlightning.agl_base_url runs with its own settings (set them there)"
                      for p in keys if p.startswith("agl_lab.server.") and p != "agl_lab.server.embedded"
                      and _changed(cfg, defaults, p)]
+    if "trainer.max_actor_ckpt_to_keep" in keys and cfg.trainer.get("max_actor_ckpt_to_keep") == 0:
+        messages.append("trainer.max_actor_ckpt_to_keep=0 keeps every checkpoint (verl's rule: null or 0 is no "
+                        "limit); set N > 0 to keep the newest N")
     messages += contradictions(cfg)
     messages += _loss_agg_unused(cfg, keys)  # both engines: per_rollout_mean is the same loss in verl's registry
     n, est = int(cfg.actor_rollout_ref.rollout.n), str(cfg.algorithm.adv_estimator).lower()

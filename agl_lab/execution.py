@@ -62,6 +62,8 @@ class Execution:
 
             self.server = EmbeddedServer(
                 key=self.key,
+                host=str(lab.server.get("host") or "127.0.0.1"),  # agl_lab.server.host / advertise_host: addresses.py
+                advertise_host=lab.server.get("advertise_host"),
                 store=str(lab.server.store),
                 token_preserving=bool(lab.server.token_preserving),
                 call_seed=int(lab.seed) if lab.server.seed_calls else None,
@@ -84,6 +86,9 @@ class Execution:
             self.base_url = str(agl.agl_base_url).rstrip("/")
         self.client = AglClient(self.base_url, key=self.key)
         self._closers.append(self.client.close)
+        if not lab.server.embedded:
+            check_external_server(self.client, model_name=engine.model_name,
+                                  temperature=float(cfg.actor_rollout_ref.rollout.temperature))
         if lab.runner.enabled and (agent is not None or agl.local.agent_class):
             from agl_lab.runner import Runner
 
@@ -144,6 +149,41 @@ class Execution:
         while self._closers:
             with contextlib.suppress(Exception):
                 self._closers.pop()()
+
+
+def check_external_server(client: Any, *, model_name: str, temperature: float) -> None:
+    """An external server (`agl_lab.server.embedded=false`) must route the engine's model name and
+    sample training calls at the temperature the update recomputes logprobs at; otherwise every
+    call answers 503 ("No servers available for model …") or trains on the wrong distribution.
+    Raises ConfigError with the `agl-lab serve` flags that fix it. A server without
+    `/proxy/config` (Agent Lightning's own) cannot be asked: one warning says so."""
+    import warnings
+
+    from agl_lab.client import AglHTTPError
+
+    try:
+        remote = client.proxy_config()
+    except AglHTTPError as exc:
+        if exc.status_code != 404:
+            raise
+        warnings.warn(f"the server at {client.base_url} has no /proxy/config (not agl_lab's server?): its model name "
+                      f"and train temperature could not be checked against the engine's ({model_name!r}, "
+                      f"{temperature:g}); make sure they match", config_mod.ConfigWarning, stacklevel=3)
+        return
+    problems = []
+    if remote.get("model_name") != model_name:
+        problems.append(f"its default_proxy.model_name is {remote.get('model_name')!r} but the engine registers its "
+                        f"endpoints as {model_name!r} (every proxied call would answer 503): start it with "
+                        f"`agl-lab serve --model-name {model_name}`")
+    if float(remote.get("train_temperature", -1)) != temperature:
+        problems.append(f"it samples training calls at temperature {remote.get('train_temperature')} but "
+                        f"actor_rollout_ref.rollout.temperature={temperature:g} (the update would recompute old "
+                        f"logprobs at another temperature than the one sampled): start it with "
+                        f"`--train-temperature {temperature:g}`, or set actor_rollout_ref.rollout.temperature to "
+                        "the server's")
+    if problems:
+        raise config_mod.ConfigError(f"agl_lab.server.embedded=false: the server at {client.base_url} does not match "
+                                     "this engine: " + "; ".join(problems))
 
 
 def _rollout_config(agl: Any) -> dict[str, Any]:

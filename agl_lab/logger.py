@@ -1,4 +1,12 @@
-"""Where metrics go: one console line per step, `metrics.jsonl` in the run directory, W&B.
+"""Where metrics go: one console line per step, `metrics.jsonl` in the run directory, W&B, TensorBoard.
+
+`trainer.logger` (verl's key) picks the sinks: `console`, `wandb`, `tensorboard`;
+`metrics.jsonl` is always written, and so is `reward_curve.png` each time a validation is
+logged (training reward per step, validation points so far), so a run stopped mid-way has
+its curve. `tensorboard` is verl's own backend (`verl.utils.tracking.Tracking`): one scalar
+per metric under its verl name, in `$TENSORBOARD_DIR`, else
+`tensorboard_log/{trainer.project_name}/{trainer.experiment_name}` under the working directory
+(verl's rule).
 
 W&B is off by default (`agl_lab.wandb.mode: disabled`); `offline` writes a local run that
 `wandb sync` can upload later, `online` needs an API key. Nothing here is imported by the
@@ -87,22 +95,44 @@ def format_console_line(step: int, metrics: Mapping[str, Any]) -> str:
 
 
 class MetricsLogger:
-    """Append-only metric sink. `log(step, metrics)` writes one JSON object per call."""
+    """Append-only metric sink. `log(step, metrics)` writes one JSON object per call.
+
+    `curve_path`: where `log` redraws the reward curve whenever a record carries `val/reward`
+    (None: only `write_curve` draws it). `tensorboard`: also write every numeric metric as a
+    scalar through verl's `Tracking` (see the module docstring for the directory).
+    """
 
     def __init__(self, run_dir: str | os.PathLike, *, console: bool = True,
                  wandb_mode: str = "disabled", project: str = "agl_lab",
-                 experiment: str = "run", config: Mapping[str, Any] | None = None):
+                 experiment: str = "run", config: Mapping[str, Any] | None = None,
+                 tensorboard: bool = False, curve_path: str | os.PathLike | None = None):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
         self.console = console
+        self.curve_path = None if curve_path is None else Path(curve_path)
         self.history: list[dict[str, Any]] = []
         self._wandb_run = None
+        self._tracking = None
         if wandb_mode != "disabled":
             import wandb
 
             self._wandb_run = wandb.init(project=project, name=experiment, mode=wandb_mode,
                                          dir=str(self.run_dir), config=dict(config or {}))
+        if tensorboard:
+            from verl.utils.tracking import Tracking
+
+            self._tracking = Tracking(project, experiment, default_backend=["tensorboard"])
+
+    @classmethod
+    def for_run(cls, cfg: Any, run_dir: str | os.PathLike, *, console: bool = True) -> "MetricsLogger":
+        """The sinks `trainer.logger` and `agl_lab.wandb.mode` ask for, writing into `run_dir`."""
+        from agl_lab import config as config_mod
+
+        console_on, wandb_mode, tensorboard = config_mod.loggers(cfg)
+        return cls(run_dir, console=console and console_on, wandb_mode=wandb_mode, tensorboard=tensorboard,
+                   project=str(cfg.trainer.project_name), experiment=str(cfg.trainer.experiment_name),
+                   config=config_mod.to_container(cfg), curve_path=Path(run_dir) / "reward_curve.png")
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         record = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
@@ -113,6 +143,25 @@ class MetricsLogger:
             print(format_console_line(step, metrics), flush=True)
         if self._wandb_run is not None:
             self._wandb_run.log(dict(metrics), step=step)
+        if self._tracking is not None:  # scalars only: TensorBoard's add_scalar takes one number
+            self._tracking.log({k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))
+                                and not isinstance(v, bool)}, step=step)
+        if self.curve_path is not None and record.get("val/reward") is not None:
+            self.write_curve(self.curve_path)  # the validation curve so far, at trainer.test_freq
+
+    @property
+    def frame(self):
+        """Every logged record as a DataFrame indexed by step (a validation logged before
+        training shares its step's row)."""
+        import pandas as pd
+
+        return pd.DataFrame(self.history).groupby("step").last() if self.history else pd.DataFrame()
+
+    def write_curve(self, path: str | os.PathLike | None = None):
+        """Training reward per step and validation reward where it ran (`viz.plot_run_metrics`)."""
+        from agl_lab.viz import plot_run_metrics
+
+        return plot_run_metrics(self.frame, path)
 
     def drop_after(self, step: int) -> int:
         """Keep only the lines of steps <= `step` in metrics.jsonl (rewritten atomically), and a
@@ -154,6 +203,9 @@ class MetricsLogger:
         if self._wandb_run is not None:
             self._wandb_run.finish()
             self._wandb_run = None
+        if self._tracking is not None:
+            self._tracking.finish()
+            self._tracking = None
 
 
 def throughput_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:

@@ -203,6 +203,36 @@ class UpdateResult:
     dropped: pd.DataFrame
     skipped: bool = False
     policy_version: int = 0
+    # For `tokens`: the BatchResult updated on, the batch as trained (old_log_probs, advantages;
+    # dropped rows gone), the engine that trained it and the sampling temperature.
+    batch: Any = field(default=None, repr=False)
+    trained: Any = field(default=None, repr=False)
+    engine: Any = field(default=None, repr=False)
+    temperature: float = 1.0
+
+    def tokens(self, row: Any) -> pd.DataFrame:
+        """One line per response token of `row` — an int (the row of the batch: `b.rows.batch_index`)
+        or a line of `b.rows` — with the rollout, old and new logprob, ratio, entropy, loss mask and
+        advantage (`agl_lab.token_view`; new logprob and entropy: the engine's current policy,
+        computed now, = this update's policy unless the engine trained again)."""
+        from agl_lab.token_view import find_row, row_key, tokens_frame
+
+        if self.trained is None or self.engine is None or self.batch is None:
+            raise RuntimeError("UpdateResult.tokens needs the trained batch and its engine: use the result of "
+                               "Trainer.update() (a skipped or replayed update has neither)")
+        import warnings
+
+        rollout_id, first_call = row_key(row, self.batch.data)
+        i, data = find_row(self.trained, rollout_id, first_call), self.trained
+        if i is None:  # dropped before the update: its tokens from the built batch, nothing of the update
+            warnings.warn(f"the row of rollout {rollout_id} starting at call {first_call} was not trained (dropped "
+                          "before the update: see UpdateResult.dropped); old_logprob, ratio and advantage are NaN",
+                          stacklevel=2)
+            i, data = find_row(self.batch.data, rollout_id, first_call), self.batch.data
+        frame = tokens_frame(data, i, self.engine, self.batch.tokenizer, temperature=self.temperature,
+                             policy_version=self.policy_version)
+        frame.attrs["trained"] = data is self.trained
+        return frame
 
     @property
     def dropped_rows(self) -> int:

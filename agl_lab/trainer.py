@@ -111,6 +111,7 @@ class Trainer:
         self._last_rollout: RolloutResult | None = None
         self._last_batch: BatchResult | None = None
         self._last_update: UpdateResult | None = None
+        self._saved: list[Path] = []  # checkpoints this Trainer saved (trainer.max_actor_ckpt_to_keep prunes them)
 
         train_files, val_files = config_mod.task_files(cfg)
         self.agent, self.task = agent_and_task(cfg, agent, task, has_tasks=train_dataset is not None or train_files is not None)
@@ -136,11 +137,7 @@ class Trainer:
             self.close()
             raise
         self.run_dir = Path(run_dir or lab.run_dir or self._default_run_dir())
-        console_on, wandb_mode = config_mod.loggers(cfg)
-        self.metrics_logger = MetricsLogger(
-            self.run_dir, console=console and console_on, wandb_mode=wandb_mode,
-            project=str(cfg.trainer.project_name), experiment=str(cfg.trainer.experiment_name),
-            config=config_mod.to_container(cfg))
+        self.metrics_logger = MetricsLogger.for_run(cfg, self.run_dir, console=console)  # trainer.logger
         self._closers.append(self.metrics_logger.close)
         OmegaConf.save(config_mod.redact_secrets(cfg), self.run_dir / "config.yaml")  # asked for, less secrets
         from agl_lab.replay import Recorder
@@ -298,6 +295,19 @@ class Trainer:
         self.global_step = batch.step + 1
         return result
 
+    def tokens(self, row: Any, result: UpdateResult | BatchResult | None = None):
+        """Per-token logprobs, ratio, entropy, loss mask and advantage of one row (`agl_lab.token_view`)
+        of `result` (default: the last update). A BatchResult not yet updated on: old logprob
+        and ratio NaN, new logprob and entropy of the current policy."""
+        from agl_lab.token_view import find_row, row_key, tokens_frame
+
+        result = result or self._require(self._last_update, "trainer.update()")
+        if isinstance(result, UpdateResult):
+            return result.tokens(row)
+        temperature = float(self.cfg.actor_rollout_ref.rollout.temperature)
+        i = find_row(result.data, *row_key(row, result.data))
+        return tokens_frame(result.data, i, self.engine, result.tokenizer, temperature=temperature)
+
     # ------------------------------------------------------------------ loops
 
     def step(self) -> dict[str, Any]:
@@ -365,25 +375,13 @@ class Trainer:
     def metrics(self):
         """Every logged step of this run as a DataFrame indexed by step (a validation logged
         before training shares its step's row). Stages run one by one are not logged."""
-        import pandas as pd
-
-        history = self.metrics_logger.history
-        return pd.DataFrame(history).groupby("step").last() if history else pd.DataFrame()
+        return self.metrics_logger.frame
 
     def plot_metrics(self, path: str | os.PathLike | None = None):
         """Training reward per step (and validation reward where validation ran); saves a PNG
         when `path` is given and returns its Path, else returns the Axes; None before the
-        first step."""
-        from agl_lab.viz import plot_reward_curve
-
-        df = self.metrics
-        if "training/reward" not in df:
-            return None
-        train = df["training/reward"].dropna()
-        val = df["val/reward"].dropna() if "val/reward" in df else None
-        return plot_reward_curve(train.to_numpy(), steps=train.index.to_numpy(), path=path,
-                                 val=None if val is None or val.empty else val.to_dict(),
-                                 window=max(1, min(10, len(train) // 3)))
+        first step. `fit` writes `run_dir/reward_curve.png` at each validation and at its end."""
+        return self.metrics_logger.write_curve(path)
 
     def _default_total_steps(self) -> int:
         if self.cfg.trainer.total_training_steps:
@@ -485,8 +483,10 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         """`save()` to `default_local_dir/global_step_N` atomically, then mark it the latest
-        (`latest_checkpointed_iteration.txt`, as verl)."""
-        return checkpoints.save_atomically(self.checkpoint_root, self.global_step, self.save)
+        (`latest_checkpointed_iteration.txt`, as verl); keeps the newest
+        `trainer.max_actor_ckpt_to_keep` this Trainer saved (`checkpoints.prune`)."""
+        return checkpoints.save_atomically(self.checkpoint_root, self.global_step, self.save, saved=self._saved,
+                                           keep=self.cfg.trainer.get("max_actor_ckpt_to_keep"))
 
     def resume(self) -> Path | None:
         """Resume once per `trainer.resume_mode`: `auto` (latest checkpoint under

@@ -103,7 +103,8 @@ def run_update(cfg, engine: Engine, batch: BatchResult, *, step: int) -> UpdateR
     weights = rollout_weights_table(prepared, loss_mode=opts["loss_mode"], divisor=opts["divisor"],
                                     num_trained_rows=len(prepared))
     return UpdateResult(step=step, metrics=metrics, weights=weights,
-                        dropped=pd.DataFrame(records, columns=_DROP_COLUMNS), policy_version=engine.policy_version)
+                        dropped=pd.DataFrame(records, columns=_DROP_COLUMNS), policy_version=engine.policy_version,
+                        batch=batch, trained=prepared, engine=engine, temperature=data.meta_info["temperature"])
 
 
 ALIGNMENT_WARN_FRACTION = 0.2  # warn when alignment drops more than this share of the rows that carry signal

@@ -123,6 +123,18 @@ def plot_reward_curve(rewards: Sequence[float], *, window: int = 10, path: str |
     return _finish(plt, ax, own, path)
 
 
+def plot_run_metrics(metrics, path: str | os.PathLike | None = None):
+    """`plot_reward_curve` of a run's metrics frame (`Trainer.metrics`: indexed by step,
+    `training/reward` and, where validation ran, `val/reward`); None before the first step."""
+    if "training/reward" not in metrics:
+        return None
+    train = metrics["training/reward"].dropna()
+    val = metrics["val/reward"].dropna() if "val/reward" in metrics else None
+    return plot_reward_curve(train.to_numpy(), steps=train.index.to_numpy(), path=path,
+                             val=None if val is None or val.empty else val.to_dict(),
+                             window=max(1, min(10, len(train) // 3)))
+
+
 _LIFECYCLE = (("queue_wait_s", "queue wait", "#f0a040"), ("run_s", "run", "#3a7bd5"),
               ("total_s", "total", "#555555"))
 

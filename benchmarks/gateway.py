@@ -1,13 +1,14 @@
 """The gateway hop and the store, side by side with Agent Lightning 1.0.2's server, in one run.
 
     python benchmarks/gateway.py [--agents 1,8,64,256] [--delay 0.005] [--seconds 3] [--no-agl] [--no-floor]
-                                 [--rounds 4] [--pairs N] [--events 5000]
+                                 [--rounds 4] [--pairs N] [--events 5000] [--postgres auto]
 
 Processes as in a real run, all on loopback:
 - a fake OpenAI upstream: a minimal asyncio HTTP/1.1 server (uvloop when installed) answering
   every POST after `--delay` seconds of "model time" with one canned vLLM-shaped chat
   completion (600 prompt ids, 64 response ids with logprobs), so the upstream costs little CPU;
-- the servers under test: `agl-lab serve` with the memory store and with the SQLite store,
+- the servers under test: `agl-lab serve` with the memory store and with the SQLite store (and
+  with the PostgreSQL store given `--postgres URL|auto`),
   and (when `agentlightning` is importable) AGL's own `create_app` under uvicorn with its
   entry point's settings — each process idle while another is measured;
 - three floors (this script's `--serve-floor`), for what the hop costs at the least: `floor`,
@@ -36,7 +37,7 @@ machine's load lands on every row alike; each server keeps its agents' connectio
 3. the gateway process's user+system CPU per proxied call (/proc), the figure least sensitive
    to the machine's load.
 
-Then in process: `Store.append_event` rate on both stores (model_request-sized payloads), and
+Then in process: `Store.append_event` rate on each store (model_request-sized payloads), and
 the cost of a terminal-cursor poll with 10 000 terminal rollouts in the store (the caught-up
 poll a rollout manager makes every tick, and a full 1000-item page).
 
@@ -69,7 +70,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from agl_lab.server.gateway import proxy_base_url  # noqa: E402
-from agl_lab.server.store import open_store  # noqa: E402
+from agl_lab.server.backends import open_store  # noqa: E402
 
 MODEL = "bench-model"
 KEY = "bench-key"
@@ -500,7 +501,7 @@ def setup_server(base: str, upstream: str, rollout_ids: list[str]) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def store_rows(n_events: int, tmp: str) -> list[list[str]]:
+def store_rows(n_events: int, tmp: str, postgres: str | None = None) -> list[list[str]]:
     from agl_lab.protocol import RolloutCreate, RolloutStatusPatch
 
     data = {"model": MODEL, "model_version": 0, "request": BODY,
@@ -509,7 +510,7 @@ def store_rows(n_events: int, tmp: str) -> list[list[str]]:
             "server": {"model": MODEL, "endpoint": "http://x/v1", "version": 0}, "latency_ms": 1.0,
             "http_status": 200, "status": "ok", "retry_count": 0, "usage": None, "finish_reason": "stop"}
     rows = []
-    for url in ("memory", f"sqlite:///{tmp}/bench-store.db"):
+    for url in ("memory", f"sqlite:///{tmp}/bench-store.db", *([postgres] if postgres else [])):
         store = open_store(url)
         store.create_rollouts([RolloutCreate(rollout_id=f"s{i}", input={}) for i in range(32)])
         t0 = time.perf_counter()
@@ -541,6 +542,24 @@ def store_rows(n_events: int, tmp: str) -> list[list[str]]:
     return rows
 
 
+@contextlib.contextmanager
+def postgres_urls(given: str | None) -> Iterator[list[str]]:
+    """--postgres: [] without it; 'auto': two fresh databases on a throwaway server; else the two URLs."""
+    if not given:
+        yield []
+    elif given != "auto":
+        urls = given.split(",")
+        yield urls if len(urls) == 2 else urls * 2
+    else:
+        from tests.postgres import PostgresCluster
+
+        cluster = PostgresCluster.start()
+        try:
+            yield [cluster.create_database(), cluster.create_database()]
+        finally:
+            cluster.stop()
+
+
 def table(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     lines = [" | ".join(h.rjust(w) for h, w in zip(header, widths)), "-+-".join("-" * w for w in widths)]
@@ -559,6 +578,9 @@ def main() -> None:
                    help="direct/gateway pairs per agent in the latency phase (default: 400 at one agent, "
                         "≥ 1,600 samples above; a small number only checks that the script runs)")
     p.add_argument("--no-agl", action="store_true", help="skip AGL even when importable")
+    p.add_argument("--postgres", default=None, metavar="URL|auto",
+                   help="also measure the PostgreSQL store: two empty databases' URLs, comma-separated (the "
+                        "server's, the store table's), or 'auto' to start a throwaway PostgreSQL (tests/postgres.py)")
     p.add_argument("--no-floor", action="store_true", help="skip the three floor servers")
     p.add_argument("--serve-upstream", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--serve-floor", nargs=3, default=None, help=argparse.SUPPRESS)  # PORT UPSTREAM_PORT bytes|json|uvicorn
@@ -583,12 +605,14 @@ def main() -> None:
           f"throughput phase={args.seconds:.0f} s; AGL {'measured' if use_agl else 'not importable: skipped'}")
     rollout_ids = [f"bench-{i}" for i in range(max(counts))]
     results: dict[tuple[str, int], dict] = {}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, postgres_urls(args.postgres) as pg_urls:
         upstream_args = lambda port: ["benchmarks/gateway.py", "--serve-upstream", str(port),  # noqa: E731
                                       "--delay", str(args.delay)]
         ours = lambda store: lambda port: ["-m", "agl_lab.cli", "serve", "--port", str(port), "--key", KEY,  # noqa: E731
                                            "--model-name", MODEL, "--store", store, "--log-level", "warning"]
         servers = {"memory": ours("memory"), "sqlite": ours(f"sqlite:///{tmp}/bench-gw.db")}
+        if pg_urls:
+            servers["postgresql"] = ours(pg_urls[0])
         if use_agl:
             servers["AGL"] = lambda port: ["-c", AGL_SERVER, str(port), KEY, MODEL]
         health = lambda port: f"http://127.0.0.1:{port}/healthz"  # noqa: E731
@@ -609,7 +633,7 @@ def main() -> None:
         print_gateway(results, counts, list(servers), use_agl)
         print(f"\nStore (in process; 10k terminal rollouts for the polls)  load={load()}")
         print(table(["store", "events", "appends/s", "reads/s", "caught-up poll µs", "1000-item page ms", "load"],
-                    store_rows(args.events, tmp)))
+                    store_rows(args.events, tmp, pg_urls[1] if pg_urls else None)))
 
 
 # Issue #17's figures for AGL 1.0.2's server (quiet machine, 2026-11-30): added p50/p99 in ms at

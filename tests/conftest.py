@@ -1,12 +1,16 @@
 """Shared fixtures: real servers on loopback (no mocks).
 
-- `store_url`       parametrised: "memory" and a fresh "sqlite:///…" file (runs a test on both backends)
+- `store_url`       parametrised: "memory" and a fresh "sqlite:///…" file (runs a test on both backends;
+                    AGL_LAB_TEST_STORES=memory,sqlite,postgresql adds PostgreSQL)
+- `every_store_url` the same plus a fresh "postgresql://…" database (`postgres_database`)
+- `postgres`        one real PostgreSQL server for the session (tests/postgres.py), skipped where not installed
 - `embedded_server` factory: `embedded_server(**ServerConfig overrides) -> EmbeddedServer`, stopped at teardown
 - `fake_upstream`   a FakeOpenAI (tests/fakes.py) on a loopback port, reset before each test
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -14,11 +18,48 @@ import pytest
 
 from agl_lab.server.embedded import EmbeddedServer
 from tests.fakes import FakeOpenAI
+from tests.postgres import PostgresCluster
 
 
-@pytest.fixture(params=["memory", "sqlite"])
+def _store_url(request: pytest.FixtureRequest, tmp_path: Any) -> str:
+    if request.param == "memory":
+        return "memory"
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path}/store.db"
+    return request.getfixturevalue("postgres_database")
+
+
+# the backends of `store_url` (AGL_LAB_TEST_STORES=memory,sqlite,postgresql runs the server, gateway
+# and runner tests on PostgreSQL too: they pass there, ~1.5 min more)
+STORE_BACKENDS = os.environ.get("AGL_LAB_TEST_STORES", "memory,sqlite").split(",")
+
+
+@pytest.fixture(params=STORE_BACKENDS)
 def store_url(request: pytest.FixtureRequest, tmp_path: Any) -> str:
-    return "memory" if request.param == "memory" else f"sqlite:///{tmp_path}/store.db"
+    return _store_url(request, tmp_path)
+
+
+@pytest.fixture(params=["memory", "sqlite", "postgresql"])
+def every_store_url(request: pytest.FixtureRequest, tmp_path: Any) -> str:
+    """`store_url` with PostgreSQL too: the store's own tests (tests/test_store*.py) override
+    `store_url` with it, so they run on every backend."""
+    return _store_url(request, tmp_path)
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[PostgresCluster]:
+    """One PostgreSQL server for the session (tests/postgres.py); skipped where it is not installed."""
+    cluster = PostgresCluster.start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def postgres_database(postgres: PostgresCluster) -> Iterator[str]:
+    """The URL of a fresh, empty database, dropped after the test."""
+    url = postgres.create_database()
+    yield url
+    postgres.drop_database(url)
 
 
 @pytest.fixture

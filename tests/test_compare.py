@@ -45,6 +45,17 @@ def test_plot_compare_writes_a_png(run_dirs, tmp_path):
     assert path.stat().st_size > 0
 
 
+def test_plot_compare_puts_validation_markers_only_on_the_reward_axis(run_dirs):
+    import matplotlib.pyplot as plt
+
+    markers = lambda ax: [ln for ln in ax.get_lines() if ln.get_linestyle() == "None"]  # noqa: E731
+    reward = agl_lab.plot_compare(run_dirs)
+    assert len(markers(reward)) == 2  # one validation series per setting
+    grad = agl_lab.plot_compare(run_dirs, metric="actor/grad_norm")
+    assert markers(grad) == [] and len(grad.get_lines()) == 2
+    plt.close("all")
+
+
 def test_compare_names_what_is_missing(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.yaml not found"):
         agl_lab.compare([tmp_path])

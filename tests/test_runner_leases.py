@@ -11,7 +11,7 @@ from agl_lab.client import AglClient, RolloutWaitTimeout
 from agl_lab.protocol import RolloutCreate, RolloutState, RolloutStatusPatch
 from agl_lab.rollout import SyncRolloutManager
 from agl_lab.runner import Runner
-from agl_lab.server.store import open_store
+from agl_lab.server.backends import open_store
 
 KEY = "lease-key"
 

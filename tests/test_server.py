@@ -113,7 +113,7 @@ def test_agl_lab_serve_runs_in_the_foreground(tmp_path):
 
 
 def test_serve_main_rejects_bad_store_url():
-    with pytest.raises(ValueError, match="unknown store url"):
+    with pytest.raises(SystemExit, match=r"^agl-lab serve: --store: unknown store url 'mysql://x': use 'memory'"):
         serve_main(["--port", "0", "--store", "mysql://x"])
 
 

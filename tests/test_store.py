@@ -1,4 +1,4 @@
-"""The store's semantics on both backends, persistence, the bounded terminal log.
+"""The store's semantics on every backend (memory, SQLite, PostgreSQL), persistence, the bounded terminal log.
 
 The triplet view the server serves over the store's events is tested in test_records.py."""
 
@@ -10,17 +10,22 @@ import time
 import pytest
 
 from agl_lab.protocol import Event, Model, RolloutCreate, RolloutState, RolloutStatusPatch
+from agl_lab.server.backends import open_store
 from agl_lab.server.storable import NotStorable
 from agl_lab.server.store import (
     InvalidTransition,
     MemoryStore,
     RolloutNotFound,
     SqliteStore,
-    open_store,
 )
 
 RUNNING = RolloutStatusPatch(state=RolloutState.RUNNING)
 SUCCEEDED = RolloutStatusPatch(state=RolloutState.SUCCEEDED)
+
+
+@pytest.fixture
+def store_url(every_store_url):  # this file runs on every backend: memory, SQLite, PostgreSQL
+    return every_store_url
 
 
 @pytest.fixture
@@ -50,8 +55,8 @@ def test_open_store_urls(tmp_path):
     s = open_store(f"sqlite:///{tmp_path}/sub/dir/x.db")
     assert isinstance(s, SqliteStore) and (tmp_path / "sub/dir/x.db").exists()
     s.close()
-    with pytest.raises(ValueError, match="sqlite:///path/to/store.db"):
-        open_store("postgres://x")
+    with pytest.raises(ValueError, match="sqlite:///path/to/store.db' or 'postgresql://"):
+        open_store("mysql://x")
     with pytest.raises(ValueError, match="terminal_log_limit must be >= 1"):
         open_store("memory", terminal_log_limit=0)
 

@@ -1,6 +1,6 @@
 """What the store's API accepts can be read back; bad values answer 4xx naming the field.
 
-Real HTTP on loopback, both store backends (`store_url`). Each test sends what once stored an
+Real HTTP on loopback, every store backend (`store_url`). Each test sends what once stored an
 unreadable value or answered 500, then checks the answer and that every listing still reads.
 """
 
@@ -14,6 +14,11 @@ import pytest
 from agl_lab.server.storable import MAX_DEPTH, NotStorable, check_storable, dump_storable
 
 KEY = "k"
+
+
+@pytest.fixture
+def store_url(every_store_url):  # this file runs on every backend: memory, SQLite, PostgreSQL
+    return every_store_url
 
 
 @pytest.fixture

@@ -21,7 +21,8 @@ import httpx
 import pytest
 
 from agl_lab.server.embedded import EmbeddedServer
-from agl_lab.server.store import StoreLocked, open_store
+from agl_lab.server.backends import open_store
+from agl_lab.server.store import StoreLocked
 
 KEY = "integrity-key"
 
@@ -164,7 +165,7 @@ def test_one_file_through_a_link_is_one_store(tmp_path, link):
         os.symlink(db, alias) if link == "symlink" else os.link(db, alias)
         with pytest.raises(StoreLocked, match="already open"):
             open_store(f"sqlite:///{alias}")
-        code = f"from agl_lab.server.store import open_store; open_store({f'sqlite:///{alias}'!r})"
+        code = f"from agl_lab.server.backends import open_store; open_store({f'sqlite:///{alias}'!r})"
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
         assert proc.returncode != 0 and "StoreLocked" in proc.stderr and "already open" in proc.stderr
         if link == "symlink":  # the holder's pid is beside the resolved name (a hard link has its own name)

@@ -11,9 +11,15 @@ import pytest
 
 from agl_lab.client import AglClient
 from agl_lab.protocol import RolloutCreate
-from agl_lab.server.store import StoreLocked, open_store
+from agl_lab.server.backends import open_store
+from agl_lab.server.store import StoreLocked
 
 KEY = "k"
+
+
+@pytest.fixture
+def store_url(every_store_url):  # this file runs on every backend: memory, SQLite, PostgreSQL
+    return every_store_url
 
 
 @pytest.fixture
@@ -94,7 +100,7 @@ def test_a_second_store_on_one_sqlite_file_is_refused(tmp_path):
     try:
         with pytest.raises(StoreLocked, match="already open in another store or server process"):
             open_store(url)
-        code = f"from agl_lab.server.store import open_store; open_store({url!r})"
+        code = f"from agl_lab.server.backends import open_store; open_store({url!r})"
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
         assert proc.returncode != 0 and "StoreLocked" in proc.stderr and "stop that server" in proc.stderr
     finally:

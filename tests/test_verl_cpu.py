@@ -230,14 +230,22 @@ def test_save_and_load_round_trip_on_the_real_workers(trainer, tmp_path):
 
 
 def test_placement_check_names_the_config_keys():
-    from agl_lab.engines.verl.trainer import check_placement
+    from agl_lab.engines.verl.cluster import check_placement
 
-    check_placement({"global_pool": [1]}, 3, {"CPU": 4.0, "GPU": 1.0})  # fits: nothing raised
+    def nodes(*free):  # one node per (CPUs, GPUs) free
+        return {f"node{i}": {"ip": f"10.0.0.{i}", "available": {"CPU": c, "GPU": g}} for i, (c, g) in enumerate(free)}
+
+    check_placement({"global_pool": [1]}, 3, nodes((4.0, 1.0)))  # fits: nothing raised
     # the first cpu_verl run: num_cpus 2, while verl asks {CPU: 3, GPU: 1} per worker → Ray waited for ever
-    with pytest.raises(ValueError, match=r"need 3 CPUs and 1 GPUs.*num_cpus>=3.*num_gpus>=1"):
-        check_placement({"global_pool": [1]}, 3, {"CPU": 2.0, "GPU": 1.0})
+    with pytest.raises(ValueError, match=r"3 CPUs and 1 GPUs free on a single node.*num_cpus>=3.*num_gpus>=1"):
+        check_placement({"global_pool": [1]}, 3, nodes((2.0, 1.0)))
     with pytest.raises(ValueError, match=r"need 6 CPUs and 2 GPUs.*trainer.n_gpus_per_node"):
-        check_placement({"global_pool": [2]}, 3, {"CPU": 8.0, "GPU": 1.0})
+        check_placement({"global_pool": [2]}, 3, nodes((8.0, 1.0)))
+    # two 1-GPU nodes: nnodes=2 × n_gpus_per_node=1 fits, one STRICT_PACK group of 2 does not
+    # (the cluster-wide sums say it fits: verl's own check passes it and Ray then waits for ever)
+    check_placement({"global_pool": [1, 1]}, 3, nodes((4.0, 1.0), (4.0, 1.0)))
+    with pytest.raises(ValueError, match=r"needs 2 worker processes on ONE node.*--num-gpus=2"):
+        check_placement({"global_pool": [2]}, 3, nodes((4.0, 1.0), (4.0, 1.0)), joined=True)
 
 
 def test_a_second_engine_that_cannot_be_placed_fails_at_start_up(trainer):

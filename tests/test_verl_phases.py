@@ -374,3 +374,26 @@ def test_closing_the_trainer_closes_the_verl_engine_it_built(make_rig):
     rig = make_rig(train=train_tasks(2))
     rig.trainer.close()
     assert ("trainer", "close", None) in rig.log.entries()
+
+
+def test_rows_go_to_ranks_so_verl_trains_the_planned_mini_batches():
+    """verl hands rank r the r-th contiguous chunk and each rank cuts its chunk into mini-batches
+    of M/dp rows; after `rows_in_rank_order`, global mini-batch m (rank 0's m-th + rank 1's m-th)
+    is rows [m·M, (m+1)·M) again — the ones the zero-advantage-first alignment planned."""
+    from types import SimpleNamespace
+
+    import torch
+    from verl import DataProto
+
+    from agl_lab.engines.verl.trainer import AglRayPPOTrainer
+
+    data = DataProto.from_dict(tensors={"row": torch.arange(32)}, meta_info={"temperature": 1.0})
+    fake = SimpleNamespace(data_parallel_size=lambda: 2, mini_batch_rows=lambda: 16)
+    out = AglRayPPOTrainer.rows_in_rank_order(fake, data)
+    chunks = out.batch["row"].chunk(2)  # verl's dispatch: one contiguous chunk per rank
+    for m in range(2):
+        trained = sorted(torch.cat([chunk[8 * m:8 * (m + 1)] for chunk in chunks]).tolist())
+        assert trained == list(range(16 * m, 16 * (m + 1)))
+    assert out.meta_info == {"temperature": 1.0}
+    one = SimpleNamespace(data_parallel_size=lambda: 1, mini_batch_rows=lambda: 16)
+    assert AglRayPPOTrainer.rows_in_rank_order(one, data) is data  # dp 1: verl's order is already the plan

@@ -76,3 +76,56 @@ def test_init_ray_registers_the_loss_in_every_worker(ray_tmpdir):
     assert view["algorithms_imported"] is True
     assert view["probe"] == "overlay-ok"  # ray_kwargs.ray_init.runtime_env overlay
     assert view["tokenizers_parallelism"] == "true"  # verl's default PPO runtime env
+
+
+def test_joining_a_cluster_drops_the_keys_ray_init_refuses_and_says_so_once(monkeypatch):
+    """ray.init(address=…) raises "When connecting to an existing cluster, num_cpus and num_gpus
+    must not be provided" (and the same for resources, object_store_memory, …)."""
+    import warnings
+
+    from agl_lab.engines.verl import cluster
+
+    kwargs = {"num_cpus": 4, "num_gpus": 1, "object_store_memory": 1 << 27, "include_dashboard": False}
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert cluster.ray_init_kwargs(kwargs) == kwargs  # starting a cluster: unchanged
+    assert cluster.ray_init_kwargs({**kwargs, "address": "local"}) == {**kwargs, "address": "local"}
+    monkeypatch.setattr(cluster, "_said_dropped", set())
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    with pytest.warns(RuntimeWarning, match=r"joining the existing Ray cluster at '10\.0\.0\.1:6379': ignoring "
+                                            r"ray_kwargs\.ray_init\.num_cpus, ray_kwargs\.ray_init\.num_gpus, "
+                                            r"ray_kwargs\.ray_init\.object_store_memory"):
+        assert cluster.ray_init_kwargs(kwargs) == {"include_dashboard": False}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once: the second call is silent
+        assert cluster.ray_init_kwargs(kwargs) == {"include_dashboard": False}
+    monkeypatch.delenv("RAY_ADDRESS")
+    assert cluster.ray_init_kwargs({**kwargs, "address": "auto"}) == {"include_dashboard": False, "address": "auto"}
+
+
+def test_agl_lab_ships_as_a_py_module_once():
+    from pathlib import Path
+
+    import agl_lab
+    from agl_lab.engines.verl.cluster import agl_lab_py_modules
+
+    package = str(Path(agl_lab.__file__).parent)
+    assert agl_lab_py_modules({}) == [package]
+    assert agl_lab_py_modules({"py_modules": ["/x/other", package]}) == ["/x/other", package]
+
+
+def test_replicas_bind_loopback_on_one_machine_and_the_node_ip_across_machines(monkeypatch):
+    """`agl_lab.serving.host` unset: loopback while every Ray node has one address (one machine),
+    the worker's node IP once the nodes are on several machines; `node_ip` and explicit hosts win;
+    a wildcard bind advertises the node IP. (Ray's node table is replaced: one process, no cluster.)"""
+    from agl_lab.engines.verl.cpu_rollout import SERVING_ADVERTISE_ENV, SERVING_HOST_ENV, serving_address
+
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "10.0.0.2")
+    nodes = [{"Alive": True, "NodeManagerAddress": "10.0.0.1"}, {"Alive": True, "NodeManagerAddress": "10.0.0.1"}]
+    monkeypatch.setattr(ray, "nodes", lambda: nodes)
+    assert serving_address({}) == ("127.0.0.1", "127.0.0.1")  # one machine, two nodes
+    nodes[1]["NodeManagerAddress"] = "10.0.0.2"
+    assert serving_address({}) == ("10.0.0.2", "10.0.0.2")  # two machines: reachable from the driver's
+    assert serving_address({SERVING_HOST_ENV: "node_ip"}) == ("10.0.0.2", "10.0.0.2")
+    assert serving_address({SERVING_HOST_ENV: "0.0.0.0"}) == ("0.0.0.0", "10.0.0.2")
+    assert serving_address({SERVING_HOST_ENV: "0.0.0.0", SERVING_ADVERTISE_ENV: "gpu-7.lan"}) == ("0.0.0.0", "gpu-7.lan")
+    assert serving_address({SERVING_HOST_ENV: "127.0.0.1"}) == ("127.0.0.1", "127.0.0.1")

@@ -66,6 +66,13 @@ class Engine(abc.ABC):
     def compute_log_probs(self, data: Any, temperature: float = 1.0) -> Any:
         """Log-probabilities of `data.batch["responses"]` under the current weights, [N, R]."""
 
+    def compute_log_probs_and_entropy(self, data: Any, temperature: float = 1.0) -> tuple[Any, Any]:
+        """(log π(responses) [N, R], entropy of π at each response position [N, R]) under the
+        current weights at `temperature`, for the per-token view (`agl_lab.token_view`)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} does not compute per-token entropy on request; the local engine does "
+            "(agl_lab.engine=local). Its metrics still carry actor/entropy per step.")
+
     def prepare(self, data: Any) -> tuple[Any, dict[str, float]]:
         """What the advantage needs that only the engine computes; returns `(data, metrics)`.
 

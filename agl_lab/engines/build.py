@@ -25,6 +25,8 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
+from omegaconf import OmegaConf
+
 from agl_lab.engines.base import Engine
 
 logger = logging.getLogger(__name__)
@@ -49,6 +51,12 @@ def build_engine(cfg: Any, *, task: Any = None, train_dataset: Sequence[dict] = 
     from agl_lab.quiet import quiet_hf
 
     preset = lab.model.get("preset")
+    lora_rank = OmegaConf.select(cfg, "actor_rollout_ref.model.lora_rank", default=0) or 0
+    if lora_rank and steps > 0 and lab.model.path is None and preset is None:
+        # the warm start makes the tiny model a "pretrained" base: full weights, before the adapter
+        from agl_lab.tasks.warmstart import warm_started_model_dir
+
+        lab.model.path = str(warm_started_model_dir(task.name if task else "", steps, seed=int(lab.seed)))
     label = lab.model.path or (f"preset {preset} (converted once into {_cache_hint()})" if preset
                                else f"built-in tiny model (cached in {_cache_hint()})")
     with quiet_hf(), _stage(f"model: {label}"):

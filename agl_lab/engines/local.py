@@ -73,20 +73,22 @@ class LocalEngine(Engine):
         lr: float | None = None,
         model_name: str | None = None,
         host: str = "127.0.0.1",
+        advertise_host: str | None = None,
         port: int = 0,
         batch_window_ms: float = 3.0,
         max_batch_size: int = 64,
         log_prob_micro_batch_size: int | None = 16,
         bypass_mode: bool = False,
         algorithm: Any = None,
+        lora: Any = None,
     ):
+        from agl_lab.engines.lora import LoraSpec, add_lora
+
         self.actor_cfg = actor_config(actor, lr)  # first: a bad actor dict fails before the model loads
+        self.lora = lora if isinstance(lora, LoraSpec) else LoraSpec.from_model_config(lora)
         self.model, self.tokenizer = load_model_and_tokenizer(model_path, device=device, dtype=dtype, seed=seed)
         self.device = next(self.model.parameters()).device
         self.model_name = model_name or (Path(model_path).resolve().name if model_path else DEFAULT_MODEL_NAME)
-        from agl_lab.engines.local_ppo import build_optimizer
-
-        self.optimizer = build_optimizer(self.model, self.actor_cfg)
         # `algorithm.*` of a verl config: KL in reward and rollout correction (see `prepare`)
         self.algorithm = OmegaConf.create(OmegaConf.to_container(algorithm, resolve=True)
                                           if OmegaConf.is_config(algorithm) else (algorithm or {}))
@@ -97,14 +99,22 @@ class LocalEngine(Engine):
 
             self.kl_ctrl = get_kl_controller(self.algorithm.kl_ctrl)  # adaptive ones keep state across steps
         needs_ref = self.actor_cfg.use_kl_loss or self.use_kl_in_reward
-        self.ref_model = self._frozen_copy() if needs_ref else None
+        self.ref_model = self._frozen_copy() if needs_ref else None  # before LoRA: the reference is the base
+        self.lora_params = None
+        if self.lora.enabled:
+            with torch.random.fork_rng(devices=[]):  # the adapter's init (A Kaiming-uniform) follows `seed`
+                torch.manual_seed(seed)
+                self.lora_params = add_lora(self.model, self.lora)
+        from agl_lab.engines.local_ppo import build_optimizer
+
+        self.optimizer = build_optimizer(self.model, self.actor_cfg)  # over the trainable parameters only
         self.log_prob_micro_batch_size = log_prob_micro_batch_size
         self.bypass_mode = bypass_mode  # old logprobs = the server's sampling logprobs
         self.weights_lock = threading.RLock()
         self._policy_version = 0
         self._closed = False
         self.server = OpenAIServer(
-            self.model, self.tokenizer, model_name=self.model_name, host=host, port=port,
+            self.model, self.tokenizer, model_name=self.model_name, host=host, advertise_host=advertise_host, port=port,
             max_model_len=max_model_len, batch_window_ms=batch_window_ms, max_batch_size=max_batch_size,
             weights_lock=self.weights_lock)
 
@@ -117,12 +127,13 @@ class LocalEngine(Engine):
     def from_config(cls, cfg: Any) -> "LocalEngine":
         """Build from a composed agl_lab config (`agl_lab.model.*`, `agl_lab.engine_options.*`,
         `actor_rollout_ref.actor.*`, `actor_rollout_ref.rollout.n`,
-        `algorithm.rollout_correction.bypass_mode`)."""
+        `algorithm.rollout_correction.bypass_mode`, LoRA from `actor_rollout_ref.model.lora_*`)."""
         from agl_lab.engines.local_ppo import ActorUpdateConfig
 
         lab, rollout = cfg.agl_lab, cfg.actor_rollout_ref.rollout
         actor = ActorUpdateConfig.from_verl_actor_config(cfg.actor_rollout_ref.actor, rollout_n=int(rollout.n))
         opts = lab.get("engine_options", {}) or {}
+        serving = lab.get("serving", {}) or {}  # agl_lab.serving.host / advertise_host (agl_lab/addresses.py)
         _check_model_dir(cfg)
         log_prob_micro = rollout.get("log_prob_micro_batch_size_per_gpu") or actor.ppo_micro_batch_size_per_gpu
         from agl_lab.models import resolve_model_path
@@ -130,10 +141,11 @@ class LocalEngine(Engine):
         return cls(
             resolve_model_path(lab.model), device=lab.model.device, seed=int(lab.seed), max_model_len=int(lab.model.max_model_len),
             actor=actor, model_name=lab.model.get("name"),
+            host=str(serving.get("host") or "127.0.0.1"), advertise_host=serving.get("advertise_host"),
             batch_window_ms=float(opts.get("batch_window_ms", 3.0)), max_batch_size=int(opts.get("max_batch_size", 64)),
             log_prob_micro_batch_size=int(log_prob_micro) if log_prob_micro else 16,
             bypass_mode=bool(OmegaConf.select(cfg, "algorithm.rollout_correction.bypass_mode", default=False)),
-            algorithm=cfg.get("algorithm"))
+            algorithm=cfg.get("algorithm"), lora=cfg.actor_rollout_ref.get("model"))
 
     def _frozen_copy(self) -> torch.nn.Module:
         import copy
@@ -174,6 +186,23 @@ class LocalEngine(Engine):
 
         with self.weights_lock:
             return batch_log_probs(self.model, data, temperature, self.log_prob_micro_batch_size).float()
+
+    def compute_log_probs_and_entropy(self, data: Any, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log π(responses), entropy of π) [N, R] each, float32 on CPU: one eval-mode forward of the
+        current weights at `temperature`, no gradients (the entropy of `actor/entropy`, per token)."""
+        from agl_lab.engines.local_ppo import sequence_log_probs
+
+        b = data.batch
+        with self.weights_lock, torch.no_grad():
+            was_training = self.model.training
+            self.model.eval()
+            try:
+                logp, ent = sequence_log_probs(self.model, b["input_ids"], b["attention_mask"], b["position_ids"],
+                                               b["responses"].shape[-1], temperature, self.log_prob_micro_batch_size,
+                                               with_entropy=True)
+            finally:
+                self.model.train(was_training)
+        return logp.float().cpu(), ent.float().cpu()
 
     def prepare(self, data: Any) -> tuple[Any, dict[str, float]]:
         """Old logprobs (base: recomputed, or the sampling ones in bypass mode), then what AGL's
@@ -222,11 +251,18 @@ class LocalEngine(Engine):
 
     def save(self, path: str) -> None:
         """`path/` = a loadable HF model dir (weights + tokenizer) + `engine_state.pt`
-        (optimizer, policy_version). The process's RNG states are the Trainer's to save."""
+        (optimizer, policy_version); with LoRA the dir holds the base weights and
+        `lora_adapter/` the adapter (PEFT's format). The process's RNG states are the Trainer's to save."""
         out = Path(path)
         out.mkdir(parents=True, exist_ok=True)
         with self.weights_lock:
-            self.model.save_pretrained(out)
+            if self.lora_params is None:
+                self.model.save_pretrained(out)
+            else:  # the base under HF's names (a loadable dir) + the adapter in PEFT's format
+                from agl_lab.engines.lora import ADAPTER_DIR, save_adapter, split_state_dict
+
+                self.model.save_pretrained(out, state_dict=split_state_dict(self.model)[0])
+                save_adapter(self.model, self.lora, out / ADAPTER_DIR)
             self.tokenizer.save_pretrained(out)
             state = {
                 "optimizer": self.optimizer.state_dict(),
@@ -246,7 +282,13 @@ class LocalEngine(Engine):
         loaded = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, local_files_only=True)
         state = torch.load(src / _STATE_FILE, weights_only=False, map_location="cpu")
         with self.weights_lock:
-            self.model.load_state_dict(loaded.state_dict())
+            if self.lora_params is None:
+                self.model.load_state_dict(loaded.state_dict())
+            else:
+                from agl_lab.engines.lora import ADAPTER_DIR, load_adapter, load_base
+
+                load_base(self.model, loaded.state_dict())
+                load_adapter(self.model, src / ADAPTER_DIR)
             self.optimizer.load_state_dict(state["optimizer"])
             self._policy_version = int(state["policy_version"])
 

@@ -43,7 +43,8 @@ attempt cannot end the next one.
 
 Departures from AGL: a body that is not JSON answers 400 "Invalid JSON in request body" on
 every route (FastAPI would say 422); unknown config keys are rejected with the key's name;
-`host` defaults to 127.0.0.1; the store can be SQLite (`store: sqlite:///f.db`) and its
+`host` defaults to 127.0.0.1; the store can be SQLite (`store: sqlite:///f.db`) or PostgreSQL
+(`store: postgresql://...`, shared by several server processes) and its
 terminal log is bounded (`terminal_log_limit`); the upstream retry policy and client are
 configurable (`upstream_*`).
 """
@@ -89,7 +90,8 @@ from agl_lab.server.guard import DOCS_PATHS, RequestGuard
 from agl_lab.server.gateway import Gateway, RequestRewriter, gateway_router, proxy_route
 from agl_lab.server.seeding import SeededCallsRewriter
 from agl_lab.server.storable import INT64_MAX, INT64_MIN, NotStorable, check_storable
-from agl_lab.server.store import InvalidTransition, RolloutNotFound, StaleAttempt, Store, open_store
+from agl_lab.server.backends import open_store
+from agl_lab.server.store import InvalidTransition, RolloutNotFound, StaleAttempt, Store, StoreUnavailable
 from agl_lab.server.token_preserving import TokenPreservingRewriter
 from agl_lab.server.upstream import open_upstream_client
 
@@ -129,7 +131,7 @@ ERROR_TEXTS = {
     413: "body larger than max_body_bytes, or more items than max_batch_items",
     415: "body sent as text/plain or a form (cross-site content types): send application/json",
     422: "invalid field, or a value the store could not read back (named in detail)",
-    503: "the SQLite store could not write (e.g. busy): nothing was stored, retry",
+    503: "the store could not write (SQLite busy, PostgreSQL unreachable): nothing was stored, retry",
     507: "the SQLite store's disk is full: nothing was stored",
     500: "unexpected server error (JSON; the connection stays usable)",
 }
@@ -329,6 +331,11 @@ def _install_error_handlers(app: FastAPI) -> None:
         hint = "free disk space on the store's filesystem and retry" if full else "retry"
         return JSONResponse({"detail": f"store refused the write ({exc}) — nothing was stored; {hint}"},
                             status_code=507 if full else 503)
+
+    @app.exception_handler(StoreUnavailable)
+    async def store_unavailable(_: Request, exc: StoreUnavailable) -> JSONResponse:
+        # the PostgreSQL store lost its database (store_pg._Checkout): the transaction rolled back
+        return JSONResponse({"detail": str(exc)}, status_code=503, headers={"Retry-After": "1"})
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> Response:

@@ -45,7 +45,7 @@ class ServerConfig(_Strict):
     port: int = Field(8080, ge=0, le=65535)
     key: str = ""
     default_proxy: DefaultProxyConfig = Field(default_factory=DefaultProxyConfig)
-    store: str = "memory"  # or "sqlite:///path/to/store.db"
+    store: str = "memory"  # or "sqlite:///path/to/store.db", "postgresql://user:pass@host:5432/db" (shared)
     terminal_log_limit: int = Field(DEFAULT_TERMINAL_LOG_LIMIT, ge=1)
     upstream_timeout_seconds: float = Field(300.0, gt=0)  # bounds each upstream attempt, start to end
     upstream_call_deadline_seconds: float = Field(600.0, gt=0)  # bounds a whole call: attempts + backoff

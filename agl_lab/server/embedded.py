@@ -29,10 +29,12 @@ from typing import Any
 import httpx
 import uvicorn
 
+from agl_lab.addresses import advertised_host, url_host
 from agl_lab.server.app import create_app
 from agl_lab.server.asgi import HTTP_PROTOCOL, http_protocol, read_limits
 from agl_lab.server.config import ServerConfig, load_server_config
-from agl_lab.server.store import Store, open_store
+from agl_lab.server.backends import open_store
+from agl_lab.server.store import Store, StoreError
 
 logger = logging.getLogger("agl_lab.server")
 
@@ -115,7 +117,7 @@ class EmbeddedServer:
 
     def __init__(self, config: ServerConfig | Mapping[str, Any] | None = None, *,
                  store: Store | str | None = None, rewriters: tuple[Any, ...] | list[Any] = (),
-                 log_level: str = "warning", **overrides: Any):
+                 log_level: str = "warning", advertise_host: str | None = None, **overrides: Any):
         if isinstance(store, str):
             overrides["store"], store = store, None
         base = load_server_config(config if config is not None else {})
@@ -135,11 +137,14 @@ class EmbeddedServer:
                 self.store.close()
             raise
         self.config = self.config.model_copy(update={"port": self._uvicorn.port})
+        # the host `url` names (agl_lab/addresses.py): the bind host unless a wildcard or `advertise_host`
+        self.advertise_host = advertised_host(self.config.host, advertise_host)
         self._stopped = False
 
     @property
     def url(self) -> str:
-        return self._uvicorn.url
+        """`http://HOST:PORT` with the advertised host: what runners and agents are given."""
+        return f"http://{url_host(self.advertise_host)}:{self._uvicorn.port}"
 
     @property
     def headers(self) -> dict[str, str]:
@@ -209,7 +214,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="API key; prefer AGL_KEY or --key-file (ps shows arguments). None: auth off, loopback only")
     p.add_argument("--key-file", default=None, metavar="PATH", help="read the API key from this file")
     p.add_argument("--model-name", default=None, help="default_proxy.model_name: the model engines register")
-    p.add_argument("--store", default="memory", help="'memory' or 'sqlite:///path/to/store.db'")
+    p.add_argument("--store", default="memory",
+                   help="'memory', 'sqlite:///path/to/store.db' (this server only) or "
+                        "'postgresql://user:pass@host:5432/db' (shared by several servers)")
     p.add_argument("--train-temperature", type=float, default=None)
     p.add_argument("--val-temperature", type=float, default=None)
     p.add_argument("--no-log-probs", action="store_true", help="do not ask upstream for logprobs in train mode")
@@ -319,7 +326,10 @@ def serve_main(argv: list[str]) -> int:
     if args.tokenizer_path and not config.token_preserving:
         raise SystemExit("agl-lab serve: --tokenizer-path is only used with --token-preserving")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    store = open_store(config.store, terminal_log_limit=config.terminal_log_limit)
+    try:
+        store = open_store(config.store, terminal_log_limit=config.terminal_log_limit)
+    except (StoreError, ValueError) as exc:  # locked file, unreachable database, bad URL: say which
+        raise SystemExit(f"agl-lab serve: --store: {exc}") from None
     try:
         app = create_app(config, store=store)
         gc.collect()

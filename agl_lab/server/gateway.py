@@ -593,7 +593,7 @@ def proxy_route(gateway: Gateway, check_key: Callable[[Request], None]) -> Route
 
 
 def gateway_router(gateway: Gateway) -> APIRouter:
-    """Management routes, mounted under /proxy with auth: pause, resume, state."""
+    """Management routes, mounted under /proxy with auth: pause, resume, state, config."""
     errors = {code: {"description": text} for code, text in (
         (401, "missing or wrong key"), (413, "body larger than max_body_bytes"),
         (415, "cross-site content type: send application/json"), (422, "invalid field"), (500, "unexpected error"))}
@@ -611,5 +611,14 @@ def gateway_router(gateway: Gateway) -> APIRouter:
     @router.get("/state", response_model=PauseState)
     async def state() -> PauseState:
         return gateway.gate.state()
+
+    @router.get("/config")
+    async def config() -> dict[str, Any]:
+        """What the gateway forces on proxied calls: the model name engines must register
+        under, the sampling temperatures, logprobs (a Trainer on an external server checks
+        them against its engine, agl_lab.execution)."""
+        proxy = gateway.config.default_proxy
+        return {"model_name": proxy.model_name, "train_temperature": proxy.train.temperature,
+                "val_temperature": proxy.val.temperature, "include_log_probs": proxy.include_log_probs}
 
     return router

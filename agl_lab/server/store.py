@@ -1,14 +1,15 @@
 """The rollout store: the ledger of rollouts, their events, the model registry and the
 terminal-order log.
 
-One `Store` interface, two backends chosen by URL (`open_store`):
+One `Store` interface, three backends chosen by URL (`agl_lab.server.backends.open_store`):
 
     "memory" | None          -> MemoryStore   (default; lost when the process ends)
     "sqlite:///path/to.db"   -> SqliteStore   (a restarted kernel re-attaches to it)
+    "postgresql://..."       -> PostgresStore (agl_lab.server.store_pg: several server processes share it)
 
 The semantics (AGL v1's data model, `agentlightning/schemas.py` and `server/store.py`) live once, in the `Store` base class; a backend
-only implements storage primitives (`_load`, `_insert`, `_append_event`, ...). So both
-backends answer every question identically, and the tests run the same suite on both.
+only implements storage primitives (`_load`, `_insert`, `_append_event`, ...). So all
+backends answer every question identically, and the tests run the same suite on each.
 
     rollouts   rollout_id -> Rollout                 (creation order kept)
     events     rollout_id -> attempt_id -> [Event]   (append-only; position is identity)
@@ -16,8 +17,9 @@ backends answer every question identically, and the tests run the same suite on 
     terminal   [rollout_id]                          (appended on each terminal transition)
 
 Design decisions:
-- Thread-safe: every public method holds one re-entrant lock, because the embedded server's
-  event loop and a notebook thread may use the same store at once. Each call is short.
+- Thread-safe: every public method holds one re-entrant lock (`_lock`), because the embedded server's
+  event loop and a notebook thread may use the same store at once. Each call is short. (PostgreSQL
+  replaces the lock with a connection checkout and excludes with transactions and row locks.)
 - The terminal log is bounded (`terminal_log_limit`): cursor indices stay absolute, entries
   older than the retained window are gone, and a cursor behind the window restarts at the
   oldest retained entry. `total_terminal` is the absolute count of terminal transitions.
@@ -106,6 +108,10 @@ class StoreLocked(StoreError, RuntimeError):
     """Another process already serves this SQLite file (one server per store file)."""
 
 
+class StoreUnavailable(StoreError, ConnectionError):
+    """A database server store (PostgreSQL) cannot be reached: nothing was stored; retry (app: 503)."""
+
+
 class InvalidTransition(StoreError, ValueError):
     def __init__(self, rollout_id: str, current: RolloutState, target: RolloutState | None):
         super().__init__(f"Rollout {rollout_id}: cannot transition {current} -> {target}")
@@ -165,6 +171,10 @@ def _with_status(rollout: Rollout, now: float, **updates: Any) -> Rollout:
 
 class Store(ABC):
     """The ledger. Public methods implement AGL v1 semantics over a backend's primitives."""
+
+    # Does an event of the running attempt `_touch` its rollout? False for a backend whose
+    # `_idle_running` reads the newest event row itself (PostgreSQL: no extra write per model call).
+    TOUCH_ON_EVENT = True
 
     def __init__(self, terminal_log_limit: int = DEFAULT_TERMINAL_LOG_LIMIT):
         if int(terminal_log_limit) < 1:
@@ -284,9 +294,9 @@ class Store(ABC):
             )
             if not self._append_event(event):
                 raise RolloutNotFound(rollout_id)
-            rollout = self._load(rollout_id)  # an event of the running attempt renews its lease; a
-            if rollout is not None and _runs_attempt(rollout, attempt_id):  # late one of an old attempt does not
-                self._touch([rollout_id], event.timestamp)
+            rollout = self._load(rollout_id) if self.TOUCH_ON_EVENT else None  # an event of the running
+            if rollout is not None and _runs_attempt(rollout, attempt_id):  # attempt renews its lease, a late
+                self._touch([rollout_id], event.timestamp)  # one of an old attempt does not
             return event
 
     def events(
@@ -399,7 +409,10 @@ class Store(ABC):
         outcome: dict[str, str] = {}
         with self._lock, self._transaction():
             idle = self._idle_running(now - lease_seconds)
-            for rid, rollout in self._load_many(idle).items():
+            rollouts = self._load_many(idle)  # in the transaction: the rows are locked from here on
+            if idle:  # asked again under the locks: a heartbeat that committed meanwhile keeps its rollout
+                rollouts = {rid: r for rid, r in rollouts.items() if rid in set(self._idle_running(now - lease_seconds))}
+            for rid, rollout in rollouts.items():
                 if rollout.status.state != RolloutState.RUNNING:  # pragma: no cover - the primitive's contract
                     continue
                 attempt = rollout.status.last_attempt_id or DEFAULT_ATTEMPT_ID
@@ -1103,17 +1116,3 @@ def _check_creates(creates: Sequence[RolloutCreate]) -> None:
 def _chunks(items: list[str], size: int) -> Iterator[list[str]]:
     for i in range(0, len(items), size):
         yield items[i : i + size]
-
-
-def open_store(url: str | None = None, *, terminal_log_limit: int = DEFAULT_TERMINAL_LOG_LIMIT) -> Store:
-    """`None`/"memory" -> MemoryStore; "sqlite:///rel/path.db" or "sqlite:////abs/path.db" -> SqliteStore."""
-    if url is None or url in ("memory", "memory://", ""):
-        return MemoryStore(terminal_log_limit)
-    if url.startswith("sqlite:///"):
-        path = url[len("sqlite:///"):]
-        if not path:
-            raise ValueError(f"store url {url!r} names no file: use 'sqlite:///path/to/store.db'")
-        return SqliteStore(path, terminal_log_limit)
-    raise ValueError(
-        f"unknown store url {url!r}: use 'memory' (default) or 'sqlite:///path/to/store.db'"
-    )

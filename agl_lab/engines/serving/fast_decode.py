@@ -20,6 +20,9 @@ step on CPU cost up to twice its matrix products (profiled on SmolLM2-135M, 1 th
   in-place version counter moves (an optimizer step, `load_state_dict`), so the served
   weights are always the trained ones. Cost: one more copy of the linear weights in memory.
 
+LoRA (`agl_lab.engines.lora`): an adapted projection is served with W + scale·B@A, merged when W, A
+or B changed and cached, so an adapter update is visible at the next step like a full one.
+
 Fidelity: the same float32 function with a different summation order — logprobs agree with
 a full HF forward to ~1e-6 (tests/test_decode_batch.py checks `decode_step` against it).
 """
@@ -33,6 +36,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from agl_lab.engines.lora import effective_weight, is_lora
 
 _SUPPORTED = {"LlamaForCausalLM", "Qwen2ForCausalLM"}
 
@@ -85,13 +90,16 @@ def _linear_fn(model: Any, weights: list[torch.Tensor]) -> Callable[..., torch.T
     return linear
 
 
-def _linear_weights(model: Any) -> list[torch.Tensor]:
+def _linear_weights(model: Any, weight: Callable[[Any], torch.Tensor]) -> list[torch.Tensor]:
     out = []
     for layer in model.model.layers:
         a, m = layer.self_attn, layer.mlp
-        out += [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight,
-                m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight]
-    return out + [model.lm_head.weight]
+        out += [weight(p) for p in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)]
+    return out + [weight(model.lm_head)]
+
+
+def _own_weight(proj: Any) -> torch.Tensor:
+    return proj.weight
 
 
 def _rms_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
@@ -122,7 +130,9 @@ def decode_step(model: Any, layers: list, tokens: torch.Tensor, positions: torch
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // h_q
     groups = h_q // h_kv
 
-    linear = _linear_fn(model, _linear_weights(model))
+    # LoRA (agl_lab.engines.lora): each adapted projection applies W + scale·B@A, merged once per update
+    w = effective_weight if is_lora(model) else _own_weight
+    linear = _linear_fn(model, _linear_weights(model, w))
     hidden = inner.embed_tokens(tokens)  # [B, d_model]
     cos, sin = inner.rotary_emb(hidden[:, None], positions[:, None])  # [B, 1, D]
     # additive mask [B, 1, 1, L+1] shared by every layer: 0 on real columns, -inf on padding
@@ -132,20 +142,20 @@ def decode_step(model: Any, layers: list, tokens: torch.Tensor, positions: torch
     for layer, slab in zip(inner.layers, layers):
         attn = layer.self_attn
         x = _rms_norm(layer.input_layernorm, hidden)
-        q = linear(x, attn.q_proj.weight, attn.q_proj.bias).view(b, h_q, d)
-        k = linear(x, attn.k_proj.weight, attn.k_proj.bias).view(b, h_kv, d)
-        v = linear(x, attn.v_proj.weight, attn.v_proj.bias).view(b, h_kv, d)
+        q = linear(x, w(attn.q_proj), attn.q_proj.bias).view(b, h_q, d)
+        k = linear(x, w(attn.k_proj), attn.k_proj.bias).view(b, h_kv, d)
+        v = linear(x, w(attn.v_proj), attn.v_proj.bias).view(b, h_kv, d)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         keys, values = slab.update(k[:, :, None], v[:, :, None])  # [B, KV, L+1, D] views, no copy
         # Critical: query heads grouped per KV head (HF's head order: head = kv · G + g)
         scores = torch.matmul(q.view(b, h_kv, groups, d), keys.transpose(2, 3)) * attn.scaling
         probs = torch.softmax(scores + bias, dim=-1, dtype=torch.float32).to(q.dtype)  # [B, KV, G, L+1]
         out = torch.matmul(probs, values).reshape(b, h_q * d)
-        hidden = hidden + linear(out, attn.o_proj.weight, attn.o_proj.bias)
+        hidden = hidden + linear(out, w(attn.o_proj), attn.o_proj.bias)
 
         mlp = layer.mlp
         x = _rms_norm(layer.post_attention_layernorm, hidden)
-        gate_up = F.silu(linear(x, mlp.gate_proj.weight)) * linear(x, mlp.up_proj.weight)
-        hidden = hidden + linear(gate_up, mlp.down_proj.weight)
+        gate_up = F.silu(linear(x, w(mlp.gate_proj))) * linear(x, w(mlp.up_proj))
+        hidden = hidden + linear(gate_up, w(mlp.down_proj))
 
-    return linear(_rms_norm(inner.norm, hidden), model.lm_head.weight)
+    return linear(_rms_norm(inner.norm, hidden), w(model.lm_head))

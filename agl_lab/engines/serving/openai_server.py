@@ -34,6 +34,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from agl_lab.addresses import advertised_host, url_host
 from agl_lab.chat_format import parse_tool_calls
 from agl_lab.engines.serving.scheduler import BatchScheduler, GenerationAborted, GenerationResult, SamplingParams
 from agl_lab.server.embedded import ThreadedUvicorn
@@ -344,7 +345,7 @@ class OpenAIServer:
     def __init__(self, model: Any, tokenizer: Any, model_name: str = "agl-lab-tiny", host: str = "127.0.0.1",
                  port: int = 0, max_model_len: int = 1024, batch_window_ms: float = 3.0, max_batch_size: int = 64,
                  default_max_tokens: int = DEFAULT_MAX_TOKENS, weights_lock: threading.RLock | None = None,
-                 num_threads: int | None = 1, prefix_cache_mb: float = 256):
+                 num_threads: int | None = 1, prefix_cache_mb: float = 256, advertise_host: str | None = None):
         limit = getattr(model.config, "max_position_embeddings", None)
         if limit is not None and max_model_len > limit:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}; "
@@ -365,10 +366,13 @@ class OpenAIServer:
             self.scheduler.close()
             raise
         self.host, self.port = host, self._http.port
+        # what `base_url` names: the bind host, or `advertise_host` (a wildcard bind needs one;
+        # agl_lab/addresses.py: the machine's address by default)
+        self.advertise_host = advertised_host(host, advertise_host)
 
     @property
     def base_url(self) -> str:
-        return f"http://{self.host}:{self.port}/v1"
+        return f"http://{url_host(self.advertise_host)}:{self.port}/v1"
 
     @property
     def weights_lock(self) -> threading.RLock:

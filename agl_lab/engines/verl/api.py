@@ -135,6 +135,10 @@ _ROWS: tuple[VerlSymbol, ...] = (
     _row(_SC + "ResourcePoolManager", "resource_pool_spec", "mapping", returns="max_colocate_count"),
     _row(_SC + "ResourcePoolManager.create_resource_pool", returns="max_colocate_count=self.max_colocate_count"),
     _row(_SC + "RayResourcePool.get_placement_groups", returns='bundle = {"CPU": self.max_colocate_count}'),
+    # cluster.place_pools builds the same groups with a bounded wait; verl then reuses `pgs`
+    _row(_SC + "RayResourcePool", "process_on_nodes", "use_gpu", "name_prefix", "max_colocate_count",
+         attrs=("use_gpu", "name_prefix", "pgs", "accelerator_type"), returns="STRICT_PACK"),
+    _row(_SC + "sort_placement_group_by_node_ip", "pgs"),
     _row(_SC + "RayWorkerGroup.workers"),
     _row(_SC + "RayWorkerGroup.worker_names"),
     # --- verl on CPU (cpu.py, cpu_rollout.py): platform, two patches, rollout ------

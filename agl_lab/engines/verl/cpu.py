@@ -72,7 +72,9 @@ def worker_env(modules: tuple[str, ...] = ()) -> dict[str, str]:
         "VERL_USE_EXTERNAL_MODULES": ",".join([*ours, *external]),
         "VERL_PLATFORM": PLATFORM_NAME,
         "VERL_ENGINE_DEVICE": "cuda",  # verl registers its FSDP engine for "cuda" only
-        # Critical: workers must import *this* agl_lab (a source checkout need not be installed)
+        # this process and its subprocesses import *this* agl_lab (a checkout need not be installed);
+        # Ray workers get the same code as a `py_modules` package (engine.init_ray, cluster.py), so
+        # init_ray leaves this key out of their runtime_env: nodes need no checkout
         "PYTHONPATH": os.pathsep.join([_AGL_LAB_ROOT, *python_path]),
     }
 

@@ -27,7 +27,11 @@ worker:
 | kv-cache release/clear      | nothing: the server keeps no cache between requests              |
 
 Hybrid mode only (training and serving share the worker), one replica per worker
-(`rollout.tensor_model_parallel_size: 1`), one node (the server binds 127.0.0.1).
+(`rollout.tensor_model_parallel_size: 1`). Each server binds `agl_lab.serving.host` and
+registers `agl_lab.serving.advertise_host` (`serving_address`; they reach the worker through
+its env, `serving_env`): by default loopback on a cluster whose nodes share one address (one
+machine), and the worker's Ray node IP when the nodes are on several machines, so the
+gateway on the driver's node can reach every replica.
 """
 
 from __future__ import annotations
@@ -56,6 +60,42 @@ def register() -> None:
     verl_import("_ROLLOUT_REGISTRY")[(ROLLOUT_NAME, "async")] = f"{__name__}.CpuServerAdapter"
     verl_import("RolloutReplicaRegistry.register")(
         ROLLOUT_NAME, lambda: getattr(sys.modules[__name__], "CpuRolloutReplica"))
+
+
+SERVING_HOST_ENV = "AGL_LAB_SERVING_HOST"  # agl_lab.serving.host ("" → auto)
+SERVING_ADVERTISE_ENV = "AGL_LAB_SERVING_ADVERTISE_HOST"  # agl_lab.serving.advertise_host
+NODE_IP = "node_ip"  # the word for "this worker's Ray node IP" in either setting
+
+
+def serving_env(cfg: Any) -> dict[str, str]:
+    """The worker env that carries `agl_lab.serving.host` / `advertise_host` to the replicas."""
+    from omegaconf import OmegaConf
+
+    host = OmegaConf.select(cfg, "agl_lab.serving.host", default=None)
+    advertise = OmegaConf.select(cfg, "agl_lab.serving.advertise_host", default=None)
+    return {SERVING_HOST_ENV: "" if host is None else str(host),
+            SERVING_ADVERTISE_ENV: "" if advertise is None else str(advertise)}
+
+
+def serving_address(environ: Any = os.environ) -> tuple[str, str]:
+    """(bind host, advertised host) of this worker's replica server.
+
+    Bind: `agl_lab.serving.host`; unset → loopback when every alive Ray node has the same
+    address (one machine), else `node_ip`. `node_ip` is this worker's Ray node IP. Advertised:
+    `agl_lab.serving.advertise_host`, else the bind host (a wildcard advertises the node IP)."""
+    import ray
+
+    from agl_lab.addresses import LOOPBACK, is_wildcard
+
+    node_ip = ray.util.get_node_ip_address()
+    bind = environ.get(SERVING_HOST_ENV) or ""
+    if not bind:
+        ips = {n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
+        bind = LOOPBACK if len(ips) <= 1 else NODE_IP
+    bind = node_ip if bind == NODE_IP else bind
+    advertise = environ.get(SERVING_ADVERTISE_ENV) or ""
+    advertise = node_ip if advertise == NODE_IP or (not advertise and is_wildcard(bind)) else (advertise or bind)
+    return bind, advertise
 
 
 def _rollout_world_size(config: Any) -> int:
@@ -87,8 +127,9 @@ def _adapter_class() -> type:
             path = self.model_config.local_path
             # float32: served logprobs must equal the actor's recomputed ones (a bf16 copy would not)
             model, tokenizer = load_model_and_tokenizer(path, device="cpu", dtype="float32")
+            bind, self.advertise_host = serving_address()
             self.server = OpenAIServer(
-                model, tokenizer, model_name=str(path), host="127.0.0.1",
+                model, tokenizer, model_name=str(path), host=bind,
                 max_model_len=int(self.config.max_model_len or self.config.prompt_length + self.config.response_length),
                 max_batch_size=int(self.config.max_num_seqs or 64))
             self.server.pause(wait=False)  # asleep until verl's first weight sync wakes it
@@ -113,11 +154,14 @@ def _adapter_class() -> type:
                 raise ValueError(f"the {ROLLOUT_NAME} rollout takes full tensors (wire_format "
                                  f"'named_tensors'), got {wire_format!r}: use checkpoint_engine.backend=naive")
             model = self.server.scheduler.model
-            params = model.state_dict(keep_vars=True)  # tied weights (lm_head = embed_tokens) listed twice
+            peft_config = kwargs.get("peft_config")
             seen = 0
             with self.server.weights_lock:  # no decode step sees half-loaded weights
+                if peft_config is not None:  # LoRA without lora.merge: verl sends the adapter alone
+                    self._adopt_adapter(model, peft_config)
+                params = model.state_dict(keep_vars=True)  # tied weights (lm_head = embed_tokens) listed twice
                 async for name, tensor in _aiter(weights):
-                    target = params.get(name)
+                    target = params.get(_served_name(name, params))
                     if target is None:
                         raise KeyError(f"weight {name!r} from the actor has no counterpart in the served model "
                                        f"({type(model).__name__} from {self.model_config.local_path})")
@@ -132,10 +176,25 @@ def _adapter_class() -> type:
             self.n_weight_syncs += 1
             self.n_tensors_last_sync = seen
 
+        def _adopt_adapter(self, model: Any, peft_config: Any) -> None:
+            """Inject verl's adapter into the served model once (the base stays as loaded: LoRA
+            never changes it); the adapter's tensors then arrive like any weight. The served
+            function is base + scale·B@A exactly as the actor computes it, in float32 —
+            `lora.merge=true` would instead send merged weights, in bfloat16 (verl's GPU choice)."""
+            from agl_lab.engines.lora import add_lora, is_lora, spec_of_peft_config
+
+            if not is_lora(model):
+                add_lora(model, spec_of_peft_config(peft_config))
+                self.events.append("adapter:injected")
+
         def control(self, method: str, **kwargs: Any) -> Any:
             """The replica's remote control (see the module docstring's table)."""
-            if method == "address":
-                return f"{self.server.host}:{self.server.port}"
+            if method == "address":  # what the gateway dials: the advertised host
+                from agl_lab.addresses import url_host
+
+                return f"{url_host(self.advertise_host)}:{self.server.port}"
+            if method == "bind":
+                return {"host": self.server.host, "port": self.server.port, "advertise": self.advertise_host}
             if method == "events":
                 return list(self.events)
             if method != "status":
@@ -155,6 +214,20 @@ def _adapter_class() -> type:
             return None
 
     return CpuServerAdapter
+
+
+def _served_name(name: str, params: dict) -> str:
+    """The served model's parameter for a weight verl sends: as named, or its LoRA-injected name
+    (`…lora_A.weight` → `…lora_A.default.weight`; a base weight `…q_proj.weight` → `…q_proj.base_layer.weight`)."""
+    if name in params:
+        return name
+    from agl_lab.engines.lora import injected_name
+
+    injected = injected_name(name)
+    if injected in params:
+        return injected
+    head, _, leaf = name.rpartition(".")
+    return f"{head}.base_layer.{leaf}"
 
 
 async def _aiter(weights: Any):

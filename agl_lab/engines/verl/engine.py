@@ -94,14 +94,18 @@ def init_ray(config: Any, env_vars: Mapping[str, str] | None = None) -> bool:
     runtime_env = verl's default PPO runtime env (`get_ppo_ray_runtime_env`) overlaid with
     `ray_kwargs.ray_init.runtime_env`; `worker_process_setup_hook` defaults to
     `agl_lab.algorithms.register_in_worker` (registers `per_rollout_mean` in verl's
-    `POLICY_LOSS_REGISTRY`); `_temp_dir=$RAY_TMPDIR` when set; the other `ray_kwargs.ray_init`
-    keys are passed through (`null` values dropped). Returns False (and does nothing) when Ray
-    is already initialised, True when this call started it.
+    `POLICY_LOSS_REGISTRY`); `py_modules` gets the agl_lab package (every worker on every node
+    imports the driver's agl_lab, no shared checkout needed); `_temp_dir=$RAY_TMPDIR` when set;
+    the other `ray_kwargs.ray_init` keys are passed through (`null` values dropped), except that
+    joining an existing cluster (`RAY_ADDRESS` or `ray_init.address`) drops the resource keys
+    ray.init refuses there, with one warning (`cluster.ray_init_kwargs`). Returns False (and
+    does nothing) when Ray is already initialised, True when this call started or joined it.
     """
     import ray
     from omegaconf import DictConfig, OmegaConf
 
     from agl_lab.algorithms import register_in_worker
+    from agl_lab.engines.verl.cluster import agl_lab_py_modules, joining_address, ray_init_kwargs
 
     register_in_worker()  # the driver process needs the loss too
 
@@ -117,13 +121,27 @@ def init_ray(config: Any, env_vars: Mapping[str, str] | None = None) -> bool:
     runtime_env = OmegaConf.to_container(OmegaConf.merge(default_env, user_env), resolve=True)
     runtime_env = {k: v for k, v in runtime_env.items() if v is not None}
     runtime_env.setdefault("worker_process_setup_hook", WORKER_SETUP_HOOK)
+    runtime_env["py_modules"] = agl_lab_py_modules(runtime_env)
     if env_vars:  # the engine's own (CPU platform): they win over the config's
-        runtime_env["env_vars"] = {**(runtime_env.get("env_vars") or {}), **env_vars}
-    kwargs = {k: v for k, v in kwargs.items() if v is not None}
-    if os.environ.get("RAY_TMPDIR") and "_temp_dir" not in kwargs:
+        # PYTHONPATH (the driver's checkout) stays the driver's: workers get agl_lab from py_modules
+        ours = {k: v for k, v in env_vars.items() if k != "PYTHONPATH"}
+        runtime_env["env_vars"] = {**(runtime_env.get("env_vars") or {}), **ours}
+    kwargs = ray_init_kwargs({k: v for k, v in kwargs.items() if v is not None})
+    if os.environ.get("RAY_TMPDIR") and "_temp_dir" not in kwargs and joining_address(kwargs) is None:
         kwargs["_temp_dir"] = os.environ["RAY_TMPDIR"]
     ray.init(runtime_env=runtime_env, **kwargs)
     return True
+
+
+def _joined(config: Any) -> bool:
+    """The engine runs on a Ray cluster it joined (`RAY_ADDRESS` / `ray_kwargs.ray_init.address`)."""
+    from omegaconf import OmegaConf
+
+    from agl_lab.engines.verl.cluster import joining_address
+
+    address = OmegaConf.select(OmegaConf.create(config) if isinstance(config, dict) else config,
+                               "ray_kwargs.ray_init.address", default=None)
+    return joining_address({"address": address}) is not None
 
 
 # what verl_cpu.activate() exports into this process for the CPU platform's workers
@@ -260,9 +278,14 @@ class VerlEngine(Engine):
             raise ValueError("train_dataset must be non-empty: the verl engine's dataloader needs task rows")
         env_before = {key: os.environ.get(key) for key in WORKER_ENV_KEYS}
         env_vars = _select_device(config)
+        if env_vars:  # CPU replicas: agl_lab.serving.host / advertise_host reach them through their env
+            from agl_lab.engines.verl.cpu_rollout import serving_env
+
+            env_vars = {**env_vars, **serving_env(config)}
         owns_ray = init_ray(config, env_vars)
         try:
             trainer, model_name = build_trainer(config, train_dataset, val_dataset)
+            trainer.placement_fix_is_ray_start = _joined(config)
             trainer.init_workers()  # placement checked first; leaves the replicas asleep
             self._adopt(trainer, model_name, owns_ray=owns_ray, replicas_awake=False)
             self.sync_weights()  # serve the initial weights

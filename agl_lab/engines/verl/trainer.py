@@ -112,13 +112,41 @@ class AglRayPPOTrainer(RayPPOTrainer):
             super().__init__(*args, **kwargs)
         self.global_steps = 0
 
+    #: the cluster was joined, not started: placement fixes are `ray start` flags (set by VerlEngine)
+    placement_fix_is_ray_start = False
+
     def init_workers(self) -> None:
-        """verl's `init_workers`, after checking that its placement groups fit the Ray cluster."""
-        import ray
+        """verl's `init_workers`, after the checks of `cluster.py`: its placement groups fit the
+        Ray nodes (verl's per-node rule), the paths its workers read exist on every node, and
+        the placement groups are made with a bounded wait
+        (`agl_lab.verl.placement_timeout_seconds`) before verl asks for them."""
+        from agl_lab.engines.verl import cluster
 
         pools = self.resource_pool_manager
-        check_placement(pools.resource_pool_spec, pools.max_colocate_count, ray.available_resources())
+        cluster.check_placement(pools.resource_pool_spec, pools.max_colocate_count, cluster.alive_nodes(),
+                                joined=self.placement_fix_is_ray_start)
+        cluster.check_paths_on_nodes(self.worker_paths())
+        timeout = OmegaConf.select(self.config, "agl_lab.verl.placement_timeout_seconds", default=None)
+        create = pools.create_resource_pool
+
+        def create_and_place() -> None:
+            create()
+            cluster.place_pools(pools.resource_pool_dict.values(),
+                                cluster.PLACEMENT_TIMEOUT_S if timeout is None else float(timeout))
+
+        pools.create_resource_pool = create_and_place  # verl's init_workers calls it first
         super().init_workers()
+
+    def worker_paths(self) -> dict[str, str]:
+        """Config key → local path that verl's workers read on their own nodes (model, tokenizer,
+        critic model): `cluster.check_paths_on_nodes` checks each node has them."""
+        paths = {"actor_rollout_ref.model.path": self.config.actor_rollout_ref.model.path}
+        tokenizer = self.config.actor_rollout_ref.model.get("tokenizer_path")
+        if tokenizer:
+            paths["actor_rollout_ref.model.tokenizer_path"] = tokenizer
+        if self.use_critic:
+            paths["critic.model.path"] = self.config.critic.model.path
+        return {k: str(v) for k, v in paths.items() if v and os.path.exists(str(v))}  # hub names: not paths
 
     def fit(self) -> None:
         raise NotImplementedError(
@@ -205,6 +233,8 @@ class AglRayPPOTrainer(RayPPOTrainer):
         batch.meta_info = dict(batch.meta_info)
         if self.config.trainer.balance_batch:
             self._balance_batch(batch, metrics=metrics)
+        else:
+            batch = self.rows_in_rank_order(batch)
         batch.meta_info["global_token_num"] = torch.sum(batch.batch["attention_mask"], dim=-1).tolist()
         if self.use_critic:
             out = self._timed(metrics, "update_critic", lambda: self._update_critic(batch))
@@ -218,6 +248,9 @@ class AglRayPPOTrainer(RayPPOTrainer):
 
     def save_to(self, path: str) -> str:
         """verl `_save_checkpoint` under `path/global_step_N`; returns that folder."""
+        from agl_lab.engines.verl.cluster import check_shared_dir
+
+        check_shared_dir(path)  # several nodes: workers write their shards there, on their own disks
         with open_dict(self.config):
             self.config.trainer.default_local_dir = path
         self._save_checkpoint()
@@ -230,6 +263,9 @@ class AglRayPPOTrainer(RayPPOTrainer):
         if folder is None or not os.path.isdir(folder):
             raise FileNotFoundError(f"no checkpoint at {path!r}: expected PATH/global_step_N "
                                     "written by engine.save(PATH)")
+        from agl_lab.engines.verl.cluster import check_paths_on_nodes
+
+        check_paths_on_nodes({"checkpoint": os.path.abspath(folder)})
         with open_dict(self.config):
             self.config.trainer.resume_mode = "resume_path"
             self.config.trainer.resume_from_path = os.path.abspath(folder)
@@ -344,6 +380,25 @@ class AglRayPPOTrainer(RayPPOTrainer):
         padded.meta_info = dict(batch.meta_info)
         return padded, n_pad
 
+    def rows_in_rank_order(self, batch: Any) -> Any:
+        """`batch` reordered so that verl trains exactly agl_lab's mini-batches at any DP size.
+
+        verl cuts a batch into `dp` contiguous chunks, one per rank, and each rank cuts its chunk
+        into mini-batches of `M/dp` rows (M = `mini_batch_rows()`): global mini-batch m would be
+        the m-th slice of every chunk — rows {0..7, 16..23} of 32 at dp=2, M=16 — not rows
+        [m·M, (m+1)·M) that the zero-advantage-first alignment planned (and that dp=1 and the
+        local engine train). Rank r's chunk here is, for each m, rows m·M + r·M/dp … + M/dp.
+        Needs `len(batch) % M == 0` (`pad_to_mini_batches`) and `M % dp == 0` (checked)."""
+        dp, mini = self.data_parallel_size(), self.mini_batch_rows()
+        rows = len(batch)
+        if dp == 1 or rows % mini:
+            return batch
+        # [m, r, j] → [r, m, j]: row m·M + r·M/dp + j goes to rank r's chunk, in mini-batch m
+        order = torch.arange(rows).view(rows // mini, dp, mini // dp).transpose(0, 1).reshape(-1)
+        ordered = batch.select_idxs(order)
+        ordered.meta_info = dict(batch.meta_info)
+        return ordered
+
     def mini_batch_rows(self) -> int:
         """Rows per PPO mini-batch: verl counts `ppo_mini_batch_size` in tasks, × `rollout.n`."""
         return int(self.config.actor_rollout_ref.actor.ppo_mini_batch_size * self.config.actor_rollout_ref.rollout.n)
@@ -354,27 +409,6 @@ class AglRayPPOTrainer(RayPPOTrainer):
         out = fn()
         metrics[f"timing_s/{name}"] = time.perf_counter() - start
         return out
-
-
-def check_placement(spec: Mapping[str, Sequence[int]], max_colocate_count: int,
-                    available: Mapping[str, float], gpu_resource: str = "GPU") -> None:
-    """Fail fast when verl's placement groups cannot be placed (Ray would wait for ever).
-
-    verl's `RayResourcePool` asks, for every worker process of every pool in `spec`
-    (`{pool: [processes per node]}`), one bundle `{"CPU": max_colocate_count, gpu_resource: 1}`;
-    `available` is `ray.available_resources()`. Raises ValueError naming the config keys.
-    """
-    processes = sum(int(n) for counts in spec.values() for n in counts)
-    need_cpu, need_gpu = processes * max_colocate_count, processes
-    have_cpu, have_gpu = float(available.get("CPU", 0)), float(available.get(gpu_resource, 0))
-    if have_cpu >= need_cpu and have_gpu >= need_gpu:
-        return
-    raise ValueError(
-        f"verl's placement groups need {need_cpu:g} CPUs and {need_gpu:g} {gpu_resource}s ({processes} worker "
-        f"processes x {{CPU: {max_colocate_count}, {gpu_resource}: 1}}) but the Ray cluster has {have_cpu:g} CPUs and "
-        f"{have_gpu:g} {gpu_resource}s free, so Ray would wait for ever: set ray_kwargs.ray_init.num_cpus>={need_cpu:g} "
-        f"(logical CPUs: they need not match the machine's cores) and ray_kwargs.ray_init.num_gpus>={need_gpu:g} "
-        "(on CPU these are the fake GPUs verl's pools ask for), or lower trainer.n_gpus_per_node / trainer.nnodes")
 
 
 # ------------------------------------------------------------------------------------------

@@ -1,0 +1,32 @@
+"""`open_store(url)`: the one place that knows every store backend (`agl_lab.server.store`).
+
+    None | "memory"                          -> MemoryStore    lost when the process ends
+    "sqlite:///rel/path.db" | "sqlite:////abs/path.db"
+                                             -> SqliteStore    one server process per file
+    "postgresql://user:pass@host:5432/db"    -> PostgresStore  any number of server processes
+    (or "postgres://...")                                      (agl_lab.server.store_pg)
+
+It lives apart from `store.py` because the PostgreSQL backend subclasses the `Store` defined
+there: the factory importing both keeps the import graph acyclic.
+"""
+
+from __future__ import annotations
+
+from agl_lab.server.store import DEFAULT_TERMINAL_LOG_LIMIT, MemoryStore, SqliteStore, Store
+from agl_lab.server.store_pg import PostgresStore
+
+STORE_URLS = "'memory' (default), 'sqlite:///path/to/store.db' or 'postgresql://user:password@host:5432/database'"
+
+
+def open_store(url: str | None = None, *, terminal_log_limit: int = DEFAULT_TERMINAL_LOG_LIMIT) -> Store:
+    """The store `url` names (the `store` setting); ValueError naming the accepted forms otherwise."""
+    if url is None or url in ("memory", "memory://", ""):
+        return MemoryStore(terminal_log_limit)
+    if url.startswith("sqlite:///"):
+        path = url[len("sqlite:///"):]
+        if not path:
+            raise ValueError(f"store url {url!r} names no file: use 'sqlite:///path/to/store.db'")
+        return SqliteStore(path, terminal_log_limit)
+    if url.startswith(("postgresql://", "postgres://")):
+        return PostgresStore(url, terminal_log_limit)
+    raise ValueError(f"unknown store url {url!r}: use {STORE_URLS}")
