@@ -1,11 +1,12 @@
-"""The `agl-lab` command: serve | engine | train | replay.
+"""The `agl-lab` command: serve | runner | engine | train | replay.
 
     agl-lab serve  --port 8080 --key KEY --model-name NAME [--store sqlite:///f.db]
+    agl-lab runner --server URL --key KEY --agent module:function|module:Class [--concurrency N]
     agl-lab engine --port 8001 [--model-path DIR]
     agl-lab train  configs/cpu_tiny.yaml [--run-dir DIR] [--steps N | --until STEP] [--resume] [key=value ...]
     agl-lab replay RUN_DIR [--step N] [key=value ...]
 
-`serve` and `engine` live beside the code they run; `train` is here. Each is imported only
+`serve`, `runner` and `engine` live beside the code they run; `train` is here. Each is imported only
 when it runs, so `agl-lab serve` never imports torch.
 """
 
@@ -16,6 +17,7 @@ import sys
 
 SUBCOMMANDS = {
     "serve": ("agl_lab.server.embedded", "serve_main", "run the rollout store + LLM gateway"),
+    "runner": ("agl_lab.runner_cli", "runner_main", "claim and run rollouts of a server (agents on any host)"),
     "engine": ("agl_lab.engines.serving.openai_server", "engine_main", "serve the local model OpenAI-style"),
     "train": ("agl_lab.cli", "train_main", "train from a YAML config"),
     "replay": ("agl_lab.replay", "replay_main", "replay a recorded step (what-if with key=value)"),
@@ -23,7 +25,7 @@ SUBCOMMANDS = {
 
 
 def _usage() -> str:
-    lines = ["usage: agl-lab {serve,engine,train,replay} [options]", ""]
+    lines = ["usage: agl-lab {" + ",".join(SUBCOMMANDS) + "} [options]", ""]
     lines += [f"  {name:<7} {help_}" for name, (_, _, help_) in SUBCOMMANDS.items()]
     return "\n".join(lines)
 

@@ -153,10 +153,12 @@ def _parse_rollout_with_attempts(body: Any) -> tuple[Rollout, list[str]]:
     return Rollout.model_validate(body), []
 
 
-def _patch_status_call(rollout_id: str, fields: dict[str, Any], retry: bool = False) -> _Call:
+def _patch_status_call(rollout_id: str, fields: dict[str, Any], retry: bool = False,
+                       attempt_id: str | None = None) -> _Call:
     patch = RolloutStatusPatch(**fields)  # unknown fields fail here, naming the field
     body = {"status": patch.model_dump(mode="json", exclude_unset=True)}
-    return _Call("PATCH", f"/api/rollouts/{_q(rollout_id)}", json=body, retry=retry)
+    params = None if attempt_id is None else {"attempt_id": attempt_id}
+    return _Call("PATCH", f"/api/rollouts/{_q(rollout_id)}", params=params, json=body, retry=retry)
 
 
 def _events_call(rollout_id: str, event_type: str | None, fmt: str | None) -> _Call:
@@ -349,18 +351,40 @@ class AglClient:
         params = {"state_in": [str(s) for s in states], "limit": limit}
         return _parse_rollouts(self._send(_Call("GET", "/api/rollouts", params=params, retry=True)))
 
-    def patch_status(self, rollout_id: str, *, retry: bool = False, **fields: Any) -> Rollout:
+    def patch_status(self, rollout_id: str, *, retry: bool = False, attempt_id: str | None = None,
+                     **fields: Any) -> Rollout:
         """PATCH the status (state, last_attempt_id, error_message, k8s_job_name).
 
         Sent once unless `retry`: resending a terminal PATCH is safe when the caller reads a
-        409 on the resend as "already done" (the runner does).
+        409 on the resend as "already done" (the runner does). `attempt_id` (an agl_lab
+        server's `?attempt_id=`) applies the patch only while that attempt runs (409 else).
         """
-        return Rollout.model_validate(self._send(_patch_status_call(rollout_id, fields, retry)))
+        return Rollout.model_validate(self._send(_patch_status_call(rollout_id, fields, retry, attempt_id)))
 
-    def heartbeat(self, rollout_ids: Sequence[str]) -> dict[str, Any]:
-        """Renew the leases of running rollouts: `{"not_running": [...], "lease_seconds": s}`."""
-        return self._send(_Call("POST", "/api/rollouts/heartbeat", json={"rollout_ids": list(rollout_ids)},
-                                retry=True))
+    def claim_rollouts(self, limit: int, runner_id: str = "", wait_seconds: float = 0.0) -> list[Rollout]:
+        """Claim up to `limit` queued rollouts for this caller alone (`POST /api/rollouts/claim`,
+        agl_lab); each comes back running with its new `last_attempt_id`. With none queued the
+        server waits up to `wait_seconds` for one (a long poll) before answering [].
+
+        Sent once: a resend after a lost answer would claim other rollouts; the ones the lost
+        answer held go back to the queue when their lease expires. An AGL server answers 404/405."""
+        body: dict[str, Any] = {"limit": int(limit), "runner_id": runner_id}
+        if wait_seconds:
+            body["wait_seconds"] = float(wait_seconds)
+        return _parse_rollouts(self._send(_Call("POST", "/api/rollouts/claim", json=body)))
+
+    def release_rollouts(self, attempts: dict[str, str], reason: str) -> list[str]:
+        """Give running attempts ({rollout id: attempt id}) back to the queue; the ids released."""
+        body = {"attempts": dict(attempts), "reason": reason}
+        return list(self._send(_Call("POST", "/api/rollouts/release", json=body, retry=True))["released"])
+
+    def heartbeat(self, rollout_ids: Sequence[str], attempt_ids: Sequence[str] | None = None) -> dict[str, Any]:
+        """Renew the leases of running rollouts: `{"not_running": [...], "lease_seconds": s}`.
+        With `attempt_ids` (one per rollout id) a rollout counts only while it runs that attempt."""
+        body: dict[str, Any] = {"rollout_ids": list(rollout_ids)}
+        if attempt_ids is not None:
+            body["attempt_ids"] = list(attempt_ids)
+        return self._send(_Call("POST", "/api/rollouts/heartbeat", json=body, retry=True))
 
     def fail_rollouts(self, rollout_ids: Sequence[str], reason: str) -> list[str]:
         """PATCH each queuing or running rollout to failed with `reason`; returns those failed.

@@ -71,7 +71,7 @@ AGL_DEFAULTS: dict[str, Any] = {
 
 # agl_lab.server keys handed to the embedded server's ServerConfig as they are (when not null).
 SERVER_PASSTHROUGH = (
-    "lease_seconds", "max_body_bytes", "max_batch_items", "terminal_log_limit", "upstream_client",
+    "lease_seconds", "max_attempts", "max_body_bytes", "max_batch_items", "terminal_log_limit", "upstream_client",
     "upstream_timeout_seconds", "upstream_call_deadline_seconds", "upstream_max_attempts",
     "upstream_backoff_base_seconds", "upstream_backoff_max_seconds", "upstream_breaker_seconds",
     "max_header_bytes", "header_timeout_seconds", "body_timeout_seconds", "max_upstream_answer_bytes",
@@ -364,6 +364,15 @@ def validate(cfg: DictConfig) -> None:
         warnings.warn(f"agl_lab.rollout.wait_timeout_seconds={wait} is shorter than "
                       f"agentlightning.rollout_timeout_seconds={rollout_timeout:g}: a step can time out "
                       "while its rollouts may still legitimately run; use auto (rollout timeout + 60 s)",
+                      ConfigWarning, stacklevel=3)
+    lease = cfg.agl_lab.server.get("lease_seconds")
+    if isinstance(lease, (int, float)) and lease and rollout_wait_timeout(cfg) is not None \
+            and lease >= rollout_wait_timeout(cfg):
+        import warnings
+
+        warnings.warn(f"agl_lab.server.lease_seconds={lease:g} is not below the trainer's rollout wait "
+                      f"({rollout_wait_timeout(cfg):g} s, agl_lab.rollout.wait_timeout_seconds): a dead runner's "
+                      "rollouts would not run again before the step gives up on them; lower the lease",
                       ConfigWarning, stacklevel=3)
     model = cfg.agl_lab.model
     if model.get("preset") is not None:

@@ -58,18 +58,22 @@ VALID_TRANSITIONS: dict[RolloutState, frozenset[RolloutState]] = {
 ROLLOUT_TOKEN_PREFIX = "agl-rt."
 
 
-def rollout_token(key: str, rollout_id: str, created_at: float) -> str:
+def rollout_token(key: str, rollout_id: str, created_at: float, attempt_id: str = DEFAULT_ATTEMPT_ID) -> str:
     """The per-rollout token an agent gets as `AGL_KEY` instead of the server's admin key.
 
-    `agl-rt.<rollout_id>.<hex hmac-sha256(key, rollout_id NUL repr(created_at))[:32]>`, where
-    `created_at` is the rollout's `status.created_at`: a rollout deleted and re-created under
-    the same id has another, so the old token does not open the new one. The server accepts
-    it only for that rollout's proxy route and event posts, and only while that rollout is not
-    terminal and the path names its live attempt. Empty when auth is off (empty key).
+    `agl-rt.<rollout_id>.<hex hmac-sha256(key, rollout_id NUL repr(created_at)[ NUL attempt])[:32]>`,
+    where `created_at` is the rollout's `status.created_at`: a rollout deleted and re-created under
+    the same id has another, so the old token does not open the new one; the attempt id (not
+    part of the message for attempt "0") makes each attempt's token its own, so the agent of a
+    re-queued attempt cannot open the next one. The server accepts it only for that rollout's
+    proxy route and event posts, and only while that rollout runs that attempt. Empty when
+    auth is off (empty key).
     """
     if not key:
         return ""
     life = f"{rollout_id}\0{float(created_at)!r}"
+    if attempt_id != DEFAULT_ATTEMPT_ID:
+        life += f"\0{attempt_id}"
     mac = hmac.new(key.encode(), life.encode(), hashlib.sha256).hexdigest()[:32]
     return f"{ROLLOUT_TOKEN_PREFIX}{rollout_id}.{mac}"
 

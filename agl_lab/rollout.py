@@ -212,21 +212,31 @@ class _Collector:
         waiting_for: Callable[[], set[str]],
         n_total: int,
         label: str,
-    ) -> None:
-        """Poll until `done()`; raise `RolloutWaitTimeout` naming `waiting_for()` after `timeout` s."""
+        n_collected: Callable[[], int],
+    ) -> dict[str, str]:
+        """Poll until `done()`; returns {} then. After `timeout` s the unfinished rollouts
+        (`waiting_for()`) are dropped: deleted from the store (their runners stop their agents,
+        the gateway refuses their calls) and returned as {rollout id: state it had}, so the
+        step trains what finished. `RolloutWaitTimeout` naming them only when nothing
+        finished (`n_collected() == 0`): there is nothing to train."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             for completed in self.poll():
                 on_collected(completed)
             if done():
-                return
+                return {}
             if deadline is not None and time.monotonic() >= deadline:
                 unfinished = waiting_for()
                 states = self.client.states_of(unfinished)
-                # fail them so no runner starts them for nobody; collected as FAILED by a later poll
-                self.client.fail_rollouts(sorted(unfinished), f"{label}: the trainer's wait for this rollout timed "
-                                                              f"out after {timeout:g}s")
-                raise RolloutWaitTimeout(timeout, states, n_total)
+                if n_collected() == 0:
+                    # fail them so no runner starts them for nobody; collected as FAILED by a later poll
+                    self.client.fail_rollouts(sorted(unfinished), f"{label}: the trainer's wait for this rollout "
+                                                                  f"timed out after {timeout:g}s")
+                    raise RolloutWaitTimeout(timeout, states, n_total)
+                for rid in sorted(unfinished):
+                    self.client.delete_rollout(rid)
+                    self.pending.pop(rid, None)
+                return {rid: states.get(rid, "unknown") for rid in unfinished}
             logger.debug("%s: %d rollouts pending", label, len(self.pending))
             time.sleep(self.poll_interval)
 
@@ -265,6 +275,9 @@ class _Collector:
             return completed
         if hook_error is not None:
             completed.metadata["hook_error"] = hook_error
+        attempt = rollout.status.last_attempt_id or "0"
+        if attempt != "0":  # re-run after its runner died or stopped: only this attempt's events were read
+            completed.metadata["attempt_id"] = attempt
         count_repeated_prompts(completed, every_call, triplet_events)
         self.client.delete_rollout(rollout.rollout_id)  # read in full: bound the store by what is in flight
         return completed
@@ -296,6 +309,21 @@ class _Collector:
         return f"{name}: {type(exc).__name__}: {exc}"
 
 
+def report_wait_timeout(label: str, dropped: Mapping[str, str], n_kept: int, timeout: float | None,
+                        is_train: bool = True) -> dict[str, float]:
+    """The metric and the warning of a wait that timed out but kept what finished:
+    `training/n_wait_timeout_dropped_rollouts` (`val/…`), 0 when nothing was dropped."""
+    prefix = "training" if is_train else "val"
+    if dropped:
+        states = ", ".join(f"{n} {state}" for state, n in sorted(Counter(dropped.values()).items()))
+        message = (f"{label}: the rollout wait timed out after {timeout:g}s; training on the {n_kept} rollouts that "
+                   f"finished and dropping {len(dropped)} unfinished ({states}; deleted from the store); raise "
+                   f"agl_lab.rollout.wait_timeout_seconds (now {timeout:g}) if they were still making progress")
+        logger.warning(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+    return {f"{prefix}/n_wait_timeout_dropped_rollouts": float(len(dropped))}
+
+
 def _progress(label: str, collected: Sequence[CompletedRollout], total: int) -> None:
     n_failed = sum(c.state == RolloutState.FAILED.value for c in collected)
     logger.info(
@@ -314,8 +342,9 @@ class SyncRolloutManager:
         rollout_config: `RolloutConfig` (or its dict) copied into every rollout.
         hooks: optional `RolloutHooks`.
         timeout_seconds: bound on one `run`'s wait (None = unbounded); on expiry the
-            unfinished rollouts are marked failed (so no runner starts them later) and
-            `RolloutWaitTimeout` names them with the states they had.
+            unfinished rollouts are dropped (deleted: no runner runs them later) and `run`
+            returns the ones that finished, with `n_wait_timeout_dropped_rollouts` in
+            `metrics` and a warning; `RolloutWaitTimeout` names them when none finished.
         poll_interval: seconds between polls of the terminal cursor.
         track_running: also poll the running list to record when each rollout started.
     """
@@ -344,8 +373,11 @@ class SyncRolloutManager:
     def n_hook_errors(self) -> int:
         return self._collector.n_hook_errors
 
-    def run(self, tasks: Sequence[Mapping[str, Any]], is_train: bool) -> list[CompletedRollout]:
-        """Run one rollout phase; return completed rollouts in (sample_idx, copy) order."""
+    def run(self, tasks: Sequence[Mapping[str, Any]], is_train: bool,
+            metrics: dict[str, Any] | None = None) -> list[CompletedRollout]:
+        """Run one rollout phase; return completed rollouts in (sample_idx, copy) order.
+
+        `metrics` (optional) receives `training/n_wait_timeout_dropped_rollouts` (`val/…`)."""
         collector = self._collector
         collector.pending.clear()  # a timed-out earlier run is abandoned, not waited for
         collector.start()
@@ -360,14 +392,18 @@ class SyncRolloutManager:
             collected.append(completed)
             _progress(self.label, collected, len(pairs))
 
-        collector.wait(
+        dropped = collector.wait(
             done=lambda: not collector.pending,
             on_collected=on_collected,
             timeout=self.timeout_seconds,
             waiting_for=lambda: set(collector.pending),
             n_total=len(pairs),
             label=self.label,
+            n_collected=lambda: len(collected),
         )
+        wait_metrics = report_wait_timeout(self.label, dropped, len(collected), self.timeout_seconds, is_train)
+        if metrics is not None:
+            metrics.update(wait_metrics)
         order = {entry.rollout_id: i for i, (entry, _) in enumerate(pairs)}
         return sorted(collected, key=lambda c: order[c.rollout_id])
 
@@ -486,19 +522,33 @@ class AsyncRolloutManager:
             )
         carried = list(self._groups.values())
         self._enqueue(tasks, step, policy_version)
-        self._collector.wait(
+        dropped = self._collector.wait(
             done=lambda: self._n_complete() >= self.train_batch_size,
             on_collected=self._on_collected,
             timeout=self.timeout_seconds,
             waiting_for=lambda: set(self._collector.pending),
             n_total=sum(len(g.rollout_ids) for g in self._groups.values()),
             label=self.label,
+            n_collected=lambda: sum(len(g.finished) for g in self._groups.values()),
         )
+        self._drop_members(dropped)
         taken = [g for g in self._groups.values() if g.complete][: self.train_batch_size]
         for group in taken:
             del self._groups[group.data_id]
         completed = [c for g in taken for c in g.members()]
-        return completed, self._metrics(carried, completed, step, policy_version)
+        metrics = self._metrics(carried, completed, step, policy_version)
+        metrics.update(report_wait_timeout(self.label, dropped, len(completed), self.timeout_seconds))
+        return completed, metrics
+
+    def _drop_members(self, dropped: Mapping[str, str]) -> None:
+        """A timed-out wait dropped these rollouts: their groups train on the members that
+        finished (a group left with none is gone)."""
+        if not dropped:
+            return
+        for data_id, group in list(self._groups.items()):
+            group.rollout_ids = [rid for rid in group.rollout_ids if rid not in dropped]
+            if not group.rollout_ids:
+                del self._groups[data_id]
 
     def _enqueue(self, tasks: Sequence[Mapping[str, Any]], step: int, policy_version: int | None) -> None:
         collector = self._collector
@@ -585,7 +635,16 @@ class AsyncRolloutManager:
 
 def report_failures(completed, step: int, is_train: bool) -> dict[str, Any]:
     """`training/n_failed_rollouts` (`val/…`) and, when any failed, one warning with the count
-    and the first error message."""
+    and the first error message; `training/n_rerun_rollouts` counts the rollouts that ran as a
+    later attempt (their runner died or stopped: `metadata["attempt_id"]`)."""
+    prefix = "training" if is_train else "val"
+    rerun = sum(1 for r in completed if r.metadata.get("attempt_id") not in (None, "0"))
+    if rerun:
+        logger.info("step %d: %d rollout(s) ran again as a later attempt (a runner died or stopped)", step, rerun)
+    return {**_report_failed(completed, step, is_train), f"{prefix}/n_rerun_rollouts": rerun}
+
+
+def _report_failed(completed, step: int, is_train: bool) -> dict[str, Any]:
     failed = [r for r in completed if r.state == "failed"]
     if failed:
         first = (failed[0].error_message or "no error message").strip()

@@ -17,10 +17,16 @@ Two kinds of agents
                  of its own session with `AGL_OPENAI_BASE_URL`, `AGL_EVENT_URL`, `AGL_KEY`
                  and the rollout's `config.local.env_map` in its environment.
 
-Lifecycle of one rollout (attempt "0", as every AGL v1 controller)
+Lifecycle of one rollout
 
-    queuing --PATCH running(last_attempt_id="0")--> running --> succeeded | failed
-                 409 = another runner claimed it: skip
+    queuing --POST /api/rollouts/claim--> running (attempt "0", "1", ...) --> succeeded | failed
+       ^                                     |  lease expired (runner died) / released (runner stopped)
+       +-------------------------------------+  -> the next claim is the next attempt
+
+    An agl_lab server hands each queued rollout to exactly one runner per claim request; on an
+    AGL server (no claim route: 404/405) the runner lists the queue and PATCHes
+    running(last_attempt_id="0"), skipping the 409s of rollouts another runner took first
+    (counted: `stats["conflicts"]`).
 
 Design decisions
 - One supervisor thread per claimed rollout decides the outcome exactly once (the first
@@ -36,14 +42,19 @@ Design decisions
 - A rollout this runner runs that the store reports terminal or deleted (e.g. failed by a
   trainer's bounded wait) is stopped and its slot freed (checked about once a second).
 - Every server call goes through one `AglClient` (`agl_lab.client`): the same request and
-  retry code as the trainer's; idempotent calls are retried, the claim PATCH is sent once.
+  retry code as the trainer's; idempotent calls are retried, claims are sent once.
+- Everything the runner does for an attempt names it: the agent's URLs and token, the reward,
+  the heartbeat and the terminal PATCH (`?attempt_id=`, applied only while that attempt runs).
+  So a runner that lost its attempt (lease expired while it was partitioned) can neither end
+  nor feed the next attempt, and learns from its heartbeat to stop the agent.
 - Server hiccups are logged (throttled) and the poll loop keeps going; `stop()` is bounded
-  and leaves no rollout of this runner in `running`.
+  and leaves no rollout of this runner in `running`: it releases them back to the queue
+  (`POST /api/rollouts/release`; an AGL server has none: they are failed "runner shutdown").
 - Unlike AGL's local controller, a `running` rollout the runner does not know is left alone
   (several runners may share one server). The runner renews the server-side lease of each
   rollout it runs (`POST /api/rollouts/heartbeat`, a third of `lease_seconds`, at most every
-  10 s); a runner that died without `stop()` stops renewing, and the server fails its
-  rollouts when their lease runs out ("lease expired: ...").
+  10 s); a runner that died without `stop()` stops renewing, and the server re-queues its
+  rollouts as new attempts when their lease runs out (up to the server's `max_attempts`).
 """
 
 from __future__ import annotations
@@ -81,6 +92,11 @@ KILL_WAIT_SECONDS = 5.0
 RECONCILE_INTERVAL_SECONDS = 1.0
 HEARTBEAT_MAX_INTERVAL_SECONDS = 10.0  # renew leases at least this often (a third of the server's lease if shorter)
 SHUTDOWN_MESSAGE = "runner shutdown"
+_CLAIM_UNSUPPORTED = (404, 405)  # an AGL server: no claim / release route
+# An idle runner's claim waits this long on the server for a rollout (a long poll): idle runners
+# cost one request per this many seconds each, yet a new rollout starts at once. It also bounds
+# how late stop(), the heartbeat and the reconcile run while the queue is empty.
+CLAIM_WAIT_SECONDS = 0.5
 _LIST_LIMIT = 500
 # The runner's AglClient: 5 attempts 0.1, 0.2, 0.4, 0.8 s apart for idempotent calls (and for
 # the terminal PATCH and the reward, which the runner resends on purpose).
@@ -168,6 +184,11 @@ def resolve_env_map(env_map: dict[str, str], rollout_input: Any) -> dict[str, st
     return resolved
 
 
+def attempt_of(rollout: dict[str, Any]) -> str:
+    """The attempt a claimed rollout runs (`status.last_attempt_id`, "0" when unset)."""
+    return (rollout.get("status") or {}).get("last_attempt_id") or DEFAULT_ATTEMPT_ID
+
+
 def agent_env(rollout: dict[str, Any], server_url: str, key: str) -> dict[str, str]:
     """The AGL variables of one rollout plus its resolved `config.local.env_map`.
 
@@ -176,8 +197,9 @@ def agent_env(rollout: dict[str, Any], server_url: str, key: str) -> dict[str, s
     server key: it opens only this rollout's proxy route and event posts."""
     local = (rollout.get("config") or {}).get("local") or {}
     env = resolve_env_map(local.get("env_map") or {}, rollout.get("input"))
-    base_url, event_url = agent_urls(server_url, rollout["rollout_id"], rollout.get("is_train", True))
-    token = rollout_token(key, rollout["rollout_id"], rollout["status"]["created_at"])
+    attempt = attempt_of(rollout)
+    base_url, event_url = agent_urls(server_url, rollout["rollout_id"], rollout.get("is_train", True), attempt)
+    token = rollout_token(key, rollout["rollout_id"], rollout["status"]["created_at"], attempt)
     env.update(AGL_OPENAI_BASE_URL=base_url, AGL_EVENT_URL=event_url, AGL_KEY=token)
     return env
 
@@ -194,9 +216,9 @@ class AgentContext:
     | field      | meaning                                                                  |
     |------------|--------------------------------------------------------------------------|
     | base_url   | OpenAI base URL of this rollout:                                         |
-    |            | {server}/proxy/rollout/{rid}/attempt/0/mode/{train,val}/openai/v1         |
+    |            | {server}/proxy/rollout/{rid}/attempt/{aid}/mode/{train,val}/openai/v1     |
     | api_key    | this rollout's token (its proxy route and event posts; "" if auth is off) |
-    | event_url  | {server}/api/rollouts/{rid}/attempt/0/events                             |
+    | event_url  | {server}/api/rollouts/{rid}/attempt/{aid}/events                         |
     | rollout    | the rollout as the store returned it (dict)                              |
     | cancelled  | set when the runner gave up on this rollout (timeout, shutdown, external) |
     """
@@ -270,6 +292,18 @@ class _Execution:
     def rollout_id(self) -> str:
         return self.rollout["rollout_id"]
 
+    @property
+    def attempt_id(self) -> str:
+        return attempt_of(self.rollout)
+
+
+def default_runner_id() -> str:
+    """`host-pid-xxxx`: names a runner in the server's log and in release messages."""
+    import secrets
+    import socket
+
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
+
 
 def _fmt_seconds(seconds: float) -> str:
     return f"{seconds:g}"
@@ -332,6 +366,7 @@ class Runner:
     | rollout_timeout_seconds | caps every rollout's `config.timeout_seconds`                    |
     | agent_server_url        | server URL put in the agents' URLs (default `server_url`)        |
     | request_timeout         | seconds per HTTP request of the runner                           |
+    | runner_id               | names this runner in claims and releases (default host-pid-rand) |
     """
 
     def __init__(
@@ -344,6 +379,7 @@ class Runner:
         rollout_timeout_seconds: float | None = None,
         agent_server_url: str | None = None,
         request_timeout: float = 10.0,
+        runner_id: str | None = None,
     ):
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
             raise ValueError(f"Runner(concurrency=...) must be an int >= 1, got {concurrency!r}")
@@ -373,7 +409,10 @@ class Runner:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._client: AglClient | None = None
-        self._counts = {"claimed": 0, "succeeded": 0, "failed": 0, "abandoned": 0}
+        self.runner_id = runner_id or default_runner_id()
+        self._claim_route = True  # False after an AGL server answered 404/405: list-then-PATCH
+        self._counts = {"claimed": 0, "succeeded": 0, "failed": 0, "abandoned": 0, "released": 0,
+                        "conflicts": 0}
         self._last_reconcile = 0.0
         self._last_heartbeat, self._heartbeat_every = -math.inf, HEARTBEAT_MAX_INTERVAL_SECONDS
         self._last_warning: dict[str, float] = {}
@@ -390,7 +429,9 @@ class Runner:
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop claiming, kill live agents, fail their rollouts with "runner shutdown".
+        """Stop claiming, kill live agents and release their rollouts back to the queue (another
+        runner runs them as their next attempt); on an AGL server, which cannot release, fail
+        them with "runner shutdown".
 
         Bounded: waits at most about `timeout` seconds for threads; idempotent."""
         if self._thread is None or self._client is None or self._stop.is_set():
@@ -399,8 +440,12 @@ class Runner:
         self._stop.set()
         self._thread.join(timeout=max(0.0, deadline - time.monotonic()))
         live = self._live_snapshot()
+        released = self._release(live)
         for ex in live:
-            self._finish(ex, "failed", SHUTDOWN_MESSAGE)
+            if ex.rollout_id in released:
+                self._finish(ex, None, None, count="released")
+            else:
+                self._finish(ex, "failed", SHUTDOWN_MESSAGE)
         for ex in live:
             if ex.thread is not None:
                 ex.thread.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -429,7 +474,9 @@ class Runner:
 
     @property
     def stats(self) -> dict[str, int]:
-        """Counts since start: claimed, succeeded, failed, abandoned (terminated outside), running."""
+        """Counts since start: claimed, succeeded, failed, abandoned (terminated, re-queued or
+        deleted outside the runner), released (given back by stop), conflicts (409s of the
+        list-then-PATCH claims against an AGL server), running."""
         with self._lock:
             return {**self._counts, "running": len(self._live)}
 
@@ -454,6 +501,11 @@ class Runner:
         free = self.concurrency - len(self._live)
         if free <= 0:
             return
+        if self._claim_route:
+            for rollout in self._claim_batch(free):
+                self._launch(rollout)
+            if self._claim_route:
+                return
         for rollout in self._list_rollouts("queuing", limit=free + 16):
             if free <= 0 or self._stop.is_set():
                 break
@@ -463,6 +515,35 @@ class Runner:
             if claimed is not None:
                 self._launch(claimed)
                 free -= 1
+
+    def _claim_batch(self, free: int) -> list[dict[str, Any]]:
+        """Up to `free` rollouts from the server's claim route, each claimed for this runner
+        alone; [] (and the list-then-PATCH path from now on) on a server without one."""
+        assert self._client is not None
+        try:
+            claimed = self._client.claim_rollouts(free, runner_id=self.runner_id, wait_seconds=CLAIM_WAIT_SECONDS)
+        except AglHTTPError as exc:
+            if exc.status_code not in _CLAIM_UNSUPPORTED:
+                raise
+            log.info("server %s has no claim route (AGL); claiming by list-then-PATCH", self.server_url)
+            self._claim_route = False
+            return []
+        return [r.model_dump(mode="json") for r in claimed]
+
+    def _release(self, live: list[_Execution]) -> set[str]:
+        """Give the attempts of `live` back to the queue; the ids the server released."""
+        assert self._client is not None
+        if not live:
+            return set()
+        try:
+            return set(self._client.release_rollouts({ex.rollout_id: ex.attempt_id for ex in live},
+                                                     f"runner {self.runner_id} stopped"))
+        except AglHTTPError as exc:
+            if exc.status_code not in _CLAIM_UNSUPPORTED:
+                log.error("could not release %d rollout(s) (%r); failing them instead", len(live), exc)
+        except Exception as exc:  # the server is unreachable: its leases re-queue them later
+            log.error("could not release %d rollout(s) (%r); their leases will re-queue them", len(live), exc)
+        return set()
 
     def _list_rollouts(self, state: str, limit: int = _LIST_LIMIT) -> list[dict[str, Any]]:
         """One page of rollouts in `state`, creation order. The queue page is kept small (free
@@ -481,6 +562,9 @@ class Runner:
             )
         except AglHTTPError as exc:
             if exc.status_code in (404, 409):  # deleted, or another runner claimed it first
+                if exc.status_code == 409:
+                    with self._lock:
+                        self._counts["conflicts"] += 1
                 return None
             raise
         return claimed.model_dump(mode="json")
@@ -501,14 +585,21 @@ class Runner:
     def _heartbeat(self) -> None:
         """Renew the server-side leases of the rollouts this runner runs (a third of the lease)."""
         assert self._client is not None
+        live = self._live_snapshot()
         try:
-            answer = self._client.heartbeat([ex.rollout_id for ex in self._live_snapshot()])
+            answer = self._client.heartbeat([ex.rollout_id for ex in live], [ex.attempt_id for ex in live])
         except AglHTTPError as exc:
             if exc.status_code in (404, 405):  # an AGL server: no leases to renew
                 log.info("server %s has no heartbeat route (AGL); runner leases disabled", self.server_url)
                 self._heartbeat_every = 0.0
                 return
             raise
+        lost = set(answer.get("not_running") or ())
+        for ex in live:
+            if ex.rollout_id in lost:  # re-queued (lease expired), finished or deleted outside the runner
+                log.info("rollout %s attempt %s is no longer this runner's; stopping its agent",
+                         ex.rollout_id, ex.attempt_id)
+                self._finish(ex, None, None)
         lease = float(answer.get("lease_seconds") or 0.0)
         self._heartbeat_every = min(HEARTBEAT_MAX_INTERVAL_SECONDS, lease / 3) if lease else HEARTBEAT_MAX_INTERVAL_SECONDS
 
@@ -536,7 +627,9 @@ class Runner:
             self._live[ex.rollout_id] = ex
             self._counts["claimed"] += 1
         if self._stop.is_set():  # claimed while stop() was starting: give it straight back
-            self._finish(ex, "failed", SHUTDOWN_MESSAGE)
+            released = self._release([ex])
+            self._finish(ex, None if released else "failed", None if released else SHUTDOWN_MESSAGE,
+                         count="released" if released else None)
             return
         target = self._supervise_callable if callable(self.agent) else self._supervise_subprocess
         ex.thread = threading.Thread(target=target, args=(ex,), daemon=True,
@@ -545,9 +638,10 @@ class Runner:
 
     def _context(self, rollout: dict[str, Any]) -> AgentContext:
         rid, is_train = rollout["rollout_id"], bool(rollout.get("is_train", True))
-        base_url, event_url = agent_urls(self.agent_server_url, rid, is_train)
-        token = rollout_token(self.key, rid, rollout["status"]["created_at"])
-        return AgentContext(rollout_id=rid, attempt_id=DEFAULT_ATTEMPT_ID, is_train=is_train,
+        attempt = attempt_of(rollout)
+        base_url, event_url = agent_urls(self.agent_server_url, rid, is_train, attempt)
+        token = rollout_token(self.key, rid, rollout["status"]["created_at"], attempt)
+        return AgentContext(rollout_id=rid, attempt_id=attempt, is_train=is_train,
                             base_url=base_url, event_url=event_url, api_key=token, rollout=rollout, client=self._client)
 
     def _supervise_callable(self, ex: _Execution) -> None:
@@ -594,7 +688,7 @@ class Runner:
             return "failed", f"agent returned an unusable reward: {problem}; return a finite float32 or None"
         assert self._client is not None
         try:  # resent on failure: a duplicate reward event carries the same value (last one wins)
-            self._client.add_event(ex.rollout_id, DEFAULT_ATTEMPT_ID, "reward", {"value": float(value)}, retry=True)
+            self._client.add_event(ex.rollout_id, ex.attempt_id, "reward", {"value": float(value)}, retry=True)
         except Exception as exc:
             return "failed", f"could not record the agent's reward {value}: {exc!r}"
         return "succeeded", None
@@ -643,9 +737,10 @@ class Runner:
             message = f"subprocess exited with code {rc}" + (f"; stderr tail:\n{tail}" if tail else "")
             self._finish(ex, "failed", message)
 
-    def _finish(self, ex: _Execution, state: str | None, message: str | None) -> bool:
+    def _finish(self, ex: _Execution, state: str | None, message: str | None, count: str | None = None) -> bool:
         """Decide the outcome of `ex` once: stop its agent, PATCH `state` (None = no PATCH,
-        the store already ended it), free its slot. False if it was already decided."""
+        the store already ended or re-queued it), free its slot, count it (`count`, default the
+        state or "abandoned"). False if it was already decided."""
         with ex.lock:
             if ex.finished:
                 return False
@@ -658,20 +753,23 @@ class Runner:
             if proc is not None:
                 _kill_group(proc)  # the leader has exited or must; its tool processes go too
             if state is not None:
-                self._patch_terminal(ex.rollout_id, state, message)
+                self._patch_terminal(ex, state, message)
         finally:
             with self._lock:
                 self._live.pop(ex.rollout_id, None)
-                self._counts[state or "abandoned"] += 1
+                self._counts[count or state or "abandoned"] += 1
         return True
 
-    def _patch_terminal(self, rollout_id: str, state: str, message: str | None) -> None:
+    def _patch_terminal(self, ex: _Execution, state: str, message: str | None) -> None:
+        """PATCH `state` for the attempt `ex` runs (`?attempt_id=`: 409 once it is not running
+        it, so a lost attempt never ends the next one; an AGL server ignores the parameter)."""
         assert self._client is not None
+        rollout_id = ex.rollout_id
         fields: dict[str, Any] = {"state": state}
         if message is not None:
             fields["error_message"] = message
         try:  # resent on failure (not while stopping, to keep stop() bounded): a resend gets 409
-            self._client.patch_status(rollout_id, retry=not self._stop.is_set(), **fields)
+            self._client.patch_status(rollout_id, retry=not self._stop.is_set(), attempt_id=ex.attempt_id, **fields)
         except Exception as exc:
             if isinstance(exc, AglHTTPError) and exc.status_code in (404, 409):  # deleted / decided elsewhere
                 log.info("rollout %s: PATCH %s answered %d; leaving it", rollout_id, state, exc.status_code)

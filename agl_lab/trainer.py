@@ -206,7 +206,7 @@ class Trainer:
             if self.async_manager is not None and is_train:
                 completed, carry = self._collect_async(tasks, metrics)
             else:
-                completed, carry = self._collect_sync(tasks, is_train), []
+                completed, carry = self._collect_sync(tasks, is_train, metrics), []
         metrics.update(fail_unlearnable_rollouts(completed, self.engine.vocab_size,
                                                  float(self.cfg.agl_lab.algorithm.max_abs_reward),
                                                  self.global_step, is_train))
@@ -222,7 +222,7 @@ class Trainer:
             self._reward_watch.observe_rollouts(self.global_step + 1, completed)
         return result
 
-    def _collect_sync(self, tasks: Sequence[dict] | None, is_train: bool) -> list:
+    def _collect_sync(self, tasks: Sequence[dict] | None, is_train: bool, metrics: dict[str, Any]) -> list:
         """Every rollout of this batch (n per task; one per validation task)."""
         from agl_lab.rollout import SyncRolloutManager
 
@@ -230,7 +230,7 @@ class Trainer:
             tasks = self.feeder.take(int(self.cfg.data.train_batch_size)) if is_train else self.val_dataset
         manager = SyncRolloutManager(self.client, n=int(self.cfg.actor_rollout_ref.rollout.n) if is_train else 1,
                                      step=self.global_step, **self.execution.manager_args())
-        return manager.run(list(tasks), is_train=is_train)
+        return manager.run(list(tasks), is_train=is_train, metrics=metrics)
 
     def _collect_async(self, tasks: Sequence[dict] | None, metrics: dict[str, Any]) -> tuple[list, list]:
         """`train_batch_size` whole groups, the rest carried over to the next step."""

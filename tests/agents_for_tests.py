@@ -152,3 +152,14 @@ def killed_lookup_agent(task: dict, ctx) -> float | None:
         os.kill(os.getpid(), signal.SIGKILL)
         threading.Event().wait()  # SIGKILL is not delivered synchronously everywhere
     return lookup_agent(task, ctx)
+
+
+def remote_agent(task: dict, ctx) -> float | None:
+    """The `agl-lab runner` tests' agent: reports which process ran which attempt (a `ran`
+    event), holds its rollout until the runner cancels it when the task says `hold` (and the
+    runner's environment does not set AGL_TEST_NO_HOLD), then returns reward 1.0."""
+    ctx.emit("ran", {"pid": os.getpid(), "attempt": ctx.attempt_id})
+    if task.get("hold") and not os.environ.get("AGL_TEST_NO_HOLD"):
+        ctx.cancelled.wait(120)
+        return None
+    return 1.0

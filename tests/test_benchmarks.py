@@ -100,3 +100,15 @@ def test_batch_benchmark_times_agl_in_its_own_environment():
     label = next(line for line in out.splitlines() if line.startswith("AGL env own: "))
     assert "AGL in its own env (verl " in label and "numpy " in label and os.environ["AGL_PYTHON"] in label
     assert "issue #17" not in out and "nan" not in out
+
+
+@pytest.mark.slow
+def test_claims_benchmark_prints_both_paths_for_every_backend():
+    out = _run("benchmarks/claims.py", "--rollouts", "20", "--runners", "2", "--no-agl")
+    rows = _rows(out, "path")
+    assert set(rows) == {"claim@2", "list+PATCH@2"}
+    for cells in rows.values():
+        assert len(cells) == 2 + 3 * 2 and all(cells), cells  # memory and SQLite column groups
+        assert float(cells[2]) > 0 and float(cells[5]) > 0  # rollouts/s measured on both backends
+    assert rows["claim@2"][3] == "0.00"  # the claim route never conflicts
+    assert "AGL columns absent: --no-agl" in out

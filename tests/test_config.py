@@ -102,6 +102,7 @@ def test_missing_file_is_a_clear_error():
     ("agl_lab.rollout.wait_timeout_seconds=soon", r"wait_timeout_seconds='soon'"),
     # the embedded server's limits: checked at load by ServerConfig's own rules
     ("agl_lab.server.lease_seconds=-1", r"agl_lab\.server\.lease_seconds=-1: Input should be greater than or equal to 0"),
+    ("agl_lab.server.max_attempts=0", r"agl_lab\.server\.max_attempts=0: Input should be greater than or equal to 1"),
     ("agl_lab.server.upstream_client=curl", r"agl_lab\.server\.upstream_client='curl': Input should be 'auto'"),
     ("agl_lab.server.max_body_bytes=big", r"agl_lab\.server\.max_body_bytes='big'"),
     # keys whose default is null: their type comes from the TYPED table
@@ -224,3 +225,18 @@ def test_local_engine_keys_warn_on_the_verl_engine_naming_what_verl_reads():
         warnings.simplefilter("always")
         load_config(None, ["agl_lab.engine_options.max_batch_size=8", "agl_lab.model.max_model_len=4096"])
     assert not [w for w in caught if "has no effect" in str(w.message)]
+
+
+def test_a_lease_not_below_the_rollout_wait_warns_naming_both_keys():
+    import warnings as warnings_mod
+
+    from agl_lab.config import ConfigWarning
+
+    with pytest.warns(ConfigWarning, match=r"agl_lab\.server\.lease_seconds=120 is not below the trainer's rollout "
+                                           r"wait \(100 s, agl_lab\.rollout\.wait_timeout_seconds\)"):
+        load_config(None, ["agl_lab.server.lease_seconds=120", "agl_lab.rollout.wait_timeout_seconds=100",
+                           "agentlightning.rollout_timeout_seconds=50"])
+    with warnings_mod.catch_warnings(record=True) as seen:
+        warnings_mod.simplefilter("always")
+        load_config(None, ["agl_lab.server.lease_seconds=30"])  # below the auto wait (1860 s): quiet
+    assert not [w for w in seen if "lease_seconds" in str(w.message)]

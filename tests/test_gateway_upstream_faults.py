@@ -161,9 +161,12 @@ def test_serve_has_flags_for_the_upstream_bounds():
 
 def test_serve_has_flags_for_the_request_and_lease_limits():
     args = _parser().parse_args(["--lease-seconds", "0", "--max-body-bytes", "1000", "--max-batch-items", "5",
-                                 "--terminal-log-limit", "7"])
+                                 "--terminal-log-limit", "7", "--max-attempts", "4"])
     cfg = serve_config(args)
     assert (cfg.lease_seconds, cfg.max_body_bytes, cfg.max_batch_items, cfg.terminal_log_limit) == (0, 1000, 5, 7)
+    assert cfg.max_attempts == 4 and serve_config(_parser().parse_args([])).max_attempts == 3
+    with pytest.raises(ValueError, match="max_attempts"):
+        serve_config(_parser().parse_args(["--max-attempts", "0"]))
     assert serve_config(_parser().parse_args([])).max_body_bytes == 32 * 2**20  # unset: the default
     with pytest.raises(ValueError, match="max_body_bytes"):
         serve_config(_parser().parse_args(["--max-body-bytes", "0"]))

@@ -114,7 +114,8 @@ def test_failed_rollouts_train_by_default_and_can_be_excluded():
     assert excluded.metrics["training/reward"] == 1.0
     from agl_lab.rollout import report_failures
 
-    assert report_failures(rollouts, step=0, is_train=True) == {"training/n_failed_rollouts": 2}
+    assert report_failures(rollouts, step=0, is_train=True) == {"training/n_failed_rollouts": 2,
+                                                                "training/n_rerun_rollouts": 0}
     assert "failed 2" in format_console_line(1, {**report_failures(rollouts, 0, True), **excluded.metrics})
     with pytest.raises(RuntimeError, match="2 FAILED ones excluded"):
         batch.build_batch(rollouts[1:], exclude_failed=True, **kwargs)

@@ -271,16 +271,29 @@ def test_hook_that_raises_does_not_stop_the_phase_and_its_events_are_dropped(ser
     assert manager.n_hook_errors == 1
 
 
-def test_sync_timeout_names_unfinished_rollouts_and_states(server, client):
+def test_sync_timeout_keeps_and_returns_what_finished_and_drops_the_rest(server, client):
+    manager = SyncRolloutManager(client, n=2, step=0, rollout_config={}, poll_interval=0.01, timeout_seconds=0.5)
+    metrics: dict = {}
+    with FakeRunner(server.url, hold={"t8"}), pytest.warns(RuntimeWarning) as warned:
+        kept = manager.run(tasks("t7", "t8"), is_train=True, metrics=metrics)
+    assert [c.input["name"] for c in kept] == ["t7", "t7"] and all(c.state == "succeeded" for c in kept)
+    assert metrics == {"training/n_wait_timeout_dropped_rollouts": 2.0}
+    message = str(warned[0].message)
+    assert "training on the 2 rollouts that finished and dropping 2 unfinished (2 queuing" in message
+    assert "raise agl_lab.rollout.wait_timeout_seconds (now 0.5)" in message
+    assert client.list_rollouts(["queuing", "running", "succeeded", "failed"]) == []  # dropped ones deleted
+
+
+def test_sync_timeout_with_nothing_finished_names_unfinished_rollouts_and_states(server, client):
     manager = SyncRolloutManager(client, n=2, step=0, rollout_config={}, poll_interval=0.01, timeout_seconds=0.5)
     with FakeRunner(server.url, hold={"t8"}), pytest.raises(RolloutWaitTimeout) as err:
-        manager.run(tasks("t7", "t8"), is_train=True)
+        manager.run(tasks("t8"), is_train=True)
     unfinished = err.value.unfinished
     assert len(unfinished) == 2 and set(unfinished.values()) == {"queuing"}
     for rid in unfinished:
         assert client.get_rollout(rid)[0].input["name"] == "t8" and f"{rid} (queuing)" in str(err.value)
         client.delete_rollout(rid)
-    assert "2 of 4 rollouts" in str(err.value)
+    assert "2 of 2 rollouts" in str(err.value)
 
 
 def test_bad_arguments_name_the_key(client):
@@ -326,7 +339,8 @@ def test_async_carry_over_tops_up_only_the_difference_and_hooks_run_once(server,
         assert m1 == {"training/async/n_prev_carry_over_rollouts": 0.0, "training/async/n_completed_rollouts": 4.0,
                       "training/async/n_new_carry_over_rollouts": 2.0,
                       "training/async/new_carry_over_age_max_steps": 0.0,
-                      "training/async/carry_over_age_max_versions": 0.0}
+                      "training/async/carry_over_age_max_versions": 0.0,
+                      "training/n_wait_timeout_dropped_rollouts": 0.0}
         assert manager.n_new_tasks_needed() == 2  # only the difference is topped up
         with pytest.raises(ValueError, match="pass n_new_tasks_needed"):
             manager.run(tasks("t3", "t4", "t9"), step=2)
@@ -359,6 +373,21 @@ def test_async_carry_over_tops_up_only_the_difference_and_hooks_run_once(server,
     assert len({c.rollout_id for c in trained}) == len(trained) == 16
     assert all(hooks.calls[("succeeded", c.rollout_id)] == 1 for c in trained)
     assert set(hooks.calls.values()) == {1}
+
+
+def test_async_timeout_trains_the_members_that_finished_and_hooks_run_once(server, client):
+    hooks = CountingHooks()
+    manager = AsyncRolloutManager(client, n=2, train_batch_size=2, async_train_batch_size=3, rollout_config={},
+                                  hooks=hooks, poll_interval=0.01, timeout_seconds=0.5)
+    with FakeRunner(server.url, hold={("t1", 1), "t2"}), pytest.warns(RuntimeWarning, match="dropping 3 unfinished"):
+        done, metrics = manager.run(tasks("t0", "t1", "t2"), step=1, policy_version=1)
+    # t0 whole, t1 with the copy that finished; t2 had none: gone; nothing carried over
+    assert [key_of(c) for c in done] == [("t0", 0), ("t0", 1), ("t1", 0)]
+    assert metrics["training/n_wait_timeout_dropped_rollouts"] == 3.0
+    assert manager.carry_over_groups() == [] and manager.n_new_tasks_needed() == 3
+    assert sorted(rid for (_, rid) in hooks.calls) == sorted(c.rollout_id for c in done)
+    assert set(hooks.calls.values()) == {1}
+    assert client.list_rollouts(["queuing", "running"]) == []
 
 
 def test_async_resume_rejects_another_n(client):

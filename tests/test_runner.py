@@ -159,7 +159,8 @@ def test_callable_agent_success_posts_reward_and_gets_its_context(server, api):
     assert (ctx.api_key, ctx.attempt_id, ctx.is_train) == (token, "0", False)
     client = ctx.openai_client(max_retries=1)
     assert str(client.base_url).rstrip("/") == ctx.base_url and client.api_key == token
-    assert runner.stats == {"claimed": 3, "succeeded": 3, "failed": 0, "abandoned": 0, "running": 0}
+    assert runner.stats == {"claimed": 3, "succeeded": 3, "failed": 0, "abandoned": 0, "released": 0,
+                            "conflicts": 0, "running": 0}
 
 
 def test_async_callable_agent_is_awaited(server, api):
@@ -252,7 +253,7 @@ def test_two_runners_never_run_a_rollout_twice(server, api):
     assert a.stats["claimed"] + b.stats["claimed"] == len(ids)
 
 
-def test_shutdown_fails_running_rollouts_and_leaves_queued_ones(server, api):
+def test_shutdown_releases_running_rollouts_back_to_the_queue(server, api):
     started = threading.Semaphore(0)
 
     def agent(task, ctx):
@@ -267,11 +268,19 @@ def test_shutdown_fails_running_rollouts_and_leaves_queued_ones(server, api):
     finally:
         runner.stop()
     states = [status(api, rid) for rid in ids]
-    failed = [st for st in states if st["state"] == "failed"]
-    assert len(failed) == 2 and all(st["error_message"] == "runner shutdown" for st in failed)
-    assert sum(st["state"] == "queuing" for st in states) == 3
+    released = [st for st in states if st["error_message"]]
+    assert len(released) == 2 and runner.stats["released"] == 2 and runner.stats["failed"] == 0
+    assert all(st["error_message"] == f"attempt 0 released (runner {runner.runner_id} stopped); re-queued"
+               and st["last_attempt_id"] == "0" for st in released)
+    assert all(st["state"] == "queuing" for st in states)  # none failed: another runner runs them
     assert api.get("/api/rollouts", params={"state_in": "running"}).json() == []
     assert runner.running == []
+    seen = []
+    with Runner(server.url, key=KEY, agent=lambda task, ctx: seen.append((task["i"], ctx.attempt_id)) or 1.0):
+        wait_terminal(api, ids)
+    attempts = dict(seen)
+    assert sorted(attempts) == [0, 1, 2, 3, 4] and sorted(attempts.values()) == ["0", "0", "0", "1", "1"]
+    assert all(status(api, rid)["state"] == "succeeded" for rid in ids)
 
 
 def test_runner_keeps_polling_through_a_server_outage(embedded_server):
@@ -355,7 +364,7 @@ def test_shutdown_kills_subprocess_agents(server, api):
         runner.stop()
     for rid in ids:
         st = status(api, rid)
-        assert (st["state"], st["error_message"]) == ("failed", "runner shutdown")
+        assert st["state"] == "queuing" and st["error_message"].startswith("attempt 0 released")
         pids = events(api, rid, event_type="pids")[0]["data"]
         wait_until(lambda: process_gone(pids["agent"]) and process_gone(pids["tool"]), 10, "agents to die")
 

@@ -30,14 +30,20 @@ def _wait_state(client, rid, state, bound=30.0):
     raise AssertionError(f"{rid} never reached {state}: {_state(client, rid)}")
 
 
-def test_running_rollout_without_a_runner_fails_when_its_lease_expires(embedded_server, store_url):
-    server = embedded_server(key=KEY, default_proxy={"model_name": "m"}, store=store_url, lease_seconds=0.5)
+def test_running_rollout_without_a_runner_is_requeued_then_fails_after_max_attempts(embedded_server, store_url):
+    server = embedded_server(key=KEY, default_proxy={"model_name": "m"}, store=store_url, lease_seconds=0.5,
+                             max_attempts=2)
     with AglClient(server.url, key=KEY) as client:
         client.create_rollouts([RolloutCreate(input={}, rollout_id="orphan"), RolloutCreate(input={}, rollout_id="q")])
         client.patch_status("orphan", state="running", last_attempt_id="0")  # a runner that then crashed
+        status = _wait_state(client, "orphan", "queuing")
+        assert "attempt 0: lease expired" in status.error_message and "lease_seconds=0.5" in status.error_message
+        assert "re-queued as attempt 1 of max_attempts=2" in status.error_message
+        claimed = client.claim_rollouts(5, runner_id="also-crashes")
+        assert [(r.rollout_id, r.status.last_attempt_id) for r in claimed] == [("orphan", "1"), ("q", "0")]
         status = _wait_state(client, "orphan", "failed")
-        assert "lease expired" in status.error_message and "lease_seconds=0.5" in status.error_message
-        assert _state(client, "q").state == "queuing"  # queued rollouts hold no lease
+        assert "attempt 1: lease expired" in status.error_message and "(max_attempts=2)" in status.error_message
+        assert _wait_state(client, "q", "queuing").error_message.startswith("attempt 0: lease expired")
         page = client.terminal_page(after=0)
         assert [i.rollout_id for i in page.items] == ["orphan"]
 
@@ -76,7 +82,7 @@ def test_sqlite_running_rollouts_of_a_crashed_server_expire_after_restart(embedd
     store.create_rollouts([RolloutCreate(input={}, rollout_id="left")])
     store.patch_status("left", RolloutStatusPatch(state=RolloutState.RUNNING))
     store.close()  # the server "crashed" with the rollout running
-    server = embedded_server(key=KEY, default_proxy={"model_name": "m"}, store=url, lease_seconds=0.3)
+    server = embedded_server(key=KEY, default_proxy={"model_name": "m"}, store=url, lease_seconds=0.3, max_attempts=1)
     with AglClient(server.url, key=KEY) as client:
         assert "lease expired" in _wait_state(client, "left", "failed").error_message
 
@@ -91,12 +97,12 @@ def test_leases_off(embedded_server):
         assert client.heartbeat(["forever"]) == {"not_running": [], "lease_seconds": 0.0}
 
 
-def test_timed_out_wait_fails_its_rollouts_and_a_later_runner_runs_none(embedded_server, store_url):
+def test_timed_out_wait_drops_its_unfinished_rollouts_and_a_later_runner_runs_none(embedded_server, store_url):
     server = embedded_server(key=KEY, default_proxy={"model_name": "m"}, store=store_url)
     ran = []
     with AglClient(server.url, key=KEY) as client:
         manager = SyncRolloutManager(client, n=2, step=0, rollout_config={}, timeout_seconds=0.3, poll_interval=0.02)
-        with pytest.raises(RolloutWaitTimeout) as info:
+        with pytest.raises(RolloutWaitTimeout) as info:  # nothing finished: nothing to train
             manager.run([{"q": 1}], is_train=True)
         ids = sorted(info.value.unfinished)
         assert len(ids) == 2 and set(info.value.unfinished.values()) == {"queuing"}
@@ -119,3 +125,65 @@ def test_client_heartbeat_and_fail(embedded_server):
         assert client.fail_rollouts(["a1", "gone"], "stop") == ["a1"]
         status = client.get_rollout("a1")[0].status
     assert status.state == "failed" and status.error_message == "stop"
+
+
+def test_async_carry_over_and_hooks_see_a_requeued_rollout_finish_once(embedded_server, store_url):
+    """A dead runner's claim (no heartbeat) is re-queued as attempt 1, run by a live runner,
+    collected once across carry-over steps; its hook runs once and reads attempt 1 only."""
+    from agl_lab.hooks import RolloutHooks
+    from agl_lab.rollout import AsyncRolloutManager
+
+    class Hooks(RolloutHooks):
+        def __init__(self):
+            self.seen: list[tuple[str, tuple[str, ...]]] = []
+
+        def on_succeeded(self, rollout, events_by_attempt, writer):
+            self.seen.append((rollout.rollout_id, tuple(sorted(events_by_attempt))))
+
+    server = embedded_server(key=KEY, default_proxy={"model_name": "m"}, store=store_url, lease_seconds=0.6,
+                             max_attempts=2)
+    hooks = Hooks()
+
+    def agent(task, ctx):
+        ctx.emit("ran", {"attempt": ctx.attempt_id})
+        return 1.0
+
+    with AglClient(server.url, key=KEY) as client:
+        manager = AsyncRolloutManager(client, n=2, train_batch_size=1, async_train_batch_size=2, rollout_config={},
+                                      hooks=hooks, timeout_seconds=60, poll_interval=0.02)
+        dead = AglClient(server.url, key=KEY)
+        real_create = client.create_rollouts
+
+        live = Runner(server.url, key=KEY, agent=agent, poll_interval=0.02)
+
+        def create_then_die(requests):  # a runner grabs the first rollout and dies with it, then
+            out = real_create(requests)  # the live runner starts
+            if live._thread is None:
+                (victim,) = dead.claim_rollouts(1, runner_id="dies")
+                victims.append(victim.rollout_id)
+                dead.add_event(victim.rollout_id, "0", "ran", {"attempt": "0"})
+                live.start()
+            return out
+
+        client.create_rollouts = create_then_die
+        trained, victims = [], []
+        try:
+            step, end = 0, time.monotonic() + 30
+            while time.monotonic() < end:  # until the victim's group, carried over while it waits, trained
+                if victims and victims[0] in {c.rollout_id for c in trained}:
+                    break
+                step += 1
+                tasks = [{"i": step * 10 + k} for k in range(manager.n_new_tasks_needed())]
+                done, _ = manager.run(tasks, step=step)
+                trained += done
+        finally:
+            live.stop()
+            dead.close()
+    ids = [c.rollout_id for c in trained]
+    assert victims[0] in ids and len(ids) == len(set(ids)) and all(c.state == "succeeded" for c in trained)
+    carried_finished = sum(len(g.finished) for g in manager._groups.values())
+    assert len(hooks.seen) == len(ids) + carried_finished  # hooks: the trained and the carried finished ones
+    assert sorted(rid for rid, _ in hooks.seen) == sorted(set(rid for rid, _ in hooks.seen))  # once each
+    assert dict(hooks.seen)[victims[0]] == ("1",)  # the victim: its attempt 1 only
+    assert sum(attempts == ("1",) for _, attempts in hooks.seen) == 1
+    assert all(attempts in {("0",), ("1",)} for _, attempts in hooks.seen)

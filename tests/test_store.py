@@ -5,6 +5,7 @@ The triplet view the server serves over the store's events is tested in test_rec
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -297,3 +298,154 @@ def test_memory_event_data_is_a_fresh_copy_and_non_json_data_is_refused():
     with pytest.raises(NotStorable):  # not JSON: it could never be read back over HTTP
         s.append_event("a", "0", "custom", {"x": {2, 3}})
     assert s.events("a", event_type="custom") == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Claims, attempts, leases, release
+# ---------------------------------------------------------------------------------------------
+
+LATER = 10**10  # a `now` long after every lease in these tests
+
+
+def test_concurrent_claims_hand_each_rollout_to_exactly_one_claimer(store):
+    """32 threads claim batches of 1-7 until the queue is empty: disjoint sets whose union is the queue."""
+    ids = [f"r{i:04d}" for i in range(600)]
+    store.create_rollouts([RolloutCreate(rollout_id=rid, input={}) for rid in ids])
+    got: list[list[str]] = [[] for _ in range(32)]
+    start = threading.Barrier(32)
+
+    def claimer(i: int) -> None:
+        start.wait()
+        while claimed := store.claim_rollouts(1 + i % 7, runner_id=f"t{i}"):
+            got[i].extend(r.rollout_id for r in claimed)
+
+    import sys
+
+    threads = [threading.Thread(target=claimer, args=(i,)) for i in range(32)]
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible: the claims interleave
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(switch)
+    flat = [rid for ids_ in got for rid in ids_]
+    assert len(flat) == len(set(flat)) == 600 and set(flat) == set(ids)
+    assert sum(bool(g) for g in got) > 1  # the claimers really interleaved
+    for rollout in store.list_rollouts(["running"], limit=1000):
+        assert rollout.status.last_attempt_id == "0" and rollout.status.version == 2
+    assert store.list_rollouts(["queuing"]) == [] and store.claim_rollouts(5) == []
+
+
+def test_claim_takes_the_oldest_queued_first_and_skips_the_others(store):
+    for rid in ("a", "b", "c", "d"):
+        create(store, rid)
+    store.patch_status("b", RUNNING)  # claimed the AGL way (PATCH)
+    assert [r.rollout_id for r in store.claim_rollouts(2)] == ["a", "c"]
+    assert [r.rollout_id for r in store.claim_rollouts(0)] == []
+    assert [r.rollout_id for r in store.claim_rollouts(9)] == ["d"]
+
+
+def test_expired_lease_requeues_as_next_attempt_then_fails_after_max_attempts(store):
+    create(store, "r")
+    (claimed,) = store.claim_rollouts(1)
+    assert claimed.status.last_attempt_id == "0"
+    store.append_event("r", "0", "model_request", {"n": 0})
+    assert store.expire_leases(60.0, max_attempts=3, now=time.time()) == {}  # active: not expired
+    assert store.expire_leases(60.0, max_attempts=3, now=LATER) == {"r": "requeued"}
+    status = store.get_rollout("r").status
+    assert status.state == "queuing" and status.last_attempt_id == "0"
+    assert "attempt 0: lease expired" in status.error_message and "re-queued as attempt 1" in status.error_message
+    store.append_event("r", "0", "model_request", {"n": "late"})  # the dead runner's late event: kept
+    (again,) = store.claim_rollouts(1)
+    assert again.status.last_attempt_id == "1" and again.status.error_message is None
+    store.append_event("r", "1", "reward", {"value": 1.0})
+    assert [e.data for e in store.events("r")] == [{"value": 1.0}]  # reads follow last_attempt_id
+    assert [e.data for e in store.events("r", attempt_id="0")] == [{"n": 0}, {"n": "late"}]
+    assert store.attempts("r") == ["0", "1"]
+    store.claim_rollouts(1)  # nothing queued: attempt 1 stays
+    assert store.expire_leases(60.0, max_attempts=3, now=LATER) == {"r": "requeued"}
+    assert store.claim_rollouts(1)[0].status.last_attempt_id == "2"
+    assert store.expire_leases(60.0, max_attempts=3, now=LATER) == {"r": "failed"}
+    status = store.get_rollout("r").status
+    assert status.state == "failed" and "failed after 3 attempt(s) (max_attempts=3)" in status.error_message
+    assert [i.rollout_id for i in store.terminal_page().items] == ["r"]  # terminal exactly once
+    assert store.expire_leases(60.0, max_attempts=3, now=LATER) == {}
+
+
+def test_heartbeats_and_events_of_the_running_attempt_renew_its_lease(store):
+    for rid in ("hb", "ev", "old"):
+        create(store, rid)
+    store.claim_rollouts(3)
+    store.expire_leases(1.0, max_attempts=2, now=LATER)  # all three re-queued
+    store.claim_rollouts(3)  # attempt "1" for each
+    time.sleep(0.4)
+    assert store.heartbeat(["hb", "ev", "old", "gone"], ["1", "1", "0", "0"]) == ["old", "gone"]
+    store.append_event("ev", "1", "tick")
+    store.append_event("old", "0", "tick")  # an old attempt's late event does not keep the new one alive
+    with pytest.raises(ValueError, match="attempt_ids has 1 items for 2 rollout_ids"):
+        store.heartbeat(["hb", "ev"], ["1"])
+    # idle for 0.3 s: only "old", last active at its claim 0.4 s ago
+    assert store.expire_leases(0.3, max_attempts=2) == {"old": "failed"}
+
+
+def test_release_requeues_the_callers_attempt_only(store):
+    create(store, "r")
+    store.claim_rollouts(1)
+    assert store.release_rollouts({"r": "7", "gone": "0"}, "runner x stopped") == []
+    assert store.release_rollouts({"r": "0"}, "runner x stopped") == ["r"]
+    status = store.get_rollout("r").status
+    assert status.state == "queuing" and status.error_message == "attempt 0 released (runner x stopped); re-queued"
+    assert store.release_rollouts({"r": "0"}, "again") == []  # queuing: nothing to release
+    (again,) = store.claim_rollouts(1)
+    assert again.status.last_attempt_id == "1"
+    assert store.terminal_page().items == []  # a release is no terminal transition
+
+
+def test_patch_conditioned_on_an_attempt_applies_only_while_it_runs(store):
+    from agl_lab.server.store import StaleAttempt
+
+    create(store, "r")
+    store.claim_rollouts(1)
+    store.expire_leases(1.0, max_attempts=2, now=LATER)
+    with pytest.raises(StaleAttempt, match="attempt 0 is not running"):  # queuing: the old runner's failure
+        store.patch_status("r", RolloutStatusPatch(state=RolloutState.FAILED), attempt_id="0")
+    store.claim_rollouts(1)
+    with pytest.raises(StaleAttempt, match=r"the rollout is running, attempt 1"):
+        store.patch_status("r", SUCCEEDED, attempt_id="0")
+    assert store.patch_status("r", SUCCEEDED, attempt_id="1").status.state == "succeeded"
+    assert [i.rollout_id for i in store.terminal_page().items] == ["r"]
+
+
+def test_sqlite_requeued_rollouts_and_attempts_survive_reopen(tmp_path):
+    url = f"sqlite:///{tmp_path}/attempts.db"
+    s = open_store(url)
+    s.create_rollouts([RolloutCreate(rollout_id="r", input={})])
+    s.claim_rollouts(1)
+    s.append_event("r", "0", "e", {"a": 0})
+    s.expire_leases(1.0, max_attempts=2, now=LATER)
+    s.close()
+    s = open_store(url)
+    try:
+        (again,) = s.claim_rollouts(1)
+        assert again.status.last_attempt_id == "1" and s.attempts("r") == ["0"]
+    finally:
+        s.close()
+
+
+def test_a_requeued_rollout_cannot_be_claimed_again_under_an_attempt_it_ran(store):
+    """AGL clients claim by PATCH running(last_attempt_id="0"): on a re-queued rollout that would
+    mix its attempts' events and run it forever; 409 instead, naming the attempt to use."""
+    from agl_lab.server.store import ReusedAttempt
+
+    create(store, "r")
+    store.patch_status("r", RolloutStatusPatch(state=RolloutState.RUNNING, last_attempt_id="0"))  # the AGL way
+    store.expire_leases(1.0, max_attempts=2, now=LATER)
+    with pytest.raises(ReusedAttempt, match="attempt 0 already ran .* claim it as attempt 1"):
+        store.patch_status("r", RolloutStatusPatch(state=RolloutState.RUNNING, last_attempt_id="0"))
+    with pytest.raises(InvalidTransition):  # a 409, like a rollout another runner took first
+        store.patch_status("r", RUNNING)
+    assert store.patch_status("r", RolloutStatusPatch(state=RolloutState.RUNNING, last_attempt_id="1")).status.state == "running"
+    assert store.expire_leases(1.0, max_attempts=2, now=LATER) == {"r": "failed"}  # bounded by max_attempts

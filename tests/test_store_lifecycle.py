@@ -40,10 +40,10 @@ def test_unexpected_error_is_json_500_and_the_connection_stays_usable(server):
     store = server.app.state.store
     real, failures = store.patch_status, iter(range(1))
 
-    def flaky(rollout_id, patch):  # fault injection: the first PATCH hits a bug in the store
+    def flaky(rollout_id, patch, **kwargs):  # fault injection: the first PATCH hits a bug in the store
         if next(failures, None) is not None:
             raise RuntimeError("boom")
-        return real(rollout_id, patch)
+        return real(rollout_id, patch, **kwargs)
 
     store.patch_status = flaky
     with AglClient(server.url, key=KEY, backoff_base=0.001) as client:

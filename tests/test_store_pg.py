@@ -255,12 +255,12 @@ def test_lease_activity_seen_by_one_store_is_honoured_by_another(postgres_databa
         a.append_event("event", "0", "custom", {})
         t1 = time.time()
         # a lease of 10 s, checked 9.9 s after t1: 'idle' was last active at t0, the others at t1
-        assert b.expire_leases(10.0, now=t1 + 9.9) == ["idle"]
-        assert b.get_rollout("idle").status.error_message.startswith("lease expired: no heartbeat, event or status")
+        assert b.expire_leases(10.0, now=t1 + 9.9) == {"idle": "failed"}  # max_attempts=1
+        assert b.get_rollout("idle").status.error_message.startswith("attempt 0: lease expired (no heartbeat, event or status")
         assert b.get_rollout("beat").status.state == "running" and b.get_rollout("event").status.state == "running"
         time.sleep(0.3)
         a.heartbeat(["beat"])
-        assert b.expire_leases(10.0, now=time.time() + 9.9) == ["event"]  # the heartbeat is newer than the event
+        assert b.expire_leases(10.0, now=time.time() + 9.9) == {"event": "failed"}  # the heartbeat is newer than the event
         assert t0 < t1
     finally:
         a.close()
@@ -318,11 +318,12 @@ def test_models_and_leases_are_shared_not_cached_per_server(serve, fake_upstream
             assert ca.post("/api/rollouts/heartbeat", json={"rollout_ids": ["r"]}).json()["not_running"] == []
             time.sleep(0.2)
         assert cb.get("/api/rollouts/r").json()["rollout"]["status"]["state"] == "running"
-        deadline = time.monotonic() + 10  # then silence: one of the sweepers fails it
+        deadline = time.monotonic() + 10  # then silence: one of the sweepers re-queues it as attempt 1
         while (status := cb.get("/api/rollouts/r").json()["rollout"]["status"])["state"] == "running":
             assert time.monotonic() < deadline
             time.sleep(0.1)
-        assert status["state"] == "failed" and status["error_message"].startswith("lease expired")
+        assert status["state"] == "queuing" and status["error_message"].startswith("attempt 0: lease expired")
+        assert "re-queued as attempt 1" in status["error_message"]
 
         assert ca.delete("/api/models").status_code == 200
         _create(ca, ["r2"])
@@ -436,3 +437,36 @@ def test_terminal_cursor_through_two_servers_lists_each_rollout_once_in_one_orde
     for ids in seen:
         assert len(ids) == len(set(ids)) == len(expected) and set(ids) == expected
     assert seen[0] == seen[1]
+
+
+def test_batch_claims_through_two_stores_are_exactly_once(postgres_database):
+    """Two server processes' stores on one database, 8 claiming threads each: disjoint sets that
+    cover the queue (`_lock_queued`: FOR NO KEY UPDATE SKIP LOCKED); then an expiry seen by one
+    store re-queues as attempt 1 for a claim through the other."""
+    a, b = PostgresStore(postgres_database), PostgresStore(postgres_database)
+    try:
+        ids = [f"p{i:03d}" for i in range(300)]
+        a.create_rollouts([RolloutCreate(rollout_id=rid, input={}) for rid in ids])
+        got: list[list[str]] = [[] for _ in range(16)]
+        start = threading.Barrier(16)
+
+        def claimer(i: int) -> None:
+            store = (a, b)[i % 2]
+            start.wait()
+            while claimed := store.claim_rollouts(1 + i % 5, runner_id=f"t{i}"):
+                got[i].extend(r.rollout_id for r in claimed)
+
+        threads = [threading.Thread(target=claimer, args=(i,)) for i in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        flat = [rid for g in got for rid in g]
+        assert len(flat) == len(set(flat)) == 300 and set(flat) == set(ids)
+        assert sum(got[i] != [] for i in range(0, 16, 2)) and sum(got[i] != [] for i in range(1, 16, 2))  # both
+        assert a.expire_leases(1.0, max_attempts=2, now=time.time() + 100)["p000"] == "requeued"
+        again = b.claim_rollouts(400)
+        assert len(again) == 300 and {r.status.last_attempt_id for r in again} == {"1"}
+    finally:
+        a.close()
+        b.close()

@@ -288,12 +288,13 @@ def test_server_limits_reach_the_embedded_server(tmp_path):
     import httpx
 
     trainer = Trainer.from_config(None, [*SMALL, "agl_lab.server.lease_seconds=42", "agl_lab.server.max_body_bytes=200000",
+                                         "agl_lab.server.max_attempts=5",
                                          "agl_lab.server.upstream_max_attempts=2"], console=False,
                                   run_dir=str(tmp_path / "run"))
     with trainer:
         config = trainer.server.config
         assert (config.lease_seconds, config.max_body_bytes, config.upstream_max_attempts) == (42, 200_000, 2)
-        assert config.upstream_timeout_seconds == 300  # unset: the server's default
+        assert config.upstream_timeout_seconds == 300 and config.max_attempts == 5  # unset: the server's default
         big = [{"input": {"text": "x" * 300_000}}]
         r = httpx.post(f"{trainer.base_url}/api/rollouts", json=big, headers={"Authorization": f"Bearer {trainer.key}"})
         assert r.status_code == 413 and "max_body_bytes" in r.json()["detail"]

@@ -11,9 +11,11 @@ error texts are AGL's):
     GET    /api/rollouts?state_in=..&limit=500              [Rollout] in creation order
     GET    /api/rollouts/terminal?after=0&limit=1000        TerminalPage (completion cursor)
     GET    /api/rollouts/{id}                               {"rollout", "attempts"}
-    PATCH  /api/rollouts/{id}             {"status": {..}}  Rollout | 404 | 409 | 422
+    PATCH  /api/rollouts/{id}[?attempt_id=A]  {"status": {..}}  Rollout | 404 | 409 | 422
     DELETE /api/rollouts/{id}                               204 (idempotent)
-    POST   /api/rollouts/heartbeat        {"rollout_ids"}   renew leases (agl_lab; not in AGL)
+    POST   /api/rollouts/claim            {"limit", "runner_id"}  [Rollout] claimed (agl_lab; not in AGL)
+    POST   /api/rollouts/release          {"attempts", "reason"}  {"released"}  (agl_lab; not in AGL)
+    POST   /api/rollouts/heartbeat        {"rollout_ids"[, "attempt_ids"]}  renew leases (agl_lab; not in AGL)
     POST   /api/rollouts/{id}/attempt/{aid}/events          Event | 404
     GET    /api/rollouts/{id}/events?event_type=&format=triplet
     POST   /api/models                    [Model]           201 echo (upsert)
@@ -31,6 +33,13 @@ only their rollout's proxy route and event posts. API handlers run store calls i
 pool so a large create or listing never stalls the event loop; the gateway's per-call store
 calls stay on the loop (short, and its hot path). Values are checked at write time
 (`agl_lab.server.storable`): what is stored reads back, else 422 naming the field.
+
+Claims and attempts (agl_lab): `POST /api/rollouts/claim` hands up to `limit` queued rollouts
+to one caller in one request (no list-then-PATCH race: the store moves each to running as a
+new attempt in one transaction); AGL clients' list-then-PATCH path works unchanged. A running
+rollout whose lease expires is re-queued as the next attempt up to `max_attempts`; `?attempt_id=`
+on a PATCH applies it only while that attempt runs (409 otherwise), so a runner that lost its
+attempt cannot end the next one.
 
 Departures from AGL: a body that is not JSON answers 400 "Invalid JSON in request body" on
 every route (FastAPI would say 422); unknown config keys are rejected with the key's name;
@@ -50,6 +59,7 @@ import secrets
 import sqlite3
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
+from urllib.parse import unquote
 
 from fastapi import APIRouter, FastAPI, HTTPException, Query, Request, Response
 from fastapi.exception_handlers import request_validation_exception_handler
@@ -57,12 +67,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
-from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from agl_lab.protocol import (
     DEFAULT_ATTEMPT_ID,
     ROLLOUT_TOKEN_PREFIX,
-    TERMINAL_STATES,
     Event,
     EventCreate,
     Model,
@@ -82,7 +91,7 @@ from agl_lab.server.gateway import Gateway, RequestRewriter, gateway_router, pro
 from agl_lab.server.seeding import SeededCallsRewriter
 from agl_lab.server.storable import INT64_MAX, INT64_MIN, NotStorable, check_storable
 from agl_lab.server.backends import open_store
-from agl_lab.server.store import InvalidTransition, RolloutNotFound, Store, StoreUnavailable
+from agl_lab.server.store import InvalidTransition, RolloutNotFound, StaleAttempt, Store, StoreUnavailable
 from agl_lab.server.token_preserving import TokenPreservingRewriter
 from agl_lab.server.upstream import open_upstream_client
 
@@ -90,6 +99,8 @@ logger = logging.getLogger("agl_lab.server")
 
 NO_KEY_WARNING = "AGL_KEY not set — authentication disabled. Do not use in production."
 MAX_LIST_LIMIT = 10_000  # listings and terminal pages answer at most this many items per request
+MAX_CLAIM_WAIT_SECONDS = 30.0  # longest long poll of POST /api/rollouts/claim
+CLAIM_RECHECK_SECONDS = 0.5  # a waiting claim re-checks the queue this often (other server processes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -116,7 +127,7 @@ ERROR_TEXTS = {
     401: "missing or wrong key (checked before the body is read)",
     403: "a server without a key: the Host header names a host outside allowed_hosts",
     404: "no such rollout",
-    409: "transition not allowed from the rollout's state",
+    409: "transition not allowed from the rollout's state, or the attempt named is not running",
     413: "body larger than max_body_bytes, or more items than max_batch_items",
     415: "body sent as text/plain or a form (cross-site content types): send application/json",
     422: "invalid field, or a value the store could not read back (named in detail)",
@@ -129,6 +140,47 @@ COMMON_ERRORS = (401, 403, 413, 415, 500, 503, 507)
 
 class HeartbeatRequest(BaseModel):
     rollout_ids: list[str]
+    attempt_ids: list[str] | None = None  # parallel to rollout_ids: alive only while it runs that attempt
+
+
+class ClaimRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    limit: int = Field(1, ge=1, description="most rollouts to claim (the server hands at most max_batch_items)")
+    runner_id: str = Field("", max_length=200, description="names the caller in the server log")
+    wait_seconds: float = Field(0.0, ge=0, le=MAX_CLAIM_WAIT_SECONDS,
+                                description="with none queued, wait this long for one (long poll)")
+
+
+class QueueSignal:
+    """Wakes waiting claims when rollouts are queued (created, re-queued or released) in this
+    server. Rollouts queued by another server process on a shared store are seen by the
+    waiters' re-check every CLAIM_RECHECK_SECONDS. Used on the event loop only."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def notify(self) -> None:
+        self._event.set()  # every waiter holds this generation's event and wakes
+        self._event = asyncio.Event()
+
+    def generation(self) -> asyncio.Event:
+        """Take this before looking at the queue: a notify after the look sets it."""
+        return self._event
+
+    @staticmethod
+    async def wait(generation: asyncio.Event, seconds: float) -> None:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(generation.wait(), seconds)
+
+
+class ReleaseRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    attempts: dict[str, str] = Field(description="rollout id -> the attempt the caller runs")
+    reason: str = Field("runner stopped", max_length=2000)
+
+
+class ReleaseAnswer(BaseModel):
+    released: list[str]  # back to queuing; the others were not running that attempt
 
 
 class HeartbeatAnswer(BaseModel):
@@ -136,13 +188,18 @@ class HeartbeatAnswer(BaseModel):
     lease_seconds: float  # renew well within this (0: leases are off)
 
 
-async def _expire_leases_forever(store: Store, lease_seconds: float) -> None:
-    """Fail running rollouts whose lease ran out, every min(5 s, lease/4)."""
+async def _expire_leases_forever(store: Store, lease_seconds: float, max_attempts: int, queued: QueueSignal) -> None:
+    """Re-queue (after max_attempts: fail) running rollouts whose lease ran out, every min(5 s, lease/4)."""
     while True:
         try:
-            expired = await run_in_threadpool(store.expire_leases, lease_seconds)
-            if expired:
-                logger.warning("Failed %d running rollout(s) whose lease expired: %s", len(expired), expired[:10])
+            expired = await run_in_threadpool(store.expire_leases, lease_seconds, max_attempts)
+            if "requeued" in expired.values():
+                queued.notify()
+            for outcome in ("requeued", "failed"):
+                ids = [rid for rid, what in expired.items() if what == outcome]
+                if ids:
+                    logger.warning("Lease expired: %s %d running rollout(s) (max_attempts=%d): %s",
+                                   outcome, len(ids), max_attempts, ids[:10])
         except Exception:  # never let the sweeper die silently
             logger.exception("Lease sweep failed")
         await asyncio.sleep(min(5.0, lease_seconds / 4))
@@ -168,6 +225,7 @@ def create_app(
     if cfg.token_preserving and not any(hasattr(r, "set_tokenizer") for r in rewriters):
         rewriters.append(TokenPreservingRewriter())  # tokenizers: EmbeddedServer.set_tokenizer / --tokenizer-path
     gateway = Gateway(cfg, store, rewriters=rewriters)
+    queued = QueueSignal()
     if not cfg.key:
         logger.warning(NO_KEY_WARNING)
 
@@ -175,7 +233,8 @@ def create_app(
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         gateway.client = open_upstream_client(cfg.upstream_client, cfg.upstream_timeout_seconds,
                                               cfg.max_upstream_answer_bytes)
-        sweeper = asyncio.ensure_future(_expire_leases_forever(store, cfg.lease_seconds)) if cfg.lease_seconds else None
+        sweeper = (asyncio.ensure_future(_expire_leases_forever(store, cfg.lease_seconds, cfg.max_attempts, queued))
+                   if cfg.lease_seconds else None)
         try:
             yield
         finally:
@@ -204,7 +263,7 @@ def create_app(
         this route; other ASGI servers (and test clients) reach it."""
         return {"status": "ok"}
 
-    app.include_router(_rollout_router(store, cfg.max_batch_items, cfg.lease_seconds), prefix="/api")
+    app.include_router(_rollout_router(store, cfg.max_batch_items, cfg.lease_seconds, queued), prefix="/api")
     app.include_router(_event_router(store), prefix="/api")
     app.include_router(_model_router(store, cfg.max_batch_items), prefix="/api")
     app.include_router(gateway_router(gateway), prefix="/proxy")
@@ -219,7 +278,9 @@ def rollout_token_checker(key: str, store: Store) -> Callable[[str, str, str], b
     """`check(token, method, path)`: a per-rollout token (`rollout_token`) opens only POSTs to
     its rollout's proxy route and event route, and only for the rollout's live attempt: the
     rollout exists with the `created_at` the token was made for (not a re-created one), is
-    not terminal, and the path names its current attempt (`last_attempt_id`, default "0")."""
+    running (or queuing and never claimed), the path names its live attempt (`last_attempt_id`,
+    default "0") and the token was made for that attempt: an agent of a re-queued or released
+    attempt is refused."""
 
     def check(token: str, method: str, path: str) -> bool:
         if method != "POST" or not token.startswith(ROLLOUT_TOKEN_PREFIX):
@@ -232,11 +293,18 @@ def rollout_token_checker(key: str, store: Store) -> Callable[[str, str, str], b
         if not proxy and not (parts[1] == "api" and parts[2] == "rollouts" and len(parts) == 7 and parts[6] == "events"):
             return False
         rollout = store.get_rollout(rollout_id)
-        if rollout is None or rollout.status.state in TERMINAL_STATES:
+        if rollout is None:
             return False
-        if parts[5] != (rollout.status.last_attempt_id or DEFAULT_ATTEMPT_ID):
+        attempt_id, status = unquote(parts[5]), rollout.status
+        # Critical: a re-queued rollout (queuing, last_attempt_id set) opens to no attempt: its old
+        # attempt's agent may still run; a never-claimed one opens to attempt "0" (AGL's order:
+        # spawn the agent, then PATCH running)
+        fresh = status.state == RolloutState.QUEUING and status.last_attempt_id is None
+        if not (status.state == RolloutState.RUNNING or fresh):
             return False
-        expected = rollout_token(key, rollout_id, rollout.status.created_at)
+        if attempt_id != (status.last_attempt_id or DEFAULT_ATTEMPT_ID):
+            return False
+        expected = rollout_token(key, rollout_id, rollout.status.created_at, attempt_id)
         return secrets.compare_digest(token.encode(), expected.encode())
 
     return check
@@ -248,7 +316,8 @@ def _install_error_handlers(app: FastAPI) -> None:
         return JSONResponse({"detail": str(exc)}, status_code=404)
 
     @app.exception_handler(InvalidTransition)
-    async def conflict(_: Request, exc: InvalidTransition) -> JSONResponse:
+    @app.exception_handler(StaleAttempt)
+    async def conflict(_: Request, exc: InvalidTransition | StaleAttempt) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=409)
 
     @app.exception_handler(NotStorable)
@@ -311,15 +380,46 @@ def _check_batch(items: Sequence[Any], limit: int) -> None:
 # stall /healthz and the gateway, which share the event loop. The store's lock serialises them.
 
 
-def _rollout_router(store: Store, max_batch_items: int, lease_seconds: float) -> APIRouter:
+def _rollout_router(store: Store, max_batch_items: int, lease_seconds: float, queued: QueueSignal) -> APIRouter:
     router = APIRouter(tags=["rollouts"], responses=_errors(*COMMON_ERRORS))
 
     @router.post("/rollouts/heartbeat", response_model=HeartbeatAnswer, responses=_errors(400, 422))
     async def heartbeat(body: HeartbeatRequest) -> HeartbeatAnswer:
         """Renew the leases of running rollouts (agl_lab; AGL has no leases)."""
         _check_batch(body.rollout_ids, max_batch_items)
-        not_running = await run_in_threadpool(store.heartbeat, body.rollout_ids)
+        if body.attempt_ids is not None and len(body.attempt_ids) != len(body.rollout_ids):
+            raise HTTPException(422, f"attempt_ids has {len(body.attempt_ids)} items for {len(body.rollout_ids)} "
+                                     "rollout_ids: send one attempt id per rollout id, or none")
+        not_running = await run_in_threadpool(store.heartbeat, body.rollout_ids, body.attempt_ids)
         return HeartbeatAnswer(not_running=not_running, lease_seconds=lease_seconds)
+
+    @router.post("/rollouts/claim", response_model=list[Rollout], responses=_errors(400, 422))
+    async def claim_rollouts(body: ClaimRequest) -> Response:
+        """Claim up to `limit` queued rollouts, oldest first, each for this caller only (agl_lab).
+
+        Each comes back `running` with a new `last_attempt_id`; an empty list when none is
+        queued after `wait_seconds` (a long poll: idle runners cost the server one request per
+        wait, not one per poll interval). One request replaces a listing plus one PATCH per
+        rollout, and two callers never get the same rollout (no 409s to retry)."""
+        limit = min(body.limit, max_batch_items)  # "up to": a claim may get fewer, never a 413
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + body.wait_seconds
+        while True:
+            generation = queued.generation()  # Critical: before the look, or a create in between is missed
+            claimed = await run_in_threadpool(store.claim_rollouts, limit, body.runner_id)
+            left = deadline - loop.time()
+            if claimed or left <= 0:
+                return Response(_ROLLOUTS.dump_json(claimed), media_type="application/json")
+            await queued.wait(generation, min(left, CLAIM_RECHECK_SECONDS))
+
+    @router.post("/rollouts/release", response_model=ReleaseAnswer, responses=_errors(400, 422))
+    async def release_rollouts(body: ReleaseRequest) -> ReleaseAnswer:
+        """Give running attempts back to the queue (a runner stopping cleanly; agl_lab)."""
+        _check_batch(list(body.attempts), max_batch_items)
+        released = await run_in_threadpool(store.release_rollouts, body.attempts, body.reason)
+        if released:
+            queued.notify()
+        return ReleaseAnswer(released=released)
 
     @router.post("/rollouts", status_code=201, response_model=list[Rollout], responses=_errors(400, 422),
                  openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
@@ -334,7 +434,9 @@ def _rollout_router(store: Store, max_batch_items: int, lease_seconds: float) ->
             _check_batch(creates, max_batch_items)
             return _ROLLOUTS.dump_json(store.create_rollouts(creates))
 
-        return Response(await run_in_threadpool(create), status_code=201, media_type="application/json")
+        answer = await run_in_threadpool(create)
+        queued.notify()  # waiting claims look again
+        return Response(answer, status_code=201, media_type="application/json")
 
     @router.get("/rollouts", response_model=list[Rollout], responses=_errors(422))
     async def list_rollouts(
@@ -365,8 +467,12 @@ def _rollout_router(store: Store, max_batch_items: int, lease_seconds: float) ->
         return await run_in_threadpool(detail)
 
     @router.patch("/rollouts/{rollout_id}", response_model=Rollout, responses=_errors(400, 404, 409, 422))
-    async def patch_rollout(rollout_id: str, body: RolloutPatch) -> Rollout:
-        return await run_in_threadpool(store.patch_status, rollout_id, body.status or RolloutStatusPatch())
+    async def patch_rollout(
+        rollout_id: str, body: RolloutPatch,
+        attempt_id: str | None = Query(None, description="agl_lab: apply only while this attempt runs (409 else)"),
+    ) -> Rollout:
+        return await run_in_threadpool(lambda: store.patch_status(rollout_id, body.status or RolloutStatusPatch(),
+                                                                  attempt_id=attempt_id))
 
     @router.delete("/rollouts/{rollout_id}", status_code=204)
     async def delete_rollout(rollout_id: str) -> Response:

@@ -247,8 +247,10 @@ LIMIT_FLAGS: dict[str, tuple[str, type, str, str]] = {
     "--upstream-backoff-max": ("upstream_backoff_max_seconds", float, "S", "(default 8)"),
     "--upstream-breaker-seconds": ("upstream_breaker_seconds", float, "S", "fail fast this long after the model "
                                                                           "server refused a connection (default 5; 0: retry)"),
-    "--lease-seconds": ("lease_seconds", float, "S", "fail a running rollout with no heartbeat, event or status "
-                                                     "change this long (default 600; 0: off)"),
+    "--lease-seconds": ("lease_seconds", float, "S", "re-queue a running rollout with no heartbeat, event or "
+                                                     "status change this long (default 60; 0: off)"),
+    "--max-attempts": ("max_attempts", int, "N", "attempts per rollout before an expired lease fails it "
+                                                 "(default 3)"),
     "--max-body-bytes": ("max_body_bytes", int, "N", "larger request bodies answer 413 (default 32 MiB)"),
     "--max-batch-items": ("max_batch_items", int, "N", "items per POST of rollouts or models, 413 beyond "
                                                        "(default 10000)"),

@@ -26,8 +26,16 @@ Design decisions:
 - No HTTP here: errors are `RolloutNotFound` / `InvalidTransition` / `NotStorable`, mapped to
   404 / 409 / 422 by `agl_lab.server.app`; a second opener of a SQLite file gets `StoreLocked`.
 - Write-time rule (`agl_lab.server.storable`): what is stored can be read back and sent, on
-  both backends; running rollouts hold a lease (`heartbeat`, `expire_leases`). The triplet view the app serves (`triplet_events`) is a pure function
+  both backends. The triplet view the app serves (`triplet_events`) is a pure function
   over events and lives in `agl_lab.records`, beside the code that consumes it.
+- Claims and attempts (agl_lab; AGL v1 always uses attempt "0"): `claim_rollouts` hands each
+  queued rollout to exactly one caller as a new attempt (`last_attempt_id` "0", then "1", ...);
+  a running rollout holds a lease (`heartbeat`, events of its running attempt); `expire_leases`
+  re-queues an idle one as the next attempt up to `max_attempts`, then fails it with the
+  reason; `release_rollouts` gives a stopping runner's attempts back. Reads follow
+  `last_attempt_id`, so an old attempt's late events are kept but not read. The storage side
+  is three primitives (`_lock_queued`, `_touch`, `_idle_running`) whose docstrings say what a
+  backend shared by several processes must lock.
 - Objects returned by `MemoryStore` are the stored ones (treat them as read-only), except event
   data: each read decodes a fresh copy of the stored JSON bytes. `models_for` answers from a
   cache on both backends: its `Model`s are shared too (the list is the caller's).
@@ -39,13 +47,14 @@ import collections
 import contextlib
 import itertools
 import json
+import logging
 import os
 import sqlite3
 import threading
 import time
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from agl_lab.protocol import (
@@ -72,6 +81,7 @@ except ImportError:  # pragma: no cover - orjson is optional
     _loads = json.loads
 
 DEFAULT_TERMINAL_LOG_LIMIT = 100_000
+log = logging.getLogger("agl_lab.server.store")
 
 
 def _pack(data: Any) -> bytes:
@@ -108,6 +118,52 @@ class InvalidTransition(StoreError, ValueError):
         self.rollout_id, self.current, self.target = rollout_id, current, target
 
 
+class ReusedAttempt(InvalidTransition):
+    """A PATCH to running that would run a re-queued rollout under an attempt id it ran already
+    (AGL clients always claim attempt "0"): 409, so attempts stay bounded by max_attempts."""
+
+    def __init__(self, rollout: Rollout, attempt_id: str):
+        ValueError.__init__(self, f"Rollout {rollout.rollout_id}: attempt {attempt_id} already ran (the rollout was "
+                                  f"re-queued); claim it as attempt {next_attempt_id(rollout.status.last_attempt_id)} "
+                                  f"(last_attempt_id) or through POST /api/rollouts/claim")
+        self.rollout_id, self.current, self.target = rollout.rollout_id, rollout.status.state, RolloutState.RUNNING
+
+
+class StaleAttempt(StoreError, ValueError):
+    """A patch conditioned on an attempt the rollout no longer runs (409, like InvalidTransition)."""
+
+    def __init__(self, rollout: Rollout, attempt_id: str):
+        live = rollout.status.last_attempt_id or DEFAULT_ATTEMPT_ID
+        super().__init__(f"Rollout {rollout.rollout_id}: attempt {attempt_id} is not running (the rollout is "
+                         f"{rollout.status.state.value}, attempt {live}); its lease expired or it was released")
+        self.rollout_id, self.attempt_id = rollout.rollout_id, attempt_id
+
+
+def next_attempt_id(last_attempt_id: str | None) -> str:
+    """The attempt id a claim gives: "0" for a never-claimed rollout, else last + 1 ("1", "2", ...).
+    A non-numeric id (set by a client's PATCH) is followed by "1"."""
+    return str(_attempts_used(last_attempt_id))
+
+
+def _attempts_used(last_attempt_id: str | None) -> int:
+    """Attempts a rollout has had, read from its `last_attempt_id` ("0" -> 1, "1" -> 2; None -> 0)."""
+    if last_attempt_id is None:
+        return 0
+    return int(last_attempt_id) + 1 if last_attempt_id.isascii() and last_attempt_id.isdigit() else 1
+
+
+def _runs_attempt(rollout: Rollout, attempt_id: str) -> bool:
+    """True while `rollout` is running attempt `attempt_id`."""
+    status = rollout.status
+    return status.state == RolloutState.RUNNING and (status.last_attempt_id or DEFAULT_ATTEMPT_ID) == attempt_id
+
+
+def _with_status(rollout: Rollout, now: float, **updates: Any) -> Rollout:
+    """A copy of `rollout` with its status updated, version + 1 and updated_at = `now`."""
+    status = rollout.status.model_copy(update={**updates, "version": rollout.status.version + 1, "updated_at": now})
+    return rollout.model_copy(update={"status": status})
+
+
 # ---------------------------------------------------------------------------------------------
 # The interface and its semantics
 # ---------------------------------------------------------------------------------------------
@@ -115,6 +171,10 @@ class InvalidTransition(StoreError, ValueError):
 
 class Store(ABC):
     """The ledger. Public methods implement AGL v1 semantics over a backend's primitives."""
+
+    # Does an event of the running attempt `_touch` its rollout? False for a backend whose
+    # `_idle_running` reads the newest event row itself (PostgreSQL: no extra write per model call).
+    TOUCH_ON_EVENT = True
 
     def __init__(self, terminal_log_limit: int = DEFAULT_TERMINAL_LOG_LIMIT):
         if int(terminal_log_limit) < 1:
@@ -125,7 +185,6 @@ class Store(ABC):
             )
         self.terminal_log_limit = int(terminal_log_limit)
         self._lock = threading.RLock()
-        self._activity: dict[str, float] = {}  # running rollout id -> last heartbeat or event (not persisted)
         self._pools: dict[str, tuple[Model, ...]] = {}  # models_for's answers, dropped on any model write
 
     # --- rollouts ---------------------------------------------------------------------------
@@ -170,11 +229,17 @@ class Store(ABC):
         with self._lock:
             return self._list(wanted, limit)
 
-    def patch_status(self, rollout_id: str, patch: RolloutStatusPatch) -> Rollout:
+    def patch_status(self, rollout_id: str, patch: RolloutStatusPatch, *, attempt_id: str | None = None) -> Rollout:
         """Apply the explicitly set fields of `patch`; bump version/updated_at if any.
 
-        Raises RolloutNotFound, or InvalidTransition when `state` is set (even to None) and
-        the move is not in VALID_TRANSITIONS.
+        `attempt_id` (agl_lab; AGL clients never send it) makes the patch conditional: it
+        applies only while the rollout is running that attempt, so a runner whose attempt was
+        re-queued (its lease expired) cannot end the attempt another runner now runs.
+
+        Raises RolloutNotFound; StaleAttempt when `attempt_id` is not the running attempt;
+        InvalidTransition when `state` is set (even to None) and the move is not in
+        VALID_TRANSITIONS; ReusedAttempt (an InvalidTransition: 409) when it would run a
+        re-queued rollout under an attempt id it ran already.
         """
         updates = patch.model_dump(exclude_unset=True)
         check_storable({k: v for k, v in updates.items() if k != "state"}, "status")
@@ -182,28 +247,32 @@ class Store(ABC):
             rollout = self._load(rollout_id)
             if rollout is None:
                 raise RolloutNotFound(rollout_id)
+            if attempt_id is not None and not _runs_attempt(rollout, attempt_id):
+                raise StaleAttempt(rollout, attempt_id)
             if not updates:
                 return rollout
             current = rollout.status.state
             if "state" in updates and updates["state"] not in VALID_TRANSITIONS[current]:
                 raise InvalidTransition(rollout_id, current, updates["state"])
-            status = rollout.status.model_copy(
-                update={**updates, "version": rollout.status.version + 1, "updated_at": time.time()}
-            )
-            rollout = rollout.model_copy(update={"status": status})
+            if updates.get("state") == RolloutState.RUNNING and rollout.status.last_attempt_id is not None:
+                wanted = updates.get("last_attempt_id") or DEFAULT_ATTEMPT_ID  # re-queued: a new attempt only
+                if _attempts_used(wanted) <= _attempts_used(rollout.status.last_attempt_id):
+                    raise ReusedAttempt(rollout, wanted)
+            now = time.time()
+            rollout = _with_status(rollout, now, **updates)
             self._replace(rollout)
             # exactly once per rollout life: terminal states have no transitions out
-            if "state" in updates and status.state in TERMINAL_STATES:
+            if "state" in updates and rollout.status.state in TERMINAL_STATES:
                 self._terminal_append(rollout_id)
                 self._terminal_trim()
-                self._activity.pop(rollout_id, None)
+            elif rollout.status.state == RolloutState.RUNNING:
+                self._touch([rollout_id], now)
             return rollout
 
     def delete_rollout(self, rollout_id: str) -> None:
         """Remove a rollout and all its events (idempotent); the terminal log keeps its id."""
         with self._lock, self._transaction():
             self._remove(rollout_id)
-            self._activity.pop(rollout_id, None)
 
     # --- events -----------------------------------------------------------------------------
 
@@ -225,7 +294,9 @@ class Store(ABC):
             )
             if not self._append_event(event):
                 raise RolloutNotFound(rollout_id)
-            self._activity[rollout_id] = event.timestamp  # an event renews a running rollout's lease
+            rollout = self._load(rollout_id) if self.TOUCH_ON_EVENT else None  # an event of the running
+            if rollout is not None and _runs_attempt(rollout, attempt_id):  # attempt renews its lease, a late
+                self._touch([rollout_id], event.timestamp)  # one of an old attempt does not
             return event
 
     def events(
@@ -250,50 +321,116 @@ class Store(ABC):
                 raise RolloutNotFound(rollout_id)
             return self._attempts(rollout_id)
 
-    # --- leases of running rollouts -----------------------------------------------------------
+    # --- claims, attempts and leases of running rollouts ------------------------------------
 
-    def heartbeat(self, rollout_ids: Sequence[str]) -> list[str]:
+    def claim_rollouts(self, limit: int, runner_id: str = "") -> list[Rollout]:
+        """Hand the caller up to `limit` queued rollouts, oldest first, each to exactly one caller.
+
+        One transaction: `_lock_queued` takes the rows so no concurrent claim can (another
+        thread, or another process on a shared database), and each becomes `running` as a new
+        attempt (`next_attempt_id`: "0" for a fresh rollout, "1", "2", ... after re-queues),
+        with version + 1, updated_at = now and its lease starting now. `runner_id` names the
+        caller in the server's log. Returns the claimed rollouts (fewer, or none, when fewer
+        are queued).
+        """
+        if limit < 1:
+            return []
+        now = time.time()
+        with self._lock, self._transaction():
+            claimed = []
+            for rollout in self._lock_queued(limit):
+                rollout = _with_status(rollout, now, state=RolloutState.RUNNING, error_message=None,
+                                       last_attempt_id=next_attempt_id(rollout.status.last_attempt_id))
+                self._replace(rollout)
+                claimed.append(rollout)
+            self._touch([r.rollout_id for r in claimed], now)
+        if claimed:
+            log.debug("runner %r claimed %d rollout(s)", runner_id, len(claimed))
+        return claimed
+
+    def release_rollouts(self, attempts: Mapping[str, str], reason: str) -> list[str]:
+        """Give running attempts back to the queue (a runner stopping cleanly); returns the ids released.
+
+        `attempts` maps rollout id -> the attempt the caller runs; a rollout that is not running
+        that attempt (finished, re-queued, deleted) is skipped. A released rollout is `queuing`
+        again with `error_message` saying why; its next claim is a new attempt, so late events
+        of the released one are kept but not read. A release never fails a rollout (the agent
+        did nothing wrong) but its attempt counts toward `max_attempts` of `expire_leases`.
+        """
+        now = time.time()
+        released = []
+        with self._lock, self._transaction():
+            rollouts = self._load_many(list(attempts))
+            for rid, attempt_id in attempts.items():
+                rollout = rollouts.get(rid)
+                if rollout is None or not _runs_attempt(rollout, attempt_id):
+                    continue
+                message = f"attempt {attempt_id} released ({reason}); re-queued"
+                self._replace(_with_status(rollout, now, state=RolloutState.QUEUING, error_message=message,
+                                           last_attempt_id=attempt_id))  # the next claim: attempt + 1
+                released.append(rid)
+        return released
+
+    def heartbeat(self, rollout_ids: Sequence[str], attempt_ids: Sequence[str] | None = None) -> list[str]:
         """Renew the lease of each running rollout in `rollout_ids`; returns the ids that are
-        not running (unknown, queuing or terminal) so the runner can stop their agents."""
+        not running (unknown, queuing or terminal) so the runner can stop their agents.
+
+        With `attempt_ids` (parallel to `rollout_ids`), a rollout counts as running only while
+        it runs that attempt: the runner of a re-queued attempt learns to stop its agent.
+        """
+        if attempt_ids is not None and len(attempt_ids) != len(rollout_ids):
+            raise ValueError(f"attempt_ids has {len(attempt_ids)} items for {len(rollout_ids)} rollout_ids: "
+                             "give one attempt id per rollout id, or none")
         now = time.time()
         with self._lock:
             rollouts = self._load_many(list(rollout_ids))
-            not_running = []
-            for rid in rollout_ids:
+            live, not_running = [], []
+            for i, rid in enumerate(rollout_ids):
                 rollout = rollouts.get(rid)
-                if rollout is not None and rollout.status.state == RolloutState.RUNNING:
-                    self._activity[rid] = now
+                attempt = None if attempt_ids is None else attempt_ids[i]
+                if rollout is not None and rollout.status.state == RolloutState.RUNNING and (
+                        attempt is None or _runs_attempt(rollout, attempt)):
+                    live.append(rid)
                 else:
                     not_running.append(rid)
+            self._touch(live, now)
         return not_running
 
-    def expire_leases(self, lease_seconds: float, now: float | None = None) -> list[str]:
-        """Fail every running rollout without a heartbeat, event or status change for
-        `lease_seconds` (its runner or the server died); returns their ids.
+    def expire_leases(self, lease_seconds: float, max_attempts: int = 1, now: float | None = None) -> dict[str, str]:
+        """Re-queue (or fail) every running rollout without a heartbeat, event of its running
+        attempt, or status change for `lease_seconds` (its runner died or lost the network).
 
-        Activity is kept in memory: after a server restart a running rollout's lease runs
-        from its last status change (`status.updated_at`, persisted by SQLite).
+        A rollout whose attempts so far (`last_attempt_id` + 1) are fewer than `max_attempts`
+        goes back to `queuing` and its next claim is a new attempt; otherwise it fails with
+        the reason. One transaction: `_idle_running` locks the rows it returns, so a heartbeat
+        or claim cannot interleave. Returns {rollout id: "requeued" | "failed"}.
         """
         now = time.time() if now is None else now
-        with self._lock:
-            running = self._list([RolloutState.RUNNING], 2**62)
-            stale = [(r.rollout_id, max(r.status.updated_at, self._activity.get(r.rollout_id, 0.0)))
-                     for r in running]
-        expired = []
-        for rid, last in stale:
-            if last + lease_seconds >= now:
-                continue
-            message = (f"lease expired: no heartbeat, event or status change for {now - last:.0f}s "
-                       f"(lease_seconds={lease_seconds:g}); its runner or the server stopped")
-            try:
-                with self._lock:  # re-check under the lock: a heartbeat may have arrived meanwhile
-                    if self._activity.get(rid, 0.0) + lease_seconds >= now:
-                        continue
-                    self.patch_status(rid, RolloutStatusPatch(state=RolloutState.FAILED, error_message=message))
-            except (RolloutNotFound, InvalidTransition):
-                continue
-            expired.append(rid)
-        return expired
+        outcome: dict[str, str] = {}
+        with self._lock, self._transaction():
+            idle = self._idle_running(now - lease_seconds)
+            rollouts = self._load_many(idle)  # in the transaction: the rows are locked from here on
+            if idle:  # asked again under the locks: a heartbeat that committed meanwhile keeps its rollout
+                rollouts = {rid: r for rid, r in rollouts.items() if rid in set(self._idle_running(now - lease_seconds))}
+            for rid, rollout in rollouts.items():
+                if rollout.status.state != RolloutState.RUNNING:  # pragma: no cover - the primitive's contract
+                    continue
+                attempt = rollout.status.last_attempt_id or DEFAULT_ATTEMPT_ID
+                used = _attempts_used(attempt)  # a running rollout without an attempt id runs "0"
+                why = (f"attempt {attempt}: lease expired (no heartbeat, event or status change for "
+                       f"{lease_seconds:g}s, lease_seconds={lease_seconds:g}); its runner stopped or lost the network")
+                if used < max_attempts:
+                    message = f"{why}; re-queued as attempt {next_attempt_id(attempt)} of max_attempts={max_attempts}"
+                    self._replace(_with_status(rollout, now, state=RolloutState.QUEUING, error_message=message,
+                                               last_attempt_id=attempt))  # the next claim: attempt + 1
+                    outcome[rid] = "requeued"
+                else:
+                    message = f"{why}; failed after {used} attempt(s) (max_attempts={max_attempts})"
+                    self._replace(_with_status(rollout, now, state=RolloutState.FAILED, error_message=message))
+                    self._terminal_append(rid)
+                    self._terminal_trim()
+                    outcome[rid] = "failed"
+        return outcome
 
     # --- terminal-order log -----------------------------------------------------------------
 
@@ -402,6 +539,34 @@ class Store(ABC):
     def _list(self, states: list[RolloutState], limit: int) -> list[Rollout]: ...
 
     @abstractmethod
+    def _lock_queued(self, limit: int) -> list[Rollout]:
+        """The oldest `limit` queuing rollouts (creation order), locked for the open transaction.
+
+        Called inside `self._transaction()` (under the store's lock); the caller then
+        `_replace`s each with its running status in the same transaction. Locked means no
+        concurrent transaction can return or change the same rows until this one ends:
+        another thread (the store's lock does that), or another process sharing the
+        database (PostgreSQL: `SELECT ... WHERE state='queuing' ORDER BY seq LIMIT $1 FOR
+        UPDATE SKIP LOCKED`, so concurrent claimers get disjoint sets and never wait on each
+        other). Memory and SQLite have one process per store (the SQLite file is flocked).
+        """
+
+    @abstractmethod
+    def _touch(self, rollout_ids: Sequence[str], now: float) -> None:
+        """Record activity at `now` (a heartbeat, an event of the running attempt, a claim or
+        status change) for each id; unknown ids are ignored. Called under the store's lock,
+        inside or outside a transaction."""
+
+    @abstractmethod
+    def _idle_running(self, before: float) -> list[str]:
+        """Ids of running rollouts whose last activity (the latest `_touch`, else
+        `status.updated_at`) is older than `before`, in creation order.
+
+        Called inside `self._transaction()`; the rows returned are locked like
+        `_lock_queued`'s (PostgreSQL: `FOR UPDATE SKIP LOCKED`), because the caller re-queues
+        or fails each in the same transaction."""
+
+    @abstractmethod
     def _append_event(self, event: Event) -> bool:
         """Append if the rollout exists (atomically); False if it does not."""
 
@@ -437,6 +602,34 @@ class Store(ABC):
     def _models(self, model_name: str) -> list[Model]: ...
 
 
+class _Activity:
+    """Lease activity kept in this process (MemoryStore; SqliteStore, whose file has one process).
+
+    Not persisted: after a restart a running rollout's lease runs from its last status change
+    (`status.updated_at`, which SQLite persists), so a restarted server re-queues the rollouts
+    of runners that died with it one lease later, never at once.
+    """
+
+    def __init__(self) -> None:
+        self._at: dict[str, float] = {}  # running rollout id -> last heartbeat / event / claim
+
+    def touch(self, rollout_ids: Sequence[str], now: float) -> None:
+        for rid in rollout_ids:
+            self._at[rid] = now
+
+    def idle(self, running: Iterable[Rollout], before: float) -> list[str]:
+        """Ids of `running` idle since before `before`; forgets ids no longer running."""
+        seen: dict[str, float] = {}
+        idle = []
+        for rollout in running:
+            rid = rollout.rollout_id
+            last = seen[rid] = max(rollout.status.updated_at, self._at.get(rid, 0.0))
+            if last < before:
+                idle.append(rid)
+        self._at = {rid: at for rid, at in self._at.items() if rid in seen}  # bounded by what runs
+        return idle
+
+
 # ---------------------------------------------------------------------------------------------
 # In-memory backend
 # ---------------------------------------------------------------------------------------------
@@ -456,6 +649,7 @@ class MemoryStore(Store):
         self._terminal: collections.deque[str] = collections.deque(maxlen=self.terminal_log_limit)
         self._terminal_count = 0
         self._terminal_latest: dict[str, int] = {}  # rollout id -> absolute index of its latest entry
+        self._activity = _Activity()
 
     def __repr__(self) -> str:
         return f"MemoryStore(rollouts={len(self._rollouts)}, terminal={self._terminal_count})"
@@ -483,6 +677,15 @@ class MemoryStore(Store):
     def _list(self, states: list[RolloutState], limit: int) -> list[Rollout]:
         matching = (r for r in self._rollouts.values() if r.status.state in states)
         return list(itertools.islice(matching, limit))
+
+    def _lock_queued(self, limit: int) -> list[Rollout]:
+        return self._list([RolloutState.QUEUING], limit)  # the store's lock is the row lock
+
+    def _touch(self, rollout_ids: Sequence[str], now: float) -> None:
+        self._activity.touch(rollout_ids, now)
+
+    def _idle_running(self, before: float) -> list[str]:
+        return self._activity.idle(self._list([RolloutState.RUNNING], len(self._rollouts)), before)
 
     def _check_event_data(self, data: dict[str, Any] | None) -> None:
         pass  # `_append_event` encodes with dump_storable (`_pack`), which is the check
@@ -607,6 +810,7 @@ class SqliteStore(Store):
                 self._lock_file.close()
             raise
         self._cache: dict[str, Rollout] = {}  # rollout_id -> Rollout as stored (see _load)
+        self._activity = _Activity()  # in memory: this process is the file's only one
         self._depth = 0  # nesting of _transaction (re-entrant under the RLock)
         self._closed = threading.Event()
         self._checkpointer: threading.Thread | None = None
@@ -747,6 +951,16 @@ class SqliteStore(Store):
         sql = f"SELECT body FROM rollouts WHERE state IN ({marks}) ORDER BY seq LIMIT ?"
         rows = self._db.execute(sql, [s.value for s in states] + [limit])
         return [Rollout.model_validate_json(body) for (body,) in rows]
+
+    def _lock_queued(self, limit: int) -> list[Rollout]:
+        # the store's lock plus the file's flock: no other connection can write these rows
+        return self._list([RolloutState.QUEUING], limit)
+
+    def _touch(self, rollout_ids: Sequence[str], now: float) -> None:
+        self._activity.touch(rollout_ids, now)
+
+    def _idle_running(self, before: float) -> list[str]:
+        return self._activity.idle(self._list([RolloutState.RUNNING], 2**62), before)
 
     def _check_event_data(self, data: dict[str, Any] | None) -> None:
         pass  # `_append_event` encodes with dump_storable, which is the check

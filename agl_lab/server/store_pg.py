@@ -65,7 +65,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 import urllib.parse
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -76,12 +75,10 @@ import psycopg.conninfo
 import psycopg.errors
 import psycopg_pool
 
-from agl_lab.protocol import Event, Model, Rollout, RolloutState, RolloutStatusPatch, TerminalPage
+from agl_lab.protocol import Event, Model, Rollout, RolloutState, TerminalPage
 from agl_lab.server.storable import dump_storable
 from agl_lab.server.store import (
     DEFAULT_TERMINAL_LOG_LIMIT,
-    InvalidTransition,
-    RolloutNotFound,
     Store,
     StoreError,
     StoreUnavailable,
@@ -121,8 +118,11 @@ CREATE INDEX agl_terminal_log_rollout ON agl_terminal_log (rollout_id, idx);
 """
 
 # The newest activity of a running rollout: its last status change, heartbeat or event.
+# the newest event *of the running attempt* counts (a late event of an old attempt renews nothing)
 _LAST_ACTIVITY = """GREATEST(r.updated_at, r.active_at, COALESCE(
-    (SELECT e.timestamp FROM agl_events e WHERE e.rollout_id = r.rollout_id ORDER BY e.seq DESC LIMIT 1), 0))"""
+    (SELECT e.timestamp FROM agl_events e WHERE e.rollout_id = r.rollout_id
+       AND e.attempt_id = COALESCE(r.body::json->'status'->>'last_attempt_id', '0')
+     ORDER BY e.seq DESC LIMIT 1), 0))"""
 
 
 class SchemaMismatch(StoreError, RuntimeError):
@@ -208,6 +208,7 @@ class _Checkout:
 
 
 class PostgresStore(Store):
+    TOUCH_ON_EVENT = False  # an event row is its own activity (_LAST_ACTIVITY): no UPDATE per model call
     """A `Store` in a PostgreSQL database; any number of server processes may open the same one.
 
     `url` is a libpq URI (`postgresql://user:pass@host:port/db?sslmode=...`). Opening connects once
@@ -305,39 +306,6 @@ class PostgresStore(Store):
         with self._lock:
             return sorted(self._models(model_name), key=lambda m: m.endpoint)
 
-    # Until the base class keeps lease activity behind `_touch`/`_idle_running` (it keeps a dict on
-    # this branch), heartbeat and expire_leases are these overrides with the base's semantics.
-
-    def heartbeat(self, rollout_ids: Sequence[str]) -> list[str]:
-        """Renew the lease of each running rollout in `rollout_ids`; returns the others."""
-        with self._lock:
-            touched = self._touch(list(rollout_ids), time.time())
-        return [rid for rid in rollout_ids if rid not in touched]
-
-    def expire_leases(self, lease_seconds: float, now: float | None = None) -> list[str]:
-        """Fail every running rollout without a heartbeat, event or status change for
-        `lease_seconds`, whichever server process saw them; returns their ids."""
-        now = time.time() if now is None else now
-        before = now - lease_seconds
-        with self._lock:
-            idle = self._idle_running(before)
-        expired = []
-        for rid in idle:
-            try:
-                with self._lock, self._transaction():
-                    if self._load(rid) is None:  # locks the row: no heartbeat or PATCH lands meanwhile
-                        continue
-                    last = self._last_activity(rid)
-                    if last is None or last >= before:  # renewed (or finished) since the sweep read it
-                        continue
-                    message = (f"lease expired: no heartbeat, event or status change for {now - last:.0f}s "
-                               f"(lease_seconds={lease_seconds:g}); its runner or the server stopped")
-                    self.patch_status(rid, RolloutStatusPatch(state=RolloutState.FAILED, error_message=message))
-            except (RolloutNotFound, InvalidTransition):
-                continue
-            expired.append(rid)
-        return expired
-
     # --- lease and claim primitives -----------------------------------------------------------------
 
     def _touch(self, rollout_ids: Sequence[str], now: float) -> set[str]:
@@ -355,15 +323,11 @@ class PostgresStore(Store):
 
     def _idle_running(self, before: float) -> list[str]:
         """Ids of running rollouts whose last activity (status change, heartbeat or event, from any
-        process) is older than `before`, in creation order. Reads only; the caller re-checks under the
-        row lock before failing or re-queuing one."""
+        process) is older than `before`, in creation order. Reads only: the base class's
+        `expire_leases` locks the rows it returns (`_load_many` in its transaction) and asks again,
+        so a heartbeat that committed in between keeps its rollout."""
         sql = f"SELECT r.rollout_id FROM agl_rollouts r WHERE r.state = 'running' AND {_LAST_ACTIVITY} < %s ORDER BY r.seq"
         return [rid for (rid,) in self._db.execute(sql, (before,))]
-
-    def _last_activity(self, rollout_id: str) -> float | None:
-        sql = f"SELECT {_LAST_ACTIVITY} FROM agl_rollouts r WHERE r.rollout_id = %s AND r.state = 'running'"
-        row = self._db.execute(sql, (rollout_id,)).fetchone()
-        return None if row is None else row[0]
 
     def _lock_queued(self, limit: int) -> list[Rollout]:
         """The oldest `limit` queuing rollouts, row-locked for this write transaction.
