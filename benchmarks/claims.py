@@ -20,18 +20,22 @@ client side is not one GIL. Two claim paths:
 
 Columns per backend: rollouts/s (N / wall from the first create to the last fetch), 409/claim
 (conflicting PATCHes per successful claim) and rollouts per server CPU-second (the server
-process's user+system time, /proc). A backend is one entry of BACKENDS: the PostgreSQL store is
-one more entry (one more column group). AGL runs when `--agl-python PATH` names a Python with
+process's user+system time, /proc). A backend is one entry of BACKENDS. PostgreSQL runs on a
+throwaway server this script starts (`--postgres auto`, the default where `initdb` is installed:
+tests/postgres.py, one fresh database per run) or on `--postgres URL`; `--postgres none` skips it.
+AGL runs when `--agl-python PATH` names a Python with
 `agentlightning` installed (benchmarks/batch.py's docstring has the recipe; default
 /tmp/agl-venv/bin/python when it exists); its server has no claim route, so its claim row says
 "n/a". Without it the AGL columns say why they are empty.
 
-    python benchmarks/claims.py [--rollouts 400] [--runners 1 16 64] [--agl-python PATH] [--no-agl]
+    python benchmarks/claims.py [--rollouts 400] [--runners 1 16 64] [--postgres auto|URL|none]
+                                [--agl-python PATH] [--no-agl]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
 import os
 import secrets
@@ -42,6 +46,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -56,8 +61,10 @@ IDLE_SLEEP_SECONDS = 0.05  # an empty list-then-PATCH poll sleeps this long (the
 BACKENDS: dict[str, tuple[str, str]] = {
     "memory": ("agl_lab", "memory"),
     "sqlite": ("agl_lab", "sqlite:///{tmp}/store.db"),
+    "postgresql": ("agl_lab", "{pg}"),
     "AGL 1.0.2": ("agl", ""),
 }
+_PG: dict[str, object] = {}  # "new": () -> a fresh database URL, while a PostgreSQL is available
 
 
 # ---------------------------------------------------------------------------------------------
@@ -74,8 +81,9 @@ def _free_port() -> int:
 def start_server(kind: str, store: str, tmp: str, agl_python: str | None) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     if kind == "agl_lab":
+        url = store.format(tmp=tmp, pg=_PG["new"]() if "{pg}" in store else "")
         argv = [sys.executable, "-m", "agl_lab.cli", "serve", "--port", str(port), "--key", KEY,
-                "--model-name", "m", "--store", store.format(tmp=tmp), "--log-level", "warning"]
+                "--model-name", "m", "--store", url, "--log-level", "warning"]
         cwd = ROOT
     else:
         argv = [agl_python, "-I", "-m", "agentlightning.server", "host=127.0.0.1", f"port={port}", f"key={KEY}",
@@ -244,11 +252,42 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rollouts", type=int, default=400)
     p.add_argument("--runners", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
+    p.add_argument("--postgres", default="auto", metavar="auto|URL|none",
+                   help="PostgreSQL for the postgresql column: a throwaway server (auto), a database URL, or none")
     p.add_argument("--agl-python", default=None)
     p.add_argument("--no-agl", action="store_true")
     args = p.parse_args(argv)
     agl_python, agl_why = agl_python_of(args)
-    backends = [b for b in args.backends if BACKENDS[b][0] != "agl" or agl_python is not None]
+    with postgres(args.postgres) as pg_why:
+        backends = [b for b in args.backends if (BACKENDS[b][0] != "agl" or agl_python is not None)
+                    and (b != "postgresql" or "new" in _PG)]
+        measure_and_print(args, backends, agl_python, agl_why, pg_why)
+
+
+@contextlib.contextmanager
+def postgres(given: str) -> Iterator[str]:
+    """Make `_PG["new"]` hand out database URLs; yields what the postgresql column ran on (or why not)."""
+    if given == "none":
+        yield "--postgres none"
+    elif given != "auto":
+        _PG["new"] = lambda: given  # one database given: each run starts on what the last one left
+        yield given
+    elif shutil.which("initdb") is None:
+        yield "initdb not installed (PostgreSQL 15's server binaries; or pass --postgres URL)"
+    else:
+        sys.path.insert(0, str(ROOT))
+        from tests.postgres import PostgresCluster
+
+        cluster = PostgresCluster.start()
+        _PG["new"] = cluster.create_database
+        try:
+            yield "a throwaway PostgreSQL (tests/postgres.py, fsync off), one fresh database per run"
+        finally:
+            _PG.pop("new", None)
+            cluster.stop()
+
+
+def measure_and_print(args: argparse.Namespace, backends: list[str], agl_python: str | None, agl_why: str, pg_why: str) -> None:
     cells: dict[tuple[str, int, str], dict[str, float] | None] = {}
     for n_runners in args.runners:  # backends take turns per runner count: load drifts hit all alike
         for path in PATHS:
@@ -272,6 +311,7 @@ def main(argv: list[str] | None = None) -> None:
                         f" {cell['rollouts_per_s']:>15.1f} | {cell['conflicts_per_claim']:>9.2f} | "
                         f"{cell['per_cpu_s']:>8.1f} ") + "|"
             print(row.rstrip("|"))
+    print(f"\nPostgreSQL: {pg_why}")
     if agl_python is None:
         print(f"\nAGL columns absent: {agl_why}")
     else:

@@ -18,7 +18,8 @@ matmul's on this machine, measured in the same run with the same threads.
 
     python benchmarks/step_cost.py [--preset smollm2-135m] [--rollouts 16] [--micro 4] [--rank 8] [--repeat 3]
 
-Each variant is timed `repeat` times from the same weights; the best is reported (a shared machine).
+The variants take turns for `repeat` rounds, each run from the same weights and a fresh optimizer; the
+best of each is reported, and the matmul's best between the rounds (a shared machine: load drifts hit all alike).
 """
 
 from __future__ import annotations
@@ -50,44 +51,45 @@ def matmul_flops(n: int = 1024, repeat: int = 10) -> float:
     return 2 * n**3 / best
 
 
-def run_variant(name: str, model_dir: str, data, args) -> dict[str, float | str]:
-    lora = {"lora_rank": args.rank, "lora_alpha": 2 * args.rank} if name.startswith("lora") else None
-    engine = LocalEngine(model_dir, device="cpu", max_model_len=2048, lora=lora,
-                         actor={"ppo_mini_batch_size": args.rollouts, "ppo_micro_batch_size_per_gpu": args.micro,
-                                "loss_mode": "vanilla", "lr": args.lr},
-                         log_prob_micro_batch_size=args.micro, bypass_mode=name.endswith("bypass"))
-    try:
-        start = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
-        prepare_s, update_s = [], []
-        for _ in range(args.repeat):  # each repeat from the same weights and a fresh optimizer
-            engine.model.load_state_dict(start)
-            engine.optimizer.state.clear()
-            batch = copy.deepcopy(data)
-            t0 = time.perf_counter()
-            batch, _ = engine.prepare(batch)  # old logprobs: recomputed, or the sampling ones in bypass mode
-            prepare_s.append(time.perf_counter() - t0)
-            gap = logprob_gap(batch).get("training/rollout_logprobs_diff_max", float("nan"))
-            if name.endswith("bypass"):  # what the skipped pass would have shown
-                gap = logprob_gap(_with_recomputed(engine, batch)).get("training/rollout_logprobs_diff_max",
-                                                                       float("nan"))
-            t1 = time.perf_counter()
-            metrics = engine.update(batch)
-            update_s.append(time.perf_counter() - t1)
-        n_params = sum(p.numel() for p in engine.model.parameters() if not _is_adapter(p, engine))
-        trainable = sum(p.numel() for p in engine.model.parameters() if p.requires_grad)
-    finally:
-        engine.close()
-    tokens = int(data.batch["attention_mask"].sum())
-    flops = (4 if lora else 6) * n_params * tokens
-    prep, upd = min(prepare_s), min(update_s)  # best of `repeat`: the machine is shared
-    return {"variant": name, "trainable params": trainable, "old logprobs s": round(prep, 2),
-            "actor update s": round(upd, 2), "total s": round(prep + upd, 2),
-            "update GFLOP/s": round(flops / upd / 1e9, 1), "pg_loss": metrics["actor/pg_loss"],
-            "lp_diff_max": gap}
+class Variant:
+    """One engine of the comparison, kept alive so the variants can take turns (load drifts hit all alike)."""
 
+    def __init__(self, name: str, model_dir: str, args: argparse.Namespace):
+        self.name, self.lora = name, name.startswith("lora")
+        self.engine = LocalEngine(
+            model_dir, device="cpu", max_model_len=2048,
+            lora={"lora_rank": args.rank, "lora_alpha": 2 * args.rank} if self.lora else None,
+            actor={"ppo_mini_batch_size": args.rollouts, "ppo_micro_batch_size_per_gpu": args.micro,
+                   "loss_mode": "vanilla", "lr": args.lr},
+            log_prob_micro_batch_size=args.micro, bypass_mode=name.endswith("bypass"))
+        self.start = {k: v.detach().clone() for k, v in self.engine.model.state_dict().items()}
+        self.prepare_s: list[float] = []
+        self.update_s: list[float] = []
 
-def _is_adapter(p: torch.Tensor, engine: LocalEngine) -> bool:
-    return engine.lora_params is not None and p.requires_grad
+    def run(self, data) -> None:
+        """Old logprobs + one update, from the starting weights and a fresh optimizer."""
+        engine = self.engine
+        engine.model.load_state_dict(self.start)
+        engine.optimizer.state.clear()
+        batch = copy.deepcopy(data)
+        t0 = time.perf_counter()
+        batch, _ = engine.prepare(batch)  # old logprobs: recomputed, or the sampling ones in bypass mode
+        self.prepare_s.append(time.perf_counter() - t0)
+        probe = _with_recomputed(engine, batch) if engine.bypass_mode else batch  # what bypass skipped
+        self.gap = logprob_gap(probe).get("training/rollout_logprobs_diff_max", float("nan"))
+        t1 = time.perf_counter()
+        self.metrics = engine.update(batch)
+        self.update_s.append(time.perf_counter() - t1)
+
+    def row(self, tokens: int) -> dict[str, float | str]:
+        params = self.engine.model.parameters
+        n_base = sum(p.numel() for p in params() if not (self.lora and p.requires_grad))
+        flops = (4 if self.lora else 6) * n_base * tokens  # LoRA: no weight-gradient third for the base
+        prep, upd = min(self.prepare_s), min(self.update_s)  # best of the repeats: the machine is shared
+        return {"variant": self.name, "trainable params": sum(p.numel() for p in params() if p.requires_grad),
+                "old logprobs s": round(prep, 2), "actor update s": round(upd, 2), "total s": round(prep + upd, 2),
+                "update GFLOP/s": round(flops / upd / 1e9, 1), "pg_loss": self.metrics["actor/pg_loss"],
+                "lp_diff_max": self.gap}
 
 
 def _with_recomputed(engine: LocalEngine, batch):
@@ -129,14 +131,24 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{args.preset}: {len(data)} rows from {args.rollouts} rollouts in {rollout_s:.1f} s, "
           f"{int(data.batch['attention_mask'].sum())} attended tokens; torch threads {torch.get_num_threads()}, "
           f"load average {os.getloadavg()[0]:.2f}", flush=True)
-    rows = []
-    for name in VARIANTS:
-        rows.append(run_variant(name, model_dir, data, args))
-        print(rows[-1], f"load {os.getloadavg()[0]:.2f}", flush=True)
-    table = pd.DataFrame(rows).set_index("variant")
-    peak = matmul_flops() / 1e9
+    variants = [Variant(name, model_dir, args) for name in VARIANTS]
+    peaks = []
+    try:
+        for r in range(args.repeat):  # round-robin: each round runs every variant once
+            peaks.append(matmul_flops())
+            for v in variants:
+                v.run(data)
+                print(f"round {r + 1}: {v.name}: old logprobs {v.prepare_s[-1]:.1f} s, update {v.update_s[-1]:.1f} s "
+                      f"(load {os.getloadavg()[0]:.2f})", flush=True)
+        peaks.append(matmul_flops())
+        tokens = int(data.batch["attention_mask"].sum())
+        table = pd.DataFrame([v.row(tokens) for v in variants]).set_index("variant")
+    finally:
+        for v in variants:
+            v.engine.close()
+    peak = max(peaks) / 1e9  # the best matmul of the run, measured between the rounds
     table["vs matmul"] = (table["update GFLOP/s"] / peak).round(2)
-    print(f"\nplain float32 matmul (1024²): {peak:.1f} GFLOP/s\n")
+    print(f"\nplain float32 matmul (1024², {torch.get_num_threads()} threads, best of the run): {peak:.1f} GFLOP/s\n")
     print(table.to_string())
 
 
