@@ -314,8 +314,10 @@ CHOICES = {
 
 def load_saved_config(path: str | os.PathLike, overrides: Iterable[str] = ()) -> DictConfig:
     """A run's or checkpoint's saved `config.yaml` (already composed), with `key=value` overrides
-    checked against it, then validated."""
-    cfg = OmegaConf.load(path)
+    checked against it, then validated. Keys added to agl_lab since the run was saved take their
+    current defaults (a recording made before `agl_lab.server.host` existed still replays); every
+    key the run saved keeps its saved value."""
+    cfg = OmegaConf.merge(default_config(), OmegaConf.load(path))
     unredact(cfg)  # the saved key is "<redacted>": pass agentlightning.agl_key in overrides
     if overrides:
         layer = OmegaConf.from_dotlist(list(overrides))
