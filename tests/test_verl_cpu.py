@@ -30,6 +30,7 @@ torch = pytest.importorskip("torch")
 
 from agl_lab.engines.verl.engine import WORKER_ENV_KEYS  # noqa: E402
 from tests.ray_env import isolated_ray_env  # noqa: E402
+from tests.replica_probe import give_rollouts_distinct_rewards, sample_fixed  # noqa: E402
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "cpu_verl.yaml")
 ENV_BEFORE: dict[str, str | None] = {}  # the env the trainer fixture started from: close() restores it
@@ -91,16 +92,6 @@ def _served_state(engine):
     return ray.get(engine.trainer.actor_rollout_wg.workers[0].__ray_call__.remote(read))
 
 
-def _give_rollouts_distinct_rewards(data):
-    """Reward of rollout k = k/n on the last response token of each of its rows (in place)."""
-    scores, response_mask = data.batch["token_level_scores"], data.batch["response_mask"]
-    rollouts = list(dict.fromkeys(data.non_tensor_batch["rollout_id_list"]))
-    last = response_mask.shape[1] - 1 - response_mask.flip(-1).int().argmax(-1)  # last model token
-    scores.zero_()
-    for row, rid in enumerate(data.non_tensor_batch["rollout_id_list"]):
-        scores[row, last[row]] = rollouts.index(rid) / len(rollouts)
-
-
 def test_local_and_verl_engines_make_the_same_update(trainer):
     """Same BatchResult, same initial weights, float32, one update on each engine.
 
@@ -119,7 +110,7 @@ def test_local_and_verl_engines_make_the_same_update(trainer):
     engine = trainer.engine
     assert engine.policy_version == 0  # runs first: both engines start from the model dir's weights
     batch = trainer.build_batch(trainer.rollout())
-    _give_rollouts_distinct_rewards(batch.data)  # the untrained model earns 0 everywhere: no gradient
+    give_rollouts_distinct_rewards(batch.data)  # the untrained model earns 0 everywhere: no gradient
     local = LocalEngine.from_config(trainer.cfg)
     try:
         before = {k: v.detach().clone() for k, v in local.model.state_dict().items()}
@@ -161,21 +152,9 @@ def test_two_trainer_steps_through_verl_workers(trainer):
 
 
 def test_served_logprobs_equal_the_actors_after_sync(trainer):
-    import httpx
-    from verl import DataProto
-
     engine = trainer.engine
     engine.resume()
-    body = {"prompt": "Look up the capital of", "max_tokens": 12, "logprobs": 1, "temperature": 1.0,
-            "seed": 7, "return_token_ids": True}
-    choice = httpx.post(engine.endpoints()[0] + "/completions", json=body, timeout=60).json()["choices"][0]
-    prompt, response = choice["prompt_token_ids"], choice["token_ids"]
-    served = torch.tensor(choice["logprobs"]["token_logprobs"], dtype=torch.float32)
-    ids = torch.tensor([prompt + response])
-    data = DataProto.from_dict(tensors={
-        "input_ids": ids, "attention_mask": torch.ones_like(ids),
-        "position_ids": torch.arange(ids.shape[1]).unsqueeze(0), "prompts": torch.tensor([prompt]),
-        "responses": torch.tensor([response]), "response_mask": torch.ones(1, len(response), dtype=torch.long)})
+    data, served = sample_fixed(engine.endpoints()[0], "Look up the capital of")
     actor = engine.compute_log_probs(data, temperature=1.0)[0].float()
     assert engine.policy_version >= 2  # weights trained and synced at least twice
     assert torch.allclose(served, actor, atol=1e-4), (served - actor).abs().max()

@@ -22,7 +22,7 @@ ray = pytest.importorskip("ray")
 torch = pytest.importorskip("torch")
 
 from tests.ray_env import isolated_ray_env  # noqa: E402
-from tests.test_verl_cpu import _give_rollouts_distinct_rewards  # noqa: E402
+from tests.replica_probe import give_rollouts_distinct_rewards, sample_fixed  # noqa: E402
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "cpu_verl.yaml")
 
@@ -93,7 +93,7 @@ def test_local_and_verl_engines_make_the_same_lora_update(trainer):
 
     engine = trainer.engine
     batch = trainer.build_batch(trainer.rollout())
-    _give_rollouts_distinct_rewards(batch.data)
+    give_rollouts_distinct_rewards(batch.data)
     local = LocalEngine.from_config(trainer.cfg)
     try:
         assert local.lora.rank == 4 and local.lora_params is not None
@@ -132,9 +132,6 @@ def _replica_events(_actor) -> list[str]:
 def test_the_replica_serves_base_plus_adapter_after_the_sync(trainer):
     """After the LoRA update and verl's adapter sync, the replica's logprobs are the actor's
     (base + adapter), and not the base model's."""
-    import httpx
-    from verl import DataProto
-
     from agl_lab.engines.local import LocalEngine
 
     engine = trainer.engine
@@ -142,16 +139,7 @@ def test_the_replica_serves_base_plus_adapter_after_the_sync(trainer):
     events = ray.get(engine.trainer.actor_rollout_wg.workers[0].__ray_call__.remote(_replica_events))
     assert "adapter:injected" in events  # the adapter path, not merged weights
     engine.resume()
-    body = {"prompt": "Look up the capital of", "max_tokens": 12, "logprobs": 1, "temperature": 1.0,
-            "seed": 7, "return_token_ids": True}
-    choice = httpx.post(engine.endpoints()[0] + "/completions", json=body, timeout=60).json()["choices"][0]
-    prompt, response = choice["prompt_token_ids"], choice["token_ids"]
-    served = torch.tensor(choice["logprobs"]["token_logprobs"], dtype=torch.float32)
-    ids = torch.tensor([prompt + response])
-    data = DataProto.from_dict(tensors={
-        "input_ids": ids, "attention_mask": torch.ones_like(ids),
-        "position_ids": torch.arange(ids.shape[1]).unsqueeze(0), "prompts": torch.tensor([prompt]),
-        "responses": torch.tensor([response]), "response_mask": torch.ones(1, len(response), dtype=torch.long)})
+    data, served = sample_fixed(engine.endpoints()[0], "Look up the capital of")
     actor = engine.compute_log_probs(data, temperature=1.0)[0].float()
     assert torch.allclose(served, actor, atol=1e-4), (served - actor).abs().max()
     with LocalEngine(trainer.cfg.agl_lab.model.path, device="cpu") as base:  # the base without any adapter

@@ -36,6 +36,7 @@ torch = pytest.importorskip("torch")
 
 from agl_lab.addresses import is_loopback  # noqa: E402
 from tests.ray_env import isolated_ray_env, ray_nodes  # noqa: E402
+from tests.replica_probe import give_rollouts_distinct_rewards  # noqa: E402
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "cpu_verl.yaml")
 OVERRIDES = ["agl_lab.model.warm_start_steps=0", "agl_lab.task.n_train=16", "agl_lab.task.n_val=2",
@@ -72,16 +73,6 @@ def _served_states(engine):
                 {k: v.detach().clone() for k, v in model.state_dict().items()})
 
     return ray.get([w.__ray_call__.remote(read) for w in engine.trainer.actor_rollout_wg.workers])
-
-
-def _give_rollouts_distinct_rewards(data):
-    """Reward of rollout k = k/n on the last response token of each of its rows (in place)."""
-    scores, response_mask = data.batch["token_level_scores"], data.batch["response_mask"]
-    rollouts = list(dict.fromkeys(data.non_tensor_batch["rollout_id_list"]))
-    last = response_mask.shape[1] - 1 - response_mask.flip(-1).int().argmax(-1)
-    scores.zero_()
-    for row, rid in enumerate(data.non_tensor_batch["rollout_id_list"]):
-        scores[row, last[row]] = (rollouts.index(rid) + 1) / len(rollouts)
 
 
 def _trainer(run_dir, *overrides):
@@ -123,11 +114,11 @@ def test_two_nodes_train_like_one(cluster_address):
     try:
         start1 = _served_states(t1.engine)[0][2]
         b1 = t1.build_batch(t1.rollout())
-        _give_rollouts_distinct_rewards(b1.data)
+        give_rollouts_distinct_rewards(b1.data, offset=1)
         frozen = [copy.deepcopy(b1)]
         ref = _updates(t1, frozen)
         b2 = t1.build_batch(t1.rollout())  # sampled from the weights after update 1
-        _give_rollouts_distinct_rewards(b2.data)
+        give_rollouts_distinct_rewards(b2.data, offset=1)
         frozen.append(copy.deepcopy(b2))
         ref += _updates(t1, frozen[1:])
     finally:

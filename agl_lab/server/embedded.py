@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 import uvicorn
 
-from agl_lab.addresses import advertised_host, url_host
+from agl_lab.addresses import advertised_host, is_loopback, url_host
 from agl_lab.server.app import create_app
 from agl_lab.server.asgi import HTTP_PROTOCOL, http_protocol, read_limits
 from agl_lab.server.config import ServerConfig, load_server_config
@@ -280,17 +280,6 @@ def serve_key(args: argparse.Namespace, environ: Mapping[str, str]) -> str:
     return environ.get("AGL_KEY", "")
 
 
-def _is_loopback(host: str) -> bool:
-    import ipaddress
-
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def serve_config(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> ServerConfig:
     """The ServerConfig of `agl-lab serve`'s parsed flags (errors name the config key).
 
@@ -300,7 +289,7 @@ def serve_config(args: argparse.Namespace, environ: Mapping[str, str] | None = N
     import os
 
     key = serve_key(args, os.environ if environ is None else environ)
-    if not key and not _is_loopback(args.host):
+    if not key and not is_loopback(args.host):
         raise SystemExit(f"agl-lab serve: refusing to bind {args.host} without a key: set AGL_KEY (or --key-file "
                          "PATH) so clients must authenticate, or bind 127.0.0.1")
     proxy: dict[str, Any] = {"include_log_probs": not args.no_log_probs}

@@ -42,6 +42,7 @@ import torch  # noqa: E402
 
 from agl_lab.engines.verl.engine import WORKER_ENV_KEYS  # noqa: E402
 from tests.ray_env import isolated_ray_env  # noqa: E402
+from tests.replica_probe import give_rollouts_distinct_rewards, sample_fixed  # noqa: E402
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "cpu_vllm.yaml")
 ENV_BEFORE: dict[str, str | None] = {}
@@ -76,21 +77,8 @@ def _replica(engine):
 
 def _fixed_sequence(engine, max_tokens: int = 12):
     """A sampled continuation of FIXED_PROMPT from the replica: (DataProto, served logprobs [R])."""
-    from verl import DataProto
-
-    body = {"model": engine.model_name, "prompt": FIXED_PROMPT, "max_tokens": max_tokens, "logprobs": 1,
-            "temperature": 1.0, "seed": 7, "return_token_ids": True}
-    answer = httpx.post(engine.endpoints()[0] + "/completions", json=body, timeout=120)
-    assert answer.status_code == 200, answer.text
-    choice = answer.json()["choices"][0]
-    prompt, response = choice["prompt_token_ids"], choice["token_ids"]
-    served = torch.tensor(choice["logprobs"]["token_logprobs"], dtype=torch.float32)
-    ids = torch.tensor([prompt + response])
-    data = DataProto.from_dict(tensors={
-        "input_ids": ids, "attention_mask": torch.ones_like(ids),
-        "position_ids": torch.arange(ids.shape[1]).unsqueeze(0), "prompts": torch.tensor([prompt]),
-        "responses": torch.tensor([response]), "response_mask": torch.ones(1, len(response), dtype=torch.long)})
-    return data, served
+    return sample_fixed(engine.endpoints()[0], FIXED_PROMPT, max_tokens=max_tokens, model=engine.model_name,
+                        timeout=120)
 
 
 def _served_logprobs_of(engine, data):
@@ -104,16 +92,6 @@ def _served_logprobs_of(engine, data):
     per_token = answer.json()["choices"][0]["prompt_logprobs"]
     # prompt_logprobs[i] maps token ids to {"logprob": …}; the sequence's own token is always included
     return torch.tensor([per_token[i][str(ids[i])]["logprob"] for i in range(len(ids) - n_resp, len(ids))])
-
-
-def _give_rollouts_distinct_rewards(data):
-    """Reward of rollout k = k/n on the last response token of each of its rows (in place)."""
-    scores, response_mask = data.batch["token_level_scores"], data.batch["response_mask"]
-    rollouts = list(dict.fromkeys(data.non_tensor_batch["rollout_id_list"]))
-    last = response_mask.shape[1] - 1 - response_mask.flip(-1).int().argmax(-1)
-    scores.zero_()
-    for row, rid in enumerate(data.non_tensor_batch["rollout_id_list"]):
-        scores[row, last[row]] = rollouts.index(rid) / len(rollouts)
 
 
 def test_replicas_are_verl_vllm_and_the_gateway_registers_their_bound_address(trainer):
@@ -150,7 +128,7 @@ def test_local_and_vllm_engines_make_the_same_update(trainer):
     batch = trainer.build_batch(trainer.rollout())
     # the rollout registered the replica's own address with the gateway, and the agents' calls went there
     assert [m.endpoint for m in trainer.server.store.models_for(engine.model_name)] == engine.endpoints()
-    _give_rollouts_distinct_rewards(batch.data)
+    give_rollouts_distinct_rewards(batch.data)
     engine.resume()  # the rollout ended with abort(): vLLM holds new requests until resume
     probe, served_before = _fixed_sequence(engine)
     local = LocalEngine.from_config(trainer.cfg)
