@@ -230,13 +230,18 @@ def _warm_start_hint(path: str) -> str:
     return ""
 
 
+def _n_alive_nodes(ray: Any) -> int:
+    """Alive Ray nodes; 0 without a Ray connection (an engine on fake worker groups: nothing to ask)."""
+    return len([n for n in ray.nodes() if n.get("Alive")]) if ray.is_initialized() else 0
+
+
 def check_paths_on_nodes(paths: Mapping[str, str]) -> None:
     """Every path in `paths` (config key → path) exists on every alive Ray node, else
     FileNotFoundError naming the key, the path and the nodes that lack it. One node: nothing
     to ask (the driver checked its own paths)."""
     import ray
 
-    if not paths or len([n for n in ray.nodes() if n.get("Alive")]) < 2:
+    if not paths or _n_alive_nodes(ray) < 2:
         return
     problems = []
     for node, answer in _on_every_node(paths).items():
@@ -254,7 +259,7 @@ def check_shared_dir(path: str, what: str = "checkpoint directory") -> None:
     under it on their own nodes, the driver writes agl_lab's state beside them."""
     import ray
 
-    if len([n for n in ray.nodes() if n.get("Alive")]) < 2:
+    if _n_alive_nodes(ray) < 2:
         return
     os.makedirs(path, exist_ok=True)
     marker = os.path.join(os.path.abspath(path), f".agl_lab_shared_{uuid.uuid4().hex}")
