@@ -42,9 +42,7 @@ def build_engine(cfg: Any, *, task: Any = None, train_dataset: Sequence[dict] = 
         from agl_lab.engines.verl.engine import VerlEngine
 
         if lab.model.path is None:  # verl's workers load from disk: the tiny model, warm-started like local's
-            from agl_lab.tasks.warmstart import warm_started_model_dir
-
-            lab.model.path = str(warm_started_model_dir(task.name if task else "", steps, seed=int(lab.seed)))
+            _use_warm_started_dir(lab, task, steps)
         return VerlEngine(cfg, train_dataset=list(train_dataset), val_dataset=list(val_dataset))
 
     from agl_lab.engines.local import LocalEngine
@@ -53,10 +51,7 @@ def build_engine(cfg: Any, *, task: Any = None, train_dataset: Sequence[dict] = 
     preset = lab.model.get("preset")
     lora_rank = OmegaConf.select(cfg, "actor_rollout_ref.model.lora_rank", default=0) or 0
     if lora_rank and steps > 0 and lab.model.path is None and preset is None:
-        # the warm start makes the tiny model a "pretrained" base: full weights, before the adapter
-        from agl_lab.tasks.warmstart import warm_started_model_dir
-
-        lab.model.path = str(warm_started_model_dir(task.name if task else "", steps, seed=int(lab.seed)))
+        _use_warm_started_dir(lab, task, steps)  # the warm start trains the full base, before the adapter
     label = lab.model.path or (f"preset {preset} (converted once into {_cache_hint()})" if preset
                                else f"built-in tiny model (cached in {_cache_hint()})")
     with quiet_hf(), _stage(f"model: {label}"):
@@ -68,6 +63,14 @@ def build_engine(cfg: Any, *, task: Any = None, train_dataset: Sequence[dict] = 
             engine.close()
             raise
     return engine
+
+
+def _use_warm_started_dir(lab: Any, task: Any, steps: int) -> None:
+    """Point `agl_lab.model.path` at the tiny model warm-started on `task`, saved as an HF directory
+    (for models loaded from disk: verl's workers, the base under a LoRA adapter)."""
+    from agl_lab.tasks.warmstart import warm_started_model_dir
+
+    lab.model.path = str(warm_started_model_dir(task.name if task else "", steps, seed=int(lab.seed)))
 
 
 AUTO_THREADS_MAX_CORES = 4  # at or below this many cores, `auto` means 1 thread

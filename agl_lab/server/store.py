@@ -411,7 +411,8 @@ class Store(ABC):
             idle = self._idle_running(now - lease_seconds)
             rollouts = self._load_many(idle)  # in the transaction: the rows are locked from here on
             if idle:  # asked again under the locks: a heartbeat that committed meanwhile keeps its rollout
-                rollouts = {rid: r for rid, r in rollouts.items() if rid in set(self._idle_running(now - lease_seconds))}
+                still_idle = set(self._idle_running(now - lease_seconds))
+                rollouts = {rid: r for rid, r in rollouts.items() if rid in still_idle}
             for rid, rollout in rollouts.items():
                 if rollout.status.state != RolloutState.RUNNING:  # pragma: no cover - the primitive's contract
                     continue
@@ -619,12 +620,12 @@ class _Activity:
 
     def idle(self, running: Iterable[Rollout], before: float) -> list[str]:
         """Ids of `running` idle since before `before`; forgets ids no longer running."""
-        seen: dict[str, float] = {}
+        seen: set[str] = set()
         idle = []
         for rollout in running:
             rid = rollout.rollout_id
-            last = seen[rid] = max(rollout.status.updated_at, self._at.get(rid, 0.0))
-            if last < before:
+            seen.add(rid)
+            if max(rollout.status.updated_at, self._at.get(rid, 0.0)) < before:
                 idle.append(rid)
         self._at = {rid: at for rid, at in self._at.items() if rid in seen}  # bounded by what runs
         return idle
