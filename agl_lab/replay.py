@@ -16,6 +16,11 @@ compress ~5-10× under gzip:
      "metrics": {...},                                 # the step's logged metrics
      "weights": [...], "dropped": [...]}               # UpdateResult.weights / .dropped as records
 
+Each validation (`Trainer.validate`, so also `val_before_train` and `test_freq`) writes its
+rollouts to `RUN_DIR/recording/validation_NNNNNN.json.gz` (N = the step it validated; same
+rollout dicts, no batch): the same validation tasks before and after training, transcript by
+transcript (`load_validation`, `agl_lab.transcript.format_transcript`).
+
 `recording/bytes` (the file's size) is a step metric. `agl_lab.record.events: false` leaves the
 raw events out (the triplets stay); `agl_lab.record.max_steps: K` keeps the newest K files.
 
@@ -56,6 +61,26 @@ _EXACT_SKIP = ("timing", "perf/", "recording/", "training/policy_version")
 
 def step_path(run_dir: str | Path, step: int) -> Path:
     return Path(run_dir) / DIRNAME / f"step_{step:06d}.json.gz"
+
+
+def validation_path(run_dir: str | Path, step: int) -> Path:
+    return Path(run_dir) / DIRNAME / f"validation_{step:06d}.json.gz"
+
+
+def validated_steps(run_dir: str | Path) -> list[int]:
+    """The steps whose validation rollouts are recorded under `run_dir`, in order."""
+    return sorted(int(p.name[11:17]) for p in (Path(run_dir) / DIRNAME).glob("validation_*.json.gz"))
+
+
+def load_validation(run_dir: str | Path, step: int) -> list[CompletedRollout]:
+    """The validation rollouts recorded at step `step` (0: before training), in task order."""
+    path = validation_path(run_dir, step)
+    if not path.exists():
+        raise FileNotFoundError(f"no validation recorded at step {step} in {path.parent} "
+                                f"(recorded: {validated_steps(run_dir) or 'none'})")
+    with gzip.open(path, "rt") as f:
+        doc = json.load(f)
+    return [completed_rollout_from_dict(d) for d in doc["rollouts"]]
 
 
 def recorded_steps(run_dir: str | Path) -> list[int]:
@@ -102,8 +127,28 @@ class Recorder:
             self._remove(recorded_steps(self.dir.parent)[:-self.max_steps])
         return path.stat().st_size
 
+    def record_validation(self, step: int, rollouts: Sequence[CompletedRollout], metrics: Mapping[str, Any]) -> int:
+        """Write the validation rollouts of step `step`; returns the file's size (0 when off)."""
+        if not self.enabled:
+            return 0
+        docs = [completed_rollout_to_dict(r) for r in rollouts]
+        if not self.events:
+            for d in docs:
+                d["events"] = []
+        doc = {"format": FORMAT, "version": VERSION, "step": step, "kind": "validation",
+               "rollouts": docs, "metrics": _jsonable(dict(metrics))}
+        self.dir.mkdir(parents=True, exist_ok=True)
+        path, tmp = validation_path(self.dir.parent, step), self.dir / f".validation_{step:06d}.tmp"
+        with gzip.open(tmp, "wt", compresslevel=6) as f:
+            json.dump(doc, f, separators=(",", ":"), allow_nan=True)
+        tmp.replace(path)
+        return path.stat().st_size
+
     def drop_after(self, step: int) -> int:
         """Remove the recordings of steps after `step` (a resume redoes them); returns how many."""
+        for s in validated_steps(self.dir.parent):
+            if s > step:
+                validation_path(self.dir.parent, s).unlink(missing_ok=True)
         return self._remove([s for s in recorded_steps(self.dir.parent) if s > step])
 
     def _remove(self, steps: Sequence[int]) -> int:

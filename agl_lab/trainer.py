@@ -29,6 +29,7 @@ from agl_lab import config as config_mod
 from agl_lab import watch
 from agl_lab.data import TaskFeeder
 from agl_lab.logger import MetricsLogger, throughput_metrics
+from agl_lab.records import sort_rollouts
 from agl_lab.results import BatchResult, RolloutResult, UpdateResult
 
 logger = logging.getLogger(__name__)
@@ -358,7 +359,9 @@ class Trainer:
         self._last_step = total
         history: list[dict[str, Any]] = []
         if (self.cfg.trainer.val_before_train or self.cfg.trainer.val_only) and self.val_dataset:
+            t0 = time.time()
             val = self.validate(step=self.global_step)
+            val["timing_s/validate"] = time.time() - t0
             self.metrics_logger.log(self.global_step, val)
             history.append(val)
             if self.cfg.trainer.val_only:
@@ -391,6 +394,7 @@ class Trainer:
 
     def validate(self, step: int | None = None) -> dict[str, Any]:
         """One rollout per validation task at the gateway's val temperature; `val/*` metrics.
+        The rollouts are recorded (`agl_lab.replay.load_validation(run_dir, step)`).
 
         `step` (default: the current step) is the step the W&B tables are logged under.
         """
@@ -403,8 +407,11 @@ class Trainer:
         tasks = [t for t in self.val_dataset for _ in range(max(repeat, 1))]
         ro = self.rollout(tasks, is_train=False)
         val = build_validation(ro.rollouts, float(self.cfg.agentlightning.reward_fillna_value), self.tokenizer)
-        self._log_tables(self.global_step if step is None else step, val, "validation")
-        return {**val.metrics, **{k: v for k, v in ro.metrics.items() if k.startswith("training/async/proxy")}}
+        step = self.global_step if step is None else step
+        self._log_tables(step, val, "validation")
+        metrics = {**val.metrics, **{k: v for k, v in ro.metrics.items() if k.startswith("training/async/proxy")}}
+        self.recorder.record_validation(step, sort_rollouts(ro.rollouts), metrics)
+        return metrics
 
     def dry_run(self, task: dict | None = None, *, show: bool = True):
         """Run the agent once on `task` (default: the first validation task, else the first

@@ -155,6 +155,27 @@ def test_the_update_replays_on_the_engine_from_the_checkpoint_before(tmp_path):
         replay_update(run, 2)
 
 
+def test_each_validation_records_its_rollouts_in_task_order(tmp_path):
+    from agl_lab.replay import load_validation, validated_steps
+    from agl_lab.trainer import Trainer
+
+    run = tmp_path / "run"
+    overrides = [*SMALL, "trainer.val_before_train=true", "trainer.test_freq=1", "agl_lab.task.n_val=4"]
+    with Trainer.from_config("configs/cpu_tiny.yaml", overrides=overrides, run_dir=run, console=False) as t:
+        history = t.fit(steps=1, progress=False)
+        val_ids = [task["task_id"] for task in t.val_dataset]
+    assert validated_steps(run) == [0, 1]
+    for step, logged in ((0, history[0]), (1, history[1])):
+        rollouts = load_validation(run, step)
+        assert [r.input["task_id"] for r in rollouts] == val_ids  # the same tasks before and after
+        assert all(r.triplets and r.triplets[0].response_ids for r in rollouts)
+        mean = sum(r.final_reward for r in rollouts) / len(rollouts)
+        assert mean == pytest.approx(logged["val/reward"])
+    assert Recorder(run, {}).drop_after(0) == 1 and validated_steps(run) == [0]  # a resume redoes step 1
+    with pytest.raises(FileNotFoundError, match=r"no validation recorded at step 5 .*recorded: \[0\]"):
+        load_validation(run, 5)
+
+
 def test_recording_off_and_without_events(tmp_path):
     off = Recorder(tmp_path / "a", {"enabled": False})
     assert off.record(1, batch_step=0, rollouts=[], metrics={}, update=None, policy_version=0, seed=0,

@@ -368,3 +368,54 @@ def test_calc_tasks_tool_and_reward():
 
     text = load_tokenizer().apply_chat_template(spec.demonstrations(1, 0)[0], tools=calc.TOOLS, tokenize=False)
     assert '<tool_call>{"name": "calculator", "arguments": {"expression": ' in text
+
+
+class _ScriptedModel:
+    """`client.chat.completions.create` replying from a script, as SDK objects (what calc_agent reads)."""
+
+    def __init__(self, replies):
+        self.replies, self.seen = list(replies), []
+        self.chat = self.completions = self
+
+    def openai_client(self):
+        return self
+
+    def create(self, *, messages, **_):
+        from openai.types.chat import ChatCompletion
+
+        self.seen.append([dict(m) for m in messages])
+        content, calls = self.replies.pop(0)
+        tool_calls = [{"id": f"c{len(self.seen)}", "type": "function",
+                       "function": {"name": "calculator", "arguments": json.dumps({"expression": e})}} for e in calls]
+        return ChatCompletion.model_validate({
+            "id": "x", "object": "chat.completion", "created": 0, "model": "m",
+            "choices": [{"index": 0, "finish_reason": "tool_calls" if calls else "stop",
+                         "message": {"role": "assistant", "content": content, "tool_calls": tool_calls or None}}]})
+
+
+def test_calc_chain_needs_two_calls_the_second_on_the_first_result():
+    from agl_lab.tasks import calc, get_task
+
+    spec = get_task("calc_chain")
+    train, val = spec.train_tasks(40, 0), spec.val_tasks(40, 0)
+    assert {t["task_id"] for t in train}.isdisjoint(t["task_id"] for t in val)
+    assert {t["task_id"] for t in train}.isdisjoint(t["task_id"] for t in calc.train_tasks(40, 0))
+    for t in train:
+        first, second = t["steps"]
+        assert calc.calculator(json.dumps({"expression": first})) == second.split(" ")[0]  # chained on the result
+        assert calc.calculator(json.dumps({"expression": second})) == str(t["value"])
+        assert calc.calculator(json.dumps({"expression": t["expression"]})).startswith("error")  # one operator
+    t = train[1]
+    demo = spec.demonstrations(1, 0)[0]
+    assert [m["role"] for m in demo[-6:]] == ["user", "assistant", "tool", "assistant", "tool", "assistant"]
+    assert demo[-1]["content"] == str(train[0]["value"])
+    # the agent's loop: two calls, each result sent back as a `tool` message, then the answer
+    model = _ScriptedModel([(None, [t["steps"][0]]), (None, [t["steps"][1]]), (str(t["value"]), [])])
+    assert calc.calc_agent(t, model) == 1.0
+    assert model.seen[1][-1] == {"role": "tool", "tool_call_id": "c1", "content": t["steps"][1].split(" ")[0]}
+    assert model.seen[0][-1] == {"role": "user", "content": t["question"]}
+    assert sum(1 for m in model.seen[0] if m.get("tool_calls")) == 4  # the examples: two calls each
+    # one call on the whole expression gets an error back; a wrong answer after it keeps only the tool share
+    model = _ScriptedModel([(None, [t["expression"]]), ("12", [])])
+    assert calc.calc_agent(t, model) == pytest.approx(calc.TOOL_WEIGHT)
+    assert model.seen[1][-1]["content"].startswith("error")

@@ -116,6 +116,7 @@ def test_fit_validates_before_every_test_freq_and_after_the_last_step_with_wandb
         for timer in ("gen", "old_log_prob", "adv", "update_actor", "update_weights", "step"):
             assert f"timing_s/{timer}" in r, timer
     assert "timing_s/validate" in records[2] and "timing_s/validate" not in records[1]
+    assert records[0]["timing_s/validate"] > 0  # the validation before training is timed too
     assert (tmp_path / "run" / "config.yaml").exists()  # written at start
     assert list((tmp_path / "run").glob("wandb/offline-run-*"))
 

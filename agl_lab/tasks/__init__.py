@@ -127,7 +127,22 @@ def _calc_spec() -> Task:
     )
 
 
-_BUILTIN: dict[str, Callable[[], Task]] = {"lookup": _lookup_spec, "calc": _calc_spec}
+def _calc_chain_spec() -> Task:
+    from agl_lab.tasks import calc
+
+    return Task(
+        name="calc_chain",
+        description="`(a op b) op c` through a one-operator calculator: two calls, the second on the "
+                    "first's result (agl_lab/tasks/calc.py).",
+        train_tasks=calc.chain_train_tasks,
+        val_tasks=calc.chain_val_tasks,
+        agent=calc.calc_agent,
+        reward=calc.reward,
+        demonstrations=calc.chain_demonstrations,
+    )
+
+
+_BUILTIN: dict[str, Callable[[], Task]] = {"lookup": _lookup_spec, "calc": _calc_spec, "calc_chain": _calc_chain_spec}
 _REGISTRY: dict[str, Task] = {}
 
 

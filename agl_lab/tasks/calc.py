@@ -8,10 +8,11 @@ appends the assistant message *as the SDK returned it* plus a `tool` message —
 agent takes, so merge breaks measured on it are the ones real agents meet:
 
     system     You answer arithmetic questions … (+ the tool list, rendered by the template)
-    user       What is 3 + 4?                    ┐ one worked example (a 135M model does not
-    assistant  <tool_call>{… "3 + 4"}</tool_call>│ call tools from the description alone)
-    tool       7                                 │
-    assistant  7                                 ┘
+    user       What is 3 + 4?                    ┐ two worked examples (a 135M model does not
+    assistant  <tool_call>{… "3 + 4"}</tool_call>│ call tools from the description alone, and
+    tool       7                                 │ hardly from one example)
+    assistant  7                                 │
+    user       What is 6 * 9?  … 54              ┘
     user       What is 17 * 3?
     assistant  <tool_call>{"name": "calculator", "arguments": {"expression": "17 * 3"}}</tool_call>
     tool       51
@@ -30,20 +31,27 @@ import random
 import re
 from typing import Any
 
-MAX_TURNS = 3
+MAX_TURNS = 4  # calc_chain: two calls and the answer, one spare
 MAX_TOKENS = 48
 MODEL_NAME = "auto"
 SYSTEM_PROMPT = "You answer arithmetic questions. Call the calculator tool, then reply with the number only."
 TOOLS = [{"type": "function", "function": {
     "name": "calculator", "description": "Evaluate an arithmetic expression such as 12 * 7",
     "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
-EXAMPLE = [
-    {"role": "user", "content": "What is 3 + 4?"},
-    {"role": "assistant", "content": None, "tool_calls": [{"id": "call_0", "type": "function", "function": {
-        "name": "calculator", "arguments": json.dumps({"expression": "3 + 4"})}}]},
-    {"role": "tool", "tool_call_id": "call_0", "content": "7"},
-    {"role": "assistant", "content": "7"},
-]
+
+
+def _worked_example(question: str, steps: list[str], call_id: str) -> list[dict[str, Any]]:
+    """A solved question: one calculator call per step (each on the previous value), then the answer."""
+    messages: list[dict[str, Any]] = [{"role": "user", "content": question}]
+    for k, expression in enumerate(steps):
+        call = {"id": f"{call_id}_{k}", "type": "function",
+                "function": {"name": "calculator", "arguments": json.dumps({"expression": expression})}}
+        result = calculator(call["function"]["arguments"])
+        messages += [{"role": "assistant", "content": None, "tool_calls": [call]},
+                     {"role": "tool", "tool_call_id": call["id"], "content": result}]
+    return [*messages, {"role": "assistant", "content": messages[-1]["content"]}]
+
+
 TOOL_WEIGHT, ANSWER_WEIGHT = 0.2, 0.8
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 _EXPR = re.compile(r"^\s*(-?\d+)\s*([+\-*])\s*(-?\d+)\s*$")
@@ -51,14 +59,27 @@ _NUMBER = re.compile(r"-?\d+")
 _SALT = {"train": 0, "val": 1_000_003}
 
 
-def make_tasks(n: int, seed: int, split: str) -> list[dict[str, Any]]:
-    """`n` deterministic questions `a op b` (2 ≤ a, b ≤ 20) of a split."""
-    rng = random.Random(seed * 7919 + _SALT[split])
+def make_tasks(n: int, seed: int, split: str, ops: int = 1) -> list[dict[str, Any]]:
+    """`n` deterministic questions of a split: `a op b` (ops=1), or `(a op b) op c` (ops=2: the
+    calculator takes one operator, so the answer needs two calls, the second on the first's result);
+    2 ≤ a, b, c ≤ 20."""
+    if ops not in (1, 2):
+        raise ValueError(f"ops must be 1 or 2, got {ops!r}")
+    rng = random.Random(seed * 7919 + _SALT[split] + (ops - 1) * 104_729)
+    name = "calc" if ops == 1 else "calc_chain"
     out = []
     for i in range(n):
         a, b, op = rng.randint(2, 20), rng.randint(2, 20), rng.choice("+-*")
-        out.append({"task_id": f"calc-{split}-{seed}-{i:05d}", "question": f"What is {a} {op} {b}?",
-                    "expression": f"{a} {op} {b}", "value": _OPS[op](a, b)})
+        steps, value = [f"{a} {op} {b}"], _OPS[op](a, b)
+        if ops == 2:
+            c, op2 = rng.randint(2, 20), rng.choice("+-*")
+            steps.append(f"{value} {op2} {c}")
+            value = _OPS[op2](value, c)
+            question, expression = f"What is ({a} {op} {b}) {op2} {c}?", f"({a} {op} {b}) {op2} {c}"
+        else:
+            question, expression = f"What is {a} {op} {b}?", steps[0]
+        out.append({"task_id": f"{name}-{split}-{seed}-{i:05d}", "question": question, "expression": expression,
+                    "value": value, "ops": ops, "steps": steps})
     return out
 
 
@@ -68,6 +89,14 @@ def train_tasks(n: int, seed: int = 0) -> list[dict[str, Any]]:
 
 def val_tasks(n: int, seed: int = 0) -> list[dict[str, Any]]:
     return make_tasks(n, seed, "val")
+
+
+def chain_train_tasks(n: int, seed: int = 0) -> list[dict[str, Any]]:
+    return make_tasks(n, seed, "train", ops=2)
+
+
+def chain_val_tasks(n: int, seed: int = 0) -> list[dict[str, Any]]:
+    return make_tasks(n, seed, "val", ops=2)
 
 
 def calculator(arguments: str) -> str:
@@ -81,6 +110,18 @@ def calculator(arguments: str) -> str:
     return str(_OPS[match.group(2)](int(match.group(1)), int(match.group(3))))
 
 
+# Two worked examples: with one, zero-shot SmolLM2 starts a <tool_call> ~8 % of the time but writes a
+# parsable calculator call in none of 64 rollouts (P(exact call) ≈ 0.01 at temperature 1); with two
+# it writes one ~32 % of the time (a third: P ≈ 0.66, leaving little to learn, for 64 more prompt tokens).
+EXAMPLES = [*_worked_example("What is 3 + 4?", ["3 + 4"], "call_0"),
+            *_worked_example("What is 6 * 9?", ["6 * 9"], "call_1")]
+# calc_chain: two two-step examples (the second call on the first call's result). Zero-shot SmolLM2 calls
+# the tool in ~41 % of rollouts but chains in almost none (right answers 3 % of 64); GRPO at LoRA lr 2e-4
+# learned the first call in ~5 steps and then sat at reward 0.2 (every group tied): a task for more steps.
+CHAIN_EXAMPLES = [*_worked_example("What is (3 + 4) * 2?", ["3 + 4", "7 * 2"], "call_0"),
+                  *_worked_example("What is (6 * 9) - 5?", ["6 * 9", "54 - 5"], "call_1")]
+
+
 def reward(task: dict[str, Any], answer: Any) -> float:
     """Task success: 1.0 when the last integer of the answer is the value."""
     found = _NUMBER.findall(answer) if isinstance(answer, str) else []
@@ -88,7 +129,8 @@ def reward(task: dict[str, Any], answer: Any) -> float:
 
 
 def first_messages(task: dict[str, Any]) -> list[dict[str, Any]]:
-    return [{"role": "system", "content": SYSTEM_PROMPT}, *EXAMPLE, {"role": "user", "content": task["question"]}]
+    examples = CHAIN_EXAMPLES if task.get("ops", 1) == 2 else EXAMPLES
+    return [{"role": "system", "content": SYSTEM_PROMPT}, *examples, {"role": "user", "content": task["question"]}]
 
 
 def calc_agent(task: dict[str, Any], ctx: Any) -> float | None:
@@ -121,13 +163,11 @@ def calc_agent(task: dict[str, Any], ctx: Any) -> float | None:
     return value
 
 
-def demonstrations(n: int, seed: int) -> list[list[dict[str, Any]]]:
+def demonstrations(n: int, seed: int, ops: int = 1) -> list[list[dict[str, Any]]]:
     """`n` correct transcripts (for a supervised warm start, if one is wanted)."""
-    out = []
-    for task in make_tasks(n, seed, "train"):
-        call = {"id": "call_1", "type": "function",
-                "function": {"name": "calculator", "arguments": json.dumps({"expression": task["expression"]})}}
-        out.append(first_messages(task) + [{"role": "assistant", "content": None, "tool_calls": [call]},
-                                           {"role": "tool", "tool_call_id": "call_1", "content": str(task["value"])},
-                                           {"role": "assistant", "content": str(task["value"])}])
-    return out
+    return [first_messages(task)[:-1] + _worked_example(task["question"], task["steps"], "call_9")
+            for task in make_tasks(n, seed, "train", ops)]
+
+
+def chain_demonstrations(n: int, seed: int) -> list[list[dict[str, Any]]]:
+    return demonstrations(n, seed, ops=2)
