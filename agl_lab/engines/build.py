@@ -28,6 +28,7 @@ from typing import Any, Sequence
 from omegaconf import OmegaConf
 
 from agl_lab.engines.base import Engine
+from agl_lab.engines.lora import LoraSpec
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +50,8 @@ def build_engine(cfg: Any, *, task: Any = None, train_dataset: Sequence[dict] = 
     from agl_lab.quiet import quiet_hf
 
     preset = lab.model.get("preset")
-    lora_rank = OmegaConf.select(cfg, "actor_rollout_ref.model.lora_rank", default=0) or 0
-    if lora_rank and steps > 0 and lab.model.path is None and preset is None:
+    lora = LoraSpec.from_model_config(OmegaConf.select(cfg, "actor_rollout_ref.model", default=None))
+    if lora.enabled and steps > 0 and lab.model.path is None and preset is None:
         _use_warm_started_dir(lab, task, steps)  # the warm start trains the full base, before the adapter
     label = lab.model.path or (f"preset {preset} (converted once into {_cache_hint()})" if preset
                                else f"built-in tiny model (cached in {_cache_hint()})")
