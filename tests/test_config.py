@@ -1,11 +1,12 @@
 """Config composition: AGL configs load unchanged; typos and contradictions fail clearly."""
 
 import re
+from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
-from agl_lab.config import ConfigError, default_config, load_config, trace_limits
+from agl_lab.config import ConfigError, ConfigWarning, default_config, load_config, trace_limits
 
 FIXTURE = "tests/fixtures/agl_calc_x.yaml"
 
@@ -240,3 +241,12 @@ def test_a_lease_not_below_the_rollout_wait_warns_naming_both_keys():
         warnings_mod.simplefilter("always")
         load_config(None, ["agl_lab.server.lease_seconds=30"])  # below the auto wait (1860 s): quiet
     assert not [w for w in seen if "lease_seconds" in str(w.message)]
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_every_shipped_config_loads_without_a_warning(path, recwarn):
+    cfg = load_config(path)
+    assert cfg.trainer.experiment_name
+    assert not [w for w in recwarn if "agl_lab" in w.filename or issubclass(w.category, ConfigWarning)], \
+        [str(w.message) for w in recwarn]
