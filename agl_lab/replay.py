@@ -110,38 +110,37 @@ class Recorder:
         """Write step `step`'s recording; returns its size in bytes (0 when recording is off)."""
         if not self.enabled:
             return 0
-        docs = [completed_rollout_to_dict(r) for r in rollouts]
-        if not self.events:
-            for d in docs:
-                d["events"] = []
         doc = {"format": FORMAT, "version": VERSION, "step": step, "batch_step": batch_step,
                "policy_version": policy_version, "seed": seed, "rng": _rng_to_json(rng),
-               "pad_token_id": pad_token_id, "rollouts": docs, "metrics": _jsonable(dict(metrics)),
+               "pad_token_id": pad_token_id, "rollouts": self._rollout_docs(rollouts),
+               "metrics": _jsonable(dict(metrics)),
                "weights": _frame_records(update.weights), "dropped": _frame_records(update.dropped)}
-        self.dir.mkdir(parents=True, exist_ok=True)
-        path, tmp = step_path(self.dir.parent, step), self.dir / f".step_{step:06d}.tmp"
-        with gzip.open(tmp, "wt", compresslevel=6) as f:
-            json.dump(doc, f, separators=(",", ":"), allow_nan=True)
-        tmp.replace(path)  # a killed write never leaves a half recording under the real name
+        size = self._write(step_path(self.dir.parent, step), doc)
         if self.max_steps is not None:
             self._remove(recorded_steps(self.dir.parent)[:-self.max_steps])
-        return path.stat().st_size
+        return size
 
     def record_validation(self, step: int, rollouts: Sequence[CompletedRollout], metrics: Mapping[str, Any]) -> int:
         """Write the validation rollouts of step `step`; returns the file's size (0 when off)."""
         if not self.enabled:
             return 0
+        doc = {"format": FORMAT, "version": VERSION, "step": step, "kind": "validation",
+               "rollouts": self._rollout_docs(rollouts), "metrics": _jsonable(dict(metrics))}
+        return self._write(validation_path(self.dir.parent, step), doc)
+
+    def _rollout_docs(self, rollouts: Sequence[CompletedRollout]) -> list[dict[str, Any]]:
         docs = [completed_rollout_to_dict(r) for r in rollouts]
         if not self.events:
             for d in docs:
                 d["events"] = []
-        doc = {"format": FORMAT, "version": VERSION, "step": step, "kind": "validation",
-               "rollouts": docs, "metrics": _jsonable(dict(metrics))}
+        return docs
+
+    def _write(self, path: Path, doc: Mapping[str, Any]) -> int:
         self.dir.mkdir(parents=True, exist_ok=True)
-        path, tmp = validation_path(self.dir.parent, step), self.dir / f".validation_{step:06d}.tmp"
+        tmp = self.dir / f".{path.name}.tmp"
         with gzip.open(tmp, "wt", compresslevel=6) as f:
             json.dump(doc, f, separators=(",", ":"), allow_nan=True)
-        tmp.replace(path)
+        tmp.replace(path)  # a killed write never leaves a half recording under the real name
         return path.stat().st_size
 
     def drop_after(self, step: int) -> int:
