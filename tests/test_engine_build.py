@@ -19,6 +19,10 @@ def test_auto_is_one_thread_on_small_machines_and_half_the_cores_on_big_ones():
     assert torch_threads("auto", cores=4) == 1
     assert torch_threads("auto", cores=16) == 8
     assert torch_threads(3) == 3 and torch_threads(None) is None
+    # a real model's compute-bound update wants every core even on a small machine
+    assert torch_threads("auto", cores=2, n_params=134_515_008) == 2
+    assert torch_threads("auto", cores=2, n_params=1_000_000) == 1
+    assert torch_threads("auto", cores=16, n_params=134_515_008) == 8
 
 
 @pytest.mark.parametrize("value, message", [
@@ -50,7 +54,7 @@ def test_a_lora_engine_loads_the_warm_started_base_from_disk(monkeypatch, lora):
     from agl_lab.engines import build
     from agl_lab.engines.local import LocalEngine
 
-    cfg = load_config("configs/cpu_tiny.yaml", ["agl_lab.model.warm_start_steps=5", *lora])
+    cfg = load_config("configs/cpu_tiny.yaml", ["agl_lab.model.warm_start_steps=5", "agl_lab.torch_threads=1", *lora])
     calls = []
     def use_dir(lab, task, steps):  # what the real helper does, without training the tiny model
         calls.append(("dir", steps))
