@@ -112,9 +112,10 @@ ro.triplets
 # **Rows**: at trajectory level the calls of a rollout merge into one training row while
 # each prompt extends the previous prompt + reply token for token. The tool result and the
 # template's turn markers between two replies become observation tokens (attended, not
-# trained). **Breaks** lists every call whose prompt did not extend its rollout's row — none
-# here: zero-shot, SmolLM2 mostly answers in one call, and an append-only agent with the
-# token-preserving gateway cannot break a merge (section 3).
+# trained). **Breaks** lists every call whose prompt did not extend its rollout's row —
+# usually none: zero-shot, SmolLM2 calls the tool in ~40 % of rollouts, and an append-only agent
+# with the token-preserving gateway cannot break a merge (section 3); the one break the real
+# template can still make is a reply with text after its `</tool_call>` (section 3 explains it).
 
 # %%
 b = trainer.build_batch(ro)
@@ -126,7 +127,8 @@ b.breaks
 
 # %%
 # NBVAL_CHECK_OUTPUT
-print("rollouts:", len(ro.rollouts), "· calls:", len(ro.triplets), "· rows:", len(b.rows))
+print("rollouts:", len(ro.rollouts), "· a call per rollout at least:", len(ro.triplets) >= len(ro.rollouts),
+      "· a row per rollout at least:", len(b.rows) >= len(ro.rollouts))
 print("every call recorded its token ids and logprobs:", bool(ro.triplets.has_logprobs.all()))
 
 # %% [markdown]
