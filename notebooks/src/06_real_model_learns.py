@@ -31,7 +31,6 @@ from pathlib import Path
 
 import pandas as pd
 
-import agl_lab
 from agl_lab.replay import load_validation, validated_steps
 
 pd.set_option("display.width", 160)
