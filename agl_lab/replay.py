@@ -50,7 +50,7 @@ import numpy as np
 import pandas as pd
 
 from agl_lab.engines.base import Engine
-from agl_lab.records import CompletedRollout, completed_rollout_from_dict, completed_rollout_to_dict
+from agl_lab.records import CompletedRollout, completed_rollout_from_dict, completed_rollout_to_dict, sort_rollouts
 from agl_lab.results import BatchResult, UpdateResult
 
 FORMAT, VERSION = "agl_lab.recording", 1
@@ -121,11 +121,11 @@ class Recorder:
         return size
 
     def record_validation(self, step: int, rollouts: Sequence[CompletedRollout], metrics: Mapping[str, Any]) -> int:
-        """Write the validation rollouts of step `step`; returns the file's size (0 when off)."""
+        """Write the validation rollouts of step `step`, in task order; returns the file's size (0 when off)."""
         if not self.enabled:
             return 0
         doc = {"format": FORMAT, "version": VERSION, "step": step, "kind": "validation",
-               "rollouts": self._rollout_docs(rollouts), "metrics": _jsonable(dict(metrics))}
+               "rollouts": self._rollout_docs(sort_rollouts(rollouts)), "metrics": _jsonable(dict(metrics))}
         return self._write(validation_path(self.dir.parent, step), doc)
 
     def _rollout_docs(self, rollouts: Sequence[CompletedRollout]) -> list[dict[str, Any]]:

@@ -29,7 +29,6 @@ from agl_lab import config as config_mod
 from agl_lab import watch
 from agl_lab.data import TaskFeeder
 from agl_lab.logger import MetricsLogger, throughput_metrics
-from agl_lab.records import sort_rollouts
 from agl_lab.results import BatchResult, RolloutResult, UpdateResult
 
 logger = logging.getLogger(__name__)
@@ -329,9 +328,7 @@ class Trainer:
         last = self._last_step is not None and step_no >= self._last_step
         test_freq, save_freq = int(self.cfg.trainer.test_freq), int(self.cfg.trainer.save_freq)
         if test_freq > 0 and self.val_dataset and (last or step_no % test_freq == 0):
-            t1 = time.time()
             metrics.update(self.validate(step=step_no))
-            metrics["timing_s/validate"] = time.time() - t1
         if save_freq > 0 and (last or step_no % save_freq == 0):
             t1 = time.time()
             self.save_checkpoint()
@@ -359,9 +356,7 @@ class Trainer:
         self._last_step = total
         history: list[dict[str, Any]] = []
         if (self.cfg.trainer.val_before_train or self.cfg.trainer.val_only) and self.val_dataset:
-            t0 = time.time()
             val = self.validate(step=self.global_step)
-            val["timing_s/validate"] = time.time() - t0
             self.metrics_logger.log(self.global_step, val)
             history.append(val)
             if self.cfg.trainer.val_only:
@@ -393,24 +388,25 @@ class Trainer:
         return per_epoch * int(self.cfg.trainer.total_epochs)
 
     def validate(self, step: int | None = None) -> dict[str, Any]:
-        """One rollout per validation task at the gateway's val temperature; `val/*` metrics.
-        The rollouts are recorded (`agl_lab.replay.load_validation(run_dir, step)`).
-
-        `step` (default: the current step) is the step the W&B tables are logged under.
+        """One rollout per validation task at the gateway's val temperature; `val/*` metrics and
+        `timing_s/validate`. `step` (default: the current step) is the step the W&B tables and the
+        recording (`agl_lab.replay.load_validation(run_dir, step)`) are filed under.
         """
         from agl_lab.validation import build_validation
 
         self._check_open("validate()")
         if not self.val_dataset:
             raise ValueError("no validation tasks: set agl_lab.task.n_val > 0 or pass val_dataset")
+        t0 = time.time()
         repeat = int(self.cfg.actor_rollout_ref.rollout.val_kwargs.n)  # verl interleaves the copies
         tasks = [t for t in self.val_dataset for _ in range(max(repeat, 1))]
         ro = self.rollout(tasks, is_train=False)
         val = build_validation(ro.rollouts, float(self.cfg.agentlightning.reward_fillna_value), self.tokenizer)
         step = self.global_step if step is None else step
         self._log_tables(step, val, "validation")
-        metrics = {**val.metrics, **{k: v for k, v in ro.metrics.items() if k.startswith("training/async/proxy")}}
-        self.recorder.record_validation(step, sort_rollouts(ro.rollouts), metrics)
+        metrics = {**val.metrics, **{k: v for k, v in ro.metrics.items() if k.startswith("training/async/proxy")},
+                   "timing_s/validate": time.time() - t0}
+        self.recorder.record_validation(step, ro.rollouts, metrics)
         return metrics
 
     def dry_run(self, task: dict | None = None, *, show: bool = True):
