@@ -49,15 +49,16 @@ def test_running_rollout_without_a_runner_is_requeued_then_fails_after_max_attem
 
 
 def test_heartbeats_and_events_keep_a_rollout_alive(embedded_server, store_url):
-    server = embedded_server(key=KEY, default_proxy={"model_name": "m"}, store=store_url, lease_seconds=0.6)
+    # a lease 15 times the beat: a loaded CI machine once stalled this loop past a 0.6 s lease
+    server = embedded_server(key=KEY, default_proxy={"model_name": "m"}, store=store_url, lease_seconds=1.5)
     with AglClient(server.url, key=KEY) as client:
         client.create_rollouts([RolloutCreate(input={}, rollout_id=r) for r in ("hb", "ev")])
         for rid in ("hb", "ev"):
             client.patch_status(rid, state="running", last_attempt_id="0")
-        end = time.monotonic() + 2.0  # > 3 leases
+        end = time.monotonic() + 4.6  # > 3 leases
         while time.monotonic() < end:
             answer = client.heartbeat(["hb", "nope"])
-            assert answer == {"not_running": ["nope"], "lease_seconds": 0.6}
+            assert answer == {"not_running": ["nope"], "lease_seconds": 1.5}
             client.add_event("ev", "0", "tick", {})
             time.sleep(0.1)
         assert _state(client, "hb").state == "running" and _state(client, "ev").state == "running"
