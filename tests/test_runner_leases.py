@@ -65,10 +65,11 @@ def test_heartbeats_and_events_keep_a_rollout_alive(embedded_server, store_url):
 
 
 def test_runner_heartbeats_keep_long_quiet_agents_running(embedded_server):
-    server = embedded_server(key=KEY, default_proxy={"model_name": "m"}, lease_seconds=0.5)
+    # 1.5 s leases (the runner beats every 0.5 s): at 0.5 s a loaded CI machine once missed three in a row
+    server = embedded_server(key=KEY, default_proxy={"model_name": "m"}, lease_seconds=1.5)
 
     def quiet_agent(task, ctx):
-        time.sleep(2.0)  # four leases without an event or a model call
+        time.sleep(5.0)  # over three leases without an event or a model call
         return 1.0
 
     with AglClient(server.url, key=KEY) as client, Runner(server.url, key=KEY, agent=quiet_agent, poll_interval=0.02):
