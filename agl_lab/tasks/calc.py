@@ -116,8 +116,9 @@ def calculator(arguments: str) -> str:
 EXAMPLES = [*_worked_example("What is 3 + 4?", ["3 + 4"], "call_0"),
             *_worked_example("What is 6 * 9?", ["6 * 9"], "call_1")]
 # calc_chain: two two-step examples (the second call on the first call's result). Zero-shot SmolLM2 calls
-# the tool in ~41 % of rollouts but chains in almost none (right answers 3 % of 64); GRPO at LoRA lr 2e-4
-# learned the first call in ~5 steps and then sat at reward 0.2 (every group tied): a task for more steps.
+# the tool in ~41 % of rollouts but chains in almost none (right answers 3 % of 64, with these examples as
+# with one one-step + one two-step); with the latter, GRPO at LoRA lr 2e-4 learned the first call in ~5
+# steps and then sat at reward 0.2 (every group tied): a task for more steps.
 CHAIN_EXAMPLES = [*_worked_example("What is (3 + 4) * 2?", ["3 + 4", "7 * 2"], "call_0"),
                   *_worked_example("What is (6 * 9) - 5?", ["6 * 9", "54 - 5"], "call_1")]
 
