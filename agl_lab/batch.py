@@ -49,8 +49,8 @@ from agl_lab import padding
 from agl_lab.padding import pad_rows  # noqa: F401  (part of this module's API: rows -> arrays)
 from agl_lab.diagnose import KINDS, MergeBreak, common_prefix_len, decode_ids, diagnose_break
 from agl_lab.records import CompletedRollout, Triplet, sort_rollouts
+from agl_lab.rules import LEVELS, check_level  # noqa: F401 (re-export)
 
-LEVELS = ("transition", "trajectory")
 MISMATCH_TABLE_ROWS = 100  # merge breaks AGL v1 puts in its W&B table per batch (a metric counts them)
 TRACE_TEXT_LIMIT = 4000  # characters of a decoded trace kept per merge break
 
@@ -148,14 +148,6 @@ class BuiltBatch:
 
 
 # =========================================================================== rows per rollout
-
-
-def check_level(level: str) -> str:
-    """`level` if it is one of `LEVELS`; else ValueError naming the config key (config.py calls this too)."""
-    if level not in LEVELS:
-        raise ValueError(f"Unknown trace_aggregator_level: {level!r}; set agentlightning.trace_aggregator.level "
-                         f"to one of {list(LEVELS)}.")
-    return level
 
 
 def rollout_reward(rollout: CompletedRollout, reward_fillna_value: float) -> float:

@@ -23,16 +23,18 @@ from typing import Any, Iterable, Mapping
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from agl_lab.algorithms import (
+from agl_lab import rules
+from agl_lab.config_keys import ConfigWarning, check_values, user_keys, warn_ineffective  # noqa: F401 (re-export)
+from agl_lab.rules import (
     DIVISORS,
     DROP_ORDERS,
+    LEVELS,
     SMALL_BATCH_CHOICES,
     check_divisor,
     check_estimator,
+    check_level,
     check_selection_args,
 )
-from agl_lab.batch import LEVELS, check_level
-from agl_lab.config_keys import ConfigWarning, check_values, user_keys, warn_ineffective  # noqa: F401 (re-export)
 
 # ---------------------------------------------------------------------------------------------
 # Defaults
@@ -103,7 +105,7 @@ AGL_LAB_DEFAULTS: dict[str, Any] = {
             "path": None,  # None → the built-in tiny model (built from config, cached)
             "preset": None,  # e.g. smollm2-135m: a real model from PyPI (agl_lab/models.py), instead of path
             "device": None,  # None → cuda if available else cpu
-            "max_model_len": 1024,
+            "max_model_len": rules.MAX_MODEL_LEN,
             "warm_start_steps": 0,  # supervised warm start on the task's transcripts (tiny model)
         },
         "task": {"name": "lookup", "n_train": 256, "n_val": 32},  # name: built-in, registered or module:attr
@@ -148,7 +150,7 @@ AGL_LAB_DEFAULTS: dict[str, Any] = {
             "bf16_rewards": False,  # AGL stores token_level_scores in bfloat16
             "drop_order": "after_advantage",  # agl: AGL's row-level alignment before advantages
         },
-        "engine_options": {"batch_window_ms": 3, "max_batch_size": 64},
+        "engine_options": {"batch_window_ms": rules.BATCH_WINDOW_MS, "max_batch_size": rules.MAX_BATCH_SIZE},
         # every step's rollouts and results → run_dir/recording/ (agl_lab.replay: replay any step);
         # max_steps: keep the newest N (null: all); events: false leaves the raw events out
         "record": {"enabled": True, "max_steps": None, "events": True},
@@ -386,8 +388,7 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError("set agl_lab.model.path or agl_lab.model.preset, not both (the preset is a path)")
     _check_server_overrides(cfg)
     _check_hosts(cfg)
-    rc = cfg.algorithm.get("rollout_correction") or {}
-    if rc.get("bypass_mode") and not cfg.agl_lab.server.include_log_probs:
+    if rules.uses_bypass(cfg.algorithm.get("rollout_correction")) and not cfg.agl_lab.server.include_log_probs:
         raise ConfigError(
             "algorithm.rollout_correction.bypass_mode=true needs sampling logprobs: "
             "set agl_lab.server.include_log_probs=true"
@@ -435,7 +436,7 @@ def _check_learning_rules(cfg: DictConfig) -> None:
     mini = cfg.actor_rollout_ref.actor.ppo_mini_batch_size
     n = cfg.actor_rollout_ref.rollout.n
     max_updates = cfg.agentlightning.max_ppo_update_times
-    check_selection_args(int(mini or 0) * int(n), None if max_updates is None else int(max_updates),
+    check_selection_args(rules.mini_batch_rows(mini or 0, n), None if max_updates is None else int(max_updates),
                          small_batch=str(cfg.agl_lab.algorithm.small_batch))
 
 
@@ -543,6 +544,47 @@ def trace_limits(cfg: DictConfig, level: str | None = None) -> tuple[int, int]:
     if str(level or ta.level).startswith("trajectory"):
         return int(ta.trajectory_max_prompt_length), int(ta.trajectory_max_response_length)
     return int(cfg.data.max_prompt_length), int(cfg.data.max_response_length)
+
+
+# ---------------------------------------------------------------------------------------------
+# What each stage reads from the config (one owner: the Trainer, replay and what-if call these)
+# ---------------------------------------------------------------------------------------------
+
+
+def batch_options(cfg: DictConfig, level: str | None = None) -> dict[str, Any]:
+    """`agl_lab.batch.build_batch` keyword arguments from the composed config, for `level`
+    (default: `agentlightning.trace_aggregator.level`). The caller adds what the run has, not
+    the config: `tokenizer` and `pad_token_id`."""
+    agl = cfg.agentlightning
+    level = str(level or agl.trace_aggregator.level)
+    max_prompt, max_response = trace_limits(cfg, level)
+    return dict(level=level, max_prompt_length=max_prompt, max_response_length=max_response,
+                reward_fillna_value=float(agl.reward_fillna_value),
+                multi_segment=bool(agl.trace_aggregator.multi_segment),
+                exclude_failed=bool(cfg.agl_lab.algorithm.exclude_failed_rollouts))
+
+
+def update_options(cfg: DictConfig) -> dict[str, Any]:
+    """`agl_lab.algorithms.prepare_update_batch` keyword arguments from the composed config."""
+    actor, algo = cfg.actor_rollout_ref.actor, cfg.algorithm
+    n = int(cfg.actor_rollout_ref.rollout.n)
+    max_updates = cfg.agentlightning.max_ppo_update_times
+    return dict(
+        mini_batch_rows=rules.mini_batch_rows(actor.ppo_mini_batch_size, n),
+        adv_estimator=str(algo.adv_estimator),
+        gamma=float(algo.gamma),
+        lam=float(algo.lam),
+        num_repeat=n,
+        norm_adv_by_std_in_grpo=bool(algo.norm_adv_by_std_in_grpo),
+        rollout_level_advantage=bool(algo.enable_rollout_level_advantage),
+        algo_config=algo,
+        max_ppo_update_times=None if max_updates is None else int(max_updates),
+        small_batch=str(cfg.agl_lab.algorithm.small_batch),
+        loss_mode=str(actor.policy_loss.loss_mode),
+        divisor=str(cfg.agl_lab.algorithm.normalize_by),
+        drop_order=str(cfg.agl_lab.parity.drop_order),
+        bf16_rewards=bool(cfg.agl_lab.parity.bf16_rewards),
+    )
 
 
 def as_listconfig_free(value: Any) -> Any:

@@ -9,22 +9,22 @@
       hooks      RolloutHooks from `agentlightning.hooks` (on_startup has run), or None
 
 Per rollout phase the Trainer opens the gateway with `serving(engine)`: the engine's endpoints
-are registered under its current policy version, the engine serves, the gateway (async mode)
-admits calls again; when the phase ends, sync mode aborts stray generations and async mode
-pauses the gateway and waits, bounded, until no proxied call is in flight. `close()` stops
-the pieces in reverse order of their start.
+are registered under its current policy version, then `agl_lab.phases.rollout_phase` runs the
+phase (serve; sync mode aborts stray generations at the end, async mode pauses the gateway and
+drains it, bounded), also when the collection raises. `close()` stops the pieces in reverse
+order of their start.
 """
 
 from __future__ import annotations
 
 import contextlib
 import secrets
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from agl_lab import config as config_mod
+from agl_lab.phases import rollout_phase
 
 
 class Execution:
@@ -107,42 +107,21 @@ class Execution:
 
     @contextlib.contextmanager
     def serving(self, engine: Any, *, drain: bool, reason: str) -> Iterator[dict[str, Any]]:
-        """One rollout phase: register → serve → (the caller collects rollouts) → abort or drain.
+        """One rollout phase (`phases.rollout_phase`) with the engine's endpoints registered first.
 
         Yields the phase's metrics dict; after a phase that ended normally it holds
-        `training/n_aborted_generations` (sync) or the gateway's drain figures (async).
+        `training/n_aborted_generations` (sync) or the gateway's drain figures (async). A
+        collection that raises still aborts or drains, and leaves the engine serving.
         """
         from agl_lab.protocol import Model
 
-        metrics: dict[str, Any] = {}
         self.client.delete_models()  # stale endpoints (a previous engine, an earlier run) go first
         self.client.register_models([
             Model(model=engine.model_name, endpoint=ep, version=engine.policy_version)
             for ep in engine.endpoints()])
-        engine.resume()
-        if drain:
-            self.client.resume()
-        yield metrics
-        if drain:
-            metrics.update(self.pause_and_drain(reason))
-        else:
-            metrics["training/n_aborted_generations"] = engine.abort()
-
-    def pause_and_drain(self, reason: str) -> dict[str, float]:
-        """Pause the gateway and wait (bounded) until no proxied call is in flight."""
-        t0 = time.time()
-        timeout = float(self.cfg.agl_lab.rollout.drain_timeout_seconds)
-        state = self.client.pause(reason=reason, retry_after_seconds=5)
-        inflight_at_pause = state.inflight
-        while state.inflight > 0:
-            if time.time() > t0 + timeout:
-                raise TimeoutError(
-                    f"gateway still has {state.inflight} calls in flight after {timeout} s of draining; "
-                    "raise agl_lab.rollout.drain_timeout_seconds or check the engine")
-            time.sleep(0.05)
-            state = self.client.proxy_state()
-        return {"training/async/proxy_inflight_at_pause": inflight_at_pause,
-                "training/async/proxy_drain_seconds": time.time() - t0}
+        with rollout_phase(engine, self.client, drain=drain, reason=reason,
+                           drain_timeout=float(self.cfg.agl_lab.rollout.drain_timeout_seconds)) as metrics:
+            yield metrics
 
     def close(self) -> None:
         """Stop runner, client and server (reverse start order). Idempotent; never raises."""

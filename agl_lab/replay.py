@@ -1,28 +1,6 @@
-"""Record every training step; replay any step on a laptop, with no engine, server or agent.
+"""Replay any recorded step on a laptop, with no engine, server or agent.
 
-Recording (on by default, `agl_lab.record.*`): after each `Trainer.step()` the step's completed
-rollouts and what the step made of them are written to `RUN_DIR/recording/step_NNNNNN.json.gz`
-(N = the step as logged in metrics.jsonl). The format is gzip-compressed JSON, one document per
-step — readable with `zcat | python -m json.tool`, no schema library, floats exact (Python's
-float repr round-trips, so token logprobs and rewards come back to the bit), and token-id lists
-compress ~5-10× under gzip:
-
-    {"format": "agl_lab.recording", "version": 1,
-     "step": N, "batch_step": N - 1,                   # the logged step; the step the batch was built at
-     "policy_version": int,                            # weights that served the step's calls
-     "seed": int, "rng": {python, numpy, torch},       # RNG states at the start of the step
-     "pad_token_id": int,                              # what build_batch padded with
-     "rollouts": [CompletedRollout as a dict, ...],    # token ids, logprobs, rewards, events, times
-     "metrics": {...},                                 # the step's logged metrics
-     "weights": [...], "dropped": [...]}               # UpdateResult.weights / .dropped as records
-
-Each validation (`Trainer.validate`, so also `val_before_train` and `test_freq`) writes its
-rollouts to `RUN_DIR/recording/validation_NNNNNN.json.gz` (N = the step it validated; same
-rollout dicts, no batch): the same validation tasks before and after training, transcript by
-transcript (`load_validation`, `agl_lab.transcript.format_transcript`).
-
-`recording/bytes` (the file's size) is a step metric. `agl_lab.record.events: false` leaves the
-raw events out (the triplets stay); `agl_lab.record.max_steps: K` keeps the newest K files.
+The recordings are written by `agl_lab.recording` (its docstring gives the format).
 
 Replay: `replay_step(run_dir, step)` (also `Trainer.replay` and `agl-lab replay RUN_DIR --step N`)
 rebuilds the step's batch, advantages, selection and loss weights from the recording with the
@@ -36,10 +14,7 @@ differences as DataFrames and a plot.
 
 from __future__ import annotations
 
-import base64
 import contextlib
-import gzip
-import json
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -50,192 +25,22 @@ import numpy as np
 import pandas as pd
 
 from agl_lab.engines.base import Engine
-from agl_lab.records import CompletedRollout, completed_rollout_from_dict, completed_rollout_to_dict, sort_rollouts
+from agl_lab.recording import (  # noqa: F401 (re-export: notebooks read recordings through agl_lab.replay)
+    DIRNAME,
+    Recorder,
+    Recording,
+    frame_records,
+    jsonable,
+    load_recording,
+    load_validation,
+    recorded_steps,
+    rng_from_json,
+    validated_steps,
+)
 from agl_lab.results import BatchResult, UpdateResult
 
-FORMAT, VERSION = "agl_lab.recording", 1
-DIRNAME = "recording"
 # not compared: wall-clock figures, the recording's own size, and the version the engine's sync made
 _EXACT_SKIP = ("timing", "perf/", "recording/", "training/policy_version")
-
-
-def step_path(run_dir: str | Path, step: int) -> Path:
-    return Path(run_dir) / DIRNAME / f"step_{step:06d}.json.gz"
-
-
-def validation_path(run_dir: str | Path, step: int) -> Path:
-    return Path(run_dir) / DIRNAME / f"validation_{step:06d}.json.gz"
-
-
-def validated_steps(run_dir: str | Path) -> list[int]:
-    """The steps whose validation rollouts are recorded under `run_dir`, in order."""
-    return sorted(int(p.name[11:17]) for p in (Path(run_dir) / DIRNAME).glob("validation_*.json.gz"))
-
-
-def load_validation(run_dir: str | Path, step: int) -> list[CompletedRollout]:
-    """The validation rollouts recorded at step `step` (0: before training), in task order."""
-    path = validation_path(run_dir, step)
-    if not path.exists():
-        raise FileNotFoundError(f"no validation recorded at step {step} in {path.parent} "
-                                f"(recorded: {validated_steps(run_dir) or 'none'})")
-    with gzip.open(path, "rt") as f:
-        doc = json.load(f)
-    return [completed_rollout_from_dict(d) for d in doc["rollouts"]]
-
-
-def recorded_steps(run_dir: str | Path) -> list[int]:
-    """The steps recorded under `run_dir`, in order."""
-    return sorted(int(p.name[5:11]) for p in (Path(run_dir) / DIRNAME).glob("step_*.json.gz"))
-
-
-# ---------------------------------------------------------------------------------------------
-# Recording
-# ---------------------------------------------------------------------------------------------
-
-
-class Recorder:
-    """Writes one recording per step into `run_dir/recording/` (see the module docstring)."""
-
-    def __init__(self, run_dir: str | Path, options: Mapping[str, Any]):
-        """`options`: `agl_lab.record` (its types and range are checked when the config loads)."""
-        self.enabled = bool(options.get("enabled", True))
-        self.events = bool(options.get("events", True))
-        max_steps = options.get("max_steps")
-        self.max_steps = None if max_steps is None else int(max_steps)
-        self.dir = Path(run_dir) / DIRNAME
-
-    def record(self, step: int, *, batch_step: int, rollouts: Sequence[CompletedRollout], metrics: Mapping[str, Any],
-               update: UpdateResult, policy_version: int | None, seed: int, rng: Mapping[str, Any],
-               pad_token_id: int) -> int:
-        """Write step `step`'s recording; returns its size in bytes (0 when recording is off)."""
-        if not self.enabled:
-            return 0
-        doc = {"format": FORMAT, "version": VERSION, "step": step, "batch_step": batch_step,
-               "policy_version": policy_version, "seed": seed, "rng": _rng_to_json(rng),
-               "pad_token_id": pad_token_id, "rollouts": self._rollout_docs(rollouts),
-               "metrics": _jsonable(dict(metrics)),
-               "weights": _frame_records(update.weights), "dropped": _frame_records(update.dropped)}
-        size = self._write(step_path(self.dir.parent, step), doc)
-        if self.max_steps is not None:
-            self._remove(recorded_steps(self.dir.parent)[:-self.max_steps])
-        return size
-
-    def record_validation(self, step: int, rollouts: Sequence[CompletedRollout], metrics: Mapping[str, Any]) -> int:
-        """Write the validation rollouts of step `step`, in task order; returns the file's size (0 when off)."""
-        if not self.enabled:
-            return 0
-        doc = {"format": FORMAT, "version": VERSION, "step": step, "kind": "validation",
-               "rollouts": self._rollout_docs(sort_rollouts(rollouts)), "metrics": _jsonable(dict(metrics))}
-        return self._write(validation_path(self.dir.parent, step), doc)
-
-    def _rollout_docs(self, rollouts: Sequence[CompletedRollout]) -> list[dict[str, Any]]:
-        docs = [completed_rollout_to_dict(r) for r in rollouts]
-        if not self.events:
-            for d in docs:
-                d["events"] = []
-        return docs
-
-    def _write(self, path: Path, doc: Mapping[str, Any]) -> int:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.dir / f".{path.name}.tmp"
-        with gzip.open(tmp, "wt", compresslevel=6) as f:
-            json.dump(doc, f, separators=(",", ":"), allow_nan=True)
-        tmp.replace(path)  # a killed write never leaves a half recording under the real name
-        return path.stat().st_size
-
-    def drop_after(self, step: int) -> int:
-        """Remove the recordings of steps after `step` (a resume redoes them); returns how many."""
-        for s in validated_steps(self.dir.parent):
-            if s > step:
-                validation_path(self.dir.parent, s).unlink(missing_ok=True)
-        return self._remove([s for s in recorded_steps(self.dir.parent) if s > step])
-
-    def _remove(self, steps: Sequence[int]) -> int:
-        for s in steps:
-            step_path(self.dir.parent, s).unlink(missing_ok=True)
-        return len(steps)
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, np.generic):
-        return value.item()
-    if hasattr(value, "item") and getattr(value, "ndim", None) == 0:  # a 0-d tensor
-        return value.item()
-    return value
-
-
-def _frame_records(frame: pd.DataFrame) -> list[dict[str, Any]]:
-    return _jsonable(frame.to_dict(orient="records")) if frame is not None and not frame.empty else []
-
-
-def _rng_to_json(state: Mapping[str, Any]) -> dict[str, Any]:
-    """`checkpoints.rng_state()` as JSON: python's tuple, numpy's MT19937 state, torch's bytes."""
-    version, internal, gauss = state["python"]
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    return {"python": [version, list(internal), gauss],
-            "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
-            "torch": base64.b64encode(state["torch"].numpy().tobytes()).decode()}
-
-
-def rng_from_json(doc: Mapping[str, Any]) -> dict[str, Any]:
-    """Inverse of `_rng_to_json`: a state `checkpoints.set_rng_state` accepts."""
-    import torch
-
-    version, internal, gauss = doc["python"]
-    name, keys, pos, has_gauss, cached = doc["numpy"]
-    raw = np.frombuffer(base64.b64decode(doc["torch"]), dtype=np.uint8).copy()
-    return {"python": (version, tuple(internal), gauss),
-            "numpy": (name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached),
-            "torch": torch.from_numpy(raw)}
-
-
-# ---------------------------------------------------------------------------------------------
-# Reading a recording
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Recording:
-    """One recorded step, as written by `Recorder.record`."""
-
-    step: int
-    batch_step: int
-    policy_version: int | None
-    seed: int
-    rng: dict[str, Any]
-    pad_token_id: int
-    rollouts: list[CompletedRollout]
-    metrics: dict[str, Any]
-    weights: pd.DataFrame
-    dropped: pd.DataFrame
-    path: Path
-
-
-def load_recording(run_dir: str | Path, step: int) -> Recording:
-    """The recording of `step` under `run_dir`; FileNotFoundError naming the recorded steps."""
-    path = step_path(run_dir, step)
-    if not path.exists():
-        steps = recorded_steps(run_dir)
-        raise FileNotFoundError(
-            f"no recording of step {step} in {Path(run_dir) / DIRNAME}: recorded steps are "
-            f"{_span(steps) if steps else 'none'} (recording is agl_lab.record.enabled, on by default)")
-    with gzip.open(path, "rt") as f:
-        doc = json.load(f)
-    if doc.get("format") != FORMAT or doc.get("version") != VERSION:
-        raise ValueError(f"{path} is not an agl_lab recording of version {VERSION} "
-                         f"(format {doc.get('format')!r}, version {doc.get('version')!r})")
-    return Recording(step=doc["step"], batch_step=doc["batch_step"], policy_version=doc["policy_version"],
-                     seed=doc["seed"], rng=doc["rng"], pad_token_id=doc["pad_token_id"],
-                     rollouts=[completed_rollout_from_dict(r) for r in doc["rollouts"]], metrics=doc["metrics"],
-                     weights=pd.DataFrame(doc["weights"]), dropped=pd.DataFrame(doc["dropped"]), path=path)
-
-
-def _span(steps: list[int]) -> str:
-    return f"{steps[0]}..{steps[-1]}" if len(steps) > 3 else ", ".join(map(str, steps))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -308,7 +113,7 @@ def replay_step(run_dir: str | Path, step: int, overrides: Sequence[str] = (), *
     the tokens around a merge break, which its classification needs (retokenization vs other).
     """
     from agl_lab.batch import build_batch
-    from agl_lab.config import load_saved_config, trace_limits
+    from agl_lab.config import batch_options, load_saved_config
     from agl_lab.update import run_update
 
     rec = load_recording(run_dir, step)
@@ -318,13 +123,7 @@ def replay_step(run_dir: str | Path, step: int, overrides: Sequence[str] = (), *
         from agl_lab.models import resolve_model_path
 
         tokenizer = load_tokenizer(model_path=resolve_model_path(cfg.agl_lab.model))
-    agl = cfg.agentlightning
-    level = str(agl.trace_aggregator.level)
-    max_prompt, max_response = trace_limits(cfg, level)
-    built = build_batch(rec.rollouts, level=level, max_prompt_length=max_prompt, max_response_length=max_response,
-                        pad_token_id=rec.pad_token_id, reward_fillna_value=float(agl.reward_fillna_value),
-                        tokenizer=tokenizer, multi_segment=bool(agl.trace_aggregator.multi_segment),
-                        exclude_failed=bool(cfg.agl_lab.algorithm.exclude_failed_rollouts))
+    built = build_batch(rec.rollouts, **batch_options(cfg), pad_token_id=rec.pad_token_id, tokenizer=tokenizer)
     batch = BatchResult(built, step=rec.batch_step, tokenizer=tokenizer)
     with _quiet_update_log():  # the run already warned about this step (alignment, skips)
         update = run_update(cfg, _NoEngine(rec.policy_version), batch, step=rec.batch_step)
@@ -353,15 +152,15 @@ def _same(a: Any, b: Any) -> bool:
 
 def _compare(recorded: Mapping[str, Any], replayed: Mapping[str, Any]) -> pd.DataFrame:
     keys = sorted(k for k in set(recorded) & set(replayed) if not k.startswith(_EXACT_SKIP))
-    rows = [{"metric": k, "recorded": recorded[k], "replayed": _jsonable(replayed[k]),
-             "equal": _same(recorded[k], _jsonable(replayed[k]))} for k in keys]
+    rows = [{"metric": k, "recorded": recorded[k], "replayed": jsonable(replayed[k]),
+             "equal": _same(recorded[k], jsonable(replayed[k]))} for k in keys]
     return pd.DataFrame(rows, columns=["metric", "recorded", "replayed", "equal"])
 
 
 def _frames_equal(recorded: pd.DataFrame, replayed: pd.DataFrame) -> bool:
     if recorded.empty or replayed.empty:
         return recorded.empty and replayed.empty
-    again = pd.DataFrame(_frame_records(replayed))  # through JSON, as the recording went
+    again = pd.DataFrame(frame_records(replayed))  # through JSON, as the recording went
     if list(again.columns) != list(recorded.columns) or len(again) != len(recorded):
         return False
     return all(_same(a, b) for col in recorded.columns for a, b in zip(recorded[col], again[col]))
@@ -498,7 +297,7 @@ def what_if(run_dir: str | Path, step: int, overrides: Sequence[str]) -> WhatIf:
     for key in sorted(set(a) | set(b)):
         if key.startswith(_EXACT_SKIP):
             continue
-        va, vb = _jsonable(a.get(key)), _jsonable(b.get(key))
+        va, vb = jsonable(a.get(key)), jsonable(b.get(key))
         if not _same(va, vb):
             num = isinstance(va, (int, float)) and isinstance(vb, (int, float))
             moved.append({"metric": key, "base": va, "alt": vb, "delta": (vb - va) if num else None})

@@ -68,14 +68,14 @@ class Trainer:
            d. the managers follow the store's terminal log (`client:AglClient.poll_terminal`) and
               turn each finished rollout's events into triplets
               (`records:events_to_completed_rollout`).
-           e. the phase ends: sync mode aborts stray generations (`engine.abort()`), async mode
-              pauses the gateway and drains it (`execution:Execution.pause_and_drain`).
+           e. the phase ends (`phases:rollout_phase`, also when collecting raises): sync mode aborts
+              stray generations (`engine.abort()`), async mode drains the gateway (`phases:drain_gateway`).
         2. `build_batch()`: `batch:build_batch` merges each rollout's triplets into rows by exact
            token prefix (`batch:plan_rows`; a mismatch is a merge break, `diagnose` explains it),
            masks observations out of the loss, pads (`padding:pad_rows`) and emits a DataProto.
         3. `update()`: `update:run_update`
            a. `algorithms.selection:skip_reason` decides from row counts whether the step trains;
-           b. `engine.pause()`, then `engine.prepare(batch)`: old logprobs (+ ref/KL/IS on verl);
+           b. `engine.pause()` (`phases:update_phase`), then `engine.prepare(batch)`: old logprobs (+ ref/KL/IS on verl);
            c. `algorithms.pipeline:prepare_update_batch`: marked rows dropped, one advantage per
               rollout (`algorithms.advantage:compute_advantages`), whole mini-batches with
               zero-advantage groups dropped first (`algorithms.selection:select_for_update`),
@@ -140,9 +140,9 @@ class Trainer:
         self.metrics_logger = MetricsLogger.for_run(cfg, self.run_dir, console=console)  # trainer.logger
         self._closers.append(self.metrics_logger.close)
         OmegaConf.save(config_mod.redact_secrets(cfg), self.run_dir / "config.yaml")  # asked for, less secrets
-        from agl_lab.replay import Recorder
+        from agl_lab.recording import Recorder
 
-        self.recorder = Recorder(self.run_dir, lab.record)  # every step, replayable (agl_lab.replay)
+        self.recorder = Recorder(self.run_dir, lab.record)  # every step, replayable (agl_lab.recording, agl_lab.replay)
         self.async_manager = None
         if self.is_async:
             from agl_lab.rollout import AsyncRolloutManager
@@ -249,13 +249,8 @@ class Trainer:
         from agl_lab.batch import build_batch
 
         rollout = rollout or self._require(self._last_rollout, "trainer.rollout()")
-        agl = self.cfg.agentlightning
-        level = options.pop("level", str(agl.trace_aggregator.level))
-        max_prompt, max_response = config_mod.trace_limits(self.cfg, level)
-        kwargs = dict(level=level, max_prompt_length=max_prompt, max_response_length=max_response,
-                      pad_token_id=self._pad_token_id(), reward_fillna_value=float(agl.reward_fillna_value),
-                      tokenizer=self.tokenizer, multi_segment=bool(agl.trace_aggregator.multi_segment),
-                      exclude_failed=bool(self.cfg.agl_lab.algorithm.exclude_failed_rollouts))
+        kwargs = dict(config_mod.batch_options(self.cfg, options.pop("level", None)),
+                      pad_token_id=self._pad_token_id(), tokenizer=self.tokenizer)
         kwargs.update(options)
         result = BatchResult(build_batch(rollout.rollouts, **kwargs), step=rollout.step, tokenizer=self.tokenizer)
         if rollout is self._last_rollout:
@@ -390,7 +385,7 @@ class Trainer:
     def validate(self, step: int | None = None) -> dict[str, Any]:
         """One rollout per validation task at the gateway's val temperature; `val/*` metrics and
         `timing_s/validate`. `step` (default: the current step) is the step the W&B tables and the
-        recording (`agl_lab.replay.load_validation(run_dir, step)`) are filed under.
+        recording (`agl_lab.recording.load_validation(run_dir, step)`) are filed under.
         """
         from agl_lab.validation import build_validation
 

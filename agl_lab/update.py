@@ -1,19 +1,19 @@
 """Stage 3 of a step, engine-agnostic: from a built batch to new serving weights, in one line.
 
     skip decision (row counts only)          selection.skip_reason
-    → engine.pause(timeout)                  no generation crosses the update
+    → engine.pause(timeout)                  no generation crosses the update (phases.update_phase)
     → engine.prepare(batch)                  old logprobs (verl: + ref, values, KL, IS weights)
     → advantage → selection → normalisation  agl_lab.algorithms.prepare_update_batch
     → engine.update(batch)                   PPO epochs
     → engine.sync_weights()                  policy_version += 1
-    → engine.resume()                        always: in the `finally`, after a skip or an error too
+    → engine.resume()                        always: after a skip or an error too (phases.update_phase)
 
 Whether a step trains depends on row counts alone, so it is decided first, once, before the
 engine stops serving (verl would sleep its replicas, recompute logprobs and push the same
 weights back for nothing). A skipped step makes no training call (only the closing `resume`)
 and is reported once: the metric `training/skipped_steps` = 1 and one warning on this module's
-logger. Selection runs once, inside `prepare_update_batch`. The engine is paused and resumed
-here, in one `try`/`finally`, so neither a skip nor an error inside the update leaves it paused.
+logger. Selection runs once, inside `prepare_update_batch`. The engine is paused and resumed by
+`agl_lab.phases.update_phase`, so neither a skip nor an error inside the update leaves it paused.
 """
 
 from __future__ import annotations
@@ -33,35 +33,14 @@ from agl_lab.algorithms import (
     skip_reason,
     skipped_step,
 )
+from agl_lab.config import update_options
 from agl_lab.engines.base import Engine, check_batch, logprob_gap
+from agl_lab.phases import update_phase
 from agl_lab.results import BatchResult, UpdateResult
 
 logger = logging.getLogger(__name__)
 
 _DROP_COLUMNS = ["rollout_id", "data_id", "rows", "reason"]
-
-
-def update_options(cfg) -> dict[str, Any]:
-    """`prepare_update_batch` keyword arguments from the composed config."""
-    actor, algo = cfg.actor_rollout_ref.actor, cfg.algorithm
-    n = int(cfg.actor_rollout_ref.rollout.n)
-    max_updates = cfg.agentlightning.max_ppo_update_times
-    return dict(
-        mini_batch_rows=int(actor.ppo_mini_batch_size) * n,  # verl counts mini-batches in tasks
-        adv_estimator=str(algo.adv_estimator),
-        gamma=float(algo.gamma),
-        lam=float(algo.lam),
-        num_repeat=n,
-        norm_adv_by_std_in_grpo=bool(algo.norm_adv_by_std_in_grpo),
-        rollout_level_advantage=bool(algo.enable_rollout_level_advantage),
-        algo_config=algo,
-        max_ppo_update_times=None if max_updates is None else int(max_updates),
-        small_batch=str(cfg.agl_lab.algorithm.small_batch),
-        loss_mode=str(actor.policy_loss.loss_mode),
-        divisor=str(cfg.agl_lab.algorithm.normalize_by),
-        drop_order=str(cfg.agl_lab.parity.drop_order),
-        bf16_rewards=bool(cfg.agl_lab.parity.bf16_rewards),
-    )
 
 
 def run_update(cfg, engine: Engine, batch: BatchResult, *, step: int) -> UpdateResult:
@@ -73,10 +52,10 @@ def run_update(cfg, engine: Engine, batch: BatchResult, *, step: int) -> UpdateR
     small_batch = "skip" if opts["drop_order"] == "agl" else opts["small_batch"]  # AGL skips a small batch
     reason = skip_reason(int((~marked_rows(data)).sum()), opts["mini_batch_rows"], small_batch)
     metrics: dict[str, Any] = {}
-    try:  # whatever happens below, the step ends with the engine serving (resume)
+    # the engine serves again after this block: with the new weights, or the old ones after a skip or an error
+    with update_phase(engine, timeout=float(cfg.agl_lab.rollout.drain_timeout_seconds), pause=reason is None):
         if reason is not None:
             return _skipped(step, data, reason, engine)
-        engine.pause(float(cfg.agl_lab.rollout.drain_timeout_seconds))
         with _timed(metrics, "old_log_prob"):  # verl: old/ref logprobs, values, KL-in-reward, IS weights
             data, prep_metrics = engine.prepare(data)
         metrics.update(prep_metrics)
@@ -92,10 +71,6 @@ def run_update(cfg, engine: Engine, batch: BatchResult, *, step: int) -> UpdateR
             metrics.update(engine.update(prepared))
         with _timed(metrics, "update_weights"):
             engine.sync_weights()
-    finally:
-        # serve again: with the new weights, or the old ones after a skip or an error (verl's abort
-        # at the end of a sync rollout phase leaves its replicas paused until this resume)
-        engine.resume()
     metrics["training/policy_version"] = engine.policy_version
     if "attention_mask" in prepared.batch.keys():  # verl: tokens of the trained batch
         metrics["perf/total_num_tokens"] = int(prepared.batch["attention_mask"].sum())

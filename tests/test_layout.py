@@ -23,11 +23,11 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "agl_lab"
-PURE_CORE = ["agl_lab.records", "agl_lab.learnable", "agl_lab.batch", "agl_lab.padding", "agl_lab.validation", "agl_lab.views", "agl_lab.diagnose", "agl_lab.algorithms"]
+PURE_CORE = ["agl_lab.rules", "agl_lab.phases", "agl_lab.records", "agl_lab.learnable", "agl_lab.batch", "agl_lab.padding", "agl_lab.validation", "agl_lab.views", "agl_lab.diagnose", "agl_lab.algorithms"]
 IO_PARTS = ["agl_lab.client", "agl_lab.server", "agl_lab.runner", "agl_lab.engines", "agl_lab.trainer",
             "agl_lab.rollout"]
 WEB_STACK = ["aiohttp", "fastapi", "uvicorn"]
-CORE_FILES = ["records.py", "learnable.py", "batch.py", "padding.py", "validation.py", "diagnose.py", "views.py", "update.py", "results.py",
+CORE_FILES = ["rules.py", "phases.py", "records.py", "learnable.py", "batch.py", "padding.py", "validation.py", "diagnose.py", "views.py", "update.py", "results.py",
               "algorithms/__init__.py", "algorithms/advantage.py", "algorithms/loss.py",
               "algorithms/selection.py", "algorithms/pipeline.py", "engines/local_ppo.py"]
 PACKAGES = {  # package → the modules it holds (ARCHITECTURE.md's layout)

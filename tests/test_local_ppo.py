@@ -129,11 +129,11 @@ def test_old_log_probs_recomputed_and_in_bypass_mode(base):
     torch.testing.assert_close(sampling_log_probs(data), data.batch["rollout_log_probs"])
     missing = copy.deepcopy(data)
     missing.batch.pop("rollout_log_probs")
-    with pytest.raises(RuntimeError, match="bypass_mode requires rollout_log_probs in batch"):
+    with pytest.raises(RuntimeError, match="bypass_mode=true needs rollout_log_probs in the batch"):
         sampling_log_probs(missing)
     bad = copy.deepcopy(data)
     bad.batch["rollout_log_probs"][0, 0] = float("nan")
-    with pytest.raises(RuntimeError, match="bypass_mode requires finite rollout_log_probs everywhere"):
+    with pytest.raises(RuntimeError, match="bypass_mode needs finite rollout_log_probs everywhere"):
         sampling_log_probs(bad)
 
 

@@ -8,6 +8,9 @@ the improvement (the rollouts divisor).
 from __future__ import annotations
 
 import importlib
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -77,16 +80,20 @@ def test_one_merged_row_equals_its_transition_rows_under_rollouts_divisor():
     assert _mass(r_m, merged, [0]) == pytest.approx(1.0) and _mass(r_s, split, [0, 1]) == pytest.approx(2 / 3)
 
 
-def test_loss_is_registered():  # AGL parity
-    assert "per_rollout_mean" in core_algos.POLICY_LOSS_REGISTRY
-    assert core_algos.get_policy_loss_fn("per_rollout_mean") is alg.compute_policy_loss_per_rollout_mean
+def test_importing_registers_nothing_register_loss_does():  # AGL parity: the name verl's actor looks up
+    code = ("import sys\nimport agl_lab.algorithms as alg\nfrom verl.trainer.ppo import core_algos\n"
+            "before = 'per_rollout_mean' in core_algos.POLICY_LOSS_REGISTRY\nalg.register_loss()\n"
+            "print(before, core_algos.get_policy_loss_fn('per_rollout_mean') is alg.compute_policy_loss_per_rollout_mean)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.split()[-2:] == ["False", "True"]
 
 
 def test_reimport_keeps_one_registered_loss():
     mod = importlib.reload(loss_module)
+    mod.register_loss()  # replaces the function of the module's earlier import, no warning
     assert core_algos.get_policy_loss_fn("per_rollout_mean") is mod.compute_policy_loss_per_rollout_mean
     mod.register_in_worker()  # the Ray hook re-registers the same function: no change
-    mod._register_loss()
     assert core_algos.get_policy_loss_fn("per_rollout_mean") is mod.compute_policy_loss_per_rollout_mean
     # the package re-exports the reloaded function (so later tests see one registered loss)
     assert importlib.reload(alg).compute_policy_loss_per_rollout_mean is mod.compute_policy_loss_per_rollout_mean

@@ -20,16 +20,8 @@ import torch
 
 from agl_lab import checkpoints
 from agl_lab.config import ConfigError
-from agl_lab.replay import (
-    Recorder,
-    load_recording,
-    recorded_steps,
-    replay_main,
-    replay_step,
-    rng_from_json,
-    step_path,
-    what_if,
-)
+from agl_lab.recording import Recorder, load_recording, recorded_steps, rng_from_json, step_path
+from agl_lab.replay import replay_main, replay_step, what_if
 
 CASSETTE = Path(__file__).parent / "fixtures" / "cassette"
 SMALL = ["data.train_batch_size=4", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=3",
@@ -210,7 +202,7 @@ def test_a_bad_max_steps_fails_at_load_naming_the_key(bad):
 def test_rng_states_round_trip_through_json():
     random.seed(3), np.random.seed(4), torch.manual_seed(5)
     state = checkpoints.rng_state()
-    from agl_lab.replay import _rng_to_json
+    from agl_lab.recording import _rng_to_json
 
     doc = json.loads(json.dumps(_rng_to_json(state)))
     draws = (random.random(), np.random.rand(), torch.rand(1).item())

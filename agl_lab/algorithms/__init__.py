@@ -21,9 +21,11 @@ learning side must make every rollout count once, however many rows it produced:
 
 `prepare_update_batch` (`pipeline.py`) chains them in that order. Every function is pure: DataProto /
 tensors in, `(result, metrics)` out (the tensor-valued `normalize_advantages_by_rollout`
-returns just the tensor, like upstream). Importing this package registers `per_rollout_mean`
-in verl's policy-loss registry, so a Ray worker only needs the setup hook
-`agl_lab.algorithms.register_in_worker`.
+returns just the tensor, like upstream). `register_loss()` puts `per_rollout_mean` in verl's
+policy-loss registry (the engines call it when they are built; a Ray worker through the setup
+hook `agl_lab.algorithms.register_in_worker`). The accepted values and checks of the learning
+keys live in the pure-Python `agl_lab.rules` (re-exported here), so `agl_lab.config` needs none
+of this package.
 
 The batch keys they read and write (`response_mask`, `token_level_scores/rewards`,
 `advantages`, `returns`, `rollout_advantages`, `is_drop_mask`, `rollout_id_list`, `uid` /
@@ -54,6 +56,7 @@ from agl_lab.algorithms.loss import (
     normalize_advantages_by_rollout,
     normalize_batch,
     register_in_worker,
+    register_loss,
     rollout_weights_table,
 )
 from agl_lab.algorithms.pipeline import DROP_ORDERS, prepare_update_batch
@@ -75,7 +78,7 @@ __all__ = [
     "TOKEN_LEVEL_ESTIMATORS", "check_divisor", "check_estimator", "check_selection_args",
     "compute_advantages", "compute_policy_loss_per_rollout_mean", "compute_rollout_level_advantage",
     "drop_marked_rows", "fill_reward_defaults", "group_keys", "group_metrics", "marked_rows",
-    "normalize_advantages_by_rollout", "normalize_batch", "prepare_update_batch", "register_in_worker",
+    "normalize_advantages_by_rollout", "normalize_batch", "prepare_update_batch", "register_in_worker", "register_loss",
     "rollout_ids", "rollout_index", "rollout_weights_table", "row_scores", "select_for_update", "skip_reason",
     "skipped_step", "target_rows", "zero_advantage_groups",
 ]

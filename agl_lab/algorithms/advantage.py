@@ -22,9 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-#: estimators whose advantages vary along the tokens of a row: nothing scalar to broadcast
-TOKEN_LEVEL_ESTIMATORS = ("gae", "optimal_token_baseline", "tir_optimal_token_baseline")
-OUTCOME_HINT = "grpo, rloo, grpo_passk, reinforce_plus_plus_baseline, opo or gpg"
+from agl_lab.rules import OUTCOME_HINT, TOKEN_LEVEL_ESTIMATORS, check_estimator  # noqa: F401 (re-export)
 
 
 # =============================================================================================
@@ -117,21 +115,6 @@ def group_metrics(data: Any, suffix: str = "") -> dict[str, int]:
 # =============================================================================================
 # The estimator
 # =============================================================================================
-
-
-def check_estimator(adv_estimator: Any, *, rollout_level: bool = True) -> str:
-    """Name of the estimator; raise for the ones this pipeline cannot run (config.py calls this too)."""
-    name = str(getattr(adv_estimator, "value", adv_estimator))
-    if name.lower() == "remax":
-        raise NotImplementedError(
-            "algorithm.adv_estimator=remax is not supported (as in AGL v1): the REMAX baseline needs one "
-            f"extra greedy generation per task; use an outcome estimator such as {OUTCOME_HINT}")
-    if rollout_level and name.lower() in TOKEN_LEVEL_ESTIMATORS:
-        raise ValueError(
-            f"algorithm.adv_estimator={name} gives token-varying advantages, which rollout-level "
-            "advantage cannot broadcast: set algorithm.enable_rollout_level_advantage=false, or use "
-            f"an outcome estimator ({OUTCOME_HINT})")
-    return name
 
 
 def _verl_compute_advantage() -> Callable[..., Any]:

@@ -6,9 +6,9 @@ Every rollout carries the same total loss weight 1/D, however many rows and toke
    its rollout × D). D is the number of *rollouts* in the batch (tech report Eq. 16, our
    default) or the number of *rows* (AGL v1, kept for parity).
 2. `compute_policy_loss_per_rollout_mean` is verl's dual-clip PPO loss with a token **sum**
-   (the mean already lives in the advantages). Importing this module registers it in verl's
+   (the mean already lives in the advantages). `register_loss` puts it in verl's
    `POLICY_LOSS_REGISTRY` as `per_rollout_mean`, so verl's actor (`loss_mode`) and the local
-   PPO loop find it by name; Ray workers import it through `register_in_worker`.
+   PPO loop find it by name; engines call it when built, Ray workers through `register_in_worker`.
 3. `rollout_weights_table` shows, one row per rollout, how much of the loss it carries
    (`UpdateResult.weights`), for this loss and for verl's `loss_agg_mode`s.
 """
@@ -26,26 +26,14 @@ from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, register_policy_lo
 from verl.utils.torch_functional import masked_mean, masked_sum
 
 from agl_lab.algorithms.advantage import rollout_ids, rollout_index, row_scores
+from agl_lab.rules import DIVISORS, LOSS_NAME, check_divisor  # noqa: F401 (re-export)
 
 logger = logging.getLogger(__name__)
-
-LOSS_NAME = "per_rollout_mean"
-#: what D counts (config key agl_lab.algorithm.normalize_by)
-DIVISORS = ("rollouts", "rows")
 
 
 # =============================================================================================
 # Per-rollout normalisation
 # =============================================================================================
-
-
-def check_divisor(divisor: str) -> str:
-    """`divisor` if it is one of `DIVISORS`; else ValueError naming the config key (config.py calls this too)."""
-    if divisor not in DIVISORS:
-        raise ValueError(
-            f"agl_lab.algorithm.normalize_by={divisor!r} is not one of {list(DIVISORS)}: "
-            "'rollouts' follows the tech report (Eq. 16), 'rows' reproduces AGL v1")
-    return divisor
 
 
 def _per_rollout_divisor(
@@ -176,23 +164,23 @@ def compute_policy_loss_per_rollout_mean(
     return pg_loss, metrics
 
 
-def _register_loss() -> None:
+def register_loss() -> None:
+    """Register `per_rollout_mean` in verl's `POLICY_LOSS_REGISTRY`, where verl's actor and the
+    local PPO loop look `loss_mode` up. Explicit, not an import side effect: engines call it when
+    they are built, Ray workers through `register_in_worker`. Calling it again is harmless."""
     existing = POLICY_LOSS_REGISTRY.get(LOSS_NAME)
     if existing is compute_policy_loss_per_rollout_mean:
-        return  # already ours (module imported twice through different paths)
+        return
     if existing is not None and getattr(existing, "__module__", None) != __name__:
         logger.warning("replacing policy loss %r registered by %s with agl_lab's",
                        LOSS_NAME, getattr(existing, "__module__", existing))
     register_policy_loss(LOSS_NAME)(compute_policy_loss_per_rollout_mean)
 
 
-_register_loss()
-
-
 def register_in_worker() -> None:
-    """Ray `worker_process_setup_hook` (`agl_lab.algorithms.register_in_worker`): importing
-    this module registered the loss; calling it again is harmless."""
-    _register_loss()
+    """Ray `worker_process_setup_hook` (`agl_lab.algorithms.register_in_worker`): `register_loss`
+    in every worker process."""
+    register_loss()
 
 
 # =============================================================================================

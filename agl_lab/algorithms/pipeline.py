@@ -19,12 +19,9 @@ from typing import Any
 from agl_lab.algorithms.advantage import check_estimator, compute_advantages, fill_reward_defaults, group_metrics
 from agl_lab.algorithms.loss import LOSS_NAME, normalize_batch
 from agl_lab.algorithms.selection import agl_alignment, check_selection_args, drop_marked_rows, select_for_update
+from agl_lab.rules import DROP_ORDERS  # noqa: F401 (re-export)
 
 logger = logging.getLogger(__name__)
-
-#: agl_lab.parity.drop_order: after_advantage (agl_lab) | agl (AGL v1: before advantages, by row)
-DROP_ORDERS = ("after_advantage", "agl")
-
 
 def _data_metrics(data: Any) -> dict[str, Any]:
     """verl's `compute_data_metrics` (critic/*, response_length/*) when the batch has its keys."""

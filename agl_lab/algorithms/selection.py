@@ -21,33 +21,14 @@ from typing import Any
 import numpy as np
 
 from agl_lab.algorithms.advantage import group_keys, rollout_ids, rollout_index, zero_advantage_groups
+from agl_lab.rules import SELECTION_POLICIES, SMALL_BATCH_CHOICES, check_selection_args  # noqa: F401 (re-export)
 
 logger = logging.getLogger(__name__)
 
-SELECTION_POLICIES = ("zero_adv_first", "random")
-#: a batch smaller than one mini-batch (config key agl_lab.algorithm.small_batch)
-SMALL_BATCH_CHOICES = ("train", "skip")
-
 
 # =============================================================================================
-# Arguments and the skip decision (row counts only)
+# The skip decision (row counts only)
 # =============================================================================================
-
-
-def check_selection_args(mini_batch_rows: int, max_ppo_update_times: int | None = None,
-                         policy: str = "zero_adv_first", small_batch: str = "train") -> None:
-    """Raise ValueError naming the config key for an argument selection cannot use (config.py calls this too)."""
-    if mini_batch_rows <= 0:
-        raise ValueError(f"mini_batch_rows must be positive (actor.ppo_mini_batch_size × rollout.n), "
-                         f"got {mini_batch_rows}")
-    if max_ppo_update_times is not None and max_ppo_update_times <= 0:
-        raise ValueError("agentlightning.max_ppo_update_times must be null or a positive integer, "
-                         f"got {max_ppo_update_times}")
-    if policy not in SELECTION_POLICIES:
-        raise ValueError(f"policy={policy!r} is not one of {list(SELECTION_POLICIES)}")
-    if small_batch not in SMALL_BATCH_CHOICES:
-        raise ValueError(f"agl_lab.algorithm.small_batch={small_batch!r} is not one of "
-                         f"{list(SMALL_BATCH_CHOICES)}")
 
 
 def target_rows(n: int, mini_batch_rows: int, max_updates: int | None, small_batch: str) -> int:

@@ -107,12 +107,14 @@ class Engine(abc.ABC):
 
 
 def sampling_log_probs(data: Any) -> Any:
-    """`rollout_log_probs` [N, R] as float32 old logprobs (bypass mode); they must be finite."""
+    """`rollout_log_probs` [N, R] as float32 old logprobs (bypass mode, both engines); they must
+    be present and finite, padding included."""
     if "rollout_log_probs" not in data.batch.keys():
-        raise RuntimeError("bypass_mode requires rollout_log_probs in batch")
+        raise RuntimeError("algorithm.rollout_correction.bypass_mode=true needs rollout_log_probs in the batch: "
+                           "every captured call must carry sampling logprobs (agl_lab.server.include_log_probs=true)")
     rollout = data.batch["rollout_log_probs"]
     if not rollout.isfinite().all():
-        raise RuntimeError("bypass_mode requires finite rollout_log_probs everywhere")
+        raise RuntimeError("bypass_mode needs finite rollout_log_probs everywhere (padding included)")
     return rollout.clone().float()
 
 

@@ -35,7 +35,11 @@ logger = logging.getLogger(__name__)
 
 def build_engine(cfg: Any, *, task: Any = None, train_dataset: Sequence[dict] = (),
                  val_dataset: Sequence[dict] = ()) -> Engine:
-    """The engine of `cfg.agl_lab.engine`, its model warm-started where that applies."""
+    """The engine of `cfg.agl_lab.engine`, its model warm-started where that applies; agl_lab's
+    `per_rollout_mean` loss registered in verl's registry first (both engines look it up there)."""
+    from agl_lab.algorithms.loss import register_loss
+
+    register_loss()
     lab = cfg.agl_lab
     apply_torch_threads(lab.get("torch_threads", "auto"))
     steps = int(lab.model.warm_start_steps) if task is not None else 0

@@ -30,6 +30,7 @@ from omegaconf import OmegaConf
 from agl_lab.engines.base import Engine
 from agl_lab.engines.serving.openai_server import OpenAIServer
 from agl_lab.engines.tiny import DEFAULT_MODEL_NAME, load_model_and_tokenizer
+from agl_lab.rules import BATCH_WINDOW_MS, MAX_BATCH_SIZE, MAX_MODEL_LEN, uses_bypass
 
 _STATE_FILE = "engine_state.pt"
 DEFAULT_TINY_LR = 1e-3  # the tiny model learns at this rate; verl's 1e-6 default would not move it
@@ -68,15 +69,15 @@ class LocalEngine(Engine):
         device: str | None = None,
         dtype: Any = None,
         seed: int = 0,
-        max_model_len: int = 1024,
+        max_model_len: int = MAX_MODEL_LEN,
         actor: Any = None,
         lr: float | None = None,
         model_name: str | None = None,
         host: str = "127.0.0.1",
         advertise_host: str | None = None,
         port: int = 0,
-        batch_window_ms: float = 3.0,
-        max_batch_size: int = 64,
+        batch_window_ms: float = BATCH_WINDOW_MS,
+        max_batch_size: int = MAX_BATCH_SIZE,
         log_prob_micro_batch_size: int | None = 16,
         bypass_mode: bool = False,
         algorithm: Any = None,
@@ -142,9 +143,10 @@ class LocalEngine(Engine):
             resolve_model_path(lab.model), device=lab.model.device, seed=int(lab.seed), max_model_len=int(lab.model.max_model_len),
             actor=actor, model_name=lab.model.get("name"),
             host=str(serving.get("host") or "127.0.0.1"), advertise_host=serving.get("advertise_host"),
-            batch_window_ms=float(opts.get("batch_window_ms", 3.0)), max_batch_size=int(opts.get("max_batch_size", 64)),
+            batch_window_ms=float(opts.get("batch_window_ms", BATCH_WINDOW_MS)),
+            max_batch_size=int(opts.get("max_batch_size", MAX_BATCH_SIZE)),
             log_prob_micro_batch_size=int(log_prob_micro) if log_prob_micro else 16,
-            bypass_mode=bool(OmegaConf.select(cfg, "algorithm.rollout_correction.bypass_mode", default=False)),
+            bypass_mode=uses_bypass(OmegaConf.select(cfg, "algorithm.rollout_correction", default=None)),
             algorithm=cfg.get("algorithm"), lora=cfg.actor_rollout_ref.get("model"))
 
     def _frozen_copy(self) -> torch.nn.Module:

@@ -40,8 +40,9 @@ from verl import DataProto
 from verl.trainer.ppo.core_algos import agg_loss, get_policy_loss_fn, kl_penalty
 from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
 
-import agl_lab.algorithms  # noqa: F401  (registers per_rollout_mean)
+from agl_lab.algorithms.loss import register_loss
 from agl_lab.config_keys import LOSS_AGG_MODES
+from agl_lab.rules import LOSS_NAME, mini_batch_rows
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ class ActorUpdateConfig:
     ppo_epochs: int = 1
     ppo_mini_batch_size: int = 256
     ppo_micro_batch_size_per_gpu: int | None = None
-    loss_mode: str = "per_rollout_mean"
+    loss_mode: str = LOSS_NAME
     clip_ratio: float = 0.2
     clip_ratio_low: float | None = None
     clip_ratio_high: float | None = None
@@ -122,9 +123,9 @@ class ActorUpdateConfig:
         loss_options = {k: v for k, v in loss_options.items() if not k.startswith("_") and k != "rollout_correction"}
         kwargs: dict[str, Any] = dict(
             ppo_epochs=int(_get(actor, "ppo_epochs", 1)),
-            ppo_mini_batch_size=int(_get(actor, "ppo_mini_batch_size", 256)) * int(rollout_n),
+            ppo_mini_batch_size=mini_batch_rows(_get(actor, "ppo_mini_batch_size", 256), rollout_n),
             ppo_micro_batch_size_per_gpu=None if micro is None else int(micro),
-            loss_mode=str(loss_options.pop("loss_mode", "vanilla")),
+            loss_mode=str(loss_options.pop("loss_mode", LOSS_NAME)),
             grad_clip=grad_clip,
             seed=int(_get(actor, "data_loader_seed", 42)),
             lr=float(_get(actor, "optim.lr", 1e-6)),
@@ -405,6 +406,7 @@ def ppo_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, data: D
     tensors, temperature = _update_tensors(model, data, cfg, ref_model)
     metrics: dict[str, float] = rollout_mismatch_metrics(data)
     verl_cfg = cfg.to_verl_actor_config()
+    register_loss()  # per_rollout_mean, where get_policy_loss_fn looks it up
     loss_fn = get_policy_loss_fn(cfg.loss_mode)
     n = len(data)
     steps: list[dict[str, float]] = []

@@ -37,6 +37,7 @@ from fastapi.responses import JSONResponse
 from agl_lab.addresses import advertised_host, url_host
 from agl_lab.chat_format import parse_tool_calls
 from agl_lab.engines.serving.scheduler import BatchScheduler, GenerationAborted, GenerationResult, SamplingParams
+from agl_lab.rules import BATCH_WINDOW_MS, MAX_BATCH_SIZE, MAX_MODEL_LEN
 from agl_lab.server.embedded import ThreadedUvicorn
 
 DEFAULT_MAX_TOKENS = 256  # completion budget when the request names none (capped by the context)
@@ -343,7 +344,8 @@ class OpenAIServer:
     """
 
     def __init__(self, model: Any, tokenizer: Any, model_name: str = "agl-lab-tiny", host: str = "127.0.0.1",
-                 port: int = 0, max_model_len: int = 1024, batch_window_ms: float = 3.0, max_batch_size: int = 64,
+                 port: int = 0, max_model_len: int = MAX_MODEL_LEN, batch_window_ms: float = BATCH_WINDOW_MS,
+                 max_batch_size: int = MAX_BATCH_SIZE,
                  default_max_tokens: int = DEFAULT_MAX_TOKENS, weights_lock: threading.RLock | None = None,
                  num_threads: int | None = 1, prefix_cache_mb: float = 256, advertise_host: str | None = None):
         limit = getattr(model.config, "max_position_embeddings", None)
@@ -419,9 +421,9 @@ def engine_main(argv: list[str]) -> int:
     parser.add_argument("--port", type=int, default=8001)
     parser.add_argument("--model-path", default=None, help="HF model dir on disk (default: the tiny model)")
     parser.add_argument("--model-name", default=None, help="served name (default: agl-lab-tiny or the dir name)")
-    parser.add_argument("--max-model-len", type=int, default=1024)
-    parser.add_argument("--max-batch-size", type=int, default=64)
-    parser.add_argument("--batch-window-ms", type=float, default=3.0)
+    parser.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN)
+    parser.add_argument("--max-batch-size", type=int, default=MAX_BATCH_SIZE)
+    parser.add_argument("--batch-window-ms", type=float, default=BATCH_WINDOW_MS)
     parser.add_argument("--num-threads", type=int, default=1, help="torch threads of the decode loop (CPU)")
     parser.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
     parser.add_argument("--prefix-cache-mb", type=float, default=256, help="K/V of recent prefixes (0 = off)")

@@ -49,6 +49,7 @@ import torch
 
 from agl_lab.engines.serving.decode_batch import DecodeBatch, sample_tokens
 from agl_lab.engines.serving.prefix_cache import BLOCK, CachedPrefix, PrefixCache
+from agl_lab.rules import BATCH_WINDOW_MS, MAX_BATCH_SIZE
 
 
 class GenerationAborted(RuntimeError):
@@ -125,8 +126,8 @@ class BatchScheduler:
         model: Any,
         tokenizer: Any,
         *,
-        batch_window_ms: float = 3.0,
-        max_batch_size: int = 64,
+        batch_window_ms: float = BATCH_WINDOW_MS,
+        max_batch_size: int = MAX_BATCH_SIZE,
         weights_lock: threading.RLock | None = None,
         num_threads: int | None = 1,
         prefix_cache_mb: float = 256,

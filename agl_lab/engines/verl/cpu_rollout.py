@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from agl_lab.engines.verl.api import verl_import
+from agl_lab.rules import MAX_BATCH_SIZE
 
 #: actor_rollout_ref.rollout.name of this rollout (agl_lab.engines.verl.cpu registers it)
 ROLLOUT_NAME = "agl_lab_cpu"
@@ -131,7 +132,7 @@ def _adapter_class() -> type:
             self.server = OpenAIServer(
                 model, tokenizer, model_name=str(path), host=bind,
                 max_model_len=int(self.config.max_model_len or self.config.prompt_length + self.config.response_length),
-                max_batch_size=int(self.config.max_num_seqs or 64))
+                max_batch_size=int(self.config.max_num_seqs or MAX_BATCH_SIZE))
             self.server.pause(wait=False)  # asleep until verl's first weight sync wakes it
             self.global_steps: int | None = None
             self.n_weight_syncs = 0

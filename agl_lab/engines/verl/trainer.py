@@ -31,7 +31,9 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from agl_lab.engines.base import sampling_log_probs
 from agl_lab.engines.verl.api import call_replicas, verl_import
+from agl_lab.rules import mini_batch_rows, uses_bypass
 
 RLHFDataset = verl_import("RLHFDataset")
 RayPPOTrainer = verl_import("RayPPOTrainer")
@@ -300,18 +302,10 @@ class AglRayPPOTrainer(RayPPOTrainer):
         return batch
 
     def _attach_old_log_probs(self, batch: Any, metrics: dict[str, float]) -> Any:
-        corr = self.config.algorithm.get("rollout_correction", None)
-        if corr is not None and corr.get("bypass_mode", False):
+        if uses_bypass(self.config.algorithm.get("rollout_correction", None)):
             # Bypass: sampling logprobs are the old logprobs. Not verl's apply_bypass_mode, which
             # also rewrites policy_loss.loss_mode to "bypass_mode" (dropping per_rollout_mean).
-            rollout_lp = batch.batch["rollout_log_probs"] if "rollout_log_probs" in batch.batch.keys() else None
-            if rollout_lp is None:
-                raise RuntimeError("algorithm.rollout_correction.bypass_mode=true needs rollout_log_probs in "
-                                   "the batch: every captured call must carry sampling logprobs "
-                                   "(agl_lab.server.include_log_probs=true)")
-            if not torch.isfinite(rollout_lp).all():
-                raise RuntimeError("bypass_mode needs finite rollout_log_probs everywhere (padding included)")
-            batch.batch["old_log_probs"] = rollout_lp.clone()
+            batch.batch["old_log_probs"] = sampling_log_probs(batch)
             return batch
         start = time.perf_counter()
         output, mfu = self.compute_old_log_probs(batch)
@@ -334,7 +328,7 @@ class AglRayPPOTrainer(RayPPOTrainer):
         else:
             batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
         corr = self.config.algorithm.get("rollout_correction", None)
-        if corr is not None and not corr.get("bypass_mode", False) and "rollout_log_probs" in batch.batch.keys():
+        if corr is not None and not uses_bypass(corr) and "rollout_log_probs" in batch.batch.keys():
             batch, is_metrics = verl_import("compute_rollout_correction_and_add_to_batch")(batch, corr)
             metrics.update(is_metrics)
         return batch
@@ -401,7 +395,8 @@ class AglRayPPOTrainer(RayPPOTrainer):
 
     def mini_batch_rows(self) -> int:
         """Rows per PPO mini-batch: verl counts `ppo_mini_batch_size` in tasks, × `rollout.n`."""
-        return int(self.config.actor_rollout_ref.actor.ppo_mini_batch_size * self.config.actor_rollout_ref.rollout.n)
+        return mini_batch_rows(self.config.actor_rollout_ref.actor.ppo_mini_batch_size,
+                               self.config.actor_rollout_ref.rollout.n)
 
     @staticmethod
     def _timed(metrics: dict[str, Any], name: str, fn: Callable[[], Any]) -> Any:

@@ -1,0 +1,226 @@
+"""Every training step recorded, in files a laptop can replay (`agl_lab.replay`).
+
+Recording (on by default, `agl_lab.record.*`): after each `Trainer.step()` the step's completed
+rollouts and what the step made of them are written to `RUN_DIR/recording/step_NNNNNN.json.gz`
+(N = the step as logged in metrics.jsonl). The format is gzip-compressed JSON, one document per
+step — readable with `zcat | python -m json.tool`, no schema library, floats exact (Python's
+float repr round-trips, so token logprobs and rewards come back to the bit), and token-id lists
+compress ~5-10× under gzip:
+
+    {"format": "agl_lab.recording", "version": 1,
+     "step": N, "batch_step": N - 1,                   # the logged step; the step the batch was built at
+     "policy_version": int,                            # weights that served the step's calls
+     "seed": int, "rng": {python, numpy, torch},       # RNG states at the start of the step
+     "pad_token_id": int,                              # what build_batch padded with
+     "rollouts": [CompletedRollout as a dict, ...],    # token ids, logprobs, rewards, events, times
+     "metrics": {...},                                 # the step's logged metrics
+     "weights": [...], "dropped": [...]}               # UpdateResult.weights / .dropped as records
+
+Each validation (`Trainer.validate`, so also `val_before_train` and `test_freq`) writes its
+rollouts to `RUN_DIR/recording/validation_NNNNNN.json.gz` (N = the step it validated; same
+rollout dicts, no batch): the same validation tasks before and after training, transcript by
+transcript (`load_validation`, `agl_lab.transcript.format_transcript`).
+
+`recording/bytes` (the file's size) is a step metric. `agl_lab.record.events: false` leaves the
+raw events out (the triplets stay); `agl_lab.record.max_steps: K` keeps the newest K files.
+
+Replaying a recorded step is `agl_lab.replay`.
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from agl_lab.records import CompletedRollout, completed_rollout_from_dict, completed_rollout_to_dict, sort_rollouts
+from agl_lab.results import UpdateResult
+
+FORMAT, VERSION = "agl_lab.recording", 1
+DIRNAME = "recording"
+
+
+def step_path(run_dir: str | Path, step: int) -> Path:
+    return Path(run_dir) / DIRNAME / f"step_{step:06d}.json.gz"
+
+
+def validation_path(run_dir: str | Path, step: int) -> Path:
+    return Path(run_dir) / DIRNAME / f"validation_{step:06d}.json.gz"
+
+
+def validated_steps(run_dir: str | Path) -> list[int]:
+    """The steps whose validation rollouts are recorded under `run_dir`, in order."""
+    return sorted(int(p.name[11:17]) for p in (Path(run_dir) / DIRNAME).glob("validation_*.json.gz"))
+
+
+def load_validation(run_dir: str | Path, step: int) -> list[CompletedRollout]:
+    """The validation rollouts recorded at step `step` (0: before training), in task order."""
+    path = validation_path(run_dir, step)
+    if not path.exists():
+        raise FileNotFoundError(f"no validation recorded at step {step} in {path.parent} "
+                                f"(recorded: {validated_steps(run_dir) or 'none'})")
+    with gzip.open(path, "rt") as f:
+        doc = json.load(f)
+    return [completed_rollout_from_dict(d) for d in doc["rollouts"]]
+
+
+def recorded_steps(run_dir: str | Path) -> list[int]:
+    """The steps recorded under `run_dir`, in order."""
+    return sorted(int(p.name[5:11]) for p in (Path(run_dir) / DIRNAME).glob("step_*.json.gz"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Recording
+# ---------------------------------------------------------------------------------------------
+
+
+class Recorder:
+    """Writes one recording per step into `run_dir/recording/` (see the module docstring)."""
+
+    def __init__(self, run_dir: str | Path, options: Mapping[str, Any]):
+        """`options`: `agl_lab.record` (its types and range are checked when the config loads)."""
+        self.enabled = bool(options.get("enabled", True))
+        self.events = bool(options.get("events", True))
+        max_steps = options.get("max_steps")
+        self.max_steps = None if max_steps is None else int(max_steps)
+        self.dir = Path(run_dir) / DIRNAME
+
+    def record(self, step: int, *, batch_step: int, rollouts: Sequence[CompletedRollout], metrics: Mapping[str, Any],
+               update: UpdateResult, policy_version: int | None, seed: int, rng: Mapping[str, Any],
+               pad_token_id: int) -> int:
+        """Write step `step`'s recording; returns its size in bytes (0 when recording is off)."""
+        if not self.enabled:
+            return 0
+        doc = {"format": FORMAT, "version": VERSION, "step": step, "batch_step": batch_step,
+               "policy_version": policy_version, "seed": seed, "rng": _rng_to_json(rng),
+               "pad_token_id": pad_token_id, "rollouts": self._rollout_docs(rollouts),
+               "metrics": jsonable(dict(metrics)),
+               "weights": frame_records(update.weights), "dropped": frame_records(update.dropped)}
+        size = self._write(step_path(self.dir.parent, step), doc)
+        if self.max_steps is not None:
+            self._remove(recorded_steps(self.dir.parent)[:-self.max_steps])
+        return size
+
+    def record_validation(self, step: int, rollouts: Sequence[CompletedRollout], metrics: Mapping[str, Any]) -> int:
+        """Write the validation rollouts of step `step`, in task order; returns the file's size (0 when off)."""
+        if not self.enabled:
+            return 0
+        doc = {"format": FORMAT, "version": VERSION, "step": step, "kind": "validation",
+               "rollouts": self._rollout_docs(sort_rollouts(rollouts)), "metrics": jsonable(dict(metrics))}
+        return self._write(validation_path(self.dir.parent, step), doc)
+
+    def _rollout_docs(self, rollouts: Sequence[CompletedRollout]) -> list[dict[str, Any]]:
+        docs = [completed_rollout_to_dict(r) for r in rollouts]
+        if not self.events:
+            for d in docs:
+                d["events"] = []
+        return docs
+
+    def _write(self, path: Path, doc: Mapping[str, Any]) -> int:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.dir / f".{path.name}.tmp"
+        with gzip.open(tmp, "wt", compresslevel=6) as f:
+            json.dump(doc, f, separators=(",", ":"), allow_nan=True)
+        tmp.replace(path)  # a killed write never leaves a half recording under the real name
+        return path.stat().st_size
+
+    def drop_after(self, step: int) -> int:
+        """Remove the recordings of steps after `step` (a resume redoes them); returns how many."""
+        for s in validated_steps(self.dir.parent):
+            if s > step:
+                validation_path(self.dir.parent, s).unlink(missing_ok=True)
+        return self._remove([s for s in recorded_steps(self.dir.parent) if s > step])
+
+    def _remove(self, steps: Sequence[int]) -> int:
+        for s in steps:
+            step_path(self.dir.parent, s).unlink(missing_ok=True)
+        return len(steps)
+
+
+def jsonable(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    if hasattr(value, "item") and getattr(value, "ndim", None) == 0:  # a 0-d tensor
+        return value.item()
+    return value
+
+
+def frame_records(frame: pd.DataFrame) -> list[dict[str, Any]]:
+    return jsonable(frame.to_dict(orient="records")) if frame is not None and not frame.empty else []
+
+
+def _rng_to_json(state: Mapping[str, Any]) -> dict[str, Any]:
+    """`checkpoints.rng_state()` as JSON: python's tuple, numpy's MT19937 state, torch's bytes."""
+    version, internal, gauss = state["python"]
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    return {"python": [version, list(internal), gauss],
+            "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+            "torch": base64.b64encode(state["torch"].numpy().tobytes()).decode()}
+
+
+def rng_from_json(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """Inverse of `_rng_to_json`: a state `checkpoints.set_rng_state` accepts."""
+    import torch
+
+    version, internal, gauss = doc["python"]
+    name, keys, pos, has_gauss, cached = doc["numpy"]
+    raw = np.frombuffer(base64.b64decode(doc["torch"]), dtype=np.uint8).copy()
+    return {"python": (version, tuple(internal), gauss),
+            "numpy": (name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached),
+            "torch": torch.from_numpy(raw)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading a recording
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Recording:
+    """One recorded step, as written by `Recorder.record`."""
+
+    step: int
+    batch_step: int
+    policy_version: int | None
+    seed: int
+    rng: dict[str, Any]
+    pad_token_id: int
+    rollouts: list[CompletedRollout]
+    metrics: dict[str, Any]
+    weights: pd.DataFrame
+    dropped: pd.DataFrame
+    path: Path
+
+
+def load_recording(run_dir: str | Path, step: int) -> Recording:
+    """The recording of `step` under `run_dir`; FileNotFoundError naming the recorded steps."""
+    path = step_path(run_dir, step)
+    if not path.exists():
+        steps = recorded_steps(run_dir)
+        raise FileNotFoundError(
+            f"no recording of step {step} in {Path(run_dir) / DIRNAME}: recorded steps are "
+            f"{_span(steps) if steps else 'none'} (recording is agl_lab.record.enabled, on by default)")
+    with gzip.open(path, "rt") as f:
+        doc = json.load(f)
+    if doc.get("format") != FORMAT or doc.get("version") != VERSION:
+        raise ValueError(f"{path} is not an agl_lab recording of version {VERSION} "
+                         f"(format {doc.get('format')!r}, version {doc.get('version')!r})")
+    return Recording(step=doc["step"], batch_step=doc["batch_step"], policy_version=doc["policy_version"],
+                     seed=doc["seed"], rng=doc["rng"], pad_token_id=doc["pad_token_id"],
+                     rollouts=[completed_rollout_from_dict(r) for r in doc["rollouts"]], metrics=doc["metrics"],
+                     weights=pd.DataFrame(doc["weights"]), dropped=pd.DataFrame(doc["dropped"]), path=path)
+
+
+def _span(steps: list[int]) -> str:
+    return f"{steps[0]}..{steps[-1]}" if len(steps) > 3 else ", ".join(map(str, steps))

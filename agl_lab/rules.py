@@ -1,0 +1,112 @@
+"""The learning keys' accepted values, their checks and the defaults several modules share.
+
+Pure Python (no torch, numpy or verl), so `agl_lab.config` can check a config without loading
+a tensor library, and each value has one owner: the modules that apply a rule (batch,
+algorithms, the engines) import it from here, and `config.validate` calls the same check, so
+every rule has one error message naming its config key.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# ---------------------------------------------------------------------------------------------
+# Shared defaults (each defined here only)
+# ---------------------------------------------------------------------------------------------
+
+#: the policy loss agl_lab registers in verl's POLICY_LOSS_REGISTRY (actor.policy_loss.loss_mode)
+LOSS_NAME = "per_rollout_mean"
+#: tokens of prompt + response a served model accepts (agl_lab.model.max_model_len)
+MAX_MODEL_LEN = 1024
+#: the serving scheduler: how long a first request waits for company, and the most it decodes at once
+#: (agl_lab.engine_options.batch_window_ms / max_batch_size)
+BATCH_WINDOW_MS = 3.0
+MAX_BATCH_SIZE = 64
+
+# ---------------------------------------------------------------------------------------------
+# Accepted values
+# ---------------------------------------------------------------------------------------------
+
+#: agentlightning.trace_aggregator.level
+LEVELS = ("transition", "trajectory")
+#: agl_lab.algorithm.normalize_by: what D counts in the per-rollout loss weight 1/D
+DIVISORS = ("rollouts", "rows")
+#: agl_lab.parity.drop_order: after_advantage (agl_lab) | agl (AGL v1: before advantages, by row)
+DROP_ORDERS = ("after_advantage", "agl")
+#: agl_lab.algorithm.small_batch: train a batch smaller than one mini-batch, or skip the step
+SMALL_BATCH_CHOICES = ("train", "skip")
+#: the order selection drops whole rollouts in
+SELECTION_POLICIES = ("zero_adv_first", "random")
+#: estimators whose advantages vary along the tokens of a row: nothing scalar to broadcast
+TOKEN_LEVEL_ESTIMATORS = ("gae", "optimal_token_baseline", "tir_optimal_token_baseline")
+OUTCOME_HINT = "grpo, rloo, grpo_passk, reinforce_plus_plus_baseline, opo or gpg"
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks (ValueError naming the config key)
+# ---------------------------------------------------------------------------------------------
+
+
+def check_level(level: str) -> str:
+    """`level` if it is one of `LEVELS`."""
+    if level not in LEVELS:
+        raise ValueError(f"Unknown trace_aggregator_level: {level!r}; set agentlightning.trace_aggregator.level "
+                         f"to one of {list(LEVELS)}.")
+    return level
+
+
+def check_divisor(divisor: str) -> str:
+    """`divisor` if it is one of `DIVISORS`."""
+    if divisor not in DIVISORS:
+        raise ValueError(
+            f"agl_lab.algorithm.normalize_by={divisor!r} is not one of {list(DIVISORS)}: "
+            "'rollouts' follows the tech report (Eq. 16), 'rows' reproduces AGL v1")
+    return divisor
+
+
+def check_estimator(adv_estimator: Any, *, rollout_level: bool = True) -> str:
+    """Name of the estimator; raise for the ones the rollout-level pipeline cannot run."""
+    name = str(getattr(adv_estimator, "value", adv_estimator))
+    if name.lower() == "remax":
+        raise NotImplementedError(
+            "algorithm.adv_estimator=remax is not supported (as in AGL v1): the REMAX baseline needs one "
+            f"extra greedy generation per task; use an outcome estimator such as {OUTCOME_HINT}")
+    if rollout_level and name.lower() in TOKEN_LEVEL_ESTIMATORS:
+        raise ValueError(
+            f"algorithm.adv_estimator={name} gives token-varying advantages, which rollout-level "
+            "advantage cannot broadcast: set algorithm.enable_rollout_level_advantage=false, or use "
+            f"an outcome estimator ({OUTCOME_HINT})")
+    return name
+
+
+def check_selection_args(mini_batch_rows: int, max_ppo_update_times: int | None = None,
+                         policy: str = "zero_adv_first", small_batch: str = "train") -> None:
+    """Raise ValueError naming the config key for an argument selection cannot use."""
+    if mini_batch_rows <= 0:
+        raise ValueError(f"mini_batch_rows must be positive (actor.ppo_mini_batch_size × rollout.n), "
+                         f"got {mini_batch_rows}")
+    if max_ppo_update_times is not None and max_ppo_update_times <= 0:
+        raise ValueError("agentlightning.max_ppo_update_times must be null or a positive integer, "
+                         f"got {max_ppo_update_times}")
+    if policy not in SELECTION_POLICIES:
+        raise ValueError(f"policy={policy!r} is not one of {list(SELECTION_POLICIES)}")
+    if small_batch not in SMALL_BATCH_CHOICES:
+        raise ValueError(f"agl_lab.algorithm.small_batch={small_batch!r} is not one of "
+                         f"{list(SMALL_BATCH_CHOICES)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Derived quantities
+# ---------------------------------------------------------------------------------------------
+
+
+def mini_batch_rows(ppo_mini_batch_size: int, rollout_n: int) -> int:
+    """Rows in one PPO mini-batch. verl counts `actor.ppo_mini_batch_size` in *tasks* (prompts);
+    each task has `rollout.n` rollouts, each one row at the trajectory level."""
+    return int(ppo_mini_batch_size) * int(rollout_n)
+
+
+def uses_bypass(rollout_correction: Any) -> bool:
+    """True when `algorithm.rollout_correction` asks for bypass mode: the sampling logprobs serve
+    as the old logprobs, and the actor's recompute before the update is skipped."""
+    return bool((rollout_correction or {}).get("bypass_mode"))
