@@ -104,6 +104,13 @@ def test_the_readme_is_a_front_door():
     assert pages <= linked, f"docs pages the README does not link to: {sorted(pages - linked)}"
 
 
+def test_dated_figures_live_in_benchmarks_only():
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    dated = [f"{p.relative_to(ROOT)}:{i}" for p in pages if p.name != "benchmarks.md"
+             for i, line in enumerate(p.read_text().splitlines(), 1) if re.search(r"\b20\d\d-\d\d-\d\d\b", line)]
+    assert not dated, f"dates belong in docs/benchmarks.md (link there for them): {dated}"
+
+
 def test_pending_pages_are_still_pending():
     landed = sorted(p for p in PENDING_PAGES if (ROOT / p).exists())
     assert not landed, f"{landed} exist now: remove them from PENDING_PAGES in tests/test_readme.py"
