@@ -98,7 +98,7 @@ AGL_LAB_DEFAULTS: dict[str, Any] = {
         "verl": {"device": "auto", "placement_timeout_seconds": 120.0},
         "seed": 0,
         # torch intra-op threads: auto = 1 on ≤ 4 cores (torch's default collapses on a shared
-        # machine, README "Torch threads"), else half the cores; a number; null = torch's default
+        # machine, docs/engines.md "Torch threads"), else half the cores; a number; null = torch's default
         "torch_threads": "auto",
         "run_dir": None,  # default: runs/<experiment_name>-<timestamp>
         "model": {

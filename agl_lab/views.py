@@ -18,7 +18,7 @@ Without a built batch, `rows_df` / `breaks_df` plan the rows with the same code
 (`agl_lab.batch.plan_rows`), minus the tensors. This module imports `batch`; `batch` never
 imports it (it returns records, not frames).
 
-Columns use the project's nouns (ARCHITECTURE.md): `call` is the index of a triplet in its
+Columns use the project's nouns (docs/architecture.md, the glossary): `call` is the index of a triplet in its
 rollout, token counts are `*_tokens`, a group whose rewards are all equal is `zero_adv`.
 Metric names stay Agent Lightning's, whose nouns differ:
 

@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 FLAT_STEPS = 3  # training steps in a row with one reward for every rollout before the warning
 
 TINY_FIX = ("give the model demonstrations to warm-start on (register a Task with demonstrations= and set "
-            "agl_lab.model.warm_start_steps; README 'A task: datasets, agent, reward and demonstrations'), "
+            "agl_lab.model.warm_start_steps; docs/your-agent.md 'A task: datasets, agent, reward and demonstrations'), "
             "or train a real model (agl_lab.model.preset=smollm2-135m, or agl_lab.model.path=DIR)")
 
 

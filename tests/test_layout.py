@@ -1,11 +1,11 @@
-"""The house rules of the layout (ARCHITECTURE.md), checked rather than hoped for.
+"""The house rules of the layout (docs/architecture.md), checked rather than hoped for.
 
 - The pure core (records, batch, diagnose, algorithms, views) imports none of agl_lab's I/O
   parts and no web stack, so a notebook can load it without a server or an engine.
 - No import cycles between agl_lab modules, counting imports inside functions too: a lazy
   import may defer a cost, never hide a cycle.
 - No learning-core module grows past ~450 lines.
-- The tree is grouped by what things are (ARCHITECTURE.md): the Trainer holds the loop only
+- The tree is grouped by what things are (docs/architecture.md): the Trainer holds the loop only
   (the execution side, the engine factory and the CLI live elsewhere), engines/serving/ is the
   OpenAI serving stack, engines/verl/ everything verl.
 - `agl-lab serve` never imports torch.
@@ -30,7 +30,7 @@ WEB_STACK = ["aiohttp", "fastapi", "uvicorn"]
 CORE_FILES = ["rules.py", "phases.py", "records.py", "learnable.py", "batch.py", "padding.py", "validation.py", "diagnose.py", "views.py", "update.py", "results.py",
               "algorithms/__init__.py", "algorithms/advantage.py", "algorithms/loss.py",
               "algorithms/selection.py", "algorithms/pipeline.py", "engines/local_ppo.py"]
-PACKAGES = {  # package → the modules it holds (ARCHITECTURE.md's layout)
+PACKAGES = {  # package → the modules it holds (docs/architecture.md's module map)
     "engines/serving": {"__init__", "openai_server", "scheduler", "decode_batch", "fast_decode", "prefix_cache"},
     "engines/verl": {"__init__", "engine", "trainer", "api", "cpu", "cpu_rollout"},
 }
@@ -130,7 +130,7 @@ def test_pure_core_imports_no_io() -> None:
 @pytest.mark.parametrize("name", CORE_FILES)
 def test_core_modules_stay_small(name: str) -> None:
     path = PACKAGE / name
-    assert path.exists(), f"{name} is part of the layout (ARCHITECTURE.md)"
+    assert path.exists(), f"{name} is part of the layout (docs/architecture.md)"
     lines = len(path.read_text().splitlines())
     assert lines <= MAX_CORE_LINES, f"{name} has {lines} lines; split it (limit {MAX_CORE_LINES})"
 

@@ -1,8 +1,8 @@
-"""The verl engine across two Ray nodes (the README's multi-node recipe, on one machine).
+"""The verl engine across two Ray nodes (docs/many-machines.md's multi-node recipe, on one machine).
 
 Two nodes started with `ray start` (own temp dirs, free ports, 4 logical CPUs + 1 fake GPU
 each, no PYTHONPATH: workers get agl_lab only through Ray `py_modules`); the Trainer joins
-them through `RAY_ADDRESS`, as the README says. On the same two batches:
+them through `RAY_ADDRESS`, as docs/many-machines.md says. On the same two batches:
 
 - world size 1 (`trainer.nnodes=1 trainer.n_gpus_per_node=1`): two updates;
 - world size 2 (`trainer.nnodes=2 trainer.n_gpus_per_node=1`: one FSDP2 rank per node, gloo
@@ -50,7 +50,7 @@ def cluster_address():
         ray.shutdown()
     with isolated_ray_env("aglm") as path, ray_nodes(2, num_cpus=4, num_gpus=1) as address:
         old = os.environ.get("RAY_ADDRESS")
-        os.environ["RAY_ADDRESS"] = address  # the README's way of joining
+        os.environ["RAY_ADDRESS"] = address  # docs/many-machines.md's way of joining
         try:
             yield address, path
         finally:

@@ -12,7 +12,7 @@
 Before either, `apply_torch_threads` sizes torch's intra-op pool from `agl_lab.torch_threads`
 (`auto`: 1 thread on a machine with ≤ 4 cores, else half the cores; a number; null: torch's own
 default, one thread per core). On a shared 2-core machine torch's default collapses: the warm
-start ran ~15× slower with 2 threads than with 1 under load (README, "Torch threads").
+start ran 5–11× slower with 2 threads than with 1 (docs/benchmarks.md, "Torch threads").
 
 The caller owns the engine and closes it.
 """
@@ -88,7 +88,7 @@ def torch_threads(value: Any, cores: int | None = None, n_params: int | None = N
     """The thread count `agl_lab.torch_threads` asks for (None: leave torch's default).
 
     `auto`: half the cores on a machine with more than 4; on a smaller one 1 thread (the tiny model's
-    small matmuls collapse under 2 threads on a shared machine, README "Torch threads") unless the
+    small matmuls collapse under 2 threads on a shared machine, docs/engines.md "Torch threads") unless the
     model has `n_params` ≥ 50 M, whose compute-bound update wants every core."""
     if value is None:
         return None

@@ -17,7 +17,7 @@ Server choice is pinned per rollout: the pool of endpoints registered for the mo
 by endpoint, indexed by the first 8 bytes of sha256(rollout_id) (big-endian) mod its size, so
 every turn of a rollout hits the same replica's prefix cache.
 
-Departures from AGL (ARCHITECTURE.md): a call for a rollout already succeeded/failed answers
+Departures from AGL (docs/architecture.md): a call for a rollout already succeeded/failed answers
 409 and records nothing; a rollout deleted while its call was in flight still gets the
 upstream answer (AGL answered 404 after a successful generation); `model_version` is the
 registered Model's version, which agl_lab engines set to the policy version.
