@@ -28,10 +28,8 @@ PAGE = ROOT / "docs" / "architecture.md"
 LANDING = {
     "agl_lab/server/store/", "agl_lab/server/store/base.py", "agl_lab/server/store/memory.py",
     "agl_lab/server/store/sqlite.py", "agl_lab/server/store/postgresql.py",
-    "agl_lab/agent.py", "agl_lab/engines/warmstart.py", "agl_lab/recording.py", "agl_lab/sweep.py",
-    "agl_lab/phases.py", "agl_lab/rules.py",
-    "agent:AgentContext", "config:batch_options", "recording:Recorder.record",
-    "phases:rollout_phase", "phases:drain_gateway", "phases:update_phase",
+    "agl_lab/agent.py", "agl_lab/engines/warmstart.py", "agl_lab/sweep.py",
+    "agent:AgentContext",
 }
 LEAVING = {"agl_lab/server/store.py", "agl_lab/server/store_pg.py", "agl_lab/tasks/warmstart.py"}
 PATH_PREFIXES = ("agl_lab/", "configs/", "notebooks/", "benchmarks/", "scripts/", "tests/", ".ci/")
