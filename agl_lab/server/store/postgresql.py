@@ -2,7 +2,7 @@
 
     open_store("postgresql://user:pass@host:5432/db")  -> PostgresStore   (agl_lab.server.backends)
 
-The semantics are the base class's (`agl_lab.server.store.Store`), unchanged; this module only
+The semantics are the base class's (`agl_lab.server.store.base.Store`), unchanged; this module only
 implements its primitives in SQL and replaces the two things the base class keeps per process:
 
 - **The lock.** The base class wraps every public method in `with self._lock` and does
@@ -77,7 +77,7 @@ import psycopg_pool
 
 from agl_lab.protocol import Event, Model, Rollout, RolloutState, TerminalPage
 from agl_lab.server.storable import dump_storable
-from agl_lab.server.store import (
+from agl_lab.server.store.base import (
     DEFAULT_TERMINAL_LOG_LIMIT,
     Store,
     StoreError,
