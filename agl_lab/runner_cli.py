@@ -154,7 +154,8 @@ def _from_config(args: argparse.Namespace) -> None:
 
 
 def _build_runner(args: argparse.Namespace):
-    from agl_lab.runner import Runner, load_agent
+    from agl_lab.agent import load_agent
+    from agl_lab.runner import Runner
 
     _from_config(args)
     if not args.server:

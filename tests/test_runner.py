@@ -11,9 +11,9 @@ from typing import Any
 import httpx
 import pytest
 
+from agl_lab.agent import AgentContext, agent_urls, resolve_env_map
 from agl_lab.protocol import rollout_token
-
-from agl_lab.runner import AgentContext, Runner, agent_urls, resolve_env_map
+from agl_lab.runner import Runner
 from agl_lab.server.embedded import EmbeddedServer
 
 KEY = "runner-key"
