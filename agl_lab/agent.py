@@ -31,7 +31,7 @@ from typing import Any, Callable, Union
 from urllib.parse import quote
 
 from agl_lab.client import AglClient
-from agl_lab.protocol import DEFAULT_ATTEMPT_ID, rollout_token
+from agl_lab.protocol import DEFAULT_ATTEMPT_ID, Rollout, rollout_token
 
 AgentFn = Callable[[Any, "AgentContext"], Union[float, None]]
 AgentSpec = Union[AgentFn, str, None]
@@ -118,23 +118,21 @@ def resolve_env_map(env_map: dict[str, str], rollout_input: Any) -> dict[str, st
     return resolved
 
 
-def attempt_of(rollout: dict[str, Any]) -> str:
+def attempt_of(rollout: Rollout) -> str:
     """The attempt a claimed rollout runs (`status.last_attempt_id`, "0" when unset)."""
-    return (rollout.get("status") or {}).get("last_attempt_id") or DEFAULT_ATTEMPT_ID
+    return rollout.status.last_attempt_id or DEFAULT_ATTEMPT_ID
 
 
-def agent_env(rollout: dict[str, Any], server_url: str, key: str) -> dict[str, str]:
+def agent_env(rollout: Rollout, server_url: str, key: str) -> dict[str, str]:
     """The AGL variables of one rollout plus its resolved `config.local.env_map`.
 
-    The three `AGL_*` variables are the contract and win over an `env_map` entry of the
-    same name. `AGL_KEY` is the rollout's own token (`protocol.rollout_token`), not the
-    server key: it opens only this rollout's proxy route and event posts."""
-    local = (rollout.get("config") or {}).get("local") or {}
-    env = resolve_env_map(local.get("env_map") or {}, rollout.get("input"))
-    attempt = attempt_of(rollout)
-    base_url, event_url = agent_urls(server_url, rollout["rollout_id"], rollout.get("is_train", True), attempt)
-    token = rollout_token(key, rollout["rollout_id"], rollout["status"]["created_at"], attempt)
-    env.update(AGL_OPENAI_BASE_URL=base_url, AGL_EVENT_URL=event_url, AGL_KEY=token)
+    The three `AGL_*` variables are the contract (`AgentContext.env`) and win over an
+    `env_map` entry of the same name. `AGL_KEY` is the rollout's own token
+    (`protocol.rollout_token`), not the server key: it opens only this rollout's proxy route
+    and event posts."""
+    local = rollout.config.local
+    env = resolve_env_map(local.env_map if local is not None else {}, rollout.input)
+    env.update(AgentContext.of(rollout, server_url, key).env)
     return env
 
 
@@ -153,7 +151,7 @@ class AgentContext:
     |            | {server}/proxy/rollout/{rid}/attempt/{aid}/mode/{train,val}/openai/v1     |
     | api_key    | this rollout's token (its proxy route and event posts; "" if auth is off) |
     | event_url  | {server}/api/rollouts/{rid}/attempt/{aid}/events                         |
-    | rollout    | the rollout as the store returned it (dict)                              |
+    | rollout    | the rollout as the store returned it (`protocol.Rollout`)                |
     | cancelled  | set when the runner gave up on this rollout (timeout, shutdown, external) |
     """
 
@@ -163,9 +161,19 @@ class AgentContext:
     base_url: str
     event_url: str
     api_key: str
-    rollout: dict[str, Any] = field(default_factory=dict, repr=False)
+    rollout: Rollout | None = field(default=None, repr=False)
     cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
     client: AglClient | None = field(default=None, repr=False)
+
+    @classmethod
+    def of(cls, rollout: Rollout, server_url: str, key: str, client: AglClient | None = None) -> AgentContext:
+        """The context of the attempt `rollout` runs: its URLs on `server_url` and its token
+        (`protocol.rollout_token` of the server's `key`; "" when auth is off)."""
+        attempt = attempt_of(rollout)
+        base_url, event_url = agent_urls(server_url, rollout.rollout_id, rollout.is_train, attempt)
+        token = rollout_token(key, rollout.rollout_id, rollout.status.created_at, attempt)
+        return cls(rollout_id=rollout.rollout_id, attempt_id=attempt, is_train=rollout.is_train,
+                   base_url=base_url, event_url=event_url, api_key=token, rollout=rollout, client=client)
 
     @property
     def mode(self) -> str:

@@ -69,9 +69,9 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from agl_lab._agent_bootstrap import _await, split_agent_class
-from agl_lab.agent import AgentContext, AgentSpec, agent_env, agent_urls, attempt_of
+from agl_lab.agent import AgentContext, AgentSpec, agent_env, attempt_of
 from agl_lab.client import AglClient, AglHTTPError
-from agl_lab.protocol import DEFAULT_ATTEMPT_ID, rollout_token
+from agl_lab.protocol import DEFAULT_ATTEMPT_ID, Rollout
 from agl_lab.records import reward_problem
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ _RETRIES = {"max_retries": 4, "backoff_base": 0.1, "backoff_cap": 2.0}
 
 @dataclass
 class _Execution:
-    rollout: dict[str, Any]
+    rollout: Rollout
     timeout: float
     claimed_at: float  # time.monotonic() of the successful claim
     ctx: AgentContext | None = None
@@ -111,7 +111,7 @@ class _Execution:
 
     @property
     def rollout_id(self) -> str:
-        return self.rollout["rollout_id"]
+        return self.rollout.rollout_id
 
     @property
     def attempt_id(self) -> str:
@@ -330,14 +330,14 @@ class Runner:
         for rollout in self._list_rollouts("queuing", limit=free + 16):
             if free <= 0 or self._stop.is_set():
                 break
-            if rollout["rollout_id"] in self._live:
+            if rollout.rollout_id in self._live:
                 continue
             claimed = self._claim(rollout)
             if claimed is not None:
                 self._launch(claimed)
                 free -= 1
 
-    def _claim_batch(self, free: int) -> list[dict[str, Any]]:
+    def _claim_batch(self, free: int) -> list[Rollout]:
         """Up to `free` rollouts from the server's claim route, each claimed for this runner
         alone; [] (and the list-then-PATCH path from now on) on a server without one."""
         assert self._client is not None
@@ -349,7 +349,7 @@ class Runner:
             log.info("server %s has no claim route (AGL); claiming by list-then-PATCH", self.server_url)
             self._claim_route = False
             return []
-        return [r.model_dump(mode="json") for r in claimed]
+        return claimed
 
     def _release(self, live: list[_Execution]) -> set[str]:
         """Give the attempts of `live` back to the queue; the ids the server released."""
@@ -366,21 +366,18 @@ class Runner:
             log.error("could not release %d rollout(s) (%r); their leases will re-queue them", len(live), exc)
         return set()
 
-    def _list_rollouts(self, state: str, limit: int = _LIST_LIMIT) -> list[dict[str, Any]]:
+    def _list_rollouts(self, state: str, limit: int = _LIST_LIMIT) -> list[Rollout]:
         """One page of rollouts in `state`, creation order. The queue page is kept small (free
         slots + a margin for rollouts other runners claim first): the server's event loop is
         shared with the gateway, so a 20 Hz poll must not serialise the whole queue."""
         assert self._client is not None
-        rollouts = self._client.list_rollouts([state], limit=min(limit, _LIST_LIMIT))
-        return [r.model_dump(mode="json") for r in rollouts]
+        return self._client.list_rollouts([state], limit=min(limit, _LIST_LIMIT))
 
-    def _claim(self, rollout: dict[str, Any]) -> dict[str, Any] | None:
+    def _claim(self, rollout: Rollout) -> Rollout | None:
         """PATCH queuing -> running(attempt "0"); the claimed rollout, or None if taken/deleted."""
         assert self._client is not None
         try:
-            claimed = self._client.patch_status(
-                rollout["rollout_id"], state="running", last_attempt_id=DEFAULT_ATTEMPT_ID
-            )
+            return self._client.patch_status(rollout.rollout_id, state="running", last_attempt_id=DEFAULT_ATTEMPT_ID)
         except AglHTTPError as exc:
             if exc.status_code in (404, 409):  # deleted, or another runner claimed it first
                 if exc.status_code == 409:
@@ -388,14 +385,13 @@ class Runner:
                         self._counts["conflicts"] += 1
                 return None
             raise
-        return claimed.model_dump(mode="json")
 
     def _reconcile(self, started: float) -> None:
         """Stop agents whose rollout the store no longer has running (terminated outside)."""
         running = self._list_rollouts("running")
         if len(running) >= _LIST_LIMIT:
             return  # a full page proves nothing about the rollouts beyond it
-        alive = {r["rollout_id"] for r in running}
+        alive = {r.rollout_id for r in running}
         for ex in self._live_snapshot():
             # Critical: only rollouts claimed before this listing was requested can be judged.
             if ex.claimed_at < started and ex.rollout_id not in alive:
@@ -436,13 +432,13 @@ class Runner:
 
     # -- executions --------------------------------------------------------------------------
 
-    def _timeout_of(self, rollout: dict[str, Any]) -> float:
-        timeout = float((rollout.get("config") or {}).get("timeout_seconds") or 3600)
+    def _timeout_of(self, rollout: Rollout) -> float:
+        timeout = float(rollout.config.timeout_seconds or 3600)
         if self.rollout_timeout_seconds is not None:
             timeout = min(timeout, float(self.rollout_timeout_seconds))
         return timeout
 
-    def _launch(self, rollout: dict[str, Any]) -> None:
+    def _launch(self, rollout: Rollout) -> None:
         ex = _Execution(rollout=rollout, timeout=self._timeout_of(rollout), claimed_at=time.monotonic())
         with self._lock:
             self._live[ex.rollout_id] = ex
@@ -457,23 +453,15 @@ class Runner:
                                      name=f"agl-rollout-{ex.rollout_id[:8]}")
         ex.thread.start()
 
-    def _context(self, rollout: dict[str, Any]) -> AgentContext:
-        rid, is_train = rollout["rollout_id"], bool(rollout.get("is_train", True))
-        attempt = attempt_of(rollout)
-        base_url, event_url = agent_urls(self.agent_server_url, rid, is_train, attempt)
-        token = rollout_token(self.key, rid, rollout["status"]["created_at"], attempt)
-        return AgentContext(rollout_id=rid, attempt_id=attempt, is_train=is_train,
-                            base_url=base_url, event_url=event_url, api_key=token, rollout=rollout, client=self._client)
-
     def _supervise_callable(self, ex: _Execution) -> None:
         """Run the callable in an abandonable daemon thread; decide on its outcome."""
-        ctx = ex.ctx = self._context(ex.rollout)
+        ctx = ex.ctx = AgentContext.of(ex.rollout, self.agent_server_url, self.key, client=self._client)
         outcome: dict[str, Any] = {}
         done = threading.Event()
 
         def work() -> None:
             try:
-                value = self.agent(ex.rollout.get("input"), ctx)  # type: ignore[misc]
+                value = self.agent(ex.rollout.input, ctx)  # type: ignore[misc]
                 if inspect.isawaitable(value):  # an `async def` agent
                     value = asyncio.run(_await(value))
                 outcome["value"] = value
@@ -514,16 +502,16 @@ class Runner:
             return "failed", f"could not record the agent's reward {value}: {exc!r}"
         return "succeeded", None
 
-    def _agent_class_of(self, rollout: dict[str, Any]) -> str:
+    def _agent_class_of(self, rollout: Rollout) -> str:
         if isinstance(self.agent, str):
             return self.agent
-        local = (rollout.get("config") or {}).get("local") or {}
-        if not local.get("agent_class"):
+        local = rollout.config.local
+        if local is None or not local.agent_class:
             raise ValueError(
                 "invalid rollout config: missing config.local.agent_class (set "
                 "agentlightning.local.agent_class in the config, or pass Runner(agent=...))"
             )
-        return local["agent_class"]
+        return local.agent_class
 
     def _spawn(self, ex: _Execution, stderr_file: IO[bytes]) -> subprocess.Popen:
         spec = self._agent_class_of(ex.rollout)
