@@ -71,8 +71,7 @@ from typing import IO, Any
 from agl_lab._agent_bootstrap import _await, split_agent_class
 from agl_lab.agent import AgentContext, AgentSpec, agent_env, attempt_of
 from agl_lab.client import AglClient, AglHTTPError
-from agl_lab.protocol import DEFAULT_ATTEMPT_ID, Rollout
-from agl_lab.records import reward_problem
+from agl_lab.protocol import DEFAULT_ATTEMPT_ID, Rollout, reward_problem
 
 log = logging.getLogger(__name__)
 

@@ -71,9 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def runner_key(args: argparse.Namespace, environ: Mapping[str, str]) -> str:
     """--key, else --key-file's content, else $AGL_KEY, else "" (the same rule as `agl-lab serve`)."""
-    from agl_lab.server.embedded import serve_key
+    from agl_lab.client import server_key
 
-    return serve_key(args, environ)
+    return server_key(args.key, args.key_file, environ, "agl-lab runner")
 
 
 def summary_line(stats: Mapping[str, int], wall: float, prefix: str = "agl-lab runner") -> str:
