@@ -464,7 +464,7 @@ class Runner:
                 if inspect.isawaitable(value):  # an `async def` agent
                     value = asyncio.run(_await(value))
                 outcome["value"] = value
-            except BaseException as exc:  # noqa: BLE001 - any agent failure fails the rollout
+            except BaseException as exc:  # any agent failure, SystemExit included, fails the rollout
                 outcome["error"], outcome["traceback"] = exc, traceback.format_exc()
             finally:
                 done.set()

@@ -8,9 +8,10 @@ One `Store` interface (this module), three backends chosen by URL
     "sqlite:///path/to.db"   -> SqliteStore   (`sqlite.py`; a restarted kernel re-attaches to it)
     "postgresql://..."       -> PostgresStore (`postgresql.py`; several server processes share it)
 
-The semantics (AGL v1's data model, `agentlightning/schemas.py` and `server/store.py`) live once, in the `Store` base class; a backend
-only implements storage primitives (`_load`, `_insert`, `_append_event`, ...). So all
-backends answer every question identically, and the tests run the same suite on each.
+The semantics (AGL v1's data model, `agentlightning/schemas.py` and `server/store.py`) live
+once, in the `Store` base class; a backend only implements storage primitives (`_load`,
+`_insert`, `_append_event`, ...). So all backends answer every question identically, and the
+tests run the same suite on each.
 
     rollouts   rollout_id -> Rollout                 (creation order kept)
     events     rollout_id -> attempt_id -> [Event]   (append-only; position is identity)
@@ -27,7 +28,7 @@ Design decisions:
 - No HTTP here: errors are `RolloutNotFound` / `InvalidTransition` / `NotStorable`, mapped to
   404 / 409 / 422 by `agl_lab.server.app`; a second opener of a SQLite file gets `StoreLocked`.
 - Write-time rule (`agl_lab.server.storable`): what is stored can be read back and sent, on
-  both backends. The triplet view the app serves (`triplet_events`) is a pure function
+  every backend. The triplet view the app serves (`triplet_events`) is a pure function
   over events and lives in `agl_lab.records`, beside the code that consumes it.
 - Claims and attempts (agl_lab; AGL v1 always uses attempt "0"): `claim_rollouts` hands each
   queued rollout to exactly one caller as a new attempt (`last_attempt_id` "0", then "1", ...);
@@ -39,7 +40,8 @@ Design decisions:
   backend shared by several processes must lock.
 - Objects returned by `MemoryStore` are the stored ones (treat them as read-only), except event
   data: each read decodes a fresh copy of the stored JSON bytes. `models_for` answers from a
-  cache on both backends: its `Model`s are shared too (the list is the caller's).
+  cache on memory and SQLite (PostgreSQL reads the table: another process may have registered
+  endpoints): its `Model`s are shared too (the list is the caller's).
 """
 
 from __future__ import annotations
@@ -488,10 +490,10 @@ class Store(ABC):
     def close(self) -> None:
         """Release resources (SQLite connection); the in-memory store has none."""
 
-    # --- write-time checks (one rule for both backends: what is stored reads back) -----------
+    # --- write-time checks (one rule for every backend: what is stored reads back) ----------
 
     def _check_event_data(self, data: dict[str, Any] | None) -> None:
-        """NotStorable unless `data` encodes (the SQLite backend checks while encoding instead)."""
+        """NotStorable unless `data` encodes (a backend that encodes on write checks while encoding instead)."""
         if data:
             dump_storable(data, "data")
 
