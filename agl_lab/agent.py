@@ -26,15 +26,16 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Union
+from typing import Any
 from urllib.parse import quote
 
 from agl_lab.client import AglClient
 from agl_lab.protocol import DEFAULT_ATTEMPT_ID, Rollout, rollout_token
 
-AgentFn = Callable[[Any, "AgentContext"], Union[float, None]]
-AgentSpec = Union[AgentFn, str, None]
+AgentFn = Callable[[Any, "AgentContext"], float | None]
+AgentSpec = AgentFn | str | None
 
 
 # ---------------------------------------------------------------------------------------------

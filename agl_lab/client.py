@@ -26,8 +26,8 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
@@ -350,7 +350,7 @@ class AglClient:
     def close(self) -> None:
         self.http.close()
 
-    def __enter__(self) -> "AglClient":
+    def __enter__(self) -> AglClient:
         return self
 
     def __exit__(self, *exc: object) -> None:

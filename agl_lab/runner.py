@@ -239,7 +239,7 @@ class Runner:
 
     # -- lifecycle --------------------------------------------------------------------------
 
-    def start(self) -> "Runner":
+    def start(self) -> Runner:
         """Start polling in a daemon thread; returns self."""
         if self._thread is not None:
             raise RuntimeError("this Runner was already started; create a new Runner after stop()")
@@ -274,7 +274,7 @@ class Runner:
         else:
             self._client.close()
 
-    def __enter__(self) -> "Runner":
+    def __enter__(self) -> Runner:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:
@@ -417,7 +417,9 @@ class Runner:
                          ex.rollout_id, ex.attempt_id)
                 self._finish(ex, None, None)
         lease = float(answer.get("lease_seconds") or 0.0)
-        self._heartbeat_every = min(HEARTBEAT_MAX_INTERVAL_SECONDS, lease / 3) if lease else HEARTBEAT_MAX_INTERVAL_SECONDS
+        self._heartbeat_every = HEARTBEAT_MAX_INTERVAL_SECONDS
+        if lease:
+            self._heartbeat_every = min(HEARTBEAT_MAX_INTERVAL_SECONDS, lease / 3)
 
     def _live_snapshot(self) -> list[_Execution]:
         with self._lock:

@@ -132,10 +132,10 @@ def _from_config(args: argparse.Namespace) -> None:
         args.config = None
     if args.config is None and not args.overrides:
         return
+    import warnings
+
     from agl_lab import config as config_mod
     from agl_lab.tasks import agent_and_task
-
-    import warnings
 
     with warnings.catch_warnings():  # the training keys' warnings are the trainer's to print
         warnings.simplefilter("ignore", config_mod.ConfigWarning)

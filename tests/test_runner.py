@@ -157,7 +157,8 @@ def test_callable_agent_success_posts_reward_and_gets_its_context(server, api):
     assert ctx.event_url == f"{server.url}/api/rollouts/{ids[1]}/attempt/0/events"
     # the rollout as the store holds it, typed (attempt 0 running), not a dict copy of it
     assert isinstance(ctx.rollout, Rollout) and ctx.rollout.input == {"n": 1}
-    assert (ctx.rollout.rollout_id, ctx.rollout.status.state, ctx.rollout.status.last_attempt_id) == (ids[1], "running", "0")
+    status = ctx.rollout.status
+    assert (ctx.rollout.rollout_id, status.state, status.last_attempt_id) == (ids[1], "running", "0")
     assert ctx.mode == "val" and ctx.env["AGL_OPENAI_BASE_URL"] == ctx.base_url
     token = rollout_token(KEY, ids[1], ctx.rollout.status.created_at)
     assert (ctx.api_key, ctx.attempt_id, ctx.is_train) == (token, "0", False)

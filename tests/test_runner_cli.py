@@ -263,7 +263,8 @@ def test_a_runner_runs_a_rollout_without_the_server_stack_or_numpy(embedded_serv
     server = embedded_server(key=KEY, default_proxy={"model_name": "m"})
     argv = [sys.executable, "-c", LOADED, "--server", server.url, "--key", KEY, "--agent", AGENT,
             "--poll-interval", "0.02", "--summary-every", "0"]
-    proc = subprocess.Popen(argv, cwd=ROOT, env=_fresh_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(argv, cwd=ROOT, env=_fresh_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
     try:
         with AglClient(server.url, key=KEY) as client:
             client.create_rollouts([RolloutCreate(rollout_id="light", input={})])

@@ -33,8 +33,8 @@ from agl_lab.addresses import advertised_host, is_loopback, url_host
 from agl_lab.client import server_key
 from agl_lab.server.app import create_app
 from agl_lab.server.asgi import HTTP_PROTOCOL, http_protocol, read_limits
-from agl_lab.server.config import ServerConfig, load_server_config
 from agl_lab.server.backends import open_store
+from agl_lab.server.config import ServerConfig, load_server_config
 from agl_lab.server.store import Store, StoreError
 
 logger = logging.getLogger("agl_lab.server")

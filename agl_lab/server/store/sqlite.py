@@ -90,7 +90,8 @@ class SqliteStore(Store):
         self._checkpointer: threading.Thread | None = None
         if path != ":memory:":  # an in-memory database has no WAL to checkpoint
             self._db.execute("PRAGMA wal_autocheckpoint=0")  # the checkpoint thread does it
-            self._checkpointer = threading.Thread(target=self._checkpoint_loop, args=(weakref.ref(self), self._closed, path),
+            self._checkpointer = threading.Thread(target=self._checkpoint_loop,
+                                                  args=(weakref.ref(self), self._closed, path),
                                                   name="agl-sqlite-checkpoint", daemon=True)
             self._checkpointer.start()
         with self._lock:
