@@ -4,12 +4,13 @@
   parts and no web stack, so a notebook can load it without a server or an engine.
 - No import cycles between agl_lab modules, counting imports inside functions too: a lazy
   import may defer a cost, never hide a cycle.
-- No learning-core module grows past ~450 lines; the rooms split by what they are (the store's
-  backends, the runner and the agent-facing API) stay within caps that leave headroom.
+- No learning-core module grows past ~450 lines.
 - The tree is grouped by what things are (ARCHITECTURE.md): the Trainer holds the loop only
   (the execution side, the engine factory and the CLI live elsewhere), engines/serving/ is the
   OpenAI serving stack, engines/verl/ everything verl.
 - `agl-lab serve` never imports torch.
+- The rooms split by what they are (the store's backends, the runner and the agent-facing API)
+  stay within caps that leave headroom.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "agl_lab"
 PURE_CORE = ["agl_lab.records", "agl_lab.learnable", "agl_lab.batch", "agl_lab.padding", "agl_lab.validation", "agl_lab.views", "agl_lab.diagnose", "agl_lab.algorithms"]
-IO_PARTS = ["agl_lab.client", "agl_lab.server", "agl_lab.runner", "agl_lab.agent", "agl_lab.engines",
-            "agl_lab.trainer", "agl_lab.rollout"]
+IO_PARTS = ["agl_lab.client", "agl_lab.server", "agl_lab.runner", "agl_lab.engines", "agl_lab.trainer",
+            "agl_lab.rollout"]
 WEB_STACK = ["aiohttp", "fastapi", "uvicorn"]
 CORE_FILES = ["records.py", "learnable.py", "batch.py", "padding.py", "validation.py", "diagnose.py", "views.py", "update.py", "results.py",
               "algorithms/__init__.py", "algorithms/advantage.py", "algorithms/loss.py",
