@@ -26,8 +26,9 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any
 from urllib.parse import quote
 
 import httpx
@@ -269,6 +270,26 @@ def _unreachable(base_url: str, call: _Call, attempts: int, exc: Exception) -> A
 # =============================================================================================
 
 
+def server_key(key: str | None, key_file: str | None, environ: Mapping[str, str], prog: str) -> str:
+    """The server key of a command (`agl-lab serve`, `agl-lab runner`): `key` (--key), else the
+    content of `key_file` (--key-file), else $AGL_KEY, else "" (auth off). SystemExit naming
+    `prog` for both flags, an unreadable or an empty key file."""
+    if key is not None and key_file is not None:
+        raise SystemExit(f"{prog}: give --key or --key-file, not both")
+    if key is not None:
+        return key
+    if key_file is not None:
+        try:
+            with open(key_file, encoding="utf-8") as f:
+                key = f.read().strip()
+        except OSError as exc:
+            raise SystemExit(f"{prog}: cannot read --key-file {key_file}: {exc}") from None
+        if not key:
+            raise SystemExit(f"{prog}: --key-file {key_file} is empty")
+        return key
+    return environ.get("AGL_KEY", "")
+
+
 class AglClient:
     """Blocking client of one agl server (or an AGL v1 server).
 
@@ -329,7 +350,7 @@ class AglClient:
     def close(self) -> None:
         self.http.close()
 
-    def __enter__(self) -> "AglClient":
+    def __enter__(self) -> AglClient:
         return self
 
     def __exit__(self, *exc: object) -> None:

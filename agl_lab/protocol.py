@@ -16,6 +16,8 @@ from __future__ import annotations
 import enum
 import hashlib
 import hmac
+import math
+import sys
 import time
 import uuid
 from typing import Annotated, Any
@@ -207,11 +209,49 @@ class Event(BaseModel):
     data: dict[str, Any] = Field(default_factory=dict)
 
 
-class RewardData(BaseModel):
-    value: float
-    message: str | None = None
-    source: str | None = None
-    reason: str | None = None
+# ---------------------------------------------------------------------------------------------
+# Rewards: the `reward` event's `{"value": r}`
+# ---------------------------------------------------------------------------------------------
+
+
+def is_number(value: Any) -> bool:
+    """An int, a float or a numpy number (numpy is not imported here: a numpy scalar exists only
+    where numpy already is), never a bool."""
+    # Critical: bool is an int subclass; a `True` reward is a bug in the agent, not 1.0.
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, (int, float)):
+        return True
+    np = sys.modules.get("numpy")
+    return np is not None and isinstance(value, np.number) and not isinstance(value, np.bool_)
+
+
+# The largest float32, numpy.finfo(numpy.float32).max: a reward beyond it overflows the float32 tensors of a batch
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def reward_problem(value: Any) -> str | None:
+    """Why `value` is not a usable reward (None when it is): a reward is a finite float32.
+
+    Bools, text, lists, None, NaN, +-Infinity and numbers beyond float32 (|x| > 3.4e38, e.g.
+    1e39 or a 401-digit integer) are refused — they would silently become 0.0 or NaN advantages.
+    """
+    if not is_number(value):
+        return f"reward value {_brief(value)} is not a number"
+    try:
+        f = float(value)
+    except OverflowError:
+        return f"reward value {_brief(value)} is beyond float32"
+    if not math.isfinite(f):
+        return f"reward value {f} is not finite"
+    if abs(f) > FLOAT32_MAX:
+        return f"reward value {f:g} is beyond float32 (|x| <= {FLOAT32_MAX:.4g})"
+    return None
+
+
+def _brief(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:30]}...({len(text)} chars)"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from agl_lab.protocol import Event, Rollout
+from agl_lab.protocol import Event, Rollout, is_number, reward_problem
 
 LIFECYCLE_PREFIXES = ("timing/rollout_queue_wait_s", "timing/rollout_run_duration_s", "timing/rollout_total_s")
 
@@ -94,14 +94,9 @@ class CompletedRollout:
 # =============================================================================================
 
 
-def _is_number(value: Any) -> bool:
-    # Critical: bool is an int subclass; a `True` reward is a bug in the agent, not 1.0.
-    return isinstance(value, (int, float, np.number)) and not isinstance(value, (bool, np.bool_))
-
-
 def _finite_float(value: Any) -> float | None:
     """`value` as a finite float (numbers and numeric strings, not bools), else None."""
-    if not (_is_number(value) or isinstance(value, str)):
+    if not (is_number(value) or isinstance(value, str)):
         return None
     try:
         f = float(value)
@@ -243,7 +238,7 @@ def extract_log_probs(choice: dict[str, Any]) -> list[float] | None:
 
 def _is_error_call(data: Mapping[str, Any]) -> bool:
     status = data.get("http_status")
-    return data.get("status") == "error" or (_is_number(status) and int(status) >= 400)
+    return data.get("status") == "error" or (is_number(status) and int(status) >= 400)
 
 
 def triplets_from_events(triplet_events: Sequence[Mapping[str, Any]]) -> list[Triplet]:
@@ -272,33 +267,6 @@ def triplets_from_events(triplet_events: Sequence[Mapping[str, Any]]) -> list[Tr
     return triplets
 
 
-FLOAT32_MAX = float(np.finfo(np.float32).max)
-
-
-def reward_problem(value: Any) -> str | None:
-    """Why `value` is not a usable reward (None when it is): a reward is a finite float32.
-
-    Bools, text, lists, None, NaN, +-Infinity and numbers beyond float32 (|x| > 3.4e38, e.g.
-    1e39 or a 401-digit integer) are refused — they would silently become 0.0 or NaN advantages.
-    """
-    if not _is_number(value):
-        return f"reward value {_brief(value)} is not a number"
-    try:
-        f = float(value)
-    except OverflowError:
-        return f"reward value {_brief(value)} is beyond float32"
-    if not math.isfinite(f):
-        return f"reward value {f} is not finite"
-    if abs(f) > FLOAT32_MAX:
-        return f"reward value {f:g} is beyond float32 (|x| <= {FLOAT32_MAX:.4g})"
-    return None
-
-
-def _brief(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else f"{text[:30]}...({len(text)} chars)"
-
-
 def reward_from_events(events: Sequence[Mapping[str, Any]]) -> tuple[float | None, str | None]:
     """(value of the **last** `reward` event, None) or (None, why it is unusable); (None, None) without one."""
     rewards = [e for e in events if e.get("event_type") == "reward"]
@@ -320,7 +288,7 @@ def policy_version_from_events(raw_events: Sequence[Mapping[str, Any]]) -> int |
         int(v)
         for e in raw_events
         if e.get("event_type") == "model_request"
-        and _is_number(v := (e.get("data") or {}).get("model_version"))
+        and is_number(v := (e.get("data") or {}).get("model_version"))
     ]
     return min(versions) if versions else None
 
@@ -328,7 +296,7 @@ def policy_version_from_events(raw_events: Sequence[Mapping[str, Any]]) -> int |
 def _copy_idx_of(rollout: Rollout) -> int:
     """The copy index the rollout managers write into `metadata.copy_idx` (0 if absent)."""
     value = getattr(rollout.metadata, "copy_idx", None)
-    return int(value) if _is_number(value) else 0
+    return int(value) if is_number(value) else 0
 
 
 def events_to_completed_rollout(

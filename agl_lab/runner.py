@@ -6,16 +6,9 @@ an agent for each; every rollout it claims ends `succeeded` or `failed` with an
 `error_message` that says why. It records nothing else: model calls are captured by the
 gateway, rewards are posted by the agent (or by the runner for a callable's return value).
 
-Two kinds of agents
-    callable     `agent(task, ctx) -> float | None`, run in a thread of this process.
-                 `task` is the rollout's input; `ctx` (`AgentContext`) carries the gateway
-                 base URL of this rollout, the event URL and key, `emit()` and
-                 `openai_client()`. A returned number is posted as the `reward` event
-                 `{"value": r}` before the rollout is marked succeeded.
-    class name   `"module:Class"` / `"module.Class"` (the runner's `agent`, else the
-                 rollout's `config.local.agent_class`), run as an AGL agent in a subprocess
-                 of its own session with `AGL_OPENAI_BASE_URL`, `AGL_EVENT_URL`, `AGL_KEY`
-                 and the rollout's `config.local.env_map` in its environment.
+The agent it runs is a callable `agent(task, ctx)` run in a thread of this process, or an AGL
+agent class (`"module:Class"`) run in a subprocess per rollout: the contract, `AgentContext`
+and the helpers that name and load agents are the agent-facing API in `agl_lab.agent`.
 
 Lifecycle of one rollout
 
@@ -61,7 +54,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import json
 import logging
 import math
 import numbers
@@ -74,18 +66,14 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import IO, Any, Callable, Union
-from urllib.parse import quote
+from typing import IO, Any
 
 from agl_lab._agent_bootstrap import _await, split_agent_class
+from agl_lab.agent import AgentContext, AgentSpec, agent_env, attempt_of
 from agl_lab.client import AglClient, AglHTTPError
-from agl_lab.protocol import DEFAULT_ATTEMPT_ID, rollout_token
-from agl_lab.records import reward_problem
+from agl_lab.protocol import DEFAULT_ATTEMPT_ID, Rollout, reward_problem
 
 log = logging.getLogger(__name__)
-
-AgentFn = Callable[[Any, "AgentContext"], Union[float, None]]
-AgentSpec = Union[AgentFn, str, None]
 
 STDERR_TAIL_CHARS = 2000
 KILL_WAIT_SECONDS = 5.0
@@ -104,181 +92,13 @@ _RETRIES = {"max_retries": 4, "backoff_base": 0.1, "backoff_cap": 2.0}
 
 
 # ---------------------------------------------------------------------------------------------
-# What the agent receives (pure)
-# ---------------------------------------------------------------------------------------------
-
-
-def load_agent(spec: str) -> AgentFn | str:
-    """The callable named by `"module:function"` (`agl_lab.agent=...` on the command line).
-
-    A name that is not a function (a class, an AGL agent class) is returned as the string, for
-    the runner to run as an AGL agent subprocess."""
-    import importlib
-
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"agl_lab.agent={spec!r} must be 'module:function' (e.g. my_agents:solve), "
-                         "importable from the current directory or PYTHONPATH")
-    obj: Any = importlib.import_module(module_name)
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"agl_lab.agent={spec!r}: {obj.__name__!r} has no attribute {part!r}")
-        obj = getattr(obj, part)
-    if isinstance(obj, type):
-        return spec  # a class: run as an AGL agent (Class().run()) in a subprocess
-    if not callable(obj):
-        raise ValueError(f"agl_lab.agent={spec!r} names a {type(obj).__name__}, not a function agent(task, ctx)")
-    return obj
-
-
-def agl_agent_class_spec(cls: type) -> str:
-    """`"module:Qualname"` of an Agent Lightning agent class (no-argument constructor, `run()`),
-    which the runner starts in a subprocess per rollout with `AGL_OPENAI_BASE_URL`,
-    `AGL_EVENT_URL` and `AGL_KEY` set — the AGL v1 contract, so the class runs unchanged."""
-    if not callable(getattr(cls, "run", None)):
-        raise TypeError(f"agent={cls.__name__} is a class without run(): pass a function agent(task, ctx), "
-                        "or an Agent Lightning agent class (no-argument constructor and run())")
-    if cls.__module__ in ("__main__", "builtins") or "<locals>" in cls.__qualname__:
-        raise TypeError(f"agent={cls.__name__}: an Agent Lightning agent class runs in a subprocess, which "
-                        "imports it by name; define it in a module (not in a notebook cell or a function), "
-                        "or write the agent as a function agent(task, ctx)")
-    return f"{cls.__module__}:{cls.__qualname__}"
-
-
-def agent_urls(server_url: str, rollout_id: str, is_train: bool,
-               attempt_id: str = DEFAULT_ATTEMPT_ID) -> tuple[str, str]:
-    """`(openai_base_url, event_url)` of one rollout, exactly as AGL v1 injects them."""
-    base = server_url.rstrip("/")
-    mode = "train" if is_train else "val"
-    return (
-        f"{base}/proxy/rollout/{quote(rollout_id, safe='')}/attempt/{quote(attempt_id, safe='')}/mode/{mode}/openai/v1",
-        f"{base}/api/rollouts/{quote(rollout_id, safe='')}/attempt/{quote(attempt_id, safe='')}/events",
-    )
-
-
-def resolve_env_path(path: str, rollout_input: Any) -> Any:
-    """Value of one `env_map` entry: `"input"`, `"input.a.b.0"` (dict keys / list indices),
-    or any other string used literally. A missing step raises
-    `ValueError("local.env_map path not found: {path}")`."""
-    if path == "input":
-        return rollout_input
-    if not path.startswith("input."):
-        return path
-    value = rollout_input
-    for part in path.split(".")[1:]:
-        if isinstance(value, dict) and part in value:
-            value = value[part]
-        elif isinstance(value, list) and part.isdigit() and int(part) < len(value):
-            value = value[int(part)]
-        else:
-            raise ValueError(f"local.env_map path not found: {path}")
-    return value
-
-
-def resolve_env_map(env_map: dict[str, str], rollout_input: Any) -> dict[str, str]:
-    """`{VAR: path}` -> `{VAR: value}`; non-string values are JSON-dumped (`ensure_ascii=False`)."""
-    resolved = {}
-    for name, path in env_map.items():
-        value = resolve_env_path(path, rollout_input)
-        resolved[name] = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
-    return resolved
-
-
-def attempt_of(rollout: dict[str, Any]) -> str:
-    """The attempt a claimed rollout runs (`status.last_attempt_id`, "0" when unset)."""
-    return (rollout.get("status") or {}).get("last_attempt_id") or DEFAULT_ATTEMPT_ID
-
-
-def agent_env(rollout: dict[str, Any], server_url: str, key: str) -> dict[str, str]:
-    """The AGL variables of one rollout plus its resolved `config.local.env_map`.
-
-    The three `AGL_*` variables are the contract and win over an `env_map` entry of the
-    same name. `AGL_KEY` is the rollout's own token (`protocol.rollout_token`), not the
-    server key: it opens only this rollout's proxy route and event posts."""
-    local = (rollout.get("config") or {}).get("local") or {}
-    env = resolve_env_map(local.get("env_map") or {}, rollout.get("input"))
-    attempt = attempt_of(rollout)
-    base_url, event_url = agent_urls(server_url, rollout["rollout_id"], rollout.get("is_train", True), attempt)
-    token = rollout_token(key, rollout["rollout_id"], rollout["status"]["created_at"], attempt)
-    env.update(AGL_OPENAI_BASE_URL=base_url, AGL_EVENT_URL=event_url, AGL_KEY=token)
-    return env
-
-
-# ---------------------------------------------------------------------------------------------
-# AgentContext: what a callable agent gets besides its task
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class AgentContext:
-    """Everything a callable agent needs to talk to the gateway and the store.
-
-    | field      | meaning                                                                  |
-    |------------|--------------------------------------------------------------------------|
-    | base_url   | OpenAI base URL of this rollout:                                         |
-    |            | {server}/proxy/rollout/{rid}/attempt/{aid}/mode/{train,val}/openai/v1     |
-    | api_key    | this rollout's token (its proxy route and event posts; "" if auth is off) |
-    | event_url  | {server}/api/rollouts/{rid}/attempt/{aid}/events                         |
-    | rollout    | the rollout as the store returned it (dict)                              |
-    | cancelled  | set when the runner gave up on this rollout (timeout, shutdown, external) |
-    """
-
-    rollout_id: str
-    attempt_id: str
-    is_train: bool
-    base_url: str
-    event_url: str
-    api_key: str
-    rollout: dict[str, Any] = field(default_factory=dict, repr=False)
-    cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
-    client: AglClient | None = field(default=None, repr=False)
-
-    @property
-    def mode(self) -> str:
-        return "train" if self.is_train else "val"
-
-    @property
-    def env(self) -> dict[str, str]:
-        """The AGL environment variables a subprocess agent of this rollout would get."""
-        return {"AGL_OPENAI_BASE_URL": self.base_url, "AGL_EVENT_URL": self.event_url,
-                "AGL_KEY": self.api_key}
-
-    def emit(self, event_type: str, data: dict[str, Any] | None = None) -> dict[str, Any]:
-        """POST one event of this rollout (e.g. `emit("reward", {"value": 1.0})`); returns it.
-
-        Sent through the runner's `AglClient` (without one: a client of `event_url`'s server).
-        """
-        if self.client is not None:
-            event = self.client.add_event(self.rollout_id, self.attempt_id, event_type, dict(data or {}))
-        else:
-            server = self.event_url.partition("/api/rollouts/")[0]
-            with AglClient(server, key=self.api_key, timeout=30) as client:
-                event = client.add_event(self.rollout_id, self.attempt_id, event_type, dict(data or {}))
-        return event.model_dump(mode="json")
-
-    def openai_client(self, max_retries: int = 6, timeout: float = 300.0, **kwargs: Any) -> Any:
-        """An `openai.OpenAI` client bound to this rollout's gateway URL."""
-        import openai
-
-        return openai.OpenAI(base_url=self.base_url, api_key=self.api_key or "EMPTY",
-                             max_retries=max_retries, timeout=timeout, **kwargs)
-
-    def async_openai_client(self, max_retries: int = 6, timeout: float = 300.0, **kwargs: Any) -> Any:
-        """An `openai.AsyncOpenAI` client bound to this rollout's gateway URL."""
-        import openai
-
-        return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key or "EMPTY",
-                                  max_retries=max_retries, timeout=timeout, **kwargs)
-
-
-# ---------------------------------------------------------------------------------------------
 # One claimed rollout
 # ---------------------------------------------------------------------------------------------
 
 
 @dataclass
 class _Execution:
-    rollout: dict[str, Any]
+    rollout: Rollout
     timeout: float
     claimed_at: float  # time.monotonic() of the successful claim
     ctx: AgentContext | None = None
@@ -290,7 +110,7 @@ class _Execution:
 
     @property
     def rollout_id(self) -> str:
-        return self.rollout["rollout_id"]
+        return self.rollout.rollout_id
 
     @property
     def attempt_id(self) -> str:
@@ -419,7 +239,7 @@ class Runner:
 
     # -- lifecycle --------------------------------------------------------------------------
 
-    def start(self) -> "Runner":
+    def start(self) -> Runner:
         """Start polling in a daemon thread; returns self."""
         if self._thread is not None:
             raise RuntimeError("this Runner was already started; create a new Runner after stop()")
@@ -454,7 +274,7 @@ class Runner:
         else:
             self._client.close()
 
-    def __enter__(self) -> "Runner":
+    def __enter__(self) -> Runner:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:
@@ -509,14 +329,14 @@ class Runner:
         for rollout in self._list_rollouts("queuing", limit=free + 16):
             if free <= 0 or self._stop.is_set():
                 break
-            if rollout["rollout_id"] in self._live:
+            if rollout.rollout_id in self._live:
                 continue
             claimed = self._claim(rollout)
             if claimed is not None:
                 self._launch(claimed)
                 free -= 1
 
-    def _claim_batch(self, free: int) -> list[dict[str, Any]]:
+    def _claim_batch(self, free: int) -> list[Rollout]:
         """Up to `free` rollouts from the server's claim route, each claimed for this runner
         alone; [] (and the list-then-PATCH path from now on) on a server without one."""
         assert self._client is not None
@@ -528,7 +348,7 @@ class Runner:
             log.info("server %s has no claim route (AGL); claiming by list-then-PATCH", self.server_url)
             self._claim_route = False
             return []
-        return [r.model_dump(mode="json") for r in claimed]
+        return claimed
 
     def _release(self, live: list[_Execution]) -> set[str]:
         """Give the attempts of `live` back to the queue; the ids the server released."""
@@ -545,21 +365,18 @@ class Runner:
             log.error("could not release %d rollout(s) (%r); their leases will re-queue them", len(live), exc)
         return set()
 
-    def _list_rollouts(self, state: str, limit: int = _LIST_LIMIT) -> list[dict[str, Any]]:
+    def _list_rollouts(self, state: str, limit: int = _LIST_LIMIT) -> list[Rollout]:
         """One page of rollouts in `state`, creation order. The queue page is kept small (free
         slots + a margin for rollouts other runners claim first): the server's event loop is
         shared with the gateway, so a 20 Hz poll must not serialise the whole queue."""
         assert self._client is not None
-        rollouts = self._client.list_rollouts([state], limit=min(limit, _LIST_LIMIT))
-        return [r.model_dump(mode="json") for r in rollouts]
+        return self._client.list_rollouts([state], limit=min(limit, _LIST_LIMIT))
 
-    def _claim(self, rollout: dict[str, Any]) -> dict[str, Any] | None:
+    def _claim(self, rollout: Rollout) -> Rollout | None:
         """PATCH queuing -> running(attempt "0"); the claimed rollout, or None if taken/deleted."""
         assert self._client is not None
         try:
-            claimed = self._client.patch_status(
-                rollout["rollout_id"], state="running", last_attempt_id=DEFAULT_ATTEMPT_ID
-            )
+            return self._client.patch_status(rollout.rollout_id, state="running", last_attempt_id=DEFAULT_ATTEMPT_ID)
         except AglHTTPError as exc:
             if exc.status_code in (404, 409):  # deleted, or another runner claimed it first
                 if exc.status_code == 409:
@@ -567,14 +384,13 @@ class Runner:
                         self._counts["conflicts"] += 1
                 return None
             raise
-        return claimed.model_dump(mode="json")
 
     def _reconcile(self, started: float) -> None:
         """Stop agents whose rollout the store no longer has running (terminated outside)."""
         running = self._list_rollouts("running")
         if len(running) >= _LIST_LIMIT:
             return  # a full page proves nothing about the rollouts beyond it
-        alive = {r["rollout_id"] for r in running}
+        alive = {r.rollout_id for r in running}
         for ex in self._live_snapshot():
             # Critical: only rollouts claimed before this listing was requested can be judged.
             if ex.claimed_at < started and ex.rollout_id not in alive:
@@ -601,7 +417,9 @@ class Runner:
                          ex.rollout_id, ex.attempt_id)
                 self._finish(ex, None, None)
         lease = float(answer.get("lease_seconds") or 0.0)
-        self._heartbeat_every = min(HEARTBEAT_MAX_INTERVAL_SECONDS, lease / 3) if lease else HEARTBEAT_MAX_INTERVAL_SECONDS
+        self._heartbeat_every = HEARTBEAT_MAX_INTERVAL_SECONDS
+        if lease:
+            self._heartbeat_every = min(HEARTBEAT_MAX_INTERVAL_SECONDS, lease / 3)
 
     def _live_snapshot(self) -> list[_Execution]:
         with self._lock:
@@ -615,13 +433,13 @@ class Runner:
 
     # -- executions --------------------------------------------------------------------------
 
-    def _timeout_of(self, rollout: dict[str, Any]) -> float:
-        timeout = float((rollout.get("config") or {}).get("timeout_seconds") or 3600)
+    def _timeout_of(self, rollout: Rollout) -> float:
+        timeout = float(rollout.config.timeout_seconds or 3600)
         if self.rollout_timeout_seconds is not None:
             timeout = min(timeout, float(self.rollout_timeout_seconds))
         return timeout
 
-    def _launch(self, rollout: dict[str, Any]) -> None:
+    def _launch(self, rollout: Rollout) -> None:
         ex = _Execution(rollout=rollout, timeout=self._timeout_of(rollout), claimed_at=time.monotonic())
         with self._lock:
             self._live[ex.rollout_id] = ex
@@ -636,27 +454,19 @@ class Runner:
                                      name=f"agl-rollout-{ex.rollout_id[:8]}")
         ex.thread.start()
 
-    def _context(self, rollout: dict[str, Any]) -> AgentContext:
-        rid, is_train = rollout["rollout_id"], bool(rollout.get("is_train", True))
-        attempt = attempt_of(rollout)
-        base_url, event_url = agent_urls(self.agent_server_url, rid, is_train, attempt)
-        token = rollout_token(self.key, rid, rollout["status"]["created_at"], attempt)
-        return AgentContext(rollout_id=rid, attempt_id=attempt, is_train=is_train,
-                            base_url=base_url, event_url=event_url, api_key=token, rollout=rollout, client=self._client)
-
     def _supervise_callable(self, ex: _Execution) -> None:
         """Run the callable in an abandonable daemon thread; decide on its outcome."""
-        ctx = ex.ctx = self._context(ex.rollout)
+        ctx = ex.ctx = AgentContext.of(ex.rollout, self.agent_server_url, self.key, client=self._client)
         outcome: dict[str, Any] = {}
         done = threading.Event()
 
         def work() -> None:
             try:
-                value = self.agent(ex.rollout.get("input"), ctx)  # type: ignore[misc]
+                value = self.agent(ex.rollout.input, ctx)  # type: ignore[misc]
                 if inspect.isawaitable(value):  # an `async def` agent
                     value = asyncio.run(_await(value))
                 outcome["value"] = value
-            except BaseException as exc:  # noqa: BLE001 - any agent failure fails the rollout
+            except BaseException as exc:  # any agent failure, SystemExit included, fails the rollout
                 outcome["error"], outcome["traceback"] = exc, traceback.format_exc()
             finally:
                 done.set()
@@ -693,16 +503,16 @@ class Runner:
             return "failed", f"could not record the agent's reward {value}: {exc!r}"
         return "succeeded", None
 
-    def _agent_class_of(self, rollout: dict[str, Any]) -> str:
+    def _agent_class_of(self, rollout: Rollout) -> str:
         if isinstance(self.agent, str):
             return self.agent
-        local = (rollout.get("config") or {}).get("local") or {}
-        if not local.get("agent_class"):
+        local = rollout.config.local
+        if local is None or not local.agent_class:
             raise ValueError(
                 "invalid rollout config: missing config.local.agent_class (set "
                 "agentlightning.local.agent_class in the config, or pass Runner(agent=...))"
             )
-        return local["agent_class"]
+        return local.agent_class
 
     def _spawn(self, ex: _Execution, stderr_file: IO[bytes]) -> subprocess.Popen:
         spec = self._agent_class_of(ex.rollout)

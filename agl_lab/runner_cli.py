@@ -71,9 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def runner_key(args: argparse.Namespace, environ: Mapping[str, str]) -> str:
     """--key, else --key-file's content, else $AGL_KEY, else "" (the same rule as `agl-lab serve`)."""
-    from agl_lab.server.embedded import serve_key
+    from agl_lab.client import server_key
 
-    return serve_key(args, environ)
+    return server_key(args.key, args.key_file, environ, "agl-lab runner")
 
 
 def summary_line(stats: Mapping[str, int], wall: float, prefix: str = "agl-lab runner") -> str:
@@ -132,10 +132,10 @@ def _from_config(args: argparse.Namespace) -> None:
         args.config = None
     if args.config is None and not args.overrides:
         return
+    import warnings
+
     from agl_lab import config as config_mod
     from agl_lab.tasks import agent_and_task
-
-    import warnings
 
     with warnings.catch_warnings():  # the training keys' warnings are the trainer's to print
         warnings.simplefilter("ignore", config_mod.ConfigWarning)
@@ -154,7 +154,8 @@ def _from_config(args: argparse.Namespace) -> None:
 
 
 def _build_runner(args: argparse.Namespace):
-    from agl_lab.runner import Runner, load_agent
+    from agl_lab.agent import load_agent
+    from agl_lab.runner import Runner
 
     _from_config(args)
     if not args.server:

@@ -48,7 +48,7 @@ def contract_agent(task, ctx):
     with _LOCK:
         SEEN.append({"rollout_id": ctx.rollout_id, "is_train": ctx.is_train, "base_url": ctx.base_url,
                      "api_key": ctx.api_key, "event_url": ctx.event_url, "model": reply.model,
-                     "created_at": ctx.rollout["status"]["created_at"]})
+                     "created_at": ctx.rollout.status.created_at})
     return 0.25 * task["i"]
 
 

@@ -114,3 +114,14 @@ def test_claims_benchmark_prints_both_paths_for_every_backend():
         assert all(float(cells[2 + 3 * g]) > 0 for g in range(groups))  # rollouts/s measured on each backend
     assert all(rows["claim@2"][3 + 3 * g] == "0.00" for g in range(groups))  # the claim route never conflicts
     assert "AGL columns absent: --no-agl" in out
+
+
+def test_runner_start_benchmark_prints_every_case_and_no_server_stack_in_a_runner():
+    out = _run("benchmarks/runner_start.py", "--repeats", "1", "--load", "0")
+    rows = _rows(out, "case")
+    cases = ("python -c pass", "runner --help", "runner to polling", "runner to 1 done", "server stack+numpy")
+    assert set(rows) == {f"{case}@0" for case in cases}
+    for cells in rows.values():
+        assert len(cells) == 7 and all(cells) and float(cells[3]) > 0, cells
+    assert all(rows[f"{case}@0"][6] == "0" for case in cases[:4])  # a runner loads neither
+    assert int(rows["server stack+numpy@0"][6]) > 0  # the column counts what it names

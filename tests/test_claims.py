@@ -1,5 +1,5 @@
-"""The claim route over real HTTP: exactly-once under 16+ concurrent claimers on both store
-backends, its errors, the attempt-conditioned PATCH and heartbeat, and release, as a client sees them."""
+"""The claim route over real HTTP: exactly-once under 16+ concurrent claimers on every store
+backend, its errors, the attempt-conditioned PATCH and heartbeat, and release, as a client sees them."""
 
 from __future__ import annotations
 

@@ -7,13 +7,14 @@ import math
 import time
 
 import httpx
+import numpy as np
 import pytest
 
 from agl_lab import batch
 from agl_lab.client import AglClient
 from agl_lab.logger import format_console_line
-from agl_lab.protocol import Rollout
-from agl_lab.records import CompletedRollout, Triplet, reward_problem
+from agl_lab.protocol import FLOAT32_MAX, Rollout, is_number, reward_problem
+from agl_lab.records import CompletedRollout, Triplet
 from agl_lab.rollout import SyncRolloutManager
 from tests.test_rollout import KEY, FakeRunner, post_call
 
@@ -30,9 +31,18 @@ def test_reward_problem_names_why(value, why):
     assert why in reward_problem(value)
 
 
-@pytest.mark.parametrize("value", [0, 1, -3, 0.5, 3.4e38, -1e-45, 2**63 - 1])
+@pytest.mark.parametrize("value", [0, 1, -3, 0.5, 3.4e38, -1e-45, 2**63 - 1, np.float32(0.5), np.int64(2)])
 def test_finite_float32_rewards_are_accepted(value):
     assert reward_problem(value) is None
+
+
+def test_numbers_are_told_apart_without_importing_numpy():
+    # protocol.py does not import numpy (the runner checks a returned reward without it), yet a
+    # numpy scalar still counts as a number and a numpy bool does not, as bool does not
+    assert FLOAT32_MAX == float(np.finfo(np.float32).max)
+    assert [is_number(v) for v in (1, 0.5, np.float32(1), np.int8(1))] == [True] * 4
+    assert [is_number(v) for v in (True, np.bool_(True), "1", None, 1j)] == [False] * 5
+    assert "beyond float32" in reward_problem(np.float64(1e39))
 
 
 def _reward_agent(values: dict[int, object]):

@@ -11,9 +11,9 @@ from typing import Any
 import httpx
 import pytest
 
-from agl_lab.protocol import rollout_token
-
-from agl_lab.runner import AgentContext, Runner, agent_urls, resolve_env_map
+from agl_lab.agent import AgentContext, agent_urls, resolve_env_map
+from agl_lab.protocol import Rollout, rollout_token
+from agl_lab.runner import Runner
 from agl_lab.server.embedded import EmbeddedServer
 
 KEY = "runner-key"
@@ -155,7 +155,12 @@ def test_callable_agent_success_posts_reward_and_gets_its_context(server, api):
     ctx = seen[ids[1]]
     assert ctx.base_url == f"{server.url}/proxy/rollout/{ids[1]}/attempt/0/mode/val/openai/v1"
     assert ctx.event_url == f"{server.url}/api/rollouts/{ids[1]}/attempt/0/events"
-    token = rollout_token(KEY, ids[1], ctx.rollout["status"]["created_at"])
+    # the rollout as the store holds it, typed (attempt 0 running), not a dict copy of it
+    assert isinstance(ctx.rollout, Rollout) and ctx.rollout.input == {"n": 1}
+    status = ctx.rollout.status
+    assert (ctx.rollout.rollout_id, status.state, status.last_attempt_id) == (ids[1], "running", "0")
+    assert ctx.mode == "val" and ctx.env["AGL_OPENAI_BASE_URL"] == ctx.base_url
+    token = rollout_token(KEY, ids[1], ctx.rollout.status.created_at)
     assert (ctx.api_key, ctx.attempt_id, ctx.is_train) == (token, "0", False)
     client = ctx.openai_client(max_retries=1)
     assert str(client.base_url).rstrip("/") == ctx.base_url and client.api_key == token

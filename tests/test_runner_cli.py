@@ -5,6 +5,7 @@ rollout finish exactly once."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -223,3 +224,75 @@ def test_the_trainers_config_gives_the_runner_its_server_key_agent_and_concurren
     first = out.splitlines()[0]
     assert f"claiming from {server.url}" in first and "agent tests.agents_for_tests:remote_agent" in first, out
     assert "concurrency 3" in first and "stopped (SIGINT): 4 done (4 succeeded, 0 failed)" in out
+
+
+# =========================================================================== a light process
+
+# What a runner host need not load: the server stack (its app, FastAPI, uvicorn, Starlette) and numpy.
+# `agl-lab runner` reads flags, imports the agent and talks HTTP (httpx, pydantic), nothing more.
+NOT_IN_A_RUNNER = ["agl_lab.server", "fastapi", "uvicorn", "starlette", "numpy", "torch", "pandas", "aiohttp"]
+LOADED = r"""
+import json, sys
+from agl_lab import cli
+try:
+    cli.main(["runner", *sys.argv[1:]])
+except SystemExit:
+    pass
+print("MODULES " + json.dumps(sorted(sys.modules)), flush=True)
+"""
+
+
+def _heavy(out: str) -> list[str]:
+    line = next(line for line in reversed(out.splitlines()) if line.startswith("MODULES "))
+    loaded = json.loads(line[len("MODULES "):])
+    return sorted(m for m in loaded for bad in NOT_IN_A_RUNNER if m == bad or m.startswith(bad + "."))
+
+
+def _fresh_env() -> dict[str, str]:  # as a runner host starts it: no VERL_* variables of an engine here
+    return {k: v for k, v in os.environ.items() if not k.startswith("VERL_") and k != "AGL_SERVER_URL"}
+
+
+def test_runner_help_imports_no_server_stack_and_no_numpy():
+    done = subprocess.run([sys.executable, "-c", LOADED, "--help"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env=_fresh_env())
+    assert done.returncode == 0 and "usage: agl-lab runner" in done.stdout, done.stdout + done.stderr
+    assert _heavy(done.stdout) == []
+
+
+def test_a_runner_runs_a_rollout_without_the_server_stack_or_numpy(embedded_server):
+    server = embedded_server(key=KEY, default_proxy={"model_name": "m"})
+    argv = [sys.executable, "-c", LOADED, "--server", server.url, "--key", KEY, "--agent", AGENT,
+            "--poll-interval", "0.02", "--summary-every", "0"]
+    proc = subprocess.Popen(argv, cwd=ROOT, env=_fresh_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        with AglClient(server.url, key=KEY) as client:
+            client.create_rollouts([RolloutCreate(rollout_id="light", input={})])
+            wait_for(lambda: client.get_rollout("light")[0].is_terminal, 60, "the rollout")
+            assert client.get_rollout("light")[0].status.state == "succeeded"
+            assert client.get_events("light", event_type="reward")[0]["data"] == {"value": 1.0}
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0 and "stopped (SIGTERM): 1 done (1 succeeded, 0 failed)" in out, out
+    assert _heavy(out) == []
+
+
+def test_the_runners_key_follows_serves_rule_and_names_the_runner(tmp_path):
+    from agl_lab.runner_cli import build_parser, runner_key
+
+    def key(*argv: str, environ: dict[str, str] | None = None) -> str:
+        return runner_key(build_parser().parse_args(["--server", "http://h:1", *argv]), environ or {})
+
+    (tmp_path / "key").write_text("file-key\n")
+    assert key(environ={"AGL_KEY": "env-key"}) == "env-key" and key() == ""
+    assert key("--key-file", str(tmp_path / "key"), environ={"AGL_KEY": "env-key"}) == "file-key"
+    assert key("--key", "flag-key", environ={"AGL_KEY": "env-key"}) == "flag-key"
+    with pytest.raises(SystemExit, match="^agl-lab runner: give --key or --key-file, not both$"):
+        key("--key", "k", "--key-file", str(tmp_path / "key"))
+    (tmp_path / "empty").write_text("")
+    with pytest.raises(SystemExit, match="^agl-lab runner: --key-file .*empty is empty$"):
+        key("--key-file", str(tmp_path / "empty"))

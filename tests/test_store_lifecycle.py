@@ -84,7 +84,7 @@ def test_ids_with_every_allowed_character_round_trip_through_the_client(server):
 
 def test_client_quotes_ids_in_urls():
     from agl_lab.client import _patch_status_call
-    from agl_lab.runner import agent_urls
+    from agl_lab.agent import agent_urls
 
     assert _patch_status_call("a/b?c#d", {}).path == "/api/rollouts/a%2Fb%3Fc%23d"
     base, events = agent_urls("http://s", "a/b", True)

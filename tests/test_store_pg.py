@@ -29,7 +29,7 @@ import pytest
 from agl_lab.protocol import RolloutCreate, RolloutState, RolloutStatusPatch
 from agl_lab.server.backends import open_store
 from agl_lab.server.store import StoreUnavailable
-from agl_lab.server.store_pg import PostgresStore, SchemaMismatch
+from agl_lab.server.store.postgresql import PostgresStore, SchemaMismatch
 
 KEY = "pg-key"
 RUNNING = RolloutStatusPatch(state=RolloutState.RUNNING)

@@ -334,7 +334,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StoreUnavailable)
     async def store_unavailable(_: Request, exc: StoreUnavailable) -> JSONResponse:
-        # the PostgreSQL store lost its database (store_pg._Checkout): the transaction rolled back
+        # the PostgreSQL store lost its database (store.postgresql._Checkout): the transaction rolled back
         return JSONResponse({"detail": str(exc)}, status_code=503, headers={"Retry-After": "1"})
 
     @app.exception_handler(RequestValidationError)

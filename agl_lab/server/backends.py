@@ -1,19 +1,19 @@
-"""`open_store(url)`: the one place that knows every store backend (`agl_lab.server.store`).
+"""`open_store(url)`: the one place that picks a store backend (`agl_lab.server.store`).
 
     None | "memory"                          -> MemoryStore    lost when the process ends
     "sqlite:///rel/path.db" | "sqlite:////abs/path.db"
                                              -> SqliteStore    one server process per file
     "postgresql://user:pass@host:5432/db"    -> PostgresStore  any number of server processes
-    (or "postgres://...")                                      (agl_lab.server.store_pg)
+    (or "postgres://...")                                      (agl_lab.server.store.postgresql)
 
-It lives apart from `store.py` because the PostgreSQL backend subclasses the `Store` defined
-there: the factory importing both keeps the import graph acyclic.
+It lives apart from the `store` package so that importing the package does not import the
+PostgreSQL driver: only this factory imports every backend.
 """
 
 from __future__ import annotations
 
 from agl_lab.server.store import DEFAULT_TERMINAL_LOG_LIMIT, MemoryStore, SqliteStore, Store
-from agl_lab.server.store_pg import PostgresStore
+from agl_lab.server.store.postgresql import PostgresStore
 
 STORE_URLS = "'memory' (default), 'sqlite:///path/to/store.db' or 'postgresql://user:password@host:5432/database'"
 

@@ -30,10 +30,11 @@ import httpx
 import uvicorn
 
 from agl_lab.addresses import advertised_host, is_loopback, url_host
+from agl_lab.client import server_key
 from agl_lab.server.app import create_app
 from agl_lab.server.asgi import HTTP_PROTOCOL, http_protocol, read_limits
-from agl_lab.server.config import ServerConfig, load_server_config
 from agl_lab.server.backends import open_store
+from agl_lab.server.config import ServerConfig, load_server_config
 from agl_lab.server.store import Store, StoreError
 
 logger = logging.getLogger("agl_lab.server")
@@ -262,24 +263,6 @@ LIMIT_FLAGS: dict[str, tuple[str, type, str, str]] = {
 }
 
 
-def serve_key(args: argparse.Namespace, environ: Mapping[str, str]) -> str:
-    """The key of `agl-lab serve`: --key, else --key-file's content, else $AGL_KEY, else ""."""
-    if args.key is not None and args.key_file is not None:
-        raise SystemExit("agl-lab serve: give --key or --key-file, not both")
-    if args.key is not None:
-        return args.key
-    if args.key_file is not None:
-        try:
-            with open(args.key_file, encoding="utf-8") as f:
-                key = f.read().strip()
-        except OSError as exc:
-            raise SystemExit(f"agl-lab serve: cannot read --key-file {args.key_file}: {exc}") from None
-        if not key:
-            raise SystemExit(f"agl-lab serve: --key-file {args.key_file} is empty")
-        return key
-    return environ.get("AGL_KEY", "")
-
-
 def serve_config(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> ServerConfig:
     """The ServerConfig of `agl-lab serve`'s parsed flags (errors name the config key).
 
@@ -288,7 +271,7 @@ def serve_config(args: argparse.Namespace, environ: Mapping[str, str] | None = N
     """
     import os
 
-    key = serve_key(args, os.environ if environ is None else environ)
+    key = server_key(args.key, args.key_file, os.environ if environ is None else environ, "agl-lab serve")
     if not key and not is_loopback(args.host):
         raise SystemExit(f"agl-lab serve: refusing to bind {args.host} without a key: set AGL_KEY (or --key-file "
                          "PATH) so clients must authenticate, or bind 127.0.0.1")

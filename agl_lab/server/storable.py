@@ -1,4 +1,4 @@
-"""What the store accepts: one rule for both backends — a stored value can be read back and sent.
+"""What the store accepts: one rule for every backend — a stored value can be read back and sent.
 
     check_storable(value, where)   strict walk (API writes): raises NotStorable naming the field
     dump_storable(value, where)    fast orjson encode (gateway/event hot path): bytes or NotStorable
@@ -16,7 +16,7 @@ the API's write routes, whose bodies are small. The gateway's hot path records b
 orjson already parsed (no NaN, no surrogates, ints within u64), so it only needs the nesting
 bound: `dump_storable` gets it from one orjson encode by wrapping the value in
 `_ORJSON_DEPTH - MAX_DEPTH` lists (orjson refuses to encode deeper than its recursion limit)
-and returns the encoding without the wrapper, which the SQLite backend writes as is.
+and returns the encoding without the wrapper, which the backends store as is.
 """
 
 from __future__ import annotations

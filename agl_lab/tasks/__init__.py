@@ -205,7 +205,7 @@ def agent_and_task(cfg: Any, agent: Any, task: Any, *, has_tasks: bool) -> tuple
     `agl_lab.task.name`) is loaded when it is given or when it must supply the agent or, without
     `has_tasks` (no dataset, no `data.train_files`), the tasks.
     """
-    from agl_lab.runner import agl_agent_class_spec, load_agent
+    from agl_lab.agent import agl_agent_class_spec, load_agent
 
     lab, agent_class = cfg.agl_lab, cfg.agentlightning.local.agent_class
     if agent is None and lab.get("agent"):

@@ -2,7 +2,7 @@
 
     open_store("postgresql://user:pass@host:5432/db")  -> PostgresStore   (agl_lab.server.backends)
 
-The semantics are the base class's (`agl_lab.server.store.Store`), unchanged; this module only
+The semantics are the base class's (`agl_lab.server.store.base.Store`), unchanged; this module only
 implements its primitives in SQL and replaces the two things the base class keeps per process:
 
 - **The lock.** The base class wraps every public method in `with self._lock` and does
@@ -77,7 +77,7 @@ import psycopg_pool
 
 from agl_lab.protocol import Event, Model, Rollout, RolloutState, TerminalPage
 from agl_lab.server.storable import dump_storable
-from agl_lab.server.store import (
+from agl_lab.server.store.base import (
     DEFAULT_TERMINAL_LOG_LIMIT,
     Store,
     StoreError,
@@ -326,7 +326,8 @@ class PostgresStore(Store):
         process) is older than `before`, in creation order. Reads only: the base class's
         `expire_leases` locks the rows it returns (`_load_many` in its transaction) and asks again,
         so a heartbeat that committed in between keeps its rollout."""
-        sql = f"SELECT r.rollout_id FROM agl_rollouts r WHERE r.state = 'running' AND {_LAST_ACTIVITY} < %s ORDER BY r.seq"
+        sql = (f"SELECT r.rollout_id FROM agl_rollouts r WHERE r.state = 'running' AND {_LAST_ACTIVITY} < %s "
+               "ORDER BY r.seq")
         return [rid for (rid,) in self._db.execute(sql, (before,))]
 
     def _lock_queued(self, limit: int) -> list[Rollout]:
@@ -360,7 +361,8 @@ class PostgresStore(Store):
         return {rid: Rollout.model_validate_json(body) for rid, body in rows}
 
     def _exists(self, rollout_id: str) -> bool:
-        return self._db.execute("SELECT 1 FROM agl_rollouts WHERE rollout_id = %s", (rollout_id,)).fetchone() is not None
+        row = self._db.execute("SELECT 1 FROM agl_rollouts WHERE rollout_id = %s", (rollout_id,)).fetchone()
+        return row is not None
 
     def _insert(self, rollout: Rollout) -> None:
         self._insert_many([rollout])
@@ -370,7 +372,8 @@ class PostgresStore(Store):
             return
         self._db.execute(
             "INSERT INTO agl_rollouts (rollout_id, state, updated_at, body) "
-            "SELECT a, b, c, d FROM unnest(%s::text[], %s::text[], %s::float8[], %s::text[]) WITH ORDINALITY AS t(a, b, c, d, n) "
+            "SELECT a, b, c, d FROM unnest(%s::text[], %s::text[], %s::float8[], %s::text[]) "
+            "WITH ORDINALITY AS t(a, b, c, d, n) "
             "ORDER BY n",  # seq follows the batch order
             ([r.rollout_id for r in rollouts], [r.status.state.value for r in rollouts],
              [r.status.updated_at for r in rollouts], [r.model_dump_json() for r in rollouts]))

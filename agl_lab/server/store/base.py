@@ -1,15 +1,17 @@
 """The rollout store: the ledger of rollouts, their events, the model registry and the
 terminal-order log.
 
-One `Store` interface, three backends chosen by URL (`agl_lab.server.backends.open_store`):
+One `Store` interface (this module), three backends chosen by URL
+(`agl_lab.server.backends.open_store`), one module each in this package:
 
-    "memory" | None          -> MemoryStore   (default; lost when the process ends)
-    "sqlite:///path/to.db"   -> SqliteStore   (a restarted kernel re-attaches to it)
-    "postgresql://..."       -> PostgresStore (agl_lab.server.store_pg: several server processes share it)
+    "memory" | None          -> MemoryStore   (`memory.py`; default; lost when the process ends)
+    "sqlite:///path/to.db"   -> SqliteStore   (`sqlite.py`; a restarted kernel re-attaches to it)
+    "postgresql://..."       -> PostgresStore (`postgresql.py`; several server processes share it)
 
-The semantics (AGL v1's data model, `agentlightning/schemas.py` and `server/store.py`) live once, in the `Store` base class; a backend
-only implements storage primitives (`_load`, `_insert`, `_append_event`, ...). So all
-backends answer every question identically, and the tests run the same suite on each.
+The semantics (AGL v1's data model, `agentlightning/schemas.py` and `server/store.py`) live
+once, in the `Store` base class; a backend only implements storage primitives (`_load`,
+`_insert`, `_append_event`, ...). So all backends answer every question identically, and the
+tests run the same suite on each.
 
     rollouts   rollout_id -> Rollout                 (creation order kept)
     events     rollout_id -> attempt_id -> [Event]   (append-only; position is identity)
@@ -26,7 +28,7 @@ Design decisions:
 - No HTTP here: errors are `RolloutNotFound` / `InvalidTransition` / `NotStorable`, mapped to
   404 / 409 / 422 by `agl_lab.server.app`; a second opener of a SQLite file gets `StoreLocked`.
 - Write-time rule (`agl_lab.server.storable`): what is stored can be read back and sent, on
-  both backends. The triplet view the app serves (`triplet_events`) is a pure function
+  every backend. The triplet view the app serves (`triplet_events`) is a pure function
   over events and lives in `agl_lab.records`, beside the code that consumes it.
 - Claims and attempts (agl_lab; AGL v1 always uses attempt "0"): `claim_rollouts` hands each
   queued rollout to exactly one caller as a new attempt (`last_attempt_id` "0", then "1", ...);
@@ -38,23 +40,19 @@ Design decisions:
   backend shared by several processes must lock.
 - Objects returned by `MemoryStore` are the stored ones (treat them as read-only), except event
   data: each read decodes a fresh copy of the stored JSON bytes. `models_for` answers from a
-  cache on both backends: its `Model`s are shared too (the list is the caller's).
+  cache on memory and SQLite (PostgreSQL reads the table: another process may have registered
+  endpoints): its `Model`s are shared too (the list is the caller's).
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import itertools
 import json
 import logging
-import os
-import sqlite3
 import threading
 import time
-import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from agl_lab.protocol import (
@@ -73,25 +71,15 @@ from agl_lab.protocol import (
 )
 from agl_lab.server.storable import check_rollout_id, check_storable, dump_storable
 
-try:  # orjson reads the event payloads the SQLite backend stores ~5x faster (writes: dump_storable)
+try:  # orjson reads the event payloads the backends store ~5x faster (writes: dump_storable)
     import orjson
 
-    _loads = orjson.loads
+    load_stored = orjson.loads
 except ImportError:  # pragma: no cover - orjson is optional
-    _loads = json.loads
+    load_stored = json.loads
 
 DEFAULT_TERMINAL_LOG_LIMIT = 100_000
 log = logging.getLogger("agl_lab.server.store")
-
-
-def _pack(data: Any) -> bytes:
-    """MemoryStore's stored form of event data: JSON bytes. Encoding is also the write-time check
-    (NotStorable names the field), so an event is encoded once."""
-    return dump_storable(data, "data")
-
-
-def _unpack(stored: bytes) -> Any:
-    return _loads(stored)
 
 
 class StoreError(Exception):
@@ -502,10 +490,10 @@ class Store(ABC):
     def close(self) -> None:
         """Release resources (SQLite connection); the in-memory store has none."""
 
-    # --- write-time checks (one rule for both backends: what is stored reads back) -----------
+    # --- write-time checks (one rule for every backend: what is stored reads back) ----------
 
     def _check_event_data(self, data: dict[str, Any] | None) -> None:
-        """NotStorable unless `data` encodes (the SQLite backend checks while encoding instead)."""
+        """NotStorable unless `data` encodes (a backend that encodes on write checks while encoding instead)."""
         if data:
             dump_storable(data, "data")
 
@@ -631,475 +619,6 @@ class _Activity:
         return idle
 
 
-# ---------------------------------------------------------------------------------------------
-# In-memory backend
-# ---------------------------------------------------------------------------------------------
-
-
-class MemoryStore(Store):
-    """Plain dicts; the terminal log is a bounded deque plus an absolute count."""
-
-    def __init__(self, terminal_log_limit: int = DEFAULT_TERMINAL_LOG_LIMIT):
-        super().__init__(terminal_log_limit)
-        self._rollouts: dict[str, Rollout] = {}
-        # events as (type, timestamp, JSON bytes): bytes are invisible to the garbage collector, so
-        # 100k stored calls do not make each full collection (which stops the server's event loop)
-        # walk millions of dicts; reads decode a fresh copy
-        self._event_log: dict[str, dict[str, list[tuple[str, float, Any]]]] = {}
-        self._model_map: dict[str, dict[str, Model]] = {}
-        self._terminal: collections.deque[str] = collections.deque(maxlen=self.terminal_log_limit)
-        self._terminal_count = 0
-        self._terminal_latest: dict[str, int] = {}  # rollout id -> absolute index of its latest entry
-        self._activity = _Activity()
-
-    def __repr__(self) -> str:
-        return f"MemoryStore(rollouts={len(self._rollouts)}, terminal={self._terminal_count})"
-
-    def _load(self, rollout_id: str) -> Rollout | None:
-        return self._rollouts.get(rollout_id)
-
-    def _load_many(self, rollout_ids: Sequence[str]) -> dict[str, Rollout]:
-        return {rid: self._rollouts[rid] for rid in rollout_ids if rid in self._rollouts}
-
-    def _exists(self, rollout_id: str) -> bool:
-        return rollout_id in self._rollouts
-
-    def _insert(self, rollout: Rollout) -> None:
-        self._rollouts[rollout.rollout_id] = rollout
-        self._event_log[rollout.rollout_id] = {}
-
-    def _replace(self, rollout: Rollout) -> None:
-        self._rollouts[rollout.rollout_id] = rollout  # same key: creation order is kept
-
-    def _remove(self, rollout_id: str) -> None:
-        self._rollouts.pop(rollout_id, None)
-        self._event_log.pop(rollout_id, None)
-
-    def _list(self, states: list[RolloutState], limit: int) -> list[Rollout]:
-        matching = (r for r in self._rollouts.values() if r.status.state in states)
-        return list(itertools.islice(matching, limit))
-
-    def _lock_queued(self, limit: int) -> list[Rollout]:
-        return self._list([RolloutState.QUEUING], limit)  # the store's lock is the row lock
-
-    def _touch(self, rollout_ids: Sequence[str], now: float) -> None:
-        self._activity.touch(rollout_ids, now)
-
-    def _idle_running(self, before: float) -> list[str]:
-        return self._activity.idle(self._list([RolloutState.RUNNING], len(self._rollouts)), before)
-
-    def _check_event_data(self, data: dict[str, Any] | None) -> None:
-        pass  # `_append_event` encodes with dump_storable (`_pack`), which is the check
-
-    def _append_event(self, event: Event) -> bool:
-        attempts = self._event_log.get(event.rollout_id)
-        if attempts is None or event.rollout_id not in self._rollouts:
-            return False
-        attempts.setdefault(event.attempt_id, []).append((event.event_type, event.timestamp, _pack(event.data)))
-        return True
-
-    def _events(self, rollout_id: str, attempt_id: str) -> list[Event]:
-        return [Event.model_construct(event_type=etype, rollout_id=rollout_id, attempt_id=attempt_id,
-                                      timestamp=ts, data=_unpack(data))
-                for etype, ts, data in self._event_log.get(rollout_id, {}).get(attempt_id, [])]
-
-    def _attempts(self, rollout_id: str) -> list[str]:
-        buckets = self._event_log.get(rollout_id, {})
-        firsts = [(evs[0][1], i, aid) for i, (aid, evs) in enumerate(buckets.items()) if evs]
-        return [aid for _, _, aid in sorted(firsts)]
-
-    def _terminal_append(self, rollout_id: str) -> None:
-        if len(self._terminal) == self._terminal.maxlen:  # the oldest entry is about to drop
-            oldest, oldest_idx = self._terminal[0], self._terminal_count - len(self._terminal)
-            if self._terminal_latest.get(oldest) == oldest_idx:
-                del self._terminal_latest[oldest]
-        self._terminal.append(rollout_id)  # the deque drops the oldest entry at its limit
-        self._terminal_latest[rollout_id] = self._terminal_count
-        self._terminal_count += 1
-
-    def _terminal_trim(self) -> None:
-        pass  # bounded by the deque's maxlen
-
-    def _terminal_total(self) -> int:
-        return self._terminal_count
-
-    def _terminal_len(self) -> int:
-        return len(self._terminal)
-
-    def _terminal_slice(self, start: int, stop: int) -> list[str]:
-        base = self._terminal_count - len(self._terminal)  # absolute index of _terminal[0]
-        ids = itertools.islice(self._terminal, start - base, stop - base)
-        latest = self._terminal_latest
-        return [rid if latest.get(rid) == start + i else "" for i, rid in enumerate(ids)]
-
-    def _put_model(self, model: Model) -> None:
-        self._model_map.setdefault(model.model, {})[model.endpoint] = model
-
-    def _clear_models(self) -> None:
-        self._model_map.clear()
-
-    def _models(self, model_name: str) -> list[Model]:
-        return list(self._model_map.get(model_name, {}).values())
-
-
-# ---------------------------------------------------------------------------------------------
-# SQLite backend
-# ---------------------------------------------------------------------------------------------
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS rollouts (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,   -- creation order (a re-created id goes last)
-    rollout_id TEXT NOT NULL UNIQUE,
-    state TEXT NOT NULL,
-    body TEXT NOT NULL                       -- Rollout as JSON
-);
-CREATE INDEX IF NOT EXISTS rollouts_state ON rollouts (state, seq);
-CREATE TABLE IF NOT EXISTS events (
-    seq INTEGER PRIMARY KEY,                 -- insertion order (a new row gets max(seq) + 1)
-    rollout_id TEXT NOT NULL,
-    attempt_id TEXT NOT NULL,
-    event_type TEXT NOT NULL,
-    timestamp REAL NOT NULL,
-    data BLOB NOT NULL                       -- JSON (TEXT in files written before 2026-12)
-);
-CREATE INDEX IF NOT EXISTS events_rollout ON events (rollout_id, attempt_id, seq);
-CREATE TABLE IF NOT EXISTS models (
-    model TEXT NOT NULL, endpoint TEXT NOT NULL, version INTEGER NOT NULL,
-    PRIMARY KEY (model, endpoint)
-);
-CREATE TABLE IF NOT EXISTS terminal_log (
-    idx INTEGER PRIMARY KEY,                 -- absolute position in the completion order
-    rollout_id TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS terminal_log_rollout ON terminal_log (rollout_id, idx);
-"""
-
-
-class SqliteStore(Store):
-    """One SQLite file (WAL mode); one connection shared under the store's lock.
-
-    Durability: `synchronous=NORMAL` in WAL mode. Every write, event appends included, is
-    committed before the call returns, so an acknowledged write survives a crash of the process
-    (a power loss may undo the last ones). A commit in WAL mode with NORMAL does not fsync, so an
-    append costs one INSERT and a WAL write. WAL checkpoints run on a background thread's own
-    connection (PASSIVE: they never block the server), not inside a model call's commit.
-
-    One store per file: opening takes an exclusive flock on the database file's identity, so a
-    symlink or hard link to it is the same file (`_FileLock`; released by `close()` or when the
-    process ends, even by kill -9), and a second opener gets StoreLocked.
-    Two servers on one file would each hold their own lock and cursor state and meet as
-    `database is locked` errors after 5 s busy waits, so it is refused, not supported.
-    """
-
-    CHECKPOINT_SECONDS = 1.0
-    ROLLOUT_CACHE = 10_000
-
-    def __init__(self, path: str, terminal_log_limit: int = DEFAULT_TERMINAL_LOG_LIMIT):
-        super().__init__(terminal_log_limit)
-        self.path = path
-        self._lock_file: _FileLock | None = None
-        if path != ":memory:":
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self._lock_file = _lock_exclusively(path)
-        try:
-            self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")  # durable across process crashes
-            self._db.executescript(_SCHEMA)
-        except BaseException:
-            if self._lock_file is not None:
-                self._lock_file.close()
-            raise
-        self._cache: dict[str, Rollout] = {}  # rollout_id -> Rollout as stored (see _load)
-        self._activity = _Activity()  # in memory: this process is the file's only one
-        self._depth = 0  # nesting of _transaction (re-entrant under the RLock)
-        self._closed = threading.Event()
-        self._checkpointer: threading.Thread | None = None
-        if path != ":memory:":  # an in-memory database has no WAL to checkpoint
-            self._db.execute("PRAGMA wal_autocheckpoint=0")  # the checkpoint thread does it
-            self._checkpointer = threading.Thread(target=self._checkpoint_loop, args=(weakref.ref(self), self._closed, path),
-                                                  name="agl-sqlite-checkpoint", daemon=True)
-            self._checkpointer.start()
-        with self._lock:
-            self._terminal_trim()  # a smaller limit on reopen applies at once
-
-    def __repr__(self) -> str:
-        return f"SqliteStore({self.path!r})"
-
-    def close(self) -> None:
-        with self._lock:
-            if self._closed.is_set():
-                return
-            self._closed.set()
-        if self._checkpointer is not None and threading.current_thread() is not self._checkpointer:
-            self._checkpointer.join(5)
-        with self._lock:
-            self._db.close()
-            if self._lock_file is not None:
-                self._lock_file.close()  # closing the descriptor releases the flock
-                self._lock_file = None
-
-    @staticmethod
-    def _checkpoint_loop(ref: weakref.ref, closed: threading.Event, path: str) -> None:
-        """The WAL checkpoint thread; holds the store only weakly, so an unclosed store is still freed."""
-        checkpointer = sqlite3.connect(path, check_same_thread=False)
-        try:
-            while not closed.wait(SqliteStore.CHECKPOINT_SECONDS):
-                if ref() is None:  # the store was freed without close()
-                    return
-                with contextlib.suppress(sqlite3.Error):
-                    checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)")
-        finally:
-            with contextlib.suppress(sqlite3.Error):
-                checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)")
-            checkpointer.close()
-
-    def __del__(self) -> None:
-        closed = getattr(self, "_closed", None)
-        if closed is not None and not closed.is_set():
-            with contextlib.suppress(Exception):
-                self.close()
-
-    @contextlib.contextmanager
-    def _transaction(self) -> Iterator[None]:
-        """One write transaction: committed, or rolled back and the exception raised (never
-        left open). COMMIT is inside the error handling: on a full disk (SQLITE_FULL) it is
-        the statement that fails, and what the cache holds from the transaction is then not
-        on disk, so the cache is dropped too."""
-        if self._depth:  # re-entrant use under the RLock: the outer call commits
-            yield
-            return
-        if self._db.in_transaction:  # pragma: no cover - only after a failed ROLLBACK
-            self._rollback()
-        self._depth += 1
-        try:
-            self._db.execute("BEGIN")
-            yield
-            self._db.execute("COMMIT")
-        except BaseException:
-            self._rollback()
-            raise
-        finally:
-            self._depth -= 1
-
-    def _rollback(self) -> None:
-        """Undo the open transaction (SQLite may have undone it already) and drop the cache,
-        which may hold rows of it; the caller raises the error that caused it."""
-        self._cache.clear()
-        if self._db.in_transaction:
-            with contextlib.suppress(sqlite3.Error):
-                self._db.execute("ROLLBACK")
-
-    def _load(self, rollout_id: str) -> Rollout | None:
-        # every proxied call reads its rollout: decoded rows are cached (this store is the file's
-        # only writer while open), bounded by clearing at ROLLOUT_CACHE entries
-        rollout = self._cache.get(rollout_id)
-        if rollout is not None:
-            return rollout
-        row = self._db.execute("SELECT body FROM rollouts WHERE rollout_id=?", (rollout_id,)).fetchone()
-        return None if row is None else self._cached(Rollout.model_validate_json(row[0]))
-
-    def _cached(self, rollout: Rollout) -> Rollout:
-        if len(self._cache) >= self.ROLLOUT_CACHE:
-            self._cache.clear()
-        self._cache[rollout.rollout_id] = rollout
-        return rollout
-
-    def _load_many(self, rollout_ids: Sequence[str]) -> dict[str, Rollout]:
-        out: dict[str, Rollout] = {}
-        for chunk in _chunks(list(dict.fromkeys(rollout_ids)), 500):
-            marks = ",".join("?" * len(chunk))
-            sql = f"SELECT rollout_id, body FROM rollouts WHERE rollout_id IN ({marks})"
-            for rid, body in self._db.execute(sql, chunk):
-                out[rid] = Rollout.model_validate_json(body)
-        return out
-
-    def _exists(self, rollout_id: str) -> bool:
-        if rollout_id in self._cache:
-            return True
-        sql = "SELECT 1 FROM rollouts WHERE rollout_id=?"
-        return self._db.execute(sql, (rollout_id,)).fetchone() is not None
-
-    def _insert(self, rollout: Rollout) -> None:
-        self._db.execute(
-            "INSERT INTO rollouts (rollout_id, state, body) VALUES (?, ?, ?)",
-            (rollout.rollout_id, rollout.status.state.value, rollout.model_dump_json()),
-        )
-        self._cached(rollout)
-
-    def _insert_many(self, rollouts: Sequence[Rollout]) -> None:
-        self._db.executemany(
-            "INSERT INTO rollouts (rollout_id, state, body) VALUES (?, ?, ?)",
-            ((r.rollout_id, r.status.state.value, r.model_dump_json()) for r in rollouts),
-        )
-        for rollout in rollouts:
-            self._cached(rollout)
-
-    def _replace(self, rollout: Rollout) -> None:
-        self._db.execute(
-            "UPDATE rollouts SET state=?, body=? WHERE rollout_id=?",
-            (rollout.status.state.value, rollout.model_dump_json(), rollout.rollout_id),
-        )
-        self._cached(rollout)
-
-    def _remove(self, rollout_id: str) -> None:
-        self._cache.pop(rollout_id, None)
-        self._db.execute("DELETE FROM rollouts WHERE rollout_id=?", (rollout_id,))
-        self._db.execute("DELETE FROM events WHERE rollout_id=?", (rollout_id,))
-
-    def _list(self, states: list[RolloutState], limit: int) -> list[Rollout]:
-        marks = ",".join("?" * len(states))
-        sql = f"SELECT body FROM rollouts WHERE state IN ({marks}) ORDER BY seq LIMIT ?"
-        rows = self._db.execute(sql, [s.value for s in states] + [limit])
-        return [Rollout.model_validate_json(body) for (body,) in rows]
-
-    def _lock_queued(self, limit: int) -> list[Rollout]:
-        # the store's lock plus the file's flock: no other connection can write these rows
-        return self._list([RolloutState.QUEUING], limit)
-
-    def _touch(self, rollout_ids: Sequence[str], now: float) -> None:
-        self._activity.touch(rollout_ids, now)
-
-    def _idle_running(self, before: float) -> list[str]:
-        return self._activity.idle(self._list([RolloutState.RUNNING], 2**62), before)
-
-    def _check_event_data(self, data: dict[str, Any] | None) -> None:
-        pass  # `_append_event` encodes with dump_storable, which is the check
-
-    def _append_event(self, event: Event) -> bool:
-        # the hot path of every model call: one autocommitted INSERT (the rollout check hits the
-        # cache); dump_storable is also the write-time check that the data can be read back
-        if not self._exists(event.rollout_id):
-            return False
-        self._db.execute(
-            "INSERT INTO events (rollout_id, attempt_id, event_type, timestamp, data) VALUES (?, ?, ?, ?, ?)",
-            (event.rollout_id, event.attempt_id, event.event_type, event.timestamp,
-             dump_storable(event.data, "data")))  # a BLOB: no decode to str and re-encode by sqlite3
-        return True
-
-    def _events(self, rollout_id: str, attempt_id: str) -> list[Event]:
-        sql = (
-            "SELECT event_type, timestamp, data FROM events "
-            "WHERE rollout_id=? AND attempt_id=? ORDER BY seq"
-        )
-        return [
-            Event.model_construct(
-                event_type=etype, rollout_id=rollout_id, attempt_id=attempt_id,
-                timestamp=ts, data=_loads(data),
-            )
-            for etype, ts, data in self._db.execute(sql, (rollout_id, attempt_id))
-        ]
-
-    def _attempts(self, rollout_id: str) -> list[str]:
-        sql = (
-            "SELECT attempt_id, MIN(timestamp) AS t, MIN(seq) AS s FROM events "
-            "WHERE rollout_id=? GROUP BY attempt_id ORDER BY t, s"
-        )
-        return [aid for aid, _, _ in self._db.execute(sql, (rollout_id,))]
-
-    def _terminal_append(self, rollout_id: str) -> None:
-        total = self._terminal_total()
-        self._db.execute("INSERT INTO terminal_log (idx, rollout_id) VALUES (?, ?)", (total, rollout_id))
-
-    def _terminal_trim(self) -> None:
-        oldest_kept = self._terminal_total() - self.terminal_log_limit
-        if oldest_kept > 0:
-            self._db.execute("DELETE FROM terminal_log WHERE idx < ?", (oldest_kept,))
-
-    def _terminal_total(self) -> int:
-        (top,) = self._db.execute("SELECT MAX(idx) FROM terminal_log").fetchone()
-        return 0 if top is None else top + 1  # the newest entry is never trimmed
-
-    def _terminal_len(self) -> int:
-        (n,) = self._db.execute("SELECT COUNT(*) FROM terminal_log").fetchone()
-        return n
-
-    def _terminal_slice(self, start: int, stop: int) -> list[str]:
-        sql = (  # "" for an entry superseded by a later entry of the same id
-            "SELECT CASE WHEN idx = (SELECT MAX(idx) FROM terminal_log l WHERE l.rollout_id = t.rollout_id) "
-            "THEN rollout_id ELSE '' END FROM terminal_log t WHERE idx >= ? AND idx < ? ORDER BY idx"
-        )
-        return [rid for (rid,) in self._db.execute(sql, (start, stop))]
-
-    def _put_model(self, model: Model) -> None:
-        self._db.execute(
-            "INSERT OR REPLACE INTO models (model, endpoint, version) VALUES (?, ?, ?)",
-            (model.model, model.endpoint, model.version),
-        )
-
-    def _clear_models(self) -> None:
-        self._db.execute("DELETE FROM models")
-
-    def _models(self, model_name: str) -> list[Model]:
-        sql = "SELECT model, endpoint, version FROM models WHERE model=?"
-        return [Model(model=m, endpoint=e, version=v) for m, e, v in self._db.execute(sql, (model_name,))]
-
-
-_HELD: set[tuple[int, int]] = set()  # (st_dev, st_ino) of the SQLite files this process's stores hold
-_HELD_LOCK = threading.Lock()
-
-
-class _FileLock:
-    """An exclusive flock on the database file itself, plus the holder's pid in `<realpath>.lock`.
-
-    The lock is on the file's identity (its inode), not on a name: a symlink or a hard link to
-    the file is the same file. A second store in this process is refused by `_HELD` before the
-    file is opened again, because closing a second descriptor of the file would drop the
-    POSIX locks SQLite holds on it in this process.
-    """
-
-    def __init__(self, fd: int, ident: tuple[int, int]):
-        self.fd, self.ident = fd, ident
-
-    def close(self) -> None:
-        with _HELD_LOCK:
-            _HELD.discard(self.ident)
-            os.close(self.fd)  # releases the flock
-
-
-def _lock_exclusively(path: str) -> _FileLock | None:
-    """Flock the database file (created if missing) exclusively; StoreLocked if another store
-    holds it, through whatever name (no-op where fcntl is missing)."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - Windows
-        return None
-    real = os.path.realpath(path)
-    with _HELD_LOCK:
-        with contextlib.suppress(FileNotFoundError):
-            stat = os.stat(real)
-            if (stat.st_dev, stat.st_ino) in _HELD:
-                raise _locked(path, real, str(os.getpid()))
-        fd = os.open(real, os.O_RDWR | os.O_CREAT, 0o644)
-        stat = os.fstat(fd)
-        ident = (stat.st_dev, stat.st_ino)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)  # no SQLite connection of this process is on the file (`_HELD`)
-            raise _locked(path, real, _read_pid(real + ".lock")) from None
-        _HELD.add(ident)
-    with contextlib.suppress(OSError), open(real + ".lock", "w") as pid_file:  # for the refusal message
-        pid_file.write(str(os.getpid()))
-    return _FileLock(fd, ident)
-
-
-def _read_pid(pid_path: str) -> str:
-    try:
-        with open(pid_path) as pid_file:
-            return pid_file.read().strip() or "unknown"
-    except OSError:
-        return "unknown"
-
-
-def _locked(path: str, real: str, holder: str) -> StoreLocked:
-    same = "" if os.path.abspath(path) == real else f" (the file {real!r})"
-    return StoreLocked(
-        f"SQLite store {path!r}{same} is already open in another store or server process (pid {holder}); "
-        f"stop that server, or give this one its own file (store: sqlite:///other.db)"
-    )
-
-
 def _check_creates(creates: Sequence[RolloutCreate]) -> None:
     """NotStorable naming `[i].field` for the first request the store could not read back."""
     for i, create in enumerate(creates):
@@ -1113,7 +632,3 @@ def _check_creates(creates: Sequence[RolloutCreate]) -> None:
         if create.config is not None:
             check_storable(create.config.model_dump(), f"[{i}].config")
 
-
-def _chunks(items: list[str], size: int) -> Iterator[list[str]]:
-    for i in range(0, len(items), size):
-        yield items[i : i + size]
