@@ -8,7 +8,7 @@ against any OpenAI-compatible endpoint, which is the point of the gateway.
 
     spec = get_task("lookup")
     tasks = spec.train_tasks(64, seed=0)
-    reward = spec.agent(tasks[0], ctx)          # ctx: agl_lab.runner.AgentContext
+    reward = spec.agent(tasks[0], ctx)          # ctx: agl_lab.agent.AgentContext
     spec.agents["history_editing"]              # a merge-breaking variant (merge_breakers.py)
 
 Your own task (a warm start then works for it as for `lookup`):
