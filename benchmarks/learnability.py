@@ -42,8 +42,8 @@ import time
 import torch
 
 from agl_lab.engines.tiny import load_model_and_tokenizer
-from agl_lab.tasks import lookup
-from agl_lab.tasks.warmstart import warm_start
+from agl_lab.tasks import get_task, lookup
+from agl_lab.engines.warmstart import warm_start
 
 # ---------------------------------------------------------------------------------------------
 # Sampling multi-turn episodes with HF generate
@@ -152,7 +152,7 @@ def run_seed(args, seed: int) -> dict:
     """Warm start (cached) + `args.steps` GRPO steps for one seed; returns the curves and timings."""
     model, tok = load_model_and_tokenizer(seed=args.model_seed, device="cpu")
     t0 = time.perf_counter()
-    warm_start(model, tok, "lookup", args.warm_steps, seed, cache_dir=args.cache_dir)
+    warm_start(model, tok, get_task("lookup"), args.warm_steps, seed, cache_dir=args.cache_dir)
     t_warm = time.perf_counter() - t0
     torch.manual_seed(seed)
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)

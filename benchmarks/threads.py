@@ -26,7 +26,7 @@ import torch
 torch.set_num_threads(threads)
 from agl_lab.engines.tiny import load_model_and_tokenizer
 from agl_lab.tasks import get_task
-from agl_lab.tasks.warmstart import fit_transcripts
+from agl_lab.engines.warmstart import fit_transcripts
 model, tok = load_model_and_tokenizer()
 demos = get_task("lookup").demonstrations(warm_steps * 16, 0)
 t0 = time.perf_counter()

@@ -145,9 +145,10 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     model, tokenizer = load_model_and_tokenizer(model_path, device="cpu")
     name = args.preset or DEFAULT_MODEL_NAME
     if args.warm_start_steps:
-        from agl_lab.tasks.warmstart import warm_start
+        from agl_lab.engines.warmstart import warm_start
+        from agl_lab.tasks import get_task
 
-        warm_start(model, tokenizer, args.task, steps=args.warm_start_steps, seed=0)
+        warm_start(model, tokenizer, get_task(args.task), steps=args.warm_start_steps, seed=0)
     agents: list[str | None] = [None]
     if args.agents:
         known = get_task(args.task).agents

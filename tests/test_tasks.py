@@ -24,7 +24,7 @@ from agl_lab.engines.serving.openai_server import OpenAIServer
 from agl_lab.engines.tiny import load_model_and_tokenizer
 from agl_lab.tasks import Task, get_task, lookup, merge_breakers, task_names
 from agl_lab.tasks.lookup import Action, LookupEnv, episode_reward, parse_action
-from agl_lab.tasks.warmstart import transcript_to_ids, warm_start
+from agl_lab.engines.warmstart import transcript_to_ids, warm_start
 
 TASK = {"task_id": "t0", "key": "c", "value": "red",
         "table": {"a": "blue", "b": "green", "c": "red", "d": "apple", "e": "banana",
@@ -170,8 +170,8 @@ def test_warm_start_is_deterministic_and_cached(tmp_path, tiny):
     fit = {"steps": 3, "batch_size": 4}
     m1, m2 = fresh(), fresh()
     init = _state(m1)
-    warm_start(m1, tok, "lookup", seed=1, cache_dir=tmp_path / "a", **fit)
-    warm_start(m2, tok, "lookup", seed=1, cache_dir=tmp_path / "b", **fit)  # fitted again, not loaded
+    warm_start(m1, tok, get_task("lookup"), seed=1, cache_dir=tmp_path / "a", **fit)
+    warm_start(m2, tok, get_task("lookup"), seed=1, cache_dir=tmp_path / "b", **fit)  # fitted again, not loaded
     w1, w2 = _state(m1), _state(m2)
     assert all(torch.equal(w1[k], w2[k]) for k in w1)
     assert any(not torch.equal(w1[k], init[k]) for k in w1)
@@ -179,16 +179,16 @@ def test_warm_start_is_deterministic_and_cached(tmp_path, tiny):
     assert len(cached) == 1
     cached[0].write_bytes(b"")  # a load must now fail loudly: proves the next call loads the file
     with pytest.raises(Exception):
-        warm_start(fresh(), tok, "lookup", seed=1, cache_dir=tmp_path / "a", **fit)
+        warm_start(fresh(), tok, get_task("lookup"), seed=1, cache_dir=tmp_path / "a", **fit)
     torch.save(w1, cached[0])
-    m4 = warm_start(fresh(), tok, "lookup", seed=1, cache_dir=tmp_path / "a", **fit)
+    m4 = warm_start(fresh(), tok, get_task("lookup"), seed=1, cache_dir=tmp_path / "a", **fit)
     assert all(torch.equal(w1[k], v) for k, v in m4.state_dict().items())
     m5 = fresh()
-    warm_start(m5, tok, "lookup", seed=2, cache_dir=tmp_path / "a", **fit)  # other seed: other file
+    warm_start(m5, tok, get_task("lookup"), seed=2, cache_dir=tmp_path / "a", **fit)  # other seed: other file
     assert len(list((tmp_path / "a").glob("warmstart-lookup-*.pt"))) == 2
-    assert warm_start(m5, tok, "lookup", steps=0, seed=0) is m5
+    assert warm_start(m5, tok, get_task("lookup"), steps=0, seed=0) is m5
     with pytest.raises(ValueError, match="steps=-1"):
-        warm_start(m5, tok, "lookup", steps=-1, seed=0)
+        warm_start(m5, tok, get_task("lookup"), steps=-1, seed=0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -306,7 +306,7 @@ def merge_break_kinds(calls: list[tuple[list[int], list[int]]], tok) -> list[str
 def warm_server(tiny):
     """The tiny model after the task's recommended warm start (cached in the user cache)."""
     model, tok = tiny
-    warm = warm_start(copy.deepcopy(model), tok, "lookup", get_task("lookup").warm_start_steps, seed=0)
+    warm = warm_start(copy.deepcopy(model), tok, get_task("lookup"), get_task("lookup").warm_start_steps, seed=0)
     srv = OpenAIServer(warm, tok)
     yield srv
     srv.stop()

@@ -31,9 +31,10 @@ def _adapter_dir(tmp: str) -> str:
     """A rank-4 adapter for the tiny model with A and B both random (B = 0 would leave A no gradient)."""
     from agl_lab.engines.local import LocalEngine
     from agl_lab.engines.lora import save_adapter
-    from agl_lab.tasks.warmstart import warm_started_model_dir
+    from agl_lab.engines.warmstart import warm_started_model_dir
+    from agl_lab.tasks import get_task
 
-    with LocalEngine(str(warm_started_model_dir("lookup", 0)), device="cpu", lora={"lora_rank": 4}) as eng:
+    with LocalEngine(str(warm_started_model_dir(get_task("lookup"), 0)), device="cpu", lora={"lora_rank": 4}) as eng:
         gen = torch.Generator().manual_seed(0)
         with torch.no_grad():
             for name, p in eng.model.named_parameters():

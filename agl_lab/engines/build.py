@@ -4,7 +4,7 @@
 
 - `local`: `LocalEngine.from_config(cfg)`; with the built-in tiny model (no `agl_lab.model.path`
   or preset) and a task with demonstrations, the model is first fitted for
-  `agl_lab.model.warm_start_steps` steps on them (`agl_lab.tasks.warmstart`), so the first
+  `agl_lab.model.warm_start_steps` steps on them (`agl_lab.engines.warmstart`), so the first
   rollouts parse.
 - `verl`: verl's workers load weights from disk, so the tiny model is warm-started into a cached
   directory first (`warm_started_model_dir`) and `agl_lab.model.path` points at it.
@@ -75,9 +75,9 @@ def build_engine(cfg: Any, *, task: Any = None, train_dataset: Sequence[dict] = 
 def _use_warm_started_dir(lab: Any, task: Any, steps: int) -> None:
     """Point `agl_lab.model.path` at the tiny model warm-started on `task`, saved as an HF directory
     (for models loaded from disk: verl's workers, the base under a LoRA adapter)."""
-    from agl_lab.tasks.warmstart import warm_started_model_dir
+    from agl_lab.engines.warmstart import warm_started_model_dir
 
-    lab.model.path = str(warm_started_model_dir(task.name if task else "", steps, seed=int(lab.seed)))
+    lab.model.path = str(warm_started_model_dir(task, steps, seed=int(lab.seed)))
 
 
 AUTO_THREADS_MAX_CORES = 4  # at or below this many cores, `auto` means 1 thread for a small model…
@@ -112,7 +112,7 @@ def apply_torch_threads(value: Any, n_params: int | None = None) -> int:
 
 
 def _warm_start(engine: Any, task: Any, steps: int, seed: int) -> None:
-    from agl_lab.tasks.warmstart import warm_start
+    from agl_lab.engines.warmstart import warm_start
 
     if task.demonstrations is None:
         logger.warning("task %r has no demonstrations: agl_lab.model.warm_start_steps=%s has no effect "

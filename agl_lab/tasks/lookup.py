@@ -56,7 +56,7 @@ THINK_FRACTION = 0.25  # share of warm-start transcripts in the reasoning style
 
 FORMAT_WEIGHT, LOOKUP_WEIGHT, ANSWER_WEIGHT = 0.1, 0.3, 0.6
 
-# Warm start (see warmstart.py and `demonstrations`): a curriculum of clean transcripts,
+# Warm start (see agl_lab/engines/warmstart.py and `demonstrations`): a curriculum of clean transcripts,
 # then a final `BLUR_FRACTION` of them whose tool call names a random key.
 BLUR_FRACTION = 0.2
 KEY_NOISE, VALUE_NOISE = 1.0, 0.0

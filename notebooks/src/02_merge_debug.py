@@ -35,7 +35,7 @@ from agl_lab import viz
 from agl_lab.algorithms import rollout_weights_table
 from agl_lab.diagnose import KINDS
 from agl_lab.tasks import get_task, lookup
-from agl_lab.tasks.warmstart import warm_start
+from agl_lab.engines.warmstart import warm_start
 from agl_lab.trainer import Trainer
 
 pd.set_option("display.width", 160)
@@ -102,7 +102,7 @@ print(f"{len(AGENTS)} agents · 2 tasks each · n={trainer.cfg.actor_rollout_ref
 
 # %%
 cold = trainer.rollout(tasks_for(["append_only"], 5))
-warm_start(trainer.engine.model, trainer.tokenizer, "lookup", steps=spec.warm_start_steps, seed=0)
+warm_start(trainer.engine.model, trainer.tokenizer, spec, steps=spec.warm_start_steps, seed=0)
 ro = trainer.rollout(tasks_for(list(AGENTS), 3))
 agent_of = {r.rollout_id: r.input["agent"] for r in ro.rollouts}
 agent_of.update({r.rollout_id: "append_only (cold)" for r in cold.rollouts})

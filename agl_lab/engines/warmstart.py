@@ -170,39 +170,45 @@ def _transcripts_digest(transcripts: list[list[dict[str, str]]]) -> str:
     return hashlib.sha256(json.dumps(transcripts, sort_keys=True).encode()).hexdigest()
 
 
+def _fit_inputs(task: Any, steps: int, seed: int, batch_size: int) -> list[list[dict[str, str]]]:
+    """The `steps × batch_size` demonstrations of `task` the fit consumes, in order."""
+    if steps < 0:
+        raise ValueError(f"steps={steps} must be >= 0 (0 = no warm start)")
+    if task.demonstrations is None:
+        raise ValueError(f"task {task.name!r} has no demonstrations to warm-start on; give "
+                         "Task(demonstrations=[transcript, ...]) or set agl_lab.model.warm_start_steps=0")
+    return task.demonstrations(steps * batch_size, seed)
+
+
+def _key(model: Any, tokenizer: Any, task: Any, transcripts: list, steps: int, seed: int, lr: float,
+         batch_size: int) -> str:
+    # the demonstrations themselves are part of the key: editing a task's transcripts refits
+    return warm_start_key(model, tokenizer, task.name, steps, seed, lr=lr, batch_size=batch_size,
+                          demonstrations=_transcripts_digest(transcripts))
+
+
 def warm_start(model: Any, tokenizer: Any, task: Any, steps: int, seed: int = 0,
                cache_dir: str | os.PathLike | None = None, *, lr: float = DEFAULT_LR,
                batch_size: int = DEFAULT_BATCH_SIZE, progress: bool = False) -> Any:
     """Fit `model` in place on `steps × batch_size` demonstrations of `task`; returns `model`.
 
-    `task`: a registered task's name or an `agl_lab.tasks.Task` with `demonstrations`.
-    Loads the cached result when one exists for the same inputs (see `warm_start_key`; for a
-    task other than the built-in ones the demonstrations themselves are part of the key, so
-    editing them refits). steps=0 returns the model unchanged. `progress=True` shows a bar
-    naming the task and the cache file.
+    `task`: an `agl_lab.tasks.Task` (anything with `name` and `demonstrations(n, seed)`;
+    `agl_lab.tasks.get_task("lookup")` gives a built-in one). Loads the cached result when one
+    exists for the same inputs (`warm_start_key`, the demonstrations included, so editing them
+    refits). steps=0 returns the model unchanged. `progress=True` shows a bar naming the task
+    and the cache file.
     """
-    from agl_lab.tasks import _BUILTIN, get_task
-
-    spec = get_task(task)
-    if steps < 0:
-        raise ValueError(f"steps={steps} must be >= 0 (0 = no warm start)")
     if steps == 0:
         return model
-    if spec.demonstrations is None:
-        raise ValueError(f"task {spec.name!r} has no demonstrations to warm-start on; give "
-                         "Task(demonstrations=[transcript, ...]) or set agl_lab.model.warm_start_steps=0")
-    transcripts = spec.demonstrations(steps * batch_size, seed)
-    fit: dict[str, Any] = {"lr": lr, "batch_size": batch_size}
-    if spec.name not in _BUILTIN:  # built-in demonstrations are versioned by WARMSTART_VERSION
-        fit["demonstrations"] = _transcripts_digest(transcripts)
-    key = warm_start_key(model, tokenizer, spec.name, steps, seed, **fit)
-    path = _cache_dir(cache_dir) / f"warmstart-{spec.name}-{key}.pt"
+    transcripts = _fit_inputs(task, steps, seed, batch_size)
+    key = _key(model, tokenizer, task, transcripts, steps, seed, lr, batch_size)
+    path = _cache_dir(cache_dir) / f"warmstart-{task.name}-{key}.pt"
     if path.exists():
         model.load_state_dict(torch.load(path, map_location=next(model.parameters()).device))
         return model.eval()
     shown = str(path).replace(str(Path.home()), "~")
     fit_transcripts(model, tokenizer, transcripts, steps, seed, lr, batch_size,
-                    progress=f"warm start on {spec.name!r} demonstrations (first run; cached as {shown})"
+                    progress=f"warm start on {task.name!r} demonstrations (first run; cached as {shown})"
                     if progress else None)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
@@ -213,9 +219,9 @@ def warm_start(model: Any, tokenizer: Any, task: Any, steps: int, seed: int = 0,
     return model
 
 
-def warm_started_model_dir(task_name: str, steps: int, seed: int = 0,
+def warm_started_model_dir(task: Any, steps: int, seed: int = 0,
                            cache_dir: str | os.PathLike | None = None) -> Path:
-    """The tiny model for `seed`, warm-started on `task_name`, saved as a Hugging Face directory.
+    """The tiny model for `seed`, warm-started on `task` (a Task), saved as a Hugging Face directory.
 
     For engines that load weights from disk (the verl engine's workers and replica): the same
     weights `warm_start` gives the local engine in process. Cached next to the warm-start state.
@@ -226,11 +232,12 @@ def warm_started_model_dir(task_name: str, steps: int, seed: int = 0,
     if steps == 0:
         return base
     model, tokenizer = load_model_and_tokenizer(None, device="cpu", seed=seed)
-    key = warm_start_key(model, tokenizer, task_name, steps, seed, lr=DEFAULT_LR, batch_size=DEFAULT_BATCH_SIZE)
+    transcripts = _fit_inputs(task, steps, seed, DEFAULT_BATCH_SIZE)
+    key = _key(model, tokenizer, task, transcripts, steps, seed, DEFAULT_LR, DEFAULT_BATCH_SIZE)
 
     def build(tmp: Path) -> None:
-        warm_start(model, tokenizer, task_name, steps, seed, cache_dir)
+        warm_start(model, tokenizer, task, steps, seed, cache_dir)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
 
-    return build_cached_dir(_cache_dir(cache_dir) / f"warmstart-{task_name}-{key}", build)
+    return build_cached_dir(_cache_dir(cache_dir) / f"warmstart-{task.name}-{key}", build)
