@@ -128,6 +128,10 @@ _ROWS: tuple[VerlSymbol, ...] = (
     _row("verl.utils.debug.metrics:calculate_debug_metrics", "data"),  # training vs rollout logprobs
     _row("verl.trainer.ppo.core_algos:agg_loss", "loss_mat", "loss_mask", "loss_agg_mode", "loss_scale_factor"),
     _row("verl.utils.metric:reduce_metrics", "metrics"),
+    # trainer.balance_batch within each of agl_lab's mini-batches (AglRayPPOTrainer.rows_in_rank_order)
+    _row("verl.utils.seqlen_balancing:calculate_workload", "seqlen_list"),
+    _row("verl.utils.seqlen_balancing:get_seqlen_balanced_partitions", "seqlen_list", "k_partitions", "equal_size"),
+    _row("verl.utils.seqlen_balancing:log_seqlen_unbalance", "seqlen_list", "partitions", "prefix"),
     _row("verl.utils.checkpoint.checkpoint_manager:find_latest_ckpt_path", "path"),
     _row("verl.trainer.ppo.core_algos:POLICY_LOSS_REGISTRY"),  # per_rollout_mean lands here, per worker
     _row("verl.trainer.ppo.core_algos:get_policy_loss_fn", "name"),  # how the actor resolves loss_mode

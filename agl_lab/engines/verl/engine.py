@@ -34,7 +34,8 @@ in 0.9.1; the contract test fails loudly the day it changes or goes away.
  7. rollout-level advantage — `agl_lab.algorithms` (pure, in `agl_lab.update`)
  8. selection + per-rollout normalisation — `agl_lab.algorithms` (pure, in `agl_lab.update`)
  9. critic/actor update — `engine.update(batch) -> metrics`
-    ← zero-weight padding to whole mini-batches, `_balance_batch`, `_update_critic`,
+    ← zero-weight padding to whole mini-batches, rows to ranks per mini-batch (token-balanced
+      with `trainer.balance_batch`), `_update_critic`,
       `_update_actor`, `reduce_metrics`
 10. push weights — `engine.sync_weights()` ← `CheckpointEngineManager.update_weights(global_steps)`
 
