@@ -197,3 +197,41 @@ def test_a_placement_group_no_node_holds_times_out_with_the_numbers(cluster_addr
         assert pool.pgs is None
     finally:
         ray.shutdown()
+
+
+def test_a_driver_without_a_gpu_joining_the_cluster_takes_the_device_from_its_nodes(cluster_address, tmp_path,
+                                                                                  monkeypatch):
+    """The notebook case: a login node (no GPU, no CUDA) joins a GPU cluster. The device is decided
+    by the nodes: `auto` asks each node that declares Ray GPUs how many GPUs its NVIDIA driver
+    lists; `cuda` needs nodes that declare GPUs, not a GPU here. These nodes declare fake GPUs
+    (0 NVIDIA: CPU); pointing the probe at a directory with one entry stands for a node with one."""
+    from agl_lab.config import load_config
+    from agl_lab.engines.verl import cluster
+    from agl_lab.engines.verl.cpu import cpu_platform_wanted
+    from agl_lab.engines.verl.engine import WORKER_ENV_KEYS, _select_device
+
+    address, _ = cluster_address
+    assert not torch.cuda.is_available()
+    gpu_config = os.path.join(os.path.dirname(__file__), "..", "configs", "gpu_verl.yaml")
+    auto = load_config(gpu_config)  # agl_lab.verl.device: auto
+    nodes = cluster.nvidia_gpus_on_cluster(address)
+    assert sorted(n["declared"] for n in nodes.values()) == [1.0, 1.0], nodes
+    assert all(n["nvidia"] == 0 for n in nodes.values()) and not ray.is_initialized()  # the connection is closed
+    assert cpu_platform_wanted(auto, address)  # fake GPUs: verl's workers would find no CUDA there
+
+    (tmp_path / "0000:17:00.0").mkdir()  # what /proc/driver/nvidia/gpus holds on a node with one GPU
+    monkeypatch.setattr(cluster, "NVIDIA_GPUS_DIR", str(tmp_path))
+    assert all(n["nvidia"] == 1 for n in cluster.nvidia_gpus_on_cluster(address).values())
+    assert not cpu_platform_wanted(auto, address)  # GPUs on the nodes: the GPU path, though none is here
+    assert cpu_platform_wanted(auto, None)  # not joining: this machine decides
+    env = {key: os.environ.get(key) for key in WORKER_ENV_KEYS}
+    assert _select_device(auto) == {}  # RAY_ADDRESS (the fixture's) is the cluster joined
+    assert {key: os.environ.get(key) for key in WORKER_ENV_KEYS} == env  # no CPU platform loaded, nothing exported
+    monkeypatch.undo()
+
+    forced = load_config(gpu_config, ["agl_lab.verl.device=cuda"])
+    with pytest.warns(RuntimeWarning, match=r"declare GPU resources but list no NVIDIA GPU .*1 declared, 0 NVIDIA"):
+        assert _select_device(forced) == {}
+    monkeypatch.delenv("RAY_ADDRESS")
+    with pytest.raises(RuntimeError, match=r"none is visible here: .*RAY_ADDRESS=<head>:<port>"):
+        _select_device(forced)

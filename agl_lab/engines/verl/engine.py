@@ -53,7 +53,8 @@ Replica state machine (checkpoint backend `naive`, the default hybrid engine):
 replicas pushes weights first (serving weights must equal trained weights), and
 `policy_version` is the global step the served weights were trained to.
 
-Without CUDA (or with `agl_lab.verl.device: cpu`) `_select_device` loads agl_lab's verl
+Without CUDA — on the driver and on the nodes of a Ray cluster it joins — (or with
+`agl_lab.verl.device: cpu`) `_select_device` loads agl_lab's verl
 platform for CPU (agl_lab/engines/verl/cpu.py) here and in every Ray worker, and the replicas
 are agl_lab's OpenAI server (the `agl_lab_cpu` rollout, agl_lab/engines/verl/cpu_rollout.py)
 or, with `rollout.name: vllm` in the vLLM environment, verl's own vLLM replicas on vLLM's CPU
@@ -163,17 +164,23 @@ def _select_device(config: Any) -> dict[str, str]:
     """CUDA → {} (verl as shipped); no CUDA → agl_lab's CPU platform, loaded here and in every
     Ray worker through the returned env (`agl_lab.verl.device` forces one or the other).
 
+    The device is where verl's workers run: a driver without a GPU (a Jupyter login node) that
+    joins a Ray cluster (`RAY_ADDRESS` / `ray_kwargs.ray_init.address`) takes the GPU path when
+    the cluster's nodes have NVIDIA GPUs (`auto`), or declare Ray `GPU` resources (`cuda`).
+
     On CPU the replicas are agl_lab's OpenAI server (`rollout.name: agl_lab_cpu`) or verl's own
     vLLM replicas (`rollout.name: vllm`, vLLM's CPU build; the shim agl_lab/engines/verl/vllm_cpu.py
     is loaded too, and Ray's node IP is kept on loopback: one node)."""
     from omegaconf import DictConfig, OmegaConf
 
     from agl_lab.engines.verl import vllm_cpu
+    from agl_lab.engines.verl.cluster import joining_address, nvidia_gpus_on_cluster
     from agl_lab.engines.verl.cpu import activate, cpu_platform_wanted
     from agl_lab.engines.verl.cpu_rollout import ROLLOUT_NAME
 
     config = config if isinstance(config, DictConfig) else OmegaConf.create(dict(config or {}))
-    if cpu_platform_wanted(config):
+    joining = joining_address({"address": OmegaConf.select(config, "ray_kwargs.ray_init.address", default=None)})
+    if cpu_platform_wanted(config, joining):
         rollout = OmegaConf.select(config, "actor_rollout_ref.rollout.name")
         if rollout == vllm_cpu.ROLLOUT_NAME:
             vllm_cpu.check_vllm_installed()
@@ -187,11 +194,29 @@ def _select_device(config: Any) -> dict[str, str]:
         return activate()
     import torch
 
-    if not torch.cuda.is_available():
+    if torch.cuda.is_available():
+        return {}
+    if joining is None:
         raise RuntimeError("agl_lab.engine=verl with agl_lab.verl.device=cuda needs a CUDA device and none is "
-                           "visible: set agl_lab.verl.device=cpu (or auto) to run verl's workers on CPU "
-                           "(configs/cpu_verl.yaml), or agl_lab.engine=local")
+                           "visible here: run on a GPU machine, or join a Ray cluster whose nodes have GPUs "
+                           "(RAY_ADDRESS=<head>:<port>: this process then needs no GPU); set "
+                           "agl_lab.verl.device=cpu (or auto) to run verl's workers on CPU (configs/cpu_verl.yaml)")
+    nodes = nvidia_gpus_on_cluster(joining)
+    if not nodes:
+        raise RuntimeError(f"agl_lab.verl.device=cuda: no node of the Ray cluster at {joining} declares GPU "
+                           "resources (`ray status`); start the GPU nodes with `ray start --num-gpus=N`")
+    if not any(node["nvidia"] > 0 for node in nodes.values()):
+        import warnings
+
+        warnings.warn(f"agl_lab.verl.device=cuda: the nodes of the Ray cluster at {joining} declare GPU resources "
+                      f"but list no NVIDIA GPU ({cluster_gpu_summary(nodes)}): verl's CUDA workers will fail there "
+                      "unless these are GPUs this check cannot see", RuntimeWarning, stacklevel=3)
     return {}
+
+
+def cluster_gpu_summary(nodes: Mapping[str, Mapping[str, float]]) -> str:
+    """`node: N declared, M NVIDIA` for each node of `cluster.nvidia_gpus_on_cluster`."""
+    return "; ".join(f"{node}: {int(n['declared'])} declared, {int(n['nvidia'])} NVIDIA" for node, n in nodes.items())
 
 
 def _alive(_actor: Any) -> bool:

@@ -124,13 +124,6 @@ def server_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     return {key: environ.get(key, value) for key, value in SERVER_ENV_DEFAULTS.items()}
 
 
-def vllm_rollout_wanted(cfg: Any) -> bool:
-    """Is `actor_rollout_ref.rollout.name` verl's vLLM rollout?"""
-    from omegaconf import OmegaConf
-
-    return OmegaConf.select(cfg, "actor_rollout_ref.rollout.name") == ROLLOUT_NAME
-
-
 def check_vllm_installed() -> None:
     """Raise a clear error when the environment cannot run verl's vLLM rollout on CPU."""
     import importlib.metadata as md
@@ -139,7 +132,9 @@ def check_vllm_installed() -> None:
         raise RuntimeError(
             "actor_rollout_ref.rollout.name=vllm on CPU needs vLLM's CPU build, which is not installed here: run "
             "it in .venv-vllm (`./lab vllm-demo`, or `./lab setup-vllm` then .venv-vllm/bin/agl-lab), or set "
-            "actor_rollout_ref.rollout.name=agl_lab_cpu (configs/cpu_verl.yaml)")
+            "actor_rollout_ref.rollout.name=agl_lab_cpu (configs/cpu_verl.yaml). For the GPU path from a driver "
+            "without a GPU (a login node), join the GPU cluster (RAY_ADDRESS=<head>:<port>) and set "
+            "agl_lab.verl.device=cuda")
     try:
         version = md.version("vllm")
     except md.PackageNotFoundError:
