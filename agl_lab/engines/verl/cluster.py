@@ -234,6 +234,32 @@ def nvidia_gpus_on_cluster(address: str) -> dict[str, dict[str, float]]:
             ray.shutdown()
 
 
+def module_on_every_node(name: str) -> bool:
+    """`importlib.util.find_spec(name)` is found on every alive Ray node (this process is connected).
+
+    One num_cpus=0 task per node, in the job's runtime env (the Python the workers use); the
+    task is a local function (pickled by value)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    def has_module(module: str) -> bool:
+        import importlib.util as _util
+
+        try:
+            return _util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            return False
+
+    probe = ray.remote(num_cpus=0, max_retries=0)(has_module)
+    refs = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(name)
+            for node in alive_nodes()]
+    try:
+        return all(ray.get(refs, timeout=GPU_PROBE_TIMEOUT_S))
+    except ray.exceptions.GetTimeoutError:
+        raise TimeoutError(f"asking every Ray node for the {name} package took more than {GPU_PROBE_TIMEOUT_S:g} s: "
+                           "a node may be down (`ray status`)") from None
+
+
 # ------------------------------------------------------------------------------------------
 # What every node must see: paths
 # ------------------------------------------------------------------------------------------

