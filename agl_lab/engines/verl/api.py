@@ -334,6 +334,37 @@ def _check_params(symbol: VerlSymbol, obj: Any) -> list[str]:
     return problems
 
 
+#: the vLLM verl 0.9.1 declares for GPUs (its `vllm` extra); tests/fixtures/vllm_gpu_api.json records its API
+GPU_VLLM_VERSION = "0.24.0"
+
+
+def check_symbol_record(symbol: VerlSymbol, entry: dict[str, Any] | None) -> list[str]:
+    """`check_symbol`'s rules against a static recording of a package (scripts/record_vllm_api.py):
+    found, the engine's parameters present and in order, no new required parameter, the
+    `returns` word in the source. `entry` None: the recording lacks the row."""
+    if entry is None:
+        return [f"{symbol.path}: not in the recording (re-run scripts/record_vllm_api.py on the wheel)"]
+    if not entry.get("found"):
+        return [f"{symbol.path}: not found in the recorded sources"]
+    problems: list[str] = []
+    params = entry.get("params")
+    if params is not None and symbol.params:
+        names = [p[0] for p in params]
+        missing = [p for p in symbol.params if p not in names]
+        if missing:
+            problems.append(f"{symbol.path}: parameters {missing} gone (has {names})")
+        elif [names.index(p) for p in symbol.params] != sorted(names.index(p) for p in symbol.params):
+            problems.append(f"{symbol.path}: parameter order changed to {names}")
+    if params is not None:
+        new_required = [name for name, required, kind in params
+                        if required and name not in symbol.params and kind not in ("var_positional", "var_keyword")]
+        if new_required:
+            problems.append(f"{symbol.path}: new required parameters {new_required}")
+    if symbol.returns and not entry.get("returns", {}).get(symbol.returns):
+        problems.append(f"{symbol.path}: its source no longer mentions {symbol.returns!r}")
+    return problems
+
+
 def check_verl_api(include_vllm: bool | None = None) -> list[str]:
     """All problems of `VERL_API` (vLLM rows only when vLLM is importable, unless forced).
 

