@@ -6,7 +6,7 @@ them through `RAY_ADDRESS`, as the README says. On the same two batches:
 
 - world size 1 (`trainer.nnodes=1 trainer.n_gpus_per_node=1`): two updates;
 - world size 2 (`trainer.nnodes=2 trainer.n_gpus_per_node=1`: one FSDP2 rank per node, gloo
-  across the nodes): the same two updates — equal pg_loss and grad norm, parameter changes
+  across the nodes, `trainer.balance_batch=true` as on GPUs): the same two updates — equal pg_loss and grad norm, parameter changes
   within 1e-5 relative of world size 1, the two replicas serve identical weights after each
   sync; then one rollout through both replicas, registered under the node's address
   (`agl_lab.serving.host=node_ip`).
@@ -14,7 +14,8 @@ them through `RAY_ADDRESS`, as the README says. On the same two batches:
 Also, on the live cluster: the placement check refuses `n_gpus_per_node=2` on two 1-GPU nodes
 with the numbers (verl would wait for ever), a placement group no node can hold times out
 with a clear error, a path missing on the nodes is refused naming them, a checkpoint holds
-both ranks' shards, and every process of both nodes is gone afterwards.
+both ranks' shards, a driver without a GPU joining the cluster takes its device from the nodes,
+and every process of both nodes is gone afterwards.
 
 Wall time on the shared 2-core machine: 98-145 s for the module (nodes 20-50 s, then two engines).
 """
@@ -128,8 +129,10 @@ def test_two_nodes_train_like_one(cluster_address):
     # --- world size 2: one rank per node ------------------------------------------------------
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # the joining warning was checked above
+        # balance_batch as on GPUs (verl's default, configs/gpu_verl.yaml): tokens balanced across the
+        # two ranks within each planned mini-batch, so the update still equals world size 1's
         t2 = _trainer(os.path.join(tmp, "run2"), "trainer.nnodes=2", "trainer.n_gpus_per_node=1",
-                      "agl_lab.serving.host=node_ip")
+                      "agl_lab.serving.host=node_ip", "trainer.balance_batch=true")
     try:
         engine = t2.engine
         states = _served_states(engine)
@@ -141,6 +144,7 @@ def test_two_nodes_train_like_one(cluster_address):
             assert all(torch.equal(state[k], start1[k]) for k in start1)  # same initial weights
         got = _updates(t2, frozen)
         for step, ((m1, s1), (m2, s2)) in enumerate(zip(ref, got), start=1):
+            assert "global_seqlen/balanced_max" in m2 and "global_seqlen/balanced_max" not in m1, step
             assert m2["actor/pg_loss"] == pytest.approx(m1["actor/pg_loss"], rel=1e-5, abs=1e-7), step
             assert m2["actor/grad_norm"] == pytest.approx(m1["actor/grad_norm"], rel=1e-5), step
             (_, _, w1), ((_, _, a), (_, _, b)) = s1[0], s2
