@@ -12,7 +12,11 @@ outside it), so a verl upgrade fails loudly in tests, not in the middle of a GPU
 The helpers that call through the table live here too: `verl_import(key)` resolves a row,
 `method_name(key)` names a `Class.method` row, `call_replicas(replicas, key)` runs a replica
 coroutine row on every replica (`run_coroutine` also works inside Jupyter's running loop),
-and `check_symbol` / `check_verl_api` compare rows with the installed packages.
+and `check_symbol` / `check_verl_api` compare rows with the installed packages (any import
+failure is listed, and the environment an import edits is put back). The start-up check of
+`VerlEngine` is `check_verl_api()` plus `check_attention(config)` (the package the configured
+attention implementation needs); `check_symbol_record` applies `check_symbol`'s rules to a
+static recording of vLLM's GPU wheel (`GPU_VLLM_VERSION`, tests/fixtures/vllm_gpu_api.json).
 
 This module imports neither verl, torch, Ray nor vLLM at import time (rows resolve lazily).
 """
