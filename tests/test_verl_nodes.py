@@ -7,7 +7,8 @@ them through `RAY_ADDRESS`, as the README says. On the same two batches:
 - world size 1 (`trainer.nnodes=1 trainer.n_gpus_per_node=1`): two updates;
 - world size 2 (`trainer.nnodes=2 trainer.n_gpus_per_node=1`: one FSDP2 rank per node, gloo
   across the nodes, `trainer.balance_batch=true` as on GPUs): the same two updates — equal pg_loss and grad norm, parameter changes
-  within 1e-5 relative of world size 1, the two replicas serve identical weights after each
+  within 2e-5 relative of world size 1 (measured 6.0e-6 and 7.8e-6 with balance_batch; AdamW's
+  1/sqrt(v) amplifies float32 summation-order noise, as in tests/test_verl_cpu.py), the two replicas serve identical weights after each
   sync; then one rollout through both replicas, registered under the node's address
   (`agl_lab.serving.host=node_ip`).
 
@@ -155,7 +156,7 @@ def test_two_nodes_train_like_one(cluster_address):
             rel = ((d1 - d2).norm() / d1.norm()).item()
             print(f"step {step}: pg_loss {m1['actor/pg_loss']:.6g} / {m2['actor/pg_loss']:.6g}, grad_norm "
                   f"{m1['actor/grad_norm']:.6g} / {m2['actor/grad_norm']:.6g}, parameter change rel. diff {rel:.2e}")
-            assert d1.abs().max() > 0 and rel < 1e-5, (step, rel)
+            assert d1.abs().max() > 0 and rel < 2e-5, (step, rel)
         # both replicas registered under their node's address, and both serve a rollout
         endpoints = engine.endpoints()
         node_ip = ray.util.get_node_ip_address()
