@@ -56,6 +56,8 @@ BASE = [
     f"actor_rollout_ref.rollout.n={N}",
     f"actor_rollout_ref.actor.ppo_mini_batch_size={MINI}",
     "actor_rollout_ref.rollout.name=vllm",
+    # cpu_tiny.yaml leaves verl's flash_attention_2 default: the start-up check would refuse it here
+    "actor_rollout_ref.model.override_config.attn_implementation=sdpa",
     "data.dataloader_num_workers=0",
     "data.shuffle=false",  # tasks in dataset order: each test decides what every step sees
     "agl_lab.runner.concurrency=16",
