@@ -23,7 +23,8 @@ agl_lab's CPU platform (`python -m agl_lab.engines.verl.model_load` activates it
 
 prints one JSON line (attention implementation, dtype, parameters, gradient checkpointing,
 and how far packed rows — verl's remove-padding input — are from padded rows, in the
-logits of the real tokens) and exits 0, or prints the error and exits 1.
+logits of the real tokens; measured on the GPU when there is one, as FSDP moves the module
+there) and exits 0, or prints the error and exits 1.
 """
 
 from __future__ import annotations
@@ -102,9 +103,10 @@ def packed_vs_padded(module: Any, lengths: Sequence[int] = (5, 9, 3), seed: int 
     gen = torch.Generator().manual_seed(seed)
     vocab = int(module.config.vocab_size)
     width = max(lengths)
-    rows = [torch.randint(1, vocab, (n,), generator=gen) for n in lengths]
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    device = next(module.parameters()).device
+    rows = [torch.randint(1, vocab, (n,), generator=gen).to(device) for n in lengths]
+    ids = torch.zeros(len(rows), width, dtype=torch.long, device=device)
+    mask = torch.zeros(len(rows), width, dtype=torch.long, device=device)
     for i, row in enumerate(rows):  # right padding, as verl's actor sees rows after removing left pads
         ids[i, :len(row)], mask[i, :len(row)] = row, 1
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -114,7 +116,7 @@ def packed_vs_padded(module: Any, lengths: Sequence[int] = (5, 9, 3), seed: int 
         with torch.no_grad():
             padded = module(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
             packed = module(input_ids=torch.cat(rows)[None], use_cache=False,
-                            position_ids=torch.cat([torch.arange(len(r)) for r in rows])[None]).logits[0]
+                            position_ids=torch.cat([torch.arange(len(r), device=device) for r in rows])[None]).logits[0]
     finally:
         module.train(was_training)
     real = torch.cat([padded[i, :len(r)] for i, r in enumerate(rows)])
@@ -154,6 +156,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 (reported as the result)
         print(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"}), flush=True)
         return 1
+    if torch.cuda.is_available():  # verl's FSDP moves the loaded (CPU) module to the GPU: measure it there
+        module = module.to("cuda")
     print(json.dumps({"ok": True, **describe(module)}), flush=True)
     return 0
 
