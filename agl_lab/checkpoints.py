@@ -98,14 +98,19 @@ def seed_everything(seed: int) -> None:
 
 
 def rng_state() -> dict[str, Any]:
-    """Every process-wide RNG a step draws from (python, numpy, torch, CUDA when present)."""
+    """Every process-wide RNG a step draws from (python, numpy, torch, CUDA when this process uses it).
+
+    CUDA's generators are read only once this process has initialised CUDA (the local engine on a
+    GPU): `get_rng_state_all()` would otherwise create a CUDA context on every visible GPU — from
+    the verl driver, whose GPUs belong to verl's workers, hundreds of MiB each at the first save."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def set_rng_state(state: Mapping[str, Any]) -> None:
+    """Restore `rng_state()`; CUDA's generators are set lazily (torch applies them when CUDA first initialises)."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])

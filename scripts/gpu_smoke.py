@@ -1,32 +1,34 @@
-"""GPU smoke run of the local engine: a few bf16 steps of the demo task on one CUDA device.
+"""The prepared GPU check, in two tiers: one PASS/FAIL/SKIP line per check, non-zero exit on failure.
 
-    scripts/gpu_smoke.sh                 # the wrapper: picks .venv/bin/python, bounds the time
-    python scripts/gpu_smoke.py --steps 4 --max-diff 0.25
+    scripts/gpu_smoke.sh --tier A            # a bare GPU machine: torch (CUDA build) + transformers
+    scripts/gpu_smoke.sh --tier B            # the README's GPU environment (verl[vllm]==0.9.1 + agl_lab)
+    python scripts/gpu_smoke.py --tier A --dry-run   # on any machine: says what each check would check
+    python scripts/gpu_smoke.py --cpu-rehearsal      # A1 and A4 on CPU: the script's code, not the GPU check
 
-What it checks. The local engine serves (OpenAI server, KV-cached decoding) and trains
-(full forward) the *same* module, so in float32 the sampling logprobs of every rollout and
-the logprobs the update recomputes before the first optimiser step agree to ~1e-6. In
-bfloat16 the two forward paths round differently; this run measures how far apart they
-are on the GPU (`training/rollout_logprobs_diff_{mean,max}` = |log π_train − log π_serve|
-over the response tokens of each step's batch, verl's `training/rollout_probs_diff_max` in
-probability space) and prints PASS when every step stays within bf16 tolerance, together
-with the step times. A one-step float32 run on the same GPU is the reference: it must match
-to `--max-diff-fp32`, which separates "bf16 rounding" from "the pipeline feeds the trainer
-other tokens than were sampled" (a bug that shows as large diffs in any precision).
+**Tier A** needs only torch with CUDA and transformers (Python 3.11 or 3.12; no verl, no vLLM, no
+network: the tiny Qwen2 model is built in code from a config). It checks what the GPU path relies
+on below verl:
 
-Thresholds (bf16 keeps 8 significant bits, a relative rounding error of 2**-8 ≈ 0.4 %): a
-logit of magnitude |z| ≲ 15 moves by up to ~0.06 per rounding, and log-softmax can double
-that, so `--max-diff 0.25` bounds the worst token and `--max-mean-diff 0.02` the average.
+| check            | what it runs                                                              | PASS when |
+|------------------|---------------------------------------------------------------------------|-----------|
+| A1 attention     | the tiny Qwen2 in bf16 with `sdpa` (and `flash_attention_2` when flash_attn is installed) against fp32 eager; packed rows (remove-padding) against padded | bf16 within 0.1 of fp32 (max abs logit), packed = padded to 1e-4 (fp32) |
+| A2 cuda_ipc      | a CUDA tensor shared from one process to another (`torch.multiprocessing` reductions, what verl/vLLM's IPC weight transfer uses) | the receiver reads the sender's values, writes back visibly |
+| A3 nccl          | an NCCL process group over min(2, GPUs) processes, all_reduce + broadcast | sums and copies exact |
+| A4 fsdp2_offload | one FSDP2 (`fully_shard`) step, bf16 mixed precision, `CPUOffloadPolicy(pin_memory=True)`, AdamW | finite loss, every parameter moved, loss lower after the step |
+| A5 local_engine  | agl_lab's local engine: bf16 steps, served vs trained logprobs (needs the checkout + verl's learning core; SKIP without) | max |Δlogp| < 0.25, mean < 0.02 |
 
-Needs: one CUDA GPU; Python 3.11 with torch (CUDA build), transformers and agl_lab's
-dependencies — *including verl 0.9.1*: agl_lab's learning core (DataProto, the GRPO
-advantage, the policy-loss registry) is verl's own code even on the local engine, and
-importing `verl.trainer.ppo.ray_trainer` pulls Ray, tensordict, torchdata, datasets, peft,
-accelerate and codetiming. vLLM is *not* needed, nor a network: the tiny model and its
-tokenizer are built in code. The preflight lists exactly what is missing and how to add it.
+**Tier B** needs the README's GPU environment (`pip install 'verl[vllm]==0.9.1'`, agl_lab with
+requirements-gpu.txt, pytest) and this checkout:
 
-Exit codes: 0 PASS · 1 FAIL (logprobs differ beyond tolerance, or a step failed) ·
-2 missing packages · 3 no CUDA device.
+| check            | what it runs                                                              |
+|------------------|---------------------------------------------------------------------------|
+| B1 startup_check | the verl engine's start-up check with vLLM's rows (`check_verl_api`) and the attention package rule for configs/gpu_verl.yaml |
+| B2 model_load    | the actor loaded exactly as verl's FSDP worker loads it (`python -m agl_lab.engines.verl.model_load`) on the GPU |
+| B3 config_tests  | `pytest tests/test_gpu_path.py tests/test_vllm_gpu_api.py tests/vllm/test_vllm_config.py` |
+| B4 two_steps     | `agl-lab train configs/gpu_verl.yaml --steps 2` on the tiny model (verl FSDP2 workers + vLLM 0.24 replicas on Ray) |
+
+Exit codes: 0 every check PASS/SKIP · 1 a check FAILed · 2 bad arguments · 3 no CUDA device.
+Carry tier A to a bare machine as this checkout (~5 MiB without .git) or as this one file.
 """
 
 from __future__ import annotations
@@ -34,187 +36,401 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import json
+import os
+import subprocess
 import sys
 import tempfile
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+DEVICE = "cuda"  # "cpu" under --cpu-rehearsal (A1 and A4 only: the script's own code, not the GPU check)
 
-# import name → pip requirement; verl's own requirements (its METADATA) are the second block
-NEEDED = {
-    "torch": "torch", "transformers": "transformers>=5.5.3,<5.11", "tokenizers": "tokenizers",
-    "omegaconf": "omegaconf", "yaml": "pyyaml", "numpy": "numpy", "pandas": "pandas", "pydantic": "pydantic>=2",
-    "fastapi": "fastapi", "uvicorn": "uvicorn", "httpx": "httpx", "aiohttp": "aiohttp", "orjson": "orjson",
-    "openai": "openai", "cachetools": "cachetools", "matplotlib": "matplotlib", "tqdm": "tqdm",
-    "verl": "verl==0.9.1", "ray": "ray[default]>=2.41", "tensordict": "tensordict>=0.8,<=0.10,!=0.9.0",
-    "torchdata": "torchdata", "datasets": "datasets", "peft": "peft", "accelerate": "accelerate",
-    "codetiming": "codetiming", "dill": "dill", "hydra": "hydra-core", "pyarrow": "pyarrow>=19",
-}
-# what agl_lab's local path imports from verl (checked by importing, after the specs are found)
-VERL_MODULES = ("verl", "verl.trainer.ppo.core_algos", "verl.trainer.ppo.ray_trainer",
-                "verl.trainer.ppo.metric_utils", "verl.utils.debug.metrics", "verl.workers.config")
 
-SMALL = [  # a short run of configs/cpu_tiny.yaml: 8 tasks × 4 rollouts per step, one mini-batch
-    "data.train_batch_size=8", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
-    "agl_lab.task.n_train=64", "agl_lab.task.n_val=0", "agl_lab.runner.concurrency=32",
-    "agl_lab.rollout.wait_timeout_seconds=120", "agl_lab.wandb.mode=disabled",
-]
+class Skip(Exception):
+    """A check that cannot run here (its reason is printed on the SKIP line)."""
+
 
 # ------------------------------------------------------------------------------------------
-# Preflight: say everything that is missing at once, then stop
+# Tier A: torch + transformers only
 # ------------------------------------------------------------------------------------------
 
 
-def missing_packages() -> list[str]:
-    missing = [req for name, req in NEEDED.items() if importlib.util.find_spec(name) is None]
-    if missing:
-        return missing
-    for module in ("agl_lab", *VERL_MODULES):  # present but broken (a missing sub-dependency)
+def tiny_qwen2(attn: str, dtype: Any, seed: int = 0) -> Any:
+    """A 2-layer Qwen2 from a config (no download), on the GPU, with attention `attn`."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=False)
+    config._attn_implementation = attn
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(config).to(device=DEVICE, dtype=dtype).eval()
+
+
+def _rows(lengths: tuple[int, ...] = (17, 40, 5, 29), vocab: int = 512) -> list[Any]:
+    import torch
+
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(1, vocab, (n,), generator=gen).to(DEVICE) for n in lengths]
+
+
+def _padded_logits(model: Any, rows: list[Any]) -> Any:
+    import torch
+
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long, device=DEVICE)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)], mask[i, :len(r)] = r, 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+    return torch.cat([out[i, :len(r)] for i, r in enumerate(rows)]).float()
+
+
+def _packed_logits(model: Any, rows: list[Any]) -> Any:
+    import torch
+
+    positions = torch.cat([torch.arange(len(r), device=DEVICE) for r in rows])[None]
+    with torch.no_grad():
+        return model(input_ids=torch.cat(rows)[None], position_ids=positions, use_cache=False).logits[0].float()
+
+
+def check_attention() -> str:
+    import torch
+
+    rows = _rows()
+    reference = tiny_qwen2("eager", torch.float32)
+    expected = _padded_logits(reference, rows)
+    impls = ["sdpa"] + (["flash_attention_2"] if importlib.util.find_spec("flash_attn") else [])
+    details = []
+    for attn in impls:
+        model = tiny_qwen2(attn, torch.bfloat16)
+        diff = (_padded_logits(model, rows) - expected).abs().max().item()
+        packed = (_packed_logits(model, rows) - _padded_logits(model, rows)).abs().max().item()
+        fp32 = tiny_qwen2(attn, torch.float32) if attn == "sdpa" else None
+        exact = (_packed_logits(fp32, rows) - _padded_logits(fp32, rows)).abs().max().item() if fp32 else 0.0
+        details.append(f"{attn}: bf16 vs fp32 {diff:.3g}, packed vs padded bf16 {packed:.3g} fp32 {exact:.2g}")
+        if diff > 0.1 or exact > 1e-4 or packed > 0.1:
+            raise AssertionError("; ".join(details))
+    if len(impls) == 1:
+        details.append("flash_attention_2 not checked (flash_attn not installed)")
+    return "; ".join(details)
+
+
+def _ipc_child(queue: Any, answer: Any) -> None:
+    import torch
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    tensor = torch.arange(1024, dtype=torch.float32, device="cuda")
+    rebuild, args = reduce_tensor(tensor)
+    queue.put((rebuild, args))
+    answer.get(timeout=120)  # keep the tensor alive until the parent has read and written it
+    queue.put(float(tensor[0].item()))
+
+
+def check_cuda_ipc() -> str:
+    import torch
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue, answer = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=_ipc_child, args=(queue, answer))
+    child.start()
+    try:
+        rebuild, args = queue.get(timeout=120)
+        shared = rebuild(*args)
+        ok = torch.equal(shared, torch.arange(1024, dtype=torch.float32, device="cuda"))
+        shared[0] = -7.0
+        torch.cuda.synchronize()
+        answer.put("read")
+        seen = queue.get(timeout=120)
+    finally:
+        child.join(timeout=60)
+        if child.is_alive():
+            child.kill()
+    if not ok or seen != -7.0:
+        raise AssertionError(f"values read {ok}, the sender saw the write: {seen}")
+    return "a CUDA tensor shared across processes: read, and the write seen by the sender"
+
+
+def _nccl_worker(rank: int, world: int, port: int, results: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        x = torch.full((1024,), float(rank + 1), device="cuda")
+        dist.all_reduce(x)
+        y = torch.arange(8.0, device="cuda") if rank == 0 else torch.zeros(8, device="cuda")
+        dist.broadcast(y, src=0)
+        results.put((rank, float(x[0].item()), y.tolist()))
+    finally:
+        dist.destroy_process_group()
+
+
+def check_nccl() -> str:
+    import socket
+
+    import torch
+    import torch.multiprocessing as mp
+
+    world = min(2, torch.cuda.device_count())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_nccl_worker, args=(r, world, port, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got = [results.get(timeout=180) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    want = float(sum(range(1, world + 1)))
+    bad = [g for g in got if g[1] != want or g[2] != [float(i) for i in range(8)]]
+    if bad or any(p.exitcode for p in procs):
+        raise AssertionError(f"results {got}, exit codes {[p.exitcode for p in procs]}")
+    return f"NCCL {torch.cuda.nccl.version()} over {world} process(es): all_reduce and broadcast exact"
+
+
+def check_fsdp2_offload() -> str:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    with tempfile.TemporaryDirectory() as tmp:
+        backend = "cpu:gloo,cuda:nccl" if DEVICE == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"file://{tmp}/store", rank=0, world_size=1)
         try:
-            importlib.import_module(module)
-        except ImportError as exc:
-            name = getattr(exc, "name", None) or str(exc)
-            return [f"{name} (needed by `import {module}`: {exc})"]
-    return []
+            if DEVICE == "cuda":
+                torch.cuda.set_device(0)
+            model = tiny_qwen2("sdpa", torch.float32).train()
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            offload = CPUOffloadPolicy(pin_memory=DEVICE == "cuda")  # pinning needs an accelerator
+            for layer in model.model.layers:
+                fully_shard(layer, mp_policy=policy, offload_policy=offload)
+            fully_shard(model, mp_policy=policy, offload_policy=offload)
+            before = {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
+            optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            ids = torch.cat(_rows((64,)))[None]
+            losses = []
+            for _ in range(2):
+                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+                losses.append(float(loss.item()))
+                loss.backward()
+                optim.step()
+                optim.zero_grad()
+            moved = sum(not torch.equal(before[n], p.detach().full_tensor()) for n, p in model.named_parameters())
+            device = {str(p.device) for p in model.parameters()}
+        finally:
+            dist.destroy_process_group()
+    if not all(map(lambda v: v == v and abs(v) < 1e4, losses)) or moved != len(before) or losses[1] >= losses[0]:
+        raise AssertionError(f"losses {losses}, {moved}/{len(before)} parameters moved")
+    return f"loss {losses[0]:.4f} → {losses[1]:.4f}, {moved}/{len(before)} parameters moved, parameters on {device}"
+
+
+def check_local_engine() -> str:
+    sys.path.insert(0, str(ROOT))
+    missing = [m for m in ("agl_lab", "verl", "ray", "tensordict", "omegaconf") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise Skip(f"agl_lab's local engine imports verl's learning core (DataProto, GRPO, the loss registry): "
+                   f"missing {missing} (tier B's environment has them)")
+    import torch
+
+    with tempfile.TemporaryDirectory(prefix="agl_lab_gpu_smoke_") as tmp:
+        with _local_trainer("cuda", torch.bfloat16, 3, 150, Path(tmp)) as trainer:
+            history = [trainer.step() for _ in range(3)]
+    worst = max(m["training/rollout_logprobs_diff_max"] for m in history)
+    mean = max(m["training/rollout_logprobs_diff_mean"] for m in history)
+    if worst >= 0.25 or mean >= 0.02:
+        raise AssertionError(f"bf16 served vs trained logprobs: max {worst:.3g} (< 0.25), mean {mean:.3g} (< 0.02)")
+    return f"3 bf16 steps: served vs trained logprobs max {worst:.3g}, mean {mean:.3g}"
+
+
+def _local_trainer(device: str, dtype: Any, steps: int, warm_start: int, run_dir: Path) -> Any:
+    from agl_lab.config import load_config
+    from agl_lab.trainer import Trainer
+
+    cfg = load_config(ROOT / "configs" / "cpu_tiny.yaml", [
+        "data.train_batch_size=8", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+        "agl_lab.task.n_train=64", "agl_lab.task.n_val=0", "agl_lab.runner.concurrency=32",
+        "agl_lab.rollout.wait_timeout_seconds=120", "agl_lab.wandb.mode=disabled", f"agl_lab.model.device={device}",
+        f"agl_lab.model.warm_start_steps={warm_start}", f"trainer.total_training_steps={steps}"])
+    trainer = Trainer(cfg, run_dir=run_dir, console=False)
+    with trainer.engine.weights_lock:  # the engine serves and trains this very module
+        trainer.engine.model.to(dtype)
+    return trainer
+
+
+# ------------------------------------------------------------------------------------------
+# Tier B: the README's GPU environment
+# ------------------------------------------------------------------------------------------
+
+
+def _tiny_model_dir() -> str:
+    sys.path.insert(0, str(ROOT))
+    from agl_lab.engines.tiny import tiny_model_dir
+
+    return str(tiny_model_dir())
+
+
+def _run(cmd: list[str], timeout: int) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def check_startup() -> str:
+    sys.path.insert(0, str(ROOT))
+    from agl_lab.config import load_config
+    from agl_lab.engines.verl.api import check_attention, check_verl_api
+
+    if importlib.util.find_spec("vllm") is None:
+        raise AssertionError("vLLM is not installed: pip install 'verl[vllm]==0.9.1'")
+    problems = check_verl_api(include_vllm=True) + check_attention(load_config(ROOT / "configs" / "gpu_verl.yaml"))
+    if problems:
+        raise AssertionError("; ".join(problems))
+    import vllm
+
+    return f"every VERL_API row matches the installed verl/vLLM {vllm.__version__}; attention package rule OK"
+
+
+def check_model_load() -> str:
+    out = _run([sys.executable, "-m", "agl_lab.engines.verl.model_load", str(ROOT / "configs" / "gpu_verl.yaml"),
+                f"agl_lab.model.path={_tiny_model_dir()}"], timeout=300)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    result = json.loads(lines[-1]) if lines else {"ok": False, "error": out.stderr[-2000:]}
+    if not result.get("ok") or result.get("packed_vs_padded_max_abs", 1) > 1e-4:
+        raise AssertionError(json.dumps(result))
+    return (f"{result['class']} {result['attn_implementation']} {result['dtype']} on {result['device']}, "
+            f"packed vs padded {result['packed_vs_padded_max_abs']:.2g}")
+
+
+def check_config_tests() -> str:
+    if importlib.util.find_spec("pytest") is None:
+        raise AssertionError("pytest is not installed here: pip install pytest")
+    out = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_gpu_path.py",
+                "tests/test_vllm_gpu_api.py", "tests/vllm/test_vllm_config.py"], timeout=600)
+    tail = out.stdout.strip().splitlines()[-1:] or [out.stderr[-500:]]
+    if out.returncode:
+        raise AssertionError(out.stdout[-3000:])
+    return tail[0]
+
+
+def check_two_steps() -> str:
+    with tempfile.TemporaryDirectory(prefix="agl_lab_gpu_b4_") as tmp:
+        out = _run([sys.executable, "-m", "agl_lab.cli", "train", "configs/gpu_verl.yaml", "--steps", "2",
+                    "--run-dir", tmp, f"agl_lab.model.path={_tiny_model_dir()}", "agl_lab.task.n_train=32",
+                    "agl_lab.task.n_val=0", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                    "data.max_prompt_length=512", "data.max_response_length=256",
+                    "actor_rollout_ref.rollout.gpu_memory_utilization=0.3"], timeout=540)
+        metrics = Path(tmp) / "metrics.jsonl"
+        steps = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    trained = [m for m in steps if "actor/pg_loss" in m]
+    if out.returncode or len(trained) < 2:
+        raise AssertionError(f"exit {out.returncode}, {len(trained)} steps trained:\n{out.stdout[-2000:]}\n"
+                             f"{out.stderr[-3000:]}")
+    diff = max(m.get("training/rollout_probs_diff_max", float("nan")) for m in trained)
+    return f"2 steps of gpu_verl.yaml (tiny model): pg_loss {trained[-1]['actor/pg_loss']:.4g}, " \
+           f"rollout_probs_diff_max {diff:.3g}"
+
+
+# ------------------------------------------------------------------------------------------
+# Running the checks
+# ------------------------------------------------------------------------------------------
+
+Check = tuple[str, Callable[[], str], str]
+TIERS: dict[str, list[Check]] = {
+    "A": [
+        ("A1 attention", check_attention, "tiny Qwen2: bf16 sdpa (and flash_attention_2 if installed) vs fp32 eager "
+                                          "(< 0.1 max abs logit); packed rows = padded rows (fp32 < 1e-4)"),
+        ("A2 cuda_ipc", check_cuda_ipc, "a CUDA tensor shared to a second process (torch reductions): values read, "
+                                        "a write seen by the sender"),
+        ("A3 nccl", check_nccl, "NCCL process group over min(2, GPUs) processes: all_reduce + broadcast exact"),
+        ("A4 fsdp2_offload", check_fsdp2_offload, "FSDP2 fully_shard, bf16 mixed precision, CPUOffloadPolicy(pinned), "
+                                                  "two AdamW steps: finite, every parameter moved, loss lower"),
+        ("A5 local_engine", check_local_engine, "agl_lab local engine, 3 bf16 steps: served vs trained logprobs "
+                                                "max < 0.25, mean < 0.02 (SKIP without agl_lab + verl)"),
+    ],
+    "B": [
+        ("B1 startup_check", check_startup, "check_verl_api(include_vllm=True) + the attention package rule for "
+                                            "configs/gpu_verl.yaml: no problem listed"),
+        ("B2 model_load", check_model_load, "python -m agl_lab.engines.verl.model_load configs/gpu_verl.yaml on the "
+                                            "GPU (tiny model): loads, packed = padded"),
+        ("B3 config_tests", check_config_tests, "pytest tests/test_gpu_path.py tests/test_vllm_gpu_api.py "
+                                                "tests/vllm/test_vllm_config.py"),
+        ("B4 two_steps", check_two_steps, "agl-lab train configs/gpu_verl.yaml --steps 2 on the tiny model: two "
+                                          "trained steps in metrics.jsonl"),
+    ],
+}
 
 
 def cuda_problem() -> str | None:
+    if importlib.util.find_spec("torch") is None:
+        return "torch is not installed: install the CUDA build of torch that matches the driver (pytorch.org)"
     import torch
 
     if not torch.cuda.is_available():
         built = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
-        return (f"no CUDA device visible to torch {torch.__version__} ({built}); run this on a machine "
-                "with an NVIDIA GPU and a CUDA build of torch")
+        return f"no CUDA device visible to torch {torch.__version__} ({built})"
     return None
-
-
-def preflight(dry_run: bool) -> int:
-    sys.path.insert(0, str(ROOT))
-    have_torch = importlib.util.find_spec("torch") is not None
-    cuda = None if dry_run or not have_torch else cuda_problem()
-    missing = missing_packages()
-    if cuda:
-        print(f"gpu_smoke: FAIL — {cuda}", flush=True)
-    if missing:
-        reqs = " ".join(f"'{r}'" for r in missing if " " not in r and r != "torch")
-        print("gpu_smoke: FAIL — missing Python packages:\n  " + "\n  ".join(missing), flush=True)
-        if "torch" in missing:
-            print("  torch: install the CUDA build that matches this machine's driver (pytorch.org)", flush=True)
-        print("  agl_lab's local engine imports verl's learning core (DataProto, GRPO advantage, policy-loss\n"
-              "  registry), so verl 0.9.1 and its dependencies are needed even without vLLM. This script\n"
-              "  runs agl_lab from this checkout and installs nothing; add the packages, keeping your torch:",
-              flush=True)
-        if reqs:
-            print(f"    pip install {reqs}\n"
-                  "  without network here, fetch wheels on a machine that has it (same Python 3.11, same OS):\n"
-                  f"    pip download -d wheels {reqs}\n"
-                  f"    pip install --no-index --find-links wheels {reqs}     # on this machine\n"
-                  "  (drop any torch/nvidia-* wheels `pip download` pulled in: keep the CUDA torch you have)",
-                  flush=True)
-    if missing:
-        return 2
-    return 3 if cuda else 0
-
-
-# ------------------------------------------------------------------------------------------
-# The run
-# ------------------------------------------------------------------------------------------
-
-
-def make_trainer(device: str, dtype: Any, steps: int, warm_start: int, run_dir: Path):
-    """A Trainer on configs/cpu_tiny.yaml on `device`, its engine's weights in `dtype`."""
-    from agl_lab.config import load_config
-    from agl_lab.trainer import Trainer
-
-    cfg = load_config(ROOT / "configs" / "cpu_tiny.yaml",
-                      [*SMALL, f"agl_lab.model.device={device}", f"agl_lab.model.warm_start_steps={warm_start}",
-                       f"trainer.total_training_steps={steps}"])
-    trainer = Trainer(cfg, run_dir=run_dir, console=False)
-    model = trainer.engine.model
-    if next(model.parameters()).dtype != dtype:  # the engine serves and trains this very module
-        with trainer.engine.weights_lock:
-            model.to(dtype)
-    return trainer
-
-
-def run_steps(trainer, steps: int, label: str) -> list[dict[str, Any]]:
-    print(f"{label}\n  step  reward   lp_diff_mean  lp_diff_max  probs_diff_max  rows   step_s  rollout_s  update_s",
-          flush=True)
-    history = []
-    for _ in range(steps):
-        m = trainer.step()
-        history.append(m)
-        print(f"  {len(history) - 1:>4}  {m.get('training/reward', float('nan')):6.3f}   "
-              f"{m.get('training/rollout_logprobs_diff_mean', float('nan')):12.2e}  "
-              f"{m.get('training/rollout_logprobs_diff_max', float('nan')):11.2e}  "
-              f"{m.get('training/rollout_probs_diff_max', float('nan')):14.2e}  "
-              f"{m.get('training/n_sample_trained', 0):4d}  {m.get('timing_s/step', 0):7.2f}  "
-              f"{m.get('timing_s/gen', 0):9.2f}  {m.get('timing_s/update', 0):8.2f}", flush=True)
-    return history
-
-
-def verdict(history: list[dict[str, Any]], max_diff: float, max_mean: float) -> tuple[bool, str]:
-    """PASS when every step has the diff metrics and stays within both tolerances."""
-    worst = [m.get("training/rollout_logprobs_diff_max") for m in history]
-    means = [m.get("training/rollout_logprobs_diff_mean") for m in history]
-    if any(v is None for v in worst + means):
-        return False, ("a step has no rollout_logprobs_diff metric: sampling logprobs did not reach the batch "
-                       "(agl_lab.server.include_log_probs must be true)")
-    ok = max(worst) < max_diff and max(means) < max_mean
-    return ok, (f"max |Δlogp| {max(worst):.3g} {'<' if max(worst) < max_diff else '>='} {max_diff:g}, "
-                f"mean {max(means):.3g} {'<' if max(means) < max_mean else '>='} {max_mean:g}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=4, help="bf16 training steps (default 4)")
-    parser.add_argument("--warm-start", type=int, default=150,
-                        help="supervised warm-start steps, so logits are peaked as in a trained model (default 150)")
-    parser.add_argument("--max-diff", type=float, default=0.25, help="bf16 bound on max |Δlogp| (default 0.25)")
-    parser.add_argument("--max-mean-diff", type=float, default=0.02, help="bf16 bound on mean |Δlogp| (default 0.02)")
-    parser.add_argument("--max-diff-fp32", type=float, default=1e-3, help="float32 reference bound (default 1e-3)")
-    parser.add_argument("--no-reference", action="store_true", help="skip the one-step float32 reference run")
-    parser.add_argument("--dry-run-on-cpu", action="store_true",
-                        help="exercise this script on CPU (bf16 on CPU): NOT the GPU check, always exits 1")
+    parser.add_argument("--tier", default="A", help="A, B or AB (default A)")
+    parser.add_argument("--only", default=None, help="comma-separated check ids to run (e.g. A1,A3)")
+    parser.add_argument("--dry-run", action="store_true", help="print what each check would check; run nothing")
+    parser.add_argument("--cpu-rehearsal", action="store_true",
+                        help="run A1 and A4 on CPU (the script's own code; NOT the GPU check: always exits 1 on success)")
     args = parser.parse_args(argv)
-
-    code = preflight(args.dry_run_on_cpu)
-    if code:
-        return code
+    tiers = [t for t in args.tier.upper() if t in TIERS]
+    if not tiers or len(tiers) != len(args.tier):
+        parser.error(f"--tier {args.tier!r}: use A, B or AB")
+    only = {o.strip().upper() for o in args.only.split(",")} if args.only else None
+    checks = [c for t in tiers for c in TIERS[t] if only is None or c[0].split()[0] in only]
+    if args.dry_run:
+        for name, _, what in checks:
+            print(f"DRY  {name}: would check {what}", flush=True)
+        print(f"gpu_smoke: dry run, {len(checks)} check(s) listed, none run (tier {args.tier.upper()})", flush=True)
+        return 0
+    if args.cpu_rehearsal:
+        global DEVICE
+        DEVICE = "cpu"
+        checks = [c for c in checks if c[0].split()[0] in ("A1", "A4")]
+    problem = None if args.cpu_rehearsal else cuda_problem()
+    if problem:
+        print(f"FAIL gpu_smoke: {problem}", flush=True)
+        return 3
     import torch
-    import transformers
-    import verl
 
-    device = "cpu" if args.dry_run_on_cpu else "cuda"
-    name = "CPU (dry run)" if args.dry_run_on_cpu else torch.cuda.get_device_name(0)
-    print(f"gpu_smoke: local engine on {name} · torch {torch.__version__} (CUDA {torch.version.cuda}) · "
-          f"transformers {transformers.__version__} · verl {verl.__version__}", flush=True)
-    t0 = time.time()
-    with tempfile.TemporaryDirectory(prefix="agl_lab_gpu_smoke_") as tmp:
-        with make_trainer(device, torch.bfloat16, args.steps, args.warm_start, Path(tmp) / "bf16") as trainer:
-            print(f"  tiny model, bfloat16, warm start {args.warm_start} steps: ready in {time.time() - t0:.1f} s",
-                  flush=True)
-            history = run_steps(trainer, args.steps, "bfloat16 (serving = OpenAI server, training = full forward):")
-        ok, detail = verdict(history, args.max_diff, args.max_mean_diff)
-        ref_ok = True
-        if not args.no_reference:
-            with make_trainer(device, torch.float32, 1, args.warm_start, Path(tmp) / "fp32") as trainer:
-                ref = run_steps(trainer, 1, "float32 reference (same device, one step):")
-            ref_ok, ref_detail = verdict(ref, args.max_diff_fp32, args.max_diff_fp32)
-            print(f"  reference: {'match' if ref_ok else 'MISMATCH'} ({ref_detail})", flush=True)
-    steps_s = [m["timing_s/step"] for m in history]
-    print(f"step time: first {steps_s[0]:.2f} s, then mean {sum(steps_s[1:]) / max(len(steps_s) - 1, 1):.2f} s · "
-          f"total wall {time.time() - t0:.1f} s", flush=True)
-    passed = ok and ref_ok
-    print(f"RESULT: {'PASS' if passed else 'FAIL'} — serving vs training logprobs in bfloat16: {detail}"
-          + ("" if ref_ok else " · the float32 reference does not match either: the tokens trained are not "
-             "the tokens sampled"), flush=True)
-    if args.dry_run_on_cpu:
-        print("gpu_smoke: this was a CPU dry run of the script, not the GPU check", flush=True)
+    where = "CPU rehearsal" if args.cpu_rehearsal else f"{torch.cuda.get_device_name(0)} ×{torch.cuda.device_count()}"
+    print(f"gpu_smoke: {where} · torch {torch.__version__} (CUDA {torch.version.cuda}) · "
+          f"Python {sys.version.split()[0]}", flush=True)
+    failed = 0
+    for name, fn, _ in checks:
+        start = time.time()
+        try:
+            detail = fn()
+            print(f"PASS {name}: {detail} ({time.time() - start:.1f} s)", flush=True)
+        except Skip as exc:
+            print(f"SKIP {name}: {exc}", flush=True)
+        except Exception as exc:  # noqa: BLE001 (one line per check; the traceback after it)
+            failed += 1
+            print(f"FAIL {name}: {type(exc).__name__}: {exc} ({time.time() - start:.1f} s)", flush=True)
+            traceback.print_exc(limit=4)
+    print(f"gpu_smoke: {'FAIL' if failed else 'PASS'} ({failed} of {len(checks)} failed)", flush=True)
+    if args.cpu_rehearsal:
+        print("gpu_smoke: this was a CPU rehearsal of the script, not the GPU check", flush=True)
         return 1
-    return 0 if passed else 1
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

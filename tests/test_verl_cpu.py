@@ -101,8 +101,8 @@ def test_local_and_verl_engines_make_the_same_update(trainer):
     the loss-weights tables are equal; the parameter change (two mini-batches, two AdamW
     steps, verl micro-batching by tokens) agrees to 8.7e-6 relative in norm, asserted < 2e-5:
     AdamW divides by sqrt(v)+eps, so float32 summation-order noise on tiny gradients is
-    amplified to O(lr) on those coordinates. Needs `trainer.balance_batch: false` (verl's
-    balancing would reorder rows into other mini-batches than the local engine's).
+    amplified to O(lr) on those coordinates. (`trainer.balance_batch` would not change it: the
+    engine balances within agl_lab's mini-batches, tests/test_verl_phases.py.)
     """
     from agl_lab.engines.local import LocalEngine
     from agl_lab.update import run_update

@@ -6,15 +6,17 @@ them through `RAY_ADDRESS`, as docs/many-machines.md says. On the same two batch
 
 - world size 1 (`trainer.nnodes=1 trainer.n_gpus_per_node=1`): two updates;
 - world size 2 (`trainer.nnodes=2 trainer.n_gpus_per_node=1`: one FSDP2 rank per node, gloo
-  across the nodes): the same two updates — equal pg_loss and grad norm, parameter changes
-  within 1e-5 relative of world size 1, the two replicas serve identical weights after each
+  across the nodes, `trainer.balance_batch=true` as on GPUs): the same two updates — equal pg_loss and grad norm, parameter changes
+  within 2e-5 relative of world size 1 (measured 6.0e-6 and 7.8e-6 with balance_batch; AdamW's
+  1/sqrt(v) amplifies float32 summation-order noise, as in tests/test_verl_cpu.py), the two replicas serve identical weights after each
   sync; then one rollout through both replicas, registered under the node's address
   (`agl_lab.serving.host=node_ip`).
 
 Also, on the live cluster: the placement check refuses `n_gpus_per_node=2` on two 1-GPU nodes
 with the numbers (verl would wait for ever), a placement group no node can hold times out
 with a clear error, a path missing on the nodes is refused naming them, a checkpoint holds
-both ranks' shards, and every process of both nodes is gone afterwards.
+both ranks' shards, a driver without a GPU joining the cluster takes its device from the nodes,
+and every process of both nodes is gone afterwards.
 
 Wall time on the shared 2-core machine: 98-145 s for the module (nodes 20-50 s, then two engines).
 """
@@ -128,8 +130,10 @@ def test_two_nodes_train_like_one(cluster_address):
     # --- world size 2: one rank per node ------------------------------------------------------
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # the joining warning was checked above
+        # balance_batch as on GPUs (verl's default, configs/gpu_verl.yaml): tokens balanced across the
+        # two ranks within each planned mini-batch, so the update still equals world size 1's
         t2 = _trainer(os.path.join(tmp, "run2"), "trainer.nnodes=2", "trainer.n_gpus_per_node=1",
-                      "agl_lab.serving.host=node_ip")
+                      "agl_lab.serving.host=node_ip", "trainer.balance_batch=true")
     try:
         engine = t2.engine
         states = _served_states(engine)
@@ -141,6 +145,7 @@ def test_two_nodes_train_like_one(cluster_address):
             assert all(torch.equal(state[k], start1[k]) for k in start1)  # same initial weights
         got = _updates(t2, frozen)
         for step, ((m1, s1), (m2, s2)) in enumerate(zip(ref, got), start=1):
+            assert "global_seqlen/balanced_max" in m2 and "global_seqlen/balanced_max" not in m1, step
             assert m2["actor/pg_loss"] == pytest.approx(m1["actor/pg_loss"], rel=1e-5, abs=1e-7), step
             assert m2["actor/grad_norm"] == pytest.approx(m1["actor/grad_norm"], rel=1e-5), step
             (_, _, w1), ((_, _, a), (_, _, b)) = s1[0], s2
@@ -151,7 +156,7 @@ def test_two_nodes_train_like_one(cluster_address):
             rel = ((d1 - d2).norm() / d1.norm()).item()
             print(f"step {step}: pg_loss {m1['actor/pg_loss']:.6g} / {m2['actor/pg_loss']:.6g}, grad_norm "
                   f"{m1['actor/grad_norm']:.6g} / {m2['actor/grad_norm']:.6g}, parameter change rel. diff {rel:.2e}")
-            assert d1.abs().max() > 0 and rel < 1e-5, (step, rel)
+            assert d1.abs().max() > 0 and rel < 2e-5, (step, rel)
         # both replicas registered under their node's address, and both serve a rollout
         endpoints = engine.endpoints()
         node_ip = ray.util.get_node_ip_address()
@@ -197,3 +202,41 @@ def test_a_placement_group_no_node_holds_times_out_with_the_numbers(cluster_addr
         assert pool.pgs is None
     finally:
         ray.shutdown()
+
+
+def test_a_driver_without_a_gpu_joining_the_cluster_takes_the_device_from_its_nodes(cluster_address, tmp_path,
+                                                                                  monkeypatch):
+    """The notebook case: a login node (no GPU, no CUDA) joins a GPU cluster. The device is decided
+    by the nodes: `auto` asks each node that declares Ray GPUs how many GPUs its NVIDIA driver
+    lists; `cuda` needs nodes that declare GPUs, not a GPU here. These nodes declare fake GPUs
+    (0 NVIDIA: CPU); pointing the probe at a directory with one entry stands for a node with one."""
+    from agl_lab.config import load_config
+    from agl_lab.engines.verl import cluster
+    from agl_lab.engines.verl.cpu import cpu_platform_wanted
+    from agl_lab.engines.verl.engine import WORKER_ENV_KEYS, _select_device
+
+    address, _ = cluster_address
+    assert not torch.cuda.is_available()
+    gpu_config = os.path.join(os.path.dirname(__file__), "..", "configs", "gpu_verl.yaml")
+    auto = load_config(gpu_config)  # agl_lab.verl.device: auto
+    nodes = cluster.nvidia_gpus_on_cluster(address)
+    assert sorted(n["declared"] for n in nodes.values()) == [1.0, 1.0], nodes
+    assert all(n["nvidia"] == 0 for n in nodes.values()) and not ray.is_initialized()  # the connection is closed
+    assert cpu_platform_wanted(auto, address)  # fake GPUs: verl's workers would find no CUDA there
+
+    (tmp_path / "0000:17:00.0").mkdir()  # what /proc/driver/nvidia/gpus holds on a node with one GPU
+    monkeypatch.setattr(cluster, "NVIDIA_GPUS_DIR", str(tmp_path))
+    assert all(n["nvidia"] == 1 for n in cluster.nvidia_gpus_on_cluster(address).values())
+    assert not cpu_platform_wanted(auto, address)  # GPUs on the nodes: the GPU path, though none is here
+    assert cpu_platform_wanted(auto, None)  # not joining: this machine decides
+    env = {key: os.environ.get(key) for key in WORKER_ENV_KEYS}
+    assert _select_device(auto) == {}  # RAY_ADDRESS (the fixture's) is the cluster joined
+    assert {key: os.environ.get(key) for key in WORKER_ENV_KEYS} == env  # no CPU platform loaded, nothing exported
+    monkeypatch.undo()
+
+    forced = load_config(gpu_config, ["agl_lab.verl.device=cuda"])
+    with pytest.warns(RuntimeWarning, match=r"declare GPU resources but list no NVIDIA GPU .*1 declared, 0 NVIDIA"):
+        assert _select_device(forced) == {}
+    monkeypatch.delenv("RAY_ADDRESS")
+    with pytest.raises(RuntimeError, match=r"none is visible here: .*RAY_ADDRESS=<head>:<port>"):
+        _select_device(forced)

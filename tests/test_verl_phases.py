@@ -56,6 +56,8 @@ BASE = [
     f"actor_rollout_ref.rollout.n={N}",
     f"actor_rollout_ref.actor.ppo_mini_batch_size={MINI}",
     "actor_rollout_ref.rollout.name=vllm",
+    # cpu_tiny.yaml leaves verl's flash_attention_2 default: the start-up check would refuse it here
+    "actor_rollout_ref.model.override_config.attn_implementation=sdpa",
     "data.dataloader_num_workers=0",
     "data.shuffle=false",  # tasks in dataset order: each test decides what every step sees
     "agl_lab.runner.concurrency=16",
@@ -397,3 +399,43 @@ def test_rows_go_to_ranks_so_verl_trains_the_planned_mini_batches():
     assert out.meta_info == {"temperature": 1.0}
     one = SimpleNamespace(data_parallel_size=lambda: 1, mini_batch_rows=lambda: 16)
     assert AglRayPPOTrainer.rows_in_rank_order(one, data) is data  # dp 1: verl's order is already the plan
+
+
+def test_balance_batch_balances_tokens_within_each_planned_mini_batch():
+    """`trainer.balance_batch` (verl's default, kept by configs/gpu_verl.yaml): each rank gets M/dp
+    rows of every planned mini-batch, the token workloads of the ranks balanced per mini-batch
+    with verl's own partitioner; verl's `global_seqlen/*` metrics are reported. verl's
+    `_balance_batch` on the same batch moves rows into other mini-batches (the reason it is not used)."""
+    from types import SimpleNamespace
+
+    import torch
+    from verl import DataProto
+
+    from agl_lab.engines.verl.trainer import AglRayPPOTrainer
+
+    lengths = torch.tensor([30, 1, 1, 1, 1, 1, 1, 30, 5, 9, 20, 2, 2, 20, 9, 5] * 2)  # 32 rows, M = 16
+    mask = (torch.arange(40)[None, :] < lengths[:, None]).long()
+    data = DataProto.from_dict(tensors={"row": torch.arange(32), "attention_mask": mask}, meta_info={"t": 1})
+    fake = SimpleNamespace(data_parallel_size=lambda: 2, mini_batch_rows=lambda: 16)
+    metrics: dict = {}
+    out = AglRayPPOTrainer.rows_in_rank_order(fake, data, balance=True, metrics=metrics)
+    chunks = out.batch["row"].chunk(2)
+    for m in range(2):
+        parts = [chunk[8 * m:8 * (m + 1)] for chunk in chunks]  # what each rank trains in mini-batch m
+        assert sorted(torch.cat(parts).tolist()) == list(range(16 * m, 16 * (m + 1)))
+        tokens = [int(lengths[p].sum()) for p in parts]
+        naive = [int(lengths[16 * m + 8 * r:16 * m + 8 * (r + 1)].sum()) for r in range(2)]
+        assert abs(tokens[0] - tokens[1]) < abs(naive[0] - naive[1]), (tokens, naive)
+    assert {"global_seqlen/min", "global_seqlen/max", "global_seqlen/balanced_min"} <= set(metrics)
+    assert out.meta_info == {"t": 1} and torch.equal(data.batch["row"], torch.arange(32))  # caller's order kept
+    one = SimpleNamespace(data_parallel_size=lambda: 1, mini_batch_rows=lambda: 16)
+    assert torch.equal(AglRayPPOTrainer.rows_in_rank_order(one, data, balance=True, metrics={}).batch["row"],
+                       torch.arange(32))  # one rank: the planned order itself
+
+    class VerlBalanced(SimpleNamespace):  # verl's own _balance_batch on the same rows, for contrast
+        _balance_batch = AglRayPPOTrainer._balance_batch
+
+    verl_way = copy.deepcopy(data)
+    VerlBalanced(_get_dp_size=lambda *a: 2, actor_rollout_wg=None)._balance_batch(verl_way, metrics={})
+    rank0 = verl_way.batch["row"].chunk(2)[0]
+    assert sorted(rank0[:8].tolist() + verl_way.batch["row"].chunk(2)[1][:8].tolist()) != list(range(16))

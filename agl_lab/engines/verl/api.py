@@ -12,7 +12,11 @@ outside it), so a verl upgrade fails loudly in tests, not in the middle of a GPU
 The helpers that call through the table live here too: `verl_import(key)` resolves a row,
 `method_name(key)` names a `Class.method` row, `call_replicas(replicas, key)` runs a replica
 coroutine row on every replica (`run_coroutine` also works inside Jupyter's running loop),
-and `check_symbol` / `check_verl_api` compare rows with the installed packages.
+and `check_symbol` / `check_verl_api` compare rows with the installed packages (any import
+failure is listed, and the environment an import edits is put back). The start-up check of
+`VerlEngine` is `check_verl_api()` plus `check_attention(config)` (the package the configured
+attention implementation needs); `check_symbol_record` applies `check_symbol`'s rules to a
+static recording of vLLM's GPU wheel (`GPU_VLLM_VERSION`, tests/fixtures/vllm_gpu_api.json).
 
 This module imports neither verl, torch, Ray nor vLLM at import time (rows resolve lazily).
 """
@@ -21,10 +25,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import importlib
 import importlib.util
 import inspect
-from collections.abc import Sequence
+import os
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,9 +134,21 @@ _ROWS: tuple[VerlSymbol, ...] = (
     _row("verl.utils.debug.metrics:calculate_debug_metrics", "data"),  # training vs rollout logprobs
     _row("verl.trainer.ppo.core_algos:agg_loss", "loss_mat", "loss_mask", "loss_agg_mode", "loss_scale_factor"),
     _row("verl.utils.metric:reduce_metrics", "metrics"),
+    # trainer.balance_batch within each of agl_lab's mini-batches (AglRayPPOTrainer.rows_in_rank_order)
+    _row("verl.utils.seqlen_balancing:calculate_workload", "seqlen_list"),
+    _row("verl.utils.seqlen_balancing:get_seqlen_balanced_partitions", "seqlen_list", "k_partitions", "equal_size"),
+    _row("verl.utils.seqlen_balancing:log_seqlen_unbalance", "seqlen_list", "partitions", "prefix"),
     _row("verl.utils.checkpoint.checkpoint_manager:find_latest_ckpt_path", "path"),
     _row("verl.trainer.ppo.core_algos:POLICY_LOSS_REGISTRY"),  # per_rollout_mean lands here, per worker
     _row("verl.trainer.ppo.core_algos:get_policy_loss_fn", "name"),  # how the actor resolves loss_mode
+    # --- the actor model as verl's FSDP worker loads it (model_load.py) and its attention -----
+    _row("verl.workers.engine:EngineRegistry.get_engine_cls", "model_type", "backend"),
+    _row("verl.workers.engine.fsdp.transformer_impl:FSDPEngine", "model_config", "engine_config",
+         "optimizer_config", "checkpoint_config"),
+    _row("verl.workers.engine.fsdp.transformer_impl:FSDPEngine._build_module", returns="from_pretrained"),
+    # the default the start-up check's attention rule relies on (check_attention)
+    _row("verl.workers.config.model:HFModelConfig.__post_init__",
+         returns='self.override_config.get("attn_implementation", "flash_attention_2")'),
     # --- Ray resources and workers: placement check, naming a dead worker (verl.py) --------
     _row(_SC + "ResourcePoolManager", "resource_pool_spec", "mapping", returns="max_colocate_count"),
     _row(_SC + "ResourcePoolManager.create_resource_pool", returns="max_colocate_count=self.max_colocate_count"),
@@ -284,8 +302,9 @@ def check_symbol(symbol: VerlSymbol) -> list[str]:
     """Problems of one row against the installed packages ([] when it is compatible)."""
     try:
         obj = _resolve(symbol)
-    except (ImportError, AttributeError) as exc:
-        return [f"{symbol.path}: cannot import ({exc})"]
+    except Exception as exc:  # noqa: BLE001 — any import-time failure (a CUDA/driver error, a bad
+        # sub-dependency) is a problem to list with the others, not a traceback
+        return [f"{symbol.path}: cannot import ({type(exc).__name__}: {exc})"]
     problems: list[str] = []
     if symbol.params or callable(obj):
         problems += _check_params(symbol, obj)
@@ -319,16 +338,102 @@ def _check_params(symbol: VerlSymbol, obj: Any) -> list[str]:
     return problems
 
 
+#: the vLLM verl 0.9.1 declares for GPUs (its `vllm` extra); tests/fixtures/vllm_gpu_api.json records its API
+GPU_VLLM_VERSION = "0.24.0"
+
+
+def check_symbol_record(symbol: VerlSymbol, entry: dict[str, Any] | None) -> list[str]:
+    """`check_symbol`'s rules against a static recording of a package (scripts/record_vllm_api.py):
+    found, the engine's parameters present and in order, no new required parameter, the
+    `returns` word in the source. `entry` None: the recording lacks the row."""
+    if entry is None:
+        return [f"{symbol.path}: not in the recording (re-run scripts/record_vllm_api.py on the wheel)"]
+    if not entry.get("found"):
+        return [f"{symbol.path}: not found in the recorded sources"]
+    problems: list[str] = []
+    params = entry.get("params")
+    if params is not None and symbol.params:
+        names = [p[0] for p in params]
+        missing = [p for p in symbol.params if p not in names]
+        if missing:
+            problems.append(f"{symbol.path}: parameters {missing} gone (has {names})")
+        elif [names.index(p) for p in symbol.params] != sorted(names.index(p) for p in symbol.params):
+            problems.append(f"{symbol.path}: parameter order changed to {names}")
+    if params is not None:
+        new_required = [name for name, required, kind in params
+                        if required and name not in symbol.params and kind not in ("var_positional", "var_keyword")]
+        if new_required:
+            problems.append(f"{symbol.path}: new required parameters {new_required}")
+    if symbol.returns and not entry.get("returns", {}).get(symbol.returns):
+        problems.append(f"{symbol.path}: its source no longer mentions {symbol.returns!r}")
+    return problems
+
+
 def check_verl_api(include_vllm: bool | None = None) -> list[str]:
-    """All problems of `VERL_API` (vLLM rows only when vLLM is importable, unless forced)."""
+    """All problems of `VERL_API` (vLLM rows only when vLLM is importable, unless forced).
+
+    Importing vLLM sets environment variables in this process (vllm/env_override.py: e.g.
+    `NCCL_CUMEM_ENABLE`, `TORCHINDUCTOR_COMPILE_THREADS`); the check runs in the driver before
+    `ray.init`, and Ray's processes inherit the driver's environment, so the environment is put
+    back as it was afterwards: verl's workers start with the user's settings, not vLLM's."""
     if include_vllm is None:
         include_vllm = importlib.util.find_spec("vllm") is not None
     problems: list[str] = []
-    for symbol in VERL_API.values():
-        if symbol.needs_vllm and not include_vllm:
-            continue
-        problems += check_symbol(symbol)
+    with environment_kept():
+        for symbol in VERL_API.values():
+            if symbol.needs_vllm and not include_vllm:
+                continue
+            problems += check_symbol(symbol)
     return problems
+
+
+@contextlib.contextmanager
+def environment_kept() -> Iterator[None]:
+    """`os.environ` restored to its state at entry when the block ends (imports may edit it)."""
+    before = dict(os.environ)
+    try:
+        yield
+    finally:
+        for key in [k for k in os.environ if k not in before]:
+            del os.environ[key]
+        for key, value in before.items():
+            if os.environ.get(key) != value:
+                os.environ[key] = value
+
+
+#: attn_implementation → the package transformers imports for it (verl's default: flash_attention_2)
+ATTENTION_PACKAGES = {"flash_attention_2": ("flash_attn", "flash-attn"),
+                      "flash_attention_3": ("flash_attn_interface", "flash-attn-3 (FlashAttention 3, Hopper)")}
+DEFAULT_ATTENTION = "flash_attention_2"  # verl 0.9.1's HFModelConfig (a VERL_API row pins it)
+
+
+def attention_implementation(config: Any) -> str:
+    """`actor_rollout_ref.model.override_config.attn_implementation`, else verl's default."""
+    from omegaconf import OmegaConf
+
+    value = OmegaConf.select(config, "actor_rollout_ref.model.override_config.attn_implementation", default=None)
+    return str(value) if value else DEFAULT_ATTENTION
+
+
+def check_attention(config: Any, find_spec: Any = None) -> list[str]:
+    """The package the configured attention needs, when it is missing (`find_spec`: where to
+    look, default this process). verl's worker would fail at model load with transformers'
+    ImportError, after Ray, the placement groups and the workers started."""
+    from omegaconf import OmegaConf
+
+    attn = attention_implementation(config)
+    default = OmegaConf.select(config, "actor_rollout_ref.model.override_config.attn_implementation",
+                               default=None) is None
+    if attn not in ATTENTION_PACKAGES:
+        return []
+    module, package = ATTENTION_PACKAGES[attn]
+    found = (find_spec or importlib.util.find_spec)(module)
+    if found:
+        return []
+    return [f"actor_rollout_ref.model.override_config.attn_implementation={attn}"
+            f"{' (verl default, not set)' if default else ''} needs the {module} package, which is not "
+            f"installed{'' if find_spec is None else ' on every Ray node'}: set it to sdpa (configs/gpu_verl.yaml "
+            f"does), or install {package} (`pip install flash-attn --no-build-isolation`, a CUDA build; see docs/gpu.md)"]
 
 
 # ------------------------------------------------------------------------------------------

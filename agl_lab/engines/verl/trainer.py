@@ -229,14 +229,10 @@ class AglRayPPOTrainer(RayPPOTrainer):
         self.global_steps += 1
         reduce_metrics = verl_import("reduce_metrics")
         metrics["training/global_step"] = self.global_steps
-        # _balance_batch reorders rows in place: work on a shallow copy so the caller's batch
-        # (and the row views built on it) keeps its order
-        batch = copy.copy(batch)
-        batch.meta_info = dict(batch.meta_info)
-        if self.config.trainer.balance_batch:
-            self._balance_batch(batch, metrics=metrics)
-        else:
-            batch = self.rows_in_rank_order(batch)
+        # rows go to ranks so that verl trains agl_lab's mini-batches at any DP size; with
+        # trainer.balance_batch the tokens are balanced across ranks *within* each mini-batch
+        # (verl's _balance_batch would move rows into other mini-batches: the update would differ)
+        batch = self.rows_in_rank_order(batch, balance=bool(self.config.trainer.balance_batch), metrics=metrics)
         batch.meta_info["global_token_num"] = torch.sum(batch.batch["attention_mask"], dim=-1).tolist()
         if self.use_critic:
             out = self._timed(metrics, "update_critic", lambda: self._update_critic(batch))
@@ -374,21 +370,42 @@ class AglRayPPOTrainer(RayPPOTrainer):
         padded.meta_info = dict(batch.meta_info)
         return padded, n_pad
 
-    def rows_in_rank_order(self, batch: Any) -> Any:
+    def rows_in_rank_order(self, batch: Any, balance: bool = False, metrics: dict[str, Any] | None = None) -> Any:
         """`batch` reordered so that verl trains exactly agl_lab's mini-batches at any DP size.
 
         verl cuts a batch into `dp` contiguous chunks, one per rank, and each rank cuts its chunk
         into mini-batches of `M/dp` rows (M = `mini_batch_rows()`): global mini-batch m would be
         the m-th slice of every chunk — rows {0..7, 16..23} of 32 at dp=2, M=16 — not rows
         [m·M, (m+1)·M) that the zero-advantage-first alignment planned (and that dp=1 and the
-        local engine train). Rank r's chunk here is, for each m, rows m·M + r·M/dp … + M/dp.
-        Needs `len(batch) % M == 0` (`pad_to_mini_batches`) and `M % dp == 0` (checked)."""
+        local engine train). Rank r's chunk here is, for each m, M/dp rows of mini-batch m:
+        rows m·M + r·M/dp … + M/dp, or, with `balance` (`trainer.balance_batch`), the r-th of
+        `dp` equal-size groups of mini-batch m's rows with balanced token workloads (verl's
+        `calculate_workload` + `get_seqlen_balanced_partitions`, as its `_balance_batch`, but
+        per mini-batch); `balance` adds verl's `global_seqlen/*` metrics to `metrics`.
+        verl's own `_balance_batch` balances over the whole batch and sorts each rank's rows by
+        workload, which moves rows into other mini-batches (at dp=1 too): not used.
+        Needs `len(batch) % M == 0` (`pad_to_mini_batches`) and `M % dp == 0` (checked).
+        The caller's batch is never reordered in place (a new DataProto, or `batch` itself)."""
         dp, mini = self.data_parallel_size(), self.mini_batch_rows()
         rows = len(batch)
-        if dp == 1 or rows % mini:
+        if rows % mini or (dp == 1 and not balance):
             return batch
-        # [m, r, j] → [r, m, j]: row m·M + r·M/dp + j goes to rank r's chunk, in mini-batch m
-        order = torch.arange(rows).view(rows // mini, dp, mini // dp).transpose(0, 1).reshape(-1)
+        if not balance:
+            # [m, r, j] → [r, m, j]: row m·M + r·M/dp + j goes to rank r's chunk, in mini-batch m
+            order = torch.arange(rows).view(rows // mini, dp, mini // dp).transpose(0, 1).reshape(-1)
+        else:
+            seqlens = batch.batch["attention_mask"].view(rows, -1).sum(-1)
+            workload = verl_import("calculate_workload")(seqlens).tolist()
+            balanced = verl_import("get_seqlen_balanced_partitions")
+            ranks: list[list[int]] = [[] for _ in range(dp)]
+            for start in range(0, rows, mini):
+                groups = balanced(workload[start:start + mini], k_partitions=dp, equal_size=True)
+                for rank, group in zip(ranks, groups):
+                    rank.extend(start + i for i in sorted(group))
+            if metrics is not None:
+                metrics.update(verl_import("log_seqlen_unbalance")(
+                    seqlen_list=seqlens.tolist(), partitions=ranks, prefix="global_seqlen"))
+            order = torch.tensor([i for rank in ranks for i in rank])
         ordered = batch.select_idxs(order)
         ordered.meta_info = dict(batch.meta_info)
         return ordered

@@ -93,14 +93,13 @@ DEVICE_KEYS: dict[str, str] = {
     "actor_rollout_ref.rollout.dtype": "float32 (GPU: bf16)",
     "actor_rollout_ref.actor.fsdp_config": "fp32 weights/mixed precision on CPU; GPU: bf16 with CPU offload",
     "actor_rollout_ref.ref.fsdp_config": "as the actor's",
-    "actor_rollout_ref.model.override_config.attn_implementation": "sdpa (GPU: flash_attention_2)",
     "actor_rollout_ref.model.enable_gradient_checkpointing": "memory saving for the 1.5B model on GPU",
     "actor_rollout_ref.actor.use_torch_compile": "off on CPU",
     "actor_rollout_ref.ref.use_torch_compile": "off on CPU",
     # the model and the size of the run: tiny model, short sequences, its learning rate
     "agl_lab.model": "tiny Qwen2 with a warm start (GPU: Qwen2.5-1.5B-Instruct)",
     "agl_lab.task": "task count",
-    "data": "batch and sequence lengths, dataloader workers",
+    "data": "batch and sequence lengths",
     "agentlightning": "timeouts and trace lengths",
     "actor_rollout_ref.actor.optim": "learning rate for the model size",
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "micro-batches (CPU: by tokens)",
@@ -113,8 +112,9 @@ DEVICE_KEYS: dict[str, str] = {
     "trainer.total_epochs": "run length",
     "trainer.total_training_steps": "run length",
     "trainer.test_freq": "validation cadence",
-    "trainer.balance_batch": "one worker: nothing to balance",
-    "reward.num_workers": "no reward worker processes on 2 cores",
+    "trainer.balance_batch": "CPU: one worker, nothing to balance; GPU: true, balanced within agl_lab's mini-batches",
+    "actor_rollout_ref.rollout.engine_kwargs": "GPU: vLLM's tool-call parser for tool-using tasks (the tiny "
+                                                "CPU model calls no tools)",
 }
 
 
@@ -122,13 +122,6 @@ def server_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     """`SERVER_ENV_DEFAULTS` with any value already set in `environ` (default: os.environ) kept."""
     environ = os.environ if environ is None else environ
     return {key: environ.get(key, value) for key, value in SERVER_ENV_DEFAULTS.items()}
-
-
-def vllm_rollout_wanted(cfg: Any) -> bool:
-    """Is `actor_rollout_ref.rollout.name` verl's vLLM rollout?"""
-    from omegaconf import OmegaConf
-
-    return OmegaConf.select(cfg, "actor_rollout_ref.rollout.name") == ROLLOUT_NAME
 
 
 def check_vllm_installed() -> None:
@@ -139,7 +132,9 @@ def check_vllm_installed() -> None:
         raise RuntimeError(
             "actor_rollout_ref.rollout.name=vllm on CPU needs vLLM's CPU build, which is not installed here: run "
             "it in .venv-vllm (`./lab vllm-demo`, or `./lab setup-vllm` then .venv-vllm/bin/agl-lab), or set "
-            "actor_rollout_ref.rollout.name=agl_lab_cpu (configs/cpu_verl.yaml)")
+            "actor_rollout_ref.rollout.name=agl_lab_cpu (configs/cpu_verl.yaml). For the GPU path from a driver "
+            "without a GPU (a login node), join the GPU cluster (RAY_ADDRESS=<head>:<port>) and set "
+            "agl_lab.verl.device=cuda")
     try:
         version = md.version("vllm")
     except md.PackageNotFoundError:
