@@ -146,6 +146,9 @@ AGL_LAB_DEFAULTS: dict[str, Any] = {
         # agl_lab's deliberate improvements; agl_lab.algorithm.normalize_by=rows is the third)
         "parity": {
             "bf16_rewards": False,  # AGL stores token_level_scores in bfloat16
+            # verl's float32 GRPO statistics (equal-reward groups can get ±0.007, not 0); default:
+            # float64 statistics, equal-reward groups exactly 0 (docs/research.md)
+            "grpo_float32": False,
             "drop_order": "after_advantage",  # agl: AGL's row-level alignment before advantages
         },
         "engine_options": {"batch_window_ms": 3, "max_batch_size": 64},
