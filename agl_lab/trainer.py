@@ -29,7 +29,7 @@ from agl_lab import config as config_mod
 from agl_lab import watch
 from agl_lab.data import TaskFeeder
 from agl_lab.logger import MetricsLogger, throughput_metrics
-from agl_lab.results import BatchResult, RolloutResult, UpdateResult
+from agl_lab.results import BatchResult, RolloutResult, UpdateResult, report_rollout_problems
 
 logger = logging.getLogger(__name__)
 
@@ -256,8 +256,8 @@ class Trainer:
                       pad_token_id=self._pad_token_id(), reward_fillna_value=float(agl.reward_fillna_value),
                       tokenizer=self.tokenizer, multi_segment=bool(agl.trace_aggregator.multi_segment),
                       exclude_failed=bool(self.cfg.agl_lab.algorithm.exclude_failed_rollouts))
-        kwargs.update(options)
-        result = BatchResult(build_batch(rollout.rollouts, **kwargs), step=rollout.step, tokenizer=self.tokenizer)
+        built = build_batch(rollout.rollouts, **{**kwargs, **options})
+        result = report_rollout_problems(BatchResult(built, step=rollout.step, tokenizer=self.tokenizer))
         if rollout is self._last_rollout:
             self._last_batch = result
         return result
