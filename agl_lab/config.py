@@ -249,13 +249,18 @@ def load_config(
     """Compose defaults + a YAML file (or mapping) + `key=value` overrides, then validate.
 
     >>> cfg = load_config("configs/cpu_tiny.yaml", ["data.train_batch_size=8"])
+    >>> cfg = load_config("cpu_tiny")  # a shipped preset by name, from any working directory
     """
+    from agl_lab.presets import find_config
+
     cfg = default_config()
     layers: list[tuple[str, DictConfig]] = []
     if path is not None:
         if isinstance(path, (str, os.PathLike)):
-            if not Path(path).exists():
-                raise ConfigError(f"config file not found: {path}")
+            try:  # a path, or a preset name (agl_lab.presets: from any working directory)
+                path = find_config(path)
+            except FileNotFoundError as e:
+                raise ConfigError(str(e)) from None
             layers.append((str(path), OmegaConf.load(path)))
         else:
             layers.append(("the config mapping", OmegaConf.create(dict(path))))
