@@ -9,7 +9,6 @@ import itertools
 import logging
 import threading
 
-import pytest
 
 from agl_lab.logger import format_console_line
 from agl_lab.tasks.lookup import lookup_agent
