@@ -9,7 +9,6 @@ import itertools
 import logging
 import threading
 
-
 from agl_lab.logger import format_console_line
 from agl_lab.tasks.lookup import lookup_agent
 from agl_lab.trainer import Trainer
