@@ -241,7 +241,8 @@ def plot_compare(run_dirs: Sequence[str | os.PathLike] | Mapping[str, Sequence[s
         mean, se = frame.mean(axis=1), frame.std(axis=1, ddof=1) / math.sqrt(frame.shape[1])
         name = (str(label[0]) if by in (["setting"], []) else
                 ", ".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in zip(by, label)))
-        line, = ax.plot(mean.index, mean.values, label=f"{name} (n={frame.shape[1]})")
+        seeds = frame.shape[1]
+        line, = ax.plot(mean.index, mean.values, label=f"{name} ({seeds} seed{'s' if seeds > 1 else ''})")
         if frame.shape[1] > 1:
             ax.fill_between(mean.index, mean - se, mean + se, alpha=0.2, color=line.get_color())
         val = _curves(group, val_metric) if val_metric else pd.DataFrame()
@@ -249,7 +250,7 @@ def plot_compare(run_dirs: Sequence[str | os.PathLike] | Mapping[str, Sequence[s
             ax.plot(val.index, val.mean(axis=1).values, "o", color=line.get_color())
         drawn.append((frame, line.get_color()))
         if (baseline is None and base_curves is None) or (baseline is not None and label[0] == baseline):
-            base_curves = frame
+            base_curves, base_name = frame, name
     if diff:
         if base_curves is None:
             raise ValueError(f"baseline={baseline!r} is not one of the settings")
@@ -265,7 +266,7 @@ def plot_compare(run_dirs: Sequence[str | os.PathLike] | Mapping[str, Sequence[s
                 ax_diff.fill_between(mean.index, mean - se, mean + se, alpha=0.2, color=color)
         ax_diff.axhline(0, color="grey", linewidth=0.8)
         ax_diff.set_xlabel("step")
-        ax_diff.set_ylabel("− baseline (paired by seed)")
+        ax_diff.set_ylabel(f"− {base_name} (paired by seed)")
     else:
         ax.set_xlabel("step")
     ax.set_ylabel(metric)

@@ -9,7 +9,8 @@ Prints (markdown) the `compare` table over the last 10 steps with the paired n8 
 and per setting the rollouts with no learning signal: from the metric
 `training/n_zero_signal_rollouts_collected` (summed over steps and seeds) and, independently,
 from the recordings (rollouts of a task whose n rewards are all equal: `agl_lab.views.groups_df`),
-step by step; it exits 1 when the two disagree on any step.
+step by step; it exits 1 when the two disagree on any step. It also counts the zero-advantage
+groups that verl's float32 GRPO estimator would have given a non-zero advantage (issue 36's bug).
 """
 
 from __future__ import annotations
@@ -45,6 +46,25 @@ def from_recordings(run_dir: Path) -> dict[int, int]:
     return out
 
 
+def verl_float32_off_zero(run_dir: Path) -> tuple[int, int, int]:
+    """(zero-advantage groups, those verl's float32 GRPO gives a non-zero advantage, their rollouts)."""
+    import numpy as np
+    import torch
+    from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
+
+    groups = off = rollouts = 0
+    for step in recorded_steps(run_dir):
+        table = groups_df(load_recording(run_dir, step).rollouts)
+        for rewards in table.loc[table.zero_adv, "rewards"]:
+            groups += 1
+            scores = torch.tensor(rewards, dtype=torch.float32)[:, None]
+            if len(rewards) > 1:
+                adv, _ = compute_grpo_outcome_advantage(scores, torch.ones_like(scores), np.array(["g"] * len(rewards)))
+                if bool((adv != 0).any()):
+                    off, rollouts = off + 1, rollouts + len(rewards)
+    return groups, off, rollouts
+
+
 def from_metrics(run_dir: Path) -> dict[int, int]:
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return {int(d["step"]): int(d[METRIC]) for d in lines if METRIC in d}
@@ -64,8 +84,10 @@ def main(out: str) -> int:
     print(f"\nwindow: {table.attrs['window']}; baseline {table.attrs['baseline']}\n")
     rows, mismatches = [], 0
     for name, dirs in settings.items():
-        metric_total = rec_total = rollouts = 0
+        metric_total = rec_total = rollouts = zero_groups = off_groups = off_rollouts = 0
         for d in dirs:
+            g, o, r_off = verl_float32_off_zero(d)
+            zero_groups, off_groups, off_rollouts = zero_groups + g, off_groups + o, off_rollouts + r_off
             m, r = from_metrics(d), from_recordings(d)
             steps = sorted(set(m) | set(r))
             bad = [s for s in steps if m.get(s) != r.get(s)]
@@ -77,7 +99,9 @@ def main(out: str) -> int:
             rollouts += sum(len(load_recording(d, s).rollouts) for s in recorded_steps(d))
         rows.append({"setting": name, "runs": len(dirs), "rollouts": rollouts,
                      "zero-signal (metric)": metric_total, "zero-signal (recordings)": rec_total,
-                     "share": metric_total / rollouts if rollouts else float("nan")})
+                     "share": metric_total / rollouts if rollouts else float("nan"),
+                     "zero-adv groups": zero_groups, "of them non-zero under verl float32": off_groups,
+                     "their rollouts": off_rollouts})
     print(markdown(pd.DataFrame(rows)))
     print(f"\nsteps where metric and recordings disagree: {mismatches}")
     return 1 if mismatches else 0

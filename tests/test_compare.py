@@ -133,7 +133,8 @@ def test_plot_compare_takes_named_settings_and_draws_the_paired_difference(study
     import matplotlib.pyplot as plt
 
     ax, ax_diff = agl_lab.plot_compare(study, diff=True)
-    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["n4 (n=3)", "n8 (n=3)"]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["n4 (3 seeds)", "n8 (3 seeds)"]
+    assert ax_diff.get_ylabel() == "− n4 (paired by seed)"
     (curve,) = ax_diff.get_lines()[:1]
     assert curve.get_ydata() == pytest.approx([0.11] * 50)
     plt.close("all")
