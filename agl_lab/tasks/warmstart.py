@@ -199,11 +199,13 @@ def warm_start(model: Any, tokenizer: Any, task: Any, steps: int, seed: int = 0,
         fit["demonstrations"] = _transcripts_digest(transcripts)
     key = warm_start_key(model, tokenizer, spec.name, steps, seed, **fit)
     path = _cache_dir(cache_dir) / f"warmstart-{spec.name}-{key}.pt"
-    with cache_lock(path):  # parallel runs (agl_lab.sweep) compute one warm start, the others load it
-        if path.exists():
-            model.load_state_dict(torch.load(path, map_location=next(model.parameters()).device))
-            return model.eval()
-        return _fit_and_cache(model, tokenizer, spec, transcripts, steps, seed, lr, batch_size, path, progress)
+    if not path.exists():
+        with cache_lock(path):  # parallel runs (agl_lab.sweep) compute one warm start, the others load it
+            if not path.exists():
+                return _fit_and_cache(model, tokenizer, spec, transcripts, steps, seed, lr, batch_size, path,
+                                      progress)
+    model.load_state_dict(torch.load(path, map_location=next(model.parameters()).device))
+    return model.eval()
 
 
 def _fit_and_cache(model: Any, tokenizer: Any, spec: Any, transcripts: list, steps: int, seed: int, lr: float,
@@ -228,7 +230,12 @@ def cache_lock(path: Path) -> Iterator[None]:
     import fcntl
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(path.name + ".lock"), "a") as handle:
+    try:
+        handle = open(path.with_name(path.name + ".lock"), "a")
+    except OSError:  # a cache directory we cannot write a lock in: compute unlocked (as before)
+        yield
+        return
+    with handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
