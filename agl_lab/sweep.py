@@ -14,8 +14,8 @@ A key with several comma-separated values is a grid axis (the product of the axe
 `zip` their values position by position); a key with one value holds for every run. Each run
 is its own `agl-lab train` process in `OUT/<setting>/seed<S>` (its console output in
 `train.log` there), with `agl_lab.seed=S`. A run whose directory already holds a finished run
-(`sweep_done.json` with return code 0) is not run again, so an interrupted sweep continues
-where it stopped. Parallel runs share the warm-start cache, which is locked
+of the same command (`sweep_done.json`: return code 0, the same config and overrides) is not
+run again, so an interrupted sweep continues where it stopped. Parallel runs share the warm-start cache, which is locked
 (`agl_lab.tasks.warmstart.cache_lock`): the first run computes each warm start, the others load it.
 `OUT/sweep.json` lists the settings and runs.
 """
@@ -120,9 +120,13 @@ def _command(config: str, run_dir: Path, overrides: list[str], steps: int | None
     return cmd + overrides
 
 
-def _finished(run_dir: Path) -> bool:
+def _finished(run_dir: Path, cmd: list[str]) -> bool:
+    """A finished run of this very command (another config or overrides in the same dir runs again)."""
     done = run_dir / DONE_FILE
-    return done.exists() and json.loads(done.read_text()).get("returncode") == 0
+    if not done.exists():
+        return False
+    record = json.loads(done.read_text())
+    return record.get("returncode") == 0 and record.get("args") == cmd[3:]
 
 
 def sweep(config: str | os.PathLike, settings: Mapping[str, Any] | None = None, *,
@@ -150,31 +154,32 @@ def sweep(config: str | os.PathLike, settings: Mapping[str, Any] | None = None, 
          "runs": [{"setting": n, "seed": s, "run_dir": str(d)} for n, s, d in jobs]}, indent=2))
     records: dict[Path, dict[str, Any]] = {}
     pending = list(jobs)
-    running: list[tuple[str, int, Path, subprocess.Popen, float, Any]] = []
+    running: list[tuple[str, int, Path, subprocess.Popen, float, Any, list[str]]] = []
     while pending or running:
         while pending and len(running) < parallel:
             name, seed, run_dir = pending.pop(0)
-            if _finished(run_dir):
+            cmd = _command(str(config), run_dir, [*overrides, *named[name], f"agl_lab.seed={seed}"], steps)
+            if _finished(run_dir, cmd):
                 records[run_dir] = {"setting": name, "seed": seed, "run_dir": str(run_dir), "returncode": 0,
                                     "wall_s": json.loads((run_dir / DONE_FILE).read_text()).get("wall_s"),
                                     "log": "already done"}
                 _say(verbose, f"sweep: {name} seed {seed}: already done ({run_dir})")
                 continue
             run_dir.mkdir(parents=True, exist_ok=True)
-            cmd = _command(str(config), run_dir, [*overrides, *named[name], f"agl_lab.seed={seed}"], steps)
             log = open(run_dir / "train.log", "w")
             _say(verbose, f"sweep: {name} seed {seed} → {run_dir}")
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_child_env())
-            running.append((name, seed, run_dir, proc, time.time(), log))
+            running.append((name, seed, run_dir, proc, time.time(), log, cmd))
         for item in list(running):
-            name, seed, run_dir, proc, t0, log = item
+            name, seed, run_dir, proc, t0, log, cmd = item
             if proc.poll() is None:
                 continue
             log.close()
             running.remove(item)
             wall = time.time() - t0
             last_line = _last_line(run_dir / "train.log")
-            (run_dir / DONE_FILE).write_text(json.dumps({"returncode": proc.returncode, "wall_s": wall}))
+            (run_dir / DONE_FILE).write_text(json.dumps({"returncode": proc.returncode, "wall_s": wall,
+                                                         "args": cmd[3:]}))
             records[run_dir] = {"setting": name, "seed": seed, "run_dir": str(run_dir),
                                 "returncode": proc.returncode, "wall_s": wall, "log": last_line}
             _say(verbose, f"sweep: {name} seed {seed} ended ({proc.returncode}) in {wall / 60:.1f} min: {last_line}")

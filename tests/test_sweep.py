@@ -44,8 +44,16 @@ def test_a_sweep_runs_each_setting_and_seed_in_its_own_dir_and_compares_them(tmp
                                     "lr=1e-4": ["actor_rollout_ref.actor.optim.lr=1e-4"]}
     assert "lr=1e-3" in printed and "training/reward mean" in printed  # the summary table
     # again: every run is done, none runs twice; the table is the same comparison, by name
-    result = sweep("configs/cpu_tiny.yaml", manifest["settings"], seeds=[0, 1], overrides=SMALL, out=out, last=1)
+    result = sweep("configs/cpu_tiny.yaml", manifest["settings"], seeds=[0, 1], overrides=SMALL, out=out, last=1,
+                   steps=1)
     assert list(result.runs["log"]) == ["already done"] * 4
     assert list(result.table["setting"]) == ["lr=1e-3", "lr=1e-4"] and list(result.table["n_seeds"]) == [2, 2]
     assert result.table["n_pairs"].iloc[1] == 2  # lr=1e-4 − lr=1e-3, paired by seed
     assert set(result.runs["seed"]) == {0, 1}
+    # a finished run counts as done only for the same command: other overrides in that dir run again
+    from agl_lab.sweep import _command, _finished
+
+    run_dir = out / "lr1e-3" / "seed0"
+    same = _command("configs/cpu_tiny.yaml", run_dir, [*SMALL, "actor_rollout_ref.actor.optim.lr=1e-3",
+                                                       "agl_lab.seed=0"], 1)
+    assert _finished(run_dir, same) and not _finished(run_dir, [*same, "trainer.test_freq=1"])
