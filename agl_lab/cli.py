@@ -1,10 +1,11 @@
-"""The `agl-lab` command: serve | runner | engine | train | replay.
+"""The `agl-lab` command: serve | runner | engine | train | replay | sweep.
 
     agl-lab serve  --port 8080 --key KEY --model-name NAME [--store sqlite:///f.db]
     agl-lab runner --server URL --key KEY --agent module:function|module:Class [--concurrency N]
     agl-lab engine --port 8001 [--model-path DIR]
     agl-lab train  configs/cpu_tiny.yaml [--run-dir DIR] [--steps N | --until STEP] [--resume] [key=value ...]
     agl-lab replay RUN_DIR [--step N] [key=value ...]
+    agl-lab sweep  CONFIG key=v1,v2 ... --seeds 0,1,2 [--zip] [--parallel N] [--out DIR]
 
 `serve`, `runner` and `engine` live beside the code they run; `train` is here. Each is imported only
 when it runs, so `agl-lab serve` never imports torch.
@@ -21,6 +22,7 @@ SUBCOMMANDS = {
     "engine": ("agl_lab.engines.serving.openai_server", "engine_main", "serve the local model OpenAI-style"),
     "train": ("agl_lab.cli", "train_main", "train from a YAML config"),
     "replay": ("agl_lab.replay", "replay_main", "replay a recorded step (what-if with key=value)"),
+    "sweep": ("agl_lab.sweep", "sweep_main", "train a grid × seeds, then one compare table"),
 }
 
 

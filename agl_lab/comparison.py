@@ -5,12 +5,16 @@ Every run directory a Trainer writes holds `config.yaml` (what it was asked to d
 
     table = compare(["runs/lr1-s0", "runs/lr1-s1", "runs/lr2-s0", "runs/lr2-s1"])
     table            # one line per setting: the config keys that differ, n_seeds, mean ± s.e.
+    table = compare({"n4": ["runs/n4/seed0", "runs/n4/seed1"], "n8": ["runs/n8/seed0", "runs/n8/seed1"]},
+                    last=10)   # named settings; the last 10 *steps*; n8 − n4 paired by seed
     table.attrs["runs"]   # one line per run: its differing keys, seed, steps and metrics
     plot_compare(run_dirs, path="compare.png")   # training (and validation) reward per setting
 
 A setting is a run's config minus what never defines one (`SEED_KEYS`, `IGNORED_KEYS`: the
-seed, run and checkpoint directories, names); runs that share a setting are its seeds. A
-metric's value per run is its mean over the last `last` steps that logged it.
+seed, run and checkpoint directories, names) — or the name you give it; runs that share a
+setting are its seeds. A metric's value per run is its mean over a window of *steps* (`last=10`:
+the run's last 10 steps; `first=K`: its first K): validation, logged every `trainer.test_freq`
+steps, averages the validations inside the window and says how many (`val/reward n`).
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import pandas as pd
 
@@ -51,52 +56,167 @@ def _load_run(run_dir: Path) -> tuple[dict[str, Any], pd.DataFrame]:
     return config, pd.DataFrame(lines)
 
 
-def runs_table(run_dirs: Sequence[str | os.PathLike], metrics: Sequence[str] = METRICS,
-               last: int = 10) -> tuple[pd.DataFrame, list[str]]:
-    """One line per run (its differing config keys, seed, steps, metrics) and the differing keys."""
-    loaded = [(Path(d), *_load_run(Path(d))) for d in run_dirs]
-    keys = sorted(set().union(*(c for _, c, _ in loaded)))
+def _window(df: pd.DataFrame, last: int | None, first: int | None) -> tuple[pd.DataFrame, str]:
+    """The lines of steps inside the window and its name: `last=K` the steps (S − K, S] of a run
+    that ended at step S; `first=K` the steps [1, K]. Windows are in steps, not in values: a metric
+    logged every 10 steps (validation) has the values logged inside the window."""
+    if last is not None and first is not None:
+        raise ValueError("give last= or first=, not both (each is a window of steps)")
+    if "step" not in df or not len(df):
+        return df.iloc[0:0], "no steps"
+    if first is not None:
+        if first < 1:
+            raise ValueError(f"first={first} must be >= 1 (steps)")
+        return df[df["step"] <= first], f"steps 1-{first}"
+    last = 10 if last is None else last
+    if last < 1:
+        raise ValueError(f"last={last} must be >= 1 (steps)")
+    end = int(df["step"].max())
+    return df[df["step"] > end - last], f"steps {max(end - last + 1, 0)}-{end}"
+
+
+def _as_named(run_dirs: Sequence[str | os.PathLike] | Mapping[str, Sequence[str | os.PathLike]]
+              ) -> list[tuple[str | None, Path]]:
+    if isinstance(run_dirs, Mapping):
+        return [(str(name), Path(d)) for name, dirs in run_dirs.items()
+                for d in ([dirs] if isinstance(dirs, (str, os.PathLike)) else dirs)]
+    return [(None, Path(d)) for d in run_dirs]
+
+
+def runs_table(run_dirs: Sequence[str | os.PathLike] | Mapping[str, Sequence[str | os.PathLike]],
+               metrics: Sequence[str] = METRICS, last: int | None = None,
+               first: int | None = None) -> tuple[pd.DataFrame, list[str]]:
+    """One line per run and the differing config keys (see `compare` for the columns).
+
+    Per run: `setting` (its name when named), the differing keys, `seed`, `steps`, `window`
+    (the steps averaged), and per metric `<m>` (mean over the window's values), `<m> n` (how many
+    values the window held: validations are every `trainer.test_freq` steps) and `<m> final`
+    (the value at the last step that logged it)."""
+    loaded = [(name, run_dir, *_load_run(run_dir)) for name, run_dir in _as_named(run_dirs)]
+    keys = sorted(set().union(*(c for _, _, c, _ in loaded)))
     differ = [k for k in keys if k not in SEED_KEYS and k not in IGNORED_KEYS
-              and len({json.dumps(c.get(k), default=str) for _, c, _ in loaded}) > 1]
+              and len({json.dumps(c.get(k), default=str) for _, _, c, _ in loaded}) > 1]
+    named = any(name is not None for name, *_ in loaded)
     records = []
-    for run_dir, config, df in loaded:
-        record: dict[str, Any] = {"run": str(run_dir), **{k: config.get(k) for k in differ},
-                                  "seed": config.get(SEED_KEYS[0]),
-                                  "steps": int(df["step"].max()) if "step" in df and len(df) else 0}
+    for name, run_dir, config, df in loaded:
+        record: dict[str, Any] = {"run": str(run_dir)}
+        if named:
+            record["setting"] = name
+        record.update({k: config.get(k) for k in differ})
+        window, label = _window(df, last, first)
+        record.update({"seed": config.get(SEED_KEYS[0]), "steps": int(df["step"].max()) if "step" in df and len(df)
+                       else 0, "window": label})
         for m in metrics:
-            values = df[m].dropna() if m in df else pd.Series(dtype=float)
-            record[m] = float(values.tail(last).mean()) if len(values) else math.nan
+            values = window[m].dropna() if m in window else pd.Series(dtype=float)
+            everything = df[m].dropna() if m in df else pd.Series(dtype=float)
+            record[m] = float(values.mean()) if len(values) else math.nan
+            record[f"{m} n"] = int(len(values))
+            record[f"{m} final"] = float(everything.iloc[-1]) if len(everything) else math.nan
         records.append(record)
     return pd.DataFrame(records), differ
 
 
-def compare(run_dirs: Sequence[str | os.PathLike], metrics: Sequence[str] = METRICS, last: int = 10) -> pd.DataFrame:
-    """One line per setting: the config keys that differ between runs, `n_seeds`, and for each
-    metric `<metric> mean` and `<metric> se` (standard error over seeds; NaN for one seed).
-    `.attrs["runs"]` holds the per-run table."""
-    runs, differ = runs_table(run_dirs, metrics, last)
-    groups = runs.groupby(differ, dropna=False, sort=False) if differ else [((), runs)]
+def _setting_columns(runs: pd.DataFrame, differ: list[str]) -> list[str]:
+    return ["setting"] if "setting" in runs else differ
+
+
+def _paired(runs: pd.DataFrame, by: list[str], base: tuple, key: tuple, metric: str) -> tuple[float, float, int]:
+    """Mean and s.e. of (setting − baseline) over the seeds both ran, and how many pairs."""
+    def per_seed(k: tuple) -> pd.Series:
+        mask = pd.Series(True, index=runs.index)
+        for col, value in zip(by, k):
+            mask &= (runs[col].isna() if _isnan(value) else runs[col] == value)
+        return runs[mask].dropna(subset=[metric]).groupby("seed")[metric].mean()
+
+    diff = (per_seed(key) - per_seed(base)).dropna()
+    if not len(diff):
+        return math.nan, math.nan, 0
+    se = float(diff.std(ddof=1) / math.sqrt(len(diff))) if len(diff) > 1 else math.nan
+    return float(diff.mean()), se, int(len(diff))
+
+
+def _isnan(value: Any) -> bool:
+    return isinstance(value, float) and math.isnan(value)
+
+
+def compare(run_dirs: Sequence[str | os.PathLike] | Mapping[str, Sequence[str | os.PathLike]],
+            metrics: Sequence[str] = METRICS, last: int | None = None, first: int | None = None,
+            baseline: str | None = None) -> pd.DataFrame:
+    """One line per setting, mean ± s.e. over seeds of each metric in a window of **steps**.
+
+    run_dirs: a list of run directories (settings are the config keys that differ, seeds the
+    runs that share them) or named settings `{"n4": [dirs...], "n8": [dirs...]}` (a `setting`
+    column, in this order). `last=K` (default 10): each run's last K steps, (S − K, S] for a run
+    that ended at step S; `first=K`: its steps 1..K. A metric logged less often than every step
+    (validation, every `trainer.test_freq` steps) averages the values logged inside the window,
+    and `<metric> n` says how many that was (the fewest over the setting's seeds).
+
+    Columns per metric: `<m> mean`, `<m> se` (standard error over seeds; NaN for one seed),
+    `<m> n`, `<m> final` (mean over seeds of each run's last logged value), and, from the second
+    setting on, `<m> diff` and `<m> diff se`: the difference to the `baseline` setting (default:
+    the first) paired by seed — the mean over seeds run in both of (this − baseline), and its
+    standard error — with `n_pairs`. `.attrs["runs"]` holds the per-run table, `.attrs["window"]`
+    the window's description.
+    """
+    runs, differ = runs_table(run_dirs, metrics, last, first)
+    by = _setting_columns(runs, differ)
+    groups = list(runs.groupby(by, dropna=False, sort=False)) if by else [((), runs)]
+    keys = [k if isinstance(k, tuple) else (k,) for k, _ in groups]
+    if baseline is not None:
+        if "setting" not in runs:
+            raise ValueError("baseline= names a setting: pass named settings, compare({name: [run dirs]})")
+        if (baseline,) not in keys:
+            raise ValueError(f"baseline={baseline!r} is not one of the settings {[k[0] for k in keys]}")
+    base = (baseline,) if baseline is not None else (keys[0] if keys else ())
     records = []
-    for key, group in groups:
-        key = key if isinstance(key, tuple) else (key,)
-        record: dict[str, Any] = dict(zip(differ, key))
+    for key, (_, group) in zip(keys, groups):
+        record: dict[str, Any] = dict(zip(by, key))
+        if by == ["setting"]:
+            record.update({k: group[k].iloc[0] for k in differ})
         record["n_seeds"] = len(group)
+        pairs = 0
         for m in metrics:
             values = group[m].dropna()
             record[f"{m} mean"] = float(values.mean()) if len(values) else math.nan
             record[f"{m} se"] = float(values.std(ddof=1) / math.sqrt(len(values))) if len(values) > 1 else math.nan
+            record[f"{m} n"] = int(group[f"{m} n"].min()) if len(group) else 0
+            finals = group[f"{m} final"].dropna()
+            record[f"{m} final"] = float(finals.mean()) if len(finals) else math.nan
+            if len(keys) > 1:
+                diff, se, n = (math.nan, math.nan, 0) if key == base else _paired(runs, by, base, key, m)
+                record[f"{m} diff"], record[f"{m} diff se"] = diff, se
+                pairs = max(pairs, n)
+        if len(keys) > 1:
+            record["n_pairs"] = pairs
         records.append(record)
     table = pd.DataFrame(records)
     table.attrs["runs"] = runs
+    table.attrs["window"] = (f"first {first} steps" if first is not None else f"last {10 if last is None else last} "
+                             "steps")
+    table.attrs["baseline"] = base[0] if base and by == ["setting"] else dict(zip(by, base))
     return table
 
 
-def plot_compare(run_dirs: Sequence[str | os.PathLike], path: str | os.PathLike | None = None,
-                 metric: str = "training/reward", val_metric: str | None = "auto"):
+def _curves(group: pd.DataFrame, metric: str) -> pd.DataFrame:
+    """Per step (index) × seed (columns): `metric` of each run of a setting."""
+    curves = {}
+    for run_dir, seed in zip(group["run"], group["seed"]):
+        _, df = _load_run(Path(run_dir))
+        if metric in df:
+            curves[seed] = df.dropna(subset=[metric]).groupby("step")[metric].last()
+    return pd.DataFrame(curves)
+
+
+def plot_compare(run_dirs: Sequence[str | os.PathLike] | Mapping[str, Sequence[str | os.PathLike]],
+                 path: str | os.PathLike | None = None, metric: str = "training/reward",
+                 val_metric: str | None = "auto", diff: bool = False, baseline: str | None = None):
     """Per setting, the mean over seeds of `metric` per step (a band of ± s.e.), and `val_metric`
     as markers in the same colour (`auto`: `val/reward` when `metric` is the training reward, else
-    none — a validation reward does not belong on another metric's axis); saves a PNG when `path`
-    is given and returns its Path, else the Axes."""
+    none — a validation reward does not belong on another metric's axis). `run_dirs` as in
+    `compare` (a list, or named settings). `diff=True` adds a lower panel: per step, each
+    setting − the `baseline` setting (default the first), paired by seed, ± its s.e. — the
+    curve of `compare`'s `<metric> diff`. Saves a PNG when `path` is given and returns its Path,
+    else the Axes (a list of two with `diff`)."""
     if val_metric == "auto":
         val_metric = "val/reward" if metric == "training/reward" else None
     import matplotlib
@@ -106,32 +226,53 @@ def plot_compare(run_dirs: Sequence[str | os.PathLike], path: str | os.PathLike 
     import matplotlib.pyplot as plt
 
     runs, differ = runs_table(run_dirs, (metric,))
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for label, group in (runs.groupby(differ, dropna=False, sort=False) if differ else [("all runs", runs)]):
-        curves = []
-        for run_dir in group["run"]:
-            _, df = _load_run(Path(run_dir))
-            if metric in df:
-                curves.append(df.dropna(subset=[metric]).groupby("step")[metric].last())
-        if not curves:
+    by = _setting_columns(runs, differ)
+    groups = list(runs.groupby(by, dropna=False, sort=False)) if by else [(("all runs",), runs)]
+    if diff:
+        fig, (ax, ax_diff) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=(2, 1))
+    else:
+        fig, ax = plt.subplots(figsize=(7, 4))
+    base_curves, drawn = None, []
+    for label, group in groups:
+        label = label if isinstance(label, tuple) else (label,)
+        frame = _curves(group, metric)
+        if frame.empty:
             continue
-        frame = pd.concat(curves, axis=1)
         mean, se = frame.mean(axis=1), frame.std(axis=1, ddof=1) / math.sqrt(frame.shape[1])
-        name = ", ".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in zip(differ, label if isinstance(label, tuple)
-                                                                       else (label,))) or str(label)
-        line, = ax.plot(mean.index, mean.values, label=f"{name} (n={frame.shape[1]})")
+        name = (str(label[0]) if by in (["setting"], []) else
+                ", ".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in zip(by, label)))
+        seeds = frame.shape[1]
+        line, = ax.plot(mean.index, mean.values, label=f"{name} ({seeds} seed{'s' if seeds > 1 else ''})")
         if frame.shape[1] > 1:
             ax.fill_between(mean.index, mean - se, mean + se, alpha=0.2, color=line.get_color())
-        vals = [df.dropna(subset=[val_metric]).groupby("step")[val_metric].last()
-                for df in (_load_run(Path(r))[1] for r in group["run"]) if val_metric and val_metric in df]
-        if vals:
-            val = pd.concat(vals, axis=1).mean(axis=1)
-            ax.plot(val.index, val.values, "o", color=line.get_color())
-    ax.set_xlabel("step")
+        val = _curves(group, val_metric) if val_metric else pd.DataFrame()
+        if not val.empty:
+            ax.plot(val.index, val.mean(axis=1).values, "o", color=line.get_color())
+        drawn.append((frame, line.get_color()))
+        if (baseline is None and base_curves is None) or (baseline is not None and label[0] == baseline):
+            base_curves, base_name = frame, name
+    if diff:
+        if base_curves is None:
+            raise ValueError(f"baseline={baseline!r} is not one of the settings")
+        for frame, color in drawn:
+            seeds = [s for s in frame.columns if s in base_curves.columns]
+            if frame is base_curves or not seeds:
+                continue
+            d = frame[seeds].sub(base_curves[seeds]).dropna()
+            mean = d.mean(axis=1)
+            ax_diff.plot(mean.index, mean.values, color=color)
+            if len(seeds) > 1:
+                se = d.std(axis=1, ddof=1) / math.sqrt(len(seeds))
+                ax_diff.fill_between(mean.index, mean - se, mean + se, alpha=0.2, color=color)
+        ax_diff.axhline(0, color="grey", linewidth=0.8)
+        ax_diff.set_xlabel("step")
+        ax_diff.set_ylabel(f"− {base_name} (paired by seed)")
+    else:
+        ax.set_xlabel("step")
     ax.set_ylabel(metric)
     ax.legend(fontsize=8)
     if path is None:
-        return ax
+        return [ax, ax_diff] if diff else ax
     fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
     return Path(path)

@@ -148,6 +148,9 @@ AGL_LAB_DEFAULTS: dict[str, Any] = {
         # agl_lab's deliberate improvements; agl_lab.algorithm.normalize_by=rows is the third)
         "parity": {
             "bf16_rewards": False,  # AGL stores token_level_scores in bfloat16
+            # verl's float32 GRPO statistics (equal-reward groups can get ±0.007, not 0); default:
+            # float64 statistics, equal-reward groups exactly 0 (docs/research.md)
+            "grpo_float32": False,
             "drop_order": "after_advantage",  # agl: AGL's row-level alignment before advantages
         },
         "engine_options": {"batch_window_ms": rules.BATCH_WINDOW_MS, "max_batch_size": rules.MAX_BATCH_SIZE},
@@ -248,13 +251,18 @@ def load_config(
     """Compose defaults + a YAML file (or mapping) + `key=value` overrides, then validate.
 
     >>> cfg = load_config("configs/cpu_tiny.yaml", ["data.train_batch_size=8"])
+    >>> cfg = load_config("cpu_tiny")  # a shipped preset by name, from any working directory
     """
+    from agl_lab.presets import find_config
+
     cfg = default_config()
     layers: list[tuple[str, DictConfig]] = []
     if path is not None:
         if isinstance(path, (str, os.PathLike)):
-            if not Path(path).exists():
-                raise ConfigError(f"config file not found: {path}")
+            try:  # a path, or a preset name (agl_lab.presets: from any working directory)
+                path = find_config(path)
+            except FileNotFoundError as e:
+                raise ConfigError(str(e)) from None
             layers.append((str(path), OmegaConf.load(path)))
         else:
             layers.append(("the config mapping", OmegaConf.create(dict(path))))
@@ -584,6 +592,7 @@ def update_options(cfg: DictConfig) -> dict[str, Any]:
         divisor=str(cfg.agl_lab.algorithm.normalize_by),
         drop_order=str(cfg.agl_lab.parity.drop_order),
         bf16_rewards=bool(cfg.agl_lab.parity.bf16_rewards),
+        grpo_float32=bool(cfg.agl_lab.parity.grpo_float32),
     )
 
 

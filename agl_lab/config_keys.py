@@ -239,6 +239,7 @@ def warn_ineffective(cfg: DictConfig, defaults: DictConfig, keys: Iterable[str])
         messages.append("trainer.max_actor_ckpt_to_keep=0 keeps every checkpoint (verl's rule: null or 0 is no "
                         "limit); set N > 0 to keep the newest N")
     messages += contradictions(cfg)
+    messages += mini_batch_clamped(cfg)
     messages += _loss_agg_unused(cfg, keys)  # both engines: per_rollout_mean is the same loss in verl's registry
     n, est = int(cfg.actor_rollout_ref.rollout.n), str(cfg.algorithm.adv_estimator).lower()
     if n == 1 and est in ("grpo", "grpo_passk", "rloo", "opo", "gpg"):
@@ -264,6 +265,21 @@ def contradictions(cfg: DictConfig) -> list[str]:
                    "failed rollouts get no rows, so the fill value reaches only succeeded rollouts without a "
                    "reward; set exclude_failed_rollouts=false to train failed rollouts with it")
     return out
+
+
+def mini_batch_clamped(cfg: DictConfig) -> list[str]:
+    """`ppo_mini_batch_size` (counted in tasks, verl's unit) above the tasks of a step: every step is
+    one smaller mini-batch, not the size asked for. The message has the numbers and the value to set."""
+    mini = int(cfg.actor_rollout_ref.actor.ppo_mini_batch_size or 0)
+    tasks, n = int(cfg.data.train_batch_size), int(cfg.actor_rollout_ref.rollout.n)
+    if mini <= tasks or bool(cfg.agentlightning.async_rollout.enabled):
+        return []
+    return [f"actor_rollout_ref.actor.ppo_mini_batch_size={mini} is more than data.train_batch_size={tasks}: "
+            f"ppo_mini_batch_size counts tasks (each with rollout.n={n} rollouts), so a mini-batch of {mini} × {n} = "
+            f"{mini * n} rollouts is asked for but a step has {tasks} × {n} = {tasks * n}: every step trains them as "
+            f"one mini-batch of {tasks * n} (clamped). Set actor_rollout_ref.actor.ppo_mini_batch_size={tasks} "
+            f"(one update per step), or a divisor of {tasks} for more updates; rescale it with "
+            "data.train_batch_size when you change rollout.n at a fixed number of rollouts per step"]
 
 
 def check_validation_tasks(cfg: DictConfig, n_val_tasks: int) -> None:

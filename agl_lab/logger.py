@@ -57,6 +57,8 @@ CONSOLE_KEYS = (
     ("training/n_sample_trained", "rows"),
     ("training/n_sample_dropped/alignment", "dropped_rows"),  # rows; UpdateResult.dropped has one line per rollout
     ("training/n_failed_rollouts", "failed"),
+    ("training/n_failed_rollouts_trained", "failed_trained"),  # shown when > 0 (CONSOLE_IF_NONZERO)
+    ("training/n_missing_reward_rollouts", "no_reward"),
     ("training/n_zero_adv_groups", "zero_adv"),
     ("actor/pg_loss", "pg_loss"),
     ("actor/entropy", "entropy"),
@@ -86,9 +88,15 @@ def format_number(value: Any) -> str:
     return f"{value:.3f}"
 
 
+#: console keys shown only on the steps where they are not 0 (rollouts trained on a fill reward)
+CONSOLE_IF_NONZERO = ("training/n_failed_rollouts_trained", "training/n_missing_reward_rollouts")
+
+
 def format_console_line(step: int, metrics: Mapping[str, Any]) -> str:
     parts = [f"step {step:>4}"]
     for key, label in CONSOLE_KEYS:
+        if key in CONSOLE_IF_NONZERO and not metrics.get(key):
+            continue
         if key in metrics and metrics[key] is not None:
             parts.append(f"{label} {format_number(_jsonable(metrics[key]))}")
     return " | ".join(parts)

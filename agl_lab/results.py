@@ -13,6 +13,7 @@ rollouts. Outside a Trainer, wrap the batch builder's record yourself:
 from __future__ import annotations
 
 import html
+import logging
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
@@ -251,3 +252,50 @@ class UpdateResult:
         keys = ["training/n_sample_trained", "training/n_zero_adv_groups", "actor/pg_loss",
                 "actor/grad_norm", "actor/entropy", "training/rollout_probs_diff_max"]
         return _summary_html("UpdateResult", lines, self.metrics, keys)
+
+
+# =============================================================================================
+# Rollouts that train on a reward they never earned: said every step (issue 36)
+# =============================================================================================
+
+_problems_logger = logging.getLogger("agl_lab.rollout_problems")
+EXCLUDE_KEY = "agl_lab.algorithm.exclude_failed_rollouts"
+FILLNA_KEY = "agentlightning.reward_fillna_value"
+
+
+def report_rollout_problems(batch: BatchResult) -> BatchResult:
+    """Count and say the rollouts of `batch` that train on `reward_fillna_value` (returns `batch`;
+    the fill value said is the one on their rows).
+
+    - FAILED rollouts with trained rows (the default, as Agent Lightning: failures train with
+      the fill reward): `training/n_failed_rollouts_trained`, and one warning per step naming the
+      count, the first error and `agl_lab.algorithm.exclude_failed_rollouts`, the key that leaves
+      them out. The console line shows `failed_trained N` on such steps.
+    - Rollouts that ended without a reward (the agent returned None and emitted no reward event):
+      `training/n_missing_reward_rollouts`, one warning per step; console `no_reward N`.
+    """
+    reward = {row.rollout_id: row.reward for row in batch.built.rows if not row.skipped_empty}
+    trained = set(reward)
+    rollouts = batch.built.rollouts
+    failed = [r for r in rollouts if r.state == "failed" and r.rollout_id in trained]
+    missing = [r for r in rollouts if r.state != "failed" and r.final_reward is None]
+    batch.metrics["training/n_failed_rollouts_trained"] = len(failed)
+    batch.metrics["training/n_missing_reward_rollouts"] = len(missing)
+    if failed:
+        first = (failed[0].error_message or "no error message").strip()
+        _problems_logger.warning(
+            "step %d: %d of %d rollouts FAILED and are trained with reward %g (%s, as Agent Lightning does): "
+            "their rows pull the policy away from what they sampled. First error (rollout %s): %s\n"
+            "To leave failed rollouts out of training set %s=true (every error: RolloutResult.lifecycle"
+            "[['rollout_id', 'state', 'error_message']]).",
+            batch.step, len(failed), len(rollouts), reward[failed[0].rollout_id], FILLNA_KEY, failed[0].rollout_id,
+            first[:2000], EXCLUDE_KEY)
+    if missing:
+        _problems_logger.warning(
+            "step %d: %d of %d rollouts ended without a reward (the agent returned None and emitted no reward "
+            "event, e.g. rollout %s); they are trained with reward %s (%s). Return the reward from the agent, "
+            "or post a reward event for the rollout before it returns.",
+            batch.step, len(missing), len(rollouts), missing[0].rollout_id,
+            next((f"{reward[r.rollout_id]:g}" for r in missing if r.rollout_id in reward), "(none: no rows)"),
+            FILLNA_KEY)
+    return batch

@@ -29,7 +29,7 @@ from agl_lab import config as config_mod
 from agl_lab import watch
 from agl_lab.data import TaskFeeder
 from agl_lab.logger import MetricsLogger, throughput_metrics
-from agl_lab.results import BatchResult, RolloutResult, UpdateResult
+from agl_lab.results import BatchResult, RolloutResult, UpdateResult, report_rollout_problems
 
 logger = logging.getLogger(__name__)
 
@@ -251,8 +251,8 @@ class Trainer:
         rollout = rollout or self._require(self._last_rollout, "trainer.rollout()")
         kwargs = dict(config_mod.batch_options(self.cfg, options.pop("level", None)),
                       pad_token_id=self._pad_token_id(), tokenizer=self.tokenizer)
-        kwargs.update(options)
-        result = BatchResult(build_batch(rollout.rollouts, **kwargs), step=rollout.step, tokenizer=self.tokenizer)
+        built = build_batch(rollout.rollouts, **{**kwargs, **options})
+        result = report_rollout_problems(BatchResult(built, step=rollout.step, tokenizer=self.tokenizer))
         if rollout is self._last_rollout:
             self._last_batch = result
         return result

@@ -5,9 +5,10 @@ Two ways a first run trains nothing while every line looks normal:
 - **The tiny model was never warm-started for this agent.** A custom agent or dataset has no
   demonstrations, so the built-in tiny model (0.46 M parameters, random weights) answers in
   byte soup and no reply parses. `untrained_tiny_model_message` says so when the engine is built.
-- **Every rollout gets the same reward, step after step** (all 0.000: nothing parsed; all 1:
-  too easy). Every GRPO group then has advantage 0 and the update has no signal.
-  `FlatRewardWatch` warns once, after `FLAT_STEPS` such steps in a row, with the likely cause.
+- **Every rollout gets the same reward, step after step** (all 0.000: nothing parsed, or every
+  rollout FAILED, or none posted a reward; all 1: too easy). Every GRPO group then has advantage
+  0 and the update has no signal. `FlatRewardWatch` warns once, after `FLAT_STEPS` such steps in
+  a row, with the likely cause — failures, missing rewards and unparseable replies told apart.
 
 Both go to this module's logger as warnings (a notebook shows them; `agl-lab train` prints them).
 """
@@ -59,10 +60,36 @@ class FlatRewardWatch:
         self.untrained_tiny = untrained_tiny
         self.flat: list[tuple[int, float]] = []  # (step, the one reward) of the current flat streak
         self.warned = False
+        self._kinds: dict[int, tuple[int, int, int]] = {}  # step → (rollouts, FAILED, without a reward)
+        self._first_error: str | None = None
 
     def observe_rollouts(self, step: int, rollouts: Sequence) -> str | None:
-        """`observe` on CompletedRollouts (a missing reward counts as reward_fillna_value, as in training)."""
+        """`observe` on CompletedRollouts (a missing reward counts as reward_fillna_value, as in training);
+        the warning then tells FAILED rollouts and rollouts without a reward from replies that do not parse."""
+        failed = [r for r in rollouts if r.state == "failed"]
+        missing = sum(r.state != "failed" and r.final_reward is None for r in rollouts)
+        self._kinds[step] = (len(rollouts), len(failed), missing)
+        if failed and self._first_error is None:
+            self._first_error = (failed[0].error_message or "no error message").strip()[:500]
         return self.observe(step, [self.fillna if r.final_reward is None else r.final_reward for r in rollouts])
+
+    def _cause_of_fill(self) -> str | None:
+        """Over the flat streak: the rollouts that got the fill value without earning a reward."""
+        kinds = [self._kinds[s] for s, _ in self.flat if s in self._kinds]
+        total, failed, missing = (sum(k[i] for k in kinds) for i in range(3))
+        if not kinds or not (failed or missing):
+            return None
+        parts = []
+        if failed:
+            parts.append(f"{failed} of {total} rollouts FAILED (first error: {self._first_error}) and were "
+                         f"trained with agentlightning.reward_fillna_value={self.fillna:g} — fix the agent, or set "
+                         "agl_lab.algorithm.exclude_failed_rollouts=true")
+        if missing:
+            parts.append(f"{missing} of {total} rollouts ended without a reward (the agent returned None and posted "
+                         f"no reward event) and got reward_fillna_value={self.fillna:g} — return the reward")
+        if failed + missing < total:
+            parts.append(f"the other {total - failed - missing} earned that reward themselves")
+        return "; ".join(parts) + ". These are not replies that do not parse"
 
     def observe(self, step: int, rewards: Sequence[float]) -> str | None:
         values = [float(r) for r in rewards if r is not None and math.isfinite(float(r))]
@@ -74,7 +101,10 @@ class FlatRewardWatch:
             return None
         self.warned = True
         first, value = self.flat[0]
-        if self.untrained_tiny or value == 0:
+        fill = self._cause_of_fill()
+        if fill is not None:
+            cause = fill
+        elif self.untrained_tiny or value == 0:
             cause = ("no reply earned any reward: the agent's replies most likely do not parse. "
                      + ("The built-in tiny model had no warm start for this agent. Fix: " + TINY_FIX
                         if self.untrained_tiny else

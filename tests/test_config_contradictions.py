@@ -41,3 +41,20 @@ def test_validation_without_validation_tasks_fails_or_warns(tmp_path):
                                                                "trainer.val_before_train=true", "trainer.test_freq=2"],
                                       run_dir=tmp_path / "b", console=False)
     trainer.close()
+
+
+def test_a_mini_batch_larger_than_a_step_warns_with_the_numbers_and_the_value_to_set():
+    # issue 36's study: n=8 × 4 tasks keeps cpu_tiny's ppo_mini_batch_size=8 (tasks) — it is clamped
+    found = _warnings_of(["actor_rollout_ref.rollout.n=8", "data.train_batch_size=4"])
+    (message,) = [m for m in found if "ppo_mini_batch_size=8" in m]
+    assert "counts tasks" in message and "8 × 8 = 64 rollouts is asked for but a step has 4 × 8 = 32" in message
+    assert "set actor_rollout_ref.actor.ppo_mini_batch_size=4" in message.lower()
+    assert not [m for m in _warnings_of(["actor_rollout_ref.rollout.n=8", "data.train_batch_size=4",
+                                         "actor_rollout_ref.actor.ppo_mini_batch_size=4"]) if "counts tasks" in m]
+    # what the warning says happens: the step's 32 rows are one mini-batch, not 64
+    import agl_lab.algorithms as alg
+    from tests.algo_batches import one_row_rollouts
+
+    data = one_row_rollouts({f"t{k}": [0.0, 1.0] * 4 for k in range(4)})  # 4 tasks × n=8, trajectory level
+    _, _, metrics = alg.prepare_update_batch(data, mini_batch_rows=8 * 8, loss_mode="vanilla")
+    assert metrics["training/n_sample_trained"] == 32 and metrics["training/n_mini_batches"] == 1

@@ -118,3 +118,12 @@ def test_serving_defaults_are_the_configs():
         assert params["max_batch_size"].default == rules.MAX_BATCH_SIZE, cls
         if "max_model_len" in params:
             assert params["max_model_len"].default == rules.MAX_MODEL_LEN, cls
+
+
+def test_every_parity_switch_reaches_the_update():
+    from agl_lab.config import update_options
+
+    on = ["agl_lab.parity.bf16_rewards=true", "agl_lab.parity.grpo_float32=true", "agl_lab.parity.drop_order=agl"]
+    opts = update_options(load_config("configs/cpu_tiny.yaml", on))
+    assert (opts["bf16_rewards"], opts["grpo_float32"], opts["drop_order"]) == (True, True, "agl")
+    assert set(load_config("configs/cpu_tiny.yaml").agl_lab.parity) == {"bf16_rewards", "grpo_float32", "drop_order"}

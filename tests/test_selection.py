@@ -152,9 +152,11 @@ def test_single_rollout_group_has_an_advantage_and_is_not_dropped_as_zero_adv():
 
 def test_zero_advantage_groups_reads_advantages_when_present():
     data = one_row_rollouts({"s": [1.0], "z": [1, 1]})
-    assert alg.zero_advantage_groups(data) == ["s", "z"]  # before advantages: reward variance
+    # AGL's reward rule counts the lone rollout of reward 1 (verl gives it A = 1); agl_lab's does not
+    assert alg.zero_advantage_groups(data, rule="agl") == ["s", "z"]
+    assert alg.zero_advantage_groups(data) == ["z"]  # before advantages: bitwise-equal rewards
     data, _ = alg.compute_advantages(data, adv_estimator="grpo", num_repeat=2)
-    assert alg.zero_advantage_groups(data) == ["z"]  # after: A = 0 on every loss token
+    assert alg.zero_advantage_groups(data) == ["z"]  # after: A = 0 on every loss token: the rules agree
 
 
 def test_group_metrics_count_the_trained_batch_and_collected_separately():

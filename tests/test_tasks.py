@@ -419,3 +419,26 @@ def test_calc_chain_needs_two_calls_the_second_on_the_first_result():
     model = _ScriptedModel([(None, [t["expression"]]), ("12", [])])
     assert calc.calc_agent(t, model) == pytest.approx(calc.TOOL_WEIGHT)
     assert model.seen[1][-1]["content"].startswith("error")
+
+
+def test_parallel_warm_starts_compute_once_and_the_others_load(tmp_path, tiny, monkeypatch):
+    # two runs of a sweep starting together: the cache lock lets one fit, the other waits and loads
+    import threading
+
+    from agl_lab.tasks import warmstart
+
+    model, tok = tiny
+    fits, real_fit = [], warmstart.fit_transcripts
+    monkeypatch.setattr(warmstart, "fit_transcripts", lambda *a, **k: (fits.append(1), real_fit(*a, **k)))
+    models = [copy.deepcopy(model) for _ in range(3)]
+    threads = [threading.Thread(target=warm_start, args=(m, tok, "lookup"),
+                                kwargs={"seed": 1, "cache_dir": tmp_path, "steps": 3, "batch_size": 4})
+               for m in models]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert len(fits) == 1
+    states = [_state(m) for m in models]
+    assert all(torch.equal(states[0][k], s[k]) for s in states[1:] for k in s)
+    assert len(list(tmp_path.glob("warmstart-lookup-*.pt.lock"))) == 1

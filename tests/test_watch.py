@@ -47,3 +47,31 @@ def test_untrained_tiny_model_message_only_without_a_warm_start():
     assert "warm_start_steps=0" in untrained_tiny_model_message(tiny=True, warm_start_steps=0, has_demonstrations=True)
     msg = untrained_tiny_model_message(tiny=True, warm_start_steps=200, has_demonstrations=False)
     assert "without demonstrations" in msg and "agl_lab.model.preset=smollm2-135m" in msg
+
+
+def _rollouts(kind: str, n: int = 4):
+    from agl_lab.records import CompletedRollout
+
+    make = {"failed": dict(state="failed", final_reward=None, error_message="ValueError: reward 'ok' is not a number"),
+            "missing": dict(state="succeeded", final_reward=None), "zero": dict(state="succeeded", final_reward=0.0)}
+    return [CompletedRollout(rollout_id=f"{kind}{k}", data_id="d", step=0, sample_idx=k, **make[kind])
+            for k in range(n)]
+
+
+def test_the_flat_reward_warning_tells_failures_missing_rewards_and_unparseable_replies_apart():
+    messages = {}
+    for kind in ("failed", "missing", "zero"):
+        watch = FlatRewardWatch(3)
+        for step in (1, 2, 3):
+            message = watch.observe_rollouts(step, _rollouts(kind))
+        messages[kind] = message
+    assert "12 of 12 rollouts FAILED (first error: ValueError: reward 'ok' is not a number)" in messages["failed"]
+    assert "exclude_failed_rollouts=true" in messages["failed"] and "do not parse" in messages["failed"]
+    assert "not replies that do not parse" in messages["failed"]
+    assert "12 of 12 rollouts ended without a reward" in messages["missing"]
+    assert "FAILED" not in messages["missing"]
+    assert "most likely do not parse" in messages["zero"] and "FAILED" not in messages["zero"]
+    mixed = FlatRewardWatch(1)
+    message = mixed.observe_rollouts(1, _rollouts("failed", 1) + _rollouts("missing", 1) + _rollouts("zero", 2))
+    assert "1 of 4 rollouts FAILED" in message and "1 of 4 rollouts ended without a reward" in message
+    assert "the other 2 earned that reward themselves" in message

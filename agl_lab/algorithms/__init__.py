@@ -35,8 +35,10 @@ The batch keys they read and write (`response_mask`, `token_level_scores/rewards
 from __future__ import annotations
 
 from agl_lab.algorithms.advantage import (
+    GROUP_BASELINE_ESTIMATORS,
     OUTCOME_HINT,
     TOKEN_LEVEL_ESTIMATORS,
+    ZERO_RULES,
     check_estimator,
     compute_advantages,
     compute_rollout_level_advantage,
@@ -46,6 +48,7 @@ from agl_lab.algorithms.advantage import (
     rollout_ids,
     rollout_index,
     row_scores,
+    run_estimator,
     zero_advantage_groups,
 )
 from agl_lab.algorithms.loss import (
@@ -74,7 +77,7 @@ from agl_lab.algorithms.selection import (
 )
 
 __all__ = [
-    "DIVISORS", "DROP_ORDERS", "LOSS_NAME", "agl_alignment", "OUTCOME_HINT", "SELECTION_POLICIES", "SMALL_BATCH_CHOICES",
+    "DIVISORS", "DROP_ORDERS", "GROUP_BASELINE_ESTIMATORS", "ZERO_RULES", "run_estimator", "LOSS_NAME", "agl_alignment", "OUTCOME_HINT", "SELECTION_POLICIES", "SMALL_BATCH_CHOICES",
     "TOKEN_LEVEL_ESTIMATORS", "check_divisor", "check_estimator", "check_selection_args",
     "compute_advantages", "compute_policy_loss_per_rollout_mean", "compute_rollout_level_advantage",
     "drop_marked_rows", "fill_reward_defaults", "group_keys", "group_metrics", "marked_rows",

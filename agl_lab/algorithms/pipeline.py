@@ -54,6 +54,7 @@ def prepare_update_batch(
     compute_advantage_fn: Callable[..., Any] | None = None,
     drop_order: str = "after_advantage",
     bf16_rewards: bool = False,
+    grpo_float32: bool = False,
 ) -> tuple[Any | None, list[dict[str, Any]], dict[str, Any]]:
     """marked drop → advantages → group metrics → alignment drops → per-rollout normalisation.
 
@@ -63,7 +64,10 @@ def prepare_update_batch(
 
     Parity switches (agl_lab.parity): `drop_order="agl"` runs AGL v1's row-level alignment
     (`agl_alignment`) before the advantages; `bf16_rewards` stores `token_level_scores` in
-    bfloat16 as AGL v1 does (rewards, GRPO statistics and advantages inherit its precision).
+    bfloat16 as AGL v1 does (rewards, GRPO statistics and advantages inherit its precision);
+    `grpo_float32` runs verl's estimator on the batch as it is (float32 group statistics: a group of
+    equal rewards can get ±0.007 instead of 0) — by default statistics are float64 and equal-reward
+    groups get exactly 0 (`advantage.run_estimator`).
     """
     if drop_order not in DROP_ORDERS:
         raise ValueError(f"agl_lab.parity.drop_order={drop_order!r} is not one of {list(DROP_ORDERS)}")
@@ -78,7 +82,8 @@ def prepare_update_batch(
     fill_reward_defaults(data)
     advantage_args = dict(rollout_level=rollout_level_advantage, compute_advantage_fn=compute_advantage_fn,
                           adv_estimator=adv_estimator, gamma=gamma, lam=lam, num_repeat=num_repeat,
-                          norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo, config=algo_config)
+                          norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo, config=algo_config,
+                          exact_zero=not grpo_float32)
     # 0. rows the batch builder marked go first, row by row (AGL v1)
     kept, records, metrics = drop_marked_rows(data)
     collected = {k: metrics[k] for k in ("training/n_sample_collected", "training/n_sample_dropped/marked")}

@@ -247,7 +247,7 @@ def agl_alignment(data: Any, *, mini_batch_rows: int, max_ppo_update_times: int 
     target = target_rows(n, mini_batch_rows, max_ppo_update_times, "skip")
     rng = np.random.default_rng(seed)
     sub = data.select_idxs(alive) if n else data
-    same = set(zero_advantage_groups(sub)) if n else set()  # no advantages yet: the reward rule
+    same = set(zero_advantage_groups(sub, rule="agl")) if n else set()  # no advantages yet: AGL's reward rule
     keys = group_keys(sub)
     in_same = np.array([keys is not None and keys[i] in same for i in range(n)], dtype=bool)
     need = n - target

@@ -22,10 +22,12 @@ directory (`$AGL_LAB_CACHE`, default `~/.cache/agl_lab`), so the second call is 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -203,9 +205,17 @@ def warm_start(model: Any, tokenizer: Any, task: Any, steps: int, seed: int = 0,
     transcripts = _fit_inputs(task, steps, seed, batch_size)
     key = _key(model, tokenizer, task, transcripts, steps, seed, lr, batch_size)
     path = _cache_dir(cache_dir) / f"warmstart-{task.name}-{key}.pt"
-    if path.exists():
-        model.load_state_dict(torch.load(path, map_location=next(model.parameters()).device))
-        return model.eval()
+    if not path.exists():
+        with cache_lock(path):  # parallel runs (agl_lab.sweep) compute one warm start, the others load it
+            if not path.exists():
+                return _fit_and_cache(model, tokenizer, task, transcripts, steps, seed, lr, batch_size, path,
+                                      progress)
+    model.load_state_dict(torch.load(path, map_location=next(model.parameters()).device))
+    return model.eval()
+
+
+def _fit_and_cache(model: Any, tokenizer: Any, task: Any, transcripts: list, steps: int, seed: int, lr: float,
+                   batch_size: int, path: Path, progress: bool) -> Any:
     shown = str(path).replace(str(Path.home()), "~")
     fit_transcripts(model, tokenizer, transcripts, steps, seed, lr, batch_size,
                     progress=f"warm start on {task.name!r} demonstrations (first run; cached as {shown})"
@@ -217,6 +227,26 @@ def warm_start(model: Any, tokenizer: Any, task: Any, steps: int, seed: int = 0,
     os.chmod(tmp, 0o644)  # mkstemp makes it private; the cache is shared by the user's processes
     os.replace(tmp, path)  # atomic: a concurrent reader sees the old state or the whole file
     return model
+
+
+@contextlib.contextmanager
+def cache_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on `<path>.lock` (fcntl.flock, released when the block ends or the
+    process dies): one process computes a cache entry while the others wait, then load it."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        handle = open(path.with_name(path.name + ".lock"), "a")
+    except OSError:  # a cache directory we cannot write a lock in: compute unlocked (as before)
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def warm_started_model_dir(task: Any, steps: int, seed: int = 0,

@@ -55,7 +55,10 @@ logging.getLogger("agl_lab.server.gateway").setLevel(logging.ERROR)  # "val mode
 # (`trainer.test_freq`, verl's key). A seed sets the warm start, the task order and the
 # sampling, so the two settings of one seed start from the same weights on the same tasks.
 # Each run writes `config.yaml` and `metrics.jsonl` to its own directory; that is all
-# `agl_lab.compare` reads. About 20 s a run on a 2-core CPU.
+# `agl_lab.compare` reads. The runs are kept by setting name, `{"rollouts": [dirs], "rows": [dirs]}`:
+# `compare` and `plot_compare` take that dict and use the names. About 20 s a run on a 2-core CPU.
+# (For a grid from the command line, `agl-lab sweep CONFIG key=v1,v2 --seeds 0,1,2` runs the
+# same, one directory per setting and seed, and prints this table at the end: docs/research.md.)
 
 # %%
 SETTINGS = ["rollouts", "rows"]  # agl_lab.algorithm.normalize_by
@@ -66,7 +69,7 @@ COMMON = ["agentlightning.trace_aggregator.level=transition", "data.train_batch_
           f"trainer.total_training_steps={STEPS}", f"trainer.test_freq={TEST_FREQ}", "agl_lab.task.n_val=8",
           f"agl_lab.model.warm_start_steps={get_task('lookup').warm_start_steps}"]
 base = Path(tempfile.mkdtemp(prefix="agl-nb05-"))
-run_dirs = []
+runs_by_setting = {divisor: [] for divisor in SETTINGS}
 for seed in SEEDS:
     for divisor in SETTINGS:
         run_dir, t0 = base / f"{divisor}-seed{seed}", time.time()
@@ -74,7 +77,7 @@ for seed in SEEDS:
                                  overrides=[*COMMON, f"agl_lab.algorithm.normalize_by={divisor}",
                                             f"agl_lab.seed={seed}"]) as trainer:
             trainer.fit(progress=False)
-        run_dirs.append(run_dir)
+        runs_by_setting[divisor].append(run_dir)
         print(f"normalize_by={divisor:8s} seed {seed}: {trainer.global_step} steps, "
               f"{time.time() - t0:.0f} s")
 
@@ -90,8 +93,9 @@ for seed in SEEDS:
 # %%
 from agl_lab.replay import replay_step  # noqa: E402
 
-as_run = replay_step(run_dirs[0], 1)  # normalize_by=rollouts, seed 0
-as_rows = replay_step(run_dirs[0], 1, ["agl_lab.algorithm.normalize_by=rows"])
+first_run = runs_by_setting["rollouts"][0]  # normalize_by=rollouts, seed 0
+as_run = replay_step(first_run, 1)
+as_rows = replay_step(first_run, 1, ["agl_lab.algorithm.normalize_by=rows"])
 side = as_run.update.weights[["rollout_id", "n_rows", "advantage", "loss_weight"]].merge(
     as_rows.update.weights[["rollout_id", "loss_weight"]], on="rollout_id", suffixes=(" rollouts", " rows"))
 side["factor"] = side["loss_weight rows"] / side["loss_weight rollouts"]
@@ -103,21 +107,27 @@ side.head()
 # %% [markdown]
 # ## 3 · The comparison table
 #
-# `agl_lab.compare` groups the runs by the config keys that differ between them (the seed is a
-# replicate, not a setting) and gives, per setting, the mean over seeds and its standard error
-# of each metric's value per run — here its mean over the last 4 steps (both validation points).
-# `training/n_sample_trained` is rows trained per step: with 16 rollouts a step, rollouts/rows
-# is about 16 / that number (about: mini-batch alignment sometimes drops a whole rollout, as in
-# the step replayed above).
+# `agl_lab.compare` takes the named settings (the seeds of a setting are replicates) and gives,
+# per setting, the mean over seeds and its standard error of each metric's value per run — its
+# mean over a window of **steps**: `last=4` is each run's steps 5–8. A metric logged every step
+# (the training reward) averages 4 values; validation, every 4 steps, has one value in that
+# window (step 8), and the `val/reward n` column says so. `final` is each run's last value.
+# From the second setting on, `diff` and `diff se` are the difference to the baseline setting
+# (`rollouts`) **paired by seed** — both settings of a seed start from the same weights on the
+# same tasks — and its standard error. `training/n_sample_trained` is rows trained per step:
+# with 16 rollouts a step, rollouts/rows is about 16 / that number (about: mini-batch alignment
+# sometimes drops a whole rollout, as in the step replayed above).
 
 # %%
 METRICS = ("training/reward", "val/reward", "actor/grad_norm", "training/n_sample_trained")
-table = agl_lab.compare(run_dirs, metrics=METRICS, last=4)
+table = agl_lab.compare(runs_by_setting, metrics=METRICS, last=4, baseline="rollouts")
 table
 
 # %%
 # NBVAL_CHECK_OUTPUT
-print("settings:", list(table["agl_lab.algorithm.normalize_by"]), "· seeds per setting:", list(table.n_seeds))
+print("settings:", list(table["setting"]), "· seeds per setting:", list(table.n_seeds),
+      "· pairs:", list(table.n_pairs))
+print("window:", table.attrs["window"], "· validations in it per run:", list(table["val/reward n"]))
 print("columns:", [c for c in table.columns if c.endswith(" mean")])
 
 # %% [markdown]
@@ -130,16 +140,17 @@ table.attrs["runs"].assign(run=lambda d: d.run.map(lambda p: Path(p).name))  # t
 # ## 4 · The curves
 #
 # Mean over seeds per step, a band of ± 1 s.e., validation reward as dots (the curve each run
-# wrote to its `reward_curve.png` as it went, at every validation). Left, the reward; right, the
-# gradient norm — the quantity the mechanism says must differ.
+# wrote to its `reward_curve.png` as it went, at every validation); below it (`diff=True`), per
+# step, rows − rollouts paired by seed ± its s.e. Then the gradient norm — the quantity the
+# mechanism says must differ.
 
 # %%
 import matplotlib.pyplot as plt  # noqa: E402
 
-ax = agl_lab.plot_compare(run_dirs)
-ax.set_title("training reward (dots: validation)")
+ax, ax_diff = agl_lab.plot_compare(runs_by_setting, diff=True)
+ax.set_title("training reward (dots: validation); below: rows − rollouts, paired by seed")
 plt.show()
-ax = agl_lab.plot_compare(run_dirs, metric="actor/grad_norm")
+ax = agl_lab.plot_compare(runs_by_setting, metric="actor/grad_norm")
 ax.set_title("gradient norm before clipping")
 plt.show()
 
@@ -148,17 +159,17 @@ plt.show()
 #
 # The sentences below are computed from the tables, not written by hand. The seeds differ far
 # more from each other than the settings do (see the per-run table), so besides the unpaired
-# comparison of the two means there is the **paired** one the design allows: both settings of a
-# seed start from the same weights on the same tasks, so the per-seed difference rows − rollouts
-# removes the seed's own luck. Each line gives the difference, its standard error and whether it
+# comparison of the two means there is the **paired** one the design allows — the table's
+# `diff` and `diff se` columns: both settings of a seed start from the same weights on the same
+# tasks, so the per-seed difference rows − rollouts removes the seed's own luck. Each line gives the difference, its standard error and whether it
 # lies within 2 s.e. of zero. For the gradient: the measured ratio against the predicted
 # rollouts/rows, and how often the clip at 1.0 was active (the mechanism assumes it rarely is).
 # Three seeds and eight steps detect only large effects: "within 2 s.e." means no difference this
 # experiment can see, not proof of none.
 
 # %%
-by = table.set_index("agl_lab.algorithm.normalize_by")
-paired = table.attrs["runs"].pivot(index="seed", columns="agl_lab.algorithm.normalize_by")
+by = table.set_index("setting")
+paired = table.attrs["runs"].pivot(index="seed", columns="setting")
 ROLLOUTS_PER_STEP = 4 * 4  # data.train_batch_size × rollout.n
 
 
@@ -173,7 +184,7 @@ for metric in ("training/reward", "val/reward"):
     se = math.hypot(by.loc["rows", f"{metric} se"], by.loc["rollouts", f"{metric} se"])
     per_seed = paired[metric]["rows"] - paired[metric]["rollouts"]
     print(f"{metric}, rows − rollouts: unpaired {verdict(diff, se)}")
-    print(f"{' ' * len(metric)}  paired by seed {verdict(per_seed.mean(), per_seed.std(ddof=1) / math.sqrt(len(per_seed)))}"
+    print(f"{' ' * len(metric)}  paired by seed {verdict(by.loc['rows', f'{metric} diff'], by.loc['rows', f'{metric} diff se'])}"
           f" (per seed: {', '.join(f'{d:+.3f}' for d in per_seed)})")
 measured = by.loc["rows", "actor/grad_norm mean"] / by.loc["rollouts", "actor/grad_norm mean"]
 predicted = ROLLOUTS_PER_STEP / by.loc["rows", "training/n_sample_trained mean"]
@@ -182,7 +193,7 @@ print(f"actor/grad_norm: rows / rollouts = {measured:.2f}, predicted rollouts/ro
       + " (the runs diverge after their first step, so the ratio is only approximate)")
 for divisor in SETTINGS:
     norms = pd.concat([pd.read_json(d / "metrics.jsonl", lines=True)["actor/grad_norm"].dropna()
-                       for d in run_dirs if d.name.startswith(f"{divisor}-")])
+                       for d in runs_by_setting[divisor]])
     print(f"normalize_by={divisor}: the clip at grad_clip=1.0 was active in {(norms > 1.0).sum()} of {len(norms)} steps")
 
 # %% [markdown]
@@ -199,7 +210,9 @@ for divisor in SETTINGS:
 #
 # * two settings × three seeds ran the steps asked for, each writing validation points at every
 #   `test_freq` step and its reward curve;
-# * the table holds one line per setting, over three seeds, for every metric;
+# * the table holds one line per named setting, over three seeds, for every metric; its window is
+#   the last 4 steps, which hold one validation per run, and its paired difference is the mean of
+#   the per-seed differences;
 # * replayed under the other divisor, every rollout's loss weight changes by one factor,
 #   rollouts/rows, and the gradient under `rows` is smaller than under `rollouts` — the arithmetic
 #   part of the mechanism. (Whether the rewards agree is the experiment's answer, printed above, not asserted.)
@@ -208,7 +221,9 @@ for divisor in SETTINGS:
 runs = table.attrs["runs"]
 assert len(runs) == len(SETTINGS) * len(SEEDS) and (runs.steps == STEPS).all()
 assert list(table.n_seeds) == [len(SEEDS)] * len(SETTINGS) and not table.filter(like=" mean").isna().any().any()
-for run_dir in run_dirs:
+assert list(table["val/reward n"]) == [1, 1]  # the last 4 steps hold one validation (step 8)
+assert abs(by.loc["rows", "val/reward diff"] - per_seed.mean()) < 1e-12  # the table's paired difference
+for run_dir in [d for dirs in runs_by_setting.values() for d in dirs]:
     steps = pd.read_json(run_dir / "metrics.jsonl", lines=True).dropna(subset=["val/reward"]).step
     assert list(steps) == list(range(TEST_FREQ, STEPS + 1, TEST_FREQ)) and (run_dir / "reward_curve.png").exists()
 assert side.factor.max() - side.factor.min() < 1e-6 and abs(side.factor.mean() - len(side) / n_rows) < 1e-6
