@@ -39,8 +39,16 @@ def _check_your_agent(namespace: dict, trainers: list, warned: list[str], tmp_pa
     assert (tmp_path / "train.parquet").exists() and len(namespace["rows"]) == len(namespace["train_rows"])
 
 
+def _check_research(namespace: dict, trainers: list, warned: list[str], tmp_path: Path) -> None:
+    # the study's table in docs/research.md, from the recorded runs
+    n4, n8 = (namespace["table"].set_index("setting").loc[name] for name in ("n4", "n8"))
+    assert (round(n4["training/reward mean"], 3), round(n8["training/reward mean"], 3)) == (0.733, 0.709)
+    assert (round(n8["training/reward diff"], 3), round(n8["training/reward diff se"], 3)) == (-0.024, 0.031)
+    assert (round(n8["val/reward diff"], 3), n8["val/reward n"]) == (-0.104, 1)
+
+
 # page (relative to the repository) → what its snippets must have done
-PAGES = {"README.md": _check_readme, "docs/your-agent.md": _check_your_agent}
+PAGES = {"README.md": _check_readme, "docs/your-agent.md": _check_your_agent, "docs/research.md": _check_research}
 
 
 def snippets(page: str) -> list[str]:
@@ -123,6 +131,7 @@ def test_every_python_snippet_runs(page, tmp_path, monkeypatch, caplog):
     from agl_lab.trainer import Trainer
 
     (tmp_path / "configs").symlink_to(ROOT / "configs")
+    (tmp_path / "notebooks").symlink_to(ROOT / "notebooks")
     monkeypatch.chdir(tmp_path)
     load = config_mod.load_config
     monkeypatch.setattr(config_mod, "load_config", lambda path=None, overrides=None: load(

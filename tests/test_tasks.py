@@ -425,13 +425,13 @@ def test_parallel_warm_starts_compute_once_and_the_others_load(tmp_path, tiny, m
     # two runs of a sweep starting together: the cache lock lets one fit, the other waits and loads
     import threading
 
-    from agl_lab.tasks import warmstart
+    from agl_lab.engines import warmstart
 
     model, tok = tiny
     fits, real_fit = [], warmstart.fit_transcripts
     monkeypatch.setattr(warmstart, "fit_transcripts", lambda *a, **k: (fits.append(1), real_fit(*a, **k)))
     models = [copy.deepcopy(model) for _ in range(3)]
-    threads = [threading.Thread(target=warm_start, args=(m, tok, "lookup"),
+    threads = [threading.Thread(target=warm_start, args=(m, tok, get_task("lookup")),
                                 kwargs={"seed": 1, "cache_dir": tmp_path, "steps": 3, "batch_size": 4})
                for m in models]
     for t in threads:
