@@ -52,7 +52,9 @@ def train_main(argv: list[str]) -> int:
     `--until 11`; nothing when the checkpoint is already there). Without either, the run ends
     at `trainer.total_training_steps`. Ctrl-C stops between two steps' work: no traceback, the
     reward curve is written and the last line names the last checkpoint and the command that
-    resumes from it (exit status 130).
+    resumes from it (exit status 130). SIGTERM (Slurm, Kubernetes, `docker stop`, systemd) is the
+    same clean stop: agents' process groups are terminated (killed after a grace period), the
+    same lines are printed, exit status 143.
     """
     import argparse
     import time
@@ -86,6 +88,7 @@ def train_main(argv: list[str]) -> int:
         return 2
     t0 = time.time()
     trainer = None
+    previous = _stop_on_sigterm()
     try:
         with Trainer(cfg, run_dir=args.run_dir) as trainer:
             print(f"agl-lab train: run dir {trainer.run_dir} · engine {cfg.agl_lab.engine} · "
@@ -101,10 +104,41 @@ def train_main(argv: list[str]) -> int:
                       else f"agl-lab train: already at step {start} (≥ {end}): nothing to train", flush=True)
             history = trainer.fit(steps, progress=False)
             _summarise(trainer.run_dir, history, time.time() - t0)
-    except KeyboardInterrupt:
-        _interrupted(trainer, argv, args.resume, time.time() - t0)
-        return 130
+    except KeyboardInterrupt as e:
+        _interrupted(trainer, argv, args.resume, time.time() - t0, terminated=isinstance(e, Terminated))
+        return 143 if isinstance(e, Terminated) else 130
+    finally:
+        _restore_sigterm(previous)
     return 0
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM arrived: raised in the main thread like Ctrl-C's KeyboardInterrupt, so the same
+    `with Trainer(...)` exit stops the runner (agents' process groups terminated, then killed)
+    and the same resume line is printed."""
+
+
+def _stop_on_sigterm():
+    """Turn SIGTERM into `Terminated` in the main thread (a second one is ignored while the
+    first stop runs). Returns the previous handler (None off the main thread: nothing installed)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def on_sigterm(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Terminated()
+
+    return signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def _restore_sigterm(previous) -> None:
+    import signal
+
+    if previous is not None:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _bare_resume(argv: list[str]) -> list[str]:
@@ -141,13 +175,13 @@ def resume_overrides(resume: str | None) -> list[str]:
     return ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={resume}"]
 
 
-def _interrupted(trainer, argv: list[str], resume_arg: str | None, wall: float) -> None:
-    """Ctrl-C: the reward curve so far, the last checkpoint and the command that resumes from it."""
+def _interrupted(trainer, argv: list[str], resume_arg: str | None, wall: float, terminated: bool = False) -> None:
+    """Ctrl-C / SIGTERM: the reward curve so far, the last checkpoint and the command that resumes from it."""
     import shlex
 
     from agl_lab import checkpoints
 
-    print(f"\ninterrupted after {wall / 60:.1f} min", end="", flush=True)
+    print(f"\n{'terminated (SIGTERM)' if terminated else 'interrupted'} after {wall / 60:.1f} min", end="", flush=True)
     if trainer is None:
         print(" (before the Trainer started)", flush=True)
         return

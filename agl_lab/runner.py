@@ -77,6 +77,7 @@ log = logging.getLogger(__name__)
 
 STDERR_TAIL_CHARS = 2000
 KILL_WAIT_SECONDS = 5.0
+TERM_GRACE_SECONDS = 2.0  # stop(): agents' process groups get SIGTERM, then SIGKILL after this
 RECONCILE_INTERVAL_SECONDS = 1.0
 HEARTBEAT_MAX_INTERVAL_SECONDS = 10.0  # renew leases at least this often (a third of the server's lease if shorter)
 SHUTDOWN_MESSAGE = "runner shutdown"
@@ -153,6 +154,23 @@ def _kill_group(proc: subprocess.Popen) -> None:
         proc.wait(timeout=KILL_WAIT_SECONDS)
     except subprocess.TimeoutExpired:
         log.error("agent subprocess %d did not die within %ss of SIGKILL", proc.pid, KILL_WAIT_SECONDS)
+
+
+def _terminate_groups(procs: list[subprocess.Popen], grace: float = TERM_GRACE_SECONDS) -> None:
+    """SIGTERM every live agent's process group at once, then wait up to `grace` seconds in
+    all for the leaders to exit (the SIGKILL of `_kill_group` follows for what remains)."""
+    alive = [p for p in procs if p.poll() is None]
+    for proc in alive:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except (ProcessLookupError, PermissionError):
+            pass
+    deadline = time.monotonic() + grace
+    for proc in alive:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
 
 
 def _child_pythonpath() -> str:
@@ -249,7 +267,8 @@ class Runner:
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop claiming, kill live agents and release their rollouts back to the queue (another
+        """Stop claiming, terminate live agents (SIGTERM to each process group, SIGKILL after
+        TERM_GRACE_SECONDS) and release their rollouts back to the queue (another
         runner runs them as their next attempt); on an AGL server, which cannot release, fail
         them with "runner shutdown".
 
@@ -260,6 +279,7 @@ class Runner:
         self._stop.set()
         self._thread.join(timeout=max(0.0, deadline - time.monotonic()))
         live = self._live_snapshot()
+        _terminate_groups([ex.proc for ex in live if ex.proc is not None])  # a chance to clean up
         released = self._release(live)
         for ex in live:
             if ex.rollout_id in released:
