@@ -331,6 +331,7 @@ class Trainer:
         metrics["recording/bytes"] = self.recorder.record(
             step_no, batch_step=b.step, rollouts=ro.rollouts, metrics=metrics, update=u, policy_version=serving,
             seed=int(self.cfg.agl_lab.seed), rng=rng, pad_token_id=self._pad_token_id())
+        metrics["recording/failed"] = float(self.recorder.last_failed)  # a warning, never a dead run
         self.metrics_logger.log(step_no, metrics)
         return metrics
 
