@@ -80,9 +80,10 @@ def load_validation(run_dir: str | Path, step: int) -> list[CompletedRollout]:
     if not path.exists():
         raise FileNotFoundError(f"no validation recorded at step {step} in {path.parent} "
                                 f"(recorded: {validated_steps(run_dir) or 'none'})")
-    with gzip.open(path, "rt") as f:
-        doc = json.load(f)
-    return [completed_rollout_from_dict(d) for d in doc["rollouts"]]
+    doc = _read_doc(path)
+    if "rollouts" not in doc:
+        raise RecordingError(f"{path} is damaged: it has no 'rollouts' key")
+    return _rollouts(path, doc)
 
 
 def recorded_steps(run_dir: str | Path) -> list[int]:
@@ -243,15 +244,60 @@ def load_recording(run_dir: str | Path, step: int) -> Recording:
         raise FileNotFoundError(
             f"no recording of step {step} in {Path(run_dir) / DIRNAME}: recorded steps are "
             f"{_span(steps) if steps else 'none'} (recording is agl_lab.record.enabled, on by default)")
-    with gzip.open(path, "rt") as f:
-        doc = json.load(f)
+    doc = _read_doc(path)
     if doc.get("format") != FORMAT or doc.get("version") != VERSION:
-        raise ValueError(f"{path} is not an agl_lab recording of version {VERSION} "
-                         f"(format {doc.get('format')!r}, version {doc.get('version')!r})")
-    return Recording(step=doc["step"], batch_step=doc["batch_step"], policy_version=doc["policy_version"],
-                     seed=doc["seed"], rng=doc["rng"], pad_token_id=doc["pad_token_id"],
-                     rollouts=[completed_rollout_from_dict(r) for r in doc["rollouts"]], metrics=doc["metrics"],
-                     weights=pd.DataFrame(doc["weights"]), dropped=pd.DataFrame(doc["dropped"]), path=path)
+        raise RecordingError(f"{path} is not an agl_lab recording of version {VERSION} "
+                             f"(format {doc.get('format')!r}, version {doc.get('version')!r})")
+    try:
+        return Recording(step=doc["step"], batch_step=doc["batch_step"], policy_version=doc["policy_version"],
+                         seed=doc["seed"], rng=doc["rng"], pad_token_id=doc["pad_token_id"],
+                         rollouts=_rollouts(path, doc), metrics=doc["metrics"],
+                         weights=pd.DataFrame(doc["weights"]), dropped=pd.DataFrame(doc["dropped"]), path=path)
+    except RecordingError:
+        raise
+    except KeyError as e:
+        raise RecordingError(f"{path} is damaged: it has no {e.args[0]!r} key") from None
+    except (TypeError, ValueError) as e:
+        raise RecordingError(f"{path} is damaged: {e}") from None
+
+
+class RecordingError(ValueError):
+    """A recording file that cannot be read (truncated, not gzip, not an agl_lab recording, a
+    rollout missing fields); the message names the file and the problem."""
+
+
+def _read_doc(path: Path) -> dict[str, Any]:
+    """The JSON object of a recording file; RecordingError naming the file otherwise."""
+    import zlib
+
+    try:
+        with gzip.open(path, "rt") as f:
+            doc = json.load(f)
+    except (OSError, EOFError, zlib.error) as e:  # not gzip, truncated, unreadable
+        raise RecordingError(f"{path} is damaged: not a complete gzip file ({type(e).__name__}: {e})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RecordingError(f"{path} is damaged: its content is not JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise RecordingError(f"{path} is damaged: it holds a JSON {type(doc).__name__}, not a recording's object")
+    return doc
+
+
+def _rollouts(path: Path, doc: Mapping[str, Any]) -> list[CompletedRollout]:
+    rollouts = doc["rollouts"]
+    if not isinstance(rollouts, list):
+        raise RecordingError(f"{path} is damaged: 'rollouts' is a {type(rollouts).__name__}, not a list")
+    out = []
+    for i, r in enumerate(rollouts):
+        try:
+            out.append(completed_rollout_from_dict(r))
+        except KeyError as e:
+            raise RecordingError(f"{path} is damaged: rollout {i} has no {e.args[0]!r} field") from None
+        except (TypeError, ValueError, AttributeError) as e:
+            if missing := re.findall(r"'(\w+)'", str(e)) if "missing" in str(e) else None:
+                raise RecordingError(f"{path} is damaged: rollout {i} has no {', '.join(map(repr, missing))} "
+                                     f"field") from None
+            raise RecordingError(f"{path} is damaged: rollout {i} cannot be read ({type(e).__name__}: {e})") from None
+    return out
 
 
 def _span(steps: list[int]) -> str:
