@@ -86,14 +86,28 @@ def train_main(argv: list[str]) -> int:
     except config_mod.ConfigError as e:
         print(f"agl-lab train: {e}")
         return 2
+    except Exception as e:
+        if (problem := _yaml_problem(e)) is None:
+            raise
+        print(f"agl-lab train: {args.config} (or an override) is not valid YAML: {problem}")
+        return 2
     t0 = time.time()
     trainer = None
     previous = _stop_on_sigterm()
     try:
-        with Trainer(cfg, run_dir=args.run_dir) as trainer:
+        try:
+            built = Trainer(cfg, run_dir=args.run_dir)
+        except (config_mod.ConfigError, ValueError, KeyError, ModuleNotFoundError) as e:  # what the config names
+            print(f"agl-lab train: {_one_line(e)}")
+            return 2
+        with built as trainer:
             print(f"agl-lab train: run dir {trainer.run_dir} · engine {cfg.agl_lab.engine} · "
                   f"model {trainer.engine.model_name} · task {cfg.agl_lab.task.name}", flush=True)
-            resumed = trainer.resume()
+            try:
+                resumed = trainer.resume()  # also checks trainer.resume_mode, found after the engine is built
+            except config_mod.ConfigError as e:
+                print(f"agl-lab train: {_one_line(e)}", flush=True)
+                return 2
             start = trainer.global_step
             if resumed is not None:
                 print(f"agl-lab train: resumed from {resumed} at step {start}", flush=True)
@@ -110,6 +124,25 @@ def train_main(argv: list[str]) -> int:
     finally:
         _restore_sigterm(previous)
     return 0
+
+
+def _one_line(e: BaseException) -> str:
+    """The error as one line: a KeyError's message unquoted, a missing module named with the fix."""
+    if isinstance(e, ModuleNotFoundError):
+        return (f"no module named {e.name!r}: agl_lab.agent, agl_lab.task.name ('module:attr') and "
+                "agentlightning.local.agent_class must name a module importable from the current directory "
+                "or PYTHONPATH")
+    text = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+    return " ".join(str(text).split())
+
+
+def _yaml_problem(e: BaseException) -> str | None:
+    """The YAML syntax error in `e` (or its cause) as one line, None when `e` is none."""
+    import yaml
+
+    while e is not None and not isinstance(e, yaml.YAMLError):
+        e = e.__cause__ or e.__context__
+    return None if e is None else " ".join(str(e).split())
 
 
 class Terminated(KeyboardInterrupt):
