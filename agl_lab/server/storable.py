@@ -40,7 +40,8 @@ _ORJSON_DEPTH = 254  # orjson.dumps encodes 254 nested containers and refuses 25
 _WRAP = _ORJSON_DEPTH - MAX_DEPTH
 
 ROLLOUT_ID_PATTERN = r"^[A-Za-z0-9._:@+=-]{1,128}$"
-ROLLOUT_ID_RULE = "1-128 characters from A-Z a-z 0-9 . _ : @ + = -"
+ROLLOUT_ID_RULE = "1-128 characters from A-Z a-z 0-9 . _ : @ + = -, not '.' or '..'"
+_DOT_SEGMENTS = (".", "..")  # HTTP clients remove them from a URL path: no route could reach the rollout
 _ID_RE = re.compile(ROLLOUT_ID_PATTERN)
 
 
@@ -55,7 +56,7 @@ class NotStorable(ValueError):
 
 def check_rollout_id(rollout_id: str, what: str = "rollout_id") -> str:
     """Raise NotStorable unless `rollout_id` matches ROLLOUT_ID_PATTERN; returns it."""
-    if not isinstance(rollout_id, str) or not _ID_RE.match(rollout_id):
+    if not isinstance(rollout_id, str) or not _ID_RE.match(rollout_id) or rollout_id in _DOT_SEGMENTS:
         raise NotStorable(what, f"{rollout_id!r} is not a valid id: use {ROLLOUT_ID_RULE}")
     return rollout_id
 
