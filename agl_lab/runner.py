@@ -70,13 +70,14 @@ from typing import IO, Any
 
 from agl_lab._agent_bootstrap import _await, split_agent_class
 from agl_lab.agent import AgentContext, AgentSpec, agent_env, attempt_of
-from agl_lab.client import AglClient, AglHTTPError
+from agl_lab.client import AglAuthError, AglClient, AglHTTPError
 from agl_lab.protocol import DEFAULT_ATTEMPT_ID, Rollout, reward_problem
 
 log = logging.getLogger(__name__)
 
 STDERR_TAIL_CHARS = 2000
 KILL_WAIT_SECONDS = 5.0
+AUTH_FAILURES_TO_GIVE_UP = 5  # consecutive polls answered 401: the key is wrong, stop polling
 TERM_GRACE_SECONDS = 2.0  # stop(): agents' process groups get SIGTERM, then SIGKILL after this
 RECONCILE_INTERVAL_SECONDS = 1.0
 HEARTBEAT_MAX_INTERVAL_SECONDS = 10.0  # renew leases at least this often (a third of the server's lease if shorter)
@@ -254,6 +255,7 @@ class Runner:
         self._last_reconcile = 0.0
         self._last_heartbeat, self._heartbeat_every = -math.inf, HEARTBEAT_MAX_INTERVAL_SECONDS
         self._last_warning: dict[str, float] = {}
+        self.auth_error: str | None = None  # set when the server kept refusing the key (polling stopped)
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -323,12 +325,23 @@ class Runner:
     # -- polling -----------------------------------------------------------------------------
 
     def _poll_loop(self) -> None:
+        refused = 0
         while not self._stop.is_set():
             try:
                 self._tick()
+                refused = 0
+            except AglAuthError as exc:  # the key was changed or is wrong: retrying cannot help for long
+                refused += 1
+                if refused >= AUTH_FAILURES_TO_GIVE_UP:
+                    self.auth_error = (f"{self.server_url} rejected the key (401) {refused} times in a row: pass "
+                                       "the server's key (--key, --key-file or $AGL_KEY); this runner stopped polling")
+                    log.error("%s", self.auth_error)
+                    return
+                self._warn("poll", f"runner poll of {self.server_url} answered 401, retrying: {exc}")
             except Exception as exc:  # server hiccup: log and keep polling
+                refused = 0
                 self._warn("poll", f"runner poll of {self.server_url} failed, retrying: {exc!r}")
-            self._stop.wait(self.poll_interval)
+            self._stop.wait(self.poll_interval if not refused else max(self.poll_interval, 0.2 * 2 ** refused))
 
     def _tick(self) -> None:
         started = time.monotonic()
