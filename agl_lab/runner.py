@@ -109,6 +109,7 @@ class _Execution:
     lock: threading.Lock = field(default_factory=threading.Lock)
     wake: threading.Event = field(default_factory=threading.Event)  # set by the outcome decision
     finished: bool = False
+    stopping: bool = False  # stop() terminates the agent: its exit is stop()'s to report, not a failure
 
     @property
     def rollout_id(self) -> str:
@@ -281,7 +282,13 @@ class Runner:
         self._stop.set()
         self._thread.join(timeout=max(0.0, deadline - time.monotonic()))
         live = self._live_snapshot()
-        _terminate_groups([ex.proc for ex in live if ex.proc is not None])  # a chance to clean up
+        procs = []
+        for ex in live:
+            with ex.lock:
+                ex.stopping = True
+                if ex.proc is not None:
+                    procs.append(ex.proc)
+        _terminate_groups(procs)  # a chance to clean up; what is left is killed by _finish
         released = self._release(live)
         for ex in live:
             if ex.rollout_id in released:
@@ -572,6 +579,8 @@ class Runner:
                 rc = proc.wait(timeout=ex.timeout)
             except subprocess.TimeoutExpired:
                 self._finish(ex, "failed", f"local subprocess timed out after {_fmt_seconds(ex.timeout)} s")
+                return
+            if ex.stopping:  # terminated by stop(), which releases or fails the rollout itself
                 return
             if rc == 0:
                 self._finish(ex, "succeeded", None)
