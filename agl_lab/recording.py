@@ -23,7 +23,8 @@ transcript (`load_validation`, `agl_lab.transcript.format_transcript`).
 
 `recording/bytes` (the file's size) is a step metric. A recording that cannot be written (a full
 disk, a path in the way) never stops training: a warning names the file and the error, the
-partial `.tmp` file is removed, and the step's `recording/failed` metric is 1 (`recording/bytes` 0). `agl_lab.record.events: false` leaves the
+partial `.tmp` file is removed, and the step's `recording/failed` metric is 1 (`recording/bytes` 0).
+`agl_lab.record.events: false` leaves the
 raw events out (the triplets stay); `agl_lab.record.max_steps: K` keeps the newest K files.
 
 Replaying a recorded step is `agl_lab.replay`.

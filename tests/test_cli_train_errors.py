@@ -53,7 +53,8 @@ def test_an_external_server_that_does_not_match_the_engine_is_one_line(tmp_path,
     from agl_lab.server.embedded import EmbeddedServer
 
     with EmbeddedServer(key="k", default_proxy={"model_name": "served-elsewhere"}) as server:
-        rc, lines = _train(tmp_path, capsys, "agl_lab.server.embedded=false", f"agentlightning.agl_base_url={server.url}",
-                           "agentlightning.agl_key=k", "agl_lab.runner.enabled=false")
+        rc, lines = _train(tmp_path, capsys, "agl_lab.server.embedded=false",
+                           f"agentlightning.agl_base_url={server.url}", "agentlightning.agl_key=k",
+                           "agl_lab.runner.enabled=false")
     assert rc == 2 and len(lines) == 1, lines
     assert "does not match this engine: its default_proxy.model_name is 'served-elsewhere'" in lines[0]

@@ -43,7 +43,8 @@ def test_a_nul_in_a_running_rollouts_status_is_refused_and_its_lease_still_expir
     rid, _ = _running(client)
     r = client.patch(f"/api/rollouts/{rid}", json={"status": {"k8s_job_name": "j\u0000"}})
     assert r.status_code == 422 and "status.k8s_job_name" in r.json()["detail"] and "NUL" in r.json()["detail"], r.text
-    expired = server.store.expire_leases(600, max_attempts=2, now=time.time() + 3600)  # a controlled clock: the runner died
+    # a controlled clock: an hour later, its runner died
+    expired = server.store.expire_leases(600, max_attempts=2, now=time.time() + 3600)
     assert rid in expired
     assert client.get(f"/api/rollouts/{rid}").json()["rollout"]["status"]["state"] == "queuing"
 
@@ -61,7 +62,8 @@ def test_a_nul_in_an_event_type_or_attempt_id_is_never_a_500(client):
     assert r.status_code == 422 and "NUL" in r.json()["detail"], r.text
     assert client.get(f"/api/rollouts/{rid}/events", params={"attempt_id": "a\u0000b"}).status_code in (200, 404)
     assert client.get("/api/rollouts/a%00b").status_code == 404
-    ok = client.post(f"/api/rollouts/{rid}/attempt/{attempt}/events", json={"event_type": "x", "data": {"s": "a\u0000"}})
+    ok = client.post(f"/api/rollouts/{rid}/attempt/{attempt}/events",
+                     json={"event_type": "x", "data": {"s": "a\u0000"}})
     assert ok.status_code in (200, 201), ok.text  # event data may hold NUL on every backend
     events = client.get(f"/api/rollouts/{rid}/events").json()
     assert [e["data"]["s"] for e in events if e["event_type"] == "x"] == ["a\u0000"]
