@@ -116,3 +116,42 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_state(state: Mapping[str, Any], path: Path) -> None:
+    """`torch.save` of the trainer state as tensors and plain data (numpy arrays as lists), so
+    `load_state` reads it with `weights_only=True`."""
+    torch.save(_plain(state), path)
+
+
+def load_state(path: Path) -> dict[str, Any]:
+    """The trainer state `save_state` wrote, loaded with `weights_only=True`: tensors and plain
+    data only, so a checkpoint from elsewhere cannot run code. A checkpoint written before
+    (the numpy RNG key as an array) loads too; anything else is a ValueError naming the file."""
+    import pickle
+
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as first:
+        core = getattr(np, "_core", None) or np.core  # numpy 2 / 1
+        arrays = [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+        try:
+            with torch.serialization.safe_globals(arrays):
+                return torch.load(path, weights_only=True, map_location="cpu")
+        except pickle.UnpicklingError:
+            raise ValueError(f"{path} holds more than tensors and plain data, so it is not loaded (it could run "
+                             f"code): resume from a checkpoint agl_lab wrote. {str(first).splitlines()[-1]}") from None
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    return value

@@ -54,7 +54,9 @@ def train_main(argv: list[str]) -> int:
     `--until 11`; nothing when the checkpoint is already there). Without either, the run ends
     at `trainer.total_training_steps`. Ctrl-C stops between two steps' work: no traceback, the
     reward curve is written and the last line names the last checkpoint and the command that
-    resumes from it (exit status 130).
+    resumes from it (exit status 130). SIGTERM (Slurm, Kubernetes, `docker stop`, systemd) is the
+    same clean stop: agents' process groups are terminated (killed after a grace period), the
+    same lines are printed, exit status 143.
     """
     import argparse
     import time
@@ -86,13 +88,28 @@ def train_main(argv: list[str]) -> int:
     except config_mod.ConfigError as e:
         print(f"agl-lab train: {e}")
         return 2
+    except Exception as e:
+        if (problem := _yaml_problem(e)) is None:
+            raise
+        print(f"agl-lab train: {args.config} (or an override) is not valid YAML: {problem}")
+        return 2
     t0 = time.time()
     trainer = None
+    previous = _stop_on_sigterm()
     try:
-        with Trainer(cfg, run_dir=args.run_dir) as trainer:
+        try:
+            built = Trainer(cfg, run_dir=args.run_dir)
+        except (config_mod.ConfigError, ValueError, KeyError, ModuleNotFoundError) as e:  # what the config names
+            print(f"agl-lab train: {_one_line(e)}")
+            return 2
+        with built as trainer:
             print(f"agl-lab train: run dir {trainer.run_dir} · engine {cfg.agl_lab.engine} · "
                   f"model {trainer.engine.model_name} · task {cfg.agl_lab.task.name}", flush=True)
-            resumed = trainer.resume()
+            try:
+                resumed = trainer.resume()  # also checks trainer.resume_mode, found after the engine is built
+            except config_mod.ConfigError as e:
+                print(f"agl-lab train: {_one_line(e)}", flush=True)
+                return 2
             start = trainer.global_step
             if resumed is not None:
                 print(f"agl-lab train: resumed from {resumed} at step {start}", flush=True)
@@ -103,10 +120,60 @@ def train_main(argv: list[str]) -> int:
                       else f"agl-lab train: already at step {start} (≥ {end}): nothing to train", flush=True)
             history = trainer.fit(steps, progress=False)
             _summarise(trainer.run_dir, history, time.time() - t0)
-    except KeyboardInterrupt:
-        _interrupted(trainer, argv, args.resume, time.time() - t0)
-        return 130
+    except KeyboardInterrupt as e:
+        _interrupted(trainer, argv, args.resume, time.time() - t0, terminated=isinstance(e, Terminated))
+        return 143 if isinstance(e, Terminated) else 130
+    finally:
+        _restore_sigterm(previous)
     return 0
+
+
+def _one_line(e: BaseException) -> str:
+    """The error as one line: a KeyError's message unquoted, a missing module named with the fix."""
+    if isinstance(e, ModuleNotFoundError):
+        return (f"no module named {e.name!r}: agl_lab.agent, agl_lab.task.name ('module:attr') and "
+                "agentlightning.local.agent_class must name a module importable from the current directory "
+                "or PYTHONPATH")
+    text = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+    return " ".join(str(text).split())
+
+
+def _yaml_problem(e: BaseException) -> str | None:
+    """The YAML syntax error in `e` (or its cause) as one line, None when `e` is none."""
+    import yaml
+
+    while e is not None and not isinstance(e, yaml.YAMLError):
+        e = e.__cause__ or e.__context__
+    return None if e is None else " ".join(str(e).split())
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM arrived: raised in the main thread like Ctrl-C's KeyboardInterrupt, so the same
+    `with Trainer(...)` exit stops the runner (agents' process groups terminated, then killed)
+    and the same resume line is printed."""
+
+
+def _stop_on_sigterm():
+    """Turn SIGTERM into `Terminated` in the main thread (a second one is ignored while the
+    first stop runs). Returns the previous handler (None off the main thread: nothing installed)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def on_sigterm(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Terminated()
+
+    return signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def _restore_sigterm(previous) -> None:
+    import signal
+
+    if previous is not None:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _bare_resume(argv: list[str]) -> list[str]:
@@ -143,13 +210,13 @@ def resume_overrides(resume: str | None) -> list[str]:
     return ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={resume}"]
 
 
-def _interrupted(trainer, argv: list[str], resume_arg: str | None, wall: float) -> None:
-    """Ctrl-C: the reward curve so far, the last checkpoint and the command that resumes from it."""
+def _interrupted(trainer, argv: list[str], resume_arg: str | None, wall: float, terminated: bool = False) -> None:
+    """Ctrl-C / SIGTERM: the reward curve so far, the last checkpoint and the command that resumes from it."""
     import shlex
 
     from agl_lab import checkpoints
 
-    print(f"\ninterrupted after {wall / 60:.1f} min", end="", flush=True)
+    print(f"\n{'terminated (SIGTERM)' if terminated else 'interrupted'} after {wall / 60:.1f} min", end="", flush=True)
     if trainer is None:
         print(" (before the Trainer started)", flush=True)
         return

@@ -70,13 +70,15 @@ from typing import IO, Any
 
 from agl_lab._agent_bootstrap import _await, split_agent_class
 from agl_lab.agent import AgentContext, AgentSpec, agent_env, attempt_of
-from agl_lab.client import AglClient, AglHTTPError
+from agl_lab.client import AglAuthError, AglClient, AglHTTPError
 from agl_lab.protocol import DEFAULT_ATTEMPT_ID, Rollout, reward_problem
 
 log = logging.getLogger(__name__)
 
 STDERR_TAIL_CHARS = 2000
 KILL_WAIT_SECONDS = 5.0
+AUTH_FAILURES_TO_GIVE_UP = 5  # consecutive polls answered 401: the key is wrong, stop polling
+TERM_GRACE_SECONDS = 2.0  # stop(): agents' process groups get SIGTERM, then SIGKILL after this
 RECONCILE_INTERVAL_SECONDS = 1.0
 HEARTBEAT_MAX_INTERVAL_SECONDS = 10.0  # renew leases at least this often (a third of the server's lease if shorter)
 SHUTDOWN_MESSAGE = "runner shutdown"
@@ -107,6 +109,7 @@ class _Execution:
     lock: threading.Lock = field(default_factory=threading.Lock)
     wake: threading.Event = field(default_factory=threading.Event)  # set by the outcome decision
     finished: bool = False
+    stopping: bool = False  # stop() terminates the agent: its exit is stop()'s to report, not a failure
 
     @property
     def rollout_id(self) -> str:
@@ -153,6 +156,23 @@ def _kill_group(proc: subprocess.Popen) -> None:
         proc.wait(timeout=KILL_WAIT_SECONDS)
     except subprocess.TimeoutExpired:
         log.error("agent subprocess %d did not die within %ss of SIGKILL", proc.pid, KILL_WAIT_SECONDS)
+
+
+def _terminate_groups(procs: list[subprocess.Popen], grace: float = TERM_GRACE_SECONDS) -> None:
+    """SIGTERM every live agent's process group at once, then wait up to `grace` seconds in
+    all for the leaders to exit (the SIGKILL of `_kill_group` follows for what remains)."""
+    alive = [p for p in procs if p.poll() is None]
+    for proc in alive:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except (ProcessLookupError, PermissionError):
+            pass
+    deadline = time.monotonic() + grace
+    for proc in alive:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
 
 
 def _child_pythonpath() -> str:
@@ -236,6 +256,7 @@ class Runner:
         self._last_reconcile = 0.0
         self._last_heartbeat, self._heartbeat_every = -math.inf, HEARTBEAT_MAX_INTERVAL_SECONDS
         self._last_warning: dict[str, float] = {}
+        self.auth_error: str | None = None  # set when the server kept refusing the key (polling stopped)
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -249,7 +270,8 @@ class Runner:
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop claiming, kill live agents and release their rollouts back to the queue (another
+        """Stop claiming, terminate live agents (SIGTERM to each process group, SIGKILL after
+        TERM_GRACE_SECONDS) and release their rollouts back to the queue (another
         runner runs them as their next attempt); on an AGL server, which cannot release, fail
         them with "runner shutdown".
 
@@ -260,6 +282,13 @@ class Runner:
         self._stop.set()
         self._thread.join(timeout=max(0.0, deadline - time.monotonic()))
         live = self._live_snapshot()
+        procs = []
+        for ex in live:
+            with ex.lock:
+                ex.stopping = True
+                if ex.proc is not None:
+                    procs.append(ex.proc)
+        _terminate_groups(procs)  # a chance to clean up; what is left is killed by _finish
         released = self._release(live)
         for ex in live:
             if ex.rollout_id in released:
@@ -303,12 +332,23 @@ class Runner:
     # -- polling -----------------------------------------------------------------------------
 
     def _poll_loop(self) -> None:
+        refused = 0
         while not self._stop.is_set():
             try:
                 self._tick()
+                refused = 0
+            except AglAuthError as exc:  # the key was changed or is wrong: retrying cannot help for long
+                refused += 1
+                if refused >= AUTH_FAILURES_TO_GIVE_UP:
+                    self.auth_error = (f"{self.server_url} rejected the key (401) {refused} times in a row: pass "
+                                       "the server's key (--key, --key-file or $AGL_KEY); this runner stopped polling")
+                    log.error("%s", self.auth_error)
+                    return
+                self._warn("poll", f"runner poll of {self.server_url} answered 401, retrying: {exc}")
             except Exception as exc:  # server hiccup: log and keep polling
+                refused = 0
                 self._warn("poll", f"runner poll of {self.server_url} failed, retrying: {exc!r}")
-            self._stop.wait(self.poll_interval)
+            self._stop.wait(self.poll_interval if not refused else max(self.poll_interval, 0.2 * 2 ** refused))
 
     def _tick(self) -> None:
         started = time.monotonic()
@@ -539,6 +579,8 @@ class Runner:
                 rc = proc.wait(timeout=ex.timeout)
             except subprocess.TimeoutExpired:
                 self._finish(ex, "failed", f"local subprocess timed out after {_fmt_seconds(ex.timeout)} s")
+                return
+            if ex.stopping:  # terminated by stop(), which releases or fails the rollout itself
                 return
             if rc == 0:
                 self._finish(ex, "succeeded", None)

@@ -115,6 +115,10 @@ def runner_main(argv: list[str]) -> int:
           f"concurrency {runner.concurrency}", flush=True)
     printed = 0
     while not stop.wait(0.1):
+        if runner.auth_error is not None:  # the key stopped working after start-up: bounded retries, then out
+            runner.stop()
+            print(f"agl-lab runner: {runner.auth_error}", file=sys.stderr, flush=True)
+            return 2
         stats = runner.stats
         done = stats["succeeded"] + stats["failed"]
         if args.summary_every > 0 and done >= printed + args.summary_every:

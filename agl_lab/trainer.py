@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-import torch
 from omegaconf import OmegaConf
 
 from agl_lab import checkpoints
@@ -331,6 +330,7 @@ class Trainer:
         metrics["recording/bytes"] = self.recorder.record(
             step_no, batch_step=b.step, rollouts=ro.rollouts, metrics=metrics, update=u, policy_version=serving,
             seed=int(self.cfg.agl_lab.seed), rng=rng, pad_token_id=self._pad_token_id())
+        metrics["recording/failed"] = float(self.recorder.last_failed)  # a warning, never a dead run
         self.metrics_logger.log(step_no, metrics)
         return metrics
 
@@ -446,7 +446,7 @@ class Trainer:
             "async": self.async_manager.state_dict() if self.async_manager else None,
             "rng": checkpoints.rng_state(),
         }
-        torch.save(state, path / checkpoints.STATE_FILE)
+        checkpoints.save_state(state, path / checkpoints.STATE_FILE)  # tensors and plain data
         OmegaConf.save(config_mod.redact_secrets(self.cfg), path / "config.yaml")  # interpolations kept
         return path
 
@@ -462,7 +462,7 @@ class Trainer:
         """Load `save(path)` into this Trainer: weights, optimiser, RNG, data cursor, carry-over."""
         path = Path(path)
         self.engine.load(str(path / "engine"))
-        state = torch.load(path / checkpoints.STATE_FILE, weights_only=False)
+        state = checkpoints.load_state(path / checkpoints.STATE_FILE)  # weights_only=True
         self.global_step = state["global_step"]
         self.feeder.load_state_dict(state["feeder"])
         if self.async_manager and state["async"]:

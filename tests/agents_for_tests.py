@@ -74,6 +74,19 @@ class HangAgent:
         time.sleep(120)
 
 
+class PidFileHangAgent:
+    """Starts a 'tool server' child, writes both pids as files under `T_PID_DIR`, then hangs
+    until killed (the SIGTERM test of `agl-lab train` checks that none is left alive)."""
+
+    def run(self) -> None:
+        from pathlib import Path
+
+        tool = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+        for pid in (os.getpid(), tool.pid):
+            (Path(os.environ["T_PID_DIR"]) / str(pid)).touch()
+        time.sleep(300)
+
+
 class SleepAgent:
     """Sleeps `T_SLEEP` seconds (default 0.3), then posts reward 1.0."""
 

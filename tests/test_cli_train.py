@@ -52,6 +52,50 @@ def test_ctrl_c_prints_the_last_checkpoint_and_the_resume_command_without_a_trac
     assert (tmp_path / "run" / "reward_curve.png").stat().st_size > 0
 
 
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "\nState:\tZ" not in f.read()  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.timeout(600)
+def test_sigterm_stops_like_ctrl_c_and_leaves_no_agent_subprocess_alive(tmp_path):
+    """SIGTERM (Slurm, Kubernetes, docker stop, systemd) to `agl-lab train`: the agents' process
+    groups (each agent leads its own session) are terminated, the resume line printed, exit 143."""
+    from agl_lab.engines.tiny import tiny_model_dir
+    from tests.test_trainer_config_keys import lookup_tasks, write_parquet
+
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    train = write_parquet(tmp_path / "train.parquet", lookup_tasks(8))
+    args = _args(tmp_path, "run", f"data.train_files={train}", f"actor_rollout_ref.model.path={tiny_model_dir(seed=0)}",
+                 "agentlightning.local.agent_class=tests.agents_for_tests:PidFileHangAgent")
+    log_out, log_err = tmp_path / "out.txt", tmp_path / "err.txt"  # files: an orphan holding a pipe would block
+    with log_out.open("w") as fo, log_err.open("w") as fe:
+        proc = subprocess.Popen([sys.executable, "-m", "agl_lab.cli", "train", *args],
+                                env={**_env(), "T_PID_DIR": str(pids)}, stdout=fo, stderr=fe, text=True)
+    deadline = time.time() + 400
+    while len(list(pids.iterdir())) < 4:  # two agents (agent + tool each) at least
+        assert proc.poll() is None, log_err.read_text()[-3000:]
+        assert time.time() < deadline
+        time.sleep(0.2)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=300)
+    out, err = log_out.read_text(), log_err.read_text()
+    assert proc.returncode == 143, err[-3000:]
+    assert "Traceback" not in out + err and "KeyboardInterrupt" not in out + err
+    assert "terminated (SIGTERM) after" in out
+    assert f"last checkpoint: none under {tmp_path / 'ck'}" in out  # the agents hang: no step ended
+    started = [int(p.name) for p in pids.iterdir()]
+    deadline = time.time() + 30  # reaped by init once their parent is gone
+    while any(_alive(pid) for pid in started) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not [pid for pid in started if _alive(pid)], "agent subprocesses outlived the trainer"
+
+
 @pytest.mark.timeout(600)
 def test_steps_after_resume_means_more_steps_and_until_means_up_to_that_step(tmp_path, capsys):
     assert train_main(_args(tmp_path, "a", "--until", "2")) == 0

@@ -86,6 +86,28 @@ def test_a_wrong_key_fails_at_once_naming_the_flag(embedded_server):
     assert proc.returncode == 2 and "rejected the key (401)" in out and "--key" in out
 
 
+def test_a_key_refused_after_start_up_ends_the_runner_after_bounded_retries(embedded_server):
+    """The server comes back with another key (rotated) while the runner polls: a few 401s are
+    retried, then one line naming the flags and exit 2 (it used to retry forever)."""
+    first = embedded_server(key=KEY, default_proxy={"model_name": "m"})
+    port = int(first.url.rsplit(":", 1)[1].split("/")[0])
+    proc = start_runner(first.url)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("agl-lab runner ") and "claiming from" in line, line
+        first.stop()
+        embedded_server(key="rotated-key", default_proxy={"model_name": "m"}, port=port)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 2, out
+    assert "Traceback" not in out
+    assert "rejected the key (401) 5 times in a row: pass the server's key (--key, --key-file or $AGL_KEY)" in out
+
+
 def test_bad_arguments_fail_naming_the_flag():
     for argv, message in ((["--server", "host:8080"], "must be an http:// or https:// URL"),
                           (["--server", "http://127.0.0.1:9", "--agent", "nomodule"], "must be 'module:function'"),

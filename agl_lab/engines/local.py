@@ -282,7 +282,7 @@ class LocalEngine(Engine):
             raise FileNotFoundError(f"{src} has no {_STATE_FILE}; pass a directory written by LocalEngine.save")
         dtype = next(self.model.parameters()).dtype
         loaded = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, local_files_only=True)
-        state = torch.load(src / _STATE_FILE, weights_only=False, map_location="cpu")
+        state = torch.load(src / _STATE_FILE, weights_only=True, map_location="cpu")  # tensors and plain data
         with self.weights_lock:
             if self.lora_params is None:
                 self.model.load_state_dict(loaded.state_dict())

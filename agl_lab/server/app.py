@@ -488,7 +488,8 @@ def _event_router(store: Store) -> APIRouter:
     @router.post("/rollouts/{rollout_id}/attempt/{attempt_id}/events", response_model=Event,
                  responses=_errors(400, 404, 422))
     async def post_event(rollout_id: str, attempt_id: str, body: EventCreate) -> Event:
-        check_storable(body.data, "data")  # strict (NaN, int64) on the API; the gateway's bodies are orjson's
+        # strict (NaN, int64) on the API; the gateway's bodies are orjson's; NUL may stand in event data
+        check_storable(body.data, "data", nul_ok=True)
         return await run_in_threadpool(store.append_event, rollout_id, attempt_id, body.event_type, body.data)
 
     @router.get("/rollouts/{rollout_id}/events", response_model=list[Event], responses=_errors(404))

@@ -6,7 +6,10 @@
 
 The rule (a value that breaks it answers 422 and nothing is stored):
 
-    strings      valid Unicode (no lone UTF-16 surrogate such as "\\ud800"), keys too
+    strings      valid Unicode (no lone UTF-16 surrogate such as "\\ud800"), keys too; no NUL
+                 (U+0000): PostgreSQL's text cannot hold it, and one in a rollout's JSON stops
+                 its lease sweep. Event data (`nul_ok=True`: the API's event route, the gateway's
+                 bodies) may hold it: every backend keeps it as JSON's "\\u0000" in bytes.
     integers     signed 64-bit: -2**63 <= i <= 2**63 - 1 (SQLite/orjson read larger ones back as floats)
     floats       finite (JSON has no NaN/Infinity; the response encoder refuses them)
     nesting      at most MAX_DEPTH containers deep (the readers stop at ~200 levels)
@@ -37,7 +40,8 @@ _ORJSON_DEPTH = 254  # orjson.dumps encodes 254 nested containers and refuses 25
 _WRAP = _ORJSON_DEPTH - MAX_DEPTH
 
 ROLLOUT_ID_PATTERN = r"^[A-Za-z0-9._:@+=-]{1,128}$"
-ROLLOUT_ID_RULE = "1-128 characters from A-Z a-z 0-9 . _ : @ + = -"
+ROLLOUT_ID_RULE = "1-128 characters from A-Z a-z 0-9 . _ : @ + = -, not '.' or '..'"
+_DOT_SEGMENTS = (".", "..")  # HTTP clients remove them from a URL path: no route could reach the rollout
 _ID_RE = re.compile(ROLLOUT_ID_PATTERN)
 
 
@@ -52,19 +56,20 @@ class NotStorable(ValueError):
 
 def check_rollout_id(rollout_id: str, what: str = "rollout_id") -> str:
     """Raise NotStorable unless `rollout_id` matches ROLLOUT_ID_PATTERN; returns it."""
-    if not isinstance(rollout_id, str) or not _ID_RE.match(rollout_id):
+    if not isinstance(rollout_id, str) or not _ID_RE.match(rollout_id) or rollout_id in _DOT_SEGMENTS:
         raise NotStorable(what, f"{rollout_id!r} is not a valid id: use {ROLLOUT_ID_RULE}")
     return rollout_id
 
 
-def check_storable(value: Any, where: str = "data") -> None:
-    """Raise NotStorable (naming the path) unless `value` is storable JSON (module rule)."""
+def check_storable(value: Any, where: str = "data", *, nul_ok: bool = False) -> None:
+    """Raise NotStorable (naming the path) unless `value` is storable JSON (module rule); NUL in
+    a string only where `nul_ok` (event data)."""
     stack: list[tuple[Any, str, int]] = [(value, where, 0)]
     while stack:
         v, path, depth = stack.pop()
         kind = type(v)
         if kind is str:
-            _check_str(v, path)
+            _check_str(v, path, nul_ok)
         elif kind is bool or v is None:
             continue
         elif kind is int or isinstance(v, int):
@@ -79,7 +84,7 @@ def check_storable(value: Any, where: str = "data") -> None:
             for k, x in v.items():
                 if not isinstance(k, str):
                     raise NotStorable(path, f"object key {k!r} is not a string")
-                _check_str(k, f"{path} key")
+                _check_str(k, f"{path} key", nul_ok)
                 stack.append((x, f"{path}.{k}" if _plain_key(k) else f"{path}[{k!r}]", depth + 1))
         elif isinstance(v, (list, tuple)):
             if depth >= MAX_DEPTH:
@@ -127,7 +132,9 @@ def _wrapper() -> tuple[list[Any], list[Any]]:
     return chain
 
 
-def _check_str(s: str, path: str) -> None:
+def _check_str(s: str, path: str, nul_ok: bool = False) -> None:
+    if not nul_ok and "\x00" in s:
+        raise NotStorable(path, "string holds a NUL character (U+0000), which PostgreSQL cannot store: remove it")
     if not s.isascii():
         try:
             s.encode("utf-8")

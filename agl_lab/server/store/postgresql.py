@@ -346,12 +346,14 @@ class PostgresStore(Store):
     # --- rollouts -------------------------------------------------------------------------------
 
     def _load(self, rollout_id: str) -> Rollout | None:
+        if "\x00" in rollout_id:  # no stored id holds NUL (storable.py); PostgreSQL would refuse the query
+            return None
         lock = " FOR NO KEY UPDATE" if self._writing() else ""  # the read of a read-modify-write
         row = self._db.execute(f"SELECT body FROM agl_rollouts WHERE rollout_id = %s{lock}", (rollout_id,)).fetchone()
         return None if row is None else Rollout.model_validate_json(row[0])
 
     def _load_many(self, rollout_ids: Sequence[str]) -> dict[str, Rollout]:
-        ids = list(dict.fromkeys(rollout_ids))
+        ids = [rid for rid in dict.fromkeys(rollout_ids) if "\x00" not in rid]  # none stored holds NUL
         if not ids:
             return {}
         if self._writing():  # create_rollouts: a concurrent creator of one of these ids commits first
@@ -361,6 +363,8 @@ class PostgresStore(Store):
         return {rid: Rollout.model_validate_json(body) for rid, body in rows}
 
     def _exists(self, rollout_id: str) -> bool:
+        if "\x00" in rollout_id:
+            return False
         row = self._db.execute("SELECT 1 FROM agl_rollouts WHERE rollout_id = %s", (rollout_id,)).fetchone()
         return row is not None
 
@@ -408,6 +412,8 @@ class PostgresStore(Store):
         return cur.rowcount == 1
 
     def _events(self, rollout_id: str, attempt_id: str) -> list[Event]:
+        if "\x00" in rollout_id + attempt_id:
+            return []
         rows = self._db.execute(
             "SELECT event_type, timestamp, data FROM agl_events WHERE rollout_id = %s AND attempt_id = %s ORDER BY seq",
             (rollout_id, attempt_id))
@@ -415,6 +421,8 @@ class PostgresStore(Store):
                                       timestamp=ts, data=orjson.loads(data)) for etype, ts, data in rows]
 
     def _attempts(self, rollout_id: str) -> list[str]:
+        if "\x00" in rollout_id:
+            return []
         rows = self._db.execute(
             "SELECT attempt_id FROM agl_events WHERE rollout_id = %s GROUP BY attempt_id "
             "ORDER BY MIN(timestamp), MIN(seq)", (rollout_id,))
@@ -460,6 +468,8 @@ class PostgresStore(Store):
         self._db.execute("DELETE FROM agl_models")
 
     def _models(self, model_name: str) -> list[Model]:
+        if "\x00" in model_name:  # no stored name holds NUL: the answer of memory and SQLite
+            return []
         rows = self._db.execute("SELECT model, endpoint, version FROM agl_models WHERE model = %s", (model_name,))
         return [Model(model=m, endpoint=e, version=v) for m, e, v in rows]
 
