@@ -39,15 +39,16 @@ uploads AGL's side tables from the result). The core does no I/O.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from agl_lab import padding
-from agl_lab.padding import pad_rows  # noqa: F401  (part of this module's API: rows -> arrays)
 from agl_lab.diagnose import KINDS, MergeBreak, common_prefix_len, decode_ids, diagnose_break
+from agl_lab.padding import pad_rows  # noqa: F401  (part of this module's API: rows -> arrays)
 from agl_lab.records import CompletedRollout, Triplet, sort_rollouts
 from agl_lab.rules import LEVELS, check_level  # noqa: F401 (re-export)
 

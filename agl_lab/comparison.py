@@ -22,8 +22,8 @@ from __future__ import annotations
 import json
 import math
 import os
-from pathlib import Path
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import pandas as pd

@@ -18,8 +18,9 @@ import copy
 import difflib
 import importlib.util
 import os
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 

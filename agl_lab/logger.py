@@ -35,8 +35,9 @@ import re
 import tempfile
 import warnings
 import zipfile
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from agl_lab.batch import MISMATCH_TABLE_ROWS, BreakRecord
 from agl_lab.results import BatchResult
@@ -133,7 +134,7 @@ class MetricsLogger:
             self._tracking = Tracking(project, experiment, default_backend=["tensorboard"])
 
     @classmethod
-    def for_run(cls, cfg: Any, run_dir: str | os.PathLike, *, console: bool = True) -> "MetricsLogger":
+    def for_run(cls, cfg: Any, run_dir: str | os.PathLike, *, console: bool = True) -> MetricsLogger:
         """The sinks `trainer.logger` and `agl_lab.wandb.mode` ask for, writing into `run_dir`."""
         from agl_lab import config as config_mod
 

@@ -15,7 +15,8 @@ one rollout at the transition level) converts only its new tail.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 

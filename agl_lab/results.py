@@ -129,7 +129,7 @@ class BatchResult:
     `.breaks` and `.groups` are DataFrames built from it on first access.
     """
 
-    built: "BuiltBatch"
+    built: BuiltBatch
     step: int = 0
     tokenizer: Any = field(default=None, repr=False)  # decodes `.rows`' text columns
     metrics: dict[str, Any] = field(init=False)

@@ -18,14 +18,14 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from omegaconf import OmegaConf
 
-from agl_lab import checkpoints
+from agl_lab import checkpoints, watch
 from agl_lab import config as config_mod
-from agl_lab import watch
 from agl_lab.data import TaskFeeder
 from agl_lab.logger import MetricsLogger, throughput_metrics
 from agl_lab.results import BatchResult, RolloutResult, UpdateResult, report_rollout_problems
@@ -153,7 +153,7 @@ class Trainer:
 
     @classmethod
     def from_config(cls, path=None, overrides: Sequence[str] | Mapping | None = None,
-                    engine: str | None = None, **kwargs) -> "Trainer":
+                    engine: str | None = None, **kwargs) -> Trainer:
         """Compose a config (see `agl_lab.config`) and build a Trainer on it.
 
         `engine="verl"` is the same as the override `agl_lab.engine=verl`.
@@ -451,7 +451,7 @@ class Trainer:
         return path
 
     @classmethod
-    def load(cls, path: str | os.PathLike, overrides: Sequence[str] | None = None, **kwargs) -> "Trainer":
+    def load(cls, path: str | os.PathLike, overrides: Sequence[str] | None = None, **kwargs) -> Trainer:
         """A Trainer that continues exactly where `save(path)` left off."""
         path = Path(path)
         trainer = cls(config_mod.load_saved_config(path / "config.yaml", overrides or ()), **kwargs)
@@ -532,7 +532,7 @@ class Trainer:
             with contextlib.suppress(Exception):
                 closer()
 
-    def __enter__(self) -> "Trainer":
+    def __enter__(self) -> Trainer:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -16,8 +16,9 @@ decoded; the metrics logger uploads them to W&B (all of validation, 24 per train
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 

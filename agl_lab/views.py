@@ -32,7 +32,8 @@ Metric names stay Agent Lightning's, whose nouns differ:
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import pandas as pd

@@ -38,7 +38,7 @@ def untrained_tiny_model_message(*, tiny: bool, warm_start_steps: int, has_demon
             "replies will not parse for your agent and every reward is likely the same. Fix: " + TINY_FIX)
 
 
-def for_run(cfg, task, *, engine_given: bool) -> "FlatRewardWatch":
+def for_run(cfg, task, *, engine_given: bool) -> FlatRewardWatch:
     """The watch of a Trainer on `cfg`; warns now when its engine will be an untrained tiny model."""
     lab = cfg.agl_lab
     tiny = not engine_given and lab.model.path is None and lab.model.get("preset") is None

@@ -137,7 +137,7 @@ class RolloutBrowser:
                 import ipywidgets as w
             except ImportError:
                 if self._use_widgets:
-                    raise ImportError("RolloutBrowser(widgets=True) needs ipywidgets: pip install ipywidgets")
+                    raise ImportError("RolloutBrowser(widgets=True) needs ipywidgets: pip install ipywidgets") from None
                 return None
             self._widget = self._build_widget(w)
         return self._widget

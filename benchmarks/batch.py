@@ -69,9 +69,10 @@ PEER = Path(__file__).resolve().parent / "agl_peer.py"
 sys.path.insert(0, str(PEER.parent))
 sys.path.insert(0, str(PEER.parents[1]))
 
+from agl_peer import agl_builder, environment, save_rollouts, timed, to_agl  # noqa: E402
+
 from agl_lab.batch import build_batch  # noqa: E402
 from agl_lab.records import CompletedRollout, Triplet  # noqa: E402
-from agl_peer import agl_builder, environment, save_rollouts, timed, to_agl  # noqa: E402
 
 N_ROLLOUTS, N_CALLS, FIRST_PROMPT = 512, 8, 256
 SHAPES = {"trajectory": (256, 2560), "transition": (2560, 192)}  # level -> (P, R)
@@ -217,7 +218,7 @@ def table(rollouts: list[CompletedRollout], sources: list, repeat: int) -> None:
           f"{'speed-up':>9} {'identical':>9} {'forward tokens':>15} {'padded tokens':>14}  AGL env")
     forward = {}
     for level, (pl, rl) in SHAPES.items():
-        ours_s, ours_cpu, ours = timed(lambda _: build_batch(rollouts, level, max_prompt_length=pl, max_response_length=rl),
+        ours_s, ours_cpu, ours = timed(lambda _, level=level, pl=pl, rl=rl: build_batch(rollouts, level, max_prompt_length=pl, max_response_length=rl),
                                        repeat)
         if sources:
             runs = [source.run(level, pl, rl, repeat, ours) for source in sources]

@@ -69,8 +69,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from agl_lab.server.gateway import proxy_base_url  # noqa: E402
 from agl_lab.server.backends import open_store  # noqa: E402
+from agl_lab.server.gateway import proxy_base_url  # noqa: E402
 
 MODEL = "bench-model"
 KEY = "bench-key"

@@ -42,8 +42,8 @@ import time
 import torch
 
 from agl_lab.engines.tiny import load_model_and_tokenizer
-from agl_lab.tasks import get_task, lookup
 from agl_lab.engines.warmstart import warm_start
+from agl_lab.tasks import get_task, lookup
 
 # ---------------------------------------------------------------------------------------------
 # Sampling multi-turn episodes with HF generate

@@ -31,11 +31,11 @@ from typing import Any
 import pandas as pd
 
 from agl_lab.batch import build_batch
-from agl_lab.results import BatchResult
 from agl_lab.engines.serving.openai_server import OpenAIServer
 from agl_lab.engines.tiny import DEFAULT_MODEL_NAME, load_model_and_tokenizer
 from agl_lab.protocol import Model, RolloutCreate
 from agl_lab.records import CompletedRollout, events_to_completed_rollout, triplet_events
+from agl_lab.results import BatchResult
 from agl_lab.server.embedded import EmbeddedServer
 from agl_lab.server.gateway import proxy_base_url
 from agl_lab.tasks import get_task

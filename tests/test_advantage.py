@@ -17,7 +17,6 @@ import agl_lab.algorithms as alg
 from tests.algo_batches import make_batch, three_groups, upstream_batch
 
 
-
 def test_rollout_level_advantage_collapses_rollouts_and_broadcasts_rows():  # AGL parity
     seen = {}
 

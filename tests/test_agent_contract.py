@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from agl_lab.cli import train_main
 from agl_lab.protocol import rollout_token
 from agl_lab.tasks import Task, get_task, register_task, task_names
-from agl_lab.cli import train_main
 from agl_lab.trainer import Trainer
 
 SMALL = [

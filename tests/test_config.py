@@ -124,7 +124,7 @@ def test_every_typed_key_with_a_null_default_is_a_real_key_and_rejects_a_word():
     from agl_lab.config_keys import TYPED
 
     defaults = default_config()
-    for key, (_, words) in TYPED.items():
+    for key, (_, _words) in TYPED.items():
         assert OmegaConf.select(defaults, key, default="MISSING") != "MISSING", key
         with pytest.raises(ConfigError, match=re.escape(key)):
             load_config(None, [f"{key}=notanumber"])

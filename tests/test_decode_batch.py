@@ -153,7 +153,7 @@ def test_fast_decode_step_equals_the_hf_forward_and_follows_weight_updates(one_t
     with torch.inference_mode():
         a, la = DecodeBatch.prefill(model, prompts, [1.0] * 2, [1.0] * 2, [False] * 2, pad_id=3)
         b, _ = DecodeBatch.prefill(model, prompts, [1.0] * 2, [1.0] * 2, [False] * 2, pad_id=3)
-        for step in range(4):
+        for _ in range(4):
             a.tokens = b.tokens = la.argmax(-1)
             la, lb = a.decode(model, fast=True), b.decode(model, fast=False)
             assert (la - lb).abs().max() < 1e-4

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from agl_lab.batch import build_batch
-from agl_lab.results import BatchResult
 from agl_lab.diagnose import decode_ids, diagnose_break, token_diff
 from agl_lab.records import CompletedRollout, Triplet
+from agl_lab.results import BatchResult
 
 
 class VocabTokenizer:

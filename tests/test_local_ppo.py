@@ -20,8 +20,8 @@ import agl_lab.algorithms as alg
 from agl_lab.engines.base import logprob_gap, sampling_log_probs
 from agl_lab.engines.local_ppo import (
     ActorUpdateConfig,
-    build_optimizer,
     batch_log_probs,
+    build_optimizer,
     ppo_update,
     rollout_mismatch_metrics,
     sequence_log_probs,

@@ -15,9 +15,9 @@ import pytest
 
 from agl_lab.batch import build_batch
 from agl_lab.logger import MISMATCH_COLUMNS, MetricsLogger, log_batch_tables, read_metrics
-from tests.test_batch import R, SpaceTokenizer, T  # the hand-built fixtures of the batch tests
 from agl_lab.results import BatchResult
 from agl_lab.validation import build_validation
+from tests.test_batch import R, SpaceTokenizer, T  # the hand-built fixtures of the batch tests
 
 
 class FakeTable:

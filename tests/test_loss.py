@@ -21,7 +21,6 @@ import agl_lab.algorithms as alg
 import agl_lab.algorithms.loss as loss_module
 from tests.algo_batches import make_batch
 
-
 MASK_753 = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
 
 

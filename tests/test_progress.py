@@ -8,9 +8,9 @@ from __future__ import annotations
 import io
 
 from agl_lab.engines.tiny import load_model_and_tokenizer
+from agl_lab.engines.warmstart import fit_transcripts
 from agl_lab.progress import LineProgress, progress_bar
 from agl_lab.tasks import get_task
-from agl_lab.engines.warmstart import fit_transcripts
 
 
 def test_warm_start_progress_in_a_log_is_one_line_per_tenth(capsys):

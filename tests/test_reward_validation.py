@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from agl_lab import batch
-from agl_lab.client import AglClient
+from agl_lab.client import AglClient, AglHTTPError
 from agl_lab.logger import format_console_line
 from agl_lab.protocol import FLOAT32_MAX, Rollout, is_number, reward_problem
 from agl_lab.records import CompletedRollout, Triplet
@@ -102,7 +102,7 @@ def test_a_rollout_that_cannot_be_built_is_failed_and_kept_not_lost(server, monk
         assert "OverflowError" in by_x[2].error_message and manager._collector.n_build_errors == 1
         kept, _ = client.get_rollout(by_x[2].rollout_id)  # not deleted: it was never fully read
         assert kept.rollout_id == by_x[2].rollout_id
-        with pytest.raises(Exception):
+        with pytest.raises(AglHTTPError, match="404"):
             client.get_rollout(by_x[1].rollout_id)  # read in full, deleted as before
 
 

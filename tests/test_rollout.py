@@ -108,7 +108,7 @@ class FakeRunner:
         if self.errors:
             raise self.errors[0]
 
-    def __enter__(self) -> "FakeRunner":
+    def __enter__(self) -> FakeRunner:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -371,7 +371,7 @@ def test_shutdown_kills_subprocess_agents(server, api):
         st = status(api, rid)
         assert st["state"] == "queuing" and st["error_message"].startswith("attempt 0 released")
         pids = events(api, rid, event_type="pids")[0]["data"]
-        wait_until(lambda: process_gone(pids["agent"]) and process_gone(pids["tool"]), 10, "agents to die")
+        wait_until(lambda pids=pids: process_gone(pids["agent"]) and process_gone(pids["tool"]), 10, "agents to die")
 
 
 def test_rollout_ended_outside_the_runner_stops_its_agent(server, api):

@@ -16,7 +16,6 @@ import agl_lab.algorithms as alg
 from tests.algo_batches import make_batch, multi_row_batch, one_row_rollouts, rows_of, three_groups
 
 
-
 def test_alignment_drops_whole_zero_advantage_group_first():
     kept, records, metrics = alg.select_for_update(three_groups(), mini_batch_rows=8, seed=0)
     assert len(kept) == 8 and list(kept) == list(range(4, 12))  # group z is rows 0..3

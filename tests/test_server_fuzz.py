@@ -165,7 +165,6 @@ def test_fuzz_events_never_crash_a_training_step(tmp_path):
     import threading
 
     from agl_lab.tasks.lookup import lookup_agent
-
     from agl_lab.trainer import Trainer
     from tests.test_trainer import SMALL
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from agl_lab.server.embedded import EmbeddedServer
 from agl_lab.server.backends import open_store
+from agl_lab.server.embedded import EmbeddedServer
 from agl_lab.server.store import StoreLocked
 
 KEY = "integrity-key"

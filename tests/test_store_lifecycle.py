@@ -9,7 +9,7 @@ import sys
 import httpx
 import pytest
 
-from agl_lab.client import AglClient
+from agl_lab.client import AglClient, AglHTTPError
 from agl_lab.protocol import RolloutCreate
 from agl_lab.server.backends import open_store
 from agl_lab.server.store import StoreLocked
@@ -79,13 +79,13 @@ def test_ids_with_every_allowed_character_round_trip_through_the_client(server):
         assert client.get_events(rid)[0]["data"] == {"value": 1.0}
         client.patch_status(rid, state="succeeded")
         assert client.delete_rollout(rid)
-        with pytest.raises(Exception):
+        with pytest.raises(AglHTTPError, match="404"):
             client.get_rollout(rid)
 
 
 def test_client_quotes_ids_in_urls():
-    from agl_lab.client import _patch_status_call
     from agl_lab.agent import agent_urls
+    from agl_lab.client import _patch_status_call
 
     assert _patch_status_call("a/b?c#d", {}).path == "/api/rollouts/a%2Fb%3Fc%23d"
     base, events = agent_urls("http://s", "a/b", True)

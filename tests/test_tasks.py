@@ -22,9 +22,9 @@ import torch
 from agl_lab.diagnose import diagnose_break
 from agl_lab.engines.serving.openai_server import OpenAIServer
 from agl_lab.engines.tiny import load_model_and_tokenizer
+from agl_lab.engines.warmstart import transcript_to_ids, warm_start
 from agl_lab.tasks import Task, get_task, lookup, merge_breakers, task_names
 from agl_lab.tasks.lookup import Action, LookupEnv, episode_reward, parse_action
-from agl_lab.engines.warmstart import transcript_to_ids, warm_start
 
 TASK = {"task_id": "t0", "key": "c", "value": "red",
         "table": {"a": "blue", "b": "green", "c": "red", "d": "apple", "e": "banana",
@@ -178,7 +178,7 @@ def test_warm_start_is_deterministic_and_cached(tmp_path, tiny):
     cached = list((tmp_path / "a").glob("warmstart-lookup-*.pt"))
     assert len(cached) == 1
     cached[0].write_bytes(b"")  # a load must now fail loudly: proves the next call loads the file
-    with pytest.raises(Exception):
+    with pytest.raises(EOFError):
         warm_start(fresh(), tok, get_task("lookup"), seed=1, cache_dir=tmp_path / "a", **fit)
     torch.save(w1, cached[0])
     m4 = warm_start(fresh(), tok, get_task("lookup"), seed=1, cache_dir=tmp_path / "a", **fit)

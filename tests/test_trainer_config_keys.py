@@ -18,7 +18,6 @@ from agl_lab.trainer import Trainer
 from tests.test_trainer import SMALL  # the small, warm-start-free Trainer settings
 
 
-
 def lookup_tasks(n: int, seed: int = 0) -> list[dict]:
     # each task carries its own `data_id` (a dataset row id), which must reach the agent intact
     return [{**t, "data_id": f"row-{i}"} for i, t in enumerate(get_task("lookup").train_tasks(n, seed=seed))]

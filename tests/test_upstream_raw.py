@@ -207,7 +207,7 @@ def test_refused_connection_and_bad_urls():
             run(lambda client: client.post_json(f"http://127.0.0.1:{dead}/v1/chat/completions", b"{}"))
     for url in ("ftp://x/v1", "not a url", "http://127.0.0.1:99999/v1"):
         with pytest.raises(UpstreamTransportError, match="model server URL"):
-            run(lambda client: client.post_json(url, b"{}"))
+            run(lambda client, url=url: client.post_json(url, b"{}"))
 
 
 def test_cancelled_call_closes_its_connection(server):

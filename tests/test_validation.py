@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_batch import R, SpaceTokenizer, T  # the hand-built fixtures of the batch tests
 from agl_lab.validation import build_validation, validation_metrics
+from tests.test_batch import R, SpaceTokenizer, T  # the hand-built fixtures of the batch tests
 
 
 def test_validation_metrics_names_and_values():

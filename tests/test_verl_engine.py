@@ -16,16 +16,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from omegaconf import OmegaConf
-
-from agl_lab.engines.verl.engine import VerlEngine
-from agl_lab.engines.verl.api import verl_import
-from agl_lab.engines.verl.trainer import InMemoryDataset
-from tests.verl_fakes import fake_verl_trainer
-
 import verl  # noqa: E402  (tests may import verl directly; the engine may not)
+from omegaconf import OmegaConf
 from verl import DataProto  # noqa: E402
 from verl.trainer.ppo.utils import Role  # noqa: E402
+
+from agl_lab.engines.verl.api import verl_import
+from agl_lab.engines.verl.engine import VerlEngine
+from agl_lab.engines.verl.trainer import InMemoryDataset
+from tests.verl_fakes import fake_verl_trainer
 
 P, R = 4, 3  # prompt / response widths of the hand-built batch
 

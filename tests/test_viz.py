@@ -16,10 +16,10 @@ import pytest
 
 from agl_lab import viz
 from agl_lab.batch import build_batch
-from agl_lab.results import BatchResult
 from agl_lab.diagnose import diagnose_break, token_diff
 from agl_lab.engines.tiny import load_tokenizer
 from agl_lab.records import CompletedRollout, Triplet
+from agl_lab.results import BatchResult
 from agl_lab.widgets import RolloutBrowser
 
 SYSTEM = {"role": "system", "content": "Reply get KEY or answer VALUE."}

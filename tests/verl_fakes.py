@@ -33,11 +33,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from verl.trainer.ppo.utils import Role
+from verl.utils import tensordict_utils as tu
 
 from agl_lab.engines.verl.api import verl_import
 from agl_lab.engines.verl.trainer import AglRayPPOTrainer, InMemoryDataset
-from verl.trainer.ppo.utils import Role
-from verl.utils import tensordict_utils as tu
 
 DP = 2
 

@@ -65,8 +65,8 @@ from agl_lab.algorithms.loss import (
 from agl_lab.algorithms.pipeline import DROP_ORDERS, prepare_update_batch
 from agl_lab.algorithms.selection import (
     SELECTION_POLICIES,
-    agl_alignment,
     SMALL_BATCH_CHOICES,
+    agl_alignment,
     check_selection_args,
     drop_marked_rows,
     marked_rows,

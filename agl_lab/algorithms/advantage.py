@@ -26,7 +26,6 @@ import torch
 
 from agl_lab.rules import OUTCOME_HINT, TOKEN_LEVEL_ESTIMATORS, check_estimator  # noqa: F401 (re-export)
 
-
 # =============================================================================================
 # Row ↔ rollout ↔ group bookkeeping
 # =============================================================================================

@@ -102,7 +102,7 @@ class Engine(abc.ABC):
     def load(self, path: str) -> None:
         """Restore `save(path)` and serve the loaded weights."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional: an engine that holds nothing has nothing to close)
         """Release servers and threads. Idempotent."""
 
 

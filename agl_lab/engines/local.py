@@ -125,7 +125,7 @@ class LocalEngine(Engine):
         return int(self.model.get_input_embeddings().num_embeddings)
 
     @classmethod
-    def from_config(cls, cfg: Any) -> "LocalEngine":
+    def from_config(cls, cfg: Any) -> LocalEngine:
         """Build from a composed agl_lab config (`agl_lab.model.*`, `agl_lab.engine_options.*`,
         `actor_rollout_ref.actor.*`, `actor_rollout_ref.rollout.n`,
         `algorithm.rollout_correction.bypass_mode`, LoRA from `actor_rollout_ref.model.lora_*`)."""
@@ -219,8 +219,9 @@ class LocalEngine(Engine):
         """
         data, metrics = super().prepare(data)
         if self.use_kl_in_reward:
-            from agl_lab.engines.local_ppo import batch_log_probs
             from verl.trainer.ppo.ray_trainer import apply_kl_penalty
+
+            from agl_lab.engines.local_ppo import batch_log_probs
 
             temperature = float(data.meta_info.get("temperature", 1.0))
             data.batch["ref_log_prob"] = batch_log_probs(self.ref_model, data, temperature,
@@ -299,7 +300,7 @@ class LocalEngine(Engine):
             self._closed = True
             self.server.stop()
 
-    def __enter__(self) -> "LocalEngine":
+    def __enter__(self) -> LocalEngine:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -49,7 +49,7 @@ class LoraSpec:
     adapter_path: str | None = None
 
     @classmethod
-    def from_model_config(cls, model_cfg: Mapping[str, Any] | None) -> "LoraSpec":
+    def from_model_config(cls, model_cfg: Mapping[str, Any] | None) -> LoraSpec:
         """From `actor_rollout_ref.model` (a dict or DictConfig); checks the values, naming the key."""
         from agl_lab.config import ConfigError
 

@@ -29,8 +29,9 @@ import os
 import random
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from agl_lab.chat_format import TOOL_CALLS_JINJA
 from agl_lab.quiet import quiet_hf

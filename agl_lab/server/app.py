@@ -62,12 +62,12 @@ from typing import Any
 from urllib.parse import unquote
 
 from fastapi import APIRouter, FastAPI, HTTPException, Query, Request, Response
+from fastapi.encoders import jsonable_encoder
 from fastapi.exception_handlers import request_validation_exception_handler
 from fastapi.exceptions import RequestValidationError
-from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse
-from starlette.concurrency import run_in_threadpool
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from starlette.concurrency import run_in_threadpool
 
 from agl_lab.protocol import (
     DEFAULT_ATTEMPT_ID,
@@ -84,13 +84,13 @@ from agl_lab.protocol import (
     rollout_token,
 )
 from agl_lab.records import triplet_events
-from agl_lab.server.config import ServerConfig, load_server_config
 from agl_lab.server.asgi import HEALTH_PATH, AglApp, JsonServerErrors, ProxyFastPath
-from agl_lab.server.guard import DOCS_PATHS, RequestGuard
+from agl_lab.server.backends import open_store
+from agl_lab.server.config import ServerConfig, load_server_config
 from agl_lab.server.gateway import Gateway, RequestRewriter, gateway_router, proxy_route
+from agl_lab.server.guard import DOCS_PATHS, RequestGuard
 from agl_lab.server.seeding import SeededCallsRewriter
 from agl_lab.server.storable import INT64_MAX, INT64_MIN, NotStorable, check_storable
-from agl_lab.server.backends import open_store
 from agl_lab.server.store import InvalidTransition, RolloutNotFound, StaleAttempt, Store, StoreUnavailable
 from agl_lab.server.token_preserving import TokenPreservingRewriter
 from agl_lab.server.upstream import open_upstream_client

@@ -120,7 +120,7 @@ class AiohttpUpstream:
                     raise UpstreamTooLarge(self.max_answer_bytes)
                 return UpstreamResponse(r.status, r.headers.get("content-type", ""), content,
                                         r.headers.get("retry-after"))
-        except asyncio.TimeoutError as exc:  # aiohttp's timeouts subclass it
+        except TimeoutError as exc:  # aiohttp's timeouts subclass it
             raise UpstreamTimeout(f"{type(exc).__name__}: {exc}") from exc
         except self._aiohttp.ClientConnectorError as exc:
             raise UpstreamRefused(f"{type(exc).__name__}: {exc}") from exc

@@ -25,8 +25,9 @@ Your own task (a warm start then works for it as for `lookup`):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 Messages = list[dict[str, str]]
 

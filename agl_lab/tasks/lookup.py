@@ -37,8 +37,9 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 KEYS = "abcdefgh"
 # Values are words that the tiny tokenizer keeps whole (" red" is one token), so copying a value

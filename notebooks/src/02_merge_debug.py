@@ -34,8 +34,8 @@ from IPython.display import HTML
 from agl_lab import viz
 from agl_lab.algorithms import rollout_weights_table
 from agl_lab.diagnose import KINDS
-from agl_lab.tasks import get_task, lookup
 from agl_lab.engines.warmstart import warm_start
+from agl_lab.tasks import get_task, lookup
 from agl_lab.trainer import Trainer
 
 pd.set_option("display.width", 160)
@@ -211,7 +211,7 @@ weights.assign(agent=weights.rollout_id.map(agent_of)).sort_values("loss_tokens"
 # %%
 every_other = token_mean.sort_values("loss_tokens").iloc[::2]  # bars in order of length
 viz.plot_loss_weights({"token-mean": every_other, "per-rollout mean": per_rollout},
-                      title="share of the loss per rollout (every other rollout, by length)");
+                      title="share of the loss per rollout (every other rollout, by length)")
 
 # %% [markdown]
 # ## What this notebook claims, checked

@@ -26,11 +26,10 @@ import random
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 from omegaconf import OmegaConf
 
-from agl_lab import config, viz
+from agl_lab import config
 from agl_lab.tasks import Task, register_task
 from agl_lab.trainer import Trainer
 
@@ -132,7 +131,7 @@ trainer.metrics[["training/reward", "training/n_sample_trained", "training/n_fai
                  "actor/pg_loss", "training/policy_version"]]
 
 # %%
-trainer.plot_metrics();
+trainer.plot_metrics()
 
 # %% [markdown]
 # ## 5 · Inspect: triplets, rows, breaks, the events the agent emitted

@@ -20,8 +20,8 @@ if importlib.util.find_spec("vllm") is None:
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 
-from tests.vllm.test_vllm_engine import _fixed_sequence, _served_logprobs_of  # noqa: E402
 from tests.ray_env import isolated_ray_env  # noqa: E402
+from tests.vllm.test_vllm_engine import _fixed_sequence, _served_logprobs_of  # noqa: E402
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "cpu_vllm.yaml")
 

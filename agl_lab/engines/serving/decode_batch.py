@@ -226,7 +226,7 @@ class DecodeBatch:
     def row_kv(self, row: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Keys and values of the real (unmasked) columns of `row`, per layer [KV, n, D] (copies)."""
         cols = self.mask[row].nonzero()[:, 0]
-        return ([l.kbuf[row, :, cols] for l in self.layers], [l.vbuf[row, :, cols] for l in self.layers])
+        return ([layer.kbuf[row, :, cols] for layer in self.layers], [layer.vbuf[row, :, cols] for layer in self.layers])
 
     def decode(self, model: Any, fast: bool = True) -> torch.Tensor:
         """Forward the pending tokens (they enter the cache) → next-token logits [B, V].
@@ -267,7 +267,8 @@ class DecodeBatch:
         rows = torch.tensor(keep, device=self.mask.device)
         mask = self.mask[rows]
         first = int((mask.sum(0) > 0).nonzero()[0])
-        layers = [SlabLayer(l.kbuf[rows, :, first:], l.vbuf[rows, :, first:], l.length - first) for l in self.layers]
+        layers = [SlabLayer(layer.kbuf[rows, :, first:], layer.vbuf[rows, :, first:], layer.length - first)
+                  for layer in self.layers]
         return replace(self, layers=layers, mask=mask[:, first:], **{f: getattr(self, f)[rows] for f in _ROW_FIELDS})
 
 

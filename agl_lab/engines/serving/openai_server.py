@@ -398,7 +398,7 @@ class OpenAIServer:
         self.scheduler.close()
         self._http.stop()
 
-    def __enter__(self) -> "OpenAIServer":
+    def __enter__(self) -> OpenAIServer:
         return self
 
     def __exit__(self, *exc: Any) -> None:

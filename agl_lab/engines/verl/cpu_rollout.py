@@ -60,7 +60,7 @@ def register() -> None:
     """Add the rollout to verl's two registries (worker adapter by path, replica by loader)."""
     verl_import("_ROLLOUT_REGISTRY")[(ROLLOUT_NAME, "async")] = f"{__name__}.CpuServerAdapter"
     verl_import("RolloutReplicaRegistry.register")(
-        ROLLOUT_NAME, lambda: getattr(sys.modules[__name__], "CpuRolloutReplica"))
+        ROLLOUT_NAME, lambda: sys.modules[__name__].CpuRolloutReplica)
 
 
 SERVING_HOST_ENV = "AGL_LAB_SERVING_HOST"  # agl_lab.serving.host ("" → auto)

@@ -487,7 +487,7 @@ class Store(ABC):
                 self._pools[model_name] = pool
         return list(pool)
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional: the in-memory store holds nothing)
         """Release resources (SQLite connection); the in-memory store has none."""
 
     # --- write-time checks (one rule for every backend: what is stored reads back) ----------
