@@ -34,8 +34,7 @@ def split_agent_class(spec: str) -> tuple[str, str]:
         module_name, _, attr_path = spec.rpartition(".")
     if not module_name or not attr_path:
         raise ValueError(
-            f"agent_class {spec!r} must be 'module:Class' or 'module.Class' "
-            "(e.g. 'examples.calc_x.calc_agent.Agent')"
+            f"agent_class {spec!r} must be 'module:Class' or 'module.Class' (e.g. 'examples.calc_x.calc_agent.Agent')"
         )
     return module_name, attr_path
 

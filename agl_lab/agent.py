@@ -52,8 +52,10 @@ def load_agent(spec: str) -> AgentFn | str:
 
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"agl_lab.agent={spec!r} must be 'module:function' (e.g. my_agents:solve), "
-                         "importable from the current directory or PYTHONPATH")
+        raise ValueError(
+            f"agl_lab.agent={spec!r} must be 'module:function' (e.g. my_agents:solve), "
+            "importable from the current directory or PYTHONPATH"
+        )
     obj: Any = importlib.import_module(module_name)
     for part in attr.split("."):
         if not hasattr(obj, part):
@@ -71,17 +73,22 @@ def agl_agent_class_spec(cls: type) -> str:
     which the runner starts in a subprocess per rollout with `AGL_OPENAI_BASE_URL`,
     `AGL_EVENT_URL` and `AGL_KEY` set — the AGL v1 contract, so the class runs unchanged."""
     if not callable(getattr(cls, "run", None)):
-        raise TypeError(f"agent={cls.__name__} is a class without run(): pass a function agent(task, ctx), "
-                        "or an Agent Lightning agent class (no-argument constructor and run())")
+        raise TypeError(
+            f"agent={cls.__name__} is a class without run(): pass a function agent(task, ctx), "
+            "or an Agent Lightning agent class (no-argument constructor and run())"
+        )
     if cls.__module__ in ("__main__", "builtins") or "<locals>" in cls.__qualname__:
-        raise TypeError(f"agent={cls.__name__}: an Agent Lightning agent class runs in a subprocess, which "
-                        "imports it by name; define it in a module (not in a notebook cell or a function), "
-                        "or write the agent as a function agent(task, ctx)")
+        raise TypeError(
+            f"agent={cls.__name__}: an Agent Lightning agent class runs in a subprocess, which "
+            "imports it by name; define it in a module (not in a notebook cell or a function), "
+            "or write the agent as a function agent(task, ctx)"
+        )
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
-def agent_urls(server_url: str, rollout_id: str, is_train: bool,
-               attempt_id: str = DEFAULT_ATTEMPT_ID) -> tuple[str, str]:
+def agent_urls(
+    server_url: str, rollout_id: str, is_train: bool, attempt_id: str = DEFAULT_ATTEMPT_ID
+) -> tuple[str, str]:
     """`(openai_base_url, event_url)` of one rollout, exactly as AGL v1 injects them."""
     base = server_url.rstrip("/")
     mode = "train" if is_train else "val"
@@ -173,8 +180,16 @@ class AgentContext:
         attempt = attempt_of(rollout)
         base_url, event_url = agent_urls(server_url, rollout.rollout_id, rollout.is_train, attempt)
         token = rollout_token(key, rollout.rollout_id, rollout.status.created_at, attempt)
-        return cls(rollout_id=rollout.rollout_id, attempt_id=attempt, is_train=rollout.is_train,
-                   base_url=base_url, event_url=event_url, api_key=token, rollout=rollout, client=client)
+        return cls(
+            rollout_id=rollout.rollout_id,
+            attempt_id=attempt,
+            is_train=rollout.is_train,
+            base_url=base_url,
+            event_url=event_url,
+            api_key=token,
+            rollout=rollout,
+            client=client,
+        )
 
     @property
     def mode(self) -> str:
@@ -183,8 +198,7 @@ class AgentContext:
     @property
     def env(self) -> dict[str, str]:
         """The AGL environment variables a subprocess agent of this rollout would get."""
-        return {"AGL_OPENAI_BASE_URL": self.base_url, "AGL_EVENT_URL": self.event_url,
-                "AGL_KEY": self.api_key}
+        return {"AGL_OPENAI_BASE_URL": self.base_url, "AGL_EVENT_URL": self.event_url, "AGL_KEY": self.api_key}
 
     def emit(self, event_type: str, data: dict[str, Any] | None = None) -> dict[str, Any]:
         """POST one event of this rollout (e.g. `emit("reward", {"value": 1.0})`); returns it.
@@ -203,13 +217,14 @@ class AgentContext:
         """An `openai.OpenAI` client bound to this rollout's gateway URL."""
         import openai
 
-        return openai.OpenAI(base_url=self.base_url, api_key=self.api_key or "EMPTY",
-                             max_retries=max_retries, timeout=timeout, **kwargs)
+        return openai.OpenAI(
+            base_url=self.base_url, api_key=self.api_key or "EMPTY", max_retries=max_retries, timeout=timeout, **kwargs
+        )
 
     def async_openai_client(self, max_retries: int = 6, timeout: float = 300.0, **kwargs: Any) -> Any:
         """An `openai.AsyncOpenAI` client bound to this rollout's gateway URL."""
         import openai
 
-        return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key or "EMPTY",
-                                  max_retries=max_retries, timeout=timeout, **kwargs)
-
+        return openai.AsyncOpenAI(
+            base_url=self.base_url, api_key=self.api_key or "EMPTY", max_retries=max_retries, timeout=timeout, **kwargs
+        )

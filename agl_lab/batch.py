@@ -99,7 +99,7 @@ class Row:
         prompt, response = self.context
         if len(prompt) == self.first_prompt_tokens:  # a single call
             return response[: self.response_tokens]
-        return (prompt[self.first_prompt_tokens:] + response)[: self.response_tokens]
+        return (prompt[self.first_prompt_tokens :] + response)[: self.response_tokens]
 
     @property
     def response_mask(self) -> list[int]:
@@ -183,8 +183,7 @@ class _Segment:
     def is_extended_by(self, prompt: list[int]) -> bool:
         """Exact token-prefix test: prompt[:len(context)] == context."""
         k = len(self.last_prompt)
-        return (len(prompt) >= self.n and prompt[:k] == self.last_prompt
-                and prompt[k:self.n] == self.last_response)
+        return len(prompt) >= self.n and prompt[:k] == self.last_prompt and prompt[k : self.n] == self.last_response
 
     def extend(self, call: int, t: Triplet) -> None:
         """Append call `t`: the observation prompt[n:] (attended, loss-masked), then its response."""
@@ -233,13 +232,27 @@ def merge_triplets(
     return segments, breaks
 
 
-def _limit_row(segment: _Segment, rollout: CompletedRollout, reward: float,
-               max_prompt_length: int | None, max_response_length: int | None) -> Row:
+def _limit_row(
+    segment: _Segment,
+    rollout: CompletedRollout,
+    reward: float,
+    max_prompt_length: int | None,
+    max_response_length: int | None,
+) -> Row:
     """Apply the prompt/response limits and the empty-row rule to one segment."""
     p, r = len(segment.prompt), segment.n - len(segment.prompt)
-    row = Row(rollout.rollout_id, rollout.data_id, list(segment.calls), reward,
-              (segment.last_prompt, segment.last_response), p, segment.spans, segment.span_logprobs,
-              prompt_tokens=p, response_tokens=r)
+    row = Row(
+        rollout.rollout_id,
+        rollout.data_id,
+        list(segment.calls),
+        reward,
+        (segment.last_prompt, segment.last_response),
+        p,
+        segment.spans,
+        segment.span_logprobs,
+        prompt_tokens=p,
+        response_tokens=r,
+    )
     if max_prompt_length is not None and p > max_prompt_length:
         row.tokens_cut += p - max_prompt_length
         row.prompt_tokens, row.is_drop = max_prompt_length, True  # marked, dropped later
@@ -290,10 +303,16 @@ def _break_record(rollout: CompletedRollout, raw: tuple, tokenizer: Any, diagnos
     current = list(t.prompt_ids) + list(t.response_ids)
     diagnosis = diagnose_break(context, t.prompt_ids, tokenizer, model_mask=model_mask) if diagnose else None
     return BreakRecord(
-        rollout.rollout_id, rollout.data_id, call, against,
-        prompt_tokens=len(t.prompt_ids), response_tokens=len(t.response_ids),
-        previous_trace_tokens=len(context), current_trace_tokens=len(current),
-        previous_trace=_trace_text(context, tokenizer), current_trace=_trace_text(current, tokenizer),
+        rollout.rollout_id,
+        rollout.data_id,
+        call,
+        against,
+        prompt_tokens=len(t.prompt_ids),
+        response_tokens=len(t.response_ids),
+        previous_trace_tokens=len(context),
+        current_trace_tokens=len(current),
+        previous_trace=_trace_text(context, tokenizer),
+        current_trace=_trace_text(current, tokenizer),
         diagnosis=diagnosis,
     )
 
@@ -371,7 +390,9 @@ def train_metrics(plan: BuiltBatch, reward_fillna_value: float, n_without_logpro
         "training/n_dropped_prompt_too_long": sum(r.is_drop for r in kept),
         "training/n_rows_without_logprobs": n_without_logprobs,
         "training/n_turns": len(lengths),
-        "training/n_repeated_prompt_calls_dropped": sum(r.metadata.get("n_repeated_prompt_calls_dropped", 0) for r in rollouts),
+        "training/n_repeated_prompt_calls_dropped": sum(
+            r.metadata.get("n_repeated_prompt_calls_dropped", 0) for r in rollouts
+        ),
         "response_length/training/avg_by_turn": float(np.mean(lengths)),
         "response_length/training/max_by_turn": int(np.max(lengths)),
         "response_length/training/min_by_turn": int(np.min(lengths)),
@@ -416,9 +437,16 @@ def build_batch(
     for key, value in (("max_prompt_length", max_prompt_length), ("max_response_length", max_response_length)):
         if not isinstance(value, int) or value <= 0:
             raise ValueError(f"build_batch: {key} must be a positive int, got {value!r}.")
-    plan = plan_rows(completed, level, max_prompt_length=max_prompt_length,
-                     max_response_length=max_response_length, reward_fillna_value=reward_fillna_value,
-                     multi_segment=multi_segment, tokenizer=tokenizer, diagnose=diagnose)
+    plan = plan_rows(
+        completed,
+        level,
+        max_prompt_length=max_prompt_length,
+        max_response_length=max_response_length,
+        reward_fillna_value=reward_fillna_value,
+        multi_segment=multi_segment,
+        tokenizer=tokenizer,
+        diagnose=diagnose,
+    )
     kept = [r for r in plan.rows if not r.skipped_empty]
     if not kept:
         n_traced = sum(bool(r.triplets) for r in plan.rollouts)

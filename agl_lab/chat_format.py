@@ -41,8 +41,13 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
             name, args = obj["name"], obj.get("arguments", {})
         except (ValueError, KeyError, TypeError):
             return text, []
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": str(name), "arguments": args if isinstance(args, str) else json.dumps(args)}})
+        calls.append(
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {"name": str(name), "arguments": args if isinstance(args, str) else json.dumps(args)},
+            }
+        )
     if not calls:
         return text, []
     content = text[: text.index("<tool_call>")].strip()

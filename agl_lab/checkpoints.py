@@ -34,8 +34,9 @@ def checkpoint_root(cfg: Any) -> Path:
     return Path(str(cfg.trainer.default_local_dir)).expanduser()
 
 
-def save_atomically(root: Path, step: int, save: Callable[[Path], Any], *, saved: list[Path] | None = None,
-                    keep: int | None = None) -> Path:
+def save_atomically(
+    root: Path, step: int, save: Callable[[Path], Any], *, saved: list[Path] | None = None, keep: int | None = None
+) -> Path:
     """`save(tmp)`, rename tmp → `root/global_step_{step}`, then mark it the latest; with
     `saved` (the checkpoints this run saved, oldest first), register it there and `prune`."""
     final, tmp = root / f"global_step_{step}", root / f".global_step_{step}.tmp"
@@ -82,7 +83,8 @@ def resume_target(cfg: Any) -> Path | None:
         if not path or not (Path(str(path)) / STATE_FILE).exists():
             raise ConfigError(
                 f"trainer.resume_mode=resume_path needs trainer.resume_from_path to be a checkpoint "
-                f"directory (…/global_step_N), got {path!r}")
+                f"directory (…/global_step_N), got {path!r}"
+            )
         return Path(str(path))
     if mode == "auto":
         latest = checkpoint_root(cfg) / LATEST
@@ -139,8 +141,10 @@ def load_state(path: Path) -> dict[str, Any]:
             with torch.serialization.safe_globals(arrays):
                 return torch.load(path, weights_only=True, map_location="cpu")
         except pickle.UnpicklingError:
-            raise ValueError(f"{path} holds more than tensors and plain data, so it is not loaded (it could run "
-                             f"code): resume from a checkpoint agl_lab wrote. {str(first).splitlines()[-1]}") from None
+            raise ValueError(
+                f"{path} holds more than tensors and plain data, so it is not loaded (it could run "
+                f"code): resume from a checkpoint agl_lab wrote. {str(first).splitlines()[-1]}"
+            ) from None
 
 
 def _plain(value: Any) -> Any:

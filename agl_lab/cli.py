@@ -68,13 +68,28 @@ def train_main(argv: list[str]) -> int:
     parser.add_argument("config", help="YAML config, e.g. configs/cpu_tiny.yaml")
     parser.add_argument("--run-dir", default=None, help="where metrics.jsonl and plots go")
     span = parser.add_mutually_exclusive_group()
-    span.add_argument("--steps", type=int, default=None,
-                      help="train N more steps from where the run starts (a resumed run: from its checkpoint)")
-    span.add_argument("--until", type=int, default=None, metavar="STEP",
-                      help="train until global step STEP (default: trainer.total_training_steps)")
-    parser.add_argument("--resume", nargs="?", const="auto", default=None, metavar="CHECKPOINT",
-                        help="continue from the latest checkpoint under trainer.default_local_dir, "
-                             "or from CHECKPOINT (…/global_step_N)")
+    span.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="train N more steps from where the run starts (a resumed run: from its checkpoint)",
+    )
+    span.add_argument(
+        "--until",
+        type=int,
+        default=None,
+        metavar="STEP",
+        help="train until global step STEP (default: trainer.total_training_steps)",
+    )
+    parser.add_argument(
+        "--resume",
+        nargs="?",
+        const="auto",
+        default=None,
+        metavar="CHECKPOINT",
+        help="continue from the latest checkpoint under trainer.default_local_dir, "
+        "or from CHECKPOINT (…/global_step_N)",
+    )
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_intermixed_args(_bare_resume(argv))  # overrides may come before or after options
     overrides = list(args.overrides)
@@ -103,8 +118,11 @@ def train_main(argv: list[str]) -> int:
             print(f"agl-lab train: {_one_line(e)}")
             return 2
         with built as trainer:
-            print(f"agl-lab train: run dir {trainer.run_dir} · engine {cfg.agl_lab.engine} · "
-                  f"model {trainer.engine.model_name} · task {cfg.agl_lab.task.name}", flush=True)
+            print(
+                f"agl-lab train: run dir {trainer.run_dir} · engine {cfg.agl_lab.engine} · "
+                f"model {trainer.engine.model_name} · task {cfg.agl_lab.task.name}",
+                flush=True,
+            )
             try:
                 resumed = trainer.resume()  # also checks trainer.resume_mode, found after the engine is built
             except config_mod.ConfigError as e:
@@ -116,8 +134,12 @@ def train_main(argv: list[str]) -> int:
             steps = args.steps if args.until is None else max(args.until - start, 0)
             if steps is not None or resumed is not None:
                 end = start + steps if steps is not None else trainer._default_total_steps()
-                print(f"agl-lab train: steps {start + 1}–{end}" if end > start
-                      else f"agl-lab train: already at step {start} (≥ {end}): nothing to train", flush=True)
+                print(
+                    f"agl-lab train: steps {start + 1}–{end}"
+                    if end > start
+                    else f"agl-lab train: already at step {start} (≥ {end}): nothing to train",
+                    flush=True,
+                )
             history = trainer.fit(steps, progress=False)
             _summarise(trainer.run_dir, history, time.time() - t0)
     except KeyboardInterrupt as e:
@@ -131,9 +153,11 @@ def train_main(argv: list[str]) -> int:
 def _one_line(e: BaseException) -> str:
     """The error as one line: a KeyError's message unquoted, a missing module named with the fix."""
     if isinstance(e, ModuleNotFoundError):
-        return (f"no module named {e.name!r}: agl_lab.agent, agl_lab.task.name ('module:attr') and "
-                "agentlightning.local.agent_class must name a module importable from the current directory "
-                "or PYTHONPATH")
+        return (
+            f"no module named {e.name!r}: agl_lab.agent, agl_lab.task.name ('module:attr') and "
+            "agentlightning.local.agent_class must name a module importable from the current directory "
+            "or PYTHONPATH"
+        )
     text = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
     return " ".join(str(text).split())
 
@@ -204,9 +228,11 @@ def resume_overrides(resume: str | None) -> list[str]:
     if resume == "auto":
         return ["trainer.resume_mode=auto"]
     if not (Path(resume) / "trainer_state.pt").exists():  # checkpoints.STATE_FILE (that module imports torch)
-        raise ConfigError(f"--resume {resume!r} is not a checkpoint directory (…/global_step_N holding "
-                          "trainer_state.pt): give one, or a bare --resume for the latest under "
-                          "trainer.default_local_dir")
+        raise ConfigError(
+            f"--resume {resume!r} is not a checkpoint directory (…/global_step_N holding "
+            "trainer_state.pt): give one, or a bare --resume for the latest under "
+            "trainer.default_local_dir"
+        )
     return ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={resume}"]
 
 
@@ -227,12 +253,14 @@ def _interrupted(trainer, argv: list[str], resume_arg: str | None, wall: float, 
         png, why = None, f" (the curve could not be drawn: {e})"
     else:
         why = ""
-    print(f"reward curve: {png}" if png is not None else f"reward curve: none, no training step ended{why}",
-          flush=True)
+    print(f"reward curve: {png}" if png is not None else f"reward curve: none, no training step ended{why}", flush=True)
     latest = checkpoints.checkpoint_root(trainer.cfg) / checkpoints.LATEST
     if not latest.exists():
-        print(f"last checkpoint: none under {checkpoints.checkpoint_root(trainer.cfg)} (trainer.save_freq="
-              f"{trainer.cfg.trainer.save_freq}); nothing to resume from", flush=True)
+        print(
+            f"last checkpoint: none under {checkpoints.checkpoint_root(trainer.cfg)} (trainer.save_freq="
+            f"{trainer.cfg.trainer.save_freq}); nothing to resume from",
+            flush=True,
+        )
         return
     step = int(latest.read_text().strip())
     rest, skip = [], False
@@ -243,8 +271,11 @@ def _interrupted(trainer, argv: list[str], resume_arg: str | None, wall: float, 
         skip = a == "--resume"
         if not skip and not a.startswith("--resume="):
             rest.append(a)
-    print(f"last checkpoint: step {step} ({latest.parent / f'global_step_{step}'}) — resume with: "
-          f"agl-lab train {shlex.join(rest)} --resume", flush=True)
+    print(
+        f"last checkpoint: step {step} ({latest.parent / f'global_step_{step}'}) — resume with: "
+        f"agl-lab train {shlex.join(rest)} --resume",
+        flush=True,
+    )
 
 
 def _summarise(run_dir, history: list[dict], wall: float) -> None:
@@ -256,9 +287,12 @@ def _summarise(run_dir, history: list[dict], wall: float) -> None:
     png = run_dir / "reward_curve.png"  # written by fit()
     k = min(10, max(len(rewards) // 2, 1))
     first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
-    print(f"\ndone: {len(rewards)} steps in {wall / 60:.1f} min · mean training reward "
-          f"first {k} steps {first:.3f} → last {k} steps {last:.3f} · curve {png} · "
-          f"metrics {run_dir / 'metrics.jsonl'}", flush=True)
+    print(
+        f"\ndone: {len(rewards)} steps in {wall / 60:.1f} min · mean training reward "
+        f"first {k} steps {first:.3f} → last {k} steps {last:.3f} · curve {png} · "
+        f"metrics {run_dir / 'metrics.jsonl'}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

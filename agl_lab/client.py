@@ -154,8 +154,9 @@ def _parse_rollout_with_attempts(body: Any) -> tuple[Rollout, list[str]]:
     return Rollout.model_validate(body), []
 
 
-def _patch_status_call(rollout_id: str, fields: dict[str, Any], retry: bool = False,
-                       attempt_id: str | None = None) -> _Call:
+def _patch_status_call(
+    rollout_id: str, fields: dict[str, Any], retry: bool = False, attempt_id: str | None = None
+) -> _Call:
     patch = RolloutStatusPatch(**fields)  # unknown fields fail here, naming the field
     body = {"status": patch.model_dump(mode="json", exclude_unset=True)}
     params = None if attempt_id is None else {"attempt_id": attempt_id}
@@ -244,7 +245,12 @@ class _RetryPolicy:
     def _log_retry(self, call: _Call, attempt: int, what: str, delay: float) -> None:
         logger.warning(
             "%s %s failed (attempt %d/%d): %s; retrying in %.2fs",
-            call.method, call.path, attempt + 1, self.attempts(call), what, delay,
+            call.method,
+            call.path,
+            attempt + 1,
+            self.attempts(call),
+            what,
+            delay,
         )
 
 
@@ -318,8 +324,11 @@ class AglClient:
         self.base_url = base_url.rstrip("/")
         self._policy = _RetryPolicy(max_retries, backoff_base, backoff_cap)
         self.http = httpx.Client(
-            base_url=self.base_url, headers=_auth_headers(key), timeout=timeout,
-            transport=transport, event_hooks=event_hooks,
+            base_url=self.base_url,
+            headers=_auth_headers(key),
+            timeout=timeout,
+            transport=transport,
+            event_hooks=event_hooks,
         )
 
     # -- plumbing ------------------------------------------------------------------------
@@ -364,16 +373,15 @@ class AglClient:
 
     def get_rollout(self, rollout_id: str) -> tuple[Rollout, list[str]]:
         """GET /api/rollouts/{id} -> (rollout, attempt ids that have events)."""
-        return _parse_rollout_with_attempts(
-            self._send(_Call("GET", f"/api/rollouts/{_q(rollout_id)}", retry=True))
-        )
+        return _parse_rollout_with_attempts(self._send(_Call("GET", f"/api/rollouts/{_q(rollout_id)}", retry=True)))
 
     def list_rollouts(self, states: Iterable[str | RolloutState], limit: int = 500) -> list[Rollout]:
         params = {"state_in": [str(s) for s in states], "limit": limit}
         return _parse_rollouts(self._send(_Call("GET", "/api/rollouts", params=params, retry=True)))
 
-    def patch_status(self, rollout_id: str, *, retry: bool = False, attempt_id: str | None = None,
-                     **fields: Any) -> Rollout:
+    def patch_status(
+        self, rollout_id: str, *, retry: bool = False, attempt_id: str | None = None, **fields: Any
+    ) -> Rollout:
         """PATCH the status (state, last_attempt_id, error_message, k8s_job_name).
 
         Sent once unless `retry`: resending a terminal PATCH is safe when the caller reads a
@@ -427,9 +435,7 @@ class AglClient:
 
     # -- events --------------------------------------------------------------------------
 
-    def add_event(
-        self, rollout_id: str, attempt_id: str, event_type: str, data: dict, *, retry: bool = False
-    ) -> Event:
+    def add_event(self, rollout_id: str, attempt_id: str, event_type: str, data: dict, *, retry: bool = False) -> Event:
         """POST one event; sent once unless `retry` (a resend may record the event twice)."""
         return Event.model_validate(self._send(_add_event_call(rollout_id, attempt_id, event_type, data, retry)))
 

@@ -29,8 +29,14 @@ from typing import Any
 import pandas as pd
 
 SEED_KEYS = ("agl_lab.seed",)
-IGNORED_KEYS = ("agl_lab.run_dir", "trainer.default_local_dir", "trainer.experiment_name", "trainer.project_name",
-                "trainer.resume_mode", "trainer.resume_from_path")
+IGNORED_KEYS = (
+    "agl_lab.run_dir",
+    "trainer.default_local_dir",
+    "trainer.experiment_name",
+    "trainer.project_name",
+    "trainer.resume_mode",
+    "trainer.resume_from_path",
+)
 METRICS = ("training/reward", "val/reward")
 
 
@@ -49,8 +55,9 @@ def _load_run(run_dir: Path) -> tuple[dict[str, Any], pd.DataFrame]:
     cfg_path, metrics_path = run_dir / "config.yaml", run_dir / "metrics.jsonl"
     for path in (cfg_path, metrics_path):
         if not path.exists():
-            raise FileNotFoundError(f"{path} not found: compare() reads run directories a Trainer wrote "
-                                    "(config.yaml + metrics.jsonl)")
+            raise FileNotFoundError(
+                f"{path} not found: compare() reads run directories a Trainer wrote (config.yaml + metrics.jsonl)"
+            )
     config = _leaves(OmegaConf.to_container(OmegaConf.load(cfg_path), resolve=False))
     lines = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     return config, pd.DataFrame(lines)
@@ -75,17 +82,24 @@ def _window(df: pd.DataFrame, last: int | None, first: int | None) -> tuple[pd.D
     return df[df["step"] > end - last], f"steps {max(end - last + 1, 0)}-{end}"
 
 
-def _as_named(run_dirs: Sequence[str | os.PathLike] | Mapping[str, Sequence[str | os.PathLike]]
-              ) -> list[tuple[str | None, Path]]:
+def _as_named(
+    run_dirs: Sequence[str | os.PathLike] | Mapping[str, Sequence[str | os.PathLike]],
+) -> list[tuple[str | None, Path]]:
     if isinstance(run_dirs, Mapping):
-        return [(str(name), Path(d)) for name, dirs in run_dirs.items()
-                for d in ([dirs] if isinstance(dirs, (str, os.PathLike)) else dirs)]
+        return [
+            (str(name), Path(d))
+            for name, dirs in run_dirs.items()
+            for d in ([dirs] if isinstance(dirs, (str, os.PathLike)) else dirs)
+        ]
     return [(None, Path(d)) for d in run_dirs]
 
 
-def runs_table(run_dirs: Sequence[str | os.PathLike] | Mapping[str, Sequence[str | os.PathLike]],
-               metrics: Sequence[str] = METRICS, last: int | None = None,
-               first: int | None = None) -> tuple[pd.DataFrame, list[str]]:
+def runs_table(
+    run_dirs: Sequence[str | os.PathLike] | Mapping[str, Sequence[str | os.PathLike]],
+    metrics: Sequence[str] = METRICS,
+    last: int | None = None,
+    first: int | None = None,
+) -> tuple[pd.DataFrame, list[str]]:
     """One line per run and the differing config keys (see `compare` for the columns).
 
     Per run: `setting` (its name when named), the differing keys, `seed`, `steps`, `window`
@@ -94,8 +108,13 @@ def runs_table(run_dirs: Sequence[str | os.PathLike] | Mapping[str, Sequence[str
     (the value at the last step that logged it)."""
     loaded = [(name, run_dir, *_load_run(run_dir)) for name, run_dir in _as_named(run_dirs)]
     keys = sorted(set().union(*(c for _, _, c, _ in loaded)))
-    differ = [k for k in keys if k not in SEED_KEYS and k not in IGNORED_KEYS
-              and len({json.dumps(c.get(k), default=str) for _, _, c, _ in loaded}) > 1]
+    differ = [
+        k
+        for k in keys
+        if k not in SEED_KEYS
+        and k not in IGNORED_KEYS
+        and len({json.dumps(c.get(k), default=str) for _, _, c, _ in loaded}) > 1
+    ]
     named = any(name is not None for name, *_ in loaded)
     records = []
     for name, run_dir, config, df in loaded:
@@ -104,8 +123,13 @@ def runs_table(run_dirs: Sequence[str | os.PathLike] | Mapping[str, Sequence[str
             record["setting"] = name
         record.update({k: config.get(k) for k in differ})
         window, label = _window(df, last, first)
-        record.update({"seed": config.get(SEED_KEYS[0]), "steps": int(df["step"].max()) if "step" in df and len(df)
-                       else 0, "window": label})
+        record.update(
+            {
+                "seed": config.get(SEED_KEYS[0]),
+                "steps": int(df["step"].max()) if "step" in df and len(df) else 0,
+                "window": label,
+            }
+        )
         for m in metrics:
             values = window[m].dropna() if m in window else pd.Series(dtype=float)
             everything = df[m].dropna() if m in df else pd.Series(dtype=float)
@@ -122,10 +146,11 @@ def _setting_columns(runs: pd.DataFrame, differ: list[str]) -> list[str]:
 
 def _paired(runs: pd.DataFrame, by: list[str], base: tuple, key: tuple, metric: str) -> tuple[float, float, int]:
     """Mean and s.e. of (setting − baseline) over the seeds both ran, and how many pairs."""
+
     def per_seed(k: tuple) -> pd.Series:
         mask = pd.Series(True, index=runs.index)
         for col, value in zip(by, k):
-            mask &= (runs[col].isna() if _isnan(value) else runs[col] == value)
+            mask &= runs[col].isna() if _isnan(value) else runs[col] == value
         return runs[mask].dropna(subset=[metric]).groupby("seed")[metric].mean()
 
     diff = (per_seed(key) - per_seed(base)).dropna()
@@ -139,9 +164,13 @@ def _isnan(value: Any) -> bool:
     return isinstance(value, float) and math.isnan(value)
 
 
-def compare(run_dirs: Sequence[str | os.PathLike] | Mapping[str, Sequence[str | os.PathLike]],
-            metrics: Sequence[str] = METRICS, last: int | None = None, first: int | None = None,
-            baseline: str | None = None) -> pd.DataFrame:
+def compare(
+    run_dirs: Sequence[str | os.PathLike] | Mapping[str, Sequence[str | os.PathLike]],
+    metrics: Sequence[str] = METRICS,
+    last: int | None = None,
+    first: int | None = None,
+    baseline: str | None = None,
+) -> pd.DataFrame:
     """One line per setting, mean ± s.e. over seeds of each metric in a window of **steps**.
 
     run_dirs: a list of run directories (settings are the config keys that differ, seeds the
@@ -191,8 +220,9 @@ def compare(run_dirs: Sequence[str | os.PathLike] | Mapping[str, Sequence[str | 
         records.append(record)
     table = pd.DataFrame(records)
     table.attrs["runs"] = runs
-    table.attrs["window"] = (f"first {first} steps" if first is not None else f"last {10 if last is None else last} "
-                             "steps")
+    table.attrs["window"] = (
+        f"first {first} steps" if first is not None else f"last {10 if last is None else last} steps"
+    )
     table.attrs["baseline"] = base[0] if base and by == ["setting"] else dict(zip(by, base))
     return table
 
@@ -207,9 +237,14 @@ def _curves(group: pd.DataFrame, metric: str) -> pd.DataFrame:
     return pd.DataFrame(curves)
 
 
-def plot_compare(run_dirs: Sequence[str | os.PathLike] | Mapping[str, Sequence[str | os.PathLike]],
-                 path: str | os.PathLike | None = None, metric: str = "training/reward",
-                 val_metric: str | None = "auto", diff: bool = False, baseline: str | None = None):
+def plot_compare(
+    run_dirs: Sequence[str | os.PathLike] | Mapping[str, Sequence[str | os.PathLike]],
+    path: str | os.PathLike | None = None,
+    metric: str = "training/reward",
+    val_metric: str | None = "auto",
+    diff: bool = False,
+    baseline: str | None = None,
+):
     """Per setting, the mean over seeds of `metric` per step (a band of ± s.e.), and `val_metric`
     as markers in the same colour (`auto`: `val/reward` when `metric` is the training reward, else
     none — a validation reward does not belong on another metric's axis). `run_dirs` as in
@@ -239,10 +274,13 @@ def plot_compare(run_dirs: Sequence[str | os.PathLike] | Mapping[str, Sequence[s
         if frame.empty:
             continue
         mean, se = frame.mean(axis=1), frame.std(axis=1, ddof=1) / math.sqrt(frame.shape[1])
-        name = (str(label[0]) if by in (["setting"], []) else
-                ", ".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in zip(by, label)))
+        name = (
+            str(label[0])
+            if by in (["setting"], [])
+            else ", ".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in zip(by, label))
+        )
         seeds = frame.shape[1]
-        line, = ax.plot(mean.index, mean.values, label=f"{name} ({seeds} seed{'s' if seeds > 1 else ''})")
+        (line,) = ax.plot(mean.index, mean.values, label=f"{name} ({seeds} seed{'s' if seeds > 1 else ''})")
         if frame.shape[1] > 1:
             ax.fill_between(mean.index, mean - se, mean + se, alpha=0.2, color=line.get_color())
         val = _curves(group, val_metric) if val_metric else pd.DataFrame()

@@ -74,18 +74,33 @@ AGL_DEFAULTS: dict[str, Any] = {
 
 # agl_lab.server keys handed to the embedded server's ServerConfig as they are (when not null).
 SERVER_PASSTHROUGH = (
-    "lease_seconds", "max_attempts", "max_body_bytes", "max_batch_items", "terminal_log_limit", "upstream_client",
-    "upstream_timeout_seconds", "upstream_call_deadline_seconds", "upstream_max_attempts",
-    "upstream_backoff_base_seconds", "upstream_backoff_max_seconds", "upstream_breaker_seconds",
-    "max_header_bytes", "header_timeout_seconds", "body_timeout_seconds", "max_upstream_answer_bytes",
+    "lease_seconds",
+    "max_attempts",
+    "max_body_bytes",
+    "max_batch_items",
+    "terminal_log_limit",
+    "upstream_client",
+    "upstream_timeout_seconds",
+    "upstream_call_deadline_seconds",
+    "upstream_max_attempts",
+    "upstream_backoff_base_seconds",
+    "upstream_backoff_max_seconds",
+    "upstream_breaker_seconds",
+    "max_header_bytes",
+    "header_timeout_seconds",
+    "body_timeout_seconds",
+    "max_upstream_answer_bytes",
 )
 
 
 def server_overrides(cfg: DictConfig) -> dict[str, Any]:
     """The agl_lab.server limits the user set (not null), as ServerConfig keyword arguments."""
     server = cfg.agl_lab.server
-    return {key: OmegaConf.to_object(server[key]) if OmegaConf.is_config(server[key]) else server[key]
-            for key in SERVER_PASSTHROUGH if server.get(key) is not None}
+    return {
+        key: OmegaConf.to_object(server[key]) if OmegaConf.is_config(server[key]) else server[key]
+        for key in SERVER_PASSTHROUGH
+        if server.get(key) is not None
+    }
 
 
 # The agl_lab section: what AGL leaves to separate processes (server, controller) and what we
@@ -136,8 +151,12 @@ AGL_LAB_DEFAULTS: dict[str, Any] = {
         # rollout ends by its own timeout first); a number; or null = unbounded (AGL v1)
         # keep_repeated_prompts: false = AGL v1's triplet reduction (the last call per distinct prompt;
         # the dropped ones are counted: training/n_repeated_prompt_calls_dropped); true keeps every call
-        "rollout": {"wait_timeout_seconds": "auto", "poll_interval_seconds": 0.05,
-                    "drain_timeout_seconds": 60, "keep_repeated_prompts": False},
+        "rollout": {
+            "wait_timeout_seconds": "auto",
+            "poll_interval_seconds": 0.05,
+            "drain_timeout_seconds": 60,
+            "keep_repeated_prompts": False,
+        },
         # (not named `update`: DictConfig attribute access would hit dict.update)
         "algorithm": {
             "normalize_by": "rollouts",  # rollouts (tech report Eq. 16) | rows (AGL v1 parity)
@@ -300,8 +319,10 @@ def _adopt_model_path(cfg: DictConfig, keys: list[str]) -> None:
     if lab_path is None:
         cfg.agl_lab.model.path = actor_path
     elif str(lab_path) != str(actor_path):
-        raise ConfigError(f"actor_rollout_ref.model.path={actor_path!r} and agl_lab.model.path={lab_path!r} "
-                          "name different models: set one of them")
+        raise ConfigError(
+            f"actor_rollout_ref.model.path={actor_path!r} and agl_lab.model.path={lab_path!r} "
+            "name different models: set one of them"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -345,12 +366,16 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"{key}={value!r} is not one of {list(CHOICES[key])}")
     unknown = [n for n in logger_names(cfg) if n not in LOGGERS]
     if unknown:
-        raise ConfigError(f"trainer.logger has {unknown}, which agl_lab does not write; accepted values: "
-                          f"{list(LOGGERS)} (metrics.jsonl is always written)")
+        raise ConfigError(
+            f"trainer.logger has {unknown}, which agl_lab does not write; accepted values: "
+            f"{list(LOGGERS)} (metrics.jsonl is always written)"
+        )
     keep = cfg.trainer.get("max_actor_ckpt_to_keep")
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 0):
-        raise ConfigError(f"trainer.max_actor_ckpt_to_keep={keep!r}: use null or 0 (keep every checkpoint, "
-                          "verl's rule) or N > 0 (keep the newest N this run saved)")
+        raise ConfigError(
+            f"trainer.max_actor_ckpt_to_keep={keep!r}: use null or 0 (keep every checkpoint, "
+            "verl's rule) or N > 0 (keep the newest N this run saved)"
+        )
     if cfg.actor_rollout_ref.rollout.n < 1:
         raise ConfigError("actor_rollout_ref.rollout.n must be >= 1 (the GRPO group size)")
     try:
@@ -366,27 +391,41 @@ def validate(cfg: DictConfig) -> None:
         except ValueError as e:
             raise ConfigError(str(e)) from None
     wait = cfg.agl_lab.rollout.wait_timeout_seconds
-    if wait is not None and wait != "auto" and (isinstance(wait, bool) or not isinstance(wait, (int, float))
-                                                or wait <= 0):
-        raise ConfigError(f"agl_lab.rollout.wait_timeout_seconds={wait!r}: use auto, a number of seconds > 0, "
-                          "or null (unbounded)")
+    if (
+        wait is not None
+        and wait != "auto"
+        and (isinstance(wait, bool) or not isinstance(wait, (int, float)) or wait <= 0)
+    ):
+        raise ConfigError(
+            f"agl_lab.rollout.wait_timeout_seconds={wait!r}: use auto, a number of seconds > 0, or null (unbounded)"
+        )
     rollout_timeout = float(agl.rollout_timeout_seconds)
     if isinstance(wait, (int, float)) and wait < rollout_timeout:
         import warnings
 
-        warnings.warn(f"agl_lab.rollout.wait_timeout_seconds={wait} is shorter than "
-                      f"agentlightning.rollout_timeout_seconds={rollout_timeout:g}: a step can time out "
-                      "while its rollouts may still legitimately run; use auto (rollout timeout + 60 s)",
-                      ConfigWarning, stacklevel=3)
+        warnings.warn(
+            f"agl_lab.rollout.wait_timeout_seconds={wait} is shorter than "
+            f"agentlightning.rollout_timeout_seconds={rollout_timeout:g}: a step can time out "
+            "while its rollouts may still legitimately run; use auto (rollout timeout + 60 s)",
+            ConfigWarning,
+            stacklevel=3,
+        )
     lease = cfg.agl_lab.server.get("lease_seconds")
-    if isinstance(lease, (int, float)) and lease and rollout_wait_timeout(cfg) is not None \
-            and lease >= rollout_wait_timeout(cfg):
+    if (
+        isinstance(lease, (int, float))
+        and lease
+        and rollout_wait_timeout(cfg) is not None
+        and lease >= rollout_wait_timeout(cfg)
+    ):
         import warnings
 
-        warnings.warn(f"agl_lab.server.lease_seconds={lease:g} is not below the trainer's rollout wait "
-                      f"({rollout_wait_timeout(cfg):g} s, agl_lab.rollout.wait_timeout_seconds): a dead runner's "
-                      "rollouts would not run again before the step gives up on them; lower the lease",
-                      ConfigWarning, stacklevel=3)
+        warnings.warn(
+            f"agl_lab.server.lease_seconds={lease:g} is not below the trainer's rollout wait "
+            f"({rollout_wait_timeout(cfg):g} s, agl_lab.rollout.wait_timeout_seconds): a dead runner's "
+            "rollouts would not run again before the step gives up on them; lower the lease",
+            ConfigWarning,
+            stacklevel=3,
+        )
     model = cfg.agl_lab.model
     if model.get("preset") is not None:
         from agl_lab.models import PRESETS
@@ -404,8 +443,12 @@ def validate(cfg: DictConfig) -> None:
         )
 
 
-HOST_KEYS = ("agl_lab.server.host", "agl_lab.server.advertise_host", "agl_lab.serving.host",
-             "agl_lab.serving.advertise_host")
+HOST_KEYS = (
+    "agl_lab.server.host",
+    "agl_lab.server.advertise_host",
+    "agl_lab.serving.host",
+    "agl_lab.serving.advertise_host",
+)
 
 
 def _check_hosts(cfg: DictConfig) -> None:
@@ -415,9 +458,10 @@ def _check_hosts(cfg: DictConfig) -> None:
         if value is None and key != "agl_lab.server.host":
             continue
         if not isinstance(value, str) or not value or "/" in value or " " in value:
-            raise ConfigError(f"{key}={value!r} must be a host name or IP address (e.g. 127.0.0.1, 0.0.0.0, "
-                              "10.0.0.5; no scheme or port)" + ("" if key != "agl_lab.server.host" else
-                                                                 "; the default is 127.0.0.1"))
+            raise ConfigError(
+                f"{key}={value!r} must be a host name or IP address (e.g. 127.0.0.1, 0.0.0.0, "
+                "10.0.0.5; no scheme or port)" + ("" if key != "agl_lab.server.host" else "; the default is 127.0.0.1")
+            )
 
 
 def _check_server_overrides(cfg: DictConfig) -> None:
@@ -432,8 +476,9 @@ def _check_server_overrides(cfg: DictConfig) -> None:
     try:
         ServerConfig.model_validate(overrides)
     except ValidationError as err:
-        problems = "; ".join(f"agl_lab.server.{'.'.join(str(p) for p in e['loc'])}={e.get('input')!r}: {e['msg']}"
-                             for e in err.errors())
+        problems = "; ".join(
+            f"agl_lab.server.{'.'.join(str(p) for p in e['loc'])}={e.get('input')!r}: {e['msg']}" for e in err.errors()
+        )
         raise ConfigError(f"{problems} (docs/robustness.md describes each server limit)") from None
 
 
@@ -445,8 +490,11 @@ def _check_learning_rules(cfg: DictConfig) -> None:
     mini = cfg.actor_rollout_ref.actor.ppo_mini_batch_size
     n = cfg.actor_rollout_ref.rollout.n
     max_updates = cfg.agentlightning.max_ppo_update_times
-    check_selection_args(rules.mini_batch_rows(mini or 0, n), None if max_updates is None else int(max_updates),
-                         small_batch=str(cfg.agl_lab.algorithm.small_batch))
+    check_selection_args(
+        rules.mini_batch_rows(mini or 0, n),
+        None if max_updates is None else int(max_updates),
+        small_batch=str(cfg.agl_lab.algorithm.small_batch),
+    )
 
 
 def check_validation_tasks(cfg: DictConfig, n_val_tasks: int) -> None:
@@ -567,10 +615,14 @@ def batch_options(cfg: DictConfig, level: str | None = None) -> dict[str, Any]:
     agl = cfg.agentlightning
     level = str(level or agl.trace_aggregator.level)
     max_prompt, max_response = trace_limits(cfg, level)
-    return dict(level=level, max_prompt_length=max_prompt, max_response_length=max_response,
-                reward_fillna_value=float(agl.reward_fillna_value),
-                multi_segment=bool(agl.trace_aggregator.multi_segment),
-                exclude_failed=bool(cfg.agl_lab.algorithm.exclude_failed_rollouts))
+    return dict(
+        level=level,
+        max_prompt_length=max_prompt,
+        max_response_length=max_response,
+        reward_fillna_value=float(agl.reward_fillna_value),
+        multi_segment=bool(agl.trace_aggregator.multi_segment),
+        exclude_failed=bool(cfg.agl_lab.algorithm.exclude_failed_rollouts),
+    )
 
 
 def update_options(cfg: DictConfig) -> dict[str, Any]:

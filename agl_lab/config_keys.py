@@ -36,37 +36,72 @@ class ConfigWarning(UserWarning):
 LOCAL_HONOURED = (
     "agl_lab",
     "agentlightning",
-    "algorithm.adv_estimator", "algorithm.gamma", "algorithm.lam", "algorithm.norm_adv_by_std_in_grpo",
-    "algorithm.enable_rollout_level_advantage", "algorithm.use_kl_in_reward", "algorithm.kl_penalty",
-    "algorithm.kl_ctrl", "algorithm.rollout_correction",
-    "data.train_batch_size", "data.max_prompt_length", "data.max_response_length", "data.shuffle",
-    "data.train_files", "data.val_files",
-    "actor_rollout_ref.model.path", "actor_rollout_ref.model.lora_rank", "actor_rollout_ref.model.lora_alpha",
-    "actor_rollout_ref.model.target_modules", "actor_rollout_ref.model.exclude_modules",
+    "algorithm.adv_estimator",
+    "algorithm.gamma",
+    "algorithm.lam",
+    "algorithm.norm_adv_by_std_in_grpo",
+    "algorithm.enable_rollout_level_advantage",
+    "algorithm.use_kl_in_reward",
+    "algorithm.kl_penalty",
+    "algorithm.kl_ctrl",
+    "algorithm.rollout_correction",
+    "data.train_batch_size",
+    "data.max_prompt_length",
+    "data.max_response_length",
+    "data.shuffle",
+    "data.train_files",
+    "data.val_files",
+    "actor_rollout_ref.model.path",
+    "actor_rollout_ref.model.lora_rank",
+    "actor_rollout_ref.model.lora_alpha",
+    "actor_rollout_ref.model.target_modules",
+    "actor_rollout_ref.model.exclude_modules",
     "actor_rollout_ref.model.lora_adapter_path",
-    "actor_rollout_ref.rollout.n", "actor_rollout_ref.rollout.temperature",
-    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", "actor_rollout_ref.rollout.val_kwargs.n",
-    "actor_rollout_ref.actor.ppo_epochs", "actor_rollout_ref.actor.ppo_mini_batch_size",
-    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "actor_rollout_ref.actor.ppo_micro_batch_size",
-    "actor_rollout_ref.actor.grad_clip", "actor_rollout_ref.actor.optim.clip_grad",
-    "actor_rollout_ref.actor.optim.lr", "actor_rollout_ref.actor.optim.weight_decay",
-    "actor_rollout_ref.actor.optim.betas", "actor_rollout_ref.actor.policy_loss",
-    "actor_rollout_ref.actor.data_loader_seed", "actor_rollout_ref.actor.clip_ratio",
-    "actor_rollout_ref.actor.clip_ratio_low", "actor_rollout_ref.actor.clip_ratio_high",
-    "actor_rollout_ref.actor.clip_ratio_c", "actor_rollout_ref.actor.entropy_coeff",
-    "actor_rollout_ref.actor.use_kl_loss", "actor_rollout_ref.actor.kl_loss_coef",
-    "actor_rollout_ref.actor.kl_loss_type", "actor_rollout_ref.actor.loss_agg_mode",
-    "actor_rollout_ref.actor.loss_scale_factor", "actor_rollout_ref.actor.shuffle",
-    "trainer.project_name", "trainer.experiment_name", "trainer.total_training_steps", "trainer.total_epochs",
-    "trainer.val_before_train", "trainer.val_only", "trainer.test_freq", "trainer.save_freq",
-    "trainer.default_local_dir", "trainer.resume_mode", "trainer.resume_from_path", "trainer.logger",
+    "actor_rollout_ref.rollout.n",
+    "actor_rollout_ref.rollout.temperature",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+    "actor_rollout_ref.rollout.val_kwargs.n",
+    "actor_rollout_ref.actor.ppo_epochs",
+    "actor_rollout_ref.actor.ppo_mini_batch_size",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+    "actor_rollout_ref.actor.ppo_micro_batch_size",
+    "actor_rollout_ref.actor.grad_clip",
+    "actor_rollout_ref.actor.optim.clip_grad",
+    "actor_rollout_ref.actor.optim.lr",
+    "actor_rollout_ref.actor.optim.weight_decay",
+    "actor_rollout_ref.actor.optim.betas",
+    "actor_rollout_ref.actor.policy_loss",
+    "actor_rollout_ref.actor.data_loader_seed",
+    "actor_rollout_ref.actor.clip_ratio",
+    "actor_rollout_ref.actor.clip_ratio_low",
+    "actor_rollout_ref.actor.clip_ratio_high",
+    "actor_rollout_ref.actor.clip_ratio_c",
+    "actor_rollout_ref.actor.entropy_coeff",
+    "actor_rollout_ref.actor.use_kl_loss",
+    "actor_rollout_ref.actor.kl_loss_coef",
+    "actor_rollout_ref.actor.kl_loss_type",
+    "actor_rollout_ref.actor.loss_agg_mode",
+    "actor_rollout_ref.actor.loss_scale_factor",
+    "actor_rollout_ref.actor.shuffle",
+    "trainer.project_name",
+    "trainer.experiment_name",
+    "trainer.total_training_steps",
+    "trainer.total_epochs",
+    "trainer.val_before_train",
+    "trainer.val_only",
+    "trainer.test_freq",
+    "trainer.save_freq",
+    "trainer.default_local_dir",
+    "trainer.resume_mode",
+    "trainer.resume_from_path",
+    "trainer.logger",
     "trainer.max_actor_ckpt_to_keep",
 )
 
 # agl_lab keys only the local engine reads → what the verl engine reads instead.
 VERL_IGNORED = {
     "agl_lab.engine_options": "verl's rollout replicas batch by their own settings "
-                              "(actor_rollout_ref.rollout.max_num_seqs, max_num_batched_tokens)",
+    "(actor_rollout_ref.rollout.max_num_seqs, max_num_batched_tokens)",
     "agl_lab.model.max_model_len": "set actor_rollout_ref.rollout.max_model_len",
     "agl_lab.model.device": "verl places its workers on GPUs, or on CPU with agl_lab.verl.device=cpu",
 }
@@ -114,9 +149,14 @@ TYPED: dict[str, tuple[str, tuple[str, ...]]] = {
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 # Keys of TYPED (None: checked above) that must be > 0 when set.
-TYPED_POSITIVE = ("trainer.total_training_steps", "agentlightning.max_ppo_update_times",
-                  "agentlightning.async_rollout.async_train_batch_size", "agl_lab.runner.agent_timeout_seconds",
-                  "agl_lab.torch_threads", "agl_lab.record.max_steps")
+TYPED_POSITIVE = (
+    "trainer.total_training_steps",
+    "agentlightning.max_ppo_update_times",
+    "agentlightning.async_rollout.async_train_batch_size",
+    "agl_lab.runner.agent_timeout_seconds",
+    "agl_lab.torch_threads",
+    "agl_lab.record.max_steps",
+)
 
 
 def user_keys(layer: Any, prefix: str = "") -> list[str]:
@@ -180,7 +220,9 @@ def check_values(cfg: DictConfig, defaults: DictConfig, keys: Iterable[str]) -> 
             problems.append(f"{path} must be > 0, got {value!r}")
     mode = OmegaConf.select(cfg, "actor_rollout_ref.actor.loss_agg_mode", default=None)
     if mode is not None and mode not in LOSS_AGG_MODES:
-        problems.append(f"actor_rollout_ref.actor.loss_agg_mode={mode!r} is not one of verl's modes {list(LOSS_AGG_MODES)}")
+        problems.append(
+            f"actor_rollout_ref.actor.loss_agg_mode={mode!r} is not one of verl's modes {list(LOSS_AGG_MODES)}"
+        )
     for path, low, strict in RANGES:
         value = OmegaConf.select(cfg, path, default=None, throw_on_missing=False)
         if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -208,8 +250,9 @@ def ineffective_keys(cfg: DictConfig, defaults: DictConfig, keys: Iterable[str])
 
 def _changed(cfg: DictConfig, defaults: DictConfig, path: str) -> bool:
     """The user's value at `path` differs from the default (a missing key reads as None)."""
-    return (OmegaConf.select(cfg, path, default=None, throw_on_missing=False)
-            != OmegaConf.select(defaults, path, default=None, throw_on_missing=False))
+    return OmegaConf.select(cfg, path, default=None, throw_on_missing=False) != OmegaConf.select(
+        defaults, path, default=None, throw_on_missing=False
+    )
 
 
 def warn_ineffective(cfg: DictConfig, defaults: DictConfig, keys: Iterable[str]) -> list[str]:
@@ -217,36 +260,51 @@ def warn_ineffective(cfg: DictConfig, defaults: DictConfig, keys: Iterable[str])
     keys = list(keys)
     messages: list[str] = []
     if str(cfg.agl_lab.engine) == "local":
-        messages += [f"{p} has no effect on the local engine (agl_lab.engine=local); verl engines read it"
-                     for p in ineffective_keys(cfg, defaults, keys)]
+        messages += [
+            f"{p} has no effect on the local engine (agl_lab.engine=local); verl engines read it"
+            for p in ineffective_keys(cfg, defaults, keys)
+        ]
         if cfg.agl_lab.server.embedded and "agentlightning.agl_base_url" in keys:
-            messages.append("agentlightning.agl_base_url has no effect with agl_lab.server.embedded=true "
-                            "(the Trainer starts its own store + gateway); set embedded=false to use it")
+            messages.append(
+                "agentlightning.agl_base_url has no effect with agl_lab.server.embedded=true "
+                "(the Trainer starts its own store + gateway); set embedded=false to use it"
+            )
         rc = cfg.algorithm.get("rollout_correction") or {}
         if rc.get("bypass_mode") and str(rc.get("loss_type", "ppo_clip")) != "ppo_clip":
-            messages.append(f"algorithm.rollout_correction.loss_type={rc.get('loss_type')} has no effect on the local "
-                            "engine: bypass mode keeps actor.policy_loss.loss_mode with old logprobs = the sampling "
-                            "logprobs (verl's ppo_clip bypass); use agl_lab.engine=verl for reinforce")
+            messages.append(
+                f"algorithm.rollout_correction.loss_type={rc.get('loss_type')} has no effect on the local "
+                "engine: bypass mode keeps actor.policy_loss.loss_mode with old logprobs = the sampling "
+                "logprobs (verl's ppo_clip bypass); use agl_lab.engine=verl for reinforce"
+            )
     if str(cfg.agl_lab.engine) == "verl":
-        messages += [f"{p} has no effect on the verl engine (agl_lab.engine=verl): {VERL_IGNORED[prefix]}"
-                     for p in keys for prefix in VERL_IGNORED if (p == prefix or p.startswith(prefix + "."))
-                     and _changed(cfg, defaults, p)]
+        messages += [
+            f"{p} has no effect on the verl engine (agl_lab.engine=verl): {VERL_IGNORED[prefix]}"
+            for p in keys
+            for prefix in VERL_IGNORED
+            if (p == prefix or p.startswith(prefix + ".")) and _changed(cfg, defaults, p)
+        ]
     if not cfg.agl_lab.server.embedded:  # every other agl_lab.server key configures the embedded server
-        messages += [f"{p} has no effect with agl_lab.server.embedded=false: the server at "
-                     "agentlightning.agl_base_url runs with its own settings (set them there)"
-                     for p in keys if p.startswith("agl_lab.server.") and p != "agl_lab.server.embedded"
-                     and _changed(cfg, defaults, p)]
+        messages += [
+            f"{p} has no effect with agl_lab.server.embedded=false: the server at "
+            "agentlightning.agl_base_url runs with its own settings (set them there)"
+            for p in keys
+            if p.startswith("agl_lab.server.") and p != "agl_lab.server.embedded" and _changed(cfg, defaults, p)
+        ]
     if "trainer.max_actor_ckpt_to_keep" in keys and cfg.trainer.get("max_actor_ckpt_to_keep") == 0:
-        messages.append("trainer.max_actor_ckpt_to_keep=0 keeps every checkpoint (verl's rule: null or 0 is no "
-                        "limit); set N > 0 to keep the newest N")
+        messages.append(
+            "trainer.max_actor_ckpt_to_keep=0 keeps every checkpoint (verl's rule: null or 0 is no "
+            "limit); set N > 0 to keep the newest N"
+        )
     messages += contradictions(cfg)
     messages += mini_batch_clamped(cfg)
     messages += _loss_agg_unused(cfg, keys)  # both engines: per_rollout_mean is the same loss in verl's registry
     n, est = int(cfg.actor_rollout_ref.rollout.n), str(cfg.algorithm.adv_estimator).lower()
     if n == 1 and est in ("grpo", "grpo_passk", "rloo", "opo", "gpg"):
-        messages.append(f"actor_rollout_ref.rollout.n=1 with algorithm.adv_estimator={est}: every group has one "
-                        "rollout and no baseline (verl's GRPO uses mean 0, std 1 for it: the advantage is the raw "
-                        "reward, plain REINFORCE) — set rollout.n >= 2 for a group baseline (AGL uses 4)")
+        messages.append(
+            f"actor_rollout_ref.rollout.n=1 with algorithm.adv_estimator={est}: every group has one "
+            "rollout and no baseline (verl's GRPO uses mean 0, std 1 for it: the advantage is the raw "
+            "reward, plain REINFORCE) — set rollout.n >= 2 for a group baseline (AGL uses 4)"
+        )
     for m in messages:
         warnings.warn(m, ConfigWarning, stacklevel=3)
     return messages
@@ -256,15 +314,19 @@ def contradictions(cfg: DictConfig) -> list[str]:
     """Settings that work against each other but can both be meant: one message per pair, naming both keys."""
     lab, out = cfg.agl_lab, []
     if lab.server.embedded and not lab.runner.enabled:
-        out.append("agl_lab.runner.enabled=false with agl_lab.server.embedded=true: nothing runs the agents of the "
-                   "embedded server's rollouts unless you start a Runner on trainer.base_url with trainer.key "
-                   "yourself (rollouts wait until agl_lab.rollout.wait_timeout_seconds); enable the runner, or set "
-                   "agl_lab.server.embedded=false to use the runners of an external server")
+        out.append(
+            "agl_lab.runner.enabled=false with agl_lab.server.embedded=true: nothing runs the agents of the "
+            "embedded server's rollouts unless you start a Runner on trainer.base_url with trainer.key "
+            "yourself (rollouts wait until agl_lab.rollout.wait_timeout_seconds); enable the runner, or set "
+            "agl_lab.server.embedded=false to use the runners of an external server"
+        )
     fill = float(cfg.agentlightning.reward_fillna_value)
     if lab.algorithm.exclude_failed_rollouts and fill != 0.0:
-        out.append(f"agentlightning.reward_fillna_value={fill:g} with agl_lab.algorithm.exclude_failed_rollouts=true: "
-                   "failed rollouts get no rows, so the fill value reaches only succeeded rollouts without a "
-                   "reward; set exclude_failed_rollouts=false to train failed rollouts with it")
+        out.append(
+            f"agentlightning.reward_fillna_value={fill:g} with agl_lab.algorithm.exclude_failed_rollouts=true: "
+            "failed rollouts get no rows, so the fill value reaches only succeeded rollouts without a "
+            "reward; set exclude_failed_rollouts=false to train failed rollouts with it"
+        )
     return out
 
 
@@ -275,12 +337,14 @@ def mini_batch_clamped(cfg: DictConfig) -> list[str]:
     tasks, n = int(cfg.data.train_batch_size), int(cfg.actor_rollout_ref.rollout.n)
     if mini <= tasks or bool(cfg.agentlightning.async_rollout.enabled):
         return []
-    return [f"actor_rollout_ref.actor.ppo_mini_batch_size={mini} is more than data.train_batch_size={tasks}: "
-            f"ppo_mini_batch_size counts tasks (each with rollout.n={n} rollouts), so a mini-batch of {mini} × {n} = "
-            f"{mini * n} rollouts is asked for but a step has {tasks} × {n} = {tasks * n}: every step trains them as "
-            f"one mini-batch of {tasks * n} (clamped). Set actor_rollout_ref.actor.ppo_mini_batch_size={tasks} "
-            f"(one update per step), or a divisor of {tasks} for more updates; rescale it with "
-            "data.train_batch_size when you change rollout.n at a fixed number of rollouts per step"]
+    return [
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={mini} is more than data.train_batch_size={tasks}: "
+        f"ppo_mini_batch_size counts tasks (each with rollout.n={n} rollouts), so a mini-batch of {mini} × {n} = "
+        f"{mini * n} rollouts is asked for but a step has {tasks} × {n} = {tasks * n}: every step trains them as "
+        f"one mini-batch of {tasks * n} (clamped). Set actor_rollout_ref.actor.ppo_mini_batch_size={tasks} "
+        f"(one update per step), or a divisor of {tasks} for more updates; rescale it with "
+        "data.train_batch_size when you change rollout.n at a fixed number of rollouts per step"
+    ]
 
 
 def check_validation_tasks(cfg: DictConfig, n_val_tasks: int) -> None:
@@ -289,27 +353,34 @@ def check_validation_tasks(cfg: DictConfig, n_val_tasks: int) -> None:
     would silently validate nothing)."""
     if n_val_tasks > 0:
         return
-    source = ("there are no validation tasks (agl_lab.task.n_val=0 and no data.val_files or val_dataset; "
-              "set one of them")
+    source = "there are no validation tasks (agl_lab.task.n_val=0 and no data.val_files or val_dataset; set one of them"
     if cfg.trainer.val_only:
         raise ValueError(f"trainer.val_only=true but {source}, or trainer.val_only=false)")
-    keys = [k for k, on in (("trainer.val_before_train=true", cfg.trainer.val_before_train),
-                            (f"trainer.test_freq={cfg.trainer.test_freq}", int(cfg.trainer.test_freq) > 0)) if on]
+    keys = [
+        k
+        for k, on in (
+            ("trainer.val_before_train=true", cfg.trainer.val_before_train),
+            (f"trainer.test_freq={cfg.trainer.test_freq}", int(cfg.trainer.test_freq) > 0),
+        )
+        if on
+    ]
     if keys:
-        warnings.warn(f"{' and '.join(keys)} validate nothing: {source}, or turn validation off)",
-                      ConfigWarning, stacklevel=3)
+        warnings.warn(
+            f"{' and '.join(keys)} validate nothing: {source}, or turn validation off)", ConfigWarning, stacklevel=3
+        )
 
 
 def _loss_agg_unused(cfg: DictConfig, keys: list[str]) -> list[str]:
     """loss_agg_mode set under `per_rollout_mean`: that loss is a plain token sum (its normalisation is
     in the advantages), so the mode aggregates only the entropy and KL terms — none when both are off."""
     actor = cfg.actor_rollout_ref.actor
-    if ("actor_rollout_ref.actor.loss_agg_mode" not in keys
-            or str(actor.policy_loss.loss_mode) != "per_rollout_mean"):
+    if "actor_rollout_ref.actor.loss_agg_mode" not in keys or str(actor.policy_loss.loss_mode) != "per_rollout_mean":
         return []
     if float(actor.entropy_coeff) != 0 or bool(actor.use_kl_loss):
         return []
-    return [f"actor_rollout_ref.actor.loss_agg_mode={actor.loss_agg_mode} has no effect under "
-            "actor_rollout_ref.actor.policy_loss.loss_mode=per_rollout_mean (a token sum normalised per rollout "
-            "in the advantages; the mode aggregates only the entropy and KL terms, and entropy_coeff=0, "
-            "use_kl_loss=false): set policy_loss.loss_mode=vanilla for verl's aggregation"]
+    return [
+        f"actor_rollout_ref.actor.loss_agg_mode={actor.loss_agg_mode} has no effect under "
+        "actor_rollout_ref.actor.policy_loss.loss_mode=per_rollout_mean (a token sum normalised per rollout "
+        "in the advantages; the mode aggregates only the entropy and KL terms, and entropy_coeff=0, "
+        "use_kl_loss=false): set policy_loss.loss_mode=vanilla for verl's aggregation"
+    ]

@@ -39,7 +39,7 @@ class TaskFeeder:
         while len(out) < k:
             order = self._order(self.epoch)
             room = min(k - len(out), len(order) - self.position)
-            out.extend(dict(self.dataset[i]) for i in order[self.position:self.position + room])
+            out.extend(dict(self.dataset[i]) for i in order[self.position : self.position + room])
             self.position += room
             if self.position == len(order):
                 self.epoch, self.position = self.epoch + 1, 0
@@ -99,13 +99,16 @@ def load_task_files(files: Any, key: str, required_columns: Sequence[str] = ()) 
     for column in required_columns:
         missing = [i for i, r in enumerate(rows) if column not in r]
         if missing:
-            raise KeyError(f"{key}: row {missing[0]} (of {len(missing)} rows) has no column {column!r}; "
-                           f"columns: {sorted(rows[missing[0]])}")
+            raise KeyError(
+                f"{key}: row {missing[0]} (of {len(missing)} rows) has no column {column!r}; "
+                f"columns: {sorted(rows[missing[0]])}"
+            )
     return rows
 
 
-def resolve_datasets(cfg: Any, task: Any, train: Sequence[dict] | None, val: Sequence[dict] | None,
-                     train_files: Any, val_files: Any) -> tuple[list[dict], list[dict]]:
+def resolve_datasets(
+    cfg: Any, task: Any, train: Sequence[dict] | None, val: Sequence[dict] | None, train_files: Any, val_files: Any
+) -> tuple[list[dict], list[dict]]:
     """Explicit datasets, else `data.train_files` / `data.val_files`, else the task's generators
     (`agl_lab.task.n_train` / `n_val` tasks, seeded by `agl_lab.seed`)."""
     from agl_lab import config as config_mod
@@ -118,7 +121,8 @@ def resolve_datasets(cfg: Any, task: Any, train: Sequence[dict] | None, val: Seq
     if train is None and task is None:
         raise config_mod.ConfigError(
             "agentlightning.local.agent_class is set but there are no tasks to run it on: set "
-            "data.train_files (parquet or JSONL) or pass Trainer(..., train_dataset=[{...}, ...])")
+            "data.train_files (parquet or JSONL) or pass Trainer(..., train_dataset=[{...}, ...])"
+        )
     if train is None:
         train = task.train_tasks(int(lab.task.n_train), seed=int(lab.seed))
     if val is None:

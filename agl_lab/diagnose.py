@@ -322,7 +322,7 @@ def _classify_text(a: list[int], b: list[int], mask: np.ndarray, tokenizer: Any)
     # appended — every next call adds one — so it is not part of what was inserted in place.
     b_edit = b_hit.copy()
     matched_b = np.flatnonzero(b_hit)
-    b_edit[(matched_b[-1] + 1 if matched_b.size else 0):] = True
+    b_edit[(matched_b[-1] + 1 if matched_b.size else 0) :] = True
     verdict = _Verdict(
         "other",
         "",
@@ -362,8 +362,9 @@ def _classify_ids(a: list[int], b: list[int], mask: np.ndarray) -> _Verdict:
     near_model = mask.copy()  # context tokens next to a model run may be re-merged by BPE
     near_model[1:] |= mask[:-1]
     near_model[:-1] |= mask[1:]
-    verdict = _Verdict("other", "", None, removed_model=int((removed & mask).sum()),
-                       removed_context=int((removed & ~mask).sum()))
+    verdict = _Verdict(
+        "other", "", None, removed_model=int((removed & mask).sum()), removed_context=int((removed & ~mask).sum())
+    )
     survival = _opening_survival(np.ones(len(a), bool), removed, mask)
     clear_edit = int((removed & ~near_model).sum())
     if survival < _SURVIVAL:

@@ -87,23 +87,32 @@ class Execution:
         self.client = AglClient(self.base_url, key=self.key)
         self._closers.append(self.client.close)
         if not lab.server.embedded:
-            check_external_server(self.client, model_name=engine.model_name,
-                                  temperature=float(cfg.actor_rollout_ref.rollout.temperature))
+            check_external_server(
+                self.client, model_name=engine.model_name, temperature=float(cfg.actor_rollout_ref.rollout.temperature)
+            )
         if lab.runner.enabled and (agent is not None or agl.local.agent_class):
             from agl_lab.runner import Runner
 
             timeout = lab.runner.agent_timeout_seconds
-            self.runner = Runner(self.base_url, key=self.key, agent=agent,
-                                 concurrency=int(lab.runner.concurrency),
-                                 rollout_timeout_seconds=None if timeout is None else float(timeout))
+            self.runner = Runner(
+                self.base_url,
+                key=self.key,
+                agent=agent,
+                concurrency=int(lab.runner.concurrency),
+                rollout_timeout_seconds=None if timeout is None else float(timeout),
+            )
             self.runner.start()
             self._closers.append(self.runner.stop)
 
     def manager_args(self) -> dict[str, Any]:
         """The keyword arguments both rollout managers take from the execution side."""
-        return dict(rollout_config=self.rollout_config, hooks=self.hooks,
-                    timeout_seconds=self.timeout_seconds, poll_interval=self.poll_interval,
-                    keep_repeated_prompts=self.keep_repeated_prompts)
+        return dict(
+            rollout_config=self.rollout_config,
+            hooks=self.hooks,
+            timeout_seconds=self.timeout_seconds,
+            poll_interval=self.poll_interval,
+            keep_repeated_prompts=self.keep_repeated_prompts,
+        )
 
     @contextlib.contextmanager
     def serving(self, engine: Any, *, drain: bool, reason: str) -> Iterator[dict[str, Any]]:
@@ -116,11 +125,16 @@ class Execution:
         from agl_lab.protocol import Model
 
         self.client.delete_models()  # stale endpoints (a previous engine, an earlier run) go first
-        self.client.register_models([
-            Model(model=engine.model_name, endpoint=ep, version=engine.policy_version)
-            for ep in engine.endpoints()])
-        with rollout_phase(engine, self.client, drain=drain, reason=reason,
-                           drain_timeout=float(self.cfg.agl_lab.rollout.drain_timeout_seconds)) as metrics:
+        self.client.register_models(
+            [Model(model=engine.model_name, endpoint=ep, version=engine.policy_version) for ep in engine.endpoints()]
+        )
+        with rollout_phase(
+            engine,
+            self.client,
+            drain=drain,
+            reason=reason,
+            drain_timeout=float(self.cfg.agl_lab.rollout.drain_timeout_seconds),
+        ) as metrics:
             yield metrics
 
     def close(self) -> None:
@@ -145,32 +159,44 @@ def check_external_server(client: Any, *, model_name: str, temperature: float) -
     except AglHTTPError as exc:
         if exc.status_code != 404:
             raise
-        warnings.warn(f"the server at {client.base_url} has no /proxy/config (not agl_lab's server?): its model name "
-                      f"and train temperature could not be checked against the engine's ({model_name!r}, "
-                      f"{temperature:g}); make sure they match", config_mod.ConfigWarning, stacklevel=3)
+        warnings.warn(
+            f"the server at {client.base_url} has no /proxy/config (not agl_lab's server?): its model name "
+            f"and train temperature could not be checked against the engine's ({model_name!r}, "
+            f"{temperature:g}); make sure they match",
+            config_mod.ConfigWarning,
+            stacklevel=3,
+        )
         return
     problems = []
     if remote.get("model_name") != model_name:
-        problems.append(f"its default_proxy.model_name is {remote.get('model_name')!r} but the engine registers its "
-                        f"endpoints as {model_name!r} (every proxied call would answer 503): start it with "
-                        f"`agl-lab serve --model-name {model_name}`")
+        problems.append(
+            f"its default_proxy.model_name is {remote.get('model_name')!r} but the engine registers its "
+            f"endpoints as {model_name!r} (every proxied call would answer 503): start it with "
+            f"`agl-lab serve --model-name {model_name}`"
+        )
     if float(remote.get("train_temperature", -1)) != temperature:
-        problems.append(f"it samples training calls at temperature {remote.get('train_temperature')} but "
-                        f"actor_rollout_ref.rollout.temperature={temperature:g} (the update would recompute old "
-                        f"logprobs at another temperature than the one sampled): start it with "
-                        f"`--train-temperature {temperature:g}`, or set actor_rollout_ref.rollout.temperature to "
-                        "the server's")
+        problems.append(
+            f"it samples training calls at temperature {remote.get('train_temperature')} but "
+            f"actor_rollout_ref.rollout.temperature={temperature:g} (the update would recompute old "
+            f"logprobs at another temperature than the one sampled): start it with "
+            f"`--train-temperature {temperature:g}`, or set actor_rollout_ref.rollout.temperature to "
+            "the server's"
+        )
     if problems:
-        raise config_mod.ConfigError(f"agl_lab.server.embedded=false: the server at {client.base_url} does not match "
-                                     "this engine: " + "; ".join(problems))
+        raise config_mod.ConfigError(
+            f"agl_lab.server.embedded=false: the server at {client.base_url} does not match "
+            "this engine: " + "; ".join(problems)
+        )
 
 
 def _rollout_config(agl: Any) -> dict[str, Any]:
     """The `config` every rollout is created with: its timeout and how to run the agent."""
     rc: dict[str, Any] = {"timeout_seconds": int(agl.rollout_timeout_seconds)}
     if agl.local.agent_class:
-        rc["local"] = {"agent_class": str(agl.local.agent_class),
-                       "env_map": config_mod.as_listconfig_free(agl.local.env_map) or {}}
+        rc["local"] = {
+            "agent_class": str(agl.local.agent_class),
+            "env_map": config_mod.as_listconfig_free(agl.local.env_map) or {},
+        }
     if agl.k8s.job_template_path:
         rc["k8s"] = {"job_template": Path(agl.k8s.job_template_path).read_text()}
     return rc

@@ -50,9 +50,7 @@ class RolloutHooks:
         """Transform a rollout request before it is sent (its `rollout_id` is not set yet)."""
         return request
 
-    def on_succeeded(
-        self, rollout: Rollout, events: dict[str, list[Event]], store: TraceWriter
-    ) -> None:
+    def on_succeeded(self, rollout: Rollout, events: dict[str, list[Event]], store: TraceWriter) -> None:
         """Called once per SUCCEEDED rollout, before its triplets are read."""
 
     def on_failed(self, rollout: Rollout, store: TraceWriter) -> None:

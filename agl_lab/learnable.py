@@ -18,8 +18,9 @@ from agl_lab.records import CompletedRollout
 DEFAULT_MAX_ABS_REWARD = 1e6  # agl_lab.algorithm.max_abs_reward: beyond it, group statistics overflow float32
 
 
-def learning_problem(completed: CompletedRollout, vocab_size: int | None,
-                     max_abs_reward: float = DEFAULT_MAX_ABS_REWARD) -> str | None:
+def learning_problem(
+    completed: CompletedRollout, vocab_size: int | None, max_abs_reward: float = DEFAULT_MAX_ABS_REWARD
+) -> str | None:
     """Why the policy cannot learn from `completed` (None when it can): what one agent's bad
     events would otherwise turn into an error that ends the whole step.
 
@@ -35,18 +36,23 @@ def learning_problem(completed: CompletedRollout, vocab_size: int | None,
             for name, ids in (("prompt_token_ids", t.prompt_ids), ("response_token_ids", t.response_ids)):
                 bad = [x for x in ids if not 0 <= x < vocab_size]
                 if bad:
-                    return (f"model call {i}: {name} holds {len(bad)} id(s) outside the vocabulary "
-                            f"[0, {vocab_size}), e.g. {bad[:3]}")
+                    return (
+                        f"model call {i}: {name} holds {len(bad)} id(s) outside the vocabulary "
+                        f"[0, {vocab_size}), e.g. {bad[:3]}"
+                    )
     rewards = [completed.final_reward] + [t.reward for t in completed.triplets or []]
     for r in rewards:
         if r is not None and not abs(r) <= max_abs_reward:
-            return (f"reward {r!r} is beyond agl_lab.algorithm.max_abs_reward={max_abs_reward:g} "
-                    "(raise it if rewards this large are meant)")
+            return (
+                f"reward {r!r} is beyond agl_lab.algorithm.max_abs_reward={max_abs_reward:g} "
+                "(raise it if rewards this large are meant)"
+            )
     return None
 
 
-def fail_unlearnable(completed: Sequence[CompletedRollout], vocab_size: int | None,
-                     max_abs_reward: float = DEFAULT_MAX_ABS_REWARD) -> list[CompletedRollout]:
+def fail_unlearnable(
+    completed: Sequence[CompletedRollout], vocab_size: int | None, max_abs_reward: float = DEFAULT_MAX_ABS_REWARD
+) -> list[CompletedRollout]:
     """Mark each rollout with a `learning_problem` FAILED, with the reason in `error_message` and
     `metadata["learning_error"]`, and drop its calls and reward (nothing of it trains); returns them."""
     failed = []

@@ -45,9 +45,19 @@ from agl_lab.validation import compact_trajectories
 
 TRAIN_TRAJECTORY_RECORDS = 24  # compact train trajectories uploaded per step (AGL v1)
 MISMATCH_COLUMNS = [
-    "global_steps", "rollout_id", "data_id", "turn_index", "template_mismatch", "retoken_mismatch",
-    "others_mismatch", "prompt_length", "response_length", "previous_trace_length",
-    "current_trace_length", "previous_trace", "current_trace",
+    "global_steps",
+    "rollout_id",
+    "data_id",
+    "turn_index",
+    "template_mismatch",
+    "retoken_mismatch",
+    "others_mismatch",
+    "prompt_length",
+    "response_length",
+    "previous_trace_length",
+    "current_trace_length",
+    "previous_trace",
+    "current_trace",
 ]  # AGL v1's column names, kept for dashboards built on them
 TRAJECTORY_TABLE_COLUMNS = ["global_steps", "trajectory_artifact", "trajectory_artifact_path", "row_count"]
 
@@ -111,10 +121,18 @@ class MetricsLogger:
     scalar through verl's `Tracking` (see the module docstring for the directory).
     """
 
-    def __init__(self, run_dir: str | os.PathLike, *, console: bool = True,
-                 wandb_mode: str = "disabled", project: str = "agl_lab",
-                 experiment: str = "run", config: Mapping[str, Any] | None = None,
-                 tensorboard: bool = False, curve_path: str | os.PathLike | None = None):
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        *,
+        console: bool = True,
+        wandb_mode: str = "disabled",
+        project: str = "agl_lab",
+        experiment: str = "run",
+        config: Mapping[str, Any] | None = None,
+        tensorboard: bool = False,
+        curve_path: str | os.PathLike | None = None,
+    ):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
@@ -126,8 +144,9 @@ class MetricsLogger:
         if wandb_mode != "disabled":
             import wandb
 
-            self._wandb_run = wandb.init(project=project, name=experiment, mode=wandb_mode,
-                                         dir=str(self.run_dir), config=dict(config or {}))
+            self._wandb_run = wandb.init(
+                project=project, name=experiment, mode=wandb_mode, dir=str(self.run_dir), config=dict(config or {})
+            )
         if tensorboard:
             from verl.utils.tracking import Tracking
 
@@ -139,9 +158,16 @@ class MetricsLogger:
         from agl_lab import config as config_mod
 
         console_on, wandb_mode, tensorboard = config_mod.loggers(cfg)
-        return cls(run_dir, console=console and console_on, wandb_mode=wandb_mode, tensorboard=tensorboard,
-                   project=str(cfg.trainer.project_name), experiment=str(cfg.trainer.experiment_name),
-                   config=config_mod.to_container(cfg), curve_path=Path(run_dir) / "reward_curve.png")
+        return cls(
+            run_dir,
+            console=console and console_on,
+            wandb_mode=wandb_mode,
+            tensorboard=tensorboard,
+            project=str(cfg.trainer.project_name),
+            experiment=str(cfg.trainer.experiment_name),
+            config=config_mod.to_container(cfg),
+            curve_path=Path(run_dir) / "reward_curve.png",
+        )
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         record = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
@@ -153,8 +179,14 @@ class MetricsLogger:
         if self._wandb_run is not None:
             self._wandb_run.log(dict(metrics), step=step)
         if self._tracking is not None:  # scalars only: TensorBoard's add_scalar takes one number
-            self._tracking.log({k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))
-                                and not isinstance(v, bool)}, step=step)
+            self._tracking.log(
+                {
+                    k: v
+                    for k, v in record.items()
+                    if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
+                },
+                step=step,
+            )
         if self.curve_path is not None and record.get("val/reward") is not None:
             self.write_curve(self.curve_path)  # the validation curve so far, at trainer.test_freq
 
@@ -200,13 +232,15 @@ class MetricsLogger:
     def wandb_run(self):
         return self._wandb_run
 
-    def log_tables(self, step: int, result: Any, split: str = "train", *, tokenizer: Any = None,
-                   reward_fillna_value: float = 0.0) -> None:
+    def log_tables(
+        self, step: int, result: Any, split: str = "train", *, tokenizer: Any = None, reward_fillna_value: float = 0.0
+    ) -> None:
         """AGL v1's W&B side tables of a `BatchResult` (train) or `ValidationResult`; no-op
         without W&B."""
         if self._wandb_run is not None:
-            log_batch_tables(self._wandb_run, result, step, split, tokenizer=tokenizer,
-                             reward_fillna_value=reward_fillna_value)
+            log_batch_tables(
+                self._wandb_run, result, step, split, tokenizer=tokenizer, reward_fillna_value=reward_fillna_value
+            )
 
     def close(self) -> None:
         if self._wandb_run is not None:
@@ -221,8 +255,11 @@ def throughput_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
     """verl's `perf/*` step metrics (one device): tokens of the trained batch per step second."""
     tokens = float(metrics.get("perf/total_num_tokens", 0.0))
     seconds = float(metrics["timing_s/step"])
-    return {"perf/total_num_tokens": tokens, "perf/time_per_step": seconds,
-            "perf/throughput": tokens / seconds if seconds > 0 else 0.0}
+    return {
+        "perf/total_num_tokens": tokens,
+        "perf/time_per_step": seconds,
+        "perf/throughput": tokens / seconds if seconds > 0 else 0.0,
+    }
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -239,11 +276,23 @@ def mismatch_table_rows(breaks: Sequence[BreakRecord], step: int) -> list[list[A
     out = []
     for b in breaks[:MISMATCH_TABLE_ROWS]:
         kind = b.diagnosis.kind if b.diagnosis is not None else None
-        out.append([
-            step, b.rollout_id, b.data_id, b.call, kind == "template", kind == "retokenization",
-            kind not in ("template", "retokenization"), b.prompt_tokens, b.response_tokens,
-            b.previous_trace_tokens, b.current_trace_tokens, b.previous_trace, b.current_trace,
-        ])
+        out.append(
+            [
+                step,
+                b.rollout_id,
+                b.data_id,
+                b.call,
+                kind == "template",
+                kind == "retokenization",
+                kind not in ("template", "retokenization"),
+                b.prompt_tokens,
+                b.response_tokens,
+                b.previous_trace_tokens,
+                b.current_trace_tokens,
+                b.previous_trace,
+                b.current_trace,
+            ]
+        )
     return out
 
 
@@ -256,8 +305,16 @@ def trajectories_zip(records: Sequence[dict[str, Any]], member: str) -> bytes:
     return buffer.getvalue()
 
 
-def log_batch_tables(run: Any, result: Any, step: int, split: str = "train", *, tokenizer: Any = None,
-                     reward_fillna_value: float = 0.0, wandb_module: Any = None) -> None:
+def log_batch_tables(
+    run: Any,
+    result: Any,
+    step: int,
+    split: str = "train",
+    *,
+    tokenizer: Any = None,
+    reward_fillna_value: float = 0.0,
+    wandb_module: Any = None,
+) -> None:
     """Upload AGL v1's side tables to a W&B run (`run.log`, `run.log_artifact`, `run.id`).
 
     train (`result`: `agl_lab.results.BatchResult`): `training/trace_merge_mismatches`
@@ -268,17 +325,19 @@ def log_batch_tables(run: Any, result: Any, step: int, split: str = "train", *, 
     if split not in ("train", "validation"):
         raise ValueError(f"log_batch_tables: split must be 'train' or 'validation', got {split!r}.")
     if split == "train" and not isinstance(result, BatchResult):
-        raise TypeError("log_batch_tables: split 'train' needs the BatchResult of Trainer.build_batch "
-                        "(or agl_lab.results.BatchResult(agl_lab.batch.build_batch(...))).")
+        raise TypeError(
+            "log_batch_tables: split 'train' needs the BatchResult of Trainer.build_batch "
+            "(or agl_lab.results.BatchResult(agl_lab.batch.build_batch(...)))."
+        )
     if wandb_module is None:
         import wandb as wandb_module
     try:
         if split == "train":
-            table = wandb_module.Table(columns=list(MISMATCH_COLUMNS),
-                                       data=mismatch_table_rows(result.built.breaks, step))
+            table = wandb_module.Table(
+                columns=list(MISMATCH_COLUMNS), data=mismatch_table_rows(result.built.breaks, step)
+            )
             run.log({"training/trace_merge_mismatches": table}, step=step)
-            records = compact_trajectories(result.rollouts, reward_fillna_value, tokenizer,
-                                           TRAIN_TRAJECTORY_RECORDS)
+            records = compact_trajectories(result.rollouts, reward_fillna_value, tokenizer, TRAIN_TRAJECTORY_RECORDS)
         else:
             records = result.trajectories
         _log_trajectories(run, records, step, split, wandb_module)
@@ -291,8 +350,11 @@ def _log_trajectories(run: Any, records: list[dict[str, Any]], step: int, split:
     safe_id = re.sub(r"[^A-Za-z0-9_.-]", "_", str(getattr(run, "id", None) or "run"))
     name = f"{split}-trajectories-{safe_id}-step-{step}"
     path = f"step_{step}/{split}_trajectories.jsonl.zip"
-    artifact = wandb_module.Artifact(name=name, type=f"{split}_trajectories",
-                                     metadata={"global_steps": step, "row_count": len(records), "format": "jsonl.zip"})
+    artifact = wandb_module.Artifact(
+        name=name,
+        type=f"{split}_trajectories",
+        metadata={"global_steps": step, "row_count": len(records), "format": "jsonl.zip"},
+    )
     with tempfile.TemporaryDirectory() as tmp:
         local = os.path.join(tmp, os.path.basename(path))
         with open(local, "wb") as fh:

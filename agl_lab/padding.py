@@ -34,9 +34,16 @@ def flat(seqs: Sequence[Sequence], dtype: type = np.int64) -> np.ndarray:
     return to_array(joined, dtype)
 
 
-def context_arrays(contexts: Sequence[tuple[list[int], list[int]]], first_prompt_lens: Sequence[int],
-                   prompt_lens: np.ndarray, response_lens: np.ndarray, p: int, r: int, pad: int,
-                   groups: Sequence | None = None) -> tuple[np.ndarray, np.ndarray]:
+def context_arrays(
+    contexts: Sequence[tuple[list[int], list[int]]],
+    first_prompt_lens: Sequence[int],
+    prompt_lens: np.ndarray,
+    response_lens: np.ndarray,
+    p: int,
+    r: int,
+    pad: int,
+    groups: Sequence | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
     """Padded prompts [N, P] (left) and responses [N, R] (right) from each row's context.
 
     Row i's context is (last prompt L, last response S) and its first prompt is L[:f]:
@@ -58,9 +65,9 @@ def context_arrays(contexts: Sequence[tuple[list[int], list[int]]], first_prompt
         elif m:
             buf[:m] = to_array(last_prompt)
         pl, rl, f = int(prompt_lens[i]), int(response_lens[i]), first_prompt_lens[i]
-        prompts[i, p - pl:] = buf[:pl]
+        prompts[i, p - pl :] = buf[:pl]
         obs = min(m - f, rl)  # observations (and earlier responses) between the first prompt and S
-        responses[i, :obs] = buf[f:f + obs]
+        responses[i, :obs] = buf[f : f + obs]
         if rl > obs:
             responses[i, obs:rl] = last_response[: rl - obs]
         prev = last_prompt
@@ -91,8 +98,12 @@ def positions(prompt_lens: np.ndarray, response_lens: np.ndarray, p: int, r: int
     return out
 
 
-def span_arrays(spans: Sequence[Sequence[tuple[int, int]]], span_values: Sequence[Sequence[Sequence[float]] | None],
-                n: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+def span_arrays(
+    spans: Sequence[Sequence[tuple[int, int]]],
+    span_values: Sequence[Sequence[Sequence[float]] | None],
+    n: int,
+    width: int,
+) -> tuple[np.ndarray, np.ndarray]:
     """mask [N, width] int64 (1 on every span) and values [N, width] float32 (span j of row i
     holds span_values[i][j], truncated to its length; 0.0 elsewhere and in rows whose
     span_values is None). Spans are (start, length) within [0, width)."""
@@ -105,15 +116,18 @@ def span_arrays(spans: Sequence[Sequence[tuple[int, int]]], span_values: Sequenc
     values = np.zeros((n, width), dtype=np.float32)
     has = np.fromiter((v is not None for v in span_values), bool, n)
     if has.any():
-        pieces = [lp[:b] if len(lp) > b else lp for s, v in zip(spans, span_values) if v is not None
-                  for lp, (_, b) in zip(v, s)]
+        pieces = [
+            lp[:b] if len(lp) > b else lp
+            for s, v in zip(spans, span_values)
+            if v is not None
+            for lp, (_, b) in zip(v, s)
+        ]
         keep = has[row_index]
         values[row_index[keep], col_index[keep]] = flat(pieces, np.float32)
     return mask, values
 
 
-def spans_to_list(spans: Sequence[tuple[int, int]], fill: int, values: Sequence[Sequence] | None,
-                  total: int) -> list:
+def spans_to_list(spans: Sequence[tuple[int, int]], fill: int, values: Sequence[Sequence] | None, total: int) -> list:
     """One row as a list of `total` items: `fill` (values=None; gaps 0) or values[j][:length]
     (gaps 0.0) on span j."""
     out: list = []
@@ -127,8 +141,9 @@ def spans_to_list(spans: Sequence[tuple[int, int]], fill: int, values: Sequence[
     return out
 
 
-def pad_rows(rows: Sequence[Any], max_prompt_length: int, max_response_length: int,
-             pad_token_id: int) -> dict[str, np.ndarray]:
+def pad_rows(
+    rows: Sequence[Any], max_prompt_length: int, max_response_length: int, pad_token_id: int
+) -> dict[str, np.ndarray]:
     """Vectorised padding of N rows (P = max_prompt_length, R = max_response_length).
 
     | key                 | shape    | content                                               |
@@ -150,10 +165,16 @@ def pad_rows(rows: Sequence[Any], max_prompt_length: int, max_response_length: i
     prompt_lengths = np.fromiter((row.prompt_tokens for row in rows), np.int64, n)
     response_lengths = np.fromiter((row.response_tokens for row in rows), np.int64, n)
     prompts, responses = context_arrays(
-        [row.context for row in rows], [row.first_prompt_tokens for row in rows], prompt_lengths,
-        response_lengths, p, r, pad_token_id, groups=[row.rollout_id for row in rows])
-    response_mask, logprobs = span_arrays([row.spans for row in rows],
-                                                  [row.span_logprobs for row in rows], n, r)
+        [row.context for row in rows],
+        [row.first_prompt_tokens for row in rows],
+        prompt_lengths,
+        response_lengths,
+        p,
+        r,
+        pad_token_id,
+        groups=[row.rollout_id for row in rows],
+    )
+    response_mask, logprobs = span_arrays([row.spans for row in rows], [row.span_logprobs for row in rows], n, r)
     return {
         "prompts": prompts,
         "prompt_mask": (np.arange(p) >= p - prompt_lengths[:, None]).astype(np.int64),

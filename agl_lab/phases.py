@@ -34,8 +34,9 @@ DRAIN_POLL_SECONDS = 0.05
 
 
 @contextlib.contextmanager
-def rollout_phase(engine: Any, gateway: Any, *, drain: bool, reason: str,
-                  drain_timeout: float) -> Iterator[dict[str, Any]]:
+def rollout_phase(
+    engine: Any, gateway: Any, *, drain: bool, reason: str, drain_timeout: float
+) -> Iterator[dict[str, Any]]:
     """Serve while the caller collects rollouts; yields the phase's metrics dict.
 
     After a phase that ended normally the dict holds `training/n_aborted_generations` (sync) or
@@ -75,11 +76,14 @@ def drain_gateway(gateway: Any, *, reason: str, timeout: float) -> dict[str, flo
         if time.time() > t0 + timeout:
             raise TimeoutError(
                 f"gateway still has {state.inflight} calls in flight after {timeout} s of draining; "
-                "raise agl_lab.rollout.drain_timeout_seconds or check the engine")
+                "raise agl_lab.rollout.drain_timeout_seconds or check the engine"
+            )
         time.sleep(DRAIN_POLL_SECONDS)
         state = gateway.proxy_state()
-    return {"training/async/proxy_inflight_at_pause": inflight_at_pause,
-            "training/async/proxy_drain_seconds": time.time() - t0}
+    return {
+        "training/async/proxy_inflight_at_pause": inflight_at_pause,
+        "training/async/proxy_drain_seconds": time.time() - t0,
+    }
 
 
 def _end_rollout_phase(engine: Any, gateway: Any, drain: bool, reason: str, drain_timeout: float) -> dict[str, Any]:

@@ -34,4 +34,5 @@ def find_config(path: str | os.PathLike) -> Path:
         return PRESET_DIR / f"{name}.yaml"
     raise FileNotFoundError(
         f"config file not found: {path} (looked in {Path.cwd()} and among the shipped presets in {PRESET_DIR}); "
-        f"give a path to a YAML file or a preset name: {', '.join(preset_names()) or 'none found'}")
+        f"give a path to a YAML file or a preset name: {', '.join(preset_names()) or 'none found'}"
+    )

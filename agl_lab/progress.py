@@ -27,8 +27,16 @@ class LineProgress:
     """The tqdm methods agl_lab uses (`update`, `set_postfix`, `close`), as plain lines:
     `desc: 20/200 (10%) · 4.1 s · loss=0.512`."""
 
-    def __init__(self, total: int | None = None, desc: str = "", initial: int = 0, every: int | None = None,
-                 file: TextIO | None = None, disable: bool = False, **_: Any):
+    def __init__(
+        self,
+        total: int | None = None,
+        desc: str = "",
+        initial: int = 0,
+        every: int | None = None,
+        file: TextIO | None = None,
+        disable: bool = False,
+        **_: Any,
+    ):
         self.total, self.desc, self.n = total, desc, initial
         self.every = every or max(1, (total or 10) // 10)
         self.file, self.disable = file, disable
@@ -40,8 +48,11 @@ class LineProgress:
     def _line(self) -> None:
         done = f"{self.n}/{self.total} ({100 * self.n / self.total:.0f}%)" if self.total else str(self.n)
         postfix = f" · {self.postfix}" if self.postfix else ""
-        print(f"{self.desc}: {done} · {time.monotonic() - self.t0:.1f} s{postfix}", file=self.file or sys.stderr,
-              flush=True)
+        print(
+            f"{self.desc}: {done} · {time.monotonic() - self.t0:.1f} s{postfix}",
+            file=self.file or sys.stderr,
+            flush=True,
+        )
 
     def update(self, n: int = 1) -> None:
         self.n += n

@@ -51,8 +51,11 @@ def install() -> None:
 def uninstall() -> None:
     """Show verl's back-end and accelerator messages again."""
     global _installed
-    warnings.filters[:] = [f for f in warnings.filters if not (
-        f[0] == "ignore" and f[1] is not None and f[1].pattern == VERL_BACKEND_MESSAGE)]
+    warnings.filters[:] = [
+        f
+        for f in warnings.filters
+        if not (f[0] == "ignore" and f[1] is not None and f[1].pattern == VERL_BACKEND_MESSAGE)
+    ]
     logging.getLogger(VERL_PLATFORM_LOGGER).removeFilter(_FILTER)
     _installed = False
 

@@ -79,8 +79,9 @@ def load_validation(run_dir: str | Path, step: int) -> list[CompletedRollout]:
     """The validation rollouts recorded at step `step` (0: before training), in task order."""
     path = validation_path(run_dir, step)
     if not path.exists():
-        raise FileNotFoundError(f"no validation recorded at step {step} in {path.parent} "
-                                f"(recorded: {validated_steps(run_dir) or 'none'})")
+        raise FileNotFoundError(
+            f"no validation recorded at step {step} in {path.parent} (recorded: {validated_steps(run_dir) or 'none'})"
+        )
     doc = _read_doc(path)
     if "rollouts" not in doc:
         raise RecordingError(f"{path} is damaged: it has no 'rollouts' key")
@@ -110,22 +111,41 @@ class Recorder:
         self.last_failed = False  # the last write failed (the step's `recording/failed` metric)
         self.failures = 0
 
-    def record(self, step: int, *, batch_step: int, rollouts: Sequence[CompletedRollout], metrics: Mapping[str, Any],
-               update: UpdateResult, policy_version: int | None, seed: int, rng: Mapping[str, Any],
-               pad_token_id: int) -> int:
+    def record(
+        self,
+        step: int,
+        *,
+        batch_step: int,
+        rollouts: Sequence[CompletedRollout],
+        metrics: Mapping[str, Any],
+        update: UpdateResult,
+        policy_version: int | None,
+        seed: int,
+        rng: Mapping[str, Any],
+        pad_token_id: int,
+    ) -> int:
         """Write step `step`'s recording; returns its size in bytes (0 when recording is off or
         the write failed: then `last_failed` is True and a warning was logged)."""
         self.last_failed = False
         if not self.enabled:
             return 0
-        doc = {"format": FORMAT, "version": VERSION, "step": step, "batch_step": batch_step,
-               "policy_version": policy_version, "seed": seed, "rng": _rng_to_json(rng),
-               "pad_token_id": pad_token_id, "rollouts": self._rollout_docs(rollouts),
-               "metrics": jsonable(dict(metrics)),
-               "weights": frame_records(update.weights), "dropped": frame_records(update.dropped)}
+        doc = {
+            "format": FORMAT,
+            "version": VERSION,
+            "step": step,
+            "batch_step": batch_step,
+            "policy_version": policy_version,
+            "seed": seed,
+            "rng": _rng_to_json(rng),
+            "pad_token_id": pad_token_id,
+            "rollouts": self._rollout_docs(rollouts),
+            "metrics": jsonable(dict(metrics)),
+            "weights": frame_records(update.weights),
+            "dropped": frame_records(update.dropped),
+        }
         size = self._write(step_path(self.dir.parent, step), doc)
         if self.max_steps is not None and not self.last_failed:
-            self._remove(recorded_steps(self.dir.parent)[:-self.max_steps])
+            self._remove(recorded_steps(self.dir.parent)[: -self.max_steps])
         return size
 
     def record_validation(self, step: int, rollouts: Sequence[CompletedRollout], metrics: Mapping[str, Any]) -> int:
@@ -134,8 +154,14 @@ class Recorder:
         self.last_failed = False
         if not self.enabled:
             return 0
-        doc = {"format": FORMAT, "version": VERSION, "step": step, "kind": "validation",
-               "rollouts": self._rollout_docs(sort_rollouts(rollouts)), "metrics": jsonable(dict(metrics))}
+        doc = {
+            "format": FORMAT,
+            "version": VERSION,
+            "step": step,
+            "kind": "validation",
+            "rollouts": self._rollout_docs(sort_rollouts(rollouts)),
+            "metrics": jsonable(dict(metrics)),
+        }
         return self._write(validation_path(self.dir.parent, step), doc)
 
     def _rollout_docs(self, rollouts: Sequence[CompletedRollout]) -> list[dict[str, Any]]:
@@ -161,8 +187,12 @@ class Recorder:
                 tmp.unlink(missing_ok=True)
             except OSError:
                 pass
-            logger.warning("recording %s could not be written (%s: %s); training goes on without it "
-                           "(metric recording/failed)", path, type(e).__name__, e)
+            logger.warning(
+                "recording %s could not be written (%s: %s); training goes on without it (metric recording/failed)",
+                path,
+                type(e).__name__,
+                e,
+            )
             return 0
 
     def drop_after(self, step: int) -> int:
@@ -198,9 +228,11 @@ def _rng_to_json(state: Mapping[str, Any]) -> dict[str, Any]:
     """`checkpoints.rng_state()` as JSON: python's tuple, numpy's MT19937 state, torch's bytes."""
     version, internal, gauss = state["python"]
     name, keys, pos, has_gauss, cached = state["numpy"]
-    return {"python": [version, list(internal), gauss],
-            "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
-            "torch": base64.b64encode(state["torch"].numpy().tobytes()).decode()}
+    return {
+        "python": [version, list(internal), gauss],
+        "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        "torch": base64.b64encode(state["torch"].numpy().tobytes()).decode(),
+    }
 
 
 def rng_from_json(doc: Mapping[str, Any]) -> dict[str, Any]:
@@ -210,9 +242,11 @@ def rng_from_json(doc: Mapping[str, Any]) -> dict[str, Any]:
     version, internal, gauss = doc["python"]
     name, keys, pos, has_gauss, cached = doc["numpy"]
     raw = np.frombuffer(base64.b64decode(doc["torch"]), dtype=np.uint8).copy()
-    return {"python": (version, tuple(internal), gauss),
-            "numpy": (name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached),
-            "torch": torch.from_numpy(raw)}
+    return {
+        "python": (version, tuple(internal), gauss),
+        "numpy": (name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached),
+        "torch": torch.from_numpy(raw),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,16 +278,28 @@ def load_recording(run_dir: str | Path, step: int) -> Recording:
         steps = recorded_steps(run_dir)
         raise FileNotFoundError(
             f"no recording of step {step} in {Path(run_dir) / DIRNAME}: recorded steps are "
-            f"{_span(steps) if steps else 'none'} (recording is agl_lab.record.enabled, on by default)")
+            f"{_span(steps) if steps else 'none'} (recording is agl_lab.record.enabled, on by default)"
+        )
     doc = _read_doc(path)
     if doc.get("format") != FORMAT or doc.get("version") != VERSION:
-        raise RecordingError(f"{path} is not an agl_lab recording of version {VERSION} "
-                             f"(format {doc.get('format')!r}, version {doc.get('version')!r})")
+        raise RecordingError(
+            f"{path} is not an agl_lab recording of version {VERSION} "
+            f"(format {doc.get('format')!r}, version {doc.get('version')!r})"
+        )
     try:
-        return Recording(step=doc["step"], batch_step=doc["batch_step"], policy_version=doc["policy_version"],
-                         seed=doc["seed"], rng=doc["rng"], pad_token_id=doc["pad_token_id"],
-                         rollouts=_rollouts(path, doc), metrics=doc["metrics"],
-                         weights=pd.DataFrame(doc["weights"]), dropped=pd.DataFrame(doc["dropped"]), path=path)
+        return Recording(
+            step=doc["step"],
+            batch_step=doc["batch_step"],
+            policy_version=doc["policy_version"],
+            seed=doc["seed"],
+            rng=doc["rng"],
+            pad_token_id=doc["pad_token_id"],
+            rollouts=_rollouts(path, doc),
+            metrics=doc["metrics"],
+            weights=pd.DataFrame(doc["weights"]),
+            dropped=pd.DataFrame(doc["dropped"]),
+            path=path,
+        )
     except RecordingError:
         raise
     except KeyError as e:
@@ -295,8 +341,9 @@ def _rollouts(path: Path, doc: Mapping[str, Any]) -> list[CompletedRollout]:
             raise RecordingError(f"{path} is damaged: rollout {i} has no {e.args[0]!r} field") from None
         except (TypeError, ValueError, AttributeError) as e:
             if missing := re.findall(r"'(\w+)'", str(e)) if "missing" in str(e) else None:
-                raise RecordingError(f"{path} is damaged: rollout {i} has no {', '.join(map(repr, missing))} "
-                                     f"field") from None
+                raise RecordingError(
+                    f"{path} is damaged: rollout {i} has no {', '.join(map(repr, missing))} field"
+                ) from None
             raise RecordingError(f"{path} is damaged: rollout {i} cannot be read ({type(e).__name__}: {e})") from None
     return out
 

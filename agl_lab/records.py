@@ -190,8 +190,11 @@ def _trim_model_request(data: dict[str, Any]) -> dict[str, Any]:
     elif isinstance(response, list):  # legacy: raw stream chunks
         prompt_ids, response_ids = _ids_from_chunks(response)
     server = data.get("server") if isinstance(data.get("server"), dict) else {}
-    bad = [name for name, ids in (("prompt_token_ids", prompt_ids), ("response_token_ids", response_ids))
-           if not _are_token_ids(ids)]
+    bad = [
+        name
+        for name, ids in (("prompt_token_ids", prompt_ids), ("response_token_ids", response_ids))
+        if not _are_token_ids(ids)
+    ]
     if bad:  # kept with a reason and no tokens: the builder skips calls without response tokens
         prompt_ids, response_ids, log_probs = [], [], None
     out: dict[str, Any] = {
@@ -260,8 +263,10 @@ def triplets_from_events(triplet_events: Sequence[Mapping[str, Any]]) -> list[Tr
                 prompt_ids=[int(t) for t in data.get("prompt_token_ids") or []],
                 response_ids=response_ids,
                 logprobs=clean_logprobs(data.get("response_log_probs"), len(response_ids)),
-                metadata={"server": data.get("server"), **({"overridden": data["overridden"]}
-                                                            if data.get("overridden") else {})},
+                metadata={
+                    "server": data.get("server"),
+                    **({"overridden": data["overridden"]} if data.get("overridden") else {}),
+                },
             )
         )
     return triplets
@@ -287,8 +292,7 @@ def policy_version_from_events(raw_events: Sequence[Mapping[str, Any]]) -> int |
     versions = [
         int(v)
         for e in raw_events
-        if e.get("event_type") == "model_request"
-        and is_number(v := (e.get("data") or {}).get("model_version"))
+        if e.get("event_type") == "model_request" and is_number(v := (e.get("data") or {}).get("model_version"))
     ]
     return min(versions) if versions else None
 

@@ -128,9 +128,14 @@ def replay_step(run_dir: str | Path, step: int, overrides: Sequence[str] = (), *
     with _quiet_update_log():  # the run already warned about this step (alignment, skips)
         update = run_update(cfg, _NoEngine(rec.policy_version), batch, step=rec.batch_step)
     replayed = {**batch.metrics, **update.metrics}
-    return Replay(recording=rec, batch=batch, update=update, comparison=_compare(rec.metrics, replayed),
-                  weights_equal=_frames_equal(rec.weights, update.weights),
-                  dropped_equal=_frames_equal(rec.dropped, update.dropped))
+    return Replay(
+        recording=rec,
+        batch=batch,
+        update=update,
+        comparison=_compare(rec.metrics, replayed),
+        weights_equal=_frames_equal(rec.weights, update.weights),
+        dropped_equal=_frames_equal(rec.dropped, update.dropped),
+    )
 
 
 @contextlib.contextmanager
@@ -152,8 +157,15 @@ def _same(a: Any, b: Any) -> bool:
 
 def _compare(recorded: Mapping[str, Any], replayed: Mapping[str, Any]) -> pd.DataFrame:
     keys = sorted(k for k in set(recorded) & set(replayed) if not k.startswith(_EXACT_SKIP))
-    rows = [{"metric": k, "recorded": recorded[k], "replayed": jsonable(replayed[k]),
-             "equal": _same(recorded[k], jsonable(replayed[k]))} for k in keys]
+    rows = [
+        {
+            "metric": k,
+            "recorded": recorded[k],
+            "replayed": jsonable(replayed[k]),
+            "equal": _same(recorded[k], jsonable(replayed[k])),
+        }
+        for k in keys
+    ]
     return pd.DataFrame(rows, columns=["metric", "recorded", "replayed", "equal"])
 
 
@@ -204,8 +216,10 @@ def replay_update(run_dir: str | Path, step: int, *, checkpoint_root: str | Path
     root = Path(checkpoint_root) if checkpoint_root is not None else checkpoints.checkpoint_root(cfg)
     before_dir, after_dir = root / f"global_step_{step - 1}", root / f"global_step_{step}"
     if step > 1 and not before_dir.exists():
-        raise FileNotFoundError(f"replaying step {step}'s update needs the checkpoint of step {step - 1} at "
-                                f"{before_dir} (trainer.save_freq=1 keeps one per step)")
+        raise FileNotFoundError(
+            f"replaying step {step}'s update needs the checkpoint of step {step - 1} at "
+            f"{before_dir} (trainer.save_freq=1 keeps one per step)"
+        )
     _, task = agent_and_task(cfg, None, None, has_tasks=True)
     engine = build_engine(cfg, task=task)
     try:
@@ -223,14 +237,26 @@ def replay_update(run_dir: str | Path, step: int, *, checkpoint_root: str | Path
     finally:
         engine.close()
     keys = sorted(k for k in set(rec.metrics) & set(update.metrics) if k.startswith("actor/"))
-    losses = pd.DataFrame([{"metric": k, "recorded": rec.metrics[k], "replayed": float(update.metrics[k]),
-                            "abs_diff": abs(float(update.metrics[k]) - float(rec.metrics[k]))} for k in keys],
-                          columns=["metric", "recorded", "replayed", "abs_diff"])
+    losses = pd.DataFrame(
+        [
+            {
+                "metric": k,
+                "recorded": rec.metrics[k],
+                "replayed": float(update.metrics[k]),
+                "abs_diff": abs(float(update.metrics[k]) - float(rec.metrics[k])),
+            }
+            for k in keys
+        ],
+        columns=["metric", "recorded", "replayed", "abs_diff"],
+    )
     norm = (lambda t: float(torch.linalg.vector_norm(t))) if change is not None else None
-    param_change = {"replayed_norm": norm(change) if norm else None,
-                    "recorded_norm": norm(recorded_change) if recorded_change is not None else None,
-                    "relative_gap": (norm(change - recorded_change) / max(norm(recorded_change), 1e-30))
-                    if recorded_change is not None else None}
+    param_change = {
+        "replayed_norm": norm(change) if norm else None,
+        "recorded_norm": norm(recorded_change) if recorded_change is not None else None,
+        "relative_gap": (norm(change - recorded_change) / max(norm(recorded_change), 1e-30))
+        if recorded_change is not None
+        else None,
+    }
     return UpdateReplay(replay=base, update=update, losses=losses, param_change=param_change)
 
 
@@ -301,18 +327,28 @@ def what_if(run_dir: str | Path, step: int, overrides: Sequence[str]) -> WhatIf:
         if not _same(va, vb):
             num = isinstance(va, (int, float)) and isinstance(vb, (int, float))
             moved.append({"metric": key, "base": va, "alt": vb, "delta": (vb - va) if num else None})
-    return WhatIf(overrides=list(overrides), base=base, alt=alt,
-                  metrics=pd.DataFrame(moved, columns=["metric", "base", "alt", "delta"]),
-                  weights=_weights_side_by_side(base.update.weights, alt.update.weights),
-                  dropped=_dropped_difference(base.update.dropped, alt.update.dropped))
+    return WhatIf(
+        overrides=list(overrides),
+        base=base,
+        alt=alt,
+        metrics=pd.DataFrame(moved, columns=["metric", "base", "alt", "delta"]),
+        weights=_weights_side_by_side(base.update.weights, alt.update.weights),
+        dropped=_dropped_difference(base.update.dropped, alt.update.dropped),
+    )
 
 
 def _shares(weights: pd.DataFrame) -> pd.DataFrame:
     if weights.empty:
         return pd.DataFrame(columns=["rollout_id", "share", "reward", "advantage"])
     total = float(weights["loss_weight"].sum()) or 1.0
-    return pd.DataFrame({"rollout_id": weights["rollout_id"], "share": weights["loss_weight"] / total,
-                         "reward": weights["reward"], "advantage": weights["advantage"]})
+    return pd.DataFrame(
+        {
+            "rollout_id": weights["rollout_id"],
+            "share": weights["loss_weight"] / total,
+            "reward": weights["reward"],
+            "advantage": weights["advantage"],
+        }
+    )
 
 
 def _weights_side_by_side(base: pd.DataFrame, alt: pd.DataFrame) -> pd.DataFrame:
@@ -356,8 +392,11 @@ def replay_main(argv: list[str]) -> int:
             result = replay_step(args.run_dir, step)
             with pd.option_context("display.max_rows", 200, "display.width", 160):
                 print(result.comparison.to_string(index=False))
-            verdict = "every engine-independent metric and table equal" if result.equal else \
-                f"{len(result.differences)} metrics differ" + ("" if result.weights_equal else "; weights differ")
+            verdict = (
+                "every engine-independent metric and table equal"
+                if result.equal
+                else f"{len(result.differences)} metrics differ" + ("" if result.weights_equal else "; weights differ")
+            )
             print(f"\nstep {step}: {len(result.comparison)} metrics compared: {verdict}")
             return 0 if result.equal else 1
         diff = what_if(args.run_dir, step, args.overrides)

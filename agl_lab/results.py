@@ -29,9 +29,10 @@ if TYPE_CHECKING:  # batch imports torch; the results only hold its record
 def _metrics_table(metrics: dict[str, Any], keys: list[str]) -> str:
     rows = "".join(
         f"<tr><td>{html.escape(k)}</td><td>{metrics[k]:.4g}</td></tr>"
-        if isinstance(metrics[k], float) else
-        f"<tr><td>{html.escape(k)}</td><td>{html.escape(str(metrics[k]))}</td></tr>"
-        for k in keys if k in metrics
+        if isinstance(metrics[k], float)
+        else f"<tr><td>{html.escape(k)}</td><td>{html.escape(str(metrics[k]))}</td></tr>"
+        for k in keys
+        if k in metrics
     )
     return f"<table>{rows}</table>"
 
@@ -94,9 +95,13 @@ class RolloutResult:
 
     def __repr__(self) -> str:
         reward = self.mean_reward
-        parts = [f"step={self.step}", f"rollouts={len(self.rollouts)}", f"failed={len(self.failed)}",
-                 f"mean_reward={'None' if reward is None else f'{reward:.3f}'}",
-                 f"carry_over_groups={len(self.carry_over)}"]
+        parts = [
+            f"step={self.step}",
+            f"rollouts={len(self.rollouts)}",
+            f"failed={len(self.failed)}",
+            f"mean_reward={'None' if reward is None else f'{reward:.3f}'}",
+            f"carry_over_groups={len(self.carry_over)}",
+        ]
         if self.failed:
             parts.append(f"first_error={_first_line(self.failed[0].error_message)!r}")
         return _short_repr(self, parts)
@@ -112,9 +117,11 @@ class RolloutResult:
             f"{'—' if reward is None else f'{reward:.3f}'}",
         ]
         if n_failed:
-            lines.append(f"<span style='color:#c33'>first error: "
-                         f"{html.escape(_first_line(self.failed[0].error_message))}</span> "
-                         "(all of them: <code>.lifecycle[['rollout_id', 'state', 'error_message']]</code>)")
+            lines.append(
+                f"<span style='color:#c33'>first error: "
+                f"{html.escape(_first_line(self.failed[0].error_message))}</span> "
+                "(all of them: <code>.lifecycle[['rollout_id', 'state', 'error_message']]</code>)"
+            )
         if self.carry_over:
             lines.append(f"{len(self.carry_over)} groups carried over to the next step")
         keys = ["training/reward", "val/reward", "timing/rollout_total_s/p50", "timing/rollout_total_s/max"]
@@ -174,8 +181,15 @@ class BatchResult:
 
     def __repr__(self) -> str:
         n_rows = len(self.data) if self.data is not None else 0
-        return _short_repr(self, [f"step={self.step}", f"rows={n_rows}", f"rollouts={len(self.rollouts)}",
-                                  f"breaks={len(self.built.breaks)}"])
+        return _short_repr(
+            self,
+            [
+                f"step={self.step}",
+                f"rows={n_rows}",
+                f"rollouts={len(self.rollouts)}",
+                f"breaks={len(self.built.breaks)}",
+            ],
+        )
 
     def _repr_html_(self) -> str:
         n_rows = len(self.data) if self.data is not None else 0
@@ -183,8 +197,12 @@ class BatchResult:
             f"step {self.step} · {n_rows} rows from {len(self.rollouts)} rollouts ({self.level} level)",
             f"{len(self.built.breaks)} merge breaks",
         ]
-        keys = ["training/n_sample", "training/n_unmerged_rollouts", "training/n_truncated_sample",
-                "training/n_trace_merge_mismatch_rows"]
+        keys = [
+            "training/n_sample",
+            "training/n_unmerged_rollouts",
+            "training/n_truncated_sample",
+            "training/n_trace_merge_mismatch_rows",
+        ]
         return _summary_html("BatchResult", lines, self.metrics, keys)
 
 
@@ -219,19 +237,24 @@ class UpdateResult:
         from agl_lab.token_view import find_row, row_key, tokens_frame
 
         if self.trained is None or self.engine is None or self.batch is None:
-            raise RuntimeError("UpdateResult.tokens needs the trained batch and its engine: use the result of "
-                               "Trainer.update() (a skipped or replayed update has neither)")
+            raise RuntimeError(
+                "UpdateResult.tokens needs the trained batch and its engine: use the result of "
+                "Trainer.update() (a skipped or replayed update has neither)"
+            )
         import warnings
 
         rollout_id, first_call = row_key(row, self.batch.data)
         i, data = find_row(self.trained, rollout_id, first_call), self.trained
         if i is None:  # dropped before the update: its tokens from the built batch, nothing of the update
-            warnings.warn(f"the row of rollout {rollout_id} starting at call {first_call} was not trained (dropped "
-                          "before the update: see UpdateResult.dropped); old_logprob, ratio and advantage are NaN",
-                          stacklevel=2)
+            warnings.warn(
+                f"the row of rollout {rollout_id} starting at call {first_call} was not trained (dropped "
+                "before the update: see UpdateResult.dropped); old_logprob, ratio and advantage are NaN",
+                stacklevel=2,
+            )
             i, data = find_row(self.batch.data, rollout_id, first_call), self.batch.data
-        frame = tokens_frame(data, i, self.engine, self.batch.tokenizer, temperature=self.temperature,
-                             policy_version=self.policy_version)
+        frame = tokens_frame(
+            data, i, self.engine, self.batch.tokenizer, temperature=self.temperature, policy_version=self.policy_version
+        )
         frame.attrs["trained"] = data is self.trained
         return frame
 
@@ -241,16 +264,27 @@ class UpdateResult:
         return int(self.dropped["rows"].sum()) if len(self.dropped) else 0
 
     def __repr__(self) -> str:
-        return _short_repr(self, [f"step={self.step}", f"skipped={self.skipped}",
-                                  f"policy_version={self.policy_version}",
-                                  f"dropped={len(self.dropped)} rollouts/{self.dropped_rows} rows"])
+        return _short_repr(
+            self,
+            [
+                f"step={self.step}",
+                f"skipped={self.skipped}",
+                f"policy_version={self.policy_version}",
+                f"dropped={len(self.dropped)} rollouts/{self.dropped_rows} rows",
+            ],
+        )
 
     def _repr_html_(self) -> str:
         state = "skipped (no trainable rows)" if self.skipped else f"policy version → {self.policy_version}"
-        lines = [f"step {self.step} · {state}",
-                 f"{len(self.dropped)} dropped rollouts ({self.dropped_rows} rows)"]
-        keys = ["training/n_sample_trained", "training/n_zero_adv_groups", "actor/pg_loss",
-                "actor/grad_norm", "actor/entropy", "training/rollout_probs_diff_max"]
+        lines = [f"step {self.step} · {state}", f"{len(self.dropped)} dropped rollouts ({self.dropped_rows} rows)"]
+        keys = [
+            "training/n_sample_trained",
+            "training/n_zero_adv_groups",
+            "actor/pg_loss",
+            "actor/grad_norm",
+            "actor/entropy",
+            "training/rollout_probs_diff_max",
+        ]
         return _summary_html("UpdateResult", lines, self.metrics, keys)
 
 
@@ -288,14 +322,25 @@ def report_rollout_problems(batch: BatchResult) -> BatchResult:
             "their rows pull the policy away from what they sampled. First error (rollout %s): %s\n"
             "To leave failed rollouts out of training set %s=true (every error: RolloutResult.lifecycle"
             "[['rollout_id', 'state', 'error_message']]).",
-            batch.step, len(failed), len(rollouts), reward[failed[0].rollout_id], FILLNA_KEY, failed[0].rollout_id,
-            first[:2000], EXCLUDE_KEY)
+            batch.step,
+            len(failed),
+            len(rollouts),
+            reward[failed[0].rollout_id],
+            FILLNA_KEY,
+            failed[0].rollout_id,
+            first[:2000],
+            EXCLUDE_KEY,
+        )
     if missing:
         _problems_logger.warning(
             "step %d: %d of %d rollouts ended without a reward (the agent returned None and emitted no reward "
             "event, e.g. rollout %s); they are trained with reward %s (%s). Return the reward from the agent, "
             "or post a reward event for the rollout before it returns.",
-            batch.step, len(missing), len(rollouts), missing[0].rollout_id,
+            batch.step,
+            len(missing),
+            len(rollouts),
+            missing[0].rollout_id,
             next((f"{reward[r.rollout_id]:g}" for r in missing if r.rollout_id in reward), "(none: no rows)"),
-            FILLNA_KEY)
+            FILLNA_KEY,
+        )
     return batch

@@ -105,15 +105,18 @@ def _make_requests(
                 input=dict(task),
                 is_train=is_train,
                 config=config,
-                metadata={"batch_idx": step, "sample_idx_in_batch": sample_idx, "copy_idx": copy_idx,
-                          "group_id": data_id},
+                metadata={
+                    "batch_idx": step,
+                    "sample_idx_in_batch": sample_idx,
+                    "copy_idx": copy_idx,
+                    "group_id": data_id,
+                },
             )
             if hooks is not None:
                 request = hooks.on_enqueue(request)
                 if not isinstance(request, RolloutCreate):
                     raise TypeError(
-                        f"{type(hooks).__name__}.on_enqueue must return a RolloutCreate, "
-                        f"got {type(request).__name__}"
+                        f"{type(hooks).__name__}.on_enqueue must return a RolloutCreate, got {type(request).__name__}"
                     )
             request = request.model_copy(update={"rollout_id": uuid.uuid4().hex})
             entry = _Entry(request.rollout_id, data_id, step, sample_idx, copy_idx, time.time(), policy_version)
@@ -129,15 +132,20 @@ def _events_by_attempt(rollout: Rollout, raw_events: Sequence[Mapping[str, Any]]
     return grouped or {rollout.status.last_attempt_id or "unknown": []}
 
 
-def count_repeated_prompts(completed: CompletedRollout, every_call: Sequence[Mapping[str, Any]],
-                           triplet_events: Sequence[Mapping[str, Any]]) -> int:
+def count_repeated_prompts(
+    completed: CompletedRollout, every_call: Sequence[Mapping[str, Any]], triplet_events: Sequence[Mapping[str, Any]]
+) -> int:
     """Calls the triplet view dropped because they repeated an identical prompt (AGL v1 keeps the
     last call per prompt): the kept triplet of such a prompt gets `metadata["repeats_dropped"]`
     (a column of `ro.triplets`), the rollout `metadata["n_repeated_prompt_calls_dropped"]`
     (summed into `training/n_repeated_prompt_calls_dropped`; `dry_run` prints it)."""
+
     def counts(events: Sequence[Mapping[str, Any]]) -> Counter:
-        return Counter(tuple((e.get("data") or {}).get("prompt_token_ids") or ())
-                       for e in events if e.get("event_type") == "model_request")
+        return Counter(
+            tuple((e.get("data") or {}).get("prompt_token_ids") or ())
+            for e in events
+            if e.get("event_type") == "model_request"
+        )
 
     everything, kept = counts(every_call), counts(triplet_events)
     repeats = {k: n - kept[k] for k, n in everything.items() if n > kept[k]}
@@ -155,8 +163,14 @@ class _Collector:
     been seen running, one `GET /api/rollouts?state_in=running` for the running timestamp).
     """
 
-    def __init__(self, client: AglClient, hooks: RolloutHooks | None, poll_interval: float, track_running: bool,
-                 keep_repeated_prompts: bool = False):
+    def __init__(
+        self,
+        client: AglClient,
+        hooks: RolloutHooks | None,
+        poll_interval: float,
+        track_running: bool,
+        keep_repeated_prompts: bool = False,
+    ):
         self.client, self.hooks = client, hooks
         self.keep_repeated_prompts = keep_repeated_prompts  # else the server's triplet view (AGL: last per prompt)
         self.poll_interval, self.track_running = poll_interval, track_running
@@ -172,8 +186,9 @@ class _Collector:
             self.cursor = total
         elif self.cursor > total:
             logger.warning(
-                "terminal log has %d entries but the cursor is at %d (server restarted?); "
-                "re-reading the log from 0", total, self.cursor,
+                "terminal log has %d entries but the cursor is at %d (server restarted?); re-reading the log from 0",
+                total,
+                self.cursor,
             )
             self.cursor = 0
 
@@ -230,8 +245,9 @@ class _Collector:
                 states = self.client.states_of(unfinished)
                 if n_collected() == 0:
                     # fail them so no runner starts them for nobody; collected as FAILED by a later poll
-                    self.client.fail_rollouts(sorted(unfinished), f"{label}: the trainer's wait for this rollout "
-                                                                  f"timed out after {timeout:g}s")
+                    self.client.fail_rollouts(
+                        sorted(unfinished), f"{label}: the trainer's wait for this rollout timed out after {timeout:g}s"
+                    )
                     raise RolloutWaitTimeout(timeout, states, n_total)
                 for rid in sorted(unfinished):
                     self.client.delete_rollout(rid)
@@ -256,13 +272,25 @@ class _Collector:
         n_written, hook_error = self._run_hook(rollout, raw_events)
         if n_written:  # the hook's events belong to the rollout's record too
             raw_events = self.client.get_events(rollout.rollout_id)
-        every_call = [e.model_dump(mode="json") for e in records_triplet_events(  # trimmed, no call dropped
-            [Event.model_validate(e) for e in raw_events], keep_repeated_prompts=True)]
-        triplet_events = every_call if self.keep_repeated_prompts else self.client.get_events(
-            rollout.rollout_id, fmt="triplet")
-        timing = dict(data_id=entry.data_id, step=entry.step, sample_idx=entry.sample_idx, copy_idx=entry.copy_idx,
-                      enqueue_time=entry.enqueue_time, running_at=running_at, finished_at=finished_at,
-                      enqueue_policy_version=entry.enqueue_policy_version)
+        every_call = [
+            e.model_dump(mode="json")
+            for e in records_triplet_events(  # trimmed, no call dropped
+                [Event.model_validate(e) for e in raw_events], keep_repeated_prompts=True
+            )
+        ]
+        triplet_events = (
+            every_call if self.keep_repeated_prompts else self.client.get_events(rollout.rollout_id, fmt="triplet")
+        )
+        timing = dict(
+            data_id=entry.data_id,
+            step=entry.step,
+            sample_idx=entry.sample_idx,
+            copy_idx=entry.copy_idx,
+            enqueue_time=entry.enqueue_time,
+            running_at=running_at,
+            finished_at=finished_at,
+            enqueue_policy_version=entry.enqueue_policy_version,
+        )
         try:
             completed = events_to_completed_rollout(rollout, raw_events, triplet_events, **timing)
         except Exception as exc:  # never lose the step: keep the rollout in the store, count it failed
@@ -309,16 +337,19 @@ class _Collector:
         return f"{name}: {type(exc).__name__}: {exc}"
 
 
-def report_wait_timeout(label: str, dropped: Mapping[str, str], n_kept: int, timeout: float | None,
-                        is_train: bool = True) -> dict[str, float]:
+def report_wait_timeout(
+    label: str, dropped: Mapping[str, str], n_kept: int, timeout: float | None, is_train: bool = True
+) -> dict[str, float]:
     """The metric and the warning of a wait that timed out but kept what finished:
     `training/n_wait_timeout_dropped_rollouts` (`val/…`), 0 when nothing was dropped."""
     prefix = "training" if is_train else "val"
     if dropped:
         states = ", ".join(f"{n} {state}" for state, n in sorted(Counter(dropped.values()).items()))
-        message = (f"{label}: the rollout wait timed out after {timeout:g}s; training on the {n_kept} rollouts that "
-                   f"finished and dropping {len(dropped)} unfinished ({states}; deleted from the store); raise "
-                   f"agl_lab.rollout.wait_timeout_seconds (now {timeout:g}) if they were still making progress")
+        message = (
+            f"{label}: the rollout wait timed out after {timeout:g}s; training on the {n_kept} rollouts that "
+            f"finished and dropping {len(dropped)} unfinished ({states}; deleted from the store); raise "
+            f"agl_lab.rollout.wait_timeout_seconds (now {timeout:g}) if they were still making progress"
+        )
         logger.warning(message)
         warnings.warn(message, RuntimeWarning, stacklevel=3)
     return {f"{prefix}/n_wait_timeout_dropped_rollouts": float(len(dropped))}
@@ -328,7 +359,11 @@ def _progress(label: str, collected: Sequence[CompletedRollout], total: int) -> 
     n_failed = sum(c.state == RolloutState.FAILED.value for c in collected)
     logger.info(
         "%s: completed=%d/%d succeeded=%d failed=%d",
-        label, len(collected), total, len(collected) - n_failed, n_failed,
+        label,
+        len(collected),
+        total,
+        len(collected) - n_failed,
+        n_failed,
     )
 
 
@@ -373,8 +408,9 @@ class SyncRolloutManager:
     def n_hook_errors(self) -> int:
         return self._collector.n_hook_errors
 
-    def run(self, tasks: Sequence[Mapping[str, Any]], is_train: bool,
-            metrics: dict[str, Any] | None = None) -> list[CompletedRollout]:
+    def run(
+        self, tasks: Sequence[Mapping[str, Any]], is_train: bool, metrics: dict[str, Any] | None = None
+    ) -> list[CompletedRollout]:
         """Run one rollout phase; return completed rollouts in (sample_idx, copy) order.
 
         `metrics` (optional) receives `training/n_wait_timeout_dropped_rollouts` (`val/…`)."""
@@ -382,8 +418,12 @@ class SyncRolloutManager:
         collector.pending.clear()  # a timed-out earlier run is abandoned, not waited for
         collector.start()
         pairs = _make_requests(
-            tasks, n=self.n if is_train else 1, is_train=is_train, config=self.rollout_config,
-            step=self.step, hooks=collector.hooks,
+            tasks,
+            n=self.n if is_train else 1,
+            is_train=is_train,
+            config=self.rollout_config,
+            step=self.step,
+            hooks=collector.hooks,
         )
         collector.submit(pairs)
         collected: list[CompletedRollout] = []
@@ -437,12 +477,16 @@ def check_async_sizes(train_batch_size: int, async_train_batch_size: int | None)
     groups in flight than a step trains on, or nothing is ever carried over."""
     if not isinstance(train_batch_size, int) or train_batch_size < 1:
         raise ValueError(f"data.train_batch_size must be an int >= 1, got {train_batch_size!r}")
-    if (not isinstance(async_train_batch_size, int) or isinstance(async_train_batch_size, bool)
-            or async_train_batch_size <= train_batch_size):
+    if (
+        not isinstance(async_train_batch_size, int)
+        or isinstance(async_train_batch_size, bool)
+        or async_train_batch_size <= train_batch_size
+    ):
         raise ValueError(
             f"agentlightning.async_rollout.async_train_batch_size ({async_train_batch_size!r}) must be an int > "
             f"data.train_batch_size ({train_batch_size}) when async rollout is on; set it to e.g. "
-            f"{2 * train_batch_size} (2 × train_batch_size, as AGL recommends)")
+            f"{2 * train_batch_size} (2 × train_batch_size, as AGL recommends)"
+        )
 
 
 class AsyncRolloutManager:
@@ -493,8 +537,13 @@ class AsyncRolloutManager:
     def carry_over_groups(self) -> list[dict[str, Any]]:
         """The groups in flight, oldest first (for views)."""
         return [
-            {"data_id": g.data_id, "step": g.step, "policy_version": g.policy_version,
-             "n_finished": len(g.finished), "n": len(g.rollout_ids)}
+            {
+                "data_id": g.data_id,
+                "step": g.step,
+                "policy_version": g.policy_version,
+                "n_finished": len(g.finished),
+                "n": len(g.rollout_ids),
+            }
             for g in self._groups.values()
         ]
 
@@ -554,15 +603,18 @@ class AsyncRolloutManager:
         collector = self._collector
         collector.start()
         pairs = _make_requests(
-            tasks, n=self.n, is_train=True, config=self.rollout_config, step=step,
-            hooks=collector.hooks, policy_version=policy_version,
+            tasks,
+            n=self.n,
+            is_train=True,
+            config=self.rollout_config,
+            step=step,
+            hooks=collector.hooks,
+            policy_version=policy_version,
         )
         for entry, _ in pairs:
             group = self._groups.get(entry.data_id)
             if group is None:
-                group = self._groups[entry.data_id] = _Group(
-                    entry.data_id, step, entry.sample_idx, policy_version, []
-                )
+                group = self._groups[entry.data_id] = _Group(entry.data_id, step, entry.sample_idx, policy_version, [])
             group.rollout_ids.append(entry.rollout_id)
         collector.submit(pairs)
 
@@ -572,7 +624,11 @@ class AsyncRolloutManager:
         n_all = sum(len(g.rollout_ids) for g in self._groups.values())
         logger.info(
             "%s: completed_groups=%d/%d finished_rollouts=%d/%d",
-            self.label, self._n_complete(), self.train_batch_size, n_done, n_all,
+            self.label,
+            self._n_complete(),
+            self.train_batch_size,
+            n_done,
+            n_all,
         )
 
     def _n_complete(self) -> int:
@@ -605,8 +661,11 @@ class AsyncRolloutManager:
             "cursor": self._collector.cursor,
             "groups": [
                 {
-                    "data_id": g.data_id, "step": g.step, "sample_idx": g.sample_idx,
-                    "policy_version": g.policy_version, "rollout_ids": list(g.rollout_ids),
+                    "data_id": g.data_id,
+                    "step": g.step,
+                    "sample_idx": g.sample_idx,
+                    "policy_version": g.policy_version,
+                    "rollout_ids": list(g.rollout_ids),
                     "finished": [completed_rollout_to_dict(c) for c in g.finished.values()],
                     "pending": [dataclasses.asdict(pending[r]) for r in g.rollout_ids if r in pending],
                 }
@@ -625,7 +684,11 @@ class AsyncRolloutManager:
         for g in state["groups"]:
             finished = [completed_rollout_from_dict(c) for c in g["finished"]]
             self._groups[g["data_id"]] = _Group(
-                g["data_id"], g["step"], g["sample_idx"], g["policy_version"], list(g["rollout_ids"]),
+                g["data_id"],
+                g["step"],
+                g["sample_idx"],
+                g["policy_version"],
+                list(g["rollout_ids"]),
                 {c.rollout_id: c for c in finished},
             )
             pending.update({e["rollout_id"]: _Entry(**e) for e in g["pending"]})
@@ -648,15 +711,22 @@ def _report_failed(completed, step: int, is_train: bool) -> dict[str, Any]:
     failed = [r for r in completed if r.state == "failed"]
     if failed:
         first = (failed[0].error_message or "no error message").strip()
-        logger.warning("step %d: %d of %d %s rollouts failed; first error (rollout %s): %s\n"
-                       "(every error: RolloutResult.lifecycle[['rollout_id', 'state', 'error_message']])",
-                       step, len(failed), len(completed), "training" if is_train else "validation",
-                       failed[0].rollout_id, first[:2000])
+        logger.warning(
+            "step %d: %d of %d %s rollouts failed; first error (rollout %s): %s\n"
+            "(every error: RolloutResult.lifecycle[['rollout_id', 'state', 'error_message']])",
+            step,
+            len(failed),
+            len(completed),
+            "training" if is_train else "validation",
+            failed[0].rollout_id,
+            first[:2000],
+        )
     return {f"{'training' if is_train else 'val'}/n_failed_rollouts": len(failed)}
 
 
-def fail_unlearnable_rollouts(completed, vocab_size: int | None, max_abs_reward: float, step: int,
-                              is_train: bool) -> dict[str, Any]:
+def fail_unlearnable_rollouts(
+    completed, vocab_size: int | None, max_abs_reward: float, step: int, is_train: bool
+) -> dict[str, Any]:
     """Fail the rollouts the policy cannot learn from (`learnable.fail_unlearnable`: a token id
     outside the vocabulary, an empty prompt, a reward beyond `max_abs_reward`), so one agent's
     bad events fail its rollout alone; `training/n_unlearnable_rollouts` (`val/…`) counts them."""

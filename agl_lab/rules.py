@@ -50,8 +50,10 @@ OUTCOME_HINT = "grpo, rloo, grpo_passk, reinforce_plus_plus_baseline, opo or gpg
 def check_level(level: str) -> str:
     """`level` if it is one of `LEVELS`."""
     if level not in LEVELS:
-        raise ValueError(f"Unknown trace_aggregator_level: {level!r}; set agentlightning.trace_aggregator.level "
-                         f"to one of {list(LEVELS)}.")
+        raise ValueError(
+            f"Unknown trace_aggregator_level: {level!r}; set agentlightning.trace_aggregator.level "
+            f"to one of {list(LEVELS)}."
+        )
     return level
 
 
@@ -60,7 +62,8 @@ def check_divisor(divisor: str) -> str:
     if divisor not in DIVISORS:
         raise ValueError(
             f"agl_lab.algorithm.normalize_by={divisor!r} is not one of {list(DIVISORS)}: "
-            "'rollouts' follows the tech report (Eq. 16), 'rows' reproduces AGL v1")
+            "'rollouts' follows the tech report (Eq. 16), 'rows' reproduces AGL v1"
+        )
     return divisor
 
 
@@ -70,29 +73,36 @@ def check_estimator(adv_estimator: Any, *, rollout_level: bool = True) -> str:
     if name.lower() == "remax":
         raise NotImplementedError(
             "algorithm.adv_estimator=remax is not supported (as in AGL v1): the REMAX baseline needs one "
-            f"extra greedy generation per task; use an outcome estimator such as {OUTCOME_HINT}")
+            f"extra greedy generation per task; use an outcome estimator such as {OUTCOME_HINT}"
+        )
     if rollout_level and name.lower() in TOKEN_LEVEL_ESTIMATORS:
         raise ValueError(
             f"algorithm.adv_estimator={name} gives token-varying advantages, which rollout-level "
             "advantage cannot broadcast: set algorithm.enable_rollout_level_advantage=false, or use "
-            f"an outcome estimator ({OUTCOME_HINT})")
+            f"an outcome estimator ({OUTCOME_HINT})"
+        )
     return name
 
 
-def check_selection_args(mini_batch_rows: int, max_ppo_update_times: int | None = None,
-                         policy: str = "zero_adv_first", small_batch: str = "train") -> None:
+def check_selection_args(
+    mini_batch_rows: int,
+    max_ppo_update_times: int | None = None,
+    policy: str = "zero_adv_first",
+    small_batch: str = "train",
+) -> None:
     """Raise ValueError naming the config key for an argument selection cannot use."""
     if mini_batch_rows <= 0:
-        raise ValueError(f"mini_batch_rows must be positive (actor.ppo_mini_batch_size × rollout.n), "
-                         f"got {mini_batch_rows}")
+        raise ValueError(
+            f"mini_batch_rows must be positive (actor.ppo_mini_batch_size × rollout.n), got {mini_batch_rows}"
+        )
     if max_ppo_update_times is not None and max_ppo_update_times <= 0:
-        raise ValueError("agentlightning.max_ppo_update_times must be null or a positive integer, "
-                         f"got {max_ppo_update_times}")
+        raise ValueError(
+            f"agentlightning.max_ppo_update_times must be null or a positive integer, got {max_ppo_update_times}"
+        )
     if policy not in SELECTION_POLICIES:
         raise ValueError(f"policy={policy!r} is not one of {list(SELECTION_POLICIES)}")
     if small_batch not in SMALL_BATCH_CHOICES:
-        raise ValueError(f"agl_lab.algorithm.small_batch={small_batch!r} is not one of "
-                         f"{list(SMALL_BATCH_CHOICES)}")
+        raise ValueError(f"agl_lab.algorithm.small_batch={small_batch!r} is not one of {list(SMALL_BATCH_CHOICES)}")
 
 
 # ---------------------------------------------------------------------------------------------

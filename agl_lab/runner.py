@@ -251,8 +251,7 @@ class Runner:
         self._client: AglClient | None = None
         self.runner_id = runner_id or default_runner_id()
         self._claim_route = True  # False after an AGL server answered 404/405: list-then-PATCH
-        self._counts = {"claimed": 0, "succeeded": 0, "failed": 0, "abandoned": 0, "released": 0,
-                        "conflicts": 0}
+        self._counts = {"claimed": 0, "succeeded": 0, "failed": 0, "abandoned": 0, "released": 0, "conflicts": 0}
         self._last_reconcile = 0.0
         self._last_heartbeat, self._heartbeat_every = -math.inf, HEARTBEAT_MAX_INTERVAL_SECONDS
         self._last_warning: dict[str, float] = {}
@@ -310,8 +309,11 @@ class Runner:
         self.stop()
 
     def __repr__(self) -> str:
-        agent = self.agent if isinstance(self.agent, str) or self.agent is None else getattr(
-            self.agent, "__name__", type(self.agent).__name__)
+        agent = (
+            self.agent
+            if isinstance(self.agent, str) or self.agent is None
+            else getattr(self.agent, "__name__", type(self.agent).__name__)
+        )
         state = "stopped" if self._stop.is_set() else "polling" if self._thread else "not started"
         return f"Runner({self.server_url}, agent={agent!r}, concurrency={self.concurrency}, {state}, {self.stats})"
 
@@ -340,15 +342,17 @@ class Runner:
             except AglAuthError as exc:  # the key was changed or is wrong: retrying cannot help for long
                 refused += 1
                 if refused >= AUTH_FAILURES_TO_GIVE_UP:
-                    self.auth_error = (f"{self.server_url} rejected the key (401) {refused} times in a row: pass "
-                                       "the server's key (--key, --key-file or $AGL_KEY); this runner stopped polling")
+                    self.auth_error = (
+                        f"{self.server_url} rejected the key (401) {refused} times in a row: pass "
+                        "the server's key (--key, --key-file or $AGL_KEY); this runner stopped polling"
+                    )
                     log.error("%s", self.auth_error)
                     return
                 self._warn("poll", f"runner poll of {self.server_url} answered 401, retrying: {exc}")
             except Exception as exc:  # server hiccup: log and keep polling
                 refused = 0
                 self._warn("poll", f"runner poll of {self.server_url} failed, retrying: {exc!r}")
-            self._stop.wait(self.poll_interval if not refused else max(self.poll_interval, 0.2 * 2 ** refused))
+            self._stop.wait(self.poll_interval if not refused else max(self.poll_interval, 0.2 * 2**refused))
 
     def _tick(self) -> None:
         started = time.monotonic()
@@ -396,8 +400,11 @@ class Runner:
         if not live:
             return set()
         try:
-            return set(self._client.release_rollouts({ex.rollout_id: ex.attempt_id for ex in live},
-                                                     f"runner {self.runner_id} stopped"))
+            return set(
+                self._client.release_rollouts(
+                    {ex.rollout_id: ex.attempt_id for ex in live}, f"runner {self.runner_id} stopped"
+                )
+            )
         except AglHTTPError as exc:
             if exc.status_code not in _CLAIM_UNSUPPORTED:
                 log.error("could not release %d rollout(s) (%r); failing them instead", len(live), exc)
@@ -434,8 +441,7 @@ class Runner:
         for ex in self._live_snapshot():
             # Critical: only rollouts claimed before this listing was requested can be judged.
             if ex.claimed_at < started and ex.rollout_id not in alive:
-                log.info("rollout %s was terminated or deleted outside the runner; stopping its agent",
-                         ex.rollout_id)
+                log.info("rollout %s was terminated or deleted outside the runner; stopping its agent", ex.rollout_id)
                 self._finish(ex, None, None)
 
     def _heartbeat(self) -> None:
@@ -453,8 +459,9 @@ class Runner:
         lost = set(answer.get("not_running") or ())
         for ex in live:
             if ex.rollout_id in lost:  # re-queued (lease expired), finished or deleted outside the runner
-                log.info("rollout %s attempt %s is no longer this runner's; stopping its agent",
-                         ex.rollout_id, ex.attempt_id)
+                log.info(
+                    "rollout %s attempt %s is no longer this runner's; stopping its agent", ex.rollout_id, ex.attempt_id
+                )
                 self._finish(ex, None, None)
         lease = float(answer.get("lease_seconds") or 0.0)
         self._heartbeat_every = HEARTBEAT_MAX_INTERVAL_SECONDS
@@ -486,12 +493,15 @@ class Runner:
             self._counts["claimed"] += 1
         if self._stop.is_set():  # claimed while stop() was starting: give it straight back
             released = self._release([ex])
-            self._finish(ex, None if released else "failed", None if released else SHUTDOWN_MESSAGE,
-                         count="released" if released else None)
+            self._finish(
+                ex,
+                None if released else "failed",
+                None if released else SHUTDOWN_MESSAGE,
+                count="released" if released else None,
+            )
             return
         target = self._supervise_callable if callable(self.agent) else self._supervise_subprocess
-        ex.thread = threading.Thread(target=target, args=(ex,), daemon=True,
-                                     name=f"agl-rollout-{ex.rollout_id[:8]}")
+        ex.thread = threading.Thread(target=target, args=(ex,), daemon=True, name=f"agl-rollout-{ex.rollout_id[:8]}")
         ex.thread.start()
 
     def _supervise_callable(self, ex: _Execution) -> None:
@@ -532,8 +542,10 @@ class Runner:
         if value is None:
             return "succeeded", None
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            return "failed", (f"agent returned {type(value).__name__} {value!r:.80}; "
-                              "return a float reward (posted as the reward event) or None")
+            return "failed", (
+                f"agent returned {type(value).__name__} {value!r:.80}; "
+                "return a float reward (posted as the reward event) or None"
+            )
         if (problem := reward_problem(value)) is not None:  # NaN, inf, beyond float32 (1e39, 10**400)
             return "failed", f"agent returned an unusable reward: {problem}; return a finite float32 or None"
         assert self._client is not None
@@ -556,11 +568,13 @@ class Runner:
 
     def _spawn(self, ex: _Execution, stderr_file: IO[bytes]) -> subprocess.Popen:
         spec = self._agent_class_of(ex.rollout)
-        env = {**os.environ, "PYTHONPATH": _child_pythonpath(),
-               **agent_env(ex.rollout, self.agent_server_url, self.key)}
+        env = {
+            **os.environ,
+            "PYTHONPATH": _child_pythonpath(),
+            **agent_env(ex.rollout, self.agent_server_url, self.key),
+        }
         argv = [sys.executable, "-m", "agl_lab._agent_bootstrap", spec]
-        return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stderr=stderr_file,
-                                start_new_session=True)
+        return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stderr=stderr_file, start_new_session=True)
 
     def _supervise_subprocess(self, ex: _Execution) -> None:
         """Spawn the AGL agent class in its own session; wait, time out or report its exit."""
@@ -626,5 +640,4 @@ class Runner:
             if isinstance(exc, AglHTTPError) and exc.status_code in (404, 409):  # deleted / decided elsewhere
                 log.info("rollout %s: PATCH %s answered %d; leaving it", rollout_id, state, exc.status_code)
                 return
-            log.error("rollout %s: could not PATCH %s (%r); it stays running on the server",
-                      rollout_id, state, exc)
+            log.error("rollout %s: could not PATCH %s (%r); it stays running on the server", rollout_id, state, exc)

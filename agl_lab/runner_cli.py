@@ -45,26 +45,57 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="agl-lab runner", description="Claim and run rollouts of an agl-lab / AGL server.")
     p.add_argument("config", nargs="?", default=None, help="optional: the trainer's YAML config, for the defaults")
     p.add_argument("overrides", nargs="*", help="key=value overrides of the config")
-    p.add_argument("--server", default=os.environ.get("AGL_SERVER_URL"), metavar="URL",
-                   help="the server's URL, e.g. http://trainer-host:8080 (default $AGL_SERVER_URL)")
+    p.add_argument(
+        "--server",
+        default=os.environ.get("AGL_SERVER_URL"),
+        metavar="URL",
+        help="the server's URL, e.g. http://trainer-host:8080 (default $AGL_SERVER_URL)",
+    )
     p.add_argument("--key", default=None, help="the server's key (default: --key-file, else $AGL_KEY)")
     p.add_argument("--key-file", default=None, metavar="PATH", help="read the key from this file")
-    p.add_argument("--agent", default=None, metavar="module:function|module:Class",
-                   help="the agent: a function agent(task, ctx) run in a thread, or an Agent Lightning "
-                        "agent class run in a subprocess per rollout (default: each rollout's "
-                        "config.local.agent_class)")
-    p.add_argument("--concurrency", type=int, default=None, metavar="N",
-                   help="most agents at once (default agl_lab.runner.concurrency, else 16)")
-    p.add_argument("--agent-server-url", default=None, metavar="URL",
-                   help="the server URL put in the agents' URLs (default --server)")
-    p.add_argument("--rollout-timeout", type=float, default=None, metavar="S",
-                   help="caps every rollout's config.timeout_seconds")
-    p.add_argument("--poll-interval", type=float, default=0.05, metavar="S",
-                   help="seconds between claims while slots are free (default 0.05)")
-    p.add_argument("--runner-id", default=None, help="names this runner in the server's log and release "
-                                                     "messages (default host-pid-random)")
-    p.add_argument("--summary-every", type=int, default=SUMMARY_EVERY, metavar="N",
-                   help=f"print a summary line every N finished rollouts (default {SUMMARY_EVERY}; 0: only on exit)")
+    p.add_argument(
+        "--agent",
+        default=None,
+        metavar="module:function|module:Class",
+        help="the agent: a function agent(task, ctx) run in a thread, or an Agent Lightning "
+        "agent class run in a subprocess per rollout (default: each rollout's "
+        "config.local.agent_class)",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        metavar="N",
+        help="most agents at once (default agl_lab.runner.concurrency, else 16)",
+    )
+    p.add_argument(
+        "--agent-server-url",
+        default=None,
+        metavar="URL",
+        help="the server URL put in the agents' URLs (default --server)",
+    )
+    p.add_argument(
+        "--rollout-timeout", type=float, default=None, metavar="S", help="caps every rollout's config.timeout_seconds"
+    )
+    p.add_argument(
+        "--poll-interval",
+        type=float,
+        default=0.05,
+        metavar="S",
+        help="seconds between claims while slots are free (default 0.05)",
+    )
+    p.add_argument(
+        "--runner-id",
+        default=None,
+        help="names this runner in the server's log and release messages (default host-pid-random)",
+    )
+    p.add_argument(
+        "--summary-every",
+        type=int,
+        default=SUMMARY_EVERY,
+        metavar="N",
+        help=f"print a summary line every N finished rollouts (default {SUMMARY_EVERY}; 0: only on exit)",
+    )
     p.add_argument("--log-level", default="warning", help="log level of the runner's messages (default warning)")
     return p
 
@@ -81,8 +112,10 @@ def summary_line(stats: Mapping[str, int], wall: float, prefix: str = "agl-lab r
     done = stats["succeeded"] + stats["failed"]
     rate = done / wall if wall > 0 else 0.0
     extra = "".join(f" · {name} {stats[name]}" for name in ("released", "abandoned", "conflicts") if stats.get(name))
-    return (f"{prefix}: {done} done ({stats['succeeded']} succeeded, {stats['failed']} failed) in {wall:.1f} s "
-            f"· {rate:.2f} rollouts/s · claimed {stats['claimed']} · running {stats['running']}{extra}")
+    return (
+        f"{prefix}: {done} done ({stats['succeeded']} succeeded, {stats['failed']} failed) in {wall:.1f} s "
+        f"· {rate:.2f} rollouts/s · claimed {stats['claimed']} · running {stats['running']}{extra}"
+    )
 
 
 def runner_main(argv: list[str]) -> int:
@@ -109,10 +142,16 @@ def runner_main(argv: list[str]) -> int:
     t0 = time.monotonic()
     runner.start()
     spec = getattr(runner.agent, "__module__", ""), getattr(runner.agent, "__qualname__", runner.agent)
-    agent = args.agent or (f"{spec[0]}:{spec[1]}" if callable(runner.agent) else runner.agent) or \
-        "each rollout's config.local.agent_class"
-    print(f"agl-lab runner {runner.runner_id}: claiming from {runner.server_url} · agent {agent} · "
-          f"concurrency {runner.concurrency}", flush=True)
+    agent = (
+        args.agent
+        or (f"{spec[0]}:{spec[1]}" if callable(runner.agent) else runner.agent)
+        or "each rollout's config.local.agent_class"
+    )
+    print(
+        f"agl-lab runner {runner.runner_id}: claiming from {runner.server_url} · agent {agent} · "
+        f"concurrency {runner.concurrency}",
+        flush=True,
+    )
     printed = 0
     while not stop.wait(0.1):
         if runner.auth_error is not None:  # the key stopped working after start-up: bounded retries, then out
@@ -163,8 +202,10 @@ def _build_runner(args: argparse.Namespace):
 
     _from_config(args)
     if not args.server:
-        raise ValueError("--server URL is required (the agl-lab serve / trainer server, e.g. http://host:8080), "
-                         "or set $AGL_SERVER_URL")
+        raise ValueError(
+            "--server URL is required (the agl-lab serve / trainer server, e.g. http://host:8080), "
+            "or set $AGL_SERVER_URL"
+        )
     if not args.server.startswith(("http://", "https://")):
         raise ValueError(f"--server {args.server!r} must be an http:// or https:// URL")
     if args.summary_every < 0:
@@ -173,9 +214,16 @@ def _build_runner(args: argparse.Namespace):
         sys.path.insert(0, os.getcwd())
     agent = load_agent(args.agent) if args.agent is not None else getattr(args, "agent_object", None)
     concurrency = 16 if args.concurrency is None else args.concurrency
-    return Runner(args.server, key=runner_key(args, os.environ), agent=agent, concurrency=concurrency,
-                  poll_interval=args.poll_interval, rollout_timeout_seconds=args.rollout_timeout,
-                  agent_server_url=args.agent_server_url, runner_id=args.runner_id)
+    return Runner(
+        args.server,
+        key=runner_key(args, os.environ),
+        agent=agent,
+        concurrency=concurrency,
+        poll_interval=args.poll_interval,
+        rollout_timeout_seconds=args.rollout_timeout,
+        agent_server_url=args.agent_server_url,
+        runner_id=args.runner_id,
+    )
 
 
 def _check_server(runner) -> bool:
@@ -186,8 +234,11 @@ def _check_server(runner) -> bool:
         with AglClient(runner.server_url, key=runner.key, timeout=10, max_retries=0) as client:
             client.list_rollouts(["queuing"], limit=0)
     except AglAuthError:
-        print(f"agl-lab runner: {runner.server_url} rejected the key (401): pass the server's key with --key, "
-              "--key-file or $AGL_KEY", file=sys.stderr)
+        print(
+            f"agl-lab runner: {runner.server_url} rejected the key (401): pass the server's key with --key, "
+            "--key-file or $AGL_KEY",
+            file=sys.stderr,
+        )
         return False
     except Exception as exc:  # not up yet, or a hiccup: the poll loop keeps trying
         print(f"agl-lab runner: {runner.server_url} is not reachable yet ({exc!r:.200}); retrying", flush=True)

@@ -85,13 +85,17 @@ def grid_settings(axes: Mapping[str, Sequence[Any]], zip_axes: bool = False) -> 
     if zip_axes:
         lengths = {len(v) for v in values}
         if len(lengths) > 1:
-            raise ValueError("zip needs the same number of values on every axis, got "
-                             + ", ".join(f"{k}: {len(v)}" for k, v in zip(keys, values)))
+            raise ValueError(
+                "zip needs the same number of values on every axis, got "
+                + ", ".join(f"{k}: {len(v)}" for k, v in zip(keys, values))
+            )
         combos = list(zip(*values))
     else:
         combos = list(itertools.product(*values))
-    return {",".join(f"{n}={v}" for n, v in zip(names, combo)): [f"{k}={v}" for k, v in zip(keys, combo)]
-            for combo in combos}
+    return {
+        ",".join(f"{n}={v}" for n, v in zip(names, combo)): [f"{k}={v}" for k, v in zip(keys, combo)]
+        for combo in combos
+    }
 
 
 def setting_dir(name: str) -> str:
@@ -129,9 +133,18 @@ def _finished(run_dir: Path, cmd: list[str]) -> bool:
     return record.get("returncode") == 0 and record.get("args") == cmd[3:]
 
 
-def sweep(config: str | os.PathLike, settings: Mapping[str, Any] | None = None, *,
-          seeds: Sequence[int] = (0,), overrides: Sequence[str] = (), out: str | os.PathLike = "runs/sweep",
-          parallel: int = 1, steps: int | None = None, last: int = 10, verbose: bool = True) -> SweepResult:
+def sweep(
+    config: str | os.PathLike,
+    settings: Mapping[str, Any] | None = None,
+    *,
+    seeds: Sequence[int] = (0,),
+    overrides: Sequence[str] = (),
+    out: str | os.PathLike = "runs/sweep",
+    parallel: int = 1,
+    steps: int | None = None,
+    last: int = 10,
+    verbose: bool = True,
+) -> SweepResult:
     """Run every setting × seed (`agl-lab train` processes, `parallel` at a time) and compare them.
 
     settings: `{name: overrides}` (a list of `key=value`, or a dict), e.g. from `grid_settings`;
@@ -149,9 +162,18 @@ def sweep(config: str | os.PathLike, settings: Mapping[str, Any] | None = None, 
     dirs = [d for _, _, d in jobs]
     if len(set(dirs)) != len(dirs):
         raise ValueError(f"two settings map to one directory under {out}: name them apart ({list(named)})")
-    (out / "sweep.json").write_text(json.dumps(
-        {"config": str(config), "overrides": list(overrides), "settings": named, "seeds": [int(s) for s in seeds],
-         "runs": [{"setting": n, "seed": s, "run_dir": str(d)} for n, s, d in jobs]}, indent=2))
+    (out / "sweep.json").write_text(
+        json.dumps(
+            {
+                "config": str(config),
+                "overrides": list(overrides),
+                "settings": named,
+                "seeds": [int(s) for s in seeds],
+                "runs": [{"setting": n, "seed": s, "run_dir": str(d)} for n, s, d in jobs],
+            },
+            indent=2,
+        )
+    )
     records: dict[Path, dict[str, Any]] = {}
     pending = list(jobs)
     running: list[tuple[str, int, Path, subprocess.Popen, float, Any, list[str]]] = []
@@ -160,9 +182,14 @@ def sweep(config: str | os.PathLike, settings: Mapping[str, Any] | None = None, 
             name, seed, run_dir = pending.pop(0)
             cmd = _command(str(config), run_dir, [*overrides, *named[name], f"agl_lab.seed={seed}"], steps)
             if _finished(run_dir, cmd):
-                records[run_dir] = {"setting": name, "seed": seed, "run_dir": str(run_dir), "returncode": 0,
-                                    "wall_s": json.loads((run_dir / DONE_FILE).read_text()).get("wall_s"),
-                                    "log": "already done"}
+                records[run_dir] = {
+                    "setting": name,
+                    "seed": seed,
+                    "run_dir": str(run_dir),
+                    "returncode": 0,
+                    "wall_s": json.loads((run_dir / DONE_FILE).read_text()).get("wall_s"),
+                    "log": "already done",
+                }
                 _say(verbose, f"sweep: {name} seed {seed}: already done ({run_dir})")
                 continue
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -178,10 +205,17 @@ def sweep(config: str | os.PathLike, settings: Mapping[str, Any] | None = None, 
             running.remove(item)
             wall = time.time() - t0
             last_line = _last_line(run_dir / "train.log")
-            (run_dir / DONE_FILE).write_text(json.dumps({"returncode": proc.returncode, "wall_s": wall,
-                                                         "args": cmd[3:]}))
-            records[run_dir] = {"setting": name, "seed": seed, "run_dir": str(run_dir),
-                                "returncode": proc.returncode, "wall_s": wall, "log": last_line}
+            (run_dir / DONE_FILE).write_text(
+                json.dumps({"returncode": proc.returncode, "wall_s": wall, "args": cmd[3:]})
+            )
+            records[run_dir] = {
+                "setting": name,
+                "seed": seed,
+                "run_dir": str(run_dir),
+                "returncode": proc.returncode,
+                "wall_s": wall,
+                "log": last_line,
+            }
             _say(verbose, f"sweep: {name} seed {seed} ended ({proc.returncode}) in {wall / 60:.1f} min: {last_line}")
         if running:
             time.sleep(0.5)
@@ -191,8 +225,7 @@ def sweep(config: str | os.PathLike, settings: Mapping[str, Any] | None = None, 
     if len(ok):
         from agl_lab.comparison import compare
 
-        table = compare({name: list(group["run_dir"]) for name, group in ok.groupby("setting", sort=False)},
-                        last=last)
+        table = compare({name: list(group["run_dir"]) for name, group in ok.groupby("setting", sort=False)}, last=last)
         _say(verbose, table.to_string())
     return SweepResult(table=table, runs=runs, out=out, settings=named)
 
@@ -236,10 +269,20 @@ def sweep_main(argv: list[str]) -> int:
     except ValueError as e:
         print(f"agl-lab sweep: {e}")
         return 2
-    result = sweep(args.config, settings, seeds=seeds, overrides=fixed, out=args.out, parallel=args.parallel,
-                   steps=args.steps, last=args.last)
+    result = sweep(
+        args.config,
+        settings,
+        seeds=seeds,
+        overrides=fixed,
+        out=args.out,
+        parallel=args.parallel,
+        steps=args.steps,
+        last=args.last,
+    )
     failed = result.runs[result.runs["returncode"] != 0]
     for _, row in failed.iterrows():
-        print(f"agl-lab sweep: {row['setting']} seed {row['seed']} failed ({row['returncode']}): "
-              f"{row['log']} (log: {row['run_dir']}/train.log)")
+        print(
+            f"agl-lab sweep: {row['setting']} seed {row['seed']} failed ({row['returncode']}): "
+            f"{row['log']} (log: {row['run_dir']}/train.log)"
+        )
     return 1 if len(failed) else 0

@@ -36,8 +36,19 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-TOKEN_COLUMNS = ["position", "token_id", "token", "loss_mask", "rollout_logprob", "old_logprob", "new_logprob",
-                 "ratio", "entropy", "advantage", "loss_advantage"]
+TOKEN_COLUMNS = [
+    "position",
+    "token_id",
+    "token",
+    "loss_mask",
+    "rollout_logprob",
+    "old_logprob",
+    "new_logprob",
+    "ratio",
+    "entropy",
+    "advantage",
+    "loss_advantage",
+]
 
 
 def find_row(data: Any, rollout_id: str, first_call: int) -> int | None:
@@ -51,8 +62,10 @@ def row_key(row: Any, built_data: Any) -> tuple[str, int]:
     """(rollout_id, first call) of `row`: a `b.rows` line (Series) or an int index of the built batch."""
     if isinstance(row, pd.Series):
         if int(row["batch_index"]) < 0:
-            raise ValueError(f"row of rollout {row['rollout_id']} (calls {row['first_call']}–{row['last_call']}) "
-                             "is not in the batch (batch_index -1: skipped at build time, see b.rows)")
+            raise ValueError(
+                f"row of rollout {row['rollout_id']} (calls {row['first_call']}–{row['last_call']}) "
+                "is not in the batch (batch_index -1: skipped at build time, see b.rows)"
+            )
         return str(row["rollout_id"]), int(row["first_call"])
     i = int(row)
     if not 0 <= i < len(built_data):
@@ -61,8 +74,9 @@ def row_key(row: Any, built_data: Any) -> tuple[str, int]:
     return str(nt["rollout_id_list"][i]), int(nt["turn_index_list"][i])
 
 
-def tokens_frame(data: Any, i: int, engine: Any, tokenizer: Any = None, *, temperature: float,
-                 policy_version: int | None = None) -> pd.DataFrame:
+def tokens_frame(
+    data: Any, i: int, engine: Any, tokenizer: Any = None, *, temperature: float, policy_version: int | None = None
+) -> pd.DataFrame:
     """The per-token table of row `i` of `data` (module docstring). `data`: the trained batch
     (old_log_probs, advantages, rollout_advantages present) or a built one (those columns NaN)."""
     one = data.select_idxs([i])
@@ -78,20 +92,35 @@ def tokens_frame(data: Any, i: int, engine: Any, tokenizer: Any = None, *, tempe
         return b[key][0].float().numpy()[:n] if key in b.keys() else np.full(n, math.nan)
 
     new, old = new_lp[0].numpy()[:n], col("old_log_probs")
-    frame = pd.DataFrame({
-        "position": np.arange(n), "token_id": ids,
-        "token": [tokenizer.decode([int(t)]) if tokenizer is not None else "" for t in ids],
-        "loss_mask": mask.astype(int), "old_logprob": old,
-        "rollout_logprob": np.where(mask > 0, col("rollout_log_probs"), math.nan),  # the batch stores 0 off the mask
-        "new_logprob": new, "ratio": np.exp(new - old), "entropy": ent[0].numpy()[:n],
-        "advantage": col("rollout_advantages") * mask if "rollout_advantages" in b.keys() else col("advantages"),
-        "loss_advantage": col("advantages") * mask if "rollout_advantages" in b.keys() else np.full(n, math.nan),
-    }, columns=TOKEN_COLUMNS)
+    frame = pd.DataFrame(
+        {
+            "position": np.arange(n),
+            "token_id": ids,
+            "token": [tokenizer.decode([int(t)]) if tokenizer is not None else "" for t in ids],
+            "loss_mask": mask.astype(int),
+            "old_logprob": old,
+            "rollout_logprob": np.where(
+                mask > 0, col("rollout_log_probs"), math.nan
+            ),  # the batch stores 0 off the mask
+            "new_logprob": new,
+            "ratio": np.exp(new - old),
+            "entropy": ent[0].numpy()[:n],
+            "advantage": col("rollout_advantages") * mask if "rollout_advantages" in b.keys() else col("advantages"),
+            "loss_advantage": col("advantages") * mask if "rollout_advantages" in b.keys() else np.full(n, math.nan),
+        },
+        columns=TOKEN_COLUMNS,
+    )
     nt = one.non_tensor_batch
-    frame.attrs.update(rollout_id=str(nt["rollout_id_list"][0]), first_call=int(nt["turn_index_list"][0]),
-                       policy_version=getattr(engine, "policy_version", None), temperature=temperature)
+    frame.attrs.update(
+        rollout_id=str(nt["rollout_id_list"][0]),
+        first_call=int(nt["turn_index_list"][0]),
+        policy_version=getattr(engine, "policy_version", None),
+        temperature=temperature,
+    )
     if policy_version is not None and frame.attrs["policy_version"] != policy_version:
-        warnings.warn(f"new_logprob and entropy are of policy version {frame.attrs['policy_version']}, not of "
-                      f"the version this update produced ({policy_version}): the engine trained again since",
-                      stacklevel=3)
+        warnings.warn(
+            f"new_logprob and entropy are of policy version {frame.attrs['policy_version']}, not of "
+            f"the version this update produced ({policy_version}): the engine trained again since",
+            stacklevel=3,
+        )
     return frame

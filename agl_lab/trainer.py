@@ -113,9 +113,12 @@ class Trainer:
         self._saved: list[Path] = []  # checkpoints this Trainer saved (trainer.max_actor_ckpt_to_keep prunes them)
 
         train_files, val_files = config_mod.task_files(cfg)
-        self.agent, self.task = agent_and_task(cfg, agent, task, has_tasks=train_dataset is not None or train_files is not None)
+        self.agent, self.task = agent_and_task(
+            cfg, agent, task, has_tasks=train_dataset is not None or train_files is not None
+        )
         self.train_dataset, self.val_dataset = resolve_datasets(
-            cfg, self.task, train_dataset, val_dataset, train_files, val_files)
+            cfg, self.task, train_dataset, val_dataset, train_files, val_files
+        )
         self.feeder = TaskFeeder(self.train_dataset, seed=int(lab.seed), shuffle=bool(cfg.data.shuffle))
         config_mod.check_validation_tasks(cfg, len(self.val_dataset or []))
 
@@ -124,8 +127,9 @@ class Trainer:
             if engine is None:
                 from agl_lab.engines.build import build_engine
 
-                engine = build_engine(cfg, task=self.task, train_dataset=self.train_dataset,
-                                      val_dataset=self.val_dataset)
+                engine = build_engine(
+                    cfg, task=self.task, train_dataset=self.train_dataset, val_dataset=self.val_dataset
+                )
                 self._closers.append(engine.close)  # verl: its workers, replicas and the Ray cluster it started
             self.engine = engine
             from agl_lab.execution import Execution
@@ -147,13 +151,17 @@ class Trainer:
             from agl_lab.rollout import AsyncRolloutManager
 
             self.async_manager = AsyncRolloutManager(
-                self.client, n=int(cfg.actor_rollout_ref.rollout.n), train_batch_size=int(cfg.data.train_batch_size),
+                self.client,
+                n=int(cfg.actor_rollout_ref.rollout.n),
+                train_batch_size=int(cfg.data.train_batch_size),
                 async_train_batch_size=cfg.agentlightning.async_rollout.async_train_batch_size,
-                **self.execution.manager_args())
+                **self.execution.manager_args(),
+            )
 
     @classmethod
-    def from_config(cls, path=None, overrides: Sequence[str] | Mapping | None = None,
-                    engine: str | None = None, **kwargs) -> Trainer:
+    def from_config(
+        cls, path=None, overrides: Sequence[str] | Mapping | None = None, engine: str | None = None, **kwargs
+    ) -> Trainer:
         """Compose a config (see `agl_lab.config`) and build a Trainer on it.
 
         `engine="verl"` is the same as the override `agl_lab.engine=verl`.
@@ -199,23 +207,36 @@ class Trainer:
 
         self._check_open("rollout()")
         t0 = time.time()
-        with self.execution.serving(self.engine, drain=self.is_async,
-                                    reason=f"rollout_done step={self.global_step}") as metrics:
+        with self.execution.serving(
+            self.engine, drain=self.is_async, reason=f"rollout_done step={self.global_step}"
+        ) as metrics:
             metrics["timing/step_start_wall"] = t0
             if self.async_manager is not None and is_train:
                 completed, carry = self._collect_async(tasks, metrics)
             else:
                 completed, carry = self._collect_sync(tasks, is_train, metrics), []
-        metrics.update(fail_unlearnable_rollouts(completed, self.engine.vocab_size,
-                                                 float(self.cfg.agl_lab.algorithm.max_abs_reward),
-                                                 self.global_step, is_train))
+        metrics.update(
+            fail_unlearnable_rollouts(
+                completed,
+                self.engine.vocab_size,
+                float(self.cfg.agl_lab.algorithm.max_abs_reward),
+                self.global_step,
+                is_train,
+            )
+        )
         if is_train:
             metrics.update(lifecycle_metrics(completed))
         metrics.update(report_failures(completed, self.global_step, is_train))
         metrics["timing/rollout_phase_end_wall"] = time.time()
         metrics["timing_s/gen"] = time.time() - t0
-        result = RolloutResult(step=self.global_step, rollouts=completed, metrics=metrics,
-                               is_train=is_train, carry_over=carry, tokenizer=self.tokenizer)
+        result = RolloutResult(
+            step=self.global_step,
+            rollouts=completed,
+            metrics=metrics,
+            is_train=is_train,
+            carry_over=carry,
+            tokenizer=self.tokenizer,
+        )
         if is_train:
             self._last_rollout, self._last_batch, self._last_update = result, None, None
             self._reward_watch.observe_rollouts(self.global_step + 1, completed)
@@ -227,8 +248,12 @@ class Trainer:
 
         if tasks is None:
             tasks = self.feeder.take(int(self.cfg.data.train_batch_size)) if is_train else self.val_dataset
-        manager = SyncRolloutManager(self.client, n=int(self.cfg.actor_rollout_ref.rollout.n) if is_train else 1,
-                                     step=self.global_step, **self.execution.manager_args())
+        manager = SyncRolloutManager(
+            self.client,
+            n=int(self.cfg.actor_rollout_ref.rollout.n) if is_train else 1,
+            step=self.global_step,
+            **self.execution.manager_args(),
+        )
         return manager.run(list(tasks), is_train=is_train, metrics=metrics)
 
     def _collect_async(self, tasks: Sequence[dict] | None, metrics: dict[str, Any]) -> tuple[list, list]:
@@ -237,7 +262,8 @@ class Trainer:
             n_new = self.async_manager.n_new_tasks_needed()
             tasks = self.feeder.take(n_new) if n_new > 0 else []
         completed, async_metrics = self.async_manager.run(
-            list(tasks), step=self.global_step, policy_version=self.engine.policy_version)
+            list(tasks), step=self.global_step, policy_version=self.engine.policy_version
+        )
         metrics.update(async_metrics)
         return completed, self.async_manager.carry_over_groups()
 
@@ -248,8 +274,11 @@ class Trainer:
         from agl_lab.batch import build_batch
 
         rollout = rollout or self._require(self._last_rollout, "trainer.rollout()")
-        kwargs = dict(config_mod.batch_options(self.cfg, options.pop("level", None)),
-                      pad_token_id=self._pad_token_id(), tokenizer=self.tokenizer)
+        kwargs = dict(
+            config_mod.batch_options(self.cfg, options.pop("level", None)),
+            pad_token_id=self._pad_token_id(),
+            tokenizer=self.tokenizer,
+        )
         built = build_batch(rollout.rollouts, **{**kwargs, **options})
         result = report_rollout_problems(BatchResult(built, step=rollout.step, tokenizer=self.tokenizer))
         if rollout is self._last_rollout:
@@ -277,7 +306,8 @@ class Trainer:
                 f"this batch (step {batch.step}) was already used for an update (→ policy version "
                 f"{batch.updated_to_version}); updating on it again trains off-policy. Run "
                 "trainer.rollout() and trainer.build_batch() for a fresh batch, or pass "
-                "update(allow_reuse=True) if you mean it.")
+                "update(allow_reuse=True) if you mean it."
+            )
         t0 = time.time()
         result = run_update(self.cfg, self.engine, batch, step=batch.step)
         result.metrics["timing_s/update"] = time.time() - t0
@@ -328,16 +358,29 @@ class Trainer:
             self.save_checkpoint()
             metrics["timing_s/save_checkpoint"] = time.time() - t1
         metrics["recording/bytes"] = self.recorder.record(
-            step_no, batch_step=b.step, rollouts=ro.rollouts, metrics=metrics, update=u, policy_version=serving,
-            seed=int(self.cfg.agl_lab.seed), rng=rng, pad_token_id=self._pad_token_id())
+            step_no,
+            batch_step=b.step,
+            rollouts=ro.rollouts,
+            metrics=metrics,
+            update=u,
+            policy_version=serving,
+            seed=int(self.cfg.agl_lab.seed),
+            rng=rng,
+            pad_token_id=self._pad_token_id(),
+        )
         metrics["recording/failed"] = float(self.recorder.last_failed)  # a warning, never a dead run
         self.metrics_logger.log(step_no, metrics)
         return metrics
 
     def _log_tables(self, step: int, result, split: str) -> None:
         """AGL v1's W&B side tables (merge breaks, compact trajectories); no-op without W&B."""
-        self.metrics_logger.log_tables(step, result, split, tokenizer=self.tokenizer,
-                                       reward_fillna_value=float(self.cfg.agentlightning.reward_fillna_value))
+        self.metrics_logger.log_tables(
+            step,
+            result,
+            split,
+            tokenizer=self.tokenizer,
+            reward_fillna_value=float(self.cfg.agentlightning.reward_fillna_value),
+        )
 
     def fit(self, steps: int | None = None, *, progress: bool = True) -> list[dict[str, Any]]:
         """Train until step `trainer.total_training_steps` (else `total_epochs` epochs), or for
@@ -399,8 +442,11 @@ class Trainer:
         val = build_validation(ro.rollouts, float(self.cfg.agentlightning.reward_fillna_value), self.tokenizer)
         step = self.global_step if step is None else step
         self._log_tables(step, val, "validation")
-        metrics = {**val.metrics, **{k: v for k, v in ro.metrics.items() if k.startswith("training/async/proxy")},
-                   "timing_s/validate": time.time() - t0}
+        metrics = {
+            **val.metrics,
+            **{k: v for k, v in ro.metrics.items() if k.startswith("training/async/proxy")},
+            "timing_s/validate": time.time() - t0,
+        }
         self.recorder.record_validation(step, ro.rollouts, metrics)
         return metrics
 
@@ -471,8 +517,9 @@ class Trainer:
         self._resumed = True
         dropped = self.metrics_logger.drop_after(self.global_step) + self.recorder.drop_after(self.global_step)
         if dropped:  # a killed run's later steps: redone now
-            logger.warning("metrics.jsonl and recording/: dropped what steps after %d wrote (resumed there)",
-                           self.global_step)
+            logger.warning(
+                "metrics.jsonl and recording/: dropped what steps after %d wrote (resumed there)", self.global_step
+            )
 
     @property
     def checkpoint_root(self) -> Path:
@@ -483,8 +530,13 @@ class Trainer:
         """`save()` to `default_local_dir/global_step_N` atomically, then mark it the latest
         (`latest_checkpointed_iteration.txt`, as verl); keeps the newest
         `trainer.max_actor_ckpt_to_keep` this Trainer saved (`checkpoints.prune`)."""
-        return checkpoints.save_atomically(self.checkpoint_root, self.global_step, self.save, saved=self._saved,
-                                           keep=self.cfg.trainer.get("max_actor_ckpt_to_keep"))
+        return checkpoints.save_atomically(
+            self.checkpoint_root,
+            self.global_step,
+            self.save,
+            saved=self._saved,
+            keep=self.cfg.trainer.get("max_actor_ckpt_to_keep"),
+        )
 
     def resume(self) -> Path | None:
         """Resume once per `trainer.resume_mode`: `auto` (latest checkpoint under
@@ -508,19 +560,24 @@ class Trainer:
 
     def _check_open(self, what: str) -> None:
         if getattr(self, "_closed", False):
-            raise RuntimeError(f"this Trainer is closed (its engine, gateway and runner are stopped), so "
-                               f"{what} cannot run; create a new Trainer (Trainer.from_config(...)). "
-                               "Results you already have (rollouts, batches, trainer.metrics) stay readable.")
+            raise RuntimeError(
+                f"this Trainer is closed (its engine, gateway and runner are stopped), so "
+                f"{what} cannot run; create a new Trainer (Trainer.from_config(...)). "
+                "Results you already have (rollouts, batches, trainer.metrics) stay readable."
+            )
 
     def __repr__(self) -> str:
         cfg = self.cfg
         engine = getattr(self, "engine", None)
         task = self.task.name if self.task is not None else getattr(self.agent, "__name__", self.agent)
-        parts = [f"engine={cfg.agl_lab.engine}",
-                 f"model={getattr(engine, 'model_name', None) if engine is not None else None}",
-                 f"task={task}", f"step={self.global_step}",
-                 f"policy_version={getattr(engine, 'policy_version', None)}",
-                 f"run_dir={str(getattr(self, 'run_dir', None))!r}"]
+        parts = [
+            f"engine={cfg.agl_lab.engine}",
+            f"model={getattr(engine, 'model_name', None) if engine is not None else None}",
+            f"task={task}",
+            f"step={self.global_step}",
+            f"policy_version={getattr(engine, 'policy_version', None)}",
+            f"run_dir={str(getattr(self, 'run_dir', None))!r}",
+        ]
         if getattr(self, "_closed", False):
             parts.append("closed")
         return f"Trainer({', '.join(parts)})"

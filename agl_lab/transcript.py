@@ -48,14 +48,14 @@ def format_transcript(rollout: CompletedRollout, tokenizer: Any = None, *, width
 
     def cut(text: str) -> str:
         text = _escape(text)
-        return text if len(text) <= width else text[: width // 2] + " … " + text[-width // 2:]
+        return text if len(text) <= width else text[: width // 2] + " … " + text[-width // 2 :]
 
     lines = [f"rollout {rollout.rollout_id} · task {rollout.data_id} · {len(rollout.triplets)} calls"]
     context: list[int] = []
     for i, t in enumerate(rollout.triplets):
         prompt, response = list(t.prompt_ids), list(t.response_ids)
         extends = bool(context) and prompt[: len(context)] == context
-        shown = prompt[len(context):] if extends else prompt
+        shown = prompt[len(context) :] if extends else prompt
         note = f" (+{len(shown)} new)" if extends else (" (does not extend the previous context)" if context else "")
         lines.append(f"call {i} · prompt {len(prompt)} tokens{note} · response {len(response)} tokens")
         lines.append(f"  ▸ {cut(_decode(tokenizer, shown))}")
@@ -63,8 +63,10 @@ def format_transcript(rollout: CompletedRollout, tokenizer: Any = None, *, width
         context = prompt + response
     repeats = int((rollout.metadata or {}).get("n_repeated_prompt_calls_dropped", 0))
     if repeats:
-        lines.append(f"{repeats} call(s) repeated an identical prompt and were dropped (AGL's triplet reduction keeps "
-                     "the last call per prompt; agl_lab.rollout.keep_repeated_prompts=true keeps every call)")
+        lines.append(
+            f"{repeats} call(s) repeated an identical prompt and were dropped (AGL's triplet reduction keeps "
+            "the last call per prompt; agl_lab.rollout.keep_repeated_prompts=true keeps every call)"
+        )
     reward = "None" if rollout.final_reward is None else f"{rollout.final_reward:.3f}"
     lines.append(f"reward {reward} · {rollout.state}")
     if rollout.error_message:

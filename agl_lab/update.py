@@ -63,8 +63,9 @@ def run_update(cfg, engine: Engine, batch: BatchResult, *, step: int) -> UpdateR
         with _timed(metrics, "adv"):
             prepared, records, adv_metrics = prepare_update_batch(data, seed=int(cfg.agl_lab.seed) + step, **opts)
         metrics.update(adv_metrics)
-        metrics.update(alignment_report(adv_metrics, opts["mini_batch_rows"], int(cfg.actor_rollout_ref.rollout.n),
-                                        step))
+        metrics.update(
+            alignment_report(adv_metrics, opts["mini_batch_rows"], int(cfg.actor_rollout_ref.rollout.n), step)
+        )
         # Critical: skip_reason decided on the same row counts, so selection keeps ≥ 1 row here.
         assert prepared is not None, "skip_reason and select_for_update disagree on this batch"
         with _timed(metrics, "update_actor"):
@@ -75,11 +76,20 @@ def run_update(cfg, engine: Engine, batch: BatchResult, *, step: int) -> UpdateR
     if "attention_mask" in prepared.batch.keys():  # verl: tokens of the trained batch
         metrics["perf/total_num_tokens"] = int(prepared.batch["attention_mask"].sum())
 
-    weights = rollout_weights_table(prepared, loss_mode=opts["loss_mode"], divisor=opts["divisor"],
-                                    num_trained_rows=len(prepared))
-    return UpdateResult(step=step, metrics=metrics, weights=weights,
-                        dropped=pd.DataFrame(records, columns=_DROP_COLUMNS), policy_version=engine.policy_version,
-                        batch=batch, trained=prepared, engine=engine, temperature=data.meta_info["temperature"])
+    weights = rollout_weights_table(
+        prepared, loss_mode=opts["loss_mode"], divisor=opts["divisor"], num_trained_rows=len(prepared)
+    )
+    return UpdateResult(
+        step=step,
+        metrics=metrics,
+        weights=weights,
+        dropped=pd.DataFrame(records, columns=_DROP_COLUMNS),
+        policy_version=engine.policy_version,
+        batch=batch,
+        trained=prepared,
+        engine=engine,
+        temperature=data.meta_info["temperature"],
+    )
 
 
 ALIGNMENT_WARN_FRACTION = 0.2  # warn when alignment drops more than this share of the rows that carry signal
@@ -105,8 +115,15 @@ def alignment_report(metrics: dict[str, Any], mini_batch_rows: int, n: int, step
             "mini-batches (trajectory level: one row per rollout, so a divisor of data.train_batch_size keeps "
             "them all; transition level: rows vary, and smaller mini-batches lose fewer). Every dropped "
             "rollout is in UpdateResult.dropped (one line per rollout, its rows in `rows`).",
-            step, signal, with_signal, 100 * signal / with_signal, zero_adv, mini_batch_rows // n, n,
-            mini_batch_rows)
+            step,
+            signal,
+            with_signal,
+            100 * signal / with_signal,
+            zero_adv,
+            mini_batch_rows // n,
+            n,
+            mini_batch_rows,
+        )
     return {"training/n_sample_dropped/alignment": dropped}
 
 
@@ -122,6 +139,11 @@ def _skipped(step: int, data: Any, reason: str, engine: Engine) -> UpdateResult:
     """The one report of a skipped step: drop records, `training/skipped_steps` = 1, one warning."""
     records, metrics = skipped_step(data)
     logger.warning("step %d is skipped: %s (every dropped rollout is in UpdateResult.dropped)", step, reason)
-    return UpdateResult(step=step, metrics=metrics, weights=pd.DataFrame(),
-                        dropped=pd.DataFrame(records, columns=_DROP_COLUMNS), skipped=True,
-                        policy_version=engine.policy_version)
+    return UpdateResult(
+        step=step,
+        metrics=metrics,
+        weights=pd.DataFrame(),
+        dropped=pd.DataFrame(records, columns=_DROP_COLUMNS),
+        skipped=True,
+        policy_version=engine.policy_version,
+    )

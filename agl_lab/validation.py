@@ -35,8 +35,9 @@ class ValidationResult:
     trajectories: list[dict[str, Any]]
 
 
-def compact_trajectories(rollouts: Sequence[CompletedRollout], reward_fillna_value: float,
-                         tokenizer: Any = None, limit: int | None = None) -> list[dict[str, Any]]:
+def compact_trajectories(
+    rollouts: Sequence[CompletedRollout], reward_fillna_value: float, tokenizer: Any = None, limit: int | None = None
+) -> list[dict[str, Any]]:
     """{rollout_id, reward, prompt, response} of each rollout's last call (sorted, with trace)."""
     records = []
     for r in sort_rollouts(rollouts):
@@ -45,17 +46,20 @@ def compact_trajectories(rollouts: Sequence[CompletedRollout], reward_fillna_val
         if limit is not None and len(records) >= limit:
             break
         last = r.triplets[-1]
-        records.append({
-            "rollout_id": r.rollout_id,
-            "reward": rollout_reward(r, reward_fillna_value),
-            "prompt": decode_ids(last.prompt_ids, tokenizer),
-            "response": decode_ids(last.response_ids, tokenizer),
-        })
+        records.append(
+            {
+                "rollout_id": r.rollout_id,
+                "reward": rollout_reward(r, reward_fillna_value),
+                "prompt": decode_ids(last.prompt_ids, tokenizer),
+                "response": decode_ids(last.response_ids, tokenizer),
+            }
+        )
     return records
 
 
-def build_validation(completed: Sequence[CompletedRollout], reward_fillna_value: float = 0.0,
-                     tokenizer: Any = None) -> ValidationResult:
+def build_validation(
+    completed: Sequence[CompletedRollout], reward_fillna_value: float = 0.0, tokenizer: Any = None
+) -> ValidationResult:
     """`val/*` metrics of AGL v1 (`get_test_metrics`) and every compact trajectory."""
     rollouts = sort_rollouts(completed)
     traced = [r for r in rollouts if r.triplets]
@@ -63,7 +67,8 @@ def build_validation(completed: Sequence[CompletedRollout], reward_fillna_value:
         raise RuntimeError(
             f"zero validation rollouts with model calls ({len(rollouts)} rollouts): the agents did not "
             "call the model through the gateway (use the base_url their rollout gives them), or every "
-            "validation rollout failed before its first call (see RolloutResult.rollouts[i].state).")
+            "validation rollout failed before its first call (see RolloutResult.rollouts[i].state)."
+        )
     totals = [sum(len(t.response_ids) for t in r.triplets) for r in traced]
     metrics = {
         "val/reward": float(np.mean([rollout_reward(r, reward_fillna_value) for r in rollouts])),

@@ -42,22 +42,72 @@ from agl_lab.batch import BreakRecord, BuiltBatch, Row, plan_rows, rollout_rewar
 from agl_lab.records import CompletedRollout, sort_rollouts
 
 ROW_COLUMNS = [
-    "batch_index", "rollout_id", "data_id", "first_call", "last_call", "n_calls",
-    "prompt_tokens", "response_tokens", "loss_tokens", "observation_tokens",
-    "has_logprobs", "is_drop", "truncated", "tokens_cut", "skipped_empty", "reward",
+    "batch_index",
+    "rollout_id",
+    "data_id",
+    "first_call",
+    "last_call",
+    "n_calls",
+    "prompt_tokens",
+    "response_tokens",
+    "loss_tokens",
+    "observation_tokens",
+    "has_logprobs",
+    "is_drop",
+    "truncated",
+    "tokens_cut",
+    "skipped_empty",
+    "reward",
 ]
 BREAK_COLUMNS = [
-    "rollout_id", "data_id", "call", "against_call", "kind", "reason",
-    "first_divergent_token", "first_divergent_char", "prev_ids_window", "prompt_ids_window",
-    "prev_pieces", "prompt_pieces", "removed_text", "inserted_text", "removed_model_chars",
-    "removed_context_chars", "prompt_tokens", "response_tokens", "previous_trace_tokens",
-    "current_trace_tokens", "previous_trace", "current_trace",
+    "rollout_id",
+    "data_id",
+    "call",
+    "against_call",
+    "kind",
+    "reason",
+    "first_divergent_token",
+    "first_divergent_char",
+    "prev_ids_window",
+    "prompt_ids_window",
+    "prev_pieces",
+    "prompt_pieces",
+    "removed_text",
+    "inserted_text",
+    "removed_model_chars",
+    "removed_context_chars",
+    "prompt_tokens",
+    "response_tokens",
+    "previous_trace_tokens",
+    "current_trace_tokens",
+    "previous_trace",
+    "current_trace",
 ]
-TRIPLET_COLUMNS = ["rollout_id", "data_id", "call", "prompt_tokens", "response_tokens", "reward",
-                   "has_logprobs", "server_version", "repeats_dropped"]
+TRIPLET_COLUMNS = [
+    "rollout_id",
+    "data_id",
+    "call",
+    "prompt_tokens",
+    "response_tokens",
+    "reward",
+    "has_logprobs",
+    "server_version",
+    "repeats_dropped",
+]
 TEXT_COLUMNS = ["prompt_tail", "response_text"]  # with a tokenizer (a Trainer's results have one)
-LIFECYCLE_COLUMNS = ["rollout_id", "data_id", "step", "state", "error_message", "enqueued_at_s",
-                     "running_at_s", "finished_at_s", "queue_wait_s", "run_s", "total_s"]
+LIFECYCLE_COLUMNS = [
+    "rollout_id",
+    "data_id",
+    "step",
+    "state",
+    "error_message",
+    "enqueued_at_s",
+    "running_at_s",
+    "finished_at_s",
+    "queue_wait_s",
+    "run_s",
+    "total_s",
+]
 GROUP_COLUMNS = ["data_id", "n_rollouts", "rewards", "reward_mean", "reward_std", "zero_adv", "n_rows"]
 
 
@@ -70,12 +120,27 @@ def rows_frame(rows: Sequence[Row], tokenizer: Any = None) -> pd.DataFrame:
     records = []
     for r in rows:
         loss = int(sum(r.response_mask))
-        records.append([
-            r.batch_index, r.rollout_id, r.data_id, r.calls[0], r.calls[-1], len(r.calls),
-            len(r.prompt_ids), len(r.response_ids), loss, len(r.response_ids) - loss,
-            r.logprobs is not None, r.is_drop, r.truncated, r.tokens_cut, r.skipped_empty, r.reward,
-            *(_text_columns(tokenizer, r.prompt_ids, r.response_ids) if tokenizer is not None else []),
-        ])
+        records.append(
+            [
+                r.batch_index,
+                r.rollout_id,
+                r.data_id,
+                r.calls[0],
+                r.calls[-1],
+                len(r.calls),
+                len(r.prompt_ids),
+                len(r.response_ids),
+                loss,
+                len(r.response_ids) - loss,
+                r.logprobs is not None,
+                r.is_drop,
+                r.truncated,
+                r.tokens_cut,
+                r.skipped_empty,
+                r.reward,
+                *(_text_columns(tokenizer, r.prompt_ids, r.response_ids) if tokenizer is not None else []),
+            ]
+        )
     return pd.DataFrame(records, columns=ROW_COLUMNS + (TEXT_COLUMNS if tokenizer is not None else []))
 
 
@@ -84,16 +149,39 @@ def breaks_frame(breaks: Sequence[BreakRecord]) -> pd.DataFrame:
     records = []
     for b in breaks:
         d = b.diagnosis
-        diag = [None] * 12 if d is None else [
-            d.kind, d.reason, d.first_divergent_token, d.first_divergent_char, d.prev_ids,
-            d.prompt_ids, d.prev_pieces, d.prompt_pieces, d.removed_text, d.inserted_text,
-            d.removed_model_chars, d.removed_context_chars,
-        ]
-        records.append([
-            b.rollout_id, b.data_id, b.call, b.against_call, *diag,
-            b.prompt_tokens, b.response_tokens, b.previous_trace_tokens, b.current_trace_tokens,
-            b.previous_trace, b.current_trace,
-        ])
+        diag = (
+            [None] * 12
+            if d is None
+            else [
+                d.kind,
+                d.reason,
+                d.first_divergent_token,
+                d.first_divergent_char,
+                d.prev_ids,
+                d.prompt_ids,
+                d.prev_pieces,
+                d.prompt_pieces,
+                d.removed_text,
+                d.inserted_text,
+                d.removed_model_chars,
+                d.removed_context_chars,
+            ]
+        )
+        records.append(
+            [
+                b.rollout_id,
+                b.data_id,
+                b.call,
+                b.against_call,
+                *diag,
+                b.prompt_tokens,
+                b.response_tokens,
+                b.previous_trace_tokens,
+                b.current_trace_tokens,
+                b.previous_trace,
+                b.current_trace,
+            ]
+        )
     return pd.DataFrame(records, columns=BREAK_COLUMNS)
 
 
@@ -117,12 +205,20 @@ def triplets_df(completed: Sequence[CompletedRollout], tokenizer: Any = None) ->
     for r in sort_rollouts(completed):
         for call, t in enumerate(r.triplets or []):
             server = (t.metadata or {}).get("server") or {}
-            records.append([
-                r.rollout_id, r.data_id, call, len(t.prompt_ids), len(t.response_ids), t.reward,
-                t.logprobs is not None and len(t.logprobs) == len(t.response_ids), server.get("version"),
-                int((t.metadata or {}).get("repeats_dropped", 0)),
-                *(_text_columns(tokenizer, t.prompt_ids, t.response_ids) if tokenizer is not None else []),
-            ])
+            records.append(
+                [
+                    r.rollout_id,
+                    r.data_id,
+                    call,
+                    len(t.prompt_ids),
+                    len(t.response_ids),
+                    t.reward,
+                    t.logprobs is not None and len(t.logprobs) == len(t.response_ids),
+                    server.get("version"),
+                    int((t.metadata or {}).get("repeats_dropped", 0)),
+                    *(_text_columns(tokenizer, t.prompt_ids, t.response_ids) if tokenizer is not None else []),
+                ]
+            )
     return pd.DataFrame(records, columns=TRIPLET_COLUMNS + (TEXT_COLUMNS if tokenizer is not None else []))
 
 
@@ -131,22 +227,35 @@ def _record(batch: Any) -> BuiltBatch | None:
     return getattr(batch, "built", batch)
 
 
-def rows_df(completed: Sequence[CompletedRollout], batch: Any = None, *,
-            level: str = "trajectory", max_prompt_length: int | None = None,
-            max_response_length: int | None = None, reward_fillna_value: float = 0.0,
-            multi_segment: bool = False) -> pd.DataFrame:
+def rows_df(
+    completed: Sequence[CompletedRollout],
+    batch: Any = None,
+    *,
+    level: str = "trajectory",
+    max_prompt_length: int | None = None,
+    max_response_length: int | None = None,
+    reward_fillna_value: float = 0.0,
+    multi_segment: bool = False,
+) -> pd.DataFrame:
     """Training rows: those of `batch` (a `BuiltBatch` or `BatchResult`) when given, else
     planned from `completed` (no limits by default)."""
     built = _record(batch)
     if built is None:
-        built = plan_rows(completed, level, max_prompt_length=max_prompt_length,
-                          max_response_length=max_response_length, reward_fillna_value=reward_fillna_value,
-                          multi_segment=multi_segment, diagnose=False)
+        built = plan_rows(
+            completed,
+            level,
+            max_prompt_length=max_prompt_length,
+            max_response_length=max_response_length,
+            reward_fillna_value=reward_fillna_value,
+            multi_segment=multi_segment,
+            diagnose=False,
+        )
     return rows_frame(built.rows)
 
 
-def breaks_df(completed: Sequence[CompletedRollout], batch: Any = None, *,
-              tokenizer: Any = None, multi_segment: bool = False) -> pd.DataFrame:
+def breaks_df(
+    completed: Sequence[CompletedRollout], batch: Any = None, *, tokenizer: Any = None, multi_segment: bool = False
+) -> pd.DataFrame:
     """Merge breaks with diagnosis: those of `batch` when given, else of a trajectory-level plan."""
     built = _record(batch)
     if built is None:
@@ -154,9 +263,14 @@ def breaks_df(completed: Sequence[CompletedRollout], batch: Any = None, *,
     return breaks_frame(built.breaks)
 
 
-def groups_df(completed: Sequence[CompletedRollout], batch: Any = None, *,
-              reward_fillna_value: float = 0.0, level: str = "trajectory",
-              multi_segment: bool = False) -> pd.DataFrame:
+def groups_df(
+    completed: Sequence[CompletedRollout],
+    batch: Any = None,
+    *,
+    reward_fillna_value: float = 0.0,
+    level: str = "trajectory",
+    multi_segment: bool = False,
+) -> pd.DataFrame:
     """Per group (`data_id`): rollouts, rewards, mean/std (ddof 0), `zero_adv` flag, rows.
 
     A group is `zero_adv` when GRPO gives every token of it advantage 0: two or more rollouts
@@ -164,8 +278,7 @@ def groups_df(completed: Sequence[CompletedRollout], batch: Any = None, *,
     mean 0, std 1 for a group of one, so its advantage is its reward). `n_rows` counts the group's rows in `batch`, or in a plan at
     `level` when no batch is given.
     """
-    rows = rows_df(completed, batch, level=level, reward_fillna_value=reward_fillna_value,
-                   multi_segment=multi_segment)
+    rows = rows_df(completed, batch, level=level, reward_fillna_value=reward_fillna_value, multi_segment=multi_segment)
     in_batch = rows[~rows["skipped_empty"]].groupby("data_id").size()
     groups: dict[str, list[float]] = {}
     for r in sort_rollouts(completed):
@@ -173,9 +286,17 @@ def groups_df(completed: Sequence[CompletedRollout], batch: Any = None, *,
     records = []
     for data_id, rewards in groups.items():
         values = np.asarray(rewards, dtype=np.float64)
-        records.append([data_id, len(rewards), rewards, float(values.mean()), float(values.std()),
-                        bool(values.max() - values.min() == 0 and (len(values) > 1 or values[0] == 0)),
-                        int(in_batch.get(data_id, 0))])
+        records.append(
+            [
+                data_id,
+                len(rewards),
+                rewards,
+                float(values.mean()),
+                float(values.std()),
+                bool(values.max() - values.min() == 0 and (len(values) > 1 or values[0] == 0)),
+                int(in_batch.get(data_id, 0)),
+            ]
+        )
     return pd.DataFrame(records, columns=GROUP_COLUMNS)
 
 
@@ -198,10 +319,19 @@ def lifecycle_df(completed: Sequence[CompletedRollout], start: float | None = No
         return float("nan") if a is None or b is None else b - a
 
     records = [
-        [r.rollout_id, r.data_id, r.step, r.state, r.error_message,
-         span(start, r.enqueue_time), span(start, r.running_at), span(start, r.finished_at),
-         span(r.enqueue_time, r.running_at), span(r.running_at, r.finished_at),
-         span(r.enqueue_time, r.finished_at)]
+        [
+            r.rollout_id,
+            r.data_id,
+            r.step,
+            r.state,
+            r.error_message,
+            span(start, r.enqueue_time),
+            span(start, r.running_at),
+            span(start, r.finished_at),
+            span(r.enqueue_time, r.running_at),
+            span(r.running_at, r.finished_at),
+            span(r.enqueue_time, r.finished_at),
+        ]
         for r in ordered
     ]
     return pd.DataFrame(records, columns=LIFECYCLE_COLUMNS)

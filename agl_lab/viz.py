@@ -51,10 +51,10 @@ _STYLE = {  # inline CSS per kind; only properties the Jupyter sanitiser keeps
 _LOSS_STYLE = "border-bottom:2px solid #1a7f37"
 _SPECIAL_STYLE = "outline:1px dashed #8250df;font-style:italic"
 _TOKEN_STYLE = "border-radius:2px;padding:0 1px;margin:0 1px 0 0"
-_BOX_STYLE = ("font-family:monospace;font-size:12px;line-height:1.9;white-space:pre-wrap;"
-              "word-break:break-all;max-width:100%")
-_KIND_COLOURS = {"retokenization": "#0969da", "template": "#8250df", "history_edit": "#cf222e",
-                 "other": "#6e7781"}
+_BOX_STYLE = (
+    "font-family:monospace;font-size:12px;line-height:1.9;white-space:pre-wrap;word-break:break-all;max-width:100%"
+)
+_KIND_COLOURS = {"retokenization": "#0969da", "template": "#8250df", "history_edit": "#cf222e", "other": "#6e7781"}
 
 
 # =========================================================================== plots
@@ -101,9 +101,16 @@ def moving_average(values: Sequence[float], window: int) -> np.ndarray:
     return (csum[idx] - csum[lo]) / (idx - lo)
 
 
-def plot_reward_curve(rewards: Sequence[float], *, window: int = 10, path: str | os.PathLike | None = None,
-                      title: str = "training reward", ax=None, steps: Sequence[int] | None = None,
-                      val: Mapping[int, float] | None = None):
+def plot_reward_curve(
+    rewards: Sequence[float],
+    *,
+    window: int = 10,
+    path: str | os.PathLike | None = None,
+    title: str = "training reward",
+    ax=None,
+    steps: Sequence[int] | None = None,
+    val: Mapping[int, float] | None = None,
+):
     """Per-step mean reward with a trailing moving average. Saves a PNG when `path` is given.
 
     `steps` [len(rewards)]: the step of each reward (default 0, 1, …); `val`: `{step: val
@@ -131,17 +138,21 @@ def plot_run_metrics(metrics, path: str | os.PathLike | None = None):
         return None
     train = metrics["training/reward"].dropna()
     val = metrics["val/reward"].dropna() if "val/reward" in metrics else None
-    return plot_reward_curve(train.to_numpy(), steps=train.index.to_numpy(), path=path,
-                             val=None if val is None or val.empty else val.to_dict(),
-                             window=max(1, min(10, len(train) // 3)))
+    return plot_reward_curve(
+        train.to_numpy(),
+        steps=train.index.to_numpy(),
+        path=path,
+        val=None if val is None or val.empty else val.to_dict(),
+        window=max(1, min(10, len(train) // 3)),
+    )
 
 
-_LIFECYCLE = (("queue_wait_s", "queue wait", "#f0a040"), ("run_s", "run", "#3a7bd5"),
-              ("total_s", "total", "#555555"))
+_LIFECYCLE = (("queue_wait_s", "queue wait", "#f0a040"), ("run_s", "run", "#3a7bd5"), ("total_s", "total", "#555555"))
 
 
-def plot_lifecycle(lifecycle, *, kind: str = "bars", ax=None, path: str | os.PathLike | None = None,
-                   title: str = "rollout lifecycle"):
+def plot_lifecycle(
+    lifecycle, *, kind: str = "bars", ax=None, path: str | os.PathLike | None = None, title: str = "rollout lifecycle"
+):
     """Queue wait / run / total time per rollout, from `lifecycle_df` (or `RolloutResult.lifecycle`).
 
     kind="bars": one horizontal bar per rollout, queue wait then run stacked (their sum is
@@ -150,8 +161,10 @@ def plot_lifecycle(lifecycle, *, kind: str = "bars", ax=None, path: str | os.Pat
     """
     missing = {c for c, _, _ in _LIFECYCLE} - set(getattr(lifecycle, "columns", []))
     if missing:
-        raise ValueError(f"plot_lifecycle: lifecycle frame lacks columns {sorted(missing)}; "
-                         "pass agl_lab.views.lifecycle_df(rollouts) or RolloutResult.lifecycle")
+        raise ValueError(
+            f"plot_lifecycle: lifecycle frame lacks columns {sorted(missing)}; "
+            "pass agl_lab.views.lifecycle_df(rollouts) or RolloutResult.lifecycle"
+        )
     if kind not in ("bars", "hist"):
         raise ValueError(f"plot_lifecycle: kind must be 'bars' or 'hist', got {kind!r}")
     plt, ax, own = _axes(ax, figsize=(6, 0.6 + 0.22 * max(len(lifecycle), 4)) if kind == "bars" else (6, 3))
@@ -180,8 +193,9 @@ def plot_lifecycle(lifecycle, *, kind: str = "bars", ax=None, path: str | os.Pat
     return _finish(plt, ax, own, path)
 
 
-def plot_architecture(*, ax=None, path: str | os.PathLike | None = None,
-                      title: str = "one training step: who talks to whom"):
+def plot_architecture(
+    *, ax=None, path: str | os.PathLike | None = None, title: str = "one training step: who talks to whom"
+):
     """The execution side around the Trainer, as boxes and arrows (matplotlib, no data).
 
     agent (run by the runner, one per rollout) → gateway → engine; the gateway records each
@@ -198,30 +212,54 @@ def plot_architecture(*, ax=None, path: str | os.PathLike | None = None,
         "gateway": (0.86, 0.30, "gateway\n…/rollout/{id}/…/v1", "#fce7f3"),
     }
     for x, y, label, colour in boxes.values():
-        ax.text(x, y, label, ha="center", va="center", fontsize=8.5, transform=ax.transAxes,
-                bbox=dict(boxstyle="round,pad=0.5", facecolor=colour, edgecolor="#555"))
+        ax.text(
+            x,
+            y,
+            label,
+            ha="center",
+            va="center",
+            fontsize=8.5,
+            transform=ax.transAxes,
+            bbox=dict(boxstyle="round,pad=0.5", facecolor=colour, edgecolor="#555"),
+        )
     # (from, to, label, curvature, label position (x, y))
-    arrows = [("trainer", "store", "enqueue tasks ×n;\nread finished rollouts", 0.0, (0.12, 0.49)),
-              ("store", "runner", "queued", 0.0, (0.30, 0.49)),
-              ("runner", "agent", "one per rollout", 0.0, (0.48, 0.49)),
-              ("agent", "gateway", "chat.completions", 0.0, (0.67, 0.36)),
-              ("gateway", "engine", "generate (token\nids + logprobs)", 0.0, (0.86, 0.49)),
-              ("gateway", "store", "model_request events", -0.25, (0.48, 0.12)),
-              ("trainer", "engine", "update weights, sync", -0.22, (0.48, 0.87))]
+    arrows = [
+        ("trainer", "store", "enqueue tasks ×n;\nread finished rollouts", 0.0, (0.12, 0.49)),
+        ("store", "runner", "queued", 0.0, (0.30, 0.49)),
+        ("runner", "agent", "one per rollout", 0.0, (0.48, 0.49)),
+        ("agent", "gateway", "chat.completions", 0.0, (0.67, 0.36)),
+        ("gateway", "engine", "generate (token\nids + logprobs)", 0.0, (0.86, 0.49)),
+        ("gateway", "store", "model_request events", -0.25, (0.48, 0.12)),
+        ("trainer", "engine", "update weights, sync", -0.22, (0.48, 0.87)),
+    ]
     for a, b, label, rad, (lx, ly) in arrows:
         (xa, ya), (xb, yb) = boxes[a][:2], boxes[b][:2]
-        ax.annotate("", xy=(xb, yb), xytext=(xa, ya), xycoords="axes fraction",
-                    arrowprops=dict(arrowstyle="->", color="#444", shrinkA=30, shrinkB=30,
-                                    connectionstyle=f"arc3,rad={rad}"))
-        ax.text(lx, ly, label, ha="center", va="center", fontsize=7, color="#333", transform=ax.transAxes,
-                bbox=dict(facecolor="white", edgecolor="none", alpha=0.85, pad=1))
+        ax.annotate(
+            "",
+            xy=(xb, yb),
+            xytext=(xa, ya),
+            xycoords="axes fraction",
+            arrowprops=dict(arrowstyle="->", color="#444", shrinkA=30, shrinkB=30, connectionstyle=f"arc3,rad={rad}"),
+        )
+        ax.text(
+            lx,
+            ly,
+            label,
+            ha="center",
+            va="center",
+            fontsize=7,
+            color="#333",
+            transform=ax.transAxes,
+            bbox=dict(facecolor="white", edgecolor="none", alpha=0.85, pad=1),
+        )
     ax.set_axis_off()
     ax.set_title(title, fontsize=10)
     return _finish(plt, ax, own, path)
 
 
-def plot_advantages(advantages, *, ax=None, path: str | os.PathLike | None = None, bins: int = 21,
-                    title: str = "per-rollout advantage"):
+def plot_advantages(
+    advantages, *, ax=None, path: str | os.PathLike | None = None, bins: int = 21, title: str = "per-rollout advantage"
+):
     """Distribution of the rollout-level advantage A_r (`UpdateResult.weights`).
 
     GRPO advantages of small groups take few distinct values (n=4: ±0.5, ±1.5, …), so when
@@ -230,8 +268,10 @@ def plot_advantages(advantages, *, ax=None, path: str | os.PathLike | None = Non
     (A_r = 0: every reward of the group equal) are a separate grey bar.
     """
     if "advantage" not in getattr(advantages, "columns", []):
-        raise ValueError("plot_advantages: expected a frame with an 'advantage' column "
-                         "(UpdateResult.weights or agl_lab.algorithms.rollout_weights_table)")
+        raise ValueError(
+            "plot_advantages: expected a frame with an 'advantage' column "
+            "(UpdateResult.weights or agl_lab.algorithms.rollout_weights_table)"
+        )
     plt, ax, own = _axes(ax, figsize=(6, 3))
     a = advantages["advantage"].dropna().to_numpy(float)
     zero = np.isclose(a, 0.0, atol=1e-6)
@@ -255,8 +295,9 @@ def plot_advantages(advantages, *, ax=None, path: str | os.PathLike | None = Non
     return _finish(plt, ax, own, path)
 
 
-def plot_loss_weights(tables: Mapping[str, Any], *, ax=None, path: str | os.PathLike | None = None,
-                      title: str = "loss weight per rollout"):
+def plot_loss_weights(
+    tables: Mapping[str, Any], *, ax=None, path: str | os.PathLike | None = None, title: str = "loss weight per rollout"
+):
     """Grouped bars: the `loss_weight` of each rollout under several loss settings.
 
     `tables` maps a label (e.g. "token-mean") to a `rollout_weights_table` frame; rollouts
@@ -272,8 +313,12 @@ def plot_loss_weights(tables: Mapping[str, Any], *, ax=None, path: str | os.Path
     width = 0.8 / len(frames)
     x = np.arange(len(ids))
     for k, (label, frame) in enumerate(frames.items()):
-        ax.bar(x + (k - (len(frames) - 1) / 2) * width, frame.reindex(ids)["loss_weight"].to_numpy(float),
-               width=width, label=label)
+        ax.bar(
+            x + (k - (len(frames) - 1) / 2) * width,
+            frame.reindex(ids)["loss_weight"].to_numpy(float),
+            width=width,
+            label=label,
+        )
     ax.set_xticks(x, [f"{str(r)[:6]}\n{int(t)} tok" for r, t in zip(ids, first["loss_tokens"])], fontsize=7)
     ax.set_ylabel("share of the loss")
     ax.set_title(title)
@@ -314,13 +359,20 @@ def _flat_ints(values: Any, name: str) -> list[int]:
         values = values.tolist()
     out = list(values)
     if any(isinstance(v, (list, tuple)) for v in out):
-        raise ValueError(f"{name} must be one row (a flat sequence), got nested values; "
-                         f"pass e.g. data.batch['{name}'][i]")
+        raise ValueError(
+            f"{name} must be one row (a flat sequence), got nested values; pass e.g. data.batch['{name}'][i]"
+        )
     return [int(v) for v in out]
 
 
-def token_cells(token_ids: Sequence[int], tokenizer: Any = None, *, prompt_len: int,
-                response_mask: Sequence[int], attention_mask: Sequence[int] | None = None) -> list[TokenCell]:
+def token_cells(
+    token_ids: Sequence[int],
+    tokenizer: Any = None,
+    *,
+    prompt_len: int,
+    response_mask: Sequence[int],
+    attention_mask: Sequence[int] | None = None,
+) -> list[TokenCell]:
     """Classify every token of one row (pure; the renderers below only format the result).
 
     | argument        | shape      | meaning                                                 |
@@ -333,11 +385,15 @@ def token_cells(token_ids: Sequence[int], tokenizer: Any = None, *, prompt_len: 
     ids = _flat_ints(token_ids, "token_ids")
     mask = _flat_ints(response_mask, "response_mask")
     if not 0 <= prompt_len <= len(ids):
-        raise ValueError(f"prompt_len={prompt_len} is outside the row of {len(ids)} tokens; "
-                         "pass the number of prompt positions (the width of `prompts`)")
+        raise ValueError(
+            f"prompt_len={prompt_len} is outside the row of {len(ids)} tokens; "
+            "pass the number of prompt positions (the width of `prompts`)"
+        )
     if len(mask) != len(ids) - prompt_len:
-        raise ValueError(f"response_mask has {len(mask)} entries but the row has {len(ids) - prompt_len} "
-                         "response positions (len(token_ids) - prompt_len); pass the mask of this row")
+        raise ValueError(
+            f"response_mask has {len(mask)} entries but the row has {len(ids) - prompt_len} "
+            "response positions (len(token_ids) - prompt_len); pass the mask of this row"
+        )
     attention = [1] * len(ids) if attention_mask is None else _flat_ints(attention_mask, "attention_mask")
     if len(attention) != len(ids):
         raise ValueError(f"attention_mask has {len(attention)} entries but token_ids has {len(ids)}")
@@ -355,8 +411,7 @@ def token_cells(token_ids: Sequence[int], tokenizer: Any = None, *, prompt_len: 
 def _control_escaped(text: str) -> str:
     """Control characters other than newline and tab written as `\\xNN` (they are invisible or
     break the layout when rendered raw; a tiny model samples them often)."""
-    return "".join(f"\\x{ord(ch):02x}" if (ord(ch) < 32 and ch not in "\n\t") or ord(ch) == 127 else ch
-                   for ch in text)
+    return "".join(f"\\x{ord(ch):02x}" if (ord(ch) < 32 and ch not in "\n\t") or ord(ch) == 127 else ch for ch in text)
 
 
 def _visible(piece: str) -> str:
@@ -368,30 +423,38 @@ def _visible(piece: str) -> str:
 
 def _span(cell: TokenCell) -> str:
     classes = ["agl-tok", f"agl-{cell.kind}"] + ["agl-special"] * cell.special + ["agl-loss"] * cell.loss
-    style = ";".join([_TOKEN_STYLE, _STYLE[cell.kind]] + [_SPECIAL_STYLE] * cell.special
-                     + [_LOSS_STYLE] * cell.loss)
+    style = ";".join([_TOKEN_STYLE, _STYLE[cell.kind]] + [_SPECIAL_STYLE] * cell.special + [_LOSS_STYLE] * cell.loss)
     title = f"#{cell.position} id={cell.token_id} {cell.kind}{' special' * cell.special} loss={int(cell.loss)}"
-    return (f'<span class="{" ".join(classes)}" style="{style}" title="{html.escape(title)}">'
-            f"{_visible(cell.piece)}</span>")
+    return (
+        f'<span class="{" ".join(classes)}" style="{style}" title="{html.escape(title)}">{_visible(cell.piece)}</span>'
+    )
 
 
 def _pad_run(run: list[TokenCell]) -> str:
     first, last = run[0].position, run[-1].position
-    return (f'<span class="agl-tok agl-pad" style="{_TOKEN_STYLE};{_STYLE["pad"]}" '
-            f'title="#{first}–#{last} padding">⟨pad ×{len(run)}⟩</span>')
+    return (
+        f'<span class="agl-tok agl-pad" style="{_TOKEN_STYLE};{_STYLE["pad"]}" '
+        f'title="#{first}–#{last} padding">⟨pad ×{len(run)}⟩</span>'
+    )
 
 
 def legend_html() -> str:
     """A one-line key of the colours and marks."""
-    parts = [f'<span style="{_TOKEN_STYLE};{_STYLE[k]}{";" + _LOSS_STYLE if k == "model" else ""}">{k}</span>'
-             for k in TOKEN_KINDS]
+    parts = [
+        f'<span style="{_TOKEN_STYLE};{_STYLE[k]}{";" + _LOSS_STYLE if k == "model" else ""}">{k}</span>'
+        for k in TOKEN_KINDS
+    ]
     parts.append(f'<span style="{_TOKEN_STYLE};{_SPECIAL_STYLE}">special</span>')
-    return ('<div class="agl-legend" style="font-size:11px;margin:2px 0">'
-            + " ".join(parts) + " · underlined = in the loss mask</div>")
+    return (
+        '<div class="agl-legend" style="font-size:11px;margin:2px 0">'
+        + " ".join(parts)
+        + " · underlined = in the loss mask</div>"
+    )
 
 
-def render_tokens(cells: Sequence[TokenCell], *, title: str | None = None, collapse_pad: bool = True,
-                  legend: bool = True) -> str:
+def render_tokens(
+    cells: Sequence[TokenCell], *, title: str | None = None, collapse_pad: bool = True, legend: bool = True
+) -> str:
     """HTML of classified tokens: one span per token (runs of padding folded into one)."""
     body, run = [], []
     for cell in cells:
@@ -407,17 +470,28 @@ def render_tokens(cells: Sequence[TokenCell], *, title: str | None = None, colla
     counts = {k: sum(c.kind == k for c in cells) for k in TOKEN_KINDS}
     summary = " · ".join(f"{n} {k}" for k, n in counts.items() if n) + f" · {sum(c.loss for c in cells)} in loss"
     head = f"<b>{html.escape(title)}</b> — " if title else ""
-    return (f'<div class="agl-row">{legend_html() if legend else ""}'
-            f'<div style="font-size:11px;color:#57606a">{head}{html.escape(summary)}</div>'
-            f'<div class="agl-tokens" style="{_BOX_STYLE}">{"".join(body)}</div></div>')
+    return (
+        f'<div class="agl-row">{legend_html() if legend else ""}'
+        f'<div style="font-size:11px;color:#57606a">{head}{html.escape(summary)}</div>'
+        f'<div class="agl-tokens" style="{_BOX_STYLE}">{"".join(body)}</div></div>'
+    )
 
 
-def render_row_html(token_ids: Sequence[int], tokenizer: Any = None, *, prompt_len: int,
-                    response_mask: Sequence[int], attention_mask: Sequence[int] | None = None,
-                    title: str | None = None, collapse_pad: bool = True, legend: bool = True) -> str:
+def render_row_html(
+    token_ids: Sequence[int],
+    tokenizer: Any = None,
+    *,
+    prompt_len: int,
+    response_mask: Sequence[int],
+    attention_mask: Sequence[int] | None = None,
+    title: str | None = None,
+    collapse_pad: bool = True,
+    legend: bool = True,
+) -> str:
     """One row token by token (arguments as in `token_cells`), as an HTML string."""
-    cells = token_cells(token_ids, tokenizer, prompt_len=prompt_len, response_mask=response_mask,
-                        attention_mask=attention_mask)
+    cells = token_cells(
+        token_ids, tokenizer, prompt_len=prompt_len, response_mask=response_mask, attention_mask=attention_mask
+    )
     return render_tokens(cells, title=title, collapse_pad=collapse_pad, legend=legend)
 
 
@@ -431,21 +505,31 @@ def batch_row_cells(data: Any, index: int, tokenizer: Any = None) -> list[TokenC
     _check_index(data, index)
     batch = data.batch
     prompt_len = int(batch["prompts"].shape[1])
-    return token_cells(batch["input_ids"][index], tokenizer, prompt_len=prompt_len,
-                       response_mask=batch["response_mask"][index],
-                       attention_mask=batch["attention_mask"][index])
+    return token_cells(
+        batch["input_ids"][index],
+        tokenizer,
+        prompt_len=prompt_len,
+        response_mask=batch["response_mask"][index],
+        attention_mask=batch["attention_mask"][index],
+    )
 
 
-def render_batch_row(data: Any, index: int, tokenizer: Any = None, *, title: str | None = None,
-                     collapse_pad: bool = True, legend: bool = True) -> str:
+def render_batch_row(
+    data: Any,
+    index: int,
+    tokenizer: Any = None,
+    *,
+    title: str | None = None,
+    collapse_pad: bool = True,
+    legend: bool = True,
+) -> str:
     """Row `index` of a batch DataProto, exactly as it is trained (padding folded)."""
     _check_index(data, index)
     if title is None:
         nt = data.non_tensor_batch
         rid = nt["rollout_id_list"][index] if "rollout_id_list" in nt else "?"
         title = f"row {index} · rollout {rid}"
-    return render_tokens(batch_row_cells(data, index, tokenizer), title=title,
-                         collapse_pad=collapse_pad, legend=legend)
+    return render_tokens(batch_row_cells(data, index, tokenizer), title=title, collapse_pad=collapse_pad, legend=legend)
 
 
 # =========================================================================== merge-break diff
@@ -455,23 +539,41 @@ def _diff_fields(diff: Any) -> dict[str, Any]:
     """Normalise a TokenDiff, a MergeBreak or a `breaks_df` row to one dict."""
     get = (lambda k, d=None: diff.get(k, d)) if hasattr(diff, "get") else (lambda k, d=None: getattr(diff, k, d))
     if get("a_ids") is not None:  # TokenDiff
-        return dict(index=get("index"), start=get("start"), a_ids=get("a_ids"), b_ids=get("b_ids"),
-                    a_pieces=get("a_pieces"), b_pieces=get("b_pieces"))
+        return dict(
+            index=get("index"),
+            start=get("start"),
+            a_ids=get("a_ids"),
+            b_ids=get("b_ids"),
+            a_pieces=get("a_pieces"),
+            b_pieces=get("b_pieces"),
+        )
     index = get("first_divergent_token")
     if index is None or index != index:  # None, or NaN in a frame without diagnoses
-        raise ValueError("render_token_diff_html: expected a TokenDiff, a MergeBreak or a row of "
-                         "breaks_df with a diagnosis (first_divergent_token is missing; build the "
-                         "batch with diagnose=True)")
+        raise ValueError(
+            "render_token_diff_html: expected a TokenDiff, a MergeBreak or a row of "
+            "breaks_df with a diagnosis (first_divergent_token is missing; build the "
+            "batch with diagnose=True)"
+        )
 
     def first(*keys):
         return next((get(k) for k in keys if get(k) is not None), None)
 
     prev, prompt = first("prev_ids_window", "prev_ids"), first("prompt_ids_window", "prompt_ids")
     start = get("window_start")
-    return dict(index=int(index), start=int(start) if start is not None else max(0, int(index) - WINDOW),
-                a_ids=prev, b_ids=prompt, a_pieces=get("prev_pieces"), b_pieces=get("prompt_pieces"),
-                kind=get("kind"), reason=get("reason"), removed_text=get("removed_text"),
-                inserted_text=get("inserted_text"), rollout_id=get("rollout_id"), call=get("call"))
+    return dict(
+        index=int(index),
+        start=int(start) if start is not None else max(0, int(index) - WINDOW),
+        a_ids=prev,
+        b_ids=prompt,
+        a_pieces=get("prev_pieces"),
+        b_pieces=get("prompt_pieces"),
+        kind=get("kind"),
+        reason=get("reason"),
+        removed_text=get("removed_text"),
+        inserted_text=get("inserted_text"),
+        rollout_id=get("rollout_id"),
+        call=get("call"),
+    )
 
 
 def _diff_side(ids: Sequence[int], pieces: Sequence[str], start: int, index: int, side: str) -> str:
@@ -481,11 +583,16 @@ def _diff_side(ids: Sequence[int], pieces: Sequence[str], start: int, index: int
         if pos < index:
             cls, style = "agl-same", "background-color:#eaeef2;color:#57606a"
         elif pos == index:
-            cls, style = "agl-diverge", "background-color:#ff8182;color:#000000;font-weight:bold;outline:2px solid #cf222e"
+            cls, style = (
+                "agl-diverge",
+                "background-color:#ff8182;color:#000000;font-weight:bold;outline:2px solid #cf222e",
+            )
         else:
             cls, style = "agl-after", "background-color:#ffebe9;color:#6e7781"
-        spans.append(f'<span class="agl-tok {cls}" style="{_TOKEN_STYLE};{style}" '
-                     f'title="{side}[{pos}] id={int(tid)}">{_visible(str(piece))}</span>')
+        spans.append(
+            f'<span class="agl-tok {cls}" style="{_TOKEN_STYLE};{style}" '
+            f'title="{side}[{pos}] id={int(tid)}">{_visible(str(piece))}</span>'
+        )
     if not ids:
         spans.append('<span class="agl-tok agl-end" style="color:#6e7781">(ends here)</span>')
     return "".join(spans)
@@ -514,8 +621,10 @@ def render_token_diff_html(diff: Any, *, title: str | None = None) -> str:
         head.append(f"<b>{html.escape(str(where))}</b>")
     if f.get("kind"):
         colour = _KIND_COLOURS.get(str(f["kind"]), "#6e7781")
-        head.append(f'<span class="agl-kind agl-kind-{html.escape(str(f["kind"]))}" style="background-color:'
-                    f'{colour};color:#ffffff;border-radius:3px;padding:0 4px">{html.escape(str(f["kind"]))}</span>')
+        head.append(
+            f'<span class="agl-kind agl-kind-{html.escape(str(f["kind"]))}" style="background-color:'
+            f'{colour};color:#ffffff;border-radius:3px;padding:0 4px">{html.escape(str(f["kind"]))}</span>'
+        )
     if f.get("reason"):
         head.append(f'<span style="color:#57606a">{html.escape(str(f["reason"]))}</span>')
     rows = [
@@ -533,6 +642,8 @@ def render_token_diff_html(diff: Any, *, title: str | None = None) -> str:
         if f.get(key):
             lines.append(f"{label}: {f[key]!r}")
     notes = "".join(f'<div style="font-size:11px;font-family:monospace">{html.escape(x)}</div>' for x in lines)
-    return (f'<div class="agl-diff" style="margin:4px 0 10px 0;font-size:12px"><div>{" ".join(head)}</div>'
-            f'<table style="border-collapse:collapse"><tr><th></th><th style="font-size:11px">window (tokens '
-            f'{start}…)</th><th style="font-size:11px">decoded</th></tr>{table}</table>{notes}</div>')
+    return (
+        f'<div class="agl-diff" style="margin:4px 0 10px 0;font-size:12px"><div>{" ".join(head)}</div>'
+        f'<table style="border-collapse:collapse"><tr><th></th><th style="font-size:11px">window (tokens '
+        f'{start}…)</th><th style="font-size:11px">decoded</th></tr>{table}</table>{notes}</div>'
+    )

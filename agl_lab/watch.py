@@ -23,19 +23,22 @@ logger = logging.getLogger(__name__)
 
 FLAT_STEPS = 3  # training steps in a row with one reward for every rollout before the warning
 
-TINY_FIX = ("give the model demonstrations to warm-start on (register a Task with demonstrations= and set "
-            "agl_lab.model.warm_start_steps; docs/your-agent.md 'A task: datasets, agent, reward and demonstrations'), "
-            "or train a real model (agl_lab.model.preset=smollm2-135m, or agl_lab.model.path=DIR)")
+TINY_FIX = (
+    "give the model demonstrations to warm-start on (register a Task with demonstrations= and set "
+    "agl_lab.model.warm_start_steps; docs/your-agent.md 'A task: datasets, agent, reward and demonstrations'), "
+    "or train a real model (agl_lab.model.preset=smollm2-135m, or agl_lab.model.path=DIR)"
+)
 
 
 def untrained_tiny_model_message(*, tiny: bool, warm_start_steps: int, has_demonstrations: bool) -> str | None:
     """The warning for a built-in tiny model that starts with random weights, else None."""
     if not tiny or (warm_start_steps > 0 and has_demonstrations):
         return None
-    why = ("agl_lab.model.warm_start_steps=0" if has_demonstrations
-           else "the agent/dataset comes without demonstrations")
-    return ("the built-in tiny model gets no warm start (" + why + "): it starts from random weights, so its "
-            "replies will not parse for your agent and every reward is likely the same. Fix: " + TINY_FIX)
+    why = "agl_lab.model.warm_start_steps=0" if has_demonstrations else "the agent/dataset comes without demonstrations"
+    return (
+        "the built-in tiny model gets no warm start (" + why + "): it starts from random weights, so its "
+        "replies will not parse for your agent and every reward is likely the same. Fix: " + TINY_FIX
+    )
 
 
 def for_run(cfg, task, *, engine_given: bool) -> FlatRewardWatch:
@@ -43,12 +46,13 @@ def for_run(cfg, task, *, engine_given: bool) -> FlatRewardWatch:
     lab = cfg.agl_lab
     tiny = not engine_given and lab.model.path is None and lab.model.get("preset") is None
     message = untrained_tiny_model_message(
-        tiny=tiny, warm_start_steps=int(lab.model.warm_start_steps) if task is not None else 0,
-        has_demonstrations=task is not None and task.demonstrations is not None)
+        tiny=tiny,
+        warm_start_steps=int(lab.model.warm_start_steps) if task is not None else 0,
+        has_demonstrations=task is not None and task.demonstrations is not None,
+    )
     if message:
         logger.warning(message)
-    return FlatRewardWatch(untrained_tiny=message is not None,
-                           fillna=float(cfg.agentlightning.reward_fillna_value))
+    return FlatRewardWatch(untrained_tiny=message is not None, fillna=float(cfg.agentlightning.reward_fillna_value))
 
 
 class FlatRewardWatch:
@@ -81,12 +85,16 @@ class FlatRewardWatch:
             return None
         parts = []
         if failed:
-            parts.append(f"{failed} of {total} rollouts FAILED (first error: {self._first_error}) and were "
-                         f"trained with agentlightning.reward_fillna_value={self.fillna:g} — fix the agent, or set "
-                         "agl_lab.algorithm.exclude_failed_rollouts=true")
+            parts.append(
+                f"{failed} of {total} rollouts FAILED (first error: {self._first_error}) and were "
+                f"trained with agentlightning.reward_fillna_value={self.fillna:g} — fix the agent, or set "
+                "agl_lab.algorithm.exclude_failed_rollouts=true"
+            )
         if missing:
-            parts.append(f"{missing} of {total} rollouts ended without a reward (the agent returned None and posted "
-                         f"no reward event) and got reward_fillna_value={self.fillna:g} — return the reward")
+            parts.append(
+                f"{missing} of {total} rollouts ended without a reward (the agent returned None and posted "
+                f"no reward event) and got reward_fillna_value={self.fillna:g} — return the reward"
+            )
         if failed + missing < total:
             parts.append(f"the other {total - failed - missing} earned that reward themselves")
         return "; ".join(parts) + ". These are not replies that do not parse"
@@ -105,15 +113,20 @@ class FlatRewardWatch:
         if fill is not None:
             cause = fill
         elif self.untrained_tiny or value == 0:
-            cause = ("no reply earned any reward: the agent's replies most likely do not parse. "
-                     + ("The built-in tiny model had no warm start for this agent. Fix: " + TINY_FIX
-                        if self.untrained_tiny else
-                        "Look at one rollout call by call (trainer.dry_run()) and at ro.triplets; "
-                        "a model that cannot produce the format needs demonstrations or a bigger model"))
+            cause = "no reply earned any reward: the agent's replies most likely do not parse. " + (
+                "The built-in tiny model had no warm start for this agent. Fix: " + TINY_FIX
+                if self.untrained_tiny
+                else "Look at one rollout call by call (trainer.dry_run()) and at ro.triplets; "
+                "a model that cannot produce the format needs demonstrations or a bigger model"
+            )
         else:
-            cause = ("the task gives every rollout the same score: make rewards vary within a group (a harder "
-                     "or easier task, partial credit) and check the reward with trainer.dry_run()")
-        message = (f"steps {first}–{step}: every rollout got reward {value:.3f}, {len(self.flat)} steps in a row, "
-                   f"so every GRPO group has advantage 0 and the policy cannot learn; {cause}")
+            cause = (
+                "the task gives every rollout the same score: make rewards vary within a group (a harder "
+                "or easier task, partial credit) and check the reward with trainer.dry_run()"
+            )
+        message = (
+            f"steps {first}–{step}: every rollout got reward {value:.3f}, {len(self.flat)} steps in a row, "
+            f"so every GRPO group has advantage 0 and the policy cannot learn; {cause}"
+        )
         logger.warning(message)
         return message

@@ -31,17 +31,18 @@ def _short(value: Any, n: int = 8) -> str:
 class RolloutBrowser:
     """Browse the rows of a batch by group and rollout.
 
-        browser = RolloutBrowser(trainer.build_batch(), trainer.tokenizer)
-        browser                     # widget when live, static HTML otherwise
-        browser.row_html(rid, 0)    # HTML of the first row of rollout `rid`
+    browser = RolloutBrowser(trainer.build_batch(), trainer.tokenizer)
+    browser                     # widget when live, static HTML otherwise
+    browser.row_html(rid, 0)    # HTML of the first row of rollout `rid`
     """
 
-    def __init__(self, batch: Any, tokenizer: Any = None, *, widgets: bool | None = None,
-                 static_rows: int = 4):
+    def __init__(self, batch: Any, tokenizer: Any = None, *, widgets: bool | None = None, static_rows: int = 4):
         rows = getattr(batch, "rows", None)
         if not isinstance(rows, pd.DataFrame) or getattr(batch, "data", None) is None:
-            raise TypeError("RolloutBrowser needs a built batch with .rows and .data: pass the result of "
-                            "trainer.build_batch() (or agl_lab.results.BatchResult(agl_lab.batch.build_batch(...)))")
+            raise TypeError(
+                "RolloutBrowser needs a built batch with .rows and .data: pass the result of "
+                "trainer.build_batch() (or agl_lab.results.BatchResult(agl_lab.batch.build_batch(...)))"
+            )
         self.batch, self.data, self.tokenizer = batch, batch.data, tokenizer
         self.rows = rows.reset_index(drop=True)
         breaks = getattr(batch, "breaks", None)
@@ -88,18 +89,22 @@ class RolloutBrowser:
             raise IndexError(f"rollout {rollout_id!r} has {len(rows)} row(s); k={k} is out of range")
         row = rows.iloc[k]
         if row.batch_index < 0:
-            return (f"<div><i>{html.escape(self._row_label(k, row))}: this row has no trainable token "
-                    "and is not in the batch</i></div>")
-        return render_batch_row(self.data, int(row.batch_index), self.tokenizer,
-                                title=self._row_label(k, row), legend=False)
+            return (
+                f"<div><i>{html.escape(self._row_label(k, row))}: this row has no trainable token "
+                "and is not in the batch</i></div>"
+            )
+        return render_batch_row(
+            self.data, int(row.batch_index), self.tokenizer, title=self._row_label(k, row), legend=False
+        )
 
     def breaks_html(self, rollout_id: str) -> str:
         """The token diff of each merge break of a rollout ('' when it has none)."""
         if self.breaks.empty:
             return ""
         breaks = self.breaks[self.breaks["rollout_id"] == rollout_id]
-        return "".join(render_token_diff_html(b) for _, b in breaks.iterrows()
-                       if b["first_divergent_token"] is not None)
+        return "".join(
+            render_token_diff_html(b) for _, b in breaks.iterrows() if b["first_divergent_token"] is not None
+        )
 
     def static_html(self, max_rows: int | None = None) -> str:
         """The whole tree as nested ``<details>``; tokens for the first `max_rows` rows only."""
@@ -114,15 +119,21 @@ class RolloutBrowser:
                         body.append(self.row_html(rid, k))
                         budget -= 1
                     else:
-                        body.append(f"<div>{html.escape(self._row_label(k, row))} "
-                                    "<i>(tokens omitted here; browse them with a live kernel)</i></div>")
+                        body.append(
+                            f"<div>{html.escape(self._row_label(k, row))} "
+                            "<i>(tokens omitted here; browse them with a live kernel)</i></div>"
+                        )
                 body.append(self.breaks_html(rid))
                 opened = " open" if g == 0 and r == 0 else ""
-                items.append(f'<details{opened}><summary style="font-size:12px">{html.escape(self._rollout_label(rid))}</summary>'
-                             f'<div style="margin-left:16px">{"".join(body)}</div></details>')
+                items.append(
+                    f'<details{opened}><summary style="font-size:12px">{html.escape(self._rollout_label(rid))}</summary>'
+                    f'<div style="margin-left:16px">{"".join(body)}</div></details>'
+                )
             opened = " open" if g == 0 else ""
-            parts.append(f'<details{opened}><summary style="font-size:13px"><b>{html.escape(self._group_label(group))}</b></summary>'
-                         f'<div style="margin-left:16px">{"".join(items)}</div></details>')
+            parts.append(
+                f'<details{opened}><summary style="font-size:13px"><b>{html.escape(self._group_label(group))}</b></summary>'
+                f'<div style="margin-left:16px">{"".join(items)}</div></details>'
+            )
         return f'<div class="agl-browser">{"".join(parts)}</div>'
 
     # ------------------------------------------------------------------ widget
@@ -185,8 +196,10 @@ class RolloutBrowser:
         return bundle
 
     def __repr__(self) -> str:
-        return (f"RolloutBrowser({len(self.groups)} groups, {self.rows['rollout_id'].nunique()} rollouts, "
-                f"{len(self.rows)} rows)")
+        return (
+            f"RolloutBrowser({len(self.groups)} groups, {self.rows['rollout_id'].nunique()} rollouts, "
+            f"{len(self.rows)} rows)"
+        )
 
 
 def browse(batch: Any, tokenizer: Any = None, **kwargs: Any) -> RolloutBrowser:

@@ -48,12 +48,20 @@ def save_rollouts(path: str, records: list[Record]) -> None:
             logprobs.append(np.asarray(lp, dtype=np.float64))
         contexts.append(context)
         calls.append(len(triplets))
-    np.savez(path, context=np.concatenate(contexts), context_len=np.array([len(c) for c in contexts]),
-             calls=np.array(calls), prompt_len=np.array(prompt_len), response_len=np.array(response_len),
-             logprobs=np.concatenate(logprobs),
-             rollout_id=np.array([r[0] for r in records]), data_id=np.array([r[1] for r in records]),
-             step=np.array([r[2] for r in records]), sample_idx=np.array([r[3] for r in records]),
-             final_reward=np.array([r[4] for r in records], dtype=np.float64))
+    np.savez(
+        path,
+        context=np.concatenate(contexts),
+        context_len=np.array([len(c) for c in contexts]),
+        calls=np.array(calls),
+        prompt_len=np.array(prompt_len),
+        response_len=np.array(response_len),
+        logprobs=np.concatenate(logprobs),
+        rollout_id=np.array([r[0] for r in records]),
+        data_id=np.array([r[1] for r in records]),
+        step=np.array([r[2] for r in records]),
+        sample_idx=np.array([r[3] for r in records]),
+        final_reward=np.array([r[4] for r in records], dtype=np.float64),
+    )
 
 
 def load_rollouts(path: str) -> list[Record]:
@@ -61,15 +69,23 @@ def load_rollouts(path: str) -> list[Record]:
         data = {k: f[k] for k in f.files}
     records, c0, k, l0 = [], 0, 0, 0
     for i, n in enumerate(data["context_len"].tolist()):
-        context = data["context"][c0:c0 + n].tolist()
+        context = data["context"][c0 : c0 + n].tolist()
         c0 += n
         triplets = []
         for _ in range(int(data["calls"][i])):
             p, r = int(data["prompt_len"][k]), int(data["response_len"][k])
-            triplets.append((context[:p], context[p:p + r], data["logprobs"][l0:l0 + r].tolist()))
+            triplets.append((context[:p], context[p : p + r], data["logprobs"][l0 : l0 + r].tolist()))
             k, l0 = k + 1, l0 + r
-        records.append((str(data["rollout_id"][i]), str(data["data_id"][i]), int(data["step"][i]),
-                        int(data["sample_idx"][i]), float(data["final_reward"][i]), triplets))
+        records.append(
+            (
+                str(data["rollout_id"][i]),
+                str(data["data_id"][i]),
+                int(data["step"][i]),
+                int(data["sample_idx"][i]),
+                float(data["final_reward"][i]),
+                triplets,
+            )
+        )
     return records
 
 
@@ -77,18 +93,33 @@ def to_agl(records: list[Record]) -> list:
     """Fresh AGL rollouts (logprobs copied: AGL's trajectory level extends the first triplet's in place)."""
     from agentlightning.verl.agl_rollout_manager import CompletedRollout, Triplet
 
-    return [CompletedRollout(rollout_id=rid, data_id=did, step=step, sample_idx_in_step=idx, enqueue_time=0.0,
-                             final_reward=reward,
-                             triplets=[Triplet(prompt={"token_ids": p}, response={"token_ids": r, "log_probs": list(lp)})
-                                       for p, r, lp in triplets])
-            for rid, did, step, idx, reward, triplets in records]
+    return [
+        CompletedRollout(
+            rollout_id=rid,
+            data_id=did,
+            step=step,
+            sample_idx_in_step=idx,
+            enqueue_time=0.0,
+            final_reward=reward,
+            triplets=[
+                Triplet(prompt={"token_ids": p}, response={"token_ids": r, "log_probs": list(lp)})
+                for p, r, lp in triplets
+            ],
+        )
+        for rid, did, step, idx, reward, triplets in records
+    ]
 
 
 def agl_builder(level: str, max_prompt_length: int, max_response_length: int):
     from agentlightning.verl.rollout_adapter import RolloutAdapter
 
-    adapter = RolloutAdapter(max_prompt_length=max_prompt_length, max_response_length=max_response_length,
-                             device=torch.device("cpu"), pad_token_id=0, trace_aggregator_level=level)
+    adapter = RolloutAdapter(
+        max_prompt_length=max_prompt_length,
+        max_response_length=max_response_length,
+        device=torch.device("cpu"),
+        pad_token_id=0,
+        trace_aggregator_level=level,
+    )
     return lambda rollouts: adapter.get_train_data_batch(rollouts)[0]
 
 
@@ -134,7 +165,9 @@ def main(argv: list[str] | None = None) -> None:
     build(to_agl(records[:2]))  # warm: verl imported, the adapter's first call made
     wall, cpu, out = timed(build, args.repeat, setup=lambda: to_agl(records))
     result: dict[str, Any] = {
-        "wall_s": wall, "cpu_s": cpu, "env": environment(),
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "env": environment(),
         "batch": {k: v.contiguous() for k, v in out.batch.items()},
         "non_tensor": {k: np.asarray(v).tolist() for k, v in out.non_tensor_batch.items()},
     }

@@ -100,8 +100,17 @@ def make_rollouts(seed: int = 0) -> list[CompletedRollout]:
 
 def records(rollouts: list[CompletedRollout]) -> list:
     """The rollouts as agl_peer's plain records (what AGL is built from, in process or in the peer)."""
-    return [(r.rollout_id, r.data_id, r.step, r.sample_idx, r.final_reward,
-             [(t.prompt_ids, t.response_ids, t.logprobs) for t in r.triplets]) for r in rollouts]
+    return [
+        (
+            r.rollout_id,
+            r.data_id,
+            r.step,
+            r.sample_idx,
+            r.final_reward,
+            [(t.prompt_ids, t.response_ids, t.logprobs) for t in r.triplets],
+        )
+        for r in rollouts
+    ]
 
 
 def agl_importable() -> bool:
@@ -109,8 +118,10 @@ def agl_importable() -> bool:
 
 
 def env_label(env: dict[str, str], where: str) -> str:
-    return (f"(verl {env['verl']}): agentlightning {env['agentlightning']}, python {env['python']}, "
-            f"numpy {env['numpy']}, torch {env['torch']}, tensordict {env['tensordict']}; {where}")
+    return (
+        f"(verl {env['verl']}): agentlightning {env['agentlightning']}, python {env['python']}, "
+        f"numpy {env['numpy']}, torch {env['torch']}, tensordict {env['tensordict']}; {where}"
+    )
 
 
 @dataclass
@@ -137,8 +148,9 @@ class InProcess:
         build = agl_builder(level, p, r)
         build(to_agl(self.recs[:2]))  # warm, as the peer does
         wall, cpu, agl = timed(build, repeat, setup=lambda: to_agl(self.recs))
-        return AglRun(self.tag, wall * 1000, cpu * 1000, compare(ours.data, agl.batch, agl.non_tensor_batch),
-                      f"{wall * 1000:.0f}")
+        return AglRun(
+            self.tag, wall * 1000, cpu * 1000, compare(ours.data, agl.batch, agl.non_tensor_batch), f"{wall * 1000:.0f}"
+        )
 
 
 class Peer:
@@ -155,9 +167,27 @@ class Peer:
     def run(self, level: str, p: int, r: int, repeat: int, ours) -> AglRun:
         out = os.path.join(self.workdir, f"{level}.pt")
         # -I: its own environment only (no PYTHONPATH, no user site, not even benchmarks/ on its path)
-        done = subprocess.run([self.python, "-I", str(PEER), "--rollouts", self.rollouts, "--level", level,
-                               "--max-prompt-length", str(p), "--max-response-length", str(r),
-                               "--repeat", str(repeat), "--out", out], capture_output=True, text=True)
+        done = subprocess.run(
+            [
+                self.python,
+                "-I",
+                str(PEER),
+                "--rollouts",
+                self.rollouts,
+                "--level",
+                level,
+                "--max-prompt-length",
+                str(p),
+                "--max-response-length",
+                str(r),
+                "--repeat",
+                str(repeat),
+                "--out",
+                out,
+            ],
+            capture_output=True,
+            text=True,
+        )
         if done.returncode:
             raise SystemExit(f"agl_peer.py under {self.python} failed ({done.returncode}):\n{done.stderr[-3000:]}")
         res = torch.load(out, weights_only=True)
@@ -193,8 +223,11 @@ def speed_up(agl_ms: float, ours_ms: float) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeat", type=int, default=5)
-    p.add_argument("--agl-python", metavar="PATH",
-                   help="also time AGL in its own environment: run benchmarks/agl_peer.py with this Python")
+    p.add_argument(
+        "--agl-python",
+        metavar="PATH",
+        help="also time AGL in its own environment: run benchmarks/agl_peer.py with this Python",
+    )
     p.add_argument("--no-agl", action="store_true", help="skip AGL in this process even when importable")
     args = p.parse_args()
     rollouts = make_rollouts()
@@ -211,15 +244,23 @@ def main() -> None:
 
 
 def table(rollouts: list[CompletedRollout], sources: list, repeat: int) -> None:
-    print(f"{N_ROLLOUTS} rollouts x {N_CALLS} calls, first prompt {FIRST_PROMPT} tokens, ~256 new tokens per call; "
-          f"cpus={os.cpu_count()} load={os.getloadavg()[0]:.1f} (1-min avg, start); median of {repeat}")
+    print(
+        f"{N_ROLLOUTS} rollouts x {N_CALLS} calls, first prompt {FIRST_PROMPT} tokens, ~256 new tokens per call; "
+        f"cpus={os.cpu_count()} load={os.getloadavg()[0]:.1f} (1-min avg, start); median of {repeat}"
+    )
     print(f"{'':<17} {'wall ms (median)':^36} {'CPU ms (median)':^31}")
-    print(f"{'level':<11} {'rows':>5} {'agl_lab':>9} {'AGL':>15} {'speed-up':>9} {'agl_lab':>9} {'AGL':>10} "
-          f"{'speed-up':>9} {'identical':>9} {'forward tokens':>15} {'padded tokens':>14}  AGL env")
+    print(
+        f"{'level':<11} {'rows':>5} {'agl_lab':>9} {'AGL':>15} {'speed-up':>9} {'agl_lab':>9} {'AGL':>10} "
+        f"{'speed-up':>9} {'identical':>9} {'forward tokens':>15} {'padded tokens':>14}  AGL env"
+    )
     forward = {}
     for level, (pl, rl) in SHAPES.items():
-        ours_s, ours_cpu, ours = timed(lambda _, level=level, pl=pl, rl=rl: build_batch(rollouts, level, max_prompt_length=pl, max_response_length=rl),
-                                       repeat)
+        ours_s, ours_cpu, ours = timed(
+            lambda _, level=level, pl=pl, rl=rl: build_batch(
+                rollouts, level, max_prompt_length=pl, max_response_length=rl
+            ),
+            repeat,
+        )
         if sources:
             runs = [source.run(level, pl, rl, repeat, ours) for source in sources]
         elif level in ISSUE_AGL_MS:
@@ -229,13 +270,17 @@ def table(rollouts: list[CompletedRollout], sources: list, repeat: int) -> None:
         mask = ours.data.batch["attention_mask"]
         forward[level] = int(mask.sum())
         for run in runs:
-            print(f"{level:<11} {len(ours.data):>5} {ours_s * 1000:>9.0f} {run.cell:>15} "
-                  f"{speed_up(run.wall_ms, ours_s * 1000):>9} {ours_cpu * 1000:>9.0f} {shown(run.cpu_ms):>10} "
-                  f"{speed_up(run.cpu_ms, ours_cpu * 1000):>9} {run.same:>9} {forward[level]:>15,} {mask.numel():>14,}"
-                  f"  {run.tag}")
+            print(
+                f"{level:<11} {len(ours.data):>5} {ours_s * 1000:>9.0f} {run.cell:>15} "
+                f"{speed_up(run.wall_ms, ours_s * 1000):>9} {ours_cpu * 1000:>9.0f} {shown(run.cpu_ms):>10} "
+                f"{speed_up(run.cpu_ms, ours_cpu * 1000):>9} {run.same:>9} {forward[level]:>15,} {mask.numel():>14,}"
+                f"  {run.tag}"
+            )
         del ours
-    print(f"load={os.getloadavg()[0]:.1f} (end); transition / trajectory forward tokens: "
-          f"{forward['transition'] / forward['trajectory']:.2f}x")
+    print(
+        f"load={os.getloadavg()[0]:.1f} (end); transition / trajectory forward tokens: "
+        f"{forward['transition'] / forward['trajectory']:.2f}x"
+    )
     for source in sources:
         print(f"AGL env {source.tag}: {source.label}")
     if not sources:

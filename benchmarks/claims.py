@@ -82,13 +82,37 @@ def start_server(kind: str, store: str, tmp: str, agl_python: str | None) -> tup
     port = _free_port()
     if kind == "agl_lab":
         url = store.format(tmp=tmp, pg=_PG["new"]() if "{pg}" in store else "")
-        argv = [sys.executable, "-m", "agl_lab.cli", "serve", "--port", str(port), "--key", KEY,
-                "--model-name", "m", "--store", url, "--log-level", "warning"]
+        argv = [
+            sys.executable,
+            "-m",
+            "agl_lab.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--key",
+            KEY,
+            "--model-name",
+            "m",
+            "--store",
+            url,
+            "--log-level",
+            "warning",
+        ]
         cwd = ROOT
     else:
-        argv = [agl_python, "-I", "-m", "agentlightning.server", "host=127.0.0.1", f"port={port}", f"key={KEY}",
-                f"hydra.run.dir={tmp}/hydra", "hydra.output_subdir=null", "hydra/job_logging=none",
-                "hydra/hydra_logging=none"]
+        argv = [
+            agl_python,
+            "-I",
+            "-m",
+            "agentlightning.server",
+            "host=127.0.0.1",
+            f"port={port}",
+            f"key={KEY}",
+            f"hydra.run.dir={tmp}/hydra",
+            "hydra.output_subdir=null",
+            "hydra/job_logging=none",
+            "hydra/hydra_logging=none",
+        ]
         cwd = tmp
     proc = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -120,16 +144,18 @@ def cpu_seconds(pid: int) -> float:
 
 def _claim_one(http: httpx.Client, path: str, runner_id: str, counts: dict[str, int]) -> str | None:
     if path == "claim":
-        answer = http.post("/api/rollouts/claim", json={"limit": 1, "runner_id": runner_id,
-                                                        "wait_seconds": CLAIM_WAIT_SECONDS})
+        answer = http.post(
+            "/api/rollouts/claim", json={"limit": 1, "runner_id": runner_id, "wait_seconds": CLAIM_WAIT_SECONDS}
+        )
         answer.raise_for_status()
         claimed = answer.json()
         return claimed[0]["rollout_id"] if claimed else None
     queued = http.get("/api/rollouts", params={"state_in": "queuing", "limit": 17})
     queued.raise_for_status()
     for rollout in queued.json():
-        answer = http.patch(f"/api/rollouts/{rollout['rollout_id']}",
-                            json={"status": {"state": "running", "last_attempt_id": "0"}})
+        answer = http.patch(
+            f"/api/rollouts/{rollout['rollout_id']}", json={"status": {"state": "running", "last_attempt_id": "0"}}
+        )
         if answer.status_code == 200:
             return rollout["rollout_id"]
         if answer.status_code not in (404, 409):
@@ -149,16 +175,18 @@ def _runner_thread(url: str, path: str, runner_id: str, stop, out: list) -> None
                     time.sleep(IDLE_SLEEP_SECONDS)
                 continue
             counts["claims"] += 1
-            http.post(f"/api/rollouts/{rid}/attempt/0/events",
-                      json={"event_type": "reward", "data": {"value": 1.0}}).raise_for_status()
+            http.post(
+                f"/api/rollouts/{rid}/attempt/0/events", json={"event_type": "reward", "data": {"value": 1.0}}
+            ).raise_for_status()
             http.patch(f"/api/rollouts/{rid}", json={"status": {"state": "succeeded"}}).raise_for_status()
     out.append(counts)
 
 
 def _worker(url: str, path: str, n_threads: int, tag: str, stop, results) -> None:
     out: list[dict[str, int]] = []
-    threads = [threading.Thread(target=_runner_thread, args=(url, path, f"{tag}-{i}", stop, out))
-               for i in range(n_threads)]
+    threads = [
+        threading.Thread(target=_runner_thread, args=(url, path, f"{tag}-{i}", stop, out)) for i in range(n_threads)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -177,8 +205,9 @@ def produce(url: str, n: int) -> None:
         cursor = http.get("/api/rollouts/terminal", params={"after": 0, "limit": 1}).json()["total_terminal"]
         ids = [secrets.token_hex(16) for _ in range(n)]
         for i in range(0, n, 64):
-            http.post("/api/rollouts", json=[{"rollout_id": rid, "input": {"i": rid}} for rid in ids[i:i + 64]]
-                      ).raise_for_status()
+            http.post(
+                "/api/rollouts", json=[{"rollout_id": rid, "input": {"i": rid}} for rid in ids[i : i + 64]]
+            ).raise_for_status()
         wanted, fetched = set(ids), 0
         while fetched < n:
             page = http.get("/api/rollouts/terminal", params={"after": cursor, "limit": 1000}).json()
@@ -225,8 +254,12 @@ def run_one(backend: str, path: str, n_runners: int, n_rollouts: int, agl_python
             proc.kill()
         shutil.rmtree(tmp, ignore_errors=True)
     claims = sum(t["claims"] for t in totals)
-    return {"rollouts_per_s": n_rollouts / wall, "conflicts_per_claim": sum(t["conflicts"] for t in totals) / max(claims, 1),
-            "per_cpu_s": n_rollouts / cpu if cpu > 0 else float("nan"), "claims": claims}
+    return {
+        "rollouts_per_s": n_rollouts / wall,
+        "conflicts_per_claim": sum(t["conflicts"] for t in totals) / max(claims, 1),
+        "per_cpu_s": n_rollouts / cpu if cpu > 0 else float("nan"),
+        "claims": claims,
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,15 +285,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rollouts", type=int, default=400)
     p.add_argument("--runners", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
-    p.add_argument("--postgres", default="auto", metavar="auto|URL|none",
-                   help="PostgreSQL for the postgresql column: a throwaway server (auto), a database URL, or none")
+    p.add_argument(
+        "--postgres",
+        default="auto",
+        metavar="auto|URL|none",
+        help="PostgreSQL for the postgresql column: a throwaway server (auto), a database URL, or none",
+    )
     p.add_argument("--agl-python", default=None)
     p.add_argument("--no-agl", action="store_true")
     args = p.parse_args(argv)
     agl_python, agl_why = agl_python_of(args)
     with postgres(args.postgres) as pg_why:
-        backends = [b for b in args.backends if (BACKENDS[b][0] != "agl" or agl_python is not None)
-                    and (b != "postgresql" or "new" in _PG)]
+        backends = [
+            b
+            for b in args.backends
+            if (BACKENDS[b][0] != "agl" or agl_python is not None) and (b != "postgresql" or "new" in _PG)
+        ]
         measure_and_print(args, backends, agl_python, agl_why, pg_why)
 
 
@@ -287,7 +327,9 @@ def postgres(given: str) -> Iterator[str]:
             cluster.stop()
 
 
-def measure_and_print(args: argparse.Namespace, backends: list[str], agl_python: str | None, agl_why: str, pg_why: str) -> None:
+def measure_and_print(
+    args: argparse.Namespace, backends: list[str], agl_python: str | None, agl_why: str, pg_why: str
+) -> None:
     cells: dict[tuple[str, int, str], dict[str, float] | None] = {}
     for n_runners in args.runners:  # backends take turns per runner count: load drifts hit all alike
         for path in PATHS:
@@ -296,10 +338,13 @@ def measure_and_print(args: argparse.Namespace, backends: list[str], agl_python:
                     cells[(path, n_runners, backend)] = None  # AGL has no claim route
                     continue
                 cells[(path, n_runners, backend)] = run_one(backend, path, n_runners, args.rollouts, agl_python)
-    header = f"{'path':<11}| {'runners':>7} |" + "|".join(f" {b + ' r/s':>15} | {'409/claim':>9} | {'r/CPU-s':>8} "
-                                                          for b in backends)
-    print(f"\n{args.rollouts} rollouts per run, create -> claim -> event -> succeeded -> fetch + delete "
-          f"({os.cpu_count()} cores)\n")
+    header = f"{'path':<11}| {'runners':>7} |" + "|".join(
+        f" {b + ' r/s':>15} | {'409/claim':>9} | {'r/CPU-s':>8} " for b in backends
+    )
+    print(
+        f"\n{args.rollouts} rollouts per run, create -> claim -> event -> succeeded -> fetch + delete "
+        f"({os.cpu_count()} cores)\n"
+    )
     print(header)
     print("-" * len(header))
     for n_runners in args.runners:
@@ -307,9 +352,12 @@ def measure_and_print(args: argparse.Namespace, backends: list[str], agl_python:
             row = f"{path:<11}| {n_runners:>7} |"
             for backend in backends:
                 cell = cells[(path, n_runners, backend)]
-                row += (f" {'n/a':>15} | {'n/a':>9} | {'n/a':>8} " if cell is None else
-                        f" {cell['rollouts_per_s']:>15.1f} | {cell['conflicts_per_claim']:>9.2f} | "
-                        f"{cell['per_cpu_s']:>8.1f} ") + "|"
+                row += (
+                    f" {'n/a':>15} | {'n/a':>9} | {'n/a':>8} "
+                    if cell is None
+                    else f" {cell['rollouts_per_s']:>15.1f} | {cell['conflicts_per_claim']:>9.2f} | "
+                    f"{cell['per_cpu_s']:>8.1f} "
+                ) + "|"
             print(row.rstrip("|"))
     print(f"\nPostgreSQL: {pg_why}")
     if agl_python is None:

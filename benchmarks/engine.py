@@ -35,8 +35,9 @@ from agl_lab.engines.serving.openai_server import OpenAIServer
 from agl_lab.engines.tiny import DEFAULT_MODEL_NAME, load_model_and_tokenizer
 
 
-def run_clients(base_url: str, clients: int, requests_per_client: int, max_tokens: int,
-                model: str = "agl-lab-tiny") -> tuple[int, float]:
+def run_clients(
+    base_url: str, clients: int, requests_per_client: int, max_tokens: int, model: str = "agl-lab-tiny"
+) -> tuple[int, float]:
     """→ (generated tokens, wall seconds) for `clients` threads × `requests_per_client` calls."""
     totals = [0] * clients
     errors: list[str] = []
@@ -45,8 +46,13 @@ def run_clients(base_url: str, clients: int, requests_per_client: int, max_token
         with httpx.Client(base_url=base_url, timeout=300) as http:
             for r in range(requests_per_client):
                 body = {
-                    "model": model, "max_tokens": max_tokens, "temperature": 1.0, "seed": 1000 * i + r,
-                    "ignore_eos": True, "logprobs": True, "return_token_ids": True,
+                    "model": model,
+                    "max_tokens": max_tokens,
+                    "temperature": 1.0,
+                    "seed": 1000 * i + r,
+                    "ignore_eos": True,
+                    "logprobs": True,
+                    "return_token_ids": True,
                     "messages": [{"role": "user", "content": f"client {i} request {r}: lookup the value of key {i}"}],
                 }
                 resp = http.post("/chat/completions", json=body)
@@ -68,21 +74,33 @@ def run_clients(base_url: str, clients: int, requests_per_client: int, max_token
 
 def measure(model, tokenizer, *, max_batch_size: int, clients: int, args: argparse.Namespace) -> dict:
     cache_mb = 0 if args.baseline else args.prefix_cache_mb
-    with OpenAIServer(model, tokenizer, model_name=args.model_name, max_batch_size=max_batch_size,
-                      num_threads=args.num_threads, prefix_cache_mb=cache_mb) as server:
+    with OpenAIServer(
+        model,
+        tokenizer,
+        model_name=args.model_name,
+        max_batch_size=max_batch_size,
+        num_threads=args.num_threads,
+        prefix_cache_mb=cache_mb,
+    ) as server:
         server.scheduler.fast_decode = not args.baseline
         run_clients(server.base_url, min(clients, 4), 1, 8, args.model_name)  # warm-up (first forward, connections)
         s0 = dict(server.scheduler.stats)
         tokens, wall = run_clients(server.base_url, clients, args.requests_per_client, args.max_tokens, args.model_name)
         s1 = server.scheduler.stats
         steps = s1["steps"] - s0["steps"] + s1["prefills"] - s0["prefills"]
-    return {"clients": clients, "max_batch_size": max_batch_size, "tokens": tokens, "seconds": wall,
-            "tok_per_s": tokens / wall, "tokens_per_forward": tokens / max(steps, 1),
-            "forward_share": (s1["forward_s"] - s0["forward_s"]) / wall,
-            "step_share": (s1["step_s"] - s0["step_s"]) / wall,
-            "prefill_share": (s1["prefill_s"] - s0["prefill_s"]) / wall,
-            "cached_share": (s1["cached_tokens"] - s0["cached_tokens"])
-            / max(1, s1["cached_tokens"] - s0["cached_tokens"] + s1["prefill_tokens"] - s0["prefill_tokens"])}
+    return {
+        "clients": clients,
+        "max_batch_size": max_batch_size,
+        "tokens": tokens,
+        "seconds": wall,
+        "tok_per_s": tokens / wall,
+        "tokens_per_forward": tokens / max(steps, 1),
+        "forward_share": (s1["forward_s"] - s0["forward_s"]) / wall,
+        "step_share": (s1["step_s"] - s0["step_s"]) / wall,
+        "prefill_share": (s1["prefill_s"] - s0["prefill_s"]) / wall,
+        "cached_share": (s1["cached_tokens"] - s0["cached_tokens"])
+        / max(1, s1["cached_tokens"] - s0["cached_tokens"] + s1["prefill_tokens"] - s0["prefill_tokens"]),
+    }
 
 
 def measure_remote(url: str, clients: int, args: argparse.Namespace) -> float:
@@ -100,8 +118,11 @@ def main() -> None:
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--num-threads", type=int, default=1, help="torch threads of the decode loop")
-    parser.add_argument("--baseline", action="store_true",
-                        help="HF forward for decode steps and no prefix cache (the engine before #16)")
+    parser.add_argument(
+        "--baseline",
+        action="store_true",
+        help="HF forward for decode steps and no prefix cache (the engine before #16)",
+    )
     parser.add_argument("--prefix-cache-mb", type=float, default=256, help="0 turns the prefix cache off")
     parser.add_argument("--model-path", default=None, help="HF model directory (default: the tiny model)")
     parser.add_argument("--compare-url", default=None, help="another OpenAI server's /v1 URL to run side by side")
@@ -117,20 +138,26 @@ def main() -> None:
         rows[-1]["compare"] = None
     serial = rows[-1]["tok_per_s"] if args.model_path is None else None
 
-    print(f"\nlocal engine{' (baseline: HF decode, no prefix cache)' if args.baseline else ''}, "
-          f"{args.model_name} on {args.device} ({args.num_threads} decode thread(s)), "
-          f"{args.max_tokens} tokens/request, {args.requests_per_client} requests/client, load {os.getloadavg()[0]:.2f}")
-    print(f"{'clients':>8} {'batching':>14} {'tokens':>8} {'seconds':>8} {'tok/s':>9} {'tok/forward':>12} "
-          f"{'in forward':>11} {'in prefill':>11} {'prompt cached':>14} {'in step':>8} {'vs 1-at-a-time':>15} "
-          f"{'compare tok/s':>14}")
+    print(
+        f"\nlocal engine{' (baseline: HF decode, no prefix cache)' if args.baseline else ''}, "
+        f"{args.model_name} on {args.device} ({args.num_threads} decode thread(s)), "
+        f"{args.max_tokens} tokens/request, {args.requests_per_client} requests/client, load {os.getloadavg()[0]:.2f}"
+    )
+    print(
+        f"{'clients':>8} {'batching':>14} {'tokens':>8} {'seconds':>8} {'tok/s':>9} {'tok/forward':>12} "
+        f"{'in forward':>11} {'in prefill':>11} {'prompt cached':>14} {'in step':>8} {'vs 1-at-a-time':>15} "
+        f"{'compare tok/s':>14}"
+    )
     for r in rows:
         mode = "dynamic (64)" if r["max_batch_size"] > 1 else "one at a time"
         speedup = f"{r['tok_per_s'] / serial:.1f}x" if serial else "-"
         compare = f"{r['compare']:.1f}" if r["compare"] else "-"
-        print(f"{r['clients']:>8} {mode:>14} {r['tokens']:>8} {r['seconds']:>8.2f} {r['tok_per_s']:>9.1f} "
-              f"{r['tokens_per_forward']:>12.1f} {r['forward_share']:>10.0%} {r['prefill_share']:>10.0%} "
-              f"{r['cached_share']:>13.0%} {r['step_share']:>8.0%} "
-              f"{speedup:>15} {compare:>14}")
+        print(
+            f"{r['clients']:>8} {mode:>14} {r['tokens']:>8} {r['seconds']:>8.2f} {r['tok_per_s']:>9.1f} "
+            f"{r['tokens_per_forward']:>12.1f} {r['forward_share']:>10.0%} {r['prefill_share']:>10.0%} "
+            f"{r['cached_share']:>13.0%} {r['step_share']:>8.0%} "
+            f"{speedup:>15} {compare:>14}"
+        )
     if args.compare_url:
         print(f"compare: {args.compare_url}")
 

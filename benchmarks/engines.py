@@ -55,8 +55,7 @@ def run_engine(engine: str, steps: int, overrides: list[str], run_dir: str) -> d
 
     config, own = ENGINES[engine]
     t0 = time.perf_counter()
-    trainer = Trainer.from_config(str(config), [*own, *overrides],
-                                  console=False, run_dir=os.path.join(run_dir, engine))
+    trainer = Trainer.from_config(str(config), [*own, *overrides], console=False, run_dir=os.path.join(run_dir, engine))
     startup = time.perf_counter() - t0
     try:
         history = [trainer.step() for _ in range(steps)]
@@ -68,15 +67,22 @@ def run_engine(engine: str, steps: int, overrides: list[str], run_dir: str) -> d
         shares[name] = statistics.mean(sum(float(m.get(k, 0.0)) for k in keys) / m["timing_s/step"] for m in measured)
     shares["other"] = 1.0 - sum(shares.values())
     rewards = [float(m.get("training/reward", float("nan"))) for m in history]
-    return {"startup_s": startup, "step_s": [m["timing_s/step"] for m in measured], "shares": shares,
-            "rewards": rewards}
+    return {
+        "startup_s": startup,
+        "step_s": [m["timing_s/step"] for m in measured],
+        "shares": shares,
+        "rewards": rewards,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6, help="steps per engine (the first is a warm-up)")
-    parser.add_argument("--engines", default=None,
-                        help="comma-separated rows of " + ", ".join(ENGINES) + " (default: all that can run here)")
+    parser.add_argument(
+        "--engines",
+        default=None,
+        help="comma-separated rows of " + ", ".join(ENGINES) + " (default: all that can run here)",
+    )
     parser.add_argument("overrides", nargs="*", help="key=value config overrides for every engine")
     args = parser.parse_args()
     import importlib.util
@@ -99,8 +105,12 @@ def main() -> None:
     print("| " + " | ".join(header) + " |")
     print("|" + "|".join("---" for _ in header) + "|")
     for engine, r in results.items():
-        cells = [engine, f"{r['startup_s']:.1f}", f"{statistics.median(r['step_s']):.2f}",
-                 *(f"{100 * r['shares'][name]:.0f}%" for name in [*PHASES, "other"])]
+        cells = [
+            engine,
+            f"{r['startup_s']:.1f}",
+            f"{statistics.median(r['step_s']):.2f}",
+            *(f"{100 * r['shares'][name]:.0f}%" for name in [*PHASES, "other"]),
+        ]
         print("| " + " | ".join(cells) + " |")
     if "local" in results:
         base = statistics.median(results["local"]["step_s"])

@@ -75,8 +75,7 @@ from agl_lab.server.gateway import proxy_base_url  # noqa: E402
 MODEL = "bench-model"
 KEY = "bench-key"
 MESSAGES = [{"role": "system", "content": "You are a careful math assistant. " * 4}] + [
-    {"role": "user" if i % 2 == 0 else "assistant", "content": f"Turn {i}: " + "step by step " * 12}
-    for i in range(6)
+    {"role": "user" if i % 2 == 0 else "assistant", "content": f"Turn {i}: " + "step by step " * 12} for i in range(6)
 ]
 # the body the gateway forwards in train mode, so the upstream does the same work either way
 BODY = {"model": MODEL, "messages": MESSAGES, "temperature": 1.0, "return_token_ids": True, "logprobs": True}
@@ -103,15 +102,28 @@ def canned_completion() -> bytes:
     import json
 
     content = [{"token": f"t{k}", "logprob": -0.01 * (k + 1), "bytes": [116], "top_logprobs": []} for k in range(64)]
-    body = {"id": "chatcmpl-bench", "object": "chat.completion", "created": 0, "model": MODEL,
-            "prompt_token_ids": list(range(1000, 1600)),
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok " * 32},
-                         "token_ids": list(range(2000, 2064)), "logprobs": {"content": content},
-                         "finish_reason": "stop"}],
-            "usage": {"prompt_tokens": 600, "completion_tokens": 64, "total_tokens": 664}}
+    body = {
+        "id": "chatcmpl-bench",
+        "object": "chat.completion",
+        "created": 0,
+        "model": MODEL,
+        "prompt_token_ids": list(range(1000, 1600)),
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "ok " * 32},
+                "token_ids": list(range(2000, 2064)),
+                "logprobs": {"content": content},
+                "finish_reason": "stop",
+            }
+        ],
+        "usage": {"prompt_tokens": 600, "completion_tokens": 64, "total_tokens": 664},
+    }
     payload = json.dumps(body).encode()
-    head = (f"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {len(payload)}\r\n"
-            "connection: keep-alive\r\n\r\n").encode()
+    head = (
+        f"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {len(payload)}\r\n"
+        "connection: keep-alive\r\n\r\n"
+    ).encode()
     return head + payload
 
 
@@ -202,11 +214,16 @@ class _FloorServer(asyncio.Protocol):
         loop = asyncio.get_running_loop()
         if self.record:
             request, body = rewritten(body)
-        upstream = self.pool.pop() if self.pool else (
-            await loop.create_connection(_FloorUpstream, "127.0.0.1", self.upstream_port))[1]
+        upstream = (
+            self.pool.pop()
+            if self.pool
+            else (await loop.create_connection(_FloorUpstream, "127.0.0.1", self.upstream_port))[1]
+        )
         upstream.answer = loop.create_future()
-        upstream.transport.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: floor\r\ncontent-type: "
-                                 b"application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+        upstream.transport.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: floor\r\ncontent-type: "
+            b"application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+        )
         answer = await upstream.answer
         self.pool.append(upstream)
         if self.record:
@@ -214,8 +231,9 @@ class _FloorServer(asyncio.Protocol):
         self.answer(answer)
 
     def answer(self, body: bytes) -> None:
-        self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
-                             % (len(body), body))
+        self.transport.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+        )
 
 
 def rewritten(body: bytes) -> tuple[dict, bytes]:
@@ -237,7 +255,8 @@ async def serve_floor(port: int, upstream_port: int, record: bool) -> None:
     pool: list = []
     log: list = []
     server = await asyncio.get_running_loop().create_server(
-        lambda: _FloorServer(upstream_port, record, pool, log), "127.0.0.1", port, backlog=4096)
+        lambda: _FloorServer(upstream_port, record, pool, log), "127.0.0.1", port, backlog=4096
+    )
     async with server:
         await server.serve_forever()
 
@@ -272,8 +291,16 @@ def serve_uvicorn_floor(port: int, upstream_port: int) -> None:
         await send({**start, "headers": headers})
         await send({"type": "http.response.body", "body": answer})
 
-    uvicorn.run(app, host="127.0.0.1", port=port, http=HTTP_PROTOCOL, lifespan="off", access_log=False,
-                log_level="warning", timeout_keep_alive=120)
+    uvicorn.run(
+        app,
+        host="127.0.0.1",
+        port=port,
+        http=HTTP_PROTOCOL,
+        lifespan="off",
+        access_log=False,
+        log_level="warning",
+        timeout_keep_alive=120,
+    )
 
 
 def run_loop(coro) -> None:
@@ -301,8 +328,9 @@ def process(args_of, ready_url_of, tries: int = 3) -> Iterator[tuple[str, int]]:
     """Start `python args_of(port)`; yield (base url, pid) once `ready_url_of(port)` answers."""
     for attempt in range(tries):
         port = free_port()
-        proc = subprocess.Popen([sys.executable, *args_of(port)], cwd=ROOT, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE)
+        proc = subprocess.Popen(
+            [sys.executable, *args_of(port)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
         if _wait_ready(proc, ready_url_of(port)):
             break
         proc.kill()
@@ -320,7 +348,11 @@ def _wait_ready(proc: subprocess.Popen, url: str) -> bool:
     deadline = time.monotonic() + 60
     while proc.poll() is None and time.monotonic() < deadline:
         try:
-            r = httpx.post(url, json={}, trust_env=False) if url.endswith("completions") else httpx.get(url, trust_env=False)
+            r = (
+                httpx.post(url, json={}, trust_env=False)
+                if url.endswith("completions")
+                else httpx.get(url, trust_env=False)
+            )
             if r.status_code == 200:
                 return True
         except httpx.HTTPError:
@@ -392,8 +424,13 @@ async def throughput_phase(session, base: str, gateways: list[str], seconds: flo
     # the agents start once it has started up and it stops when they stop, so every probe falls
     # inside the load
     probe = await asyncio.create_subprocess_exec(
-        sys.executable, __file__, "--probe", base + "/healthz", stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE)
+        sys.executable,
+        __file__,
+        "--probe",
+        base + "/healthz",
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )
     assert (await probe.stdout.readline()).strip() == b"ready"
     stop = time.perf_counter() + seconds
 
@@ -441,8 +478,9 @@ def latency_calls(agents: int, pairs: int | None, rounds: int) -> int:
     return 400 if agents == 1 else max(2 * rounds, 1600 // agents)
 
 
-async def measure(started: dict[str, tuple[str, int]], direct: str, rollout_ids: list[str], agents: int,
-                  args) -> dict[str, dict]:
+async def measure(
+    started: dict[str, tuple[str, int]], direct: str, rollout_ids: list[str], agents: int, args
+) -> dict[str, dict]:
     """Both phases on every server at one agent count -> {server: row}.
 
     Each phase runs in `args.rounds` rounds with the servers taking turns, so that a drift of the
@@ -461,19 +499,23 @@ async def measure(started: dict[str, tuple[str, int]], direct: str, rollout_ids:
     done = {name: [0, 0.0, 0.0] for name in started}  # calls, seconds, CPU seconds of the throughput phase
     loads: dict[str, str] = {}
     async with contextlib.AsyncExitStack() as stack:
-        sessions = {name: await stack.enter_async_context(aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0))) for name in started}
+        sessions = {
+            name: await stack.enter_async_context(aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)))
+            for name in started
+        }
         for _ in range(rounds):
             for name in started:
-                d_ms, g_ms = await latency_phase(sessions[name], direct + "/v1/chat/completions", gateways[name],
-                                                 calls, args.delay)
+                d_ms, g_ms = await latency_phase(
+                    sessions[name], direct + "/v1/chat/completions", gateways[name], calls, args.delay
+                )
                 lat[name][0].extend(d_ms)
                 lat[name][1].extend(g_ms)
         for _ in range(rounds):
             for name, (base, pid) in started.items():
                 cpu0 = cpu_seconds(pid)
-                n, seconds, call_ms, probe_ms = await throughput_phase(sessions[name], base, gateways[name],
-                                                                       args.seconds / rounds)
+                n, seconds, call_ms, probe_ms = await throughput_phase(
+                    sessions[name], base, gateways[name], args.seconds / rounds
+                )
                 done[name][0] += n
                 done[name][1] += seconds
                 done[name][2] += cpu_seconds(pid) - cpu0
@@ -483,10 +525,19 @@ async def measure(started: dict[str, tuple[str, int]], direct: str, rollout_ids:
     rows = {}
     for name in started:
         (d_ms, g_ms), (n, seconds, cpu) = lat[name], done[name]
-        rows[name] = {"d50": pct(d_ms, 50), "d99": pct(d_ms, 99), "g50": pct(g_ms, 50), "g99": pct(g_ms, 99),
-                      "rate": n / seconds, "b50": pct(busy[name], 50), "b99": pct(busy[name], 99),
-                      "h50": pct(health[name], 50), "h99": pct(health[name], 99),
-                      "cpu": cpu * 1000 / max(1, n), "load": loads[name]}
+        rows[name] = {
+            "d50": pct(d_ms, 50),
+            "d99": pct(d_ms, 99),
+            "g50": pct(g_ms, 50),
+            "g99": pct(g_ms, 99),
+            "rate": n / seconds,
+            "b50": pct(busy[name], 50),
+            "b99": pct(busy[name], 99),
+            "h50": pct(health[name], 50),
+            "h99": pct(health[name], 99),
+            "cpu": cpu * 1000 / max(1, n),
+            "load": loads[name],
+        }
     return rows
 
 
@@ -504,11 +555,22 @@ def setup_server(base: str, upstream: str, rollout_ids: list[str]) -> None:
 def store_rows(n_events: int, tmp: str, postgres: str | None = None) -> list[list[str]]:
     from agl_lab.protocol import RolloutCreate, RolloutStatusPatch
 
-    data = {"model": MODEL, "model_version": 0, "request": BODY,
-            "response": {"prompt_token_ids": list(range(600)), "choices": [{"token_ids": list(range(64)),
-                         "logprobs": {"content": [{"logprob": -0.1}] * 64}}]},
-            "server": {"model": MODEL, "endpoint": "http://x/v1", "version": 0}, "latency_ms": 1.0,
-            "http_status": 200, "status": "ok", "retry_count": 0, "usage": None, "finish_reason": "stop"}
+    data = {
+        "model": MODEL,
+        "model_version": 0,
+        "request": BODY,
+        "response": {
+            "prompt_token_ids": list(range(600)),
+            "choices": [{"token_ids": list(range(64)), "logprobs": {"content": [{"logprob": -0.1}] * 64}}],
+        },
+        "server": {"model": MODEL, "endpoint": "http://x/v1", "version": 0},
+        "latency_ms": 1.0,
+        "http_status": 200,
+        "status": "ok",
+        "retry_count": 0,
+        "usage": None,
+        "finish_reason": "stop",
+    }
     rows = []
     for url in ("memory", f"sqlite:///{tmp}/bench-store.db", *([postgres] if postgres else [])):
         store = open_store(url)
@@ -537,8 +599,17 @@ def store_rows(n_events: int, tmp: str, postgres: str | None = None) -> list[lis
         page_ms = (time.perf_counter() - t0) / 5 * 1000
         assert len(page.items) == 1000
         store.close()
-        rows.append([url.split(":")[0], str(n_events), f"{append_rate:,.0f}", f"{read_rate:,.0f}",
-                     f"{caught_up_us:,.0f}", f"{page_ms:.1f}", load()])
+        rows.append(
+            [
+                url.split(":")[0],
+                str(n_events),
+                f"{append_rate:,.0f}",
+                f"{read_rate:,.0f}",
+                f"{caught_up_us:,.0f}",
+                f"{page_ms:.1f}",
+                load(),
+            ]
+        )
     return rows
 
 
@@ -574,16 +645,26 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=3.0, help="throughput phase per server and agent count")
     p.add_argument("--events", type=int, default=5000, help="event appends per store in the store table")
     p.add_argument("--rounds", type=int, default=ROUNDS, help="rounds per phase, the servers taking turns")
-    p.add_argument("--pairs", type=int, default=None,
-                   help="direct/gateway pairs per agent in the latency phase (default: 400 at one agent, "
-                        "≥ 1,600 samples above; a small number only checks that the script runs)")
+    p.add_argument(
+        "--pairs",
+        type=int,
+        default=None,
+        help="direct/gateway pairs per agent in the latency phase (default: 400 at one agent, "
+        "≥ 1,600 samples above; a small number only checks that the script runs)",
+    )
     p.add_argument("--no-agl", action="store_true", help="skip AGL even when importable")
-    p.add_argument("--postgres", default=None, metavar="URL|auto",
-                   help="also measure the PostgreSQL store: two empty databases' URLs, comma-separated (the "
-                        "server's, the store table's), or 'auto' to start a throwaway PostgreSQL (tests/postgres.py)")
+    p.add_argument(
+        "--postgres",
+        default=None,
+        metavar="URL|auto",
+        help="also measure the PostgreSQL store: two empty databases' URLs, comma-separated (the "
+        "server's, the store table's), or 'auto' to start a throwaway PostgreSQL (tests/postgres.py)",
+    )
     p.add_argument("--no-floor", action="store_true", help="skip the three floor servers")
     p.add_argument("--serve-upstream", type=int, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--serve-floor", nargs=3, default=None, help=argparse.SUPPRESS)  # PORT UPSTREAM_PORT bytes|json|uvicorn
+    p.add_argument(
+        "--serve-floor", nargs=3, default=None, help=argparse.SUPPRESS
+    )  # PORT UPSTREAM_PORT bytes|json|uvicorn
     p.add_argument("--probe", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.probe is not None:
@@ -601,28 +682,57 @@ def main() -> None:
         return
     counts = [int(x) for x in args.agents.split(",")]
     use_agl = importlib.util.find_spec("agentlightning") is not None and not args.no_agl
-    print(f"cpus={os.cpu_count()} load={load()} agents={counts} model time={args.delay * 1000:.0f} ms "
-          f"throughput phase={args.seconds:.0f} s; AGL {'measured' if use_agl else 'not importable: skipped'}")
+    print(
+        f"cpus={os.cpu_count()} load={load()} agents={counts} model time={args.delay * 1000:.0f} ms "
+        f"throughput phase={args.seconds:.0f} s; AGL {'measured' if use_agl else 'not importable: skipped'}"
+    )
     rollout_ids = [f"bench-{i}" for i in range(max(counts))]
     results: dict[tuple[str, int], dict] = {}
     with tempfile.TemporaryDirectory() as tmp, postgres_urls(args.postgres) as pg_urls:
-        upstream_args = lambda port: ["benchmarks/gateway.py", "--serve-upstream", str(port),  # noqa: E731
-                                      "--delay", str(args.delay)]
-        ours = lambda store: lambda port: ["-m", "agl_lab.cli", "serve", "--port", str(port), "--key", KEY,  # noqa: E731
-                                           "--model-name", MODEL, "--store", store, "--log-level", "warning"]
+
+        def upstream_args(port):
+            return ["benchmarks/gateway.py", "--serve-upstream", str(port), "--delay", str(args.delay)]
+
+        def ours(store):
+            def command(port):
+                return [
+                    "-m",
+                    "agl_lab.cli",
+                    "serve",
+                    "--port",
+                    str(port),
+                    "--key",
+                    KEY,
+                    "--model-name",
+                    MODEL,
+                    "--store",
+                    store,
+                    "--log-level",
+                    "warning",
+                ]
+
+            return command
+
         servers = {"memory": ours("memory"), "sqlite": ours(f"sqlite:///{tmp}/bench-gw.db")}
         if pg_urls:
             servers["postgresql"] = ours(pg_urls[0])
         if use_agl:
             servers["AGL"] = lambda port: ["-c", AGL_SERVER, str(port), KEY, MODEL]
         health = lambda port: f"http://127.0.0.1:{port}/healthz"  # noqa: E731
-        with process(upstream_args, lambda port: f"http://127.0.0.1:{port}/v1/chat/completions") as (upstream, _), \
-                contextlib.ExitStack() as stack:
+        with (
+            process(upstream_args, lambda port: f"http://127.0.0.1:{port}/v1/chat/completions") as (upstream, _),
+            contextlib.ExitStack() as stack,
+        ):
             if not args.no_floor:  # the floors get the upstream's port on their command line
                 up_port = upstream.rsplit(":", 1)[1]
                 for name, kind in FLOORS.items():
-                    servers[name] = lambda port, kind=kind: ["benchmarks/gateway.py", "--serve-floor", str(port),
-                                                             up_port, kind]
+                    servers[name] = lambda port, kind=kind: [
+                        "benchmarks/gateway.py",
+                        "--serve-floor",
+                        str(port),
+                        up_port,
+                        kind,
+                    ]
             started = {name: stack.enter_context(process(cmd, health)) for name, cmd in servers.items()}
             for name, (base, _pid) in started.items():
                 if name not in FLOORS:
@@ -632,8 +742,12 @@ def main() -> None:
                     results[name, agents] = row
         print_gateway(results, counts, list(servers), use_agl)
         print(f"\nStore (in process; 10k terminal rollouts for the polls)  load={load()}")
-        print(table(["store", "events", "appends/s", "reads/s", "caught-up poll µs", "1000-item page ms", "load"],
-                    store_rows(args.events, tmp, pg_urls[1] if pg_urls else None)))
+        print(
+            table(
+                ["store", "events", "appends/s", "reads/s", "caught-up poll µs", "1000-item page ms", "load"],
+                store_rows(args.events, tmp, pg_urls[1] if pg_urls else None),
+            )
+        )
 
 
 # Issue #17's figures for AGL 1.0.2's server (quiet machine, 2026-11-30): added p50/p99 in ms at
@@ -647,20 +761,43 @@ def agl_reference(results: dict, counts: list[int], use_agl: bool) -> dict[int, 
     """Per agent count, AGL's added p50/p99 (`g50`, `g99`, direct subtracted) and calls/s: measured
     in this run, or else issue #17's figures (NaN where it gives none)."""
     if use_agl:
-        return {n: {"g50": results["AGL", n]["g50"] - results["AGL", n]["d50"],
-                    "g99": results["AGL", n]["g99"] - results["AGL", n]["d99"], "rate": results["AGL", n]["rate"]}
-                for n in counts}
+        return {
+            n: {
+                "g50": results["AGL", n]["g50"] - results["AGL", n]["d50"],
+                "g99": results["AGL", n]["g99"] - results["AGL", n]["d99"],
+                "rate": results["AGL", n]["rate"],
+            }
+            for n in counts
+        }
     nan = float("nan")
-    return {n: {**AGL_FIGURES.get(n, {"g50": nan, "g99": nan}), "rate": AGL_CEILING if n >= 256 else nan}
-            for n in counts}
+    return {
+        n: {**AGL_FIGURES.get(n, {"g50": nan, "g99": nan}), "rate": AGL_CEILING if n >= 256 else nan} for n in counts
+    }
 
 
 def print_gateway(results: dict, counts: list[int], names: list[str], use_agl: bool) -> None:
-    print(f"\nGateway: {counts} agents, ms; added = gateway − direct percentile; calls/s with agents calling "
-          "back to back, busy p50/p99 their calls' latency (model time included), /healthz probed every 20 ms "
-          "during it")
-    header = ["server", "agents", "p50 dir", "p50 gw", "+p50", "p99 dir", "p99 gw", "+p99", "calls/s",
-              "busy p50", "busy p99", "healthz p50", "healthz p99", "CPU ms/call", "load"]
+    print(
+        f"\nGateway: {counts} agents, ms; added = gateway − direct percentile; calls/s with agents calling "
+        "back to back, busy p50/p99 their calls' latency (model time included), /healthz probed every 20 ms "
+        "during it"
+    )
+    header = [
+        "server",
+        "agents",
+        "p50 dir",
+        "p50 gw",
+        "+p50",
+        "p99 dir",
+        "p99 gw",
+        "+p99",
+        "calls/s",
+        "busy p50",
+        "busy p99",
+        "healthz p50",
+        "healthz p99",
+        "CPU ms/call",
+        "load",
+    ]
     header += ["+p50 / AGL", "+p99 / AGL", "calls/s × AGL"]
     agl = agl_reference(results, counts, use_agl)
     ratio = lambda x, y: f"{x / y:.2f}" if y > 0 else "n/a"  # noqa: E731  (NaN > 0 is False)
@@ -668,18 +805,37 @@ def print_gateway(results: dict, counts: list[int], names: list[str], use_agl: b
     for agents in counts:
         for name in names:
             r = results[name, agents]
-            row = [name, str(agents), f"{r['d50']:.2f}", f"{r['g50']:.2f}", f"{r['g50'] - r['d50']:+.2f}",
-                   f"{r['d99']:.2f}", f"{r['g99']:.2f}", f"{r['g99'] - r['d99']:+.2f}", f"{r['rate']:,.0f}",
-                   f"{r['b50']:.1f}", f"{r['b99']:.1f}", f"{r['h50']:.1f}", f"{r['h99']:.1f}", f"{r['cpu']:.2f}", r["load"]]
+            row = [
+                name,
+                str(agents),
+                f"{r['d50']:.2f}",
+                f"{r['g50']:.2f}",
+                f"{r['g50'] - r['d50']:+.2f}",
+                f"{r['d99']:.2f}",
+                f"{r['g99']:.2f}",
+                f"{r['g99'] - r['d99']:+.2f}",
+                f"{r['rate']:,.0f}",
+                f"{r['b50']:.1f}",
+                f"{r['b99']:.1f}",
+                f"{r['h50']:.1f}",
+                f"{r['h99']:.1f}",
+                f"{r['cpu']:.2f}",
+                r["load"],
+            ]
             a = agl[agents]
-            row += [ratio(r["g50"] - r["d50"], a["g50"]), ratio(r["g99"] - r["d99"], a["g99"]),
-                    ratio(r["rate"], a["rate"])]
+            row += [
+                ratio(r["g50"] - r["d50"], a["g50"]),
+                ratio(r["g99"] - r["d99"], a["g99"]),
+                ratio(r["rate"], a["rate"]),
+            ]
             rows.append(row)
     if not use_agl:
         given = ", ".join(f"+{f['g50']} / +{f['g99']} at {n} agent{'s' * (n > 1)}" for n, f in AGL_FIGURES.items())
-        print(f"AGL columns: issue #17's figures (agentlightning not importable), not measured in this run: added "
-              f"p50 / p99 ms {given} (n/a at other counts), ceiling ~130-200 calls/s (calls/s at 256 agents "
-              f"against {AGL_CEILING:.0f})")
+        print(
+            f"AGL columns: issue #17's figures (agentlightning not importable), not measured in this run: added "
+            f"p50 / p99 ms {given} (n/a at other counts), ceiling ~130-200 calls/s (calls/s at 256 agents "
+            f"against {AGL_CEILING:.0f})"
+        )
     print(table(header, rows))
 
 

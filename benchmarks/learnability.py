@@ -61,12 +61,21 @@ def generate(model, tok, prompts: list[list[int]], max_tokens: int, temperature:
     ids = torch.full((len(prompts), width), tok.pad_token_id)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=temperature,
-                         top_k=0, top_p=1.0, max_new_tokens=max_tokens, output_logits=True,
-                         return_dict_in_generate=True, pad_token_id=tok.pad_token_id,
-                         eos_token_id=tok.eos_token_id)
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        do_sample=True,
+        temperature=temperature,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=max_tokens,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
     new = out.sequences[:, width:]
     logp = torch.stack(out.logits, 1).float().div(temperature).log_softmax(-1)
     logp = logp.gather(-1, new.unsqueeze(-1)).squeeze(-1)
@@ -108,7 +117,7 @@ def group_advantages(rewards: list[float], n: int) -> list[float]:
     """(r - group mean) / (group std + 1e-6) over consecutive groups of n rollouts."""
     out = []
     for g in range(0, len(rewards), n):
-        grp = torch.tensor(rewards[g:g + n])
+        grp = torch.tensor(rewards[g : g + n])
         out += ((grp - grp.mean()) / (grp.std(unbiased=True) + 1e-6)).tolist()
     return out
 
@@ -127,9 +136,9 @@ def policy_gradient_step(model, optim, tok, calls, advantages, grad_clip: float 
     tgt_mask = torch.zeros(len(rows), width)
     for i, (p, r) in enumerate(rows):
         seq = p + r
-        ids[i, :len(seq)] = torch.tensor(seq)
-        att[i, :len(seq)] = 1
-        tgt_mask[i, len(p):len(seq)] = 1  # response positions
+        ids[i, : len(seq)] = torch.tensor(seq)
+        att[i, : len(seq)] = 1
+        tgt_mask[i, len(p) : len(seq)] = 1  # response positions
     model.train()
     logits = model(input_ids=ids, attention_mask=att).logits[:, :-1].float()
     logp = logits.log_softmax(-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # [B, T-1]
@@ -160,7 +169,7 @@ def run_seed(args, seed: int) -> dict:
     curve, success, n_calls = [], [], []
     t1 = time.perf_counter()
     for step in range(args.steps):
-        tasks = [t for t in pool[step * args.batch:(step + 1) * args.batch] for _ in range(args.n)]
+        tasks = [t for t in pool[step * args.batch : (step + 1) * args.batch] for _ in range(args.n)]
         envs, calls = play_batch(model, tok, tasks, args.max_tokens, args.temperature)
         rewards = [env.reward() for env in envs]
         policy_gradient_step(model, optim, tok, calls, group_advantages(rewards, args.n), args.grad_clip)
@@ -168,10 +177,19 @@ def run_seed(args, seed: int) -> dict:
         success.append(statistics.mean(lookup.reward(e.task, e.episode.answer) for e in envs))
         n_calls.append(statistics.mean(len(c) for c in calls))
         if args.verbose and step % 10 == 9:
-            print(f"  seed {seed} step {step + 1:3d} reward {statistics.mean(curve[-10:]):.3f} success "
-                  f"{statistics.mean(success[-10:]):.3f} calls {statistics.mean(n_calls[-10:]):.2f}", flush=True)
-    return {"seed": seed, "curve": curve, "success": success, "calls": statistics.mean(n_calls),
-            "t_warm": t_warm, "t_rl": time.perf_counter() - t1}
+            print(
+                f"  seed {seed} step {step + 1:3d} reward {statistics.mean(curve[-10:]):.3f} success "
+                f"{statistics.mean(success[-10:]):.3f} calls {statistics.mean(n_calls[-10:]):.2f}",
+                flush=True,
+            )
+    return {
+        "seed": seed,
+        "curve": curve,
+        "success": success,
+        "calls": statistics.mean(n_calls),
+        "t_warm": t_warm,
+        "t_rl": time.perf_counter() - t1,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -191,21 +209,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    print(f"lookup learnability: batch {args.batch} x n {args.n}, {args.steps} steps, lr {args.lr}, "
-          f"warm start {args.warm_steps} steps, max_tokens {args.max_tokens}, {args.threads} threads", flush=True)
+    print(
+        f"lookup learnability: batch {args.batch} x n {args.n}, {args.steps} steps, lr {args.lr}, "
+        f"warm start {args.warm_steps} steps, max_tokens {args.max_tokens}, {args.threads} threads",
+        flush=True,
+    )
     results = [run_seed(args, s) for s in args.seeds]
-    print(f"\n{'seed':>4} {'first10':>8} {'last10':>8} {'ratio':>6} {'gain':>6} {'succ0':>6} {'succ1':>6} "
-          f"{'calls':>5} {'warm_s':>6} {'rl_s':>6}  ok   (succ = task success, calls = LLM calls per rollout)")
+    print(
+        f"\n{'seed':>4} {'first10':>8} {'last10':>8} {'ratio':>6} {'gain':>6} {'succ0':>6} {'succ1':>6} "
+        f"{'calls':>5} {'warm_s':>6} {'rl_s':>6}  ok   (succ = task success, calls = LLM calls per rollout)"
+    )
     all_ok = True
     for r in results:
         a, b = statistics.mean(r["curve"][:10]), statistics.mean(r["curve"][-10:])
         s0, s1 = statistics.mean(r["success"][:10]), statistics.mean(r["success"][-10:])
         ok = b >= 2 * a and b - a >= 0.25
         all_ok &= ok
-        print(f"{r['seed']:>4} {a:8.3f} {b:8.3f} {b / max(a, 1e-9):6.2f} {b - a:+6.3f} {s0:6.3f} {s1:6.3f} "
-              f"{r['calls']:5.2f} {r['t_warm']:6.1f} {r['t_rl']:6.1f}  {'yes' if ok else 'NO'}")
-        print("     curve (10-step means): " + " ".join(
-            f"{statistics.mean(r['curve'][i:i + 10]):.2f}" for i in range(0, len(r["curve"]), 10)))
+        print(
+            f"{r['seed']:>4} {a:8.3f} {b:8.3f} {b / max(a, 1e-9):6.2f} {b - a:+6.3f} {s0:6.3f} {s1:6.3f} "
+            f"{r['calls']:5.2f} {r['t_warm']:6.1f} {r['t_rl']:6.1f}  {'yes' if ok else 'NO'}"
+        )
+        print(
+            "     curve (10-step means): "
+            + " ".join(f"{statistics.mean(r['curve'][i : i + 10]):.2f}" for i in range(0, len(r["curve"]), 10))
+        )
     print(f"\ntarget (last10 >= 2 x first10 and >= +0.25): {'met for every seed' if all_ok else 'NOT met'}")
     return 0 if all_ok else 1
 

@@ -64,14 +64,15 @@ def _env() -> dict[str, str]:
 def _modules(out: str) -> tuple[int, int]:
     """(modules loaded, of which server stack or numpy) from the child's last line."""
     line = next(line for line in reversed(out.splitlines()) if line.startswith("MODULES "))
-    loaded = json.loads(line[len("MODULES "):])
+    loaded = json.loads(line[len("MODULES ") :])
     return len(loaded), sum(1 for m in loaded if any(m == h or m.startswith(h + ".") for h in HEAVY))
 
 
 def _once(args: list[str]) -> tuple[float, str]:
     t0 = time.perf_counter()
-    done = subprocess.run([sys.executable, "-c", CHILD, *args], cwd=ROOT, env=_env(), capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD, *args], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300
+    )
     wall = time.perf_counter() - t0
     if done.returncode != 0:
         raise RuntimeError(f"{args} exited {done.returncode}: {done.stderr[-2000:]}")
@@ -85,8 +86,21 @@ def _runner_once(server, client, until_done: bool) -> tuple[float, str]:
     rid = f"start-{uuid.uuid4().hex[:8]}"
     if until_done:
         client.create_rollouts([RolloutCreate(rollout_id=rid, input={})])
-    argv = [sys.executable, "-c", CHILD, "--server", server.url, "--key", KEY, "--agent", AGENT,
-            "--poll-interval", "0.02", "--summary-every", "0"]
+    argv = [
+        sys.executable,
+        "-c",
+        CHILD,
+        "--server",
+        server.url,
+        "--key",
+        KEY,
+        "--agent",
+        AGENT,
+        "--poll-interval",
+        "0.02",
+        "--summary-every",
+        "0",
+    ]
     t0 = time.perf_counter()
     proc = subprocess.Popen(argv, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -137,8 +151,10 @@ def main() -> None:
     from agl_lab.server.embedded import EmbeddedServer
 
     server = EmbeddedServer(key=KEY, default_proxy={"model_name": "m"})
-    header = (f"{'case':<18} | {'load':>4} | {'repeats':>7} | {'median s':>8} | {'min s':>6} | {'modules':>7} | "
-              f"{'server stack or numpy':>21}")
+    header = (
+        f"{'case':<18} | {'load':>4} | {'repeats':>7} | {'median s':>8} | {'min s':>6} | {'modules':>7} | "
+        f"{'server stack or numpy':>21}"
+    )
     print(header)
     print("-" * len(header))
     try:
@@ -150,16 +166,21 @@ def main() -> None:
                     for case in CASES:
                         walls, out = measure(case, args.repeats, server, client)
                         n_modules, n_heavy = _modules(out)
-                        print(f"{case:<18} | {load:>4} | {args.repeats:>7} | {statistics.median(walls):>8.3f} | "
-                              f"{min(walls):>6.3f} | {n_modules:>7} | {n_heavy:>21}", flush=True)
+                        print(
+                            f"{case:<18} | {load:>4} | {args.repeats:>7} | {statistics.median(walls):>8.3f} | "
+                            f"{min(walls):>6.3f} | {n_modules:>7} | {n_heavy:>21}",
+                            flush=True,
+                        )
                 finally:
                     for hog in hogs:
                         hog.kill()
                         hog.wait()
     finally:
         server.stop()
-    print(f"\n{os.cpu_count()} CPUs; python {sys.version.split()[0]}; each case a fresh interpreter "
-          f"(modules: loaded at the process's end; the last column counts {', '.join(HEAVY)})")
+    print(
+        f"\n{os.cpu_count()} CPUs; python {sys.version.split()[0]}; each case a fresh interpreter "
+        f"(modules: loaded at the process's end; the last column counts {', '.join(HEAVY)})"
+    )
 
 
 if __name__ == "__main__":

@@ -57,11 +57,19 @@ class Variant:
     def __init__(self, name: str, model_dir: str, args: argparse.Namespace):
         self.name, self.lora = name, name.startswith("lora")
         self.engine = LocalEngine(
-            model_dir, device="cpu", max_model_len=2048,
+            model_dir,
+            device="cpu",
+            max_model_len=2048,
             lora={"lora_rank": args.rank, "lora_alpha": 2 * args.rank} if self.lora else None,
-            actor={"ppo_mini_batch_size": args.rollouts, "ppo_micro_batch_size_per_gpu": args.micro,
-                   "loss_mode": "vanilla", "lr": args.lr},
-            log_prob_micro_batch_size=args.micro, bypass_mode=name.endswith("bypass"))
+            actor={
+                "ppo_mini_batch_size": args.rollouts,
+                "ppo_micro_batch_size_per_gpu": args.micro,
+                "loss_mode": "vanilla",
+                "lr": args.lr,
+            },
+            log_prob_micro_batch_size=args.micro,
+            bypass_mode=name.endswith("bypass"),
+        )
         self.start = {k: v.detach().clone() for k, v in self.engine.model.state_dict().items()}
         self.prepare_s: list[float] = []
         self.update_s: list[float] = []
@@ -86,10 +94,16 @@ class Variant:
         n_base = sum(p.numel() for p in params() if not (self.lora and p.requires_grad))
         flops = (4 if self.lora else 6) * n_base * tokens  # LoRA: no weight-gradient third for the base
         prep, upd = min(self.prepare_s), min(self.update_s)  # best of the repeats: the machine is shared
-        return {"variant": self.name, "trainable params": sum(p.numel() for p in params() if p.requires_grad),
-                "old logprobs s": round(prep, 2), "actor update s": round(upd, 2), "total s": round(prep + upd, 2),
-                "update GFLOP/s": round(flops / upd / 1e9, 1), "pg_loss": self.metrics["actor/pg_loss"],
-                "lp_diff_max": self.gap}
+        return {
+            "variant": self.name,
+            "trainable params": sum(p.numel() for p in params() if p.requires_grad),
+            "old logprobs s": round(prep, 2),
+            "actor update s": round(upd, 2),
+            "total s": round(prep + upd, 2),
+            "update GFLOP/s": round(flops / upd / 1e9, 1),
+            "pg_loss": self.metrics["actor/pg_loss"],
+            "lp_diff_max": self.gap,
+        }
 
 
 def _with_recomputed(engine: LocalEngine, batch):
@@ -128,9 +142,12 @@ def main(argv: list[str] | None = None) -> None:
     sign = torch.tensor([1.0 if i % 2 == 0 else -1.0 for i in range(len(data))])[:, None]
     data.batch["advantages"] = sign * resp.float()  # ±1 per row: a GRPO batch with spread rewards
     data.meta_info["temperature"] = 1.0
-    print(f"{args.preset}: {len(data)} rows from {args.rollouts} rollouts in {rollout_s:.1f} s, "
-          f"{int(data.batch['attention_mask'].sum())} attended tokens; torch threads {torch.get_num_threads()}, "
-          f"load average {os.getloadavg()[0]:.2f}", flush=True)
+    print(
+        f"{args.preset}: {len(data)} rows from {args.rollouts} rollouts in {rollout_s:.1f} s, "
+        f"{int(data.batch['attention_mask'].sum())} attended tokens; torch threads {torch.get_num_threads()}, "
+        f"load average {os.getloadavg()[0]:.2f}",
+        flush=True,
+    )
     variants = [Variant(name, model_dir, args) for name in VARIANTS]
     peaks = []
     try:
@@ -138,8 +155,11 @@ def main(argv: list[str] | None = None) -> None:
             peaks.append(matmul_flops())
             for v in variants:
                 v.run(data)
-                print(f"round {r + 1}: {v.name}: old logprobs {v.prepare_s[-1]:.1f} s, update {v.update_s[-1]:.1f} s "
-                      f"(load {os.getloadavg()[0]:.2f})", flush=True)
+                print(
+                    f"round {r + 1}: {v.name}: old logprobs {v.prepare_s[-1]:.1f} s, update {v.update_s[-1]:.1f} s "
+                    f"(load {os.getloadavg()[0]:.2f})",
+                    flush=True,
+                )
         peaks.append(matmul_flops())
         tokens = int(data.batch["attention_mask"].sum())
         table = pd.DataFrame([v.row(tokens) for v in variants]).set_index("variant")

@@ -58,8 +58,12 @@ def main() -> None:
         try:
             time.sleep(1.0 if load else 0.0)
             for threads in args.threads:
-                out = subprocess.run([sys.executable, "-c", CHILD, str(threads), str(args.warm_steps),
-                                      str(args.steps)], capture_output=True, text=True, check=True)
+                out = subprocess.run(
+                    [sys.executable, "-c", CHILD, str(threads), str(args.warm_steps), str(args.steps)],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                )
                 r = json.loads(out.stdout.strip().splitlines()[-1])
                 print(f"{load:>4} {threads:>7} {r['warm_s_per_step']:>11.3f} {r['grpo_step_s']:>11.2f}", flush=True)
         finally:

@@ -55,18 +55,34 @@ def run_step(server: EmbeddedServer, agent: Any, tasks: list[dict], step: int) -
     completed = []
     for i, rollout in enumerate(rollouts):
         events = server.store.events(rollout.rollout_id)
-        completed.append(events_to_completed_rollout(
-            rollout, [e.model_dump() for e in events], [e.model_dump() for e in triplet_events(events)],
-            data_id=rollout.input["task_id"], step=step, sample_idx=i))
+        completed.append(
+            events_to_completed_rollout(
+                rollout,
+                [e.model_dump() for e in events],
+                [e.model_dump() for e in triplet_events(events)],
+                data_id=rollout.input["task_id"],
+                step=step,
+                sample_idx=i,
+            )
+        )
     return completed
 
 
 def step_stats(completed: list[CompletedRollout], tokenizer: Any) -> dict[str, float]:
-    result = BatchResult(build_batch(completed, "trajectory", max_prompt_length=512, max_response_length=1024,
-                                     pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer))
+    result = BatchResult(
+        build_batch(
+            completed,
+            "trajectory",
+            max_prompt_length=512,
+            max_response_length=1024,
+            pad_token_id=tokenizer.pad_token_id,
+            tokenizer=tokenizer,
+        )
+    )
     rows = result.rows.groupby("rollout_id").size()
-    notes = [e["data"].get("token_preserving") for r in completed for e in r.events
-             if e["event_type"] == "model_request"]
+    notes = [
+        e["data"].get("token_preserving") for r in completed for e in r.events if e["event_type"] == "model_request"
+    ]
     return {
         "rollouts": len(completed),
         "calls": len(notes),
@@ -80,8 +96,16 @@ def step_stats(completed: list[CompletedRollout], tokenizer: Any) -> dict[str, f
     }
 
 
-def run_mode(engine: OpenAIServer, tokenizer: Any, on: bool, n: int, steps: int, task: str = "lookup",
-             model_name: str = DEFAULT_MODEL_NAME, agent: str | None = None) -> dict[str, Any]:
+def run_mode(
+    engine: OpenAIServer,
+    tokenizer: Any,
+    on: bool,
+    n: int,
+    steps: int,
+    task: str = "lookup",
+    model_name: str = DEFAULT_MODEL_NAME,
+    agent: str | None = None,
+) -> dict[str, Any]:
     """`steps` steps of `n` rollouts of `agent` (a name in the task's `agents`, None: its default
     agent) through a fresh gateway on `engine`, token-preserving `on` or off → one table row."""
     spec = get_task(task)
@@ -118,11 +142,22 @@ def run_mode(engine: OpenAIServer, tokenizer: Any, on: bool, n: int, steps: int,
     }
 
 
-def compare(engine: OpenAIServer, tokenizer: Any, agents: list[tuple[str, str | None]], n: int, steps: int = 1,
-            model_name: str = DEFAULT_MODEL_NAME) -> pd.DataFrame:
+def compare(
+    engine: OpenAIServer,
+    tokenizer: Any,
+    agents: list[tuple[str, str | None]],
+    n: int,
+    steps: int = 1,
+    model_name: str = DEFAULT_MODEL_NAME,
+) -> pd.DataFrame:
     """Each (task, agent) with the token-preserving gateway off, then on: one row per (agent, mode)."""
-    return pd.DataFrame([run_mode(engine, tokenizer, on, n, steps, task, model_name, agent)
-                         for task, agent in agents for on in (False, True)])
+    return pd.DataFrame(
+        [
+            run_mode(engine, tokenizer, on, n, steps, task, model_name, agent)
+            for task, agent in agents
+            for on in (False, True)
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
@@ -132,9 +167,12 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser.add_argument("--warm-start-steps", type=int, default=0)
     parser.add_argument("--task", default="lookup", help="a built-in task (lookup | calc)")
     parser.add_argument("--preset", default=None, help="a model preset (e.g. smollm2-135m) instead of the tiny model")
-    parser.add_argument("--agents", default=None,
-                        help="comma-separated agents of the task's `agents` (e.g. append_only,history_editing,"
-                             "reasoning_dropping for lookup; `all` for every one); default: the task's agent")
+    parser.add_argument(
+        "--agents",
+        default=None,
+        help="comma-separated agents of the task's `agents` (e.g. append_only,history_editing,"
+        "reasoning_dropping for lookup; `all` for every one); default: the task's agent",
+    )
     args = parser.parse_args(argv)
 
     model_path = None
@@ -161,8 +199,10 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         table = compare(engine, tokenizer, [(args.task, a) for a in agents], args.rollouts, args.steps, name)
     finally:
         engine.stop()
-    print(f"{args.task} task, {name} (warm start {args.warm_start_steps} steps), "
-          f"{args.rollouts} rollouts x {args.steps} steps, trajectory level")
+    print(
+        f"{args.task} task, {name} (warm start {args.warm_start_steps} steps), "
+        f"{args.rollouts} rollouts x {args.steps} steps, trajectory level"
+    )
     print(table.set_index(["agent", "mode"]).T.to_string())
     return table
 

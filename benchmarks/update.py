@@ -48,8 +48,14 @@ def rollout_batch(engine: LocalEngine, task: str, n: int, p: int, r: int):
         completed = run_step(server, spec.agent, spec.train_tasks(n, 0), 0)
     finally:
         server.stop()
-    return build_batch(completed, "trajectory", max_prompt_length=p, max_response_length=r,
-                       pad_token_id=engine.tokenizer.pad_token_id, tokenizer=engine.tokenizer)
+    return build_batch(
+        completed,
+        "trajectory",
+        max_prompt_length=p,
+        max_response_length=r,
+        pad_token_id=engine.tokenizer.pad_token_id,
+        tokenizer=engine.tokenizer,
+    )
 
 
 def timed_passes(engine: LocalEngine, data, start_state: dict) -> dict[str, float]:
@@ -64,9 +70,14 @@ def timed_passes(engine: LocalEngine, data, start_state: dict) -> dict[str, floa
     t2 = time.perf_counter()
     change = max((p.detach() - start_state[k]).abs().max().item() for k, p in engine.model.named_parameters())
     gap = logprob_gap(batch)
-    return {"old logprobs s": round(t1 - t0, 1), "actor update s": round(t2 - t1, 1),
-            "pg_loss": metrics["actor/pg_loss"], "grad_norm": metrics["actor/grad_norm"],
-            "max |Δw|": change, "lp_diff_max": gap.get("training/rollout_logprobs_diff_max", float("nan"))}
+    return {
+        "old logprobs s": round(t1 - t0, 1),
+        "actor update s": round(t2 - t1, 1),
+        "pg_loss": metrics["actor/pg_loss"],
+        "grad_norm": metrics["actor/grad_norm"],
+        "max |Δw|": change,
+        "lp_diff_max": gap.get("training/rollout_logprobs_diff_max", float("nan")),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -82,24 +93,34 @@ def main(argv: list[str] | None = None) -> None:
 
     from agl_lab.models import preset_dir
 
-    engine = LocalEngine(str(preset_dir(args.preset)), device="cpu", max_model_len=2048,
-                         actor={"ppo_mini_batch_size": args.rollouts, "ppo_micro_batch_size_per_gpu": args.micro,
-                                "loss_mode": "vanilla", "lr": args.lr},
-                         log_prob_micro_batch_size=args.micro)
+    engine = LocalEngine(
+        str(preset_dir(args.preset)),
+        device="cpu",
+        max_model_len=2048,
+        actor={
+            "ppo_mini_batch_size": args.rollouts,
+            "ppo_micro_batch_size_per_gpu": args.micro,
+            "loss_mode": "vanilla",
+            "lr": args.lr,
+        },
+        log_prob_micro_batch_size=args.micro,
+    )
     try:
         t0 = time.perf_counter()
         built = rollout_batch(engine, args.task, args.rollouts, args.max_prompt_length, args.max_response_length)
         rollout_s = time.perf_counter() - t0
         data = built.data
         mask, resp = data.batch["attention_mask"], data.batch["response_mask"]
-        rlen = data.batch["attention_mask"][:, -resp.shape[1]:].sum(-1)
+        rlen = data.batch["attention_mask"][:, -resp.shape[1] :].sum(-1)
         plen = mask.sum(-1) - rlen
         rewards = data.non_tensor_batch.get("reward")
-        print(f"{len(data)} rows from {args.rollouts} rollouts in {rollout_s:.1f} s; columns {mask.shape[1]} "
-              f"(P {args.max_prompt_length} + R {args.max_response_length}); prompt tokens "
-              f"{int(plen.min())}–{int(plen.max())}, response tokens {int(rlen.min())}–{int(rlen.max())}; "
-              f"attended {mask.float().mean():.1%} of the cells; torch threads {torch.get_num_threads()}, "
-              f"load average {os.getloadavg()[0]:.2f}")
+        print(
+            f"{len(data)} rows from {args.rollouts} rollouts in {rollout_s:.1f} s; columns {mask.shape[1]} "
+            f"(P {args.max_prompt_length} + R {args.max_response_length}); prompt tokens "
+            f"{int(plen.min())}–{int(plen.max())}, response tokens {int(rlen.min())}–{int(rlen.max())}; "
+            f"attended {mask.float().mean():.1%} of the cells; torch threads {torch.get_num_threads()}, "
+            f"load average {os.getloadavg()[0]:.2f}"
+        )
         # advantages: ±1 per row (a GRPO batch with spread rewards), on the loss tokens
         sign = torch.tensor([1.0 if i % 2 == 0 else -1.0 for i in range(len(data))])[:, None]
         data.batch["advantages"] = sign * resp.float()
@@ -113,12 +134,18 @@ def main(argv: list[str] | None = None) -> None:
             untrimmed = mock.patch.object(local_ppo, "_trim", lambda ids, mask, pos, r: (ids, mask, pos, r))
             with contextlib.nullcontext() if trim else untrimmed:
                 rows["trimmed" if trim else "padded (before)"] = timed_passes(engine, data, start)
-            print(("trimmed" if trim else "padded (before)"), rows["trimmed" if trim else "padded (before)"],
-                  f"load {os.getloadavg()[0]:.2f}", flush=True)
+            print(
+                ("trimmed" if trim else "padded (before)"),
+                rows["trimmed" if trim else "padded (before)"],
+                f"load {os.getloadavg()[0]:.2f}",
+                flush=True,
+            )
         a, b = rows["padded (before)"], rows["trimmed"]
-        print(f"speed-up: old logprobs {a['old logprobs s'] / b['old logprobs s']:.2f}x, "
-              f"update {a['actor update s'] / b['actor update s']:.2f}x; |Δ pg_loss| "
-              f"{abs(a['pg_loss'] - b['pg_loss']):.2e}")
+        print(
+            f"speed-up: old logprobs {a['old logprobs s'] / b['old logprobs s']:.2f}x, "
+            f"update {a['actor update s'] / b['actor update s']:.2f}x; |Δ pg_loss| "
+            f"{abs(a['pg_loss'] - b['pg_loss']):.2e}"
+        )
     finally:
         engine.close()
 

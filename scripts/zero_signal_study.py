@@ -76,10 +76,12 @@ def main(out: str) -> int:
     settings: dict[str, list[Path]] = {}
     for run in manifest["runs"]:
         settings.setdefault(names[run["setting"]], []).append(Path(run["run_dir"]))
-    table = agl_lab.compare(settings, last=10, metrics=("training/reward", "val/reward",
-                                                        "training/zero_signal_rollout_frac_collected"))
-    cols = ["setting", "n_seeds"] + [c for c in table.columns if c.startswith(("training/reward", "val/reward",
-                                                                                   "training/zero_signal"))]
+    table = agl_lab.compare(
+        settings, last=10, metrics=("training/reward", "val/reward", "training/zero_signal_rollout_frac_collected")
+    )
+    cols = ["setting", "n_seeds"] + [
+        c for c in table.columns if c.startswith(("training/reward", "val/reward", "training/zero_signal"))
+    ]
     print(markdown(table[cols]))
     print(f"\nwindow: {table.attrs['window']}; baseline {table.attrs['baseline']}\n")
     rows, mismatches = [], 0
@@ -97,11 +99,19 @@ def main(out: str) -> int:
             metric_total += sum(m.values())
             rec_total += sum(r.values())
             rollouts += sum(len(load_recording(d, s).rollouts) for s in recorded_steps(d))
-        rows.append({"setting": name, "runs": len(dirs), "rollouts": rollouts,
-                     "zero-signal (metric)": metric_total, "zero-signal (recordings)": rec_total,
-                     "share": metric_total / rollouts if rollouts else float("nan"),
-                     "zero-adv groups": zero_groups, "of them non-zero under verl float32": off_groups,
-                     "their rollouts": off_rollouts})
+        rows.append(
+            {
+                "setting": name,
+                "runs": len(dirs),
+                "rollouts": rollouts,
+                "zero-signal (metric)": metric_total,
+                "zero-signal (recordings)": rec_total,
+                "share": metric_total / rollouts if rollouts else float("nan"),
+                "zero-adv groups": zero_groups,
+                "of them non-zero under verl float32": off_groups,
+                "their rollouts": off_rollouts,
+            }
+        )
     print(markdown(pd.DataFrame(rows)))
     print(f"\nsteps where metric and recordings disagree: {mismatches}")
     return 1 if mismatches else 0

@@ -23,8 +23,9 @@ OBSERVATION = "Observation: the calculator says 42."
 def _post_event(event_type: str, data: dict) -> None:
     key = os.environ["AGL_KEY"]
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    resp = httpx.post(os.environ["AGL_EVENT_URL"], json={"event_type": event_type, "data": data},
-                      headers=headers, timeout=10)
+    resp = httpx.post(
+        os.environ["AGL_EVENT_URL"], json={"event_type": event_type, "data": data}, headers=headers, timeout=10
+    )
     resp.raise_for_status()
 
 
@@ -44,8 +45,9 @@ class AsyncRewardAgent:
         await asyncio.sleep(0)
         key = os.environ["AGL_KEY"]
         async with httpx.AsyncClient(headers={"Authorization": f"Bearer {key}"} if key else {}) as client:
-            resp = await client.post(os.environ["AGL_EVENT_URL"],
-                                     json={"event_type": "reward", "data": {"value": 0.25}})
+            resp = await client.post(
+                os.environ["AGL_EVENT_URL"], json={"event_type": "reward", "data": {"value": 0.25}}
+            )
             resp.raise_for_status()
 
 
@@ -103,11 +105,15 @@ class SleepAgent:
 def multi_turn_episode(client, question: str) -> float:
     """Ask, append the reply and an observation, ask again; reward 1.0 if the second reply
     came back (the fake upstream names the turn it answers)."""
-    messages = [{"role": "system", "content": "You are a careful calculator agent."},
-                {"role": "user", "content": question}]
+    messages = [
+        {"role": "system", "content": "You are a careful calculator agent."},
+        {"role": "user", "content": question},
+    ]
     first = client.chat.completions.create(model="auto", messages=messages, max_tokens=16)
-    messages += [{"role": "assistant", "content": first.choices[0].message.content},
-                 {"role": "user", "content": OBSERVATION}]
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": OBSERVATION},
+    ]
     second = client.chat.completions.create(model="auto", messages=messages, max_tokens=16)
     return 1.0 if second.choices[0].message.content.startswith("reply-4") else 0.0
 
@@ -123,8 +129,9 @@ class MultiTurnOpenAIAgent:
     def run(self) -> None:
         import openai
 
-        client = openai.OpenAI(base_url=os.environ["AGL_OPENAI_BASE_URL"],
-                               api_key=os.environ["AGL_KEY"] or "EMPTY", max_retries=2)
+        client = openai.OpenAI(
+            base_url=os.environ["AGL_OPENAI_BASE_URL"], api_key=os.environ["AGL_KEY"] or "EMPTY", max_retries=2
+        )
         _post_event("reward", {"value": multi_turn_episode(client, os.environ["T_QUESTION"])})
 
 
@@ -137,13 +144,18 @@ class CalcXAgent:
     def run(self) -> None:
         import openai
 
-        client = openai.OpenAI(base_url=os.environ["AGL_OPENAI_BASE_URL"],
-                               api_key=os.environ["AGL_KEY"] or "EMPTY", max_retries=2)
+        client = openai.OpenAI(
+            base_url=os.environ["AGL_OPENAI_BASE_URL"], api_key=os.environ["AGL_KEY"] or "EMPTY", max_retries=2
+        )
         messages = [{"role": "user", "content": os.environ["QUESTION"]}]
         first = client.chat.completions.create(model="auto", messages=messages, max_tokens=6)
-        messages += [{"role": "assistant", "content": first.choices[0].message.content},
-                     {"role": "user", "content": "calculator: ok"}]
-        answer = client.chat.completions.create(model="auto", messages=messages, max_tokens=6).choices[0].message.content
+        messages += [
+            {"role": "assistant", "content": first.choices[0].message.content},
+            {"role": "user", "content": "calculator: ok"},
+        ]
+        answer = (
+            client.chat.completions.create(model="auto", messages=messages, max_tokens=6).choices[0].message.content
+        )
         reward = 1.0 if os.environ["RESULT"] in answer else float(len(answer) % 2)
         _post_event("reward", {"value": reward})
 

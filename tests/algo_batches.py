@@ -21,8 +21,10 @@ def make_batch(masks, rewards, rollout_ids, data_ids, *, is_drop=None, uid=True)
     tensors = {"response_mask": mask, "token_level_scores": scores, "token_level_rewards": scores.clone()}
     if is_drop is not None:
         tensors["is_drop_mask"] = torch.tensor(is_drop, dtype=torch.bool)
-    non_tensors = {"rollout_id_list": np.array(rollout_ids, dtype=object),
-                   "data_id_list": np.array(data_ids, dtype=object)}
+    non_tensors = {
+        "rollout_id_list": np.array(rollout_ids, dtype=object),
+        "data_id_list": np.array(data_ids, dtype=object),
+    }
     if uid:
         non_tensors["uid"] = np.array(data_ids, dtype=object)
     return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors)
@@ -48,11 +50,9 @@ def upstream_batch(rewards=(1.0, 1.0, 3.0)) -> DataProto:
     return make_batch([[1, 1, 0], [1, 0, 0], [1, 1, 1]], list(rewards), ["r1", "r1", "r2"], ["data-1"] * 3)
 
 
-
 def three_groups() -> DataProto:
     # z: a zero-advantage group (all 1.0); a, b: mixed rewards. 12 one-row rollouts.
     return one_row_rollouts({"z": [1, 1, 1, 1], "a": [1, 0, 0, 1], "b": [0, 1, 1, 1]})
-
 
 
 def multi_row_batch() -> DataProto:
@@ -61,4 +61,3 @@ def multi_row_batch() -> DataProto:
     reward = {"a0": 1, "a1": 0, "a2": 1, "b0": 0, "b1": 1, "b2": 1}
     rids = [rid for rid, k in sizes.items() for _ in range(k)]
     return make_batch([[1, 1]] * len(rids), [reward[r] for r in rids], rids, [r[0] for r in rids])
-

@@ -42,8 +42,9 @@ def fake_logprobs(n: int) -> list[float]:
 
 
 class FakeOpenAI:
-    def __init__(self, reply: str | Callable[[dict[str, Any]], str] = "ok", delay_seconds: float = 0.0,
-                 delay_jitter: float = 0.0):
+    def __init__(
+        self, reply: str | Callable[[dict[str, Any]], str] = "ok", delay_seconds: float = 0.0, delay_jitter: float = 0.0
+    ):
         self.reply = reply
         self.delay_seconds = delay_seconds
         self.delay_jitter = delay_jitter  # each delay is delay_seconds * U(1 - jitter, 1 + jitter)
@@ -124,19 +125,25 @@ class _Discard(list):
 
 def _chat_response(body: dict[str, Any], reply: str) -> dict[str, Any]:
     ids = list(reply.encode())
-    choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": reply},
-                              "finish_reason": "stop"}
-    out: dict[str, Any] = {"id": "chatcmpl-fake", "object": "chat.completion", "model": body.get("model"),
-                           "choices": [choice]}
+    choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": reply}, "finish_reason": "stop"}
+    out: dict[str, Any] = {
+        "id": "chatcmpl-fake",
+        "object": "chat.completion",
+        "model": body.get("model"),
+        "choices": [choice],
+    }
     prompt = chatml_ids(body.get("messages") or [])
     if body.get("return_token_ids"):
         choice["token_ids"] = ids
         out["prompt_token_ids"] = prompt
     if body.get("logprobs"):
-        choice["logprobs"] = {"content": [{"token": chr(t), "logprob": lp, "bytes": [t], "top_logprobs": []}
-                                          for t, lp in zip(ids, fake_logprobs(len(ids)))]}
-    out["usage"] = {"prompt_tokens": len(prompt), "completion_tokens": len(ids),
-                    "total_tokens": len(prompt) + len(ids)}
+        choice["logprobs"] = {
+            "content": [
+                {"token": chr(t), "logprob": lp, "bytes": [t], "top_logprobs": []}
+                for t, lp in zip(ids, fake_logprobs(len(ids)))
+            ]
+        }
+    out["usage"] = {"prompt_tokens": len(prompt), "completion_tokens": len(ids), "total_tokens": len(prompt) + len(ids)}
     return out
 
 
@@ -149,11 +156,23 @@ def _completion_response(body: dict[str, Any], reply: str) -> dict[str, Any]:
         choice["token_ids"] = ids
         choice["prompt_token_ids"] = prompt_ids
     if body.get("logprobs"):
-        choice["logprobs"] = {"tokens": [chr(t) for t in ids], "token_logprobs": fake_logprobs(len(ids)),
-                              "text_offset": list(range(len(ids))), "top_logprobs": None}
-    return {"id": "cmpl-fake", "object": "text_completion", "model": body.get("model"), "choices": [choice],
-            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),
-                      "total_tokens": len(prompt_ids) + len(ids)}}
+        choice["logprobs"] = {
+            "tokens": [chr(t) for t in ids],
+            "token_logprobs": fake_logprobs(len(ids)),
+            "text_offset": list(range(len(ids))),
+            "top_logprobs": None,
+        }
+    return {
+        "id": "cmpl-fake",
+        "object": "text_completion",
+        "model": body.get("model"),
+        "choices": [choice],
+        "usage": {
+            "prompt_tokens": len(prompt_ids),
+            "completion_tokens": len(ids),
+            "total_tokens": len(prompt_ids) + len(ids),
+        },
+    }
 
 
 if __name__ == "__main__":  # python -m tests.fakes --port 9000 [--delay 0.02]: a standalone fake

@@ -47,8 +47,10 @@ class PostgresCluster:
         """initdb + pg_ctl start; pytest.skip (with the reason) where it cannot run here."""
         for tool in ("initdb", "pg_ctl"):
             if shutil.which(tool) is None:
-                pytest.skip(f"PostgreSQL is not installed ({tool} is not on PATH): the postgresql store "
-                            "tests need PostgreSQL's server binaries (apt-get install postgresql)")
+                pytest.skip(
+                    f"PostgreSQL is not installed ({tool} is not on PATH): the postgresql store "
+                    "tests need PostgreSQL's server binaries (apt-get install postgresql)"
+                )
         user: dict[str, Any] = {}
         # /tmp, not $TMPDIR: a short path (a Unix socket path has ~100 bytes) the postgres user can reach
         root = tempfile.mkdtemp(prefix="agl-pg-", dir="/tmp" if os.path.isdir("/tmp") else None)
@@ -62,12 +64,24 @@ class PostgresCluster:
             os.chown(root, pw.pw_uid, pw.pw_gid)
         cluster = cls(root, user)
         try:
-            cluster._run("initdb", "-D", cluster.data, "-U", "postgres", "--auth=trust", "--no-sync",
-                         "-E", "UTF8", "--locale=C.UTF-8")
+            cluster._run(
+                "initdb",
+                "-D",
+                cluster.data,
+                "-U",
+                "postgres",
+                "--auth=trust",
+                "--no-sync",
+                "-E",
+                "UTF8",
+                "--locale=C.UTF-8",
+            )
             # in postgresql.conf, not on the command line, so that ALTER SYSTEM (durable()) can override them
             with open(os.path.join(cluster.data, "postgresql.conf"), "a") as conf:
-                conf.write(f"listen_addresses = ''\nunix_socket_directories = '{root}'\nport = {PORT}\n"
-                           "fsync = off\nfull_page_writes = off\nmax_connections = 300\n")
+                conf.write(
+                    f"listen_addresses = ''\nunix_socket_directories = '{root}'\nport = {PORT}\n"
+                    "fsync = off\nfull_page_writes = off\nmax_connections = 300\n"
+                )
             cluster._run("pg_ctl", "-D", cluster.data, "-l", os.path.join(root, "log"), "-w", "-t", "60", "start")
         except BaseException:
             cluster.stop()

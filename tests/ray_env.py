@@ -59,15 +59,33 @@ def ray_nodes(count: int, *, num_cpus: int = 4, num_gpus: int = 1, object_store_
     address = None
     try:
         for i, path in enumerate(dirs):
-            ports = ["--node-manager-port", "--object-manager-port", "--dashboard-agent-grpc-port",
-                     "--dashboard-agent-listen-port", "--metrics-export-port", "--runtime-env-agent-port"]
-            cmd = [ray_cli, "start", "--temp-dir", path, f"--num-cpus={num_cpus}", f"--num-gpus={num_gpus}",
-                   f"--object-store-memory={object_store_mb * 2**20}", "--disable-usage-stats",
-                   *(arg for flag in ports for arg in (flag, str(free_port())))]
+            ports = [
+                "--node-manager-port",
+                "--object-manager-port",
+                "--dashboard-agent-grpc-port",
+                "--dashboard-agent-listen-port",
+                "--metrics-export-port",
+                "--runtime-env-agent-port",
+            ]
+            cmd = [
+                ray_cli,
+                "start",
+                "--temp-dir",
+                path,
+                f"--num-cpus={num_cpus}",
+                f"--num-gpus={num_gpus}",
+                f"--object-store-memory={object_store_mb * 2**20}",
+                "--disable-usage-stats",
+                *(arg for flag in ports for arg in (flag, str(free_port()))),
+            ]
             if i == 0:
                 port = free_port()
-                cmd += ["--head", f"--port={port}", "--include-dashboard=false",
-                        f"--ray-client-server-port={free_port()}"]
+                cmd += [
+                    "--head",
+                    f"--port={port}",
+                    "--include-dashboard=false",
+                    f"--ray-client-server-port={free_port()}",
+                ]
             else:
                 cmd += [f"--address={address}"]
             subprocess.run(cmd, env=env, cwd=path, check=True, timeout=180, capture_output=True)
@@ -78,8 +96,11 @@ def ray_nodes(count: int, *, num_cpus: int = 4, num_gpus: int = 1, object_store_
         yield address
     finally:
         # not `ray stop`: it stops every Ray process of this user on the machine, other people's too
-        left = {p.pid: p for p in psutil.process_iter(["cmdline"])
-                if any(d in " ".join(p.info["cmdline"] or []) for d in dirs)}
+        left = {
+            p.pid: p
+            for p in psutil.process_iter(["cmdline"])
+            if any(d in " ".join(p.info["cmdline"] or []) for d in dirs)
+        }
         for p in list(left.values()):
             with contextlib.suppress(psutil.Error):
                 left.update({c.pid: c for c in p.children(recursive=True)})

@@ -80,12 +80,22 @@ def test_local_engine_serves_on_the_advertised_address():
 def test_a_trainer_rolls_out_over_the_configured_addresses(tmp_path):
     from agl_lab.trainer import Trainer
 
-    t = Trainer.from_config("configs/cpu_tiny.yaml", [
-        "agl_lab.task.n_train=4", "agl_lab.task.n_val=2", "data.train_batch_size=2",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=2", "agl_lab.model.warm_start_steps=0",
-        "agl_lab.server.host=0.0.0.0", f"agl_lab.server.advertise_host={HOST_IP}",
-        "agl_lab.serving.host=0.0.0.0", f"agl_lab.serving.advertise_host={HOST_IP}"],
-        console=False, run_dir=str(tmp_path / "run"))
+    t = Trainer.from_config(
+        "configs/cpu_tiny.yaml",
+        [
+            "agl_lab.task.n_train=4",
+            "agl_lab.task.n_val=2",
+            "data.train_batch_size=2",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+            "agl_lab.model.warm_start_steps=0",
+            "agl_lab.server.host=0.0.0.0",
+            f"agl_lab.server.advertise_host={HOST_IP}",
+            "agl_lab.serving.host=0.0.0.0",
+            f"agl_lab.serving.advertise_host={HOST_IP}",
+        ],
+        console=False,
+        run_dir=str(tmp_path / "run"),
+    )
     try:
         assert t.base_url.startswith(f"http://{HOST_IP}:")
         assert t.engine.endpoints()[0].startswith(f"http://{HOST_IP}:")
@@ -111,7 +121,10 @@ def test_an_external_server_must_match_the_engines_model_and_temperature():
     with EmbeddedServer(key="k", default_proxy=proxy) as server, AglClient(server.url, key="k") as client:
         assert client.proxy_config()["model_name"] == "served-elsewhere"
         check_external_server(client, model_name="served-elsewhere", temperature=0.5)  # matches: nothing raised
-        with pytest.raises(ConfigError, match=r"model_name is 'served-elsewhere' but the engine registers its "
-                                              r"endpoints as 'tiny'.*--model-name tiny.*temperature 0\.5 but "
-                                              r"actor_rollout_ref\.rollout\.temperature=1.*--train-temperature 1"):
+        with pytest.raises(
+            ConfigError,
+            match=r"model_name is 'served-elsewhere' but the engine registers its "
+            r"endpoints as 'tiny'.*--model-name tiny.*temperature 0\.5 but "
+            r"actor_rollout_ref\.rollout\.temperature=1.*--train-temperature 1",
+        ):
             check_external_server(client, model_name="tiny", temperature=1.0)

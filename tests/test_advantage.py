@@ -30,13 +30,16 @@ def test_rollout_level_advantage_collapses_rollouts_and_broadcasts_rows():  # AG
         return sub
 
     data, metrics = alg.compute_rollout_level_advantage(
-        upstream_batch(), adv_estimator="grpo", gamma=1.0, lam=1.0, num_repeat=2, compute_advantage_fn=estimator)
+        upstream_batch(), adv_estimator="grpo", gamma=1.0, lam=1.0, num_repeat=2, compute_advantage_fn=estimator
+    )
     assert seen["rollouts"] == ["r1", "r2"] and seen["uids"] == ["data-1", "data-1"]
     assert seen["kwargs"]["adv_estimator"] == "grpo" and seen["kwargs"]["num_repeat"] == 2
-    assert metrics == {"training/rollout_level_advantage/n_rows": 3,
-                       "training/rollout_level_advantage/n_rollouts": 2,
-                       "training/rollout_level_advantage/n_multi_row_rollouts": 1,
-                       "training/rollout_level_advantage/max_rows_per_rollout": 2}
+    assert metrics == {
+        "training/rollout_level_advantage/n_rows": 3,
+        "training/rollout_level_advantage/n_rollouts": 2,
+        "training/rollout_level_advantage/n_multi_row_rollouts": 1,
+        "training/rollout_level_advantage/max_rows_per_rollout": 2,
+    }
     assert data.batch["advantages"].tolist() == [[2, 2, 0], [2, 0, 0], [-1, -1, -1]]
     assert data.batch["returns"].tolist() == [[3, 3, 0], [3, 0, 0], [-2, -2, -2]]
 
@@ -50,8 +53,9 @@ def test_rollout_level_advantage_requires_rollout_ids():  # AGL parity
 
 def test_rollout_level_advantage_rejects_inconsistent_rollout_rewards():  # AGL parity
     with pytest.raises(RuntimeError, match="same scalar token_level_rewards"):
-        alg.compute_rollout_level_advantage(upstream_batch((1.0, 2.0, 3.0)), "grpo", num_repeat=2,
-                                            compute_advantage_fn=lambda d, **k: d)
+        alg.compute_rollout_level_advantage(
+            upstream_batch((1.0, 2.0, 3.0)), "grpo", num_repeat=2, compute_advantage_fn=lambda d, **k: d
+        )
 
 
 def test_rollout_level_advantage_rejects_non_scalar_token_advantages():  # AGL parity
@@ -75,8 +79,12 @@ def test_rollout_level_advantage_group_key_falls_back_to_data_id():
 
 def test_grpo_golden_numbers_with_verl_estimator():
     # Group g: rollout a (2 rows, reward 1), b (reward 0), c (reward 1); group z: two rollouts of 0.5.
-    data = make_batch([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]],
-                      [1, 1, 0, 1, 0.5, 0.5], ["a", "a", "b", "c", "z0", "z1"], ["g", "g", "g", "g", "z", "z"])
+    data = make_batch(
+        [[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]],
+        [1, 1, 0, 1, 0.5, 0.5],
+        ["a", "a", "b", "c", "z0", "z1"],
+        ["g", "g", "g", "g", "z", "z"],
+    )
     data, metrics = alg.compute_rollout_level_advantage(data, "grpo", num_repeat=3)
     std = math.sqrt(((1 / 3) ** 2 * 2 + (2 / 3) ** 2) / 2)  # unbiased std of (1, 0, 1)
     a_pos, a_neg = (1 / 3) / (std + 1e-6), (-2 / 3) / (std + 1e-6)
@@ -101,16 +109,18 @@ def test_remax_is_not_implemented(estimator):
         alg.check_estimator(estimator, rollout_level=False)
 
 
-
 def test_group_metrics_and_zero_advantage_groups():
     data = three_groups()
-    assert alg.group_metrics(data) == {"training/n_groups": 3, "training/n_zero_adv_groups": 1,
-                                       "training/n_zero_signal_rollouts": 4, "training/zero_signal_rollout_frac": 4 / 12}
+    assert alg.group_metrics(data) == {
+        "training/n_groups": 3,
+        "training/n_zero_adv_groups": 1,
+        "training/n_zero_signal_rollouts": 4,
+        "training/zero_signal_rollout_frac": 4 / 12,
+    }
     assert alg.zero_advantage_groups(data) == ["z"]
     data.non_tensor_batch.pop("uid")
     data.non_tensor_batch.pop("data_id_list")
     assert alg.group_metrics(data) == {} and alg.zero_advantage_groups(data) == []
-
 
 
 def test_gae_without_rollout_level_advantage_needs_a_critic():
@@ -135,22 +145,30 @@ EQUAL_REWARDS = (0.1, 1 / 3, 0.7, 1e-3)
 @pytest.mark.parametrize("norm_by_std", [True, False])
 def test_a_group_of_equal_rewards_gets_exactly_zero_advantage(n, reward, norm_by_std):
     # a mixed group next to it, so the batch is not all one group
-    data = make_batch([[1, 1, 0]] * (n + 2), [reward] * n + [0.0, 1.0], [f"z{k}" for k in range(n)] + ["m0", "m1"],
-                      ["z"] * n + ["m", "m"])
+    data = make_batch(
+        [[1, 1, 0]] * (n + 2),
+        [reward] * n + [0.0, 1.0],
+        [f"z{k}" for k in range(n)] + ["m0", "m1"],
+        ["z"] * n + ["m", "m"],
+    )
     out, metrics = alg.compute_rollout_level_advantage(data, "grpo", num_repeat=n, norm_adv_by_std_in_grpo=norm_by_std)
     assert bool((out.batch["advantages"][:n] == 0).all()), out.batch["advantages"][:n]
     assert bool((out.batch["returns"][:n] == 0).all())
     assert alg.zero_advantage_groups(out) == ["z"]
-    assert alg.group_metrics(out) == {"training/n_groups": 2, "training/n_zero_adv_groups": 1,
-                                      "training/n_zero_signal_rollouts": n,
-                                      "training/zero_signal_rollout_frac": n / (n + 2)}
+    assert alg.group_metrics(out) == {
+        "training/n_groups": 2,
+        "training/n_zero_adv_groups": 1,
+        "training/n_zero_signal_rollouts": n,
+        "training/zero_signal_rollout_frac": n / (n + 2),
+    }
 
 
 def test_verl_float32_numbers_are_one_ulp_off_zero_and_the_parity_switch_restores_them():
     # The bug of issue 36: eight rewards of 0.1, float32 mean one ulp off, (r − mean)/(std + 1e-6) ≈ −0.0074.
     data = make_batch([[1, 1]] * 8, [0.1] * 8, [f"r{k}" for k in range(8)], ["g"] * 8)
-    verl_out, _ = alg.compute_rollout_level_advantage(data.select_idxs(list(range(8))), "grpo", num_repeat=8,
-                                                      exact_zero=False)
+    verl_out, _ = alg.compute_rollout_level_advantage(
+        data.select_idxs(list(range(8))), "grpo", num_repeat=8, exact_zero=False
+    )
     off = verl_out.batch["advantages"][:, 0]
     assert bool((off != 0).all()) and off.abs().max().item() == pytest.approx(0.0074, abs=5e-4)
     assert alg.zero_advantage_groups(verl_out) == []  # parity: verl's numbers, counted as they are
@@ -164,9 +182,11 @@ def test_a_group_with_one_different_reward_matches_verls_estimator(n, reward):
     rewards = [reward] * (n - 1) + [reward + 0.25]
     data = make_batch([[1, 1, 1]] * n, rewards, [f"r{k}" for k in range(n)], ["g"] * n)
     verl_adv, _ = core_algos.compute_grpo_outcome_advantage(
-        data.batch["token_level_rewards"], data.batch["response_mask"], data.non_tensor_batch["uid"])
+        data.batch["token_level_rewards"], data.batch["response_mask"], data.non_tensor_batch["uid"]
+    )
     exact, _ = core_algos.compute_grpo_outcome_advantage(  # verl's formula on float64 statistics
-        data.batch["token_level_rewards"].double(), data.batch["response_mask"], data.non_tensor_batch["uid"])
+        data.batch["token_level_rewards"].double(), data.batch["response_mask"], data.non_tensor_batch["uid"]
+    )
     ours, _ = alg.compute_rollout_level_advantage(data, "grpo", num_repeat=n)
     assert ours.batch["advantages"].dtype == verl_adv.dtype == torch.float32
     # to 1e-7 of the exact value (float32 rounding of it); verl's float32 statistics are off it by
@@ -208,13 +228,15 @@ def test_before_advantages_zero_groups_use_bitwise_equal_rewards():
 
 def _eight_tenths_and_mixed():
     # issue 36's case: a group of eight 0.1 rewards next to two mixed groups of eight
-    return make_batch([[1, 1]] * 24, [0.1] * 8 + [0.0, 1.0] * 8, [f"r{k}" for k in range(24)],
-                      ["z"] * 8 + ["m"] * 8 + ["p"] * 8)
+    return make_batch(
+        [[1, 1]] * 24, [0.1] * 8 + [0.0, 1.0] * 8, [f"r{k}" for k in range(24)], ["z"] * 8 + ["m"] * 8 + ["p"] * 8
+    )
 
 
 def test_the_metric_the_drop_order_and_the_trained_batch_agree_on_an_equal_reward_group():
-    prepared, records, metrics = alg.prepare_update_batch(_eight_tenths_and_mixed(), mini_batch_rows=16,
-                                                          loss_mode="vanilla")
+    prepared, records, metrics = alg.prepare_update_batch(
+        _eight_tenths_and_mixed(), mini_batch_rows=16, loss_mode="vanilla"
+    )
     assert metrics["training/n_zero_adv_groups_collected"] == 1
     assert metrics["training/n_zero_signal_rollouts_collected"] == 8
     assert metrics["training/zero_signal_rollout_frac_collected"] == 8 / 24
@@ -224,8 +246,9 @@ def test_the_metric_the_drop_order_and_the_trained_batch_agree_on_an_equal_rewar
 
 
 def test_the_grpo_float32_parity_switch_restores_verls_numbers_end_to_end():
-    prepared, records, metrics = alg.prepare_update_batch(_eight_tenths_and_mixed(), mini_batch_rows=16,
-                                                          loss_mode="vanilla", grpo_float32=True)
+    prepared, records, metrics = alg.prepare_update_batch(
+        _eight_tenths_and_mixed(), mini_batch_rows=16, loss_mode="vanilla", grpo_float32=True
+    )
     # verl's float32 statistics: the 0.1 group is not zero, so nothing marks it for the first drop
     assert metrics["training/n_zero_adv_groups_collected"] == 0
     assert metrics["training/n_zero_signal_rollouts_collected"] == 0

@@ -42,13 +42,21 @@ def contract_agent(task, ctx):
         raise ValueError(f"bad task {task['i']}")
     client = ctx.openai_client()
     reply = client.chat.completions.create(
-        model="any-name-the-agent-likes", max_tokens=3,
-        messages=[{"role": "user", "content": f"task {task['i']}"}])
+        model="any-name-the-agent-likes", max_tokens=3, messages=[{"role": "user", "content": f"task {task['i']}"}]
+    )
     ctx.emit("note", {"i": task["i"], "reply": reply.choices[0].message.content})
     with _LOCK:
-        SEEN.append({"rollout_id": ctx.rollout_id, "is_train": ctx.is_train, "base_url": ctx.base_url,
-                     "api_key": ctx.api_key, "event_url": ctx.event_url, "model": reply.model,
-                     "created_at": ctx.rollout.status.created_at})
+        SEEN.append(
+            {
+                "rollout_id": ctx.rollout_id,
+                "is_train": ctx.is_train,
+                "base_url": ctx.base_url,
+                "api_key": ctx.api_key,
+                "event_url": ctx.event_url,
+                "model": reply.model,
+                "created_at": ctx.rollout.status.created_at,
+            }
+        )
     return 0.25 * task["i"]
 
 
@@ -58,9 +66,15 @@ def _tasks(n, mode="ok"):
 
 @pytest.fixture(scope="module")
 def trainer(tmp_path_factory):
-    tr = Trainer.from_config("configs/cpu_tiny.yaml", overrides=SMALL, agent=contract_agent,
-                             train_dataset=_tasks(4), val_dataset=_tasks(2),
-                             run_dir=tmp_path_factory.mktemp("run"), console=False)
+    tr = Trainer.from_config(
+        "configs/cpu_tiny.yaml",
+        overrides=SMALL,
+        agent=contract_agent,
+        train_dataset=_tasks(4),
+        val_dataset=_tasks(2),
+        run_dir=tmp_path_factory.mktemp("run"),
+        console=False,
+    )
     yield tr
     tr.close()
 
@@ -136,8 +150,11 @@ def test_all_rollouts_failed_says_so_with_the_first_error(trainer):
 def test_alignment_warns_only_when_rows_with_signal_are_dropped(caplog):
     from agl_lab.update import alignment_report
 
-    metrics = {"training/n_sample_dropped/same_reward": 2, "training/n_sample_dropped/random": 3,
-               "training/n_sample_trained": 8}
+    metrics = {
+        "training/n_sample_dropped/same_reward": 2,
+        "training/n_sample_dropped/random": 3,
+        "training/n_sample_trained": 8,
+    }
     with caplog.at_level(logging.WARNING, logger="agl_lab.update"):
         assert alignment_report(metrics, mini_batch_rows=8, n=4, step=5) == {"training/n_sample_dropped/alignment": 5}
     (record,) = caplog.records
@@ -146,8 +163,16 @@ def test_alignment_warns_only_when_rows_with_signal_are_dropped(caplog):
     caplog.clear()
     # only zero-advantage rows dropped (8 of 16 rows): nothing was lost, no warning
     with caplog.at_level(logging.WARNING, logger="agl_lab.update"):
-        out = alignment_report({"training/n_sample_dropped/same_reward": 8, "training/n_sample_dropped/random": 0,
-                                "training/n_sample_trained": 8}, mini_batch_rows=8, n=4, step=5)
+        out = alignment_report(
+            {
+                "training/n_sample_dropped/same_reward": 8,
+                "training/n_sample_dropped/random": 0,
+                "training/n_sample_trained": 8,
+            },
+            mini_batch_rows=8,
+            n=4,
+            step=5,
+        )
     assert out == {"training/n_sample_dropped/alignment": 8} and not caplog.records
     with caplog.at_level(logging.WARNING, logger="agl_lab.update"):
         alignment_report({**metrics, "training/n_sample_dropped/random": 1}, mini_batch_rows=8, n=4, step=5)
@@ -157,8 +182,9 @@ def test_alignment_warns_only_when_rows_with_signal_are_dropped(caplog):
 def test_console_line_shows_dropped_and_failed():
     from agl_lab.logger import format_console_line
 
-    line = format_console_line(3, {"training/reward": 0.5, "training/n_sample_dropped/alignment": 2,
-                                   "training/n_failed_rollouts": 1})
+    line = format_console_line(
+        3, {"training/reward": 0.5, "training/n_sample_dropped/alignment": 2, "training/n_failed_rollouts": 1}
+    )
     assert "dropped_rows 2" in line and "failed 1" in line
 
 
@@ -181,8 +207,14 @@ def test_update_on_a_used_batch_raises_unless_allowed(trainer):
 
 def test_repr_metrics_and_fit_reward_curve(trainer):
     text = repr(trainer)
-    for part in ("engine=local", "model=agl-lab-tiny", "task=contract_agent", "step=", "policy_version=",
-                 str(trainer.run_dir)):
+    for part in (
+        "engine=local",
+        "model=agl-lab-tiny",
+        "task=contract_agent",
+        "step=",
+        "policy_version=",
+        str(trainer.run_dir),
+    ):
         assert part in text
     trainer.cfg.trainer.test_freq = 1  # validation after each step: the curve gets val points
     try:
@@ -196,8 +228,14 @@ def test_repr_metrics_and_fit_reward_curve(trainer):
 
 
 def test_a_closed_trainer_says_so(tmp_path):
-    tr = Trainer.from_config("configs/cpu_tiny.yaml", overrides=SMALL, agent=contract_agent,
-                             train_dataset=_tasks(4), run_dir=tmp_path, console=False)
+    tr = Trainer.from_config(
+        "configs/cpu_tiny.yaml",
+        overrides=SMALL,
+        agent=contract_agent,
+        train_dataset=_tasks(4),
+        run_dir=tmp_path,
+        console=False,
+    )
     tr.close()
     for call in (tr.rollout, tr.update, tr.step, tr.dry_run, lambda: tr.fit(1)):
         with pytest.raises(RuntimeError, match="this Trainer is closed"):
@@ -210,14 +248,19 @@ def test_a_closed_trainer_says_so(tmp_path):
 
 def echo_agent(task, ctx):
     reply = ctx.openai_client().chat.completions.create(
-        model="echo", max_tokens=4, messages=[{"role": "user", "content": task["word"]}])
+        model="echo", max_tokens=4, messages=[{"role": "user", "content": task["word"]}]
+    )
     return float((reply.choices[0].message.content or "").strip() == task["word"])
 
 
 WORDS = ["red", "blue", "green", "apple"]
-ECHO = Task(name="echo-test", agent=echo_agent,
-            train_tasks=[{"word": w} for w in WORDS], val_tasks=[{"word": "red"}],
-            demonstrations=[[{"role": "user", "content": w}, {"role": "assistant", "content": w}] for w in WORDS])
+ECHO = Task(
+    name="echo-test",
+    agent=echo_agent,
+    train_tasks=[{"word": w} for w in WORDS],
+    val_tasks=[{"word": "red"}],
+    demonstrations=[[{"role": "user", "content": w}, {"role": "assistant", "content": w}] for w in WORDS],
+)
 
 
 def make_echo_task():  # for get_task("tests.test_agent_contract:make_echo_task")
@@ -242,10 +285,15 @@ def test_task_api_lists_are_cycled_and_names_are_checked():
 def test_a_registered_task_gets_a_warm_start(tmp_path):
     register_task(ECHO)
     overrides = [*SMALL[:-1], "agl_lab.task.name=echo-test", "agl_lab.model.warm_start_steps=3"]
-    cold = Trainer.from_config("configs/cpu_tiny.yaml", overrides=SMALL[:-1] + ["agl_lab.task.name=echo-test"],
-                               run_dir=tmp_path / "cold", console=False)
-    with Trainer.from_config("configs/cpu_tiny.yaml", overrides=overrides, run_dir=tmp_path / "warm",
-                             console=False) as warm:
+    cold = Trainer.from_config(
+        "configs/cpu_tiny.yaml",
+        overrides=SMALL[:-1] + ["agl_lab.task.name=echo-test"],
+        run_dir=tmp_path / "cold",
+        console=False,
+    )
+    with Trainer.from_config(
+        "configs/cpu_tiny.yaml", overrides=overrides, run_dir=tmp_path / "warm", console=False
+    ) as warm:
         cold_state = cold.engine.model.state_dict()
         cold.close()
         assert warm.task is ECHO and warm.agent is echo_agent
@@ -257,8 +305,17 @@ def test_a_registered_task_gets_a_warm_start(tmp_path):
 def test_the_cli_takes_an_agent_as_module_function(tmp_path, capsys):
     SEEN.clear()
     run_dir = tmp_path / "cli"
-    rc = train_main(["configs/cpu_tiny.yaml", "--steps", "1", "--run-dir", str(run_dir), *SMALL,
-                     "agl_lab.agent=tests.test_agent_contract:lookup_contract_agent"])
+    rc = train_main(
+        [
+            "configs/cpu_tiny.yaml",
+            "--steps",
+            "1",
+            "--run-dir",
+            str(run_dir),
+            *SMALL,
+            "agl_lab.agent=tests.test_agent_contract:lookup_contract_agent",
+        ]
+    )
     assert rc == 0 and len(SEEN) == 4 and all(s["is_train"] for s in SEEN)
     assert (run_dir / "reward_curve.png").exists()
     with pytest.raises(ValueError, match="must be 'module:function'"):
@@ -287,8 +344,13 @@ def test_building_a_trainer_shows_no_verl_or_hf_noise(tmp_path):
             print("WARNING-CAPTURED", w.category.__name__, w.message)
         warnings.warn("a user warning is still shown", UserWarning)
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240,
-                         cwd=Path(__file__).resolve().parents[1])
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-3000:]
     assert "engine is not available" not in text
@@ -305,8 +367,14 @@ def test_an_agent_lightning_agent_class_runs_unchanged(tmp_path):
     class object, it runs in a subprocess per rollout exactly as under AGL's local controller."""
     from tests.agents_for_tests import EnvReportAgent
 
-    with Trainer.from_config("configs/cpu_tiny.yaml", overrides=SMALL, agent=EnvReportAgent,
-                             train_dataset=_tasks(2), run_dir=tmp_path, console=False) as tr:
+    with Trainer.from_config(
+        "configs/cpu_tiny.yaml",
+        overrides=SMALL,
+        agent=EnvReportAgent,
+        train_dataset=_tasks(2),
+        run_dir=tmp_path,
+        console=False,
+    ) as tr:
         assert tr.agent == "tests.agents_for_tests:EnvReportAgent"
         ro = tr.rollout()
     assert len(ro.rollouts) == 4 and not ro.failed and all(r.final_reward == 1.0 for r in ro.rollouts)

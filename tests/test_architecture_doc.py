@@ -80,29 +80,32 @@ def trainer_walk() -> str:
     tree = ast.parse((ROOT / "agl_lab" / "trainer.py").read_text())
     doc = ast.get_docstring(next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Trainer"))
     assert doc and "One step, hop by hop" in doc, "the Trainer's docstring lacks its 'One step, hop by hop' walk"
-    return doc[doc.index("One step, hop by hop"):]
+    return doc[doc.index("One step, hop by hop") :]
 
 
 def page_walk() -> str:
     text = PAGE.read_text()
     start = text.index("## One training step, hop by hop")
-    return re.sub(r"```.*?```", "", text[start:text.index("\n## ", start + 1)], flags=re.S)
+    return re.sub(r"```.*?```", "", text[start : text.index("\n## ", start + 1)], flags=re.S)
 
 
 @pytest.mark.parametrize("where", ["agl_lab/trainer.py", "docs/architecture.md"])
 def test_every_name_in_the_step_walk_resolves(where: str) -> None:
     names = walk_names(trainer_walk() if where == "agl_lab/trainer.py" else page_walk())
     assert len(names) >= 15, f"{where}'s step walk names only {len(names)} functions: {names}"
-    missing = [token for token, module, qualname in names
-               if token not in LANDING and not _resolves(module, qualname)]
+    missing = [token for token, module, qualname in names if token not in LANDING and not _resolves(module, qualname)]
     assert not missing, f"{where}'s step walk names what does not exist: {missing}"
 
 
 def test_walk_names_are_read_as_written() -> None:
     text = "`a.b:C.d` then `C.e` and `engine.pause()`, `update()`, `trainer.test_freq`, `Trainer.fit`"
-    assert walk_names(text) == [("a.b:C.d", "a.b", "C.d"), ("C.e", "a.b", "C.e"),
-                                ("engine.pause()", "engines.base", "Engine.pause"),
-                                ("update()", "trainer", "Trainer.update"), ("Trainer.fit", "a.b", "Trainer.fit")]
+    assert walk_names(text) == [
+        ("a.b:C.d", "a.b", "C.d"),
+        ("C.e", "a.b", "C.e"),
+        ("engine.pause()", "engines.base", "Engine.pause"),
+        ("update()", "trainer", "Trainer.update"),
+        ("Trainer.fit", "a.b", "Trainer.fit"),
+    ]
     assert not _resolves("records", "events_to_completed_rollout_that_is_not_there")
     assert _resolves("engines.verl.engine", "Trainer.validate")  # falls back to agl_lab's API
 
@@ -115,7 +118,7 @@ def map_paths() -> set[str]:
     text = PAGE.read_text()
     start = text.index("## The module map")
     paths: set[str] = set()
-    for line in text[start:text.index("\n## ", start + 1)].splitlines():
+    for line in text[start : text.index("\n## ", start + 1)].splitlines():
         if not line.startswith("|"):
             continue
         base = None
@@ -149,4 +152,5 @@ def test_landing_and_leaving_are_still_pending() -> None:
     landed += sorted(n for n in LANDING if ":" in n and _resolves(*n.split(":")))
     left = sorted(p for p in LEAVING if not (ROOT / p).exists())
     assert not landed and not left, (
-        f"the layout has landed: remove {landed + left} from LANDING / LEAVING in tests/test_architecture_doc.py")
+        f"the layout has landed: remove {landed + left} from LANDING / LEAVING in tests/test_architecture_doc.py"
+    )

@@ -41,8 +41,9 @@ def T(prompt, response, logprobs="auto") -> Triplet:
 
 
 def R(rid, triplets, reward=1.0, data_id="d", step=0, sample_idx=0) -> CompletedRollout:
-    return CompletedRollout(rollout_id=rid, data_id=data_id, step=step, sample_idx=sample_idx,
-                            triplets=triplets, final_reward=reward)
+    return CompletedRollout(
+        rollout_id=rid, data_id=data_id, step=step, sample_idx=sample_idx, triplets=triplets, final_reward=reward
+    )
 
 
 def rows_of(result, key):
@@ -79,8 +80,9 @@ def test_metrics_names_and_values():
         R("b", [T([7], [8, 9, 10, 11])], reward=None, sample_idx=1),
         R("c", [], reward=0.5, sample_idx=2),
     ]
-    m = build_batch(rollouts, "transition", max_prompt_length=4, max_response_length=3,
-                    reward_fillna_value=-1.0).metrics
+    m = build_batch(
+        rollouts, "transition", max_prompt_length=4, max_response_length=3, reward_fillna_value=-1.0
+    ).metrics
     assert m == {
         "training/reward": pytest.approx((1.0 - 1.0 + 0.5) / 3),  # averaged over all rollouts
         "training/n_sample": 3,
@@ -99,9 +101,14 @@ def test_metrics_names_and_values():
         "response_length/training/min_by_turn": 1,
     }
     traj = build_batch(rollouts, "trajectory", max_prompt_length=4, max_response_length=8).metrics
-    for key in ("training/n_unmerged_rollouts", "training/n_trace_merge_mismatch_rows",
-                "training/merge_breaks/retokenization", "training/merge_breaks/template",
-                "training/merge_breaks/history_edit", "training/merge_breaks/other"):
+    for key in (
+        "training/n_unmerged_rollouts",
+        "training/n_trace_merge_mismatch_rows",
+        "training/merge_breaks/retokenization",
+        "training/merge_breaks/template",
+        "training/merge_breaks/history_edit",
+        "training/merge_breaks/other",
+    ):
         assert traj[key] == 0
 
 
@@ -116,8 +123,9 @@ def test_trajectory_merge_masks_observations():
     assert rows_of(res, "responses") == [[3, 4, 5, 6, 7, 8, 9, 10, 0, 0]]
     assert rows_of(res, "response_mask") == [[1, 1, 0, 0, 1, 0, 1, 1, 0, 0]]
     assert rows_of(res, "attention_mask") == [[0, 1, 1] + [1] * 8 + [0, 0]]  # observations attended
-    np.testing.assert_allclose(res.data.batch["rollout_log_probs"],
-                               [[-0.1, -0.1, 0.0, 0.0, -0.1, 0.0, -0.1, -0.1, 0.0, 0.0]], rtol=1e-6)
+    np.testing.assert_allclose(
+        res.data.batch["rollout_log_probs"], [[-0.1, -0.1, 0.0, 0.0, -0.1, 0.0, -0.1, -0.1, 0.0, 0.0]], rtol=1e-6
+    )
     assert res.data.batch["token_level_scores"].tolist() == [[0] * 7 + [2.0, 0, 0]]
     assert list(res.data.non_tensor_batch["turn_index_list"]) == [0]
     row = res.rows.iloc[0]
@@ -208,10 +216,13 @@ def test_response_over_limit_keeps_head_and_reward_on_last_kept_token():
     assert res.rows.truncated.tolist() == [True] and res.rows.tokens_cut.tolist() == [1]
 
 
-@pytest.mark.parametrize("bad_call", [
-    T([1, 2, 3, 4], [5], logprobs=None),        # a call without logprobs
-    T([1, 2, 3, 4], [5], logprobs=[-0.1, -0.2]),  # length disagrees with the response
-])
+@pytest.mark.parametrize(
+    "bad_call",
+    [
+        T([1, 2, 3, 4], [5], logprobs=None),  # a call without logprobs
+        T([1, 2, 3, 4], [5], logprobs=[-0.1, -0.2]),  # length disagrees with the response
+    ],
+)
 def test_row_loses_logprobs_when_any_call_lacks_them(bad_call):
     merged = R("a", [T([1, 2], [3]), bad_call], sample_idx=0)
     clean = R("b", [T([8], [9])], sample_idx=1)
@@ -260,17 +271,20 @@ def _mixed_rollouts():
 
 def test_reordering_rollouts_does_not_change_the_batch():
     rollouts = _mixed_rollouts()
-    reference = _snapshot(build_batch(rollouts, "trajectory", max_prompt_length=3, max_response_length=5,
-                                      tokenizer=SpaceTokenizer()))
+    reference = _snapshot(
+        build_batch(rollouts, "trajectory", max_prompt_length=3, max_response_length=5, tokenizer=SpaceTokenizer())
+    )
     shuffled = rollouts[:]
     random.Random(0).shuffle(shuffled)
     assert shuffled != rollouts
-    again = _snapshot(build_batch(shuffled, "trajectory", max_prompt_length=3, max_response_length=5,
-                                  tokenizer=SpaceTokenizer()))
+    again = _snapshot(
+        build_batch(shuffled, "trajectory", max_prompt_length=3, max_response_length=5, tokenizer=SpaceTokenizer())
+    )
     assert again == reference
     # carry-overs from an older step come first
-    assert build_batch(rollouts, "trajectory", max_prompt_length=3,
-                       max_response_length=5).rows.rollout_id.tolist()[:3] == ["r0", "r2", "r4"]
+    assert build_batch(rollouts, "trajectory", max_prompt_length=3, max_response_length=5).rows.rollout_id.tolist()[
+        :3
+    ] == ["r0", "r2", "r4"]
 
 
 def test_build_batch_does_not_mutate_inputs():

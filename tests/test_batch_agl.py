@@ -35,18 +35,33 @@ def random_rollouts(seed: int, n: int = 24) -> list[CompletedRollout]:
             logprobs = [-rng.random() for _ in response]
             triplets.append(Triplet(list(context), response, logprobs))
             context = context + response
-        out.append(CompletedRollout(f"r{k}", f"d{k // 4}", 0, k // 4, triplets,
-                                    None if k % 5 == 0 else float(k % 3), copy_idx=k % 4))
+        out.append(
+            CompletedRollout(
+                f"r{k}", f"d{k // 4}", 0, k // 4, triplets, None if k % 5 == 0 else float(k % 3), copy_idx=k % 4
+            )
+        )
     return out
 
 
 def to_agl(rollouts: list[CompletedRollout]) -> list:
-    return [manager_mod.CompletedRollout(
-        rollout_id=r.rollout_id, data_id=r.data_id, step=r.step, sample_idx_in_step=r.sample_idx,
-        enqueue_time=0.0, final_reward=r.final_reward,
-        triplets=[manager_mod.Triplet(prompt={"token_ids": list(t.prompt_ids)},
-                                      response={"token_ids": list(t.response_ids), "log_probs": list(t.logprobs)})
-                  for t in r.triplets]) for r in rollouts]
+    return [
+        manager_mod.CompletedRollout(
+            rollout_id=r.rollout_id,
+            data_id=r.data_id,
+            step=r.step,
+            sample_idx_in_step=r.sample_idx,
+            enqueue_time=0.0,
+            final_reward=r.final_reward,
+            triplets=[
+                manager_mod.Triplet(
+                    prompt={"token_ids": list(t.prompt_ids)},
+                    response={"token_ids": list(t.response_ids), "log_probs": list(t.logprobs)},
+                )
+                for t in r.triplets
+            ],
+        )
+        for r in rollouts
+    ]
 
 
 @pytest.mark.parametrize("level", ["transition", "trajectory"])
@@ -54,10 +69,17 @@ def to_agl(rollouts: list[CompletedRollout]) -> list:
 def test_same_tensors_as_agent_lightning(level, seed):
     rollouts = random_rollouts(seed)
     p, r = 10, 14  # small limits: some prompts are cut (is_drop), some responses truncated
-    ours = build_batch(rollouts, level, max_prompt_length=p, max_response_length=r, pad_token_id=0,
-                       reward_fillna_value=-1.0).data
-    adapter = adapter_mod.RolloutAdapter(max_prompt_length=p, max_response_length=r, device=torch.device("cpu"),
-                                         pad_token_id=0, reward_fillna_value=-1.0, trace_aggregator_level=level)
+    ours = build_batch(
+        rollouts, level, max_prompt_length=p, max_response_length=r, pad_token_id=0, reward_fillna_value=-1.0
+    ).data
+    adapter = adapter_mod.RolloutAdapter(
+        max_prompt_length=p,
+        max_response_length=r,
+        device=torch.device("cpu"),
+        pad_token_id=0,
+        reward_fillna_value=-1.0,
+        trace_aggregator_level=level,
+    )
     agl, metrics = adapter.get_train_data_batch(to_agl(rollouts))
     assert set(agl.batch.keys()) <= set(ours.batch.keys())
     for key in agl.batch.keys():

@@ -30,7 +30,7 @@ def _rows(out: str, first_column: str) -> dict[str, list[str]]:
     lines = out.splitlines()
     start = next(i for i, line in enumerate(lines) if re.match(rf"\s*{re.escape(first_column)}\s*\|", line))
     rows = {}
-    for line in lines[start + 2:]:
+    for line in lines[start + 2 :]:
         if "|" not in line:
             break
         cells = [c.strip() for c in line.split("|")]
@@ -41,8 +41,20 @@ def _rows(out: str, first_column: str) -> dict[str, list[str]]:
 @pytest.mark.slow
 def test_gateway_benchmark_prints_every_server_and_the_store_table():
     # two rounds: the servers take turns and each keeps its client session across them
-    out = _run("benchmarks/gateway.py", "--agents", "1", "--rounds", "2", "--pairs", "4", "--seconds", "0.3",
-               "--events", "50", "--no-agl")
+    out = _run(
+        "benchmarks/gateway.py",
+        "--agents",
+        "1",
+        "--rounds",
+        "2",
+        "--pairs",
+        "4",
+        "--seconds",
+        "0.3",
+        "--events",
+        "50",
+        "--no-agl",
+    )
     gateway = _rows(out, "server")
     assert set(gateway) == {f"{name}@1" for name in ("memory", "sqlite", "floor", "floor+json", "uvicorn+json")}
     for cells in gateway.values():
@@ -57,8 +69,11 @@ def test_gateway_benchmark_prints_every_server_and_the_store_table():
 
 def _batch_rows(out: str) -> dict[tuple[str, str], list[str]]:
     """batch.py's rows: {(level, AGL env tag): cells}."""
-    return {(cells[0], cells[-1]): cells for cells in map(str.split, out.splitlines())
-            if cells[:1] in (["trajectory"], ["transition"])}
+    return {
+        (cells[0], cells[-1]): cells
+        for cells in map(str.split, out.splitlines())
+        if cells[:1] in (["trajectory"], ["transition"])
+    }
 
 
 @pytest.mark.slow
@@ -80,18 +95,23 @@ def test_batch_peer_rollout_file_round_trips(tmp_path):
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
     prompt, response = [5, 6, 7], [8, 9]
-    records = [("r0", "d0", 0, 0, 1.0, [(prompt, response, [-0.5, -0.25]),
-                                         (prompt + response + [10], [11], [-0.125])]),
-               ("r1", "d0", 0, 1, 0.0, [([1], [2, 3], [-1.0, -2.0])])]
+    records = [
+        ("r0", "d0", 0, 0, 1.0, [(prompt, response, [-0.5, -0.25]), (prompt + response + [10], [11], [-0.125])]),
+        ("r1", "d0", 0, 1, 0.0, [([1], [2, 3], [-1.0, -2.0])]),
+    ]
     agl_peer.save_rollouts(str(tmp_path / "r.npz"), records)
     assert agl_peer.load_rollouts(str(tmp_path / "r.npz")) == records
     with pytest.raises(ValueError, match="not a prefix"):  # only append-only rollouts travel this way
-        agl_peer.save_rollouts(str(tmp_path / "bad.npz"), [("r2", "d1", 0, 0, 0.0, [([1], [2], [0.0]), ([3], [4], [0.0])])])
+        agl_peer.save_rollouts(
+            str(tmp_path / "bad.npz"), [("r2", "d1", 0, 0, 0.0, [([1], [2], [0.0]), ([3], [4], [0.0])])]
+        )
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("AGL_PYTHON"),
-                    reason="AGL_PYTHON unset: no Python of AGL's own environment (recipe in benchmarks/batch.py)")
+@pytest.mark.skipif(
+    not os.environ.get("AGL_PYTHON"),
+    reason="AGL_PYTHON unset: no Python of AGL's own environment (recipe in benchmarks/batch.py)",
+)
 def test_batch_benchmark_times_agl_in_its_own_environment():
     out = _run("benchmarks/batch.py", "--repeat", "1", "--no-agl", "--agl-python", os.environ["AGL_PYTHON"])
     rows = _batch_rows(out)

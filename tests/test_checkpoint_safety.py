@@ -61,8 +61,10 @@ def test_a_checkpoint_that_would_run_code_is_refused_naming_the_file(saved, tmp_
 
 
 def test_a_checkpoint_written_before_with_a_numpy_array_still_loads(tmp_path):
-    old = {"global_step": 3, "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
-                                     "torch": torch.get_rng_state()}}
+    old = {
+        "global_step": 3,
+        "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+    }
     torch.save(old, tmp_path / checkpoints.STATE_FILE)
     with pytest.raises(pickle.UnpicklingError):
         torch.load(tmp_path / checkpoints.STATE_FILE, weights_only=True)  # torch alone refuses it

@@ -13,8 +13,9 @@ from agl_lab import checkpoints
 def _save_steps(root: Path, steps, keep, saved=None):
     saved = [] if saved is None else saved
     for step in steps:
-        checkpoints.save_atomically(root, step, lambda p: (p.mkdir(parents=True), (p / "w").write_text("x")),
-                                    saved=saved, keep=keep)
+        checkpoints.save_atomically(
+            root, step, lambda p: (p.mkdir(parents=True), (p / "w").write_text("x")), saved=saved, keep=keep
+        )
     return saved
 
 
@@ -22,13 +23,16 @@ def _on_disk(root: Path) -> list[str]:
     return sorted((p.name for p in root.glob("global_step_*")), key=lambda n: int(n.rsplit("_", 1)[1]))
 
 
-@pytest.mark.parametrize("keep, left", [
-    (2, ["global_step_4", "global_step_5"]),
-    (1, ["global_step_5"]),
-    (None, [f"global_step_{i}" for i in range(1, 6)]),  # verl: null keeps all
-    (0, [f"global_step_{i}" for i in range(1, 6)]),     # verl: 0 keeps all too (max_ckpt_to_keep > 0 is the test)
-    (9, [f"global_step_{i}" for i in range(1, 6)]),
-])
+@pytest.mark.parametrize(
+    "keep, left",
+    [
+        (2, ["global_step_4", "global_step_5"]),
+        (1, ["global_step_5"]),
+        (None, [f"global_step_{i}" for i in range(1, 6)]),  # verl: null keeps all
+        (0, [f"global_step_{i}" for i in range(1, 6)]),  # verl: 0 keeps all too (max_ckpt_to_keep > 0 is the test)
+        (9, [f"global_step_{i}" for i in range(1, 6)]),
+    ],
+)
 def test_keeps_the_newest_n_saved_checkpoints_as_verl(tmp_path, keep, left):
     saved = _save_steps(tmp_path, range(1, 6), keep)
     assert _on_disk(tmp_path) == left
@@ -38,8 +42,8 @@ def test_keeps_the_newest_n_saved_checkpoints_as_verl(tmp_path, keep, left):
 
 def test_checkpoints_found_on_disk_are_never_pruned(tmp_path):
     """verl's list of saved paths starts empty in each process: what a resumed run found stays."""
-    _save_steps(tmp_path, [1, 2], keep=None)           # an earlier run
-    _save_steps(tmp_path, [3, 4, 5], keep=1)           # this run, keep 1
+    _save_steps(tmp_path, [1, 2], keep=None)  # an earlier run
+    _save_steps(tmp_path, [3, 4, 5], keep=1)  # this run, keep 1
     assert _on_disk(tmp_path) == ["global_step_1", "global_step_2", "global_step_5"]
 
 
@@ -64,10 +68,13 @@ def test_prune_matches_verls_register_checkpoint(tmp_path):
         assert _on_disk(ours) == _on_disk(theirs), keep
 
 
-@pytest.mark.parametrize("value, error", [
-    ("-1", "trainer.max_actor_ckpt_to_keep=-1: use null or 0"),
-    ("two", "trainer.max_actor_ckpt_to_keep must be an integer, got 'two'"),
-])
+@pytest.mark.parametrize(
+    "value, error",
+    [
+        ("-1", "trainer.max_actor_ckpt_to_keep=-1: use null or 0"),
+        ("two", "trainer.max_actor_ckpt_to_keep must be an integer, got 'two'"),
+    ],
+)
 def test_a_bad_max_actor_ckpt_to_keep_fails_at_load_naming_the_key(value, error):
     from agl_lab.config import ConfigError, load_config
 

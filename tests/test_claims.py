@@ -24,7 +24,7 @@ def test_twenty_concurrent_http_claimers_get_disjoint_sets_covering_the_queue(se
     with AglClient(server.url, key=KEY) as client:
         ids = [f"c{i:03d}" for i in range(400)]
         for i in range(0, 400, 50):
-            client.create_rollouts([RolloutCreate(rollout_id=rid, input={}) for rid in ids[i:i + 50]])
+            client.create_rollouts([RolloutCreate(rollout_id=rid, input={}) for rid in ids[i : i + 50]])
     got: list[list[str]] = [[] for _ in range(20)]
     start, first_round = threading.Barrier(20), threading.Barrier(20)
 
@@ -73,15 +73,24 @@ def test_a_lost_attempt_can_neither_end_feed_nor_renew_the_next(server):
         assert client.heartbeat(["r"], ["1"])["not_running"] == []
         token1 = rollout_token(KEY, "r", first.status.created_at, "1")
         with httpx.Client(base_url=server.url) as agent:
+
             def post(token: str, attempt: str) -> int:
-                return agent.post(f"/api/rollouts/r/attempt/{attempt}/events", json={"event_type": "x"},
-                                  headers={"Authorization": f"Bearer {token}"}).status_code
+                return agent.post(
+                    f"/api/rollouts/r/attempt/{attempt}/events",
+                    json={"event_type": "x"},
+                    headers={"Authorization": f"Bearer {token}"},
+                ).status_code
+
             assert post(token0, "0") == 401 and post(token0, "1") == 401  # the old token opens nothing
             assert post(token1, "1") == 200
 
             def call(token: str, attempt: str) -> int:
-                return agent.post(f"/proxy/rollout/r/attempt/{attempt}/mode/train/openai/v1/chat/completions",
-                                  json={"messages": []}, headers={"Authorization": f"Bearer {token}"}).status_code
+                return agent.post(
+                    f"/proxy/rollout/r/attempt/{attempt}/mode/train/openai/v1/chat/completions",
+                    json={"messages": []},
+                    headers={"Authorization": f"Bearer {token}"},
+                ).status_code
+
             assert call(token0, "0") == 401 and call(token0, "1") == 401
             assert call(token1, "1") == 503  # authorised: no model registered in this test
         client.add_event("r", "0", "late", {})  # an admin-key late event of attempt 0: kept, not read

@@ -20,8 +20,15 @@ from tests.test_trainer_config_keys import _env
 
 
 def _args(tmp_path, run: str, *extra: str) -> list[str]:
-    return ["configs/cpu_tiny.yaml", "--run-dir", str(tmp_path / run), *SMALL, "trainer.save_freq=1",
-            f"trainer.default_local_dir={tmp_path / 'ck'}", *extra]
+    return [
+        "configs/cpu_tiny.yaml",
+        "--run-dir",
+        str(tmp_path / run),
+        *SMALL,
+        "trainer.save_freq=1",
+        f"trainer.default_local_dir={tmp_path / 'ck'}",
+        *extra,
+    ]
 
 
 def _steps(path) -> list[int]:
@@ -31,8 +38,13 @@ def _steps(path) -> list[int]:
 @pytest.mark.timeout(600)
 def test_ctrl_c_prints_the_last_checkpoint_and_the_resume_command_without_a_traceback(tmp_path):
     args = _args(tmp_path, "run", "trainer.total_training_steps=200")
-    proc = subprocess.Popen([sys.executable, "-m", "agl_lab.cli", "train", *args], env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agl_lab.cli", "train", *args],
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.time() + 400
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
@@ -70,12 +82,22 @@ def test_sigterm_stops_like_ctrl_c_and_leaves_no_agent_subprocess_alive(tmp_path
     pids = tmp_path / "pids"
     pids.mkdir()
     train = write_parquet(tmp_path / "train.parquet", lookup_tasks(8))
-    args = _args(tmp_path, "run", f"data.train_files={train}", f"actor_rollout_ref.model.path={tiny_model_dir(seed=0)}",
-                 "agentlightning.local.agent_class=tests.agents_for_tests:PidFileHangAgent")
+    args = _args(
+        tmp_path,
+        "run",
+        f"data.train_files={train}",
+        f"actor_rollout_ref.model.path={tiny_model_dir(seed=0)}",
+        "agentlightning.local.agent_class=tests.agents_for_tests:PidFileHangAgent",
+    )
     log_out, log_err = tmp_path / "out.txt", tmp_path / "err.txt"  # files: an orphan holding a pipe would block
     with log_out.open("w") as fo, log_err.open("w") as fe:
-        proc = subprocess.Popen([sys.executable, "-m", "agl_lab.cli", "train", *args],
-                                env={**_env(), "T_PID_DIR": str(pids)}, stdout=fo, stderr=fe, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "agl_lab.cli", "train", *args],
+            env={**_env(), "T_PID_DIR": str(pids)},
+            stdout=fo,
+            stderr=fe,
+            text=True,
+        )
     deadline = time.time() + 400
     while len(list(pids.iterdir())) < 4:  # two agents (agent + tool each) at least
         assert proc.poll() is None, log_err.read_text()[-3000:]

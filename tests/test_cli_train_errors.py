@@ -15,20 +15,35 @@ from tests.test_trainer import SMALL
 
 
 def _train(tmp_path, capsys, *overrides: str, config: str = "configs/cpu_tiny.yaml") -> tuple[int, str]:
-    rc = train_main([config, "--run-dir", str(tmp_path / "run"), *SMALL, "trainer.total_training_steps=1",
-                     f"trainer.default_local_dir={tmp_path / 'ck'}", *overrides])
+    rc = train_main(
+        [
+            config,
+            "--run-dir",
+            str(tmp_path / "run"),
+            *SMALL,
+            "trainer.total_training_steps=1",
+            f"trainer.default_local_dir={tmp_path / 'ck'}",
+            *overrides,
+        ]
+    )
     out = capsys.readouterr().out
     return rc, [line for line in out.splitlines() if line.startswith("agl-lab train: ") and "run dir" not in line]
 
 
 CASES = {
-    "val_only without validation tasks": (["trainer.val_only=true", "agl_lab.task.n_val=0"],
-                                          "trainer.val_only=true but there are no validation tasks"),
-    "an agent module that does not exist": (["agl_lab.agent=no_such_agents_module:solve"],
-                                            "no module named 'no_such_agents_module': agl_lab.agent"),
+    "val_only without validation tasks": (
+        ["trainer.val_only=true", "agl_lab.task.n_val=0"],
+        "trainer.val_only=true but there are no validation tasks",
+    ),
+    "an agent module that does not exist": (
+        ["agl_lab.agent=no_such_agents_module:solve"],
+        "no module named 'no_such_agents_module': agl_lab.agent",
+    ),
     "an unknown task": (["agl_lab.task.name=no-such-task"], "unknown task 'no-such-task'; known tasks are"),
-    "a bad trainer.resume_mode": (["trainer.resume_mode=sometimes"],
-                                  "trainer.resume_mode='sometimes' is not one of auto, resume_path, disable"),
+    "a bad trainer.resume_mode": (
+        ["trainer.resume_mode=sometimes"],
+        "trainer.resume_mode='sometimes' is not one of auto, resume_path, disable",
+    ),
 }
 
 
@@ -53,8 +68,13 @@ def test_an_external_server_that_does_not_match_the_engine_is_one_line(tmp_path,
     from agl_lab.server.embedded import EmbeddedServer
 
     with EmbeddedServer(key="k", default_proxy={"model_name": "served-elsewhere"}) as server:
-        rc, lines = _train(tmp_path, capsys, "agl_lab.server.embedded=false",
-                           f"agentlightning.agl_base_url={server.url}", "agentlightning.agl_key=k",
-                           "agl_lab.runner.enabled=false")
+        rc, lines = _train(
+            tmp_path,
+            capsys,
+            "agl_lab.server.embedded=false",
+            f"agentlightning.agl_base_url={server.url}",
+            "agentlightning.agl_key=k",
+            "agl_lab.runner.enabled=false",
+        )
     assert rc == 2 and len(lines) == 1, lines
     assert "does not match this engine: its default_proxy.model_name is 'served-elsewhere'" in lines[0]

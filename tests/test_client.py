@@ -60,9 +60,7 @@ def client(server, log):
 
 def _create(client: AglClient, n: int, **input_extra) -> list[str]:
     ids = [new_rollout_id() for _ in range(n)]
-    client.create_rollouts(
-        [RolloutCreate(input={"i": i, **input_extra}, rollout_id=rid) for i, rid in enumerate(ids)]
-    )
+    client.create_rollouts([RolloutCreate(input={"i": i, **input_extra}, rollout_id=rid) for i, rid in enumerate(ids)])
     return ids
 
 
@@ -186,8 +184,10 @@ def _flaky_app(fail_with: int, n_failures: int) -> tuple[FastAPI, list[int]]:
             return JSONResponse({"detail": f"flaky {fail_with}"}, status_code=fail_with, headers=headers)
         now = time.time()
         return JSONResponse(
-            [{"rollout_id": r["rollout_id"], "input": r["input"],
-              "status": {"created_at": now, "updated_at": now}} for r in body],
+            [
+                {"rollout_id": r["rollout_id"], "input": r["input"], "status": {"created_at": now, "updated_at": now}}
+                for r in body
+            ],
             status_code=201,
         )
 
@@ -294,8 +294,13 @@ def test_states_of_names_each_rollout_and_missing_ones(client):
     client.patch_status(done, state="failed")
     client.patch_status(running, state="running")
     assert client.states_of([done, running, queued, "ghost"]) == {
-        done: "failed", running: "running", queued: "queuing", "ghost": "missing"}
+        done: "failed",
+        running: "running",
+        queued: "queuing",
+        "ghost": "missing",
+    }
     first, *rest = sorted([done, running, queued])  # fetched in id order, up to `limit`
     assert client.states_of([done, running, queued], limit=1) == {
-        first: {done: "failed", running: "running", queued: "queuing"}[first], **{r: "not fetched" for r in rest}}
-
+        first: {done: "failed", running: "running", queued: "queuing"}[first],
+        **{r: "not fetched" for r in rest},
+    }

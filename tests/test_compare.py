@@ -18,9 +18,17 @@ def run_dirs(tmp_path_factory):
     for lr in ("1e-3", "1e-4"):
         for seed in (0, 1):
             d = tmp_path_factory.mktemp(f"lr{lr}-s{seed}")
-            with Trainer.from_config("configs/cpu_tiny.yaml", overrides=[
-                    *SMALL, f"actor_rollout_ref.actor.optim.lr={lr}", f"agl_lab.seed={seed}",
-                    "trainer.test_freq=2"], run_dir=d, console=False) as t:
+            with Trainer.from_config(
+                "configs/cpu_tiny.yaml",
+                overrides=[
+                    *SMALL,
+                    f"actor_rollout_ref.actor.optim.lr={lr}",
+                    f"agl_lab.seed={seed}",
+                    "trainer.test_freq=2",
+                ],
+                run_dir=d,
+                console=False,
+            ) as t:
                 t.fit(2, progress=False)
             dirs.append(d)
     return dirs
@@ -91,8 +99,10 @@ def _run_dir(path, seed, n, offset=0.0, steps=50, val_every=10):
 @pytest.fixture
 def study(tmp_path):
     # n8 − n4 = 0.10, 0.11, 0.12 for seeds 0, 1, 2
-    return {"n4": [_run_dir(tmp_path / f"n4-s{s}", s, 4) for s in range(3)],
-            "n8": [_run_dir(tmp_path / f"n8-s{s}", s, 8, offset=0.10 + 0.01 * s) for s in range(3)]}
+    return {
+        "n4": [_run_dir(tmp_path / f"n4-s{s}", s, 4) for s in range(3)],
+        "n8": [_run_dir(tmp_path / f"n8-s{s}", s, 8, offset=0.10 + 0.01 * s) for s in range(3)],
+    }
 
 
 def test_last_is_a_window_of_steps_and_validation_takes_the_validations_inside_it(study):

@@ -21,8 +21,11 @@ def _warnings_of(overrides: list[str]) -> list[str]:
 def test_runner_off_with_the_embedded_server_warns_naming_both_keys():
     (message,) = [m for m in _warnings_of(["agl_lab.runner.enabled=false"]) if "agl_lab.runner.enabled" in m]
     assert "agl_lab.server.embedded=true" in message and "nothing runs the agents" in message
-    assert not [m for m in _warnings_of(["agl_lab.runner.enabled=false", "agl_lab.server.embedded=false"])
-                if "nothing runs the agents" in m]
+    assert not [
+        m
+        for m in _warnings_of(["agl_lab.runner.enabled=false", "agl_lab.server.embedded=false"])
+        if "nothing runs the agents" in m
+    ]
 
 
 def test_excluded_failed_rollouts_with_a_fill_value_warns_naming_both_keys():
@@ -33,13 +36,22 @@ def test_excluded_failed_rollouts_with_a_fill_value_warns_naming_both_keys():
 
 
 def test_validation_without_validation_tasks_fails_or_warns(tmp_path):
-    with pytest.raises(ConfigError, match=r"trainer.val_only=true but there are no validation tasks.*agl_lab.task.n_val"):
-        Trainer.from_config("configs/cpu_tiny.yaml", [*SMALL, "agl_lab.task.n_val=0", "trainer.val_only=true"],
-                            run_dir=tmp_path / "a", console=False)
+    with pytest.raises(
+        ConfigError, match=r"trainer.val_only=true but there are no validation tasks.*agl_lab.task.n_val"
+    ):
+        Trainer.from_config(
+            "configs/cpu_tiny.yaml",
+            [*SMALL, "agl_lab.task.n_val=0", "trainer.val_only=true"],
+            run_dir=tmp_path / "a",
+            console=False,
+        )
     with pytest.warns(ConfigWarning, match=r"trainer.val_before_train=true and trainer.test_freq=2 validate nothing"):
-        trainer = Trainer.from_config("configs/cpu_tiny.yaml", [*SMALL, "agl_lab.task.n_val=0",
-                                                               "trainer.val_before_train=true", "trainer.test_freq=2"],
-                                      run_dir=tmp_path / "b", console=False)
+        trainer = Trainer.from_config(
+            "configs/cpu_tiny.yaml",
+            [*SMALL, "agl_lab.task.n_val=0", "trainer.val_before_train=true", "trainer.test_freq=2"],
+            run_dir=tmp_path / "b",
+            console=False,
+        )
     trainer.close()
 
 
@@ -49,8 +61,17 @@ def test_a_mini_batch_larger_than_a_step_warns_with_the_numbers_and_the_value_to
     (message,) = [m for m in found if "ppo_mini_batch_size=8" in m]
     assert "counts tasks" in message and "8 × 8 = 64 rollouts is asked for but a step has 4 × 8 = 32" in message
     assert "set actor_rollout_ref.actor.ppo_mini_batch_size=4" in message.lower()
-    assert not [m for m in _warnings_of(["actor_rollout_ref.rollout.n=8", "data.train_batch_size=4",
-                                         "actor_rollout_ref.actor.ppo_mini_batch_size=4"]) if "counts tasks" in m]
+    assert not [
+        m
+        for m in _warnings_of(
+            [
+                "actor_rollout_ref.rollout.n=8",
+                "data.train_batch_size=4",
+                "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            ]
+        )
+        if "counts tasks" in m
+    ]
     # what the warning says happens: the step's 32 rows are one mini-batch, not 64
     import agl_lab.algorithms as alg
     from tests.algo_batches import one_row_rollouts

@@ -33,8 +33,14 @@ def test_sample_tokens_draws_the_tempered_distribution():
     n = logits.shape[0]
     temps = torch.full((n,), 0.7)
     gen = torch.Generator().manual_seed(0)
-    tokens, logp = sample_tokens(logits, temps, torch.ones(n), torch.zeros(n, dtype=torch.bool),
-                                 torch.rand(n, generator=gen, dtype=torch.float64), nucleus=False)
+    tokens, logp = sample_tokens(
+        logits,
+        temps,
+        torch.ones(n),
+        torch.zeros(n, dtype=torch.bool),
+        torch.rand(n, generator=gen, dtype=torch.float64),
+        nucleus=False,
+    )
     expected = torch.softmax(logits[0] / 0.7, -1)
     freq = torch.bincount(tokens, minlength=5).float() / n
     assert (freq - expected).abs().max() < 0.01
@@ -45,8 +51,13 @@ def test_top_p_truncates_sampling_but_not_the_reported_logprobs():
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05])).repeat(20_000, 1)
     n = logits.shape[0]
     gen = torch.Generator().manual_seed(1)
-    tokens, logp = sample_tokens(logits, torch.ones(n), torch.full((n,), 0.75), torch.zeros(n, dtype=torch.bool),
-                                 torch.rand(n, generator=gen, dtype=torch.float64))
+    tokens, logp = sample_tokens(
+        logits,
+        torch.ones(n),
+        torch.full((n,), 0.75),
+        torch.zeros(n, dtype=torch.bool),
+        torch.rand(n, generator=gen, dtype=torch.float64),
+    )
     freq = torch.bincount(tokens, minlength=4).float() / n
     assert freq[2:].sum() == 0  # nucleus = {0.5, 0.3}: mass 0.8 ≥ 0.75
     assert abs(freq[0].item() - 0.5 / 0.8) < 0.015  # drawn renormalised within the nucleus …
@@ -73,8 +84,14 @@ def test_prefill_decode_merge_select_equal_fresh_forwards(model, one_thread):
         return torch.randint(4, 1024, (k,), generator=gen).tolist()
 
     def new_batch(prompts):
-        batch, logits = DecodeBatch.prefill(model, prompts, temps=[1.0] * len(prompts), top_p=[1.0] * len(prompts),
-                                            greedy=[False] * len(prompts), pad_id=3)
+        batch, logits = DecodeBatch.prefill(
+            model,
+            prompts,
+            temps=[1.0] * len(prompts),
+            top_p=[1.0] * len(prompts),
+            greedy=[False] * len(prompts),
+            pad_id=3,
+        )
         return batch, logits
 
     def feed(batch, histories, logits):
@@ -128,8 +145,16 @@ def test_prefill_with_cached_prefixes_equals_fresh_forwards(model, one_thread):
         first, _ = DecodeBatch.prefill(model, [shared], [1.0], [1.0], [False], pad_id=3)
         entry = CachedPrefix(shared, *first.row_kv(0))
         prompts = [shared[:32] + [5, 6, 7], shared + [9] * 11, [11, 12, 13]]
-        batch, logits = DecodeBatch.prefill(model, prompts, [1.0] * 3, [1.0] * 3, [False] * 3, pad_id=3,
-                                            prefixes=[entry, entry, None], prefix_lens=[32, 40, 0])
+        batch, logits = DecodeBatch.prefill(
+            model,
+            prompts,
+            [1.0] * 3,
+            [1.0] * 3,
+            [False] * 3,
+            pad_id=3,
+            prefixes=[entry, entry, None],
+            prefix_lens=[32, 40, 0],
+        )
         histories = [list(p) for p in prompts]
         for _ in range(3):
             for h, row in zip(histories, logits):

@@ -14,8 +14,23 @@ from agl_lab.results import BatchResult
 class VocabTokenizer:
     """decode = concatenation of fixed pieces; two ways to spell "Hello" (3 vs 1+2)."""
 
-    PIECES = {1: "Hel", 2: "lo", 3: "Hello", 4: " world", 5: "<u>", 6: "</u>", 7: "<a>", 8: "</a>",
-              9: " bye", 10: "<think>", 11: "hmm", 12: "</think>", 13: " again", 14: "<s>", 15: "rules"}
+    PIECES = {
+        1: "Hel",
+        2: "lo",
+        3: "Hello",
+        4: " world",
+        5: "<u>",
+        6: "</u>",
+        7: "<a>",
+        8: "</a>",
+        9: " bye",
+        10: "<think>",
+        11: "hmm",
+        12: "</think>",
+        13: " again",
+        14: "<s>",
+        15: "rules",
+    }
 
     def decode(self, ids, skip_special_tokens=False):
         return "".join(self.PIECES[i] for i in ids)
@@ -89,7 +104,14 @@ def test_text_retokenization_same_text_other_ids():
     tok = VocabTokenizer()
     b = diagnose_break([5, 7, 1, 2], [5, 7, 3, 8, 5, 9], tok, model_mask=[0, 0, 1, 1])
     assert b.kind == "retokenization" and b.first_divergent_token == 2
-    assert b.prev_pieces == ["<u>", "<a>", "Hel", "lo"] and b.prompt_pieces == ["<u>", "<a>", "Hello", "</a>", "<u>", " bye"]
+    assert b.prev_pieces == ["<u>", "<a>", "Hel", "lo"] and b.prompt_pieces == [
+        "<u>",
+        "<a>",
+        "Hello",
+        "</a>",
+        "<u>",
+        " bye",
+    ]
     assert b.first_divergent_char == len("<u><a>Hello")
 
 
@@ -164,16 +186,29 @@ def test_bpe_history_edit_drops_a_middle_message(tok):
     obs = {"role": "tool", "content": "alpha = 40, beta = 7, gamma is unknown"}
     p = render(tok, [SYS, USER, a1, obs])
     r = sampled(tok, "Now I add two.")
-    p2 = render(tok, [SYS, USER, a1, {"role": "assistant", "content": "Now I add two."},
-                      {"role": "user", "content": "Good, continue."}])
+    p2 = render(
+        tok,
+        [
+            SYS,
+            USER,
+            a1,
+            {"role": "assistant", "content": "Now I add two."},
+            {"role": "user", "content": "Good, continue."},
+        ],
+    )
     b = diagnose_break(p + r, p2, tok, model_mask=[0] * len(p) + [1] * len(r))
     assert b.kind == "history_edit" and "alpha = 40, beta = 7, gamma is unknown" in b.removed_text
 
 
 def test_bpe_subagent_prompt_is_other(tok):
     p, r = render(tok, [SYS, USER]), sampled(tok, "I will ask the search helper.")
-    p2 = render(tok, [{"role": "system", "content": "You summarise search results."},
-                      {"role": "user", "content": "Summarise: beta gamma delta"}])
+    p2 = render(
+        tok,
+        [
+            {"role": "system", "content": "You summarise search results."},
+            {"role": "user", "content": "Summarise: beta gamma delta"},
+        ],
+    )
     b = diagnose_break(p + r, p2, tok, model_mask=[0] * len(p) + [1] * len(r))
     assert b.kind == "other" and "different conversation" in b.reason
 
@@ -185,15 +220,29 @@ def test_bpe_breaks_classified_inside_build_batch(tok):
     p0, r0 = render(tok, m0), sampled(tok, r0_text)
     m1 = m0 + [{"role": "assistant", "content": r0_text}, {"role": "tool", "content": "alpha = 40"}]
     p1, r1 = render(tok, m1), sampled(tok, "Now add two.")  # append-only: merges
-    m2 = [SYS, USER, {"role": "assistant", "content": "I will look up alpha."}, m1[3],
-          {"role": "assistant", "content": "Now add two."}, {"role": "user", "content": "Go on."}]
+    m2 = [
+        SYS,
+        USER,
+        {"role": "assistant", "content": "I will look up alpha."},
+        m1[3],
+        {"role": "assistant", "content": "Now add two."},
+        {"role": "user", "content": "Go on."},
+    ]
     p2, r2 = render(tok, m2), sampled(tok, "It is 42.")  # reasoning stripped: template
     m3 = [SYS, USER, {"role": "assistant", "content": "It is 42."}, {"role": "user", "content": "Thanks."}]
     p3, r3 = render(tok, m3), sampled(tok, "Bye.")  # middle turns dropped: history edit
     triplets = [Triplet(p, r, [-0.5] * len(r)) for p, r in ((p0, r0), (p1, r1), (p2, r2), (p3, r3))]
     rollout = CompletedRollout("r1", "g1", 0, 0, triplets, final_reward=1.0)
-    res = BatchResult(build_batch([rollout], "trajectory", max_prompt_length=256, max_response_length=256,
-                                  pad_token_id=tok.pad_token_id, tokenizer=tok))
+    res = BatchResult(
+        build_batch(
+            [rollout],
+            "trajectory",
+            max_prompt_length=256,
+            max_response_length=256,
+            pad_token_id=tok.pad_token_id,
+            tokenizer=tok,
+        )
+    )
     assert res.rows.n_calls.tolist() == [2, 1, 1]
     assert res.breaks.kind.tolist() == ["template", "history_edit"]
     assert res.breaks.call.tolist() == [2, 3]

@@ -51,8 +51,10 @@ def check_rollout_calls(api: httpx.Client, rid: str, question: str) -> None:
         req = call["request"]  # the body the gateway sent upstream, after the train-mode rewrite
         assert (req["model"], req["temperature"], req["return_token_ids"], req["logprobs"]) == (MODEL, 1.0, True, True)
     assert first["request"]["messages"][1] == {"role": "user", "content": question}
-    assert second["request"]["messages"][2:] == [{"role": "assistant", "content": "reply-2"},
-                                                 {"role": "user", "content": OBSERVATION}]
+    assert second["request"]["messages"][2:] == [
+        {"role": "assistant", "content": "reply-2"},
+        {"role": "user", "content": OBSERVATION},
+    ]
 
     triplets = api.get(f"/api/rollouts/{rid}/events", params={"format": "triplet"}).json()
     assert [t["event_type"] for t in triplets] == ["model_request", "model_request", "reward"]
@@ -83,10 +85,19 @@ def test_sixteen_multi_turn_rollouts_through_runner_and_gateway(stack):
 def test_multi_turn_agl_agent_class_in_subprocesses(stack):
     server, api, fake = stack
     questions = [f"Compute {i} * 3." for i in range(4)]
-    rollouts = [{"rollout_id": f"e2e-sub-{i}", "input": {"question": q},
-                 "config": {"local": {"agent_class": "tests.agents_for_tests:MultiTurnOpenAIAgent",
-                                      "env_map": {"T_QUESTION": "input.question"}}}}
-                for i, q in enumerate(questions)]
+    rollouts = [
+        {
+            "rollout_id": f"e2e-sub-{i}",
+            "input": {"question": q},
+            "config": {
+                "local": {
+                    "agent_class": "tests.agents_for_tests:MultiTurnOpenAIAgent",
+                    "env_map": {"T_QUESTION": "input.question"},
+                }
+            },
+        }
+        for i, q in enumerate(questions)
+    ]
     ids = run_to_completion(api, Runner(server.url, key=KEY, concurrency=4), rollouts)
     assert len(fake.requests) == 8
     for rid, question in zip(ids, questions):

@@ -25,10 +25,13 @@ def test_auto_is_one_thread_on_small_machines_and_half_the_cores_on_big_ones():
     assert torch_threads("auto", cores=16, n_params=134_515_008) == 8
 
 
-@pytest.mark.parametrize("value, message", [
-    ("two", r"agl_lab\.torch_threads must be an integer, got 'two' \(or auto\)"),
-    ("0", r"agl_lab\.torch_threads must be > 0, got 0"),
-])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("two", r"agl_lab\.torch_threads must be an integer, got 'two' \(or auto\)"),
+        ("0", r"agl_lab\.torch_threads must be > 0, got 0"),
+    ],
+)
 def test_bad_torch_threads_fail_at_load_naming_the_key(value, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, [f"agl_lab.torch_threads={value}"])
@@ -39,15 +42,24 @@ def test_the_trainer_sets_torch_threads_when_it_builds_its_engine(tmp_path, sett
     before = torch.get_num_threads()
     torch.set_num_threads(2 if expected == 1 else 1)  # the opposite of what the config asks for
     try:
-        with Trainer.from_config("configs/cpu_tiny.yaml", overrides=[*SMALL, f"agl_lab.torch_threads={setting}"],
-                                 run_dir=tmp_path, console=False):
+        with Trainer.from_config(
+            "configs/cpu_tiny.yaml",
+            overrides=[*SMALL, f"agl_lab.torch_threads={setting}"],
+            run_dir=tmp_path,
+            console=False,
+        ):
             assert torch.get_num_threads() == expected
     finally:
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("lora", [["actor_rollout_ref.model.lora_rank=8"],
-                                  ["actor_rollout_ref.model.lora_rank=0", "actor_rollout_ref.model.lora_adapter_path=/a"]])
+@pytest.mark.parametrize(
+    "lora",
+    [
+        ["actor_rollout_ref.model.lora_rank=8"],
+        ["actor_rollout_ref.model.lora_rank=0", "actor_rollout_ref.model.lora_adapter_path=/a"],
+    ],
+)
 def test_a_lora_engine_loads_the_warm_started_base_from_disk(monkeypatch, lora):
     """Rank > 0 or only an adapter path: the warm start trains the full base before any adapter is
     injected, so the engine must load the warm-started directory, not warm-start in process."""
@@ -56,6 +68,7 @@ def test_a_lora_engine_loads_the_warm_started_base_from_disk(monkeypatch, lora):
 
     cfg = load_config("configs/cpu_tiny.yaml", ["agl_lab.model.warm_start_steps=5", "agl_lab.torch_threads=1", *lora])
     calls = []
+
     def use_dir(lab, task, steps):  # what the real helper does, without training the tiny model
         calls.append(("dir", steps))
         lab.model.path = "/warm-started"

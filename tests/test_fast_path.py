@@ -53,8 +53,9 @@ def server(embedded_server, fake_upstream):
 
     with httpx.Client(base_url=s.url, headers=s.headers, trust_env=False) as admin:
         admin.post("/api/models", json=[{"model": "m", "endpoint": fake_upstream.base_url}]).raise_for_status()
-        admin.post("/api/rollouts", json=[{"input": {}, "rollout_id": r} for r in ("r1", "r2", "boom", "conflict")]
-                   ).raise_for_status()
+        admin.post(
+            "/api/rollouts", json=[{"input": {}, "rollout_id": r} for r in ("r1", "r2", "boom", "conflict")]
+        ).raise_for_status()
         for state in ("running", "succeeded"):
             admin.patch("/api/rollouts/r2", json={"status": {"state": state}}).raise_for_status()
     return s
@@ -71,8 +72,14 @@ class Connection:
     def close(self) -> None:
         self.sock.close()
 
-    def request(self, method: str, path: str, headers: dict[str, str], body: bytes | None = None,
-                chunks: list[bytes] | None = None) -> tuple[int, dict[str, str], bytes]:
+    def request(
+        self,
+        method: str,
+        path: str,
+        headers: dict[str, str],
+        body: bytes | None = None,
+        chunks: list[bytes] | None = None,
+    ) -> tuple[int, dict[str, str], bytes]:
         lines = [f"{method} {path} HTTP/1.1", "Host: x"] + [f"{k}: {v}" for k, v in headers.items()]
         if chunks is not None:
             lines.append("Transfer-Encoding: chunked")
@@ -111,12 +118,25 @@ CASES: dict[str, tuple[Any, ...]] = {  # name: (method, rollout, mode, path, hea
     "cross-site type": ("POST", "r1", "train", "chat/completions", {"Content-Type": "text/plain"}, CHAT, None),
     "no key": ("POST", "r1", "train", "chat/completions", {"Content-Type": "application/json"}, CHAT, None),
     "wrong key": ("POST", "r1", "train", "chat/completions", {**AUTH, "Authorization": "Bearer nope"}, CHAT, None),
-    "other rollout's token": ("POST", "r1", "train", "chat/completions",
-                              {**AUTH, "Authorization": "token-of:boom"}, CHAT, None),
-    "own token": ("POST", "r1", "train", "chat/completions",
-                  {**AUTH, "Authorization": "token-of:r1"}, CHAT, None),
-    "length over the limit": ("POST", "r1", "train", "chat/completions", {**AUTH, "Content-Length": str(LIMIT + 1)},
-                              None, None),
+    "other rollout's token": (
+        "POST",
+        "r1",
+        "train",
+        "chat/completions",
+        {**AUTH, "Authorization": "token-of:boom"},
+        CHAT,
+        None,
+    ),
+    "own token": ("POST", "r1", "train", "chat/completions", {**AUTH, "Authorization": "token-of:r1"}, CHAT, None),
+    "length over the limit": (
+        "POST",
+        "r1",
+        "train",
+        "chat/completions",
+        {**AUTH, "Content-Length": str(LIMIT + 1)},
+        None,
+        None,
+    ),
     "bad mode": ("POST", "r1", "eval", "chat/completions", AUTH, CHAT, None),
     "bad upstream path": ("POST", "r1", "train", "embeddings", AUTH, CHAT, None),
     "unknown rollout": ("POST", "nope", "train", "chat/completions", AUTH, CHAT, None),
@@ -138,7 +158,10 @@ def _with_token(server, headers: dict[str, str]) -> dict[str, str]:
     if not auth.startswith("token-of:"):
         return headers
     rid = auth.removeprefix("token-of:")
-    return {**headers, "Authorization": f"Bearer {rollout_token(KEY, rid, server.store.get_rollout(rid).status.created_at)}"}
+    return {
+        **headers,
+        "Authorization": f"Bearer {rollout_token(KEY, rid, server.store.get_rollout(rid).status.created_at)}",
+    }
 
 
 def _send(server, case: tuple[Any, ...]) -> tuple[int, dict[str, str], bytes, bytes]:
@@ -146,12 +169,16 @@ def _send(server, case: tuple[Any, ...]) -> tuple[int, dict[str, str], bytes, by
     headers = _with_token(server, headers)
     conn = Connection(server.url)
     try:
-        status, got_headers, answer = conn.request(method, PROXY.format(rid=rid, mode=mode, path=path), headers,
-                                                   body, chunks)
+        status, got_headers, answer = conn.request(
+            method, PROXY.format(rid=rid, mode=mode, path=path), headers, body, chunks
+        )
         # the connection stays usable after every answer, errors included (keep-alive); not
         # after a refused announced body, which the client never sent
-        after = conn.request("GET", "/healthz", {})[2] if body is not None or chunks is not None or method == "GET" \
+        after = (
+            conn.request("GET", "/healthz", {})[2]
+            if body is not None or chunks is not None or method == "GET"
             else b'{"status":"ok"}'
+        )
     finally:
         conn.close()
     return status, {k: v for k, v in got_headers.items() if k in COMPARED_HEADERS}, answer, after
@@ -174,11 +201,27 @@ def test_fast_path_answers_as_the_fastapi_stack(server, fake_upstream, name):
 
 def test_fast_path_status_codes(server):
     """What the differential test compares, pinned: the codes and texts an agent sees."""
-    expected = {"ok": 200, "ok chunked": 200, "chunked over the limit": 413, "cross-site type": 415, "no key": 401,
-                "wrong key": 401, "other rollout's token": 401, "own token": 200, "length over the limit": 413,
-                "bad mode": 404, "bad upstream path": 404, "unknown rollout": 404, "terminal rollout": 409,
-                "invalid JSON": 400, "JSON list": 400, "streaming": 400, "handled store error": 409,
-                "unexpected error": 500, "GET": 405}
+    expected = {
+        "ok": 200,
+        "ok chunked": 200,
+        "chunked over the limit": 413,
+        "cross-site type": 415,
+        "no key": 401,
+        "wrong key": 401,
+        "other rollout's token": 401,
+        "own token": 200,
+        "length over the limit": 413,
+        "bad mode": 404,
+        "bad upstream path": 404,
+        "unknown rollout": 404,
+        "terminal rollout": 409,
+        "invalid JSON": 400,
+        "JSON list": 400,
+        "streaming": 400,
+        "handled store error": 409,
+        "unexpected error": 500,
+        "GET": 405,
+    }
     got = {name: _send(server, case) for name, case in CASES.items()}
     assert {name: answer[0] for name, answer in got.items()} == expected
     assert b"Internal server error: RuntimeError: rewriter bug" in got["unexpected error"][2]
@@ -239,13 +282,20 @@ async def _exchange(request: bytes, app: Any) -> RecordingTransport:
 async def _app(scope: Any, receive: Any, send: Any) -> None:
     await receive()
     body = b'{"answer": 42}'
-    await send({"type": "http.response.start", "status": 200,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
-@pytest.mark.parametrize("method, connection, body_expected", [
-    ("POST", "keep-alive", True), ("POST", "close", True), ("HEAD", "keep-alive", False)])
+@pytest.mark.parametrize(
+    "method, connection, body_expected",
+    [("POST", "keep-alive", True), ("POST", "close", True), ("HEAD", "keep-alive", False)],
+)
 def test_head_and_body_go_out_in_one_write(method, connection, body_expected):
     request = f"{method} /x HTTP/1.1\r\nHost: x\r\nConnection: {connection}\r\nContent-Length: 0\r\n\r\n".encode()
     transport = asyncio.run(_exchange(request, _app))
@@ -294,16 +344,21 @@ def test_healthz_is_answered_by_the_protocol_as_the_app_answers_it():
         assert body == client.get("/healthz").content
     assert not transport.closed  # keep-alive
     # anything else about the path goes to the app: a query string, HEAD, another path
-    for request in (b"GET /healthz?x=1 HTTP/1.1\r\nHost: x\r\n\r\n", b"HEAD /healthz HTTP/1.1\r\nHost: x\r\n\r\n",
-                    b"GET /healthz/ HTTP/1.1\r\nHost: x\r\n\r\n"):
+    for request in (
+        b"GET /healthz?x=1 HTTP/1.1\r\nHost: x\r\n\r\n",
+        b"HEAD /healthz HTTP/1.1\r\nHost: x\r\n\r\n",
+        b"GET /healthz/ HTTP/1.1\r\nHost: x\r\n\r\n",
+    ):
         assert asyncio.run(_exchange(request, _no_healthz_route)).writes[0].startswith(b"HTTP/1.1 404"), request
 
 
 def test_healthz_pipelined_and_connection_close_over_a_real_socket(server):
     with socket.create_connection((server.config.host, server.config.port)) as sock:
-        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n" * 2 + b"GET /openapi.json HTTP/1.1\r\nHost: x\r\n"
-                     b"Authorization: Bearer " + server.config.key.encode() + b"\r\n\r\n"
-                     b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        sock.sendall(
+            b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n" * 2 + b"GET /openapi.json HTTP/1.1\r\nHost: x\r\n"
+            b"Authorization: Bearer " + server.config.key.encode() + b"\r\n\r\n"
+            b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        )
         data = b""
         while chunk := sock.recv(65536):  # the server closes after the last answer
             data += chunk

@@ -25,9 +25,15 @@ def _scalars(tb_dir):
 def test_an_interrupted_fit_has_written_its_validation_points_scalars_and_newest_checkpoints(tmp_path, monkeypatch):
     tb_dir, ckpt, run = tmp_path / "tb", tmp_path / "ckpt", tmp_path / "run"
     monkeypatch.setenv("TENSORBOARD_DIR", str(tb_dir))  # verl's rule: $TENSORBOARD_DIR, else tensorboard_log/…
-    overrides = [*SMALL, "trainer.total_training_steps=6", "trainer.test_freq=2", "trainer.save_freq=1",
-                 "trainer.max_actor_ckpt_to_keep=2", f"trainer.default_local_dir={ckpt}",
-                 "trainer.logger=[console,tensorboard]"]
+    overrides = [
+        *SMALL,
+        "trainer.total_training_steps=6",
+        "trainer.test_freq=2",
+        "trainer.save_freq=1",
+        "trainer.max_actor_ckpt_to_keep=2",
+        f"trainer.default_local_dir={ckpt}",
+        "trainer.logger=[console,tensorboard]",
+    ]
     with Trainer.from_config("configs/cpu_tiny.yaml", overrides=overrides, run_dir=run, console=False) as t:
         update = t.update
 
@@ -63,13 +69,18 @@ def test_an_interrupted_fit_has_written_its_validation_points_scalars_and_newest
 
     # resume: from the newest (step 4); the resumed process prunes only what it saved itself, as verl's
     # checkpoint manager does (its list of saved paths starts empty in each process): 3 and 4 stay
-    with Trainer.from_config("configs/cpu_tiny.yaml", overrides=[*overrides, "trainer.logger=[console]"],
-                             run_dir=run, console=False) as t:
+    with Trainer.from_config(
+        "configs/cpu_tiny.yaml", overrides=[*overrides, "trainer.logger=[console]"], run_dir=run, console=False
+    ) as t:
         t.fit(progress=False)
         assert t.global_step == 6 and list(t.metrics.index) == [5, 6]  # resumed from global_step_4
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
-    assert sorted(p.name for p in ckpt.glob("global_step_*")) == ["global_step_3", "global_step_4",
-                                                                 "global_step_5", "global_step_6"]
+    assert sorted(p.name for p in ckpt.glob("global_step_*")) == [
+        "global_step_3",
+        "global_step_4",
+        "global_step_5",
+        "global_step_6",
+    ]
 
 
 def test_an_unknown_logger_fails_at_load_naming_the_key_and_the_accepted_values():

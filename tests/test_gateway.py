@@ -29,8 +29,9 @@ def make_gateway(embedded_server, fake_upstream, store_url):
         overrides.setdefault("default_proxy", {"model_name": "test-model", "val": {"temperature": 0}})
         server = embedded_server(key=KEY, store=store_url, **{**FAST_RETRIES, **overrides})
         client = httpx.Client(base_url=server.url, headers=server.headers, trust_env=False, timeout=30)
-        r = client.post("/api/models", json=[{"model": "test-model", "endpoint": fake_upstream.base_url,
-                                              "version": version}])
+        r = client.post(
+            "/api/models", json=[{"model": "test-model", "endpoint": fake_upstream.base_url, "version": version}]
+        )
         assert r.status_code == 201
         return server, client
 
@@ -65,35 +66,71 @@ def test_proxy_chat_completion_rewrites_forwards_and_records(make_gateway, fake_
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "ok"
     sent = fake_upstream.requests[-1]
     assert sent["path"] == "/v1/chat/completions"
-    assert sent["json"] == {"model": "test-model", "messages": MESSAGES, "temperature": 1.0, "max_tokens": 5,
-                            "tools": [], "return_token_ids": True, "logprobs": True}
+    assert sent["json"] == {
+        "model": "test-model",
+        "messages": MESSAGES,
+        "temperature": 1.0,
+        "max_tokens": 5,
+        "tools": [],
+        "return_token_ids": True,
+        "logprobs": True,
+    }
     [event] = events(client)
     data = event["data"]
     assert event["event_type"] == "model_request" and event["attempt_id"] == "0"
     # AGL's keys, after the gateway's note that it served another temperature than the agent asked for
-    assert list(data) == ["overridden", "model", "model_version", "request", "response", "server", "latency_ms",
-                          "http_status", "status", "retry_count", "usage", "finish_reason"]
+    assert list(data) == [
+        "overridden",
+        "model",
+        "model_version",
+        "request",
+        "response",
+        "server",
+        "latency_ms",
+        "http_status",
+        "status",
+        "retry_count",
+        "usage",
+        "finish_reason",
+    ]
     assert data["overridden"] == {"temperature": {"agent": 0.1, "served": 1.0}}
     assert (data["model"], data["model_version"], data["http_status"], data["status"], data["retry_count"]) == (
-        "test-model", 7, 200, "ok", 0)
+        "test-model",
+        7,
+        200,
+        "ok",
+        0,
+    )
     assert data["request"] == sent["json"] and data["response"] == r.json()
     assert data["server"] == {"model": "test-model", "endpoint": fake_upstream.base_url, "version": 7}
     assert data["finish_reason"] == "stop" and data["usage"]["completion_tokens"] == 2 and data["latency_ms"] > 0
     [trip] = events(client, format="triplet")
-    assert trip["data"] == {"prompt_token_ids": chatml_ids(MESSAGES), "response_token_ids": list(b"ok"),
-                            "response_log_probs": fake_logprobs(2), "server": {"model": "test-model", "version": 7},
-                            "http_status": 200, "status": "ok",
-                            "overridden": {"temperature": {"agent": 0.1, "served": 1.0}}}
+    assert trip["data"] == {
+        "prompt_token_ids": chatml_ids(MESSAGES),
+        "response_token_ids": list(b"ok"),
+        "response_log_probs": fake_logprobs(2),
+        "server": {"model": "test-model", "version": 7},
+        "http_status": 200,
+        "status": "ok",
+        "overridden": {"temperature": {"agent": 0.1, "served": 1.0}},
+    }
 
 
 def test_val_mode_and_completions_api(make_gateway, fake_upstream):
     server, client = make_gateway()
     new_rollout(client, is_train=False)
     assert chat(client, mode="val", logprobs=False).status_code == 200
-    assert fake_upstream.requests[-1]["json"] == {"model": "test-model", "messages": MESSAGES, "temperature": 0.0,
-                                                  "return_token_ids": True, "logprobs": False}
-    r = client.post("/proxy/rollout/r1/attempt/0/mode/train/openai/v1/completions",
-                    json={"model": "auto", "prompt": "2+2=", "max_tokens": 3})
+    assert fake_upstream.requests[-1]["json"] == {
+        "model": "test-model",
+        "messages": MESSAGES,
+        "temperature": 0.0,
+        "return_token_ids": True,
+        "logprobs": False,
+    }
+    r = client.post(
+        "/proxy/rollout/r1/attempt/0/mode/train/openai/v1/completions",
+        json={"model": "auto", "prompt": "2+2=", "max_tokens": 3},
+    )
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ok"
     trip = events(client, format="triplet")[-1]["data"]
     assert trip["prompt_token_ids"] == list(b"2+2=")  # per choice for the completions API
@@ -112,8 +149,12 @@ def test_openai_sdk_through_the_gateway(make_gateway, fake_upstream):
     openai = pytest.importorskip("openai")
     server, client = make_gateway()
     new_rollout(client, rid="sdk")
-    sdk = openai.OpenAI(base_url=proxy_base_url(server.url, "sdk"), api_key=KEY, max_retries=0,
-                        http_client=httpx.Client(trust_env=False))
+    sdk = openai.OpenAI(
+        base_url=proxy_base_url(server.url, "sdk"),
+        api_key=KEY,
+        max_retries=0,
+        http_client=httpx.Client(trust_env=False),
+    )
     reply = sdk.chat.completions.create(model="auto", messages=MESSAGES)
     assert reply.choices[0].message.content == "ok"
     assert fake_upstream.requests[-1]["json"]["model"] == "test-model"
@@ -128,9 +169,15 @@ def test_upstream_error_is_recorded_and_returned(make_gateway, fake_upstream):
     r = chat(client)
     assert (r.status_code, r.json()) == (400, error)
     [trip] = events(client, format="triplet")
-    assert trip["data"] == {"prompt_token_ids": [], "response_token_ids": [], "response_log_probs": None,
-                            "server": {"model": "test-model", "version": 0}, "http_status": 400,
-                            "status": "error", "error": error["error"]}
+    assert trip["data"] == {
+        "prompt_token_ids": [],
+        "response_token_ids": [],
+        "response_log_probs": None,
+        "server": {"model": "test-model", "version": 0},
+        "http_status": 400,
+        "status": "error",
+        "error": error["error"],
+    }
     assert events(client)[0]["data"]["retry_count"] == 0 and len(fake_upstream.requests) == 1  # 400: no retry
 
 
@@ -218,10 +265,13 @@ def test_select_server_hash_pinning(make_gateway, fake_upstream):
     assert len({select_server(pool, f"r{i}").endpoint for i in range(50)}) == 4  # spreads over the pool
     # through HTTP: every turn of a rollout hits the same replica
     server, client = make_gateway()
-    client.post("/api/models", json=[{"model": "test-model", "endpoint": f"{fake_upstream.url}/replica{i}/v1"}
-                                     for i in range(3)])
+    client.post(
+        "/api/models",
+        json=[{"model": "test-model", "endpoint": f"{fake_upstream.url}/replica{i}/v1"} for i in range(3)],
+    )
     replicas = [Model(model="test-model", endpoint=fake_upstream.base_url)] + [
-        Model(model="test-model", endpoint=f"{fake_upstream.url}/replica{i}/v1") for i in range(3)]
+        Model(model="test-model", endpoint=f"{fake_upstream.url}/replica{i}/v1") for i in range(3)
+    ]
     for rid in ("a", "b", "c", "d"):
         new_rollout(client, rid=rid)
         chat(client, rid=rid)
@@ -235,8 +285,14 @@ def test_rewrite_request_and_backoff():
 
     proxy = DefaultProxyConfig(model_name="m")
     body = {"model": "auto", "messages": [], "n": 2, "temperature": 0.0}
-    assert rewrite_request(body, "train", proxy) == {"model": "m", "messages": [], "n": 2, "temperature": 1.0,
-                                                     "return_token_ids": True, "logprobs": True}
+    assert rewrite_request(body, "train", proxy) == {
+        "model": "m",
+        "messages": [],
+        "n": 2,
+        "temperature": 1.0,
+        "return_token_ids": True,
+        "logprobs": True,
+    }
     assert rewrite_request(body, "val", proxy)["temperature"] == 0.7 and body["model"] == "auto"
     with pytest.raises(ValueError, match="Unsupported proxy mode: x"):
         rewrite_request(body, "x", proxy)
@@ -276,10 +332,12 @@ def test_retries_exhausted_returns_last_answer(make_gateway, fake_upstream, upst
 
 
 @pytest.mark.parametrize("upstream_client", ["raw", "aiohttp", "httpx"])
-def test_timeout_is_504_and_refused_connection_is_503_and_both_are_recorded(make_gateway, fake_upstream,
-                                                                            upstream_client):
-    server, client = make_gateway(upstream_timeout_seconds=0.2, upstream_max_attempts=2,
-                                  upstream_client=upstream_client)
+def test_timeout_is_504_and_refused_connection_is_503_and_both_are_recorded(
+    make_gateway, fake_upstream, upstream_client
+):
+    server, client = make_gateway(
+        upstream_timeout_seconds=0.2, upstream_max_attempts=2, upstream_client=upstream_client
+    )
     new_rollout(client)
     fake_upstream.delay_seconds = 0.6
     r = chat(client)
@@ -310,8 +368,12 @@ def test_proxy_admin_endpoints(make_gateway):
     r = client.post("/proxy/pause", json={"retry_after_seconds": 9, "reason": "scale-down"})
     assert r.json() == {"paused": True, "retry_after_seconds": 9, "reason": "scale-down", "inflight": 0}
     assert client.get("/proxy/state").json()["reason"] == "scale-down"
-    assert client.post("/proxy/resume").json() == {"paused": False, "retry_after_seconds": 9, "reason": None,
-                                                   "inflight": 0}
+    assert client.post("/proxy/resume").json() == {
+        "paused": False,
+        "retry_after_seconds": 9,
+        "reason": None,
+        "inflight": 0,
+    }
     assert client.post("/proxy/pause").json()["retry_after_seconds"] == 5  # no body: defaults
 
 
@@ -359,8 +421,11 @@ def test_rollout_deleted_during_call_still_answers(make_gateway, fake_upstream, 
     new_rollout(client)
     fake_upstream.delay_seconds = 0.4
     result = {}
-    agent = threading.Thread(target=lambda: result.update(r=chat(httpx.Client(
-        base_url=server.url, headers=server.headers, trust_env=False, timeout=30))))
+    agent = threading.Thread(
+        target=lambda: result.update(
+            r=chat(httpx.Client(base_url=server.url, headers=server.headers, trust_env=False, timeout=30))
+        )
+    )
     with caplog.at_level(logging.WARNING, logger="agl_lab.server.gateway"):
         agent.start()
         wait_for(lambda: client.get("/proxy/state").json()["inflight"] == 1)
@@ -384,8 +449,7 @@ def test_request_rewriter_changes_body_and_annotates_event(embedded_server, fake
         call.annotations["adjusted_params"] = {"max_tokens": 1}
         call.annotations["model"] = "cannot override"
 
-    server = embedded_server(default_proxy={"model_name": "test-model"}, token_preserving=True,
-                             rewriters=[rewriter])
+    server = embedded_server(default_proxy={"model_name": "test-model"}, token_preserving=True, rewriters=[rewriter])
     client = httpx.Client(base_url=server.url, trust_env=False)
     client.post("/api/models", json=[{"model": "test-model", "endpoint": fake_upstream.base_url}])
     new_rollout(client)
@@ -402,14 +466,25 @@ def test_rewriter_reroutes_and_reshapes_the_answer(embedded_server, fake_upstrea
 
     def reroute(call: ProxyCall) -> None:
         call.upstream_path = "completions"
-        call.upstream_request = {"model": call.request["model"], "prompt": [1, 2, 3], "return_token_ids": True,
-                                 "logprobs": 1}
+        call.upstream_request = {
+            "model": call.request["model"],
+            "prompt": [1, 2, 3],
+            "return_token_ids": True,
+            "logprobs": 1,
+        }
 
         def to_chat(payload, status):
             choice = payload["choices"][0]
-            return {"choices": [{"message": {"role": "assistant", "content": choice["text"]},
-                                 "token_ids": choice["token_ids"], "finish_reason": "stop"}],
-                    "prompt_token_ids": choice["prompt_token_ids"]}
+            return {
+                "choices": [
+                    {
+                        "message": {"role": "assistant", "content": choice["text"]},
+                        "token_ids": choice["token_ids"],
+                        "finish_reason": "stop",
+                    }
+                ],
+                "prompt_token_ids": choice["prompt_token_ids"],
+            }
 
         call.response_hooks.append(to_chat)
 

@@ -25,7 +25,9 @@ from tests.fakes import FakeOpenAI
 KEY = "k"
 MESSAGES = [{"role": "user", "content": "hi"}]
 FAST = {"upstream_backoff_base_seconds": 0.001, "upstream_backoff_max_seconds": 0.004}
-OK_BODY = b'{"choices": [{"message": {"content": "ok"}, "token_ids": [1], "finish_reason": "stop"}], "prompt_token_ids": [2]}'
+OK_BODY = (
+    b'{"choices": [{"message": {"content": "ok"}, "token_ids": [1], "finish_reason": "stop"}], "prompt_token_ids": [2]}'
+)
 
 
 class Misbehaving:
@@ -44,22 +46,32 @@ class Misbehaving:
             if mode == "badjson":
                 return Response(b'{"choices": [', media_type="application/json")
             if mode == "nanlogprob":
-                return Response(b'{"choices": [{"token_ids": [1], "logprobs": {"content": [{"logprob": NaN}]}}]}',
-                                media_type="application/json")
+                return Response(
+                    b'{"choices": [{"token_ids": [1], "logprobs": {"content": [{"logprob": NaN}]}}]}',
+                    media_type="application/json",
+                )
             if mode == "list":
                 return Response(b"[1, 2]", media_type="application/json")
             if mode == "deep":
-                return Response(b'{"choices": [{"x": ' + b"[" * 150 + b"]" * 150 + b"}]}", media_type="application/json")
+                return Response(
+                    b'{"choices": [{"x": ' + b"[" * 150 + b"]" * 150 + b"}]}", media_type="application/json"
+                )
             if mode == "drip":
+
                 async def drip():
                     for _ in range(400):
                         yield b" "
                         await asyncio.sleep(0.05)
+
                 return StreamingResponse(drip(), media_type="application/json")
             seconds = mode.removeprefix("retryafter")
             if mode.startswith("retryafter") and (n % 2 == 1 or int(seconds) >= 100):  # odd calls, or always
-                return Response(b'{"error": "busy"}', status_code=503, media_type="application/json",
-                                headers={"Retry-After": seconds})
+                return Response(
+                    b'{"error": "busy"}',
+                    status_code=503,
+                    media_type="application/json",
+                    headers={"Retry-After": seconds},
+                )
             if mode == "slow":
                 await asyncio.sleep(0.4)
                 return Response(b'{"error": "overloaded"}', status_code=503, media_type="application/json")
@@ -90,12 +102,16 @@ def gateway(embedded_server, store_url):
         assert client.post("/api/models", json=[{"model": "m", "endpoint": endpoint}]).status_code == 201
         assert client.post("/api/rollouts", json=[{"rollout_id": "r1", "input": {}}]).status_code == 201
         return server, client
+
     return make
 
 
 def chat(client, rid="r1", timeout=60.0):
-    return client.post(f"/proxy/rollout/{rid}/attempt/0/mode/train/openai/v1/chat/completions",
-                       json={"model": "x", "messages": MESSAGES}, timeout=timeout)
+    return client.post(
+        f"/proxy/rollout/{rid}/attempt/0/mode/train/openai/v1/chat/completions",
+        json={"model": "x", "messages": MESSAGES},
+        timeout=timeout,
+    )
 
 
 def recorded(client, rid="r1"):
@@ -113,8 +129,10 @@ def _dead_endpoint() -> tuple[str, int]:
 
 
 @pytest.mark.parametrize("upstream_client", ["raw", "aiohttp", "httpx"])
-@pytest.mark.parametrize("mode, cause", [("html", "text/html"), ("badjson", "invalid JSON"),
-                                         ("nanlogprob", "invalid JSON"), ("list", "not an object")])
+@pytest.mark.parametrize(
+    "mode, cause",
+    [("html", "text/html"), ("badjson", "invalid JSON"), ("nanlogprob", "invalid JSON"), ("list", "not an object")],
+)
 def test_upstream_garbage_is_502_with_cause_and_an_error_event(gateway, upstream, mode, cause, upstream_client):
     server, client = gateway(upstream.endpoint(mode), upstream_client=upstream_client)
     r = chat(client)
@@ -141,8 +159,13 @@ def test_upstream_answer_too_deep_to_store_is_502_and_store_stays_readable(gatew
 
 @pytest.mark.parametrize("upstream_client", ["raw", "aiohttp", "httpx"])
 def test_dripping_upstream_is_cut_by_the_attempt_timeout_and_the_call_deadline(gateway, upstream, upstream_client):
-    server, client = gateway(upstream.endpoint("drip"), upstream_timeout_seconds=0.3, upstream_max_attempts=50,
-                             upstream_call_deadline_seconds=1.0, upstream_client=upstream_client)
+    server, client = gateway(
+        upstream.endpoint("drip"),
+        upstream_timeout_seconds=0.3,
+        upstream_max_attempts=50,
+        upstream_call_deadline_seconds=1.0,
+        upstream_client=upstream_client,
+    )
     before = upstream.count("drip")
     r = chat(client)  # the drip would last 20 s per attempt, 50 attempts
     assert r.status_code == 504, r.text
@@ -152,16 +175,42 @@ def test_dripping_upstream_is_cut_by_the_attempt_timeout_and_the_call_deadline(g
 
 
 def test_serve_has_flags_for_the_upstream_bounds():
-    args = _parser().parse_args(["--upstream-timeout", "30", "--upstream-max-attempts", "2",
-                                 "--upstream-call-deadline", "90", "--upstream-breaker-seconds", "0"])
+    args = _parser().parse_args(
+        [
+            "--upstream-timeout",
+            "30",
+            "--upstream-max-attempts",
+            "2",
+            "--upstream-call-deadline",
+            "90",
+            "--upstream-breaker-seconds",
+            "0",
+        ]
+    )
     cfg = serve_config(args)
-    assert (cfg.upstream_timeout_seconds, cfg.upstream_max_attempts, cfg.upstream_call_deadline_seconds,
-            cfg.upstream_breaker_seconds) == (30.0, 2, 90.0, 0.0)
+    assert (
+        cfg.upstream_timeout_seconds,
+        cfg.upstream_max_attempts,
+        cfg.upstream_call_deadline_seconds,
+        cfg.upstream_breaker_seconds,
+    ) == (30.0, 2, 90.0, 0.0)
 
 
 def test_serve_has_flags_for_the_request_and_lease_limits():
-    args = _parser().parse_args(["--lease-seconds", "0", "--max-body-bytes", "1000", "--max-batch-items", "5",
-                                 "--terminal-log-limit", "7", "--max-attempts", "4"])
+    args = _parser().parse_args(
+        [
+            "--lease-seconds",
+            "0",
+            "--max-body-bytes",
+            "1000",
+            "--max-batch-items",
+            "5",
+            "--terminal-log-limit",
+            "7",
+            "--max-attempts",
+            "4",
+        ]
+    )
     cfg = serve_config(args)
     assert (cfg.lease_seconds, cfg.max_body_bytes, cfg.max_batch_items, cfg.terminal_log_limit) == (0, 1000, 5, 7)
     assert cfg.max_attempts == 4 and serve_config(_parser().parse_args([])).max_attempts == 3
@@ -199,8 +248,9 @@ def test_agent_disconnect_cancels_the_upstream_call_and_its_retries(gateway, ups
 @pytest.mark.parametrize("upstream_client", ["raw", "aiohttp", "httpx"])
 def test_dead_engine_fails_fast_then_recovers(gateway, upstream_client):
     endpoint, port = _dead_endpoint()
-    server, client = gateway(endpoint, upstream_breaker_seconds=0.5, upstream_max_attempts=6,
-                             upstream_client=upstream_client)
+    server, client = gateway(
+        endpoint, upstream_breaker_seconds=0.5, upstream_max_attempts=6, upstream_client=upstream_client
+    )
     first = chat(client)
     assert first.status_code == 503 and "refused the connection" in first.json()["detail"]
     assert first.headers["retry-after"] == "1"

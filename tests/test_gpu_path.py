@@ -71,8 +71,9 @@ def test_the_model_loads_as_verl_worker_loads_it_with_the_gpu_config(tmp_path, t
                 print(json.dumps({{"config": name, "ok": False, "error": f"{{type(exc).__name__}}: {{exc}}"}}))
     """)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env,
-                         cwd=str(tmp_path))
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env, cwd=str(tmp_path)
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     results = {r["config"]: r for r in (json.loads(line) for line in out.stdout.splitlines() if line.startswith("{"))}
     gpu = results["gpu_verl"]
@@ -83,8 +84,9 @@ def test_the_model_loads_as_verl_worker_loads_it_with_the_gpu_config(tmp_path, t
     assert gpu["packed_vs_padded_max_abs"] < 1e-5, gpu  # measured 4.8e-7: packed rows do not attend across rows
     default = results["verl_default"]
     if importlib.util.find_spec("flash_attn") is None:
-        assert not default["ok"] and default["error"].startswith("ImportError") and "FlashAttention2" in \
-            default["error"], default
+        assert (
+            not default["ok"] and default["error"].startswith("ImportError") and "FlashAttention2" in default["error"]
+        ), default
     else:  # a GPU environment with flash-attn installed: verl's default loads too
         assert default["ok"] and default["attn_implementation"] == "flash_attention_2", default
 
@@ -100,8 +102,11 @@ def test_the_start_up_check_names_a_missing_flash_attn_before_ray_starts(tmp_pat
     assert check_attention(load_config(GPU_CONFIG)) == []  # sdpa: nothing to install
     cfg = load_config(_without_attention_override(tmp_path), [f"agl_lab.model.path={tiny_model_dir}"])
     assert not ray.is_initialized()
-    with pytest.raises(RuntimeError, match=r"(?s)cannot start with this config.*attn_implementation=flash_attention_2 "
-                                           r"\(verl default, not set\) needs the flash_attn package.*set it to sdpa"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"(?s)cannot start with this config.*attn_implementation=flash_attention_2 "
+        r"\(verl default, not set\) needs the flash_attn package.*set it to sdpa",
+    ):
         VerlEngine(cfg, train_dataset=[{"question": "q"}])
     assert not ray.is_initialized()  # nothing was started
     explicit = OmegaConf.merge(cfg, OmegaConf.from_dotlist([f"{ATTN_KEY}=flash_attention_3"]))
@@ -115,7 +120,8 @@ def test_the_start_up_check_lists_any_import_failure_and_keeps_the_environment(t
 
     (tmp_path / "agl_probe_broken.py").write_text("raise RuntimeError('CUDA driver version is insufficient')\n")
     (tmp_path / "agl_probe_env.py").write_text(
-        "import os\nos.environ['NCCL_CUMEM_ENABLE'] = '0'\nos.environ['AGL_PROBE_SET'] = '1'\ndef f(x): ...\n")
+        "import os\nos.environ['NCCL_CUMEM_ENABLE'] = '0'\nos.environ['AGL_PROBE_SET'] = '1'\ndef f(x): ...\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("NCCL_CUMEM_ENABLE", "1")
     monkeypatch.delenv("AGL_PROBE_SET", raising=False)
@@ -151,7 +157,9 @@ def test_verl_rollout_actor_and_ref_configs_accept_the_gpu_config(gpus):
     ref = to_dataclass(ref_cfg)
     assert ref.strategy == "fsdp2" and ref.ppo_micro_batch_size_per_gpu == 1
     assert cfg.reward.num_workers == 0 and cfg.data.dataloader_num_workers == 0
-    assert cfg.trainer.balance_batch is True and cfg.actor_rollout_ref.model.override_config.attn_implementation == "sdpa"
+    assert (
+        cfg.trainer.balance_batch is True and cfg.actor_rollout_ref.model.override_config.attn_implementation == "sdpa"
+    )
 
 
 def test_rng_state_creates_no_cuda_context_on_a_driver_that_never_used_cuda(monkeypatch):

@@ -18,14 +18,18 @@ def _write(tmp_path: Path, name: str, source: str) -> Path:
 
 
 def test_loads_the_one_subclass_and_instantiates_it(tmp_path):
-    path = _write(tmp_path, "hooks.py", """
+    path = _write(
+        tmp_path,
+        "hooks.py",
+        """
         from agl_lab.hooks import RolloutHooks
 
         class AddTag(RolloutHooks):
             def on_enqueue(self, request):
                 request.input = {**request.input, "tag": "x"}
                 return request
-    """)
+    """,
+    )
     hooks = load_hooks(path)
     assert type(hooks).__name__ == "AddTag" and isinstance(hooks, RolloutHooks)
     assert type(hooks).__module__ == "_agl_hooks"
@@ -40,19 +44,26 @@ def test_missing_file_names_the_absolute_path(tmp_path, monkeypatch):
 
 
 def test_no_subclass(tmp_path):
-    path = _write(tmp_path, "empty.py", """
+    path = _write(
+        tmp_path,
+        "empty.py",
+        """
         from agl_lab.hooks import RolloutHooks  # the base class itself does not count
 
         class NotAHook:
             pass
-    """)
+    """,
+    )
     with pytest.raises(ValueError) as err:
         load_hooks(path)
     assert str(err.value) == f"No RolloutHooks subclass found in {path.resolve()}"
 
 
 def test_several_subclasses_are_listed(tmp_path):
-    path = _write(tmp_path, "two.py", """
+    path = _write(
+        tmp_path,
+        "two.py",
+        """
         from agl_lab.hooks import RolloutHooks
 
         class First(RolloutHooks):
@@ -60,19 +71,24 @@ def test_several_subclasses_are_listed(tmp_path):
 
         class Second(First):
             pass
-    """)
+    """,
+    )
     with pytest.raises(ValueError) as err:
         load_hooks(path)
     assert str(err.value) == f"Multiple RolloutHooks subclasses found in {path.resolve()}: ['First', 'Second']"
 
 
 def test_imported_subclass_counts(tmp_path, monkeypatch):
-    _write(tmp_path, "shared_hooks.py", """
+    _write(
+        tmp_path,
+        "shared_hooks.py",
+        """
         from agl_lab.hooks import RolloutHooks
 
         class Shared(RolloutHooks):
             pass
-    """)
+    """,
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     path = _write(tmp_path, "uses_import.py", "from shared_hooks import Shared\n")
     assert type(load_hooks(path)).__name__ == "Shared"

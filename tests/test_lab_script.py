@@ -28,16 +28,18 @@ def _fake_checkout(tmp_path: Path) -> Path:
     for exe in ("python", "jupyter"):  # `python -c …` answers the purelib folder, anything else echoes
         (bin_dir / exe).write_text(f'#!/bin/sh\nif [ "$1" = "-c" ]; then echo "{purelib}"; else echo "ARGS $*"; fi\n')
         (bin_dir / exe).chmod(0o755)
-    digest = hashlib.sha256((tmp_path / "pyproject.toml").read_bytes()
-                            + (tmp_path / "requirements-weights.txt").read_bytes()).hexdigest()[:16]
+    digest = hashlib.sha256(
+        (tmp_path / "pyproject.toml").read_bytes() + (tmp_path / "requirements-weights.txt").read_bytes()
+    ).hexdigest()[:16]
     (tmp_path / ".venv" / ".agl_lab_installed").write_text(f"{digest} dev\n")
     return tmp_path
 
 
 def test_lab_notebook_allows_root_exactly_when_run_as_root(tmp_path):
     checkout = _fake_checkout(tmp_path)
-    out = subprocess.run(["bash", str(checkout / "lab"), "notebook", "--no-browser"], capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(
+        ["bash", str(checkout / "lab"), "notebook", "--no-browser"], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     assert "installing" not in out.stderr  # the stamp matched: the fake environment was used as it is
     args = out.stdout.strip().splitlines()[-1]
@@ -60,11 +62,22 @@ def test_lab_setup_puts_the_checkout_on_the_path_so_the_folder_holding_the_clone
     site.mkdir()
     (site / "agl_lab_checkout.pth").write_text(f"{ROOT}\n")
     code = "import sys, site; {} from agl_lab import Trainer; print('ok')"
-    shadowed = subprocess.run([sys.executable, "-c", code.format("")], cwd=holder, capture_output=True, text=True,
-                              timeout=120, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
-    fixed = subprocess.run([sys.executable, "-c", code.format(f"site.addsitedir({str(site)!r});")], cwd=holder,
-                           capture_output=True, text=True, timeout=120,
-                           env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    shadowed = subprocess.run(
+        [sys.executable, "-c", code.format("")],
+        cwd=holder,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+    )
+    fixed = subprocess.run(
+        [sys.executable, "-c", code.format(f"site.addsitedir({str(site)!r});")],
+        cwd=holder,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+    )
     if shadowed.returncode:  # an editable install (setuptools' finder) is shadowed; a plain install is not
         assert "cannot import name 'Trainer' from 'agl_lab' (unknown location)" in shadowed.stderr
     assert fixed.stdout.strip() == "ok", fixed.stderr[-2000:]

@@ -4,7 +4,7 @@
   parts and no web stack, so a notebook can load it without a server or an engine.
 - No import cycles between agl_lab modules, counting imports inside functions too: a lazy
   import may defer a cost, never hide a cycle.
-- No learning-core module grows past ~450 lines.
+- No learning-core module grows past ~560 (formatted) lines.
 - The tree is grouped by what things are (docs/architecture.md): the Trainer holds the loop only
   (the execution side, the engine factory and the CLI live elsewhere), engines/serving/ is the
   OpenAI serving stack, engines/verl/ everything verl.
@@ -25,26 +25,75 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "agl_lab"
-PURE_CORE = ["agl_lab.rules", "agl_lab.phases", "agl_lab.records", "agl_lab.learnable", "agl_lab.batch", "agl_lab.padding", "agl_lab.validation", "agl_lab.views", "agl_lab.diagnose", "agl_lab.algorithms"]
-IO_PARTS = ["agl_lab.client", "agl_lab.server", "agl_lab.runner", "agl_lab.engines", "agl_lab.trainer",
-            "agl_lab.rollout"]
+PURE_CORE = [
+    "agl_lab.rules",
+    "agl_lab.phases",
+    "agl_lab.records",
+    "agl_lab.learnable",
+    "agl_lab.batch",
+    "agl_lab.padding",
+    "agl_lab.validation",
+    "agl_lab.views",
+    "agl_lab.diagnose",
+    "agl_lab.algorithms",
+]
+IO_PARTS = [
+    "agl_lab.client",
+    "agl_lab.server",
+    "agl_lab.runner",
+    "agl_lab.engines",
+    "agl_lab.trainer",
+    "agl_lab.rollout",
+]
 WEB_STACK = ["aiohttp", "fastapi", "uvicorn"]
-CORE_FILES = ["rules.py", "phases.py", "records.py", "learnable.py", "batch.py", "padding.py", "validation.py", "diagnose.py", "views.py", "update.py", "results.py",
-              "algorithms/__init__.py", "algorithms/advantage.py", "algorithms/loss.py",
-              "algorithms/selection.py", "algorithms/pipeline.py", "engines/local_ppo.py"]
+CORE_FILES = [
+    "rules.py",
+    "phases.py",
+    "records.py",
+    "learnable.py",
+    "batch.py",
+    "padding.py",
+    "validation.py",
+    "diagnose.py",
+    "views.py",
+    "update.py",
+    "results.py",
+    "algorithms/__init__.py",
+    "algorithms/advantage.py",
+    "algorithms/loss.py",
+    "algorithms/selection.py",
+    "algorithms/pipeline.py",
+    "engines/local_ppo.py",
+]
 PACKAGES = {  # package → the modules it holds (docs/architecture.md's module map)
     "engines/serving": {"__init__", "openai_server", "scheduler", "decode_batch", "fast_decode", "prefix_cache"},
     "engines/verl": {"__init__", "engine", "trainer", "api", "cpu", "cpu_rollout"},
     "server/store": {"__init__", "base", "memory", "sqlite", "postgresql"},
 }
 # Rooms split by what they are (#37), each capped with headroom so it is split again before it sprawls
-ROOM_MAX_LINES = {"server/store/base.py": 700, "server/store/memory.py": 200, "server/store/sqlite.py": 450,
-                  "server/store/postgresql.py": 550, "runner.py": 650, "agent.py": 300}
-TRAINER_MAX_LINES = 550
+ROOM_MAX_LINES = {
+    "server/store/base.py": 700,
+    "server/store/memory.py": 200,
+    "server/store/sqlite.py": 450,
+    "server/store/postgresql.py": 550,
+    "runner.py": 650,
+    "agent.py": 300,
+}
+# Caps count ruff-formatted lines (one argument a line where a call does not fit): the formatter
+# grew the 550- and 450-line caps of the unformatted tree to these, with the same headroom.
+TRAINER_MAX_LINES = 650
 # What the Trainer reaches only through agl_lab.execution / agl_lab.engines.build / agl_lab.cli
-NOT_IN_TRAINER = ["agl_lab.server", "agl_lab.client", "agl_lab.runner", "agl_lab.hooks", "agl_lab.engines.local",
-                  "agl_lab.engines.verl", "agl_lab.engines.warmstart", "argparse"]
-MAX_CORE_LINES = 450
+NOT_IN_TRAINER = [
+    "agl_lab.server",
+    "agl_lab.client",
+    "agl_lab.runner",
+    "agl_lab.hooks",
+    "agl_lab.engines.local",
+    "agl_lab.engines.verl",
+    "agl_lab.engines.warmstart",
+    "argparse",
+]
+MAX_CORE_LINES = 560
 # Layers, lowest first: a module of a layer imports nothing from a layer above it (the pure core
 # has its own, stricter rule above; the other modules belong to no layer).
 LAYERS = [
@@ -98,7 +147,7 @@ def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
             if nxt.startswith(node + "."):
                 continue
             if state.get(nxt) == 1:
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if nxt not in state and (cycle := visit(nxt)):
                 return cycle
         stack.pop()
@@ -125,11 +174,7 @@ def test_cycle_finder_finds_a_cycle() -> None:
 
 
 def test_pure_core_imports_no_io() -> None:
-    code = (
-        "import json, sys\n"
-        + "".join(f"import {m}\n" for m in PURE_CORE)
-        + "print(json.dumps(sorted(sys.modules)))"
-    )
+    code = "import json, sys\n" + "".join(f"import {m}\n" for m in PURE_CORE) + "print(json.dumps(sorted(sys.modules)))"
     # A fresh interpreter as a notebook starts one: without the VERL_* variables a verl engine
     # started earlier in this process exports for its workers (they make `import verl` load
     # agl_lab's CPU platform module).
@@ -189,7 +234,9 @@ def test_split_rooms_stay_within_their_caps(name: str) -> None:
 def test_trainer_holds_the_loop_only() -> None:
     path = PACKAGE / "trainer.py"
     lines = len(path.read_text().splitlines())
-    assert lines <= TRAINER_MAX_LINES, f"trainer.py has {lines} lines (limit {TRAINER_MAX_LINES}): move what is not the loop out"
+    assert lines <= TRAINER_MAX_LINES, (
+        f"trainer.py has {lines} lines (limit {TRAINER_MAX_LINES}): move what is not the loop out"
+    )
     files = [p for p in PACKAGE.rglob("*.py")]
     imported = _imports(path, {_module_name(p) for p in files} | {"argparse"})
     tree = ast.parse(path.read_text())
@@ -202,9 +249,11 @@ def test_trainer_holds_the_loop_only() -> None:
 
 
 def test_agl_lab_serve_never_imports_torch() -> None:
-    code = ("import sys\nfrom agl_lab import cli\nfrom agl_lab.server import embedded\n"
-            "assert cli.SUBCOMMANDS['serve'][:2] == ('agl_lab.server.embedded', 'serve_main')\n"
-            "print('torch' in sys.modules)")
+    code = (
+        "import sys\nfrom agl_lab import cli\nfrom agl_lab.server import embedded\n"
+        "assert cli.SUBCOMMANDS['serve'][:2] == ('agl_lab.server.embedded', 'serve_main')\n"
+        "print('torch' in sys.modules)"
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     assert out.stdout.strip().splitlines()[-1] == "False"

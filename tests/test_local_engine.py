@@ -27,14 +27,23 @@ def engine():
 
 
 def _chat(base_url: str, content: str, seed: int, temperature: float, max_tokens: int) -> dict:
-    body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "seed": seed,
-            "temperature": temperature, "logprobs": True, "return_token_ids": True}
+    body = {
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "seed": seed,
+        "temperature": temperature,
+        "logprobs": True,
+        "return_token_ids": True,
+    }
     resp = httpx.post(base_url + "/chat/completions", json=body, timeout=60)
     assert resp.status_code == 200, resp.text
     data = resp.json()
     choice = data["choices"][0]
-    return {"prompt": data["prompt_token_ids"], "response": choice["token_ids"],
-            "logprobs": [c["logprob"] for c in choice["logprobs"]["content"]]}
+    return {
+        "prompt": data["prompt_token_ids"],
+        "response": choice["token_ids"],
+        "logprobs": [c["logprob"] for c in choice["logprobs"]["content"]],
+    }
 
 
 def _sample_calls(engine: LocalEngine, temperature: float, n: int = 4) -> list[dict]:
@@ -57,14 +66,21 @@ def _to_batch(calls: list[dict], pad_id: int, temperature: float = 1.0) -> DataP
     served = torch.zeros(n, r_len)
     for i, c in enumerate(calls):
         lp, lr = len(c["prompt"]), len(c["response"])
-        prompts[i, p_len - lp:], p_mask[i, p_len - lp:] = torch.tensor(c["prompt"]), 1
+        prompts[i, p_len - lp :], p_mask[i, p_len - lp :] = torch.tensor(c["prompt"]), 1
         responses[i, :lr], r_mask[i, :lr] = torch.tensor(c["response"]), 1
         served[i, :lr] = torch.tensor(c["logprobs"])
     mask = torch.cat([p_mask, r_mask], dim=1)
-    return DataProto.from_dict(tensors={
-        "input_ids": torch.cat([prompts, responses], dim=1), "attention_mask": mask,
-        "position_ids": (mask.cumsum(-1) - 1).clamp(min=0), "responses": responses, "response_mask": r_mask,
-        "rollout_log_probs": served}, meta_info={"temperature": temperature})
+    return DataProto.from_dict(
+        tensors={
+            "input_ids": torch.cat([prompts, responses], dim=1),
+            "attention_mask": mask,
+            "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+            "responses": responses,
+            "response_mask": r_mask,
+            "rollout_log_probs": served,
+        },
+        meta_info={"temperature": temperature},
+    )
 
 
 def test_a_flat_actor_dict_with_unknown_keys_is_refused_naming_them():
@@ -157,14 +173,25 @@ def test_save_load_round_trip(tmp_path):
 
 
 def test_from_config():
-    cfg = OmegaConf.create({
-        "agl_lab": {"seed": 0, "model": {"path": None, "device": "cpu", "max_model_len": 512},
-                    "engine_options": {"batch_window_ms": 1, "max_batch_size": 8}},
-        "actor_rollout_ref": {
-            "actor": {"ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_gpu": 2, "optim": {"lr": 3e-3},
-                      "use_kl_loss": True, "policy_loss": {"loss_mode": "vanilla"}},
-            "rollout": {"n": 4, "temperature": 0.9}},
-    })
+    cfg = OmegaConf.create(
+        {
+            "agl_lab": {
+                "seed": 0,
+                "model": {"path": None, "device": "cpu", "max_model_len": 512},
+                "engine_options": {"batch_window_ms": 1, "max_batch_size": 8},
+            },
+            "actor_rollout_ref": {
+                "actor": {
+                    "ppo_mini_batch_size": 4,
+                    "ppo_micro_batch_size_per_gpu": 2,
+                    "optim": {"lr": 3e-3},
+                    "use_kl_loss": True,
+                    "policy_loss": {"loss_mode": "vanilla"},
+                },
+                "rollout": {"n": 4, "temperature": 0.9},
+            },
+        }
+    )
     with LocalEngine.from_config(cfg) as eng:
         assert eng.actor_cfg.ppo_mini_batch_size == 16 and not hasattr(eng.actor_cfg, "temperature")  # meta_info's
         assert eng.actor_cfg.lr == 3e-3 and eng.optimizer.param_groups[0]["lr"] == 3e-3
@@ -175,12 +202,23 @@ def test_from_config():
 @pytest.mark.parametrize("rollout_is", ["token", "sequence"])
 def test_kl_in_reward_and_rollout_correction_with_verls_functions_and_names(rollout_is):
     """algorithm.use_kl_in_reward and algorithm.rollout_correction on the local engine (#12)."""
-    algorithm = {"use_kl_in_reward": True, "kl_penalty": "kl", "kl_ctrl": {"type": "fixed", "kl_coef": 0.1},
-                 "rollout_correction": {"rollout_is": rollout_is, "rollout_is_threshold": 2.0, "rollout_rs": None,
-                                        "rollout_rs_threshold": None, "bypass_mode": False,
-                                        "loss_type": "ppo_clip", "rollout_is_batch_normalize": False}}
-    with LocalEngine(device="cpu", actor={"ppo_mini_batch_size": 64, "loss_mode": "vanilla", "lr": 5e-2},
-                     algorithm=algorithm) as eng:
+    algorithm = {
+        "use_kl_in_reward": True,
+        "kl_penalty": "kl",
+        "kl_ctrl": {"type": "fixed", "kl_coef": 0.1},
+        "rollout_correction": {
+            "rollout_is": rollout_is,
+            "rollout_is_threshold": 2.0,
+            "rollout_rs": None,
+            "rollout_rs_threshold": None,
+            "bypass_mode": False,
+            "loss_type": "ppo_clip",
+            "rollout_is_batch_normalize": False,
+        },
+    }
+    with LocalEngine(
+        device="cpu", actor={"ppo_mini_batch_size": 64, "loss_mode": "vanilla", "lr": 5e-2}, algorithm=algorithm
+    ) as eng:
         assert eng.ref_model is not None  # the KL reference: the initial weights
         data = _to_batch(_sample_calls(eng, 1.0), eng.tokenizer.pad_token_id)
         # move the policy once, so old ≠ rollout (IS weights ≠ 1) and old ≠ ref (KL ≠ 0)

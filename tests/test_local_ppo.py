@@ -35,9 +35,17 @@ RESPONSE_LEN = [8, 5, 8, 3, 6, 8, 2, 7]  # right padding after these many respon
 
 
 def tiny_qwen2() -> Qwen2ForCausalLM:
-    config = Qwen2Config(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
-                         max_position_embeddings=128)
+    config = Qwen2Config(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=True,
+        max_position_embeddings=128,
+    )
     torch.manual_seed(0)
     return Qwen2ForCausalLM(config).eval()
 
@@ -50,12 +58,22 @@ def sample_batch(model: Qwen2ForCausalLM) -> DataProto:
     prompts = torch.zeros(n, P, dtype=torch.long)
     prompt_mask = torch.zeros(n, P, dtype=torch.long)
     for i, length in enumerate([6, 3, 4, 5, 2, 6, 4, 3]):
-        prompts[i, P - length:] = torch.randint(3, 300, (length,), generator=g)
-        prompt_mask[i, P - length:] = 1
+        prompts[i, P - length :] = torch.randint(3, 300, (length,), generator=g)
+        prompt_mask[i, P - length :] = 1
     torch.manual_seed(2)
-    out = model.generate(input_ids=prompts, attention_mask=prompt_mask, do_sample=True, top_k=0,
-                         top_p=1.0, max_new_tokens=R, min_new_tokens=R, eos_token_id=None, pad_token_id=0,
-                         output_logits=True, return_dict_in_generate=True)
+    out = model.generate(
+        input_ids=prompts,
+        attention_mask=prompt_mask,
+        do_sample=True,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=R,
+        min_new_tokens=R,
+        eos_token_id=None,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
     responses = out.sequences[:, P:].clone()
     logits = torch.stack(out.logits, 1).float() / T
     rollout_lp = torch.log_softmax(logits, -1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
@@ -70,9 +88,16 @@ def sample_batch(model: Qwen2ForCausalLM) -> DataProto:
     for i, rid in enumerate(ROLLOUTS):
         scores[i, RESPONSE_LEN[i] - 1] = REWARD[rid]
     attention = torch.cat([prompt_mask, attn], 1)
-    tensors = {"prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
-               "attention_mask": attention, "position_ids": torch.clamp(attention.cumsum(-1) - 1, min=0),
-               "response_mask": loss_mask, "token_level_scores": scores, "rollout_log_probs": rollout_lp}
+    tensors = {
+        "prompts": prompts,
+        "responses": responses,
+        "input_ids": torch.cat([prompts, responses], 1),
+        "attention_mask": attention,
+        "position_ids": torch.clamp(attention.cumsum(-1) - 1, min=0),
+        "response_mask": loss_mask,
+        "token_level_scores": scores,
+        "rollout_log_probs": rollout_lp,
+    }
     non_tensors = {"rollout_id_list": np.array(ROLLOUTS, dtype=object), "data_id_list": np.array(GROUPS, dtype=object)}
     return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors)
 
@@ -105,10 +130,12 @@ def test_sequence_log_probs_match_sampling_logprobs(base):
     model, data = base
     b = data.batch
     with torch.no_grad():
-        whole, ent = sequence_log_probs(model, b["input_ids"], b["attention_mask"], b["position_ids"], R,
-                                        temperature=T, with_entropy=True)
-        micro, _ = sequence_log_probs(model, b["input_ids"], b["attention_mask"], None, R, temperature=T,
-                                      micro_batch_size=3)
+        whole, ent = sequence_log_probs(
+            model, b["input_ids"], b["attention_mask"], b["position_ids"], R, temperature=T, with_entropy=True
+        )
+        micro, _ = sequence_log_probs(
+            model, b["input_ids"], b["attention_mask"], None, R, temperature=T, micro_batch_size=3
+        )
         hot, _ = sequence_log_probs(model, b["input_ids"], b["attention_mask"], b["position_ids"], R)
     on = b["response_mask"].bool()
     assert whole.shape == (8, R) and ent.shape == (8, R)
@@ -149,8 +176,17 @@ def test_ppo_update_moves_the_policy_along_the_advantages(base):
     before = params(model)
     metrics = ppo_update(model, build_optimizer(model, cfg), data, cfg)
     assert not torch.equal(before, params(model))
-    for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower", "actor/entropy",
-                "actor/grad_norm", "actor/lr", "training/rollout_probs_diff_mean", "training/rollout_probs_diff_max"):
+    for key in (
+        "actor/pg_loss",
+        "actor/pg_clipfrac",
+        "actor/ppo_kl",
+        "actor/pg_clipfrac_lower",
+        "actor/entropy",
+        "actor/grad_norm",
+        "actor/lr",
+        "training/rollout_probs_diff_mean",
+        "training/rollout_probs_diff_max",
+    ):
         assert key in metrics and np.isfinite(metrics[key]), key
     assert metrics["actor/n_updates"] == 2 and metrics["actor/lr"] == 1e-2
     assert not [k for k in metrics if "*" in k or k == "entropy_sum"]  # accumulators stay internal (#12)
@@ -165,11 +201,14 @@ def test_ppo_update_moves_the_policy_along_the_advantages(base):
     assert gain > 0
 
 
-@pytest.mark.parametrize("loss_mode,agg,entropy_coeff", [
-    ("per_rollout_mean", "token-mean", 0.0),
-    ("vanilla", "token-mean", 0.01),
-    ("vanilla", "seq-mean-token-mean", 0.0),
-])
+@pytest.mark.parametrize(
+    "loss_mode,agg,entropy_coeff",
+    [
+        ("per_rollout_mean", "token-mean", 0.0),
+        ("vanilla", "token-mean", 0.01),
+        ("vanilla", "seq-mean-token-mean", 0.0),
+    ],
+)
 def test_grad_accumulation_equals_one_big_batch(base, loss_mode, agg, entropy_coeff):
     data = prepared(base[0], base[1], loss_mode=loss_mode)
     # old logprobs off the current policy, so ratios leave the clip range and clipping is exercised
@@ -178,8 +217,14 @@ def test_grad_accumulation_equals_one_big_batch(base, loss_mode, agg, entropy_co
     results = []
     for micro in (1, 4):
         model = copy.deepcopy(base[0])
-        cfg = ActorUpdateConfig(ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=micro, loss_mode=loss_mode,
-                                loss_agg_mode=agg, entropy_coeff=entropy_coeff, grad_clip=None)
+        cfg = ActorUpdateConfig(
+            ppo_mini_batch_size=4,
+            ppo_micro_batch_size_per_gpu=micro,
+            loss_mode=loss_mode,
+            loss_agg_mode=agg,
+            entropy_coeff=entropy_coeff,
+            grad_clip=None,
+        )
         # SGD: the parameter change is the gradient itself (Adam's first step would hide its scale)
         metrics = ppo_update(model, torch.optim.SGD(model.parameters(), lr=1.0), data, cfg)
         results.append((params(model), metrics))
@@ -196,8 +241,7 @@ def test_kl_loss_against_a_frozen_reference(base):
     model = copy.deepcopy(base[0])
     ref = copy.deepcopy(base[0])
     data = prepared(model, base[1])
-    cfg = ActorUpdateConfig(ppo_epochs=2, ppo_mini_batch_size=8, use_kl_loss=True, kl_loss_coef=0.1,
-                            lr=1e-2)
+    cfg = ActorUpdateConfig(ppo_epochs=2, ppo_mini_batch_size=8, use_kl_loss=True, kl_loss_coef=0.1, lr=1e-2)
     metrics = ppo_update(model, build_optimizer(model, cfg), data, cfg, ref_model=ref)
     assert metrics["actor/kl_loss"] > 0 and metrics["actor/kl_coef"] == 0.1  # epoch 2 has moved from ref
     assert metrics["actor/n_updates"] == 2
@@ -221,8 +265,12 @@ def test_ppo_update_errors_name_the_fix(base):
     with pytest.raises(ValueError, match="actor_rollout_ref.actor.loss_agg_mode"):
         ActorUpdateConfig(loss_agg_mode="mean")
     with pytest.raises(ValueError, match="Unsupported loss mode"):
-        ppo_update(model, build_optimizer(model, cfg), prepared(model, base[1]),
-                   ActorUpdateConfig(ppo_mini_batch_size=4, loss_mode="nope"))
+        ppo_update(
+            model,
+            build_optimizer(model, cfg),
+            prepared(model, base[1]),
+            ActorUpdateConfig(ppo_mini_batch_size=4, loss_mode="nope"),
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,8 +290,13 @@ def test_from_verl_actor_config_reads_verl_defaults():
     assert "rollout_correction" not in cfg.policy_loss_options and "_target_" not in cfg.policy_loss_options
     verl_cfg = cfg.to_verl_actor_config()
     assert verl_cfg.policy_loss.loss_mode == "vanilla" and verl_cfg.ppo_micro_batch_size_per_gpu == 1024
-    agl = {"ppo_mini_batch_size": 2, "ppo_micro_batch_size_per_gpu": 1, "clip_ratio_high": 0.28,
-           "policy_loss": {"loss_mode": "per_rollout_mean"}, "optim": {"lr": 3e-4, "clip_grad": 0.5}}
+    agl = {
+        "ppo_mini_batch_size": 2,
+        "ppo_micro_batch_size_per_gpu": 1,
+        "clip_ratio_high": 0.28,
+        "policy_loss": {"loss_mode": "per_rollout_mean"},
+        "optim": {"lr": 3e-4, "clip_grad": 0.5},
+    }
     cfg = ActorUpdateConfig.from_verl_actor_config(agl, rollout_n=4)
     assert (cfg.ppo_mini_batch_size, cfg.micro_batch_rows, cfg.loss_mode) == (8, 1, "per_rollout_mean")
     assert (cfg.clip_ratio_high, cfg.lr, cfg.grad_clip) == (0.28, 3e-4, 0.5)

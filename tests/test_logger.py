@@ -58,8 +58,16 @@ class FakeRun:
 
 
 def _adapter(rollouts) -> BatchResult:
-    return BatchResult(build_batch(rollouts, "trajectory", max_prompt_length=4, max_response_length=3,
-                                   pad_token_id=0, tokenizer=SpaceTokenizer()))
+    return BatchResult(
+        build_batch(
+            rollouts,
+            "trajectory",
+            max_prompt_length=4,
+            max_response_length=3,
+            pad_token_id=0,
+            tokenizer=SpaceTokenizer(),
+        )
+    )
 
 
 def _log(run, result, step, split, wandb_module=FakeWandb):
@@ -81,17 +89,23 @@ def test_log_writes_one_json_line_and_no_tables_without_wandb(tmp_path, capsys):
 def test_console_line_shows_the_logprob_gap_not_the_probability_gap():
     from agl_lab.logger import format_console_line
 
-    line = format_console_line(1, {"training/rollout_logprobs_diff_max": 0.25,
-                                   "training/rollout_probs_diff_max": 0.75})
+    line = format_console_line(1, {"training/rollout_logprobs_diff_max": 0.25, "training/rollout_probs_diff_max": 0.75})
     assert "lp_diff_max 0.250" in line and "0.750" not in line
 
 
 def test_console_line_keeps_the_magnitude_of_small_numbers():
     from agl_lab.logger import format_console_line
 
-    line = format_console_line(2, {"training/rollout_logprobs_diff_max": 4e-5, "actor/pg_loss": -1.234e-6,
-                                   "actor/entropy": 0.0, "training/reward": 0.338,
-                                   "training/n_sample_dropped/alignment": 4})
+    line = format_console_line(
+        2,
+        {
+            "training/rollout_logprobs_diff_max": 4e-5,
+            "actor/pg_loss": -1.234e-6,
+            "actor/entropy": 0.0,
+            "training/reward": 0.338,
+            "training/n_sample_dropped/alignment": 4,
+        },
+    )
     assert "lp_diff_max 4.0e-05" in line and "pg_loss -1.2e-06" in line
     assert "entropy 0 " in line + " " and "reward 0.338" in line and "dropped_rows 4" in line
 
@@ -135,8 +149,17 @@ def _read_zip(blob):
 
 
 def test_training_step_uploads_24_compact_rollout_trajectories_to_wandb_zip():
-    rollouts = [R(f"r{i}", [T([i], [i + 100]), T([i, i + 100, i + 200], [i + 300])], reward=float(i),
-                  data_id=f"d{i}", step=23, sample_idx=i - 1) for i in range(1, 27)]
+    rollouts = [
+        R(
+            f"r{i}",
+            [T([i], [i + 100]), T([i, i + 100, i + 200], [i + 300])],
+            reward=float(i),
+            data_id=f"d{i}",
+            step=23,
+            sample_idx=i - 1,
+        )
+        for i in range(1, 27)
+    ]
     res = _adapter(rollouts)
     run = FakeRun()
     _log(run, res, 23, "train")
@@ -157,15 +180,25 @@ def test_training_step_uploads_24_compact_rollout_trajectories_to_wandb_zip():
 
 
 def test_validation_uploads_all_compact_rollout_trajectories_to_wandb_zip():
-    rollouts = [R(f"vr{i}", [T([i], [i + 10]), T([i, i + 10, i + 20], [i + 30])], reward=float(i),
-                  data_id=f"d{i}", step=31, sample_idx=i - 1) for i in range(1, 8)]
+    rollouts = [
+        R(
+            f"vr{i}",
+            [T([i], [i + 10]), T([i, i + 10, i + 20], [i + 30])],
+            reward=float(i),
+            data_id=f"d{i}",
+            step=31,
+            sample_idx=i - 1,
+        )
+        for i in range(1, 8)
+    ]
     val = build_validation(rollouts, 0.0, SpaceTokenizer())
     run = FakeRun()
     _log(run, val, 31, "validation")
     assert run.tables("training/trace_merge_mismatches") == []
     [(step, table)] = run.tables("val/rollout_trajectories")
-    assert table.data == [[31, "validation-trajectories-fake-run-step-31",
-                           "step_31/validation_trajectories.jsonl.zip", 7]]
+    assert table.data == [
+        [31, "validation-trajectories-fake-run-step-31", "step_31/validation_trajectories.jsonl.zip", 7]
+    ]
     [artifact] = run.artifacts
     assert artifact.type == "validation_trajectories" and artifact.metadata["row_count"] == 7
     names, records = _read_zip(artifact.files["step_31/validation_trajectories.jsonl.zip"])

@@ -123,8 +123,9 @@ def test_checkpoint_is_a_base_dir_plus_a_peft_adapter_and_resumes_exactly(tmp_pa
 
 
 def test_from_config_reads_verls_keys_and_bad_values_name_the_key():
-    spec = LoraSpec.from_model_config(OmegaConf.create({"lora_rank": 8, "lora_alpha": 32,
-                                                         "target_modules": ["q_proj", "v_proj"]}))
+    spec = LoraSpec.from_model_config(
+        OmegaConf.create({"lora_rank": 8, "lora_alpha": 32, "target_modules": ["q_proj", "v_proj"]})
+    )
     assert (spec.rank, spec.alpha, spec.target_modules, spec.enabled) == (8, 32, ["q_proj", "v_proj"], True)
     assert not LoraSpec.from_model_config({"lora_rank": 0}).enabled
     with pytest.raises(ConfigError, match=r"actor_rollout_ref.model.lora_rank must be an integer ≥ 0"):

@@ -47,8 +47,14 @@ def _free_port() -> int:
 def _spawn(argv: list[str], log: Path, **env: str) -> subprocess.Popen:
     """A process in its own group (killed with it in `finally`), output to `log`."""
     with open(log, "w") as out:
-        return subprocess.Popen([sys.executable, "-m", "agl_lab.cli", *argv], cwd=ROOT, env={**ENV, **env},
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(
+            [sys.executable, "-m", "agl_lab.cli", *argv],
+            cwd=ROOT,
+            env={**ENV, **env},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 def _wait_for(predicate, bound: float, what: str, procs=(), logs=()) -> None:
@@ -93,42 +99,98 @@ def test_two_servers_on_postgresql_three_runners_one_killed_and_train_lose_nothi
     try:
         # --- two servers on one PostgreSQL database (the model name and temperature the engine uses)
         for i, url in enumerate(urls):
-            spawn(f"serve{i}", ["serve", "--port", url.rsplit(":", 1)[1], "--key", KEY, "--store", postgres_database,
-                                "--model-name", "agl-lab-tiny", "--train-temperature", "1.0",
-                                "--lease-seconds", str(LEASE_SECONDS), "--max-attempts", "3"])
+            spawn(
+                f"serve{i}",
+                [
+                    "serve",
+                    "--port",
+                    url.rsplit(":", 1)[1],
+                    "--key",
+                    KEY,
+                    "--store",
+                    postgres_database,
+                    "--model-name",
+                    "agl-lab-tiny",
+                    "--train-temperature",
+                    "1.0",
+                    "--lease-seconds",
+                    str(LEASE_SECONDS),
+                    "--max-attempts",
+                    "3",
+                ],
+            )
         _wait_for(lambda: all(_healthy(u) for u in urls), 120, "both servers", procs, logs)
 
         # --- the doomed runner on server 0, alone at first: kill -9 (by itself, so it surely holds
         # rollouts) as its 3rd rollout starts; with concurrency 2 it holds that one and whichever
         # other was still in flight
-        doomed = spawn("runner_doomed", ["runner", "configs/cpu_tiny.yaml", "--server", urls[0], "--key", KEY,
-                                         "--agent", "tests.agents_for_tests:killed_lookup_agent",
-                                         "--concurrency", "2", "--poll-interval", "0.05"],
-                       AGL_TEST_KILL_AT_ROLLOUT="3")
-        trainer = spawn("train", ["train", "configs/cpu_tiny.yaml", "--run-dir", str(run_dir), *SMALL,
-                                  f"trainer.total_training_steps={STEPS}", "agl_lab.server.embedded=false",
-                                  f"agentlightning.agl_base_url={urls[0]}", f"agentlightning.agl_key={KEY}",
-                                  "agl_lab.runner.enabled=false"])
+        doomed = spawn(
+            "runner_doomed",
+            [
+                "runner",
+                "configs/cpu_tiny.yaml",
+                "--server",
+                urls[0],
+                "--key",
+                KEY,
+                "--agent",
+                "tests.agents_for_tests:killed_lookup_agent",
+                "--concurrency",
+                "2",
+                "--poll-interval",
+                "0.05",
+            ],
+            AGL_TEST_KILL_AT_ROLLOUT="3",
+        )
+        trainer = spawn(
+            "train",
+            [
+                "train",
+                "configs/cpu_tiny.yaml",
+                "--run-dir",
+                str(run_dir),
+                *SMALL,
+                f"trainer.total_training_steps={STEPS}",
+                "agl_lab.server.embedded=false",
+                f"agentlightning.agl_base_url={urls[0]}",
+                f"agentlightning.agl_key={KEY}",
+                "agl_lab.runner.enabled=false",
+            ],
+        )
         _wait_for(lambda: doomed.poll() is not None, 300, "the doomed runner to die", [trainer], [logs[-1]])
         assert doomed.returncode == -signal.SIGKILL, logs[2].read_text()[-3000:]
         # --- the lease expires on the servers' sweepers: the rollouts it held go back to the queue
         # (seen through the other server), still at attempt "0", their next claim attempt "1"
         with AglClient(urls[1], key=KEY) as client:
+
             def requeued() -> list:
-                return [r for r in client.list_rollouts(["queuing"]) if "lease expired" in (r.status.error_message or "")]
+                return [
+                    r for r in client.list_rollouts(["queuing"]) if "lease expired" in (r.status.error_message or "")
+                ]
 
             # nothing else runs rollouts yet: once none is running, the re-queued ones are all it held
-            _wait_for(lambda: not client.list_rollouts(["running"]) and requeued(), 60,
-                      "the killed runner's rollouts to be re-queued", [trainer], [logs[-1]])
+            _wait_for(
+                lambda: not client.list_rollouts(["running"]) and requeued(),
+                60,
+                "the killed runner's rollouts to be re-queued",
+                [trainer],
+                [logs[-1]],
+            )
             held = sorted(r.rollout_id for r in requeued())
-            assert 1 <= len(held) <= 2 and all(r.status.last_attempt_id == "0" and "re-queued as attempt 1" in
-                                               r.status.error_message for r in requeued())
+            assert 1 <= len(held) <= 2 and all(
+                r.status.last_attempt_id == "0" and "re-queued as attempt 1" in r.status.error_message
+                for r in requeued()
+            )
         # --- the two survivors, one on each server
         spawn("runner_a", ["runner", "configs/cpu_tiny.yaml", "--server", urls[0], "--key", KEY, "--concurrency", "4"])
         spawn("runner_b", ["runner", "configs/cpu_tiny.yaml", "--server", urls[1], "--key", KEY, "--concurrency", "4"])
-        _wait_for(lambda: trainer.poll() is not None, 420, "the training to finish",
-                  [p for p in procs if p is not trainer and p is not doomed],
-                  [lg for p, lg in zip(procs, logs) if p is not trainer and p is not doomed])
+        _wait_for(
+            lambda: trainer.poll() is not None,
+            420,
+            "the training to finish",
+            [p for p in procs if p is not trainer and p is not doomed],
+            [lg for p, lg in zip(procs, logs) if p is not trainer and p is not doomed],
+        )
         train_log = logs[3].read_text()
         assert trainer.returncode == 0, train_log[-4000:]
 

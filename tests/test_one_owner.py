@@ -33,9 +33,11 @@ def _fresh(code: str) -> str:
 
 
 def test_composing_every_shipped_config_imports_neither_torch_nor_verl():
-    code = ("import glob, json, sys, warnings\nwarnings.simplefilter('ignore')\nimport agl_lab.config as c\n"
-            "for f in sorted(glob.glob('configs/*.yaml')):\n    c.load_config(f)\n"
-            "print(json.dumps([m for m in ('torch', 'verl', 'ray', 'numpy', 'transformers') if m in sys.modules]))")
+    code = (
+        "import glob, json, sys, warnings\nwarnings.simplefilter('ignore')\nimport agl_lab.config as c\n"
+        "for f in sorted(glob.glob('configs/*.yaml')):\n    c.load_config(f)\n"
+        "print(json.dumps([m for m in ('torch', 'verl', 'ray', 'numpy', 'transformers') if m in sys.modules]))"
+    )
     assert json.loads(_fresh(code)) == []
 
 
@@ -65,8 +67,9 @@ def test_replay_builds_batches_with_the_trainers_options(path, tmp_path, monkeyp
         trainer.build_batch(SimpleNamespace(rollouts=[], step=1))
 
     OmegaConf.save(cfg, tmp_path / "config.yaml")
-    monkeypatch.setattr(replay, "load_recording",
-                        lambda run_dir, step: SimpleNamespace(rollouts=[], pad_token_id=7, batch_step=step))
+    monkeypatch.setattr(
+        replay, "load_recording", lambda run_dir, step: SimpleNamespace(rollouts=[], pad_token_id=7, batch_step=step)
+    )
     with pytest.raises(_Stop):
         replay.replay_step(tmp_path, 1, tokenizer=tokenizer)
 
@@ -78,15 +81,18 @@ def test_batch_options_follow_the_level_asked_for():
     cfg = load_config("configs/cpu_tiny.yaml", ["data.max_prompt_length=100", "data.max_response_length=50"])
     assert batch_options(cfg, "transition")["max_prompt_length"] == 100
     assert batch_options(cfg, "trajectory")["max_prompt_length"] == int(
-        cfg.agentlightning.trace_aggregator.trajectory_max_prompt_length)
+        cfg.agentlightning.trace_aggregator.trajectory_max_prompt_length
+    )
 
 
 def test_mini_batch_rows_are_counted_in_tasks_times_group_size_everywhere():
     from agl_lab.config import update_options
     from agl_lab.engines.local_ppo import ActorUpdateConfig
 
-    cfg = load_config("configs/cpu_tiny.yaml", ["actor_rollout_ref.actor.ppo_mini_batch_size=3",
-                                                "actor_rollout_ref.rollout.n=4", "data.train_batch_size=6"])
+    cfg = load_config(
+        "configs/cpu_tiny.yaml",
+        ["actor_rollout_ref.actor.ppo_mini_batch_size=3", "actor_rollout_ref.rollout.n=4", "data.train_batch_size=6"],
+    )
     assert rules.mini_batch_rows(3, 4) == 12
     assert update_options(cfg)["mini_batch_rows"] == 12
     actor = ActorUpdateConfig.from_verl_actor_config(cfg.actor_rollout_ref.actor, rollout_n=4)

@@ -76,20 +76,29 @@ def test_chat_round_trip_with_openai_sdk(server, tiny):
     model, tok = tiny
     client = openai.OpenAI(base_url=server.base_url, api_key="unused")
     messages = [{"role": "system", "content": "Answer."}, {"role": "user", "content": "lookup key 3"}]
-    r = client.chat.completions.create(model="whatever", messages=messages, max_tokens=12, temperature=1.0,
-                                       seed=7, logprobs=True, extra_body={"return_token_ids": True})
+    r = client.chat.completions.create(
+        model="whatever",
+        messages=messages,
+        max_tokens=12,
+        temperature=1.0,
+        seed=7,
+        logprobs=True,
+        extra_body={"return_token_ids": True},
+    )
     data = r.model_dump()
     prompt_ids, choice = data["prompt_token_ids"], data["choices"][0]
-    assert prompt_ids == tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                 return_dict=False)
+    assert prompt_ids == tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     token_ids = choice["token_ids"]
     assert 1 <= len(token_ids) <= 12 and data["model"] == "agl-lab-tiny"
     assert tok.decode(token_ids, skip_special_tokens=True) == choice["message"]["content"]
     content = choice["logprobs"]["content"]
     assert [c["token"] for c in content] == [tok.decode([i]) for i in token_ids]
     assert all(c["bytes"] == list(c["token"].encode()) and c["top_logprobs"] == [] for c in content)
-    assert {k: data["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")} == {"prompt_tokens": len(prompt_ids), "completion_tokens": len(token_ids),
-                             "total_tokens": len(prompt_ids) + len(token_ids)}
+    assert {k: data["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")} == {
+        "prompt_tokens": len(prompt_ids),
+        "completion_tokens": len(token_ids),
+        "total_tokens": len(prompt_ids) + len(token_ids),
+    }
     assert choice["finish_reason"] == ("stop" if token_ids[-1] == tok.eos_token_id else "length")
     fresh = _fresh_logprobs(model, prompt_ids, token_ids, 1.0)
     assert torch.allclose(fresh, torch.tensor([c["logprob"] for c in content]), atol=1e-4)
@@ -107,8 +116,11 @@ def test_completions_prompt_forms(http, tiny, prompt_form):
     text = "calc 12 + 30 = ? Observation:"
     ids = tok(text, add_special_tokens=False)["input_ids"]
     prompt = {"text": text, "ids": ids, "list_of_text": [text], "list_of_ids": [ids]}[prompt_form]
-    data = _post(http, "/completions", {"prompt": prompt, "max_tokens": 6, "logprobs": 2, "seed": 3,
-                                        "temperature": 0.7, "return_token_ids": True})
+    data = _post(
+        http,
+        "/completions",
+        {"prompt": prompt, "max_tokens": 6, "logprobs": 2, "seed": 3, "temperature": 0.7, "return_token_ids": True},
+    )
     choice = data["choices"][0]
     assert choice["prompt_token_ids"] == ids and data["object"] == "text_completion"
     assert tok.decode(choice["token_ids"], skip_special_tokens=True) == choice["text"]
@@ -152,8 +164,19 @@ def test_batched_logprobs_equal_a_fresh_forward(server, http, tiny, temperature,
     """The reported logprob is log_softmax(logits / T) at the sampled id — never top-p renormalised."""
     model, tok = tiny
     prompts = ["hi", "lookup key apple_3: the value is", "calc 7 * 8 = ? " * 6, "Answer: 42. " * 12, "tool"]
-    bodies = [{"prompt": p, "max_tokens": 5 + 7 * i, "temperature": temperature, "top_p": top_p, "seed": i,
-               "logprobs": 0, "return_token_ids": True, "ignore_eos": True} for i, p in enumerate(prompts)]
+    bodies = [
+        {
+            "prompt": p,
+            "max_tokens": 5 + 7 * i,
+            "temperature": temperature,
+            "top_p": top_p,
+            "seed": i,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "ignore_eos": True,
+        }
+        for i, p in enumerate(prompts)
+    ]
     before = dict(server.scheduler.stats)
     results = _concurrent_batch(server, http, bodies)
     assert server.scheduler.stats["prefills"] == before["prefills"] + 1  # one batch: all five together
@@ -173,10 +196,18 @@ def test_batched_logprobs_equal_a_fresh_forward(server, http, tiny, temperature,
 def test_prefix_cache_serves_the_next_turn_and_logprobs_stay_exact(server, http, tiny):
     """Turn 2 extends turn 1's prompt and reply: the prefix cache supplies them, nothing else changes."""
     model, tok = tiny
-    messages = [{"role": "system", "content": "You look up keys. " * 6},
-                {"role": "user", "content": "lookup key apple_3"}]
-    body = {"max_tokens": 24, "temperature": 1.0, "seed": 7, "logprobs": True, "return_token_ids": True,
-            "ignore_eos": True}
+    messages = [
+        {"role": "system", "content": "You look up keys. " * 6},
+        {"role": "user", "content": "lookup key apple_3"},
+    ]
+    body = {
+        "max_tokens": 24,
+        "temperature": 1.0,
+        "seed": 7,
+        "logprobs": True,
+        "return_token_ids": True,
+        "ignore_eos": True,
+    }
     first = _post(http, "/chat/completions", {**body, "messages": messages})
     reply = first["choices"][0]["message"]["content"]
     follow = messages + [{"role": "assistant", "content": reply}, {"role": "user", "content": "and key pear_1?"}]
@@ -194,10 +225,29 @@ def test_arrivals_merge_into_a_running_batch(server, http, tiny):
     """Requests admitted while others decode join the batch; their logprobs stay exact."""
     model, _ = tiny
     # long enough that they are still decoding when the late ones queue, even on a loaded machine
-    long = [{"prompt": "lookup " * (3 + i), "max_tokens": 300, "seed": i, "logprobs": 0, "ignore_eos": True,
-             "return_token_ids": True} for i in range(3)]
-    late = [{"prompt": "value " * (20 - 5 * i), "max_tokens": 8, "seed": 10 + i, "logprobs": 0,
-             "ignore_eos": True, "return_token_ids": True, "temperature": 0.7} for i in range(3)]
+    long = [
+        {
+            "prompt": "lookup " * (3 + i),
+            "max_tokens": 300,
+            "seed": i,
+            "logprobs": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        for i in range(3)
+    ]
+    late = [
+        {
+            "prompt": "value " * (20 - 5 * i),
+            "max_tokens": 8,
+            "seed": 10 + i,
+            "logprobs": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "temperature": 0.7,
+        }
+        for i in range(3)
+    ]
     before = server.scheduler.stats["merges"]
     with ThreadPoolExecutor(6) as pool:
         first = [pool.submit(_post, http, "/completions", b) for b in long]
@@ -214,8 +264,15 @@ def test_arrivals_merge_into_a_running_batch(server, http, tiny):
 
 
 def test_same_seed_same_completion_alone_or_batched(server, http):
-    body = {"messages": [{"role": "user", "content": "tell me the value"}], "max_tokens": 24, "temperature": 1.0,
-            "top_p": 0.9, "seed": 1234, "return_token_ids": True, "ignore_eos": True}
+    body = {
+        "messages": [{"role": "user", "content": "tell me the value"}],
+        "max_tokens": 24,
+        "temperature": 1.0,
+        "top_p": 0.9,
+        "seed": 1234,
+        "return_token_ids": True,
+        "ignore_eos": True,
+    }
     alone = _post(http, "/chat/completions", body)["choices"][0]["token_ids"]
     assert _post(http, "/chat/completions", body)["choices"][0]["token_ids"] == alone
     others = [{"prompt": "x " * (i + 1), "max_tokens": 30, "seed": i, "ignore_eos": True} for i in range(5)]
@@ -236,8 +293,13 @@ def test_same_seed_same_completion_alone_or_batched(server, http):
 
 
 def test_stop_string_is_cut_from_the_text(http):
-    base = {"prompt": "lookup key value answer", "temperature": 0, "max_tokens": 30, "ignore_eos": True,
-            "return_token_ids": True}
+    base = {
+        "prompt": "lookup key value answer",
+        "temperature": 0,
+        "max_tokens": 30,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     full = _post(http, "/completions", base)["choices"][0]
     stop = full["text"][8:11]
     assert len(stop) == 3
@@ -258,8 +320,9 @@ def test_stop_token_ids(http):
 def test_tool_call_blocks_become_tool_calls():
     from agl_lab.chat_format import parse_tool_calls as _parse_tool_calls
 
-    content, calls = _parse_tool_calls('Let me check.\n<tool_call>{"name": "lookup", "arguments": {"key": "x"}}'
-                                       '</tool_call>')
+    content, calls = _parse_tool_calls(
+        'Let me check.\n<tool_call>{"name": "lookup", "arguments": {"key": "x"}}</tool_call>'
+    )
     assert content == "Let me check." and len(calls) == 1
     assert calls[0]["type"] == "function" and calls[0]["id"].startswith("call_")
     assert calls[0]["function"] == {"name": "lookup", "arguments": '{"key": "x"}'}
@@ -282,30 +345,41 @@ def test_default_max_tokens_fills_the_context(http, tiny):
 _MSG = [{"role": "user", "content": "hi"}]
 
 
-@pytest.mark.parametrize("path,body,param,fragment", [
-    ("/chat/completions", {}, "messages", "'messages' is required"),
-    ("/chat/completions", {"messages": "hi"}, "messages", "non-empty list"),
-    ("/chat/completions", {"messages": [{"content": "x"}]}, "messages[0]", "'role'"),
-    ("/chat/completions", {"messages": _MSG, "n": 2}, "n", "only n=1"),
-    ("/chat/completions", {"messages": _MSG, "stream": True}, "stream", "Streaming"),
-    ("/chat/completions", {"messages": _MSG, "temperature": "hot"}, "temperature", "must be a number"),
-    ("/chat/completions", {"messages": _MSG, "temperature": -1}, "temperature", "≥ 0"),
-    ("/chat/completions", {"messages": _MSG, "top_p": 0}, "top_p", "(0, 1]"),
-    ("/chat/completions", {"messages": _MSG, "max_tokens": 0}, "max_tokens", "≥ 1"),
-    ("/chat/completions", {"messages": _MSG, "stop": 5}, "stop", "string or a list"),
-    ("/chat/completions", {"messages": _MSG, "top_logprobs": 3}, "top_logprobs", "logprobs"),
-    ("/chat/completions", {"messages": _MSG, "max_tokens": 5000}, "max_tokens",
-     "This model's maximum context length is 1024 tokens. However, you requested 5010 tokens "
-     "(10 in the messages, 5000 in the completion)"),
-    ("/completions", {}, "prompt", "'prompt' is required"),
-    ("/completions", {"prompt": []}, "prompt", "empty"),
-    ("/completions", {"prompt": [5, 99999]}, "prompt", "[0, 1024)"),
-    ("/completions", {"prompt": ["a", "b"]}, "prompt", "batched prompts"),
-    ("/completions", {"prompt": [1] * 1024}, "messages",
-     "maximum context length is 1024 tokens. However, you requested 1025 tokens (1024 in the messages, 1 in"),
-    ("/completions", {"prompt": "a", "logprobs": 50}, "logprobs", "[0, 20]"),
-    ("/completions", {"prompt": "a", "stop_token_ids": ["x"]}, "stop_token_ids", "integer token ids"),
-])
+@pytest.mark.parametrize(
+    "path,body,param,fragment",
+    [
+        ("/chat/completions", {}, "messages", "'messages' is required"),
+        ("/chat/completions", {"messages": "hi"}, "messages", "non-empty list"),
+        ("/chat/completions", {"messages": [{"content": "x"}]}, "messages[0]", "'role'"),
+        ("/chat/completions", {"messages": _MSG, "n": 2}, "n", "only n=1"),
+        ("/chat/completions", {"messages": _MSG, "stream": True}, "stream", "Streaming"),
+        ("/chat/completions", {"messages": _MSG, "temperature": "hot"}, "temperature", "must be a number"),
+        ("/chat/completions", {"messages": _MSG, "temperature": -1}, "temperature", "≥ 0"),
+        ("/chat/completions", {"messages": _MSG, "top_p": 0}, "top_p", "(0, 1]"),
+        ("/chat/completions", {"messages": _MSG, "max_tokens": 0}, "max_tokens", "≥ 1"),
+        ("/chat/completions", {"messages": _MSG, "stop": 5}, "stop", "string or a list"),
+        ("/chat/completions", {"messages": _MSG, "top_logprobs": 3}, "top_logprobs", "logprobs"),
+        (
+            "/chat/completions",
+            {"messages": _MSG, "max_tokens": 5000},
+            "max_tokens",
+            "This model's maximum context length is 1024 tokens. However, you requested 5010 tokens "
+            "(10 in the messages, 5000 in the completion)",
+        ),
+        ("/completions", {}, "prompt", "'prompt' is required"),
+        ("/completions", {"prompt": []}, "prompt", "empty"),
+        ("/completions", {"prompt": [5, 99999]}, "prompt", "[0, 1024)"),
+        ("/completions", {"prompt": ["a", "b"]}, "prompt", "batched prompts"),
+        (
+            "/completions",
+            {"prompt": [1] * 1024},
+            "messages",
+            "maximum context length is 1024 tokens. However, you requested 1025 tokens (1024 in the messages, 1 in",
+        ),
+        ("/completions", {"prompt": "a", "logprobs": 50}, "logprobs", "[0, 20]"),
+        ("/completions", {"prompt": "a", "stop_token_ids": ["x"]}, "stop_token_ids", "integer token ids"),
+    ],
+)
 def test_bad_requests_are_openai_400s(http, path, body, param, fragment):
     resp = http.post(path, json={"model": "m", "unknown_field": 1, **body})
     assert resp.status_code == 400, resp.text
@@ -370,8 +444,12 @@ def test_engine_cli_serves_standalone(tmp_path):
         port = s.getsockname()[1]
     log = tmp_path / "engine.log"  # a file, not a pipe: nothing blocks on a full pipe or on reading it
     with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "agl_lab.cli", "engine", "--port", str(port)],
-                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "agl_lab.cli", "engine", "--port", str(port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+        )
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -380,12 +458,16 @@ def test_engine_cli_serves_standalone(tmp_path):
                 break
             except httpx.TransportError:
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"`agl-lab engine` did not serve in 60 s (exit code {proc.poll()}):\n"
-                                f"{log.read_text()[-3000:]}")
+                    pytest.fail(
+                        f"`agl-lab engine` did not serve in 60 s (exit code {proc.poll()}):\n{log.read_text()[-3000:]}"
+                    )
                 time.sleep(0.2)
         assert models["data"][0]["id"] == "agl-lab-tiny"
-        data = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
-                          json={"prompt": "hello", "max_tokens": 3, "return_token_ids": True}).json()
+        data = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            timeout=30,
+            json={"prompt": "hello", "max_tokens": 3, "return_token_ids": True},
+        ).json()
         assert data["choices"][0]["prompt_token_ids"]
     finally:
         proc.terminate()

@@ -121,10 +121,16 @@ def test_a_trainer_whose_collection_raises_can_roll_out_again(monkeypatch, tmp_p
     for name in ("abort", "resume"):
         original = getattr(LocalEngine, name)
         monkeypatch.setattr(LocalEngine, name, lambda self, _o=original, _n=name: (calls.append(_n), _o(self))[1])
-    overrides = ["data.train_batch_size=2", "actor_rollout_ref.rollout.n=2", "trainer.total_training_steps=1",
-                 "agl_lab.model.warm_start_steps=0", "trainer.val_before_train=false", "trainer.test_freq=-1"]
-    with Trainer.from_config("configs/cpu_tiny.yaml", overrides=overrides, console=False,
-                              run_dir=tmp_path) as trainer:
+    overrides = [
+        "data.train_batch_size=2",
+        "actor_rollout_ref.rollout.n=2",
+        "trainer.total_training_steps=1",
+        "agl_lab.model.warm_start_steps=0",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+    ]
+    with Trainer.from_config("configs/cpu_tiny.yaml", overrides=overrides, console=False, run_dir=tmp_path) as trainer:
+
         def broken(*args, **kwargs):
             raise RuntimeError("the collection broke")
 

@@ -8,8 +8,10 @@ from agl_lab.engines.serving.prefix_cache import BLOCK, CachedPrefix, PrefixCach
 
 
 def _entry(tokens: list[int], layers: int = 2) -> CachedPrefix:
-    kv = [torch.arange(len(tokens), dtype=torch.float32).repeat(1, 1)[:, :, None].expand(1, len(tokens), 4).clone()
-          for _ in range(layers)]
+    kv = [
+        torch.arange(len(tokens), dtype=torch.float32).repeat(1, 1)[:, :, None].expand(1, len(tokens), 4).clone()
+        for _ in range(layers)
+    ]
     return CachedPrefix(list(tokens), kv, [t.clone() for t in kv])
 
 
@@ -30,8 +32,9 @@ def test_hash_hit_is_verified_token_by_token(monkeypatch):
     cache = PrefixCache()
     cache.put(_entry(list(range(2 * BLOCK))))
     # forge a collision: every block hash of any prompt maps to the stored entry
-    monkeypatch.setattr("agl_lab.engines.serving.prefix_cache._block_hashes",
-                        lambda tokens: list(cache._index)[: len(tokens) // BLOCK])
+    monkeypatch.setattr(
+        "agl_lab.engines.serving.prefix_cache._block_hashes", lambda tokens: list(cache._index)[: len(tokens) // BLOCK]
+    )
     assert cache.match([9] * (2 * BLOCK + 1)) == (0, None)
 
 

@@ -44,6 +44,7 @@ def test_trainer_from_config_by_preset_name_in_a_copied_notebooks_directory(tmp_
 
     monkeypatch.chdir(tmp_path)
     for given in ("cpu_tiny", "configs/cpu_tiny.yaml"):
-        with Trainer.from_config(given, overrides=SMALL, run_dir=tmp_path / given.replace("/", "_"),
-                                 console=False) as trainer:
+        with Trainer.from_config(
+            given, overrides=SMALL, run_dir=tmp_path / given.replace("/", "_"), console=False
+        ) as trainer:
             assert trainer.cfg.agl_lab.task.name == "lookup" and trainer.cfg.actor_rollout_ref.rollout.n == 2

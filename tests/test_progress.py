@@ -34,8 +34,11 @@ def test_a_terminal_gets_tqdm_and_a_pipe_gets_lines():
     for _ in range(3):
         bar.update(1)
     bar.close()
-    assert [line.split(" · ")[0] for line in out.getvalue().splitlines()] == ["x: 1/3 (33%)", "x: 2/3 (67%)",
-                                                                             "x: 3/3 (100%)"]
+    assert [line.split(" · ")[0] for line in out.getvalue().splitlines()] == [
+        "x: 1/3 (33%)",
+        "x: 2/3 (67%)",
+        "x: 3/3 (100%)",
+    ]
     quiet = io.StringIO()
     bar = progress_bar(total=3, desc="x", file=quiet, disable=True)
     bar.update(3)

@@ -19,8 +19,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = ["data.train_batch_size=4", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-         "agl_lab.task.n_train=16", "agl_lab.task.n_val=4", "agl_lab.runner.concurrency=8"]
+SMALL = [
+    "data.train_batch_size=4",
+    "actor_rollout_ref.rollout.n=2",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    "agl_lab.task.n_train=16",
+    "agl_lab.task.n_val=4",
+    "agl_lab.runner.concurrency=8",
+]
 MAX_FIT_STEPS = 6
 
 
@@ -32,10 +38,10 @@ def _check_readme(namespace: dict, trainers: list, warned: list[str], tmp_path: 
 def _check_your_agent(namespace: dict, trainers: list, warned: list[str], tmp_path: Path) -> None:
     assert len(trainers) == 2  # your own agent, the registered task
     # "A first agent" learns nothing with the untrained tiny model — and says so, twice
-    assert any("tiny model gets no warm start (the agent/dataset comes without demonstrations)" in m
-               for m in warned), warned
-    assert any("every rollout got reward 0.000, 3 steps in a row" in m and "no warm start" in m
-               for m in warned), warned
+    assert any("tiny model gets no warm start (the agent/dataset comes without demonstrations)" in m for m in warned), (
+        warned
+    )
+    assert any("every rollout got reward 0.000, 3 steps in a row" in m and "no warm start" in m for m in warned), warned
     assert (tmp_path / "train.parquet").exists() and len(namespace["rows"]) == len(namespace["train_rows"])
 
 
@@ -67,7 +73,8 @@ def test_every_page_with_python_snippets_is_run():
     pages = ["README.md", *(p.relative_to(ROOT).as_posix() for p in sorted((ROOT / "docs").rglob("*.md")))]
     with_snippets = [p for p in pages if snippets(p)]
     assert set(with_snippets) <= set(PAGES), (
-        f"{sorted(set(with_snippets) - set(PAGES))} hold ```python snippets that no test runs: add them to PAGES")
+        f"{sorted(set(with_snippets) - set(PAGES))} hold ```python snippets that no test runs: add them to PAGES"
+    )
 
 
 # pages the README links to that land with another branch of issue 37 (docs/gpu.md: the GPU
@@ -78,8 +85,9 @@ PENDING_PAGES: set[str] = set()
 def _anchors(page: Path) -> set[str]:
     """GitHub's anchors of a page's headings (code blocks hold no headings)."""
     text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
-    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
-            for h in re.findall(r"^#+ (.+)$", text, flags=re.M)}
+    return {
+        re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in re.findall(r"^#+ (.+)$", text, flags=re.M)
+    }
 
 
 def test_every_link_of_readme_and_docs_resolves():
@@ -114,8 +122,13 @@ def test_the_readme_is_a_front_door():
 
 def test_dated_figures_live_in_benchmarks_only():
     pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-    dated = [f"{p.relative_to(ROOT)}:{i}" for p in pages if p.name != "benchmarks.md"
-             for i, line in enumerate(p.read_text().splitlines(), 1) if re.search(r"\b20\d\d-\d\d-\d\d\b", line)]
+    dated = [
+        f"{p.relative_to(ROOT)}:{i}"
+        for p in pages
+        if p.name != "benchmarks.md"
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if re.search(r"\b20\d\d-\d\d-\d\d\b", line)
+    ]
     assert not dated, f"dates belong in docs/benchmarks.md (link there for them): {dated}"
 
 
@@ -134,11 +147,13 @@ def test_every_python_snippet_runs(page, tmp_path, monkeypatch, caplog):
     (tmp_path / "notebooks").symlink_to(ROOT / "notebooks")
     monkeypatch.chdir(tmp_path)
     load = config_mod.load_config
-    monkeypatch.setattr(config_mod, "load_config", lambda path=None, overrides=None: load(
-        path, [*(overrides or []), *SMALL]))
+    monkeypatch.setattr(
+        config_mod, "load_config", lambda path=None, overrides=None: load(path, [*(overrides or []), *SMALL])
+    )
     fit = Trainer.fit
-    monkeypatch.setattr(Trainer, "fit", lambda self, steps=None, **kw: fit(
-        self, min(steps or MAX_FIT_STEPS, MAX_FIT_STEPS), **kw))
+    monkeypatch.setattr(
+        Trainer, "fit", lambda self, steps=None, **kw: fit(self, min(steps or MAX_FIT_STEPS, MAX_FIT_STEPS), **kw)
+    )
     namespace: dict = {"__name__": "snippets"}
     trainers: list = []
     try:

@@ -28,8 +28,9 @@ def test_a_recording_that_cannot_be_written_is_a_warning_and_resume_stays_consis
     overrides = [*SMALL, "trainer.save_freq=1", f"trainer.default_local_dir={ck}"]
     step_path(run, 2).mkdir(parents=True)  # step 2's recording cannot land
     with caplog.at_level(logging.WARNING, logger="agl_lab.recording"):
-        with Trainer.from_config("configs/cpu_tiny.yaml", [*overrides, "trainer.total_training_steps=3"],
-                                 run_dir=run, console=False) as tr:
+        with Trainer.from_config(
+            "configs/cpu_tiny.yaml", [*overrides, "trainer.total_training_steps=3"], run_dir=run, console=False
+        ) as tr:
             tr.fit()
     assert [r["step"] for r in _logged(run)] == [1, 2, 3]  # no hole
     assert [r["recording/failed"] for r in _logged(run)] == [0.0, 1.0, 0.0]
@@ -39,8 +40,12 @@ def test_a_recording_that_cannot_be_written_is_a_warning_and_resume_stays_consis
     assert recorded_steps(run) == [1, 3] and (ck / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
 
     step_path(run, 2).rmdir()
-    with Trainer.from_config("configs/cpu_tiny.yaml", [*overrides, "trainer.total_training_steps=4",
-                                                       "trainer.resume_mode=auto"], run_dir=run, console=False) as tr:
+    with Trainer.from_config(
+        "configs/cpu_tiny.yaml",
+        [*overrides, "trainer.total_training_steps=4", "trainer.resume_mode=auto"],
+        run_dir=run,
+        console=False,
+    ) as tr:
         tr.fit()
     assert [r["step"] for r in _logged(run)] == [1, 2, 3, 4]
     assert recorded_steps(run) == [1, 3, 4] and (ck / "latest_checkpointed_iteration.txt").read_text().strip() == "4"

@@ -41,8 +41,13 @@ def mr(prompt, response, **extra):
 
 
 def test_triplet_keeps_last_model_request_per_prompt():
-    events = [mr([1, 2], [10]), ev("reward", {"value": 0.5, "message": "m", "source": "agent"}),
-              mr([3, 4], [20]), mr([1, 2], [30]), ev("custom", {"x": 1})]
+    events = [
+        mr([1, 2], [10]),
+        ev("reward", {"value": 0.5, "message": "m", "source": "agent"}),
+        mr([3, 4], [20]),
+        mr([1, 2], [30]),
+        ev("custom", {"x": 1}),
+    ]
     out = triplet_events(events)
     assert [e.event_type for e in out] == ["reward", "model_request", "model_request", "custom"]
     assert out[0].data == {"value": 0.5, "source": "agent"}
@@ -52,34 +57,58 @@ def test_triplet_keeps_last_model_request_per_prompt():
 
 
 def test_triplet_shapes_completions_errors_and_legacy_chunks():
-    completions = ev("model_request", {"response": {"choices": [
-        {"prompt_token_ids": [7], "token_ids": [8, 9], "logprobs": {"token_logprobs": [-1, -2.5]}}]},
-        "http_status": 200, "status": "ok"})
+    completions = ev(
+        "model_request",
+        {
+            "response": {
+                "choices": [{"prompt_token_ids": [7], "token_ids": [8, 9], "logprobs": {"token_logprobs": [-1, -2.5]}}]
+            },
+            "http_status": 200,
+            "status": "ok",
+        },
+    )
     error = ev("model_request", {"response": {"error": {"message": "too long"}}, "http_status": 400, "status": "error"})
-    legacy = ev("model_request", {"response": [{"prompt_token_ids": [5], "choices": [{"token_ids": [1]}]},
-                                               {"choices": [{"token_ids": [2]}]}, "junk"]})
+    legacy = ev(
+        "model_request",
+        {
+            "response": [
+                {"prompt_token_ids": [5], "choices": [{"token_ids": [1]}]},
+                {"choices": [{"token_ids": [2]}]},
+                "junk",
+            ]
+        },
+    )
     broken = ev("model_request", {"response": {"choices": ["not a dict"]}})
     out = triplet_events([completions, error, legacy, broken])
-    assert out[0].data == {"prompt_token_ids": [7], "response_token_ids": [8, 9], "response_log_probs": [-1.0, -2.5],
-                           "server": {"model": None, "version": None}, "http_status": 200, "status": "ok"}
+    assert out[0].data == {
+        "prompt_token_ids": [7],
+        "response_token_ids": [8, 9],
+        "response_log_probs": [-1.0, -2.5],
+        "server": {"model": None, "version": None},
+        "http_status": 200,
+        "status": "ok",
+    }
     # the error and the broken call both have empty prompt ids: only the last of them is kept
     assert [e.data["prompt_token_ids"] for e in out] == [[7], [5], []]
     assert out[1].data["response_token_ids"] == [1, 2] and out[1].data["response_log_probs"] is None
     assert triplet_events([error])[0].data["error"] == {"message": "too long"}
 
 
-@pytest.mark.parametrize("logprobs, expected", [
-    ({"content": [{"logprob": -0.5}, {"logprob": "-1"}]}, [-0.5, -1.0]),  # chat schema
-    ({"token_logprobs": [-0.25]}, [-0.25]),  # completions schema
-    ({"content": [{"logprob": float("nan")}]}, None),
-    ({"token_logprobs": [None]}, None),
-    ({"content": [{"token": "x"}]}, None),
-    ({"content": ["x"]}, None),
-    ({"other": 1}, None),
-    ("not a dict", None),
-    ({"token_logprobs": [float("inf")]}, None),
-    ({"token_logprobs": ["abc"]}, None),
-])
+@pytest.mark.parametrize(
+    "logprobs, expected",
+    [
+        ({"content": [{"logprob": -0.5}, {"logprob": "-1"}]}, [-0.5, -1.0]),  # chat schema
+        ({"token_logprobs": [-0.25]}, [-0.25]),  # completions schema
+        ({"content": [{"logprob": float("nan")}]}, None),
+        ({"token_logprobs": [None]}, None),
+        ({"content": [{"token": "x"}]}, None),
+        ({"content": ["x"]}, None),
+        ({"other": 1}, None),
+        ("not a dict", None),
+        ({"token_logprobs": [float("inf")]}, None),
+        ({"token_logprobs": ["abc"]}, None),
+    ],
+)
 def test_extract_log_probs_never_raises(logprobs, expected):
     got = extract_log_probs({"logprobs": logprobs})
     assert got == expected and (got is None or all(math.isfinite(x) for x in got))
@@ -93,8 +122,13 @@ def test_extract_log_probs_never_raises(logprobs, expected):
 
 def _mr(prompt, response, logprobs=None, *, version=0, **extra) -> dict:
     """A model_request event in the server's triplet format."""
-    data = {"prompt_token_ids": prompt, "response_token_ids": response, "response_log_probs": logprobs,
-            "server": {"model": "test-model", "version": version}, **extra}
+    data = {
+        "prompt_token_ids": prompt,
+        "response_token_ids": response,
+        "response_log_probs": logprobs,
+        "server": {"model": "test-model", "version": version},
+        **extra,
+    }
     return {"event_type": "model_request", "rollout_id": "r", "attempt_id": "0", "timestamp": 0.0, "data": data}
 
 
@@ -103,8 +137,11 @@ def _reward(value) -> dict:
 
 
 def _rollout(state: str = "succeeded") -> Rollout:
-    return Rollout(rollout_id="r", input={"q": 1}, status=RolloutLifecycleStatus(
-        state=state, created_at=10.0, updated_at=12.5, error_message=None))
+    return Rollout(
+        rollout_id="r",
+        input={"q": 1},
+        status=RolloutLifecycleStatus(state=state, created_at=10.0, updated_at=12.5, error_message=None),
+    )
 
 
 def _build(triplet_events, raw_events=()) -> CompletedRollout:

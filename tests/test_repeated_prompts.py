@@ -25,8 +25,14 @@ TASKS = [{"key": k} for k in "abcd"]
 
 
 def _trainer(tmp_path, *extra: str) -> Trainer:
-    return Trainer.from_config("configs/cpu_tiny.yaml", overrides=[*SMALL, *extra], agent=same_prompt_agent,
-                               train_dataset=TASKS, run_dir=tmp_path, console=False)
+    return Trainer.from_config(
+        "configs/cpu_tiny.yaml",
+        overrides=[*SMALL, *extra],
+        agent=same_prompt_agent,
+        train_dataset=TASKS,
+        run_dir=tmp_path,
+        console=False,
+    )
 
 
 def test_repeated_prompts_are_dropped_as_agl_does_and_counted(tmp_path, capsys):

@@ -24,8 +24,15 @@ from agl_lab.recording import Recorder, load_recording, recorded_steps, rng_from
 from agl_lab.replay import replay_main, replay_step, what_if
 
 CASSETTE = Path(__file__).parent / "fixtures" / "cassette"
-SMALL = ["data.train_batch_size=4", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=3",
-         "trainer.test_freq=0", "trainer.save_freq=0", "trainer.logger=[console]", "agl_lab.task.n_val=0"]
+SMALL = [
+    "data.train_batch_size=4",
+    "actor_rollout_ref.rollout.n=4",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=3",
+    "trainer.test_freq=0",
+    "trainer.save_freq=0",
+    "trainer.logger=[console]",
+    "agl_lab.task.n_val=0",
+]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -40,8 +47,9 @@ def test_the_cassette_replays_to_the_recorded_numbers(step):
     assert result.differences.empty, f"replay of step {step} moved:\n{result.differences.to_string()}"
     assert result.weights_equal and result.dropped_equal and result.equal
     logged = [json.loads(line) for line in (CASSETTE / "metrics.jsonl").read_text().splitlines()]
-    assert {k: v for k, v in logged[step - 1].items() if k not in ("step", "recording/bytes")} == \
-        result.recording.metrics  # the recording holds the step's logged metrics (but its own size)
+    assert {
+        k: v for k, v in logged[step - 1].items() if k not in ("step", "recording/bytes")
+    } == result.recording.metrics  # the recording holds the step's logged metrics (but its own size)
 
 
 def test_the_cassette_has_what_a_golden_test_needs():
@@ -107,8 +115,9 @@ def recorded_run(tmp_path_factory):
     from agl_lab.trainer import Trainer
 
     run = tmp_path_factory.mktemp("rec") / "run"
-    trainer = Trainer.from_config("configs/cpu_tiny.yaml", overrides=[*SMALL, "agl_lab.record.max_steps=2"],
-                                  run_dir=run, console=False)
+    trainer = Trainer.from_config(
+        "configs/cpu_tiny.yaml", overrides=[*SMALL, "agl_lab.record.max_steps=2"], run_dir=run, console=False
+    )
     try:
         history = [trainer.step() for _ in range(3)]
     finally:
@@ -132,8 +141,12 @@ def test_the_update_replays_on_the_engine_from_the_checkpoint_before(tmp_path):
     from agl_lab.trainer import Trainer
 
     run, ckpt = tmp_path / "run", tmp_path / "ckpt"
-    with Trainer.from_config("configs/cpu_tiny.yaml", run_dir=run, console=False,
-                             overrides=[*SMALL, "trainer.save_freq=1", f"trainer.default_local_dir={ckpt}"]) as t:
+    with Trainer.from_config(
+        "configs/cpu_tiny.yaml",
+        run_dir=run,
+        console=False,
+        overrides=[*SMALL, "trainer.save_freq=1", f"trainer.default_local_dir={ckpt}"],
+    ) as t:
         t.step(), t.step()
     again = replay_update(run, 2)
     assert again.replay.equal
@@ -170,16 +183,37 @@ def test_each_validation_records_its_rollouts_in_task_order(tmp_path):
 
 def test_recording_off_and_without_events(tmp_path):
     off = Recorder(tmp_path / "a", {"enabled": False})
-    assert off.record(1, batch_step=0, rollouts=[], metrics={}, update=None, policy_version=0, seed=0,
-                      rng=checkpoints.rng_state(), pad_token_id=0) == 0
+    assert (
+        off.record(
+            1,
+            batch_step=0,
+            rollouts=[],
+            metrics={},
+            update=None,
+            policy_version=0,
+            seed=0,
+            rng=checkpoints.rng_state(),
+            pad_token_id=0,
+        )
+        == 0
+    )
     assert not (tmp_path / "a").exists()
     rec = load_recording(CASSETTE, 1)
     from agl_lab.results import UpdateResult
 
     update = UpdateResult(step=0, metrics={}, weights=rec.weights, dropped=rec.dropped)
     lean = Recorder(tmp_path / "b", {"events": False})
-    size = lean.record(1, batch_step=0, rollouts=rec.rollouts, metrics=rec.metrics, update=update, policy_version=0,
-                       seed=0, rng=checkpoints.rng_state(), pad_token_id=rec.pad_token_id)
+    size = lean.record(
+        1,
+        batch_step=0,
+        rollouts=rec.rollouts,
+        metrics=rec.metrics,
+        update=update,
+        policy_version=0,
+        seed=0,
+        rng=checkpoints.rng_state(),
+        pad_token_id=rec.pad_token_id,
+    )
     assert 0 < size < step_path(CASSETTE, 1).stat().st_size
     assert all(r.events == [] and r.triplets for r in load_recording(tmp_path / "b", 1).rollouts)
 

@@ -44,8 +44,10 @@ DAMAGE = {
     "a JSON list": (lambda raw: _gz([1, 2, 3]), "holds a JSON list"),
     "not JSON": (lambda raw: gzip.compress(b"{oops"), "not JSON"),
     "no rollouts": (lambda raw: _gz(_without(_doc(), "rollouts")), "has no 'rollouts' key"),
-    "a rollout missing a field": (lambda raw: _gz(_rollout_without(_doc(), "rollout_id")),
-                                  "rollout 0 has no 'rollout_id' field"),
+    "a rollout missing a field": (
+        lambda raw: _gz(_rollout_without(_doc(), "rollout_id")),
+        "rollout 0 has no 'rollout_id' field",
+    ),
 }
 
 
@@ -73,5 +75,7 @@ def test_a_stray_step_7_file_is_no_recording_and_the_cli_prints_no_traceback(run
     assert ok.returncode == 0 and "every engine-independent metric and table equal" in ok.stdout, ok.stderr[-2000:]
     bad = subprocess.run([*cmd, "1"], capture_output=True, text=True, timeout=600, cwd=env_root)
     assert bad.returncode == 2 and "Traceback" not in bad.stdout + bad.stderr
-    assert bad.stdout.strip() == (f"agl-lab replay: {step_path(run, 1)} is damaged: not a complete gzip file "
-                                  "(BadGzipFile: Not a gzipped file (b'ju'))")
+    assert bad.stdout.strip() == (
+        f"agl-lab replay: {step_path(run, 1)} is damaged: not a complete gzip file "
+        "(BadGzipFile: Not a gzipped file (b'ju'))"
+    )

@@ -21,12 +21,23 @@ from tests.test_rollout import KEY, FakeRunner, post_call
 FAST = dict(poll_interval=0.01, timeout_seconds=30)
 
 
-@pytest.mark.parametrize("value, why", [
-    (math.nan, "not finite"), (math.inf, "not finite"), (-math.inf, "not finite"),
-    (1e39, "beyond float32"), (-1e39, "beyond float32"), (10**400, "beyond float32"),
-    ("abc", "not a number"), ("0.5", "not a number"), ([1], "not a number"), (True, "not a number"),
-    (None, "not a number"), ({"v": 1}, "not a number"),
-])
+@pytest.mark.parametrize(
+    "value, why",
+    [
+        (math.nan, "not finite"),
+        (math.inf, "not finite"),
+        (-math.inf, "not finite"),
+        (1e39, "beyond float32"),
+        (-1e39, "beyond float32"),
+        (10**400, "beyond float32"),
+        ("abc", "not a number"),
+        ("0.5", "not a number"),
+        ([1], "not a number"),
+        (True, "not a number"),
+        (None, "not a number"),
+        ({"v": 1}, "not a number"),
+    ],
+)
 def test_reward_problem_names_why(value, why):
     assert why in reward_problem(value)
 
@@ -51,6 +62,7 @@ def _reward_agent(values: dict[int, object]):
         post_call(client, rid, [x, 1], [100], [-0.5])
         client.add_event(rid, "0", "reward", {"value": values[x]})
         return "succeeded"
+
     return agent
 
 
@@ -76,8 +88,11 @@ def test_bad_rewards_fail_their_rollout_with_the_reason(server):
 def test_rewards_json_cannot_store_are_refused_at_post(server, text):
     with httpx.Client(base_url=server.url, headers=server.headers, trust_env=False) as c:
         rid = c.post("/api/rollouts", json=[{"input": {}}]).json()[0]["rollout_id"]
-        r = c.post(f"/api/rollouts/{rid}/attempt/0/events", content=f'{{"event_type": "reward", "data": {text}}}',
-                   headers={"content-type": "application/json"})
+        r = c.post(
+            f"/api/rollouts/{rid}/attempt/0/events",
+            content=f'{{"event_type": "reward", "data": {text}}}',
+            headers={"content-type": "application/json"},
+        )
         assert r.status_code == 422 and "data.value" in r.json()["detail"], r.text
 
 
@@ -107,8 +122,15 @@ def test_a_rollout_that_cannot_be_built_is_failed_and_kept_not_lost(server, monk
 
 
 def _completed(rid, state, reward):
-    return CompletedRollout(rollout_id=rid, data_id="d", step=0, sample_idx=0, state=state, final_reward=reward,
-                            triplets=[Triplet([1, 2], [3, 4], [-0.1, -0.1], reward=reward)])
+    return CompletedRollout(
+        rollout_id=rid,
+        data_id="d",
+        step=0,
+        sample_idx=0,
+        state=state,
+        final_reward=reward,
+        triplets=[Triplet([1, 2], [3, 4], [-0.1, -0.1], reward=reward)],
+    )
 
 
 def test_failed_rollouts_train_by_default_and_can_be_excluded():
@@ -124,8 +146,10 @@ def test_failed_rollouts_train_by_default_and_can_be_excluded():
     assert excluded.metrics["training/reward"] == 1.0
     from agl_lab.rollout import report_failures
 
-    assert report_failures(rollouts, step=0, is_train=True) == {"training/n_failed_rollouts": 2,
-                                                                "training/n_rerun_rollouts": 0}
+    assert report_failures(rollouts, step=0, is_train=True) == {
+        "training/n_failed_rollouts": 2,
+        "training/n_rerun_rollouts": 0,
+    }
     assert "failed 2" in format_console_line(1, {**report_failures(rollouts, 0, True), **excluded.metrics})
     with pytest.raises(RuntimeError, match="2 FAILED ones excluded"):
         batch.build_batch(rollouts[1:], exclude_failed=True, **kwargs)
@@ -137,8 +161,10 @@ def test_exclude_failed_is_a_config_key():
     assert AGL_LAB_DEFAULTS["agl_lab"]["algorithm"]["exclude_failed_rollouts"] is False
 
 
-@pytest.mark.parametrize("value, why", [(1e39, "beyond float32"), (10**400, "beyond float32"),
-                                        (math.nan, "not finite"), (math.inf, "not finite")])
+@pytest.mark.parametrize(
+    "value, why",
+    [(1e39, "beyond float32"), (10**400, "beyond float32"), (math.nan, "not finite"), (math.inf, "not finite")],
+)
 def test_runner_fails_a_callable_that_returns_an_unusable_reward(server, value, why):
     from agl_lab.protocol import RolloutCreate
     from agl_lab.runner import Runner

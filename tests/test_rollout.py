@@ -43,16 +43,35 @@ def client(server):
         yield c
 
 
-def post_call(client: AglClient, rid: str, prompt: list[int], response: list[int], logprobs: list[float],
-              *, version: int = 0, http_status: int = 200) -> None:
+def post_call(
+    client: AglClient,
+    rid: str,
+    prompt: list[int],
+    response: list[int],
+    logprobs: list[float],
+    *,
+    version: int = 0,
+    http_status: int = 200,
+) -> None:
     """A model_request event exactly as the gateway records it (chat schema)."""
     content = [{"logprob": lp} for lp in logprobs]
-    client.add_event(rid, "0", "model_request", {
-        "model": "test-model", "model_version": version, "request": {"messages": []},
-        "response": {"prompt_token_ids": prompt, "choices": [{"token_ids": response, "logprobs": {"content": content}}]},
-        "server": {"model": "test-model", "endpoint": "http://e/v1", "version": version},
-        "http_status": http_status, "status": "ok" if http_status < 400 else "error",
-    })
+    client.add_event(
+        rid,
+        "0",
+        "model_request",
+        {
+            "model": "test-model",
+            "model_version": version,
+            "request": {"messages": []},
+            "response": {
+                "prompt_token_ids": prompt,
+                "choices": [{"token_ids": response, "logprobs": {"content": content}}],
+            },
+            "server": {"model": "test-model", "endpoint": "http://e/v1", "version": version},
+            "http_status": http_status,
+            "status": "ok" if http_status < 400 else "error",
+        },
+    )
 
 
 def reward_of(task: dict, copy_idx: int) -> float:
@@ -74,8 +93,13 @@ class FakeRunner:
     Tasks named in `hold` stay queuing; with `(name, copy_idx)` entries only that copy waits.
     """
 
-    def __init__(self, url: str, agent: Callable[[AglClient, Rollout], str] = scripted_agent,
-                 hold: set | None = None, priority: Callable[[Rollout], int] | None = None):
+    def __init__(
+        self,
+        url: str,
+        agent: Callable[[AglClient, Rollout], str] = scripted_agent,
+        hold: set | None = None,
+        priority: Callable[[Rollout], int] | None = None,
+    ):
         self.client = AglClient(url, key=KEY, backoff_base=0.001)
         self.agent, self.hold, self.priority = agent, hold if hold is not None else set(), priority
         self.errors: list[BaseException] = []
@@ -199,8 +223,9 @@ def test_sync_manager_requests_are_per_poll_and_per_rollout_not_per_rollout_per_
     # Each rollout: GET it, GET raw events, (the hook wrote) POST event + GET raw again,
     # GET triplets, DELETE — independent of how many polls the phase took.
     n = len(ids)
-    assert per_rollout == Counter({("GET", ""): n, ("GET", "/events"): 3 * n,
-                                   ("POST", "/attempt/0/events"): n, ("DELETE", ""): n})
+    assert per_rollout == Counter(
+        {("GET", ""): n, ("GET", "/events"): 3 * n, ("POST", "/attempt/0/events"): n, ("DELETE", ""): n}
+    )
     n_polls = seen.count(("GET", "/api/rollouts/terminal")) - 1  # the first one places the cursor
     assert n_polls >= 1 and seen.count(("GET", "/api/rollouts")) <= n_polls  # running list: at most 1 per poll
     assert seen.count(("POST", "/api/rollouts")) == 1
@@ -216,8 +241,12 @@ def test_sync_manager_validation_runs_one_rollout_per_task(server, client):
 def test_sync_manager_end_to_end_parity_through_the_server(server, client):
     def agent(c: AglClient, r: Rollout) -> str:
         rid = r.rollout_id
-        c.add_event(rid, "0", "model_request", {"response": {"error": {"message": "too long"}},
-                                                 "http_status": 400, "status": "error"})
+        c.add_event(
+            rid,
+            "0",
+            "model_request",
+            {"response": {"error": {"message": "too long"}}, "http_status": 400, "status": "error"},
+        )
         post_call(c, rid, [9], [], [])
         post_call(c, rid, [1], [2], [-0.1], version=3)
         c.add_event(rid, "0", "reward", {"value": 1.0})
@@ -235,7 +264,7 @@ class EvaluatorHooks(RolloutHooks):
     """Supplies rewards from the trainer side: 0.5 per model call, -1 for failures."""
 
     def on_succeeded(self, rollout, events, store):
-        (attempt, evs), = events.items()
+        ((attempt, evs),) = events.items()
         n_calls = sum(e.event_type == "model_request" for e in evs)
         store.add_event(rollout.rollout_id, attempt, "reward", {"value": 0.5 * n_calls, "source": "evaluator"})
 
@@ -262,7 +291,10 @@ class RaisingHooks(RolloutHooks):
 
 def test_hook_that_raises_does_not_stop_the_phase_and_its_events_are_dropped(server, client):
     manager = SyncRolloutManager(client, n=1, step=0, rollout_config={}, hooks=RaisingHooks(), **FAST)
-    with FakeRunner(server.url), pytest.warns(RuntimeWarning, match="RolloutManager: on_succeeded hook failed for rollout"):
+    with (
+        FakeRunner(server.url),
+        pytest.warns(RuntimeWarning, match="RolloutManager: on_succeeded hook failed for rollout"),
+    ):
         fine, crashed = manager.run(tasks("t1", "t2"), is_train=True)
     assert fine.final_reward == 99.0 and "hook_error" not in fine.metadata
     assert crashed.final_reward == pytest.approx(reward_of({"x": 2}, 0))  # the agent's, not 99
@@ -311,12 +343,15 @@ def test_bad_arguments_name_the_key(client):
 # =============================================================================================
 
 
-@pytest.mark.parametrize("async_size, match", [
-    (None, r"agentlightning.async_rollout.async_train_batch_size \(None\) must be an int > data.train_batch_size"),
-    (2, r"agentlightning.async_rollout.async_train_batch_size \(2\) must be an int > data.train_batch_size \(2\)"),
-    (1, r"async_train_batch_size \(1\) must be"),
-    ("3", r"async_train_batch_size \('3'\) must be an int"),
-])
+@pytest.mark.parametrize(
+    "async_size, match",
+    [
+        (None, r"agentlightning.async_rollout.async_train_batch_size \(None\) must be an int > data.train_batch_size"),
+        (2, r"agentlightning.async_rollout.async_train_batch_size \(2\) must be an int > data.train_batch_size \(2\)"),
+        (1, r"async_train_batch_size \(1\) must be"),
+        ("3", r"async_train_batch_size \('3'\) must be an int"),
+    ],
+)
 def test_async_sizes_are_validated(client, async_size, match):
     with pytest.raises(ValueError, match=match):
         AsyncRolloutManager(client, n=2, train_batch_size=2, async_train_batch_size=async_size, rollout_config={})
@@ -324,8 +359,9 @@ def test_async_sizes_are_validated(client, async_size, match):
 
 def test_async_carry_over_tops_up_only_the_difference_and_hooks_run_once(server, client):
     hooks, trained = CountingHooks(), []
-    manager = AsyncRolloutManager(client, n=2, train_batch_size=2, async_train_batch_size=3,
-                                  rollout_config={}, hooks=hooks, **FAST)
+    manager = AsyncRolloutManager(
+        client, n=2, train_batch_size=2, async_train_batch_size=3, rollout_config={}, hooks=hooks, **FAST
+    )
     assert manager.n_new_tasks_needed() == 3
     hold = {("t2", 1)}
     # t2's first copy runs first, so it is finished (and its hook run) while its group waits.
@@ -335,12 +371,20 @@ def test_async_carry_over_tops_up_only_the_difference_and_hooks_run_once(server,
         trained += done
         assert [key_of(c) for c in done] == [("t0", 0), ("t0", 1), ("t1", 0), ("t1", 1)]
         assert manager.carry_over_groups()[0] | {"data_id": None} == {
-            "data_id": None, "step": 1, "policy_version": 1, "n_finished": 1, "n": 2}
-        assert m1 == {"training/async/n_prev_carry_over_rollouts": 0.0, "training/async/n_completed_rollouts": 4.0,
-                      "training/async/n_new_carry_over_rollouts": 2.0,
-                      "training/async/new_carry_over_age_max_steps": 0.0,
-                      "training/async/carry_over_age_max_versions": 0.0,
-                      "training/n_wait_timeout_dropped_rollouts": 0.0}
+            "data_id": None,
+            "step": 1,
+            "policy_version": 1,
+            "n_finished": 1,
+            "n": 2,
+        }
+        assert m1 == {
+            "training/async/n_prev_carry_over_rollouts": 0.0,
+            "training/async/n_completed_rollouts": 4.0,
+            "training/async/n_new_carry_over_rollouts": 2.0,
+            "training/async/new_carry_over_age_max_steps": 0.0,
+            "training/async/carry_over_age_max_versions": 0.0,
+            "training/n_wait_timeout_dropped_rollouts": 0.0,
+        }
         assert manager.n_new_tasks_needed() == 2  # only the difference is topped up
         with pytest.raises(ValueError, match="pass n_new_tasks_needed"):
             manager.run(tasks("t3", "t4", "t9"), step=2)
@@ -351,7 +395,10 @@ def test_async_carry_over_tops_up_only_the_difference_and_hooks_run_once(server,
         trained += done
         assert [key_of(c) for c in done] == [("t2", 0), ("t2", 1), ("t3", 0), ("t3", 1)]
         assert [c.step for c in done] == [1, 1, 2, 2] and done[0].enqueue_policy_version == 1
-        assert m2["training/async/n_prev_carry_over_rollouts"] == 2.0 and m2["training/async/n_new_carry_over_rollouts"] == 2.0
+        assert (
+            m2["training/async/n_prev_carry_over_rollouts"] == 2.0
+            and m2["training/async/n_new_carry_over_rollouts"] == 2.0
+        )
         # --- step 3: t4 still held -> carried again, now one step and one version old
         done, m3 = manager.run(tasks("t5", "t6"), step=3, policy_version=3)
         trained += done
@@ -360,8 +407,9 @@ def test_async_carry_over_tops_up_only_the_difference_and_hooks_run_once(server,
         assert m3["training/async/carry_over_age_max_versions"] == 1.0
         # --- checkpoint the carry-over, resume it in a new manager, finish t4 there
         state = json.loads(json.dumps(manager.state_dict()))
-        resumed = AsyncRolloutManager(client, n=2, train_batch_size=2, async_train_batch_size=3,
-                                      rollout_config={}, hooks=hooks, **FAST)
+        resumed = AsyncRolloutManager(
+            client, n=2, train_batch_size=2, async_train_batch_size=3, rollout_config={}, hooks=hooks, **FAST
+        )
         resumed.load_state_dict(state)
         assert resumed.carry_over_groups() == manager.carry_over_groups() and resumed.n_new_tasks_needed() == 2
         hold.clear()
@@ -377,8 +425,16 @@ def test_async_carry_over_tops_up_only_the_difference_and_hooks_run_once(server,
 
 def test_async_timeout_trains_the_members_that_finished_and_hooks_run_once(server, client):
     hooks = CountingHooks()
-    manager = AsyncRolloutManager(client, n=2, train_batch_size=2, async_train_batch_size=3, rollout_config={},
-                                  hooks=hooks, poll_interval=0.01, timeout_seconds=0.5)
+    manager = AsyncRolloutManager(
+        client,
+        n=2,
+        train_batch_size=2,
+        async_train_batch_size=3,
+        rollout_config={},
+        hooks=hooks,
+        poll_interval=0.01,
+        timeout_seconds=0.5,
+    )
     with FakeRunner(server.url, hold={("t1", 1), "t2"}), pytest.warns(RuntimeWarning, match="dropping 3 unfinished"):
         done, metrics = manager.run(tasks("t0", "t1", "t2"), step=1, policy_version=1)
     # t0 whole, t1 with the copy that finished; t2 had none: gone; nothing carried over
@@ -399,14 +455,17 @@ def test_async_resume_rejects_another_n(client):
 
 def test_async_with_everything_finishing_trains_what_sync_trains(server, client):
     def summary(completed: list[CompletedRollout]) -> list[tuple]:
-        return sorted((key_of(c), c.final_reward, [(t.prompt_ids, t.response_ids, t.reward) for t in c.triplets])
-                      for c in completed)
+        return sorted(
+            (key_of(c), c.final_reward, [(t.prompt_ids, t.response_ids, t.reward) for t in c.triplets])
+            for c in completed
+        )
 
     batch = tasks("t0", "t1", "t2")
     with FakeRunner(server.url):
         sync = SyncRolloutManager(client, n=3, step=1, rollout_config={}, **FAST).run(batch, is_train=True)
-        manager = AsyncRolloutManager(client, n=3, train_batch_size=3, async_train_batch_size=4,
-                                      rollout_config={}, **FAST)
+        manager = AsyncRolloutManager(
+            client, n=3, train_batch_size=3, async_train_batch_size=4, rollout_config={}, **FAST
+        )
         done, metrics = manager.run(batch + tasks("t3"), step=1, policy_version=0)
     assert summary(done) == summary(sync) and len(done) == 9
     assert metrics["training/async/n_completed_rollouts"] == 9.0

@@ -34,8 +34,13 @@ def _agent(mode: str):
 
 def _step(tmp_path, mode, caplog, *overrides):
     with caplog.at_level(logging.WARNING, logger="agl_lab.rollout_problems"):
-        with Trainer.from_config("configs/cpu_tiny.yaml", overrides=[*SMALL, *overrides], agent=_agent(mode),
-                                 run_dir=tmp_path / mode, console=False) as tr:
+        with Trainer.from_config(
+            "configs/cpu_tiny.yaml",
+            overrides=[*SMALL, *overrides],
+            agent=_agent(mode),
+            run_dir=tmp_path / mode,
+            console=False,
+        ) as tr:
             metrics = tr.step()
             batch = tr._last_batch
     return metrics, batch, [r.getMessage() for r in caplog.records if r.name == "agl_lab.rollout_problems"]
@@ -45,8 +50,9 @@ def test_failed_rollouts_that_train_are_said_every_step(tmp_path, caplog):
     metrics, batch, messages = _step(tmp_path, "raise", caplog)
     assert metrics["training/n_failed_rollouts"] == 4 and metrics["training/n_failed_rollouts_trained"] == 4
     assert len(messages) == 1
-    assert messages[0].startswith("step 0: 4 of 8 rollouts FAILED and are trained with reward 0 "
-                                  "(agentlightning.reward_fillna_value")
+    assert messages[0].startswith(
+        "step 0: 4 of 8 rollouts FAILED and are trained with reward 0 (agentlightning.reward_fillna_value"
+    )
     assert "the tool server went away" in messages[0]
     assert "agl_lab.algorithm.exclude_failed_rollouts=true" in messages[0]
     assert "failed_trained 4" in format_console_line(1, metrics)

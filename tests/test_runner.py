@@ -43,13 +43,21 @@ def create(api: httpx.Client, *rollouts: dict[str, Any]) -> list[str]:
     return [r["rollout_id"] for r in resp.json()]
 
 
-def subprocess_rollout(agent_class: str | None, env_map: dict[str, str] | None = None,
-                       input: Any = None, timeout_seconds: int = 3600, is_train: bool = True) -> dict:
+def subprocess_rollout(
+    agent_class: str | None,
+    env_map: dict[str, str] | None = None,
+    input: Any = None,
+    timeout_seconds: int = 3600,
+    is_train: bool = True,
+) -> dict:
     local = {"env_map": env_map or {}}
     if agent_class is not None:
         local["agent_class"] = f"{AGENTS}:{agent_class}"
-    return {"input": input if input is not None else {}, "is_train": is_train,
-            "config": {"timeout_seconds": timeout_seconds, "local": local}}
+    return {
+        "input": input if input is not None else {},
+        "is_train": is_train,
+        "config": {"timeout_seconds": timeout_seconds, "local": local},
+    }
 
 
 def status(api: httpx.Client, rid: str) -> dict[str, Any]:
@@ -103,10 +111,25 @@ def process_gone(pid: int) -> bool:
 
 def test_env_map_resolution_follows_agl_rules():
     task = {"question": "2+2 = ？", "nums": [1, 2, {"x": None}], "meta": {"ok": True}}
-    env = resolve_env_map({"Q": "input.question", "N": "input.nums.1", "X": "input.nums.2.x",
-                           "ALL": "input", "META": "input.meta", "LIT": "Qwen/Qwen2.5-1.5B"}, task)
-    assert env == {"Q": "2+2 = ？", "N": "2", "X": "null", "ALL": json.dumps(task, ensure_ascii=False),
-                   "META": '{"ok": true}', "LIT": "Qwen/Qwen2.5-1.5B"}
+    env = resolve_env_map(
+        {
+            "Q": "input.question",
+            "N": "input.nums.1",
+            "X": "input.nums.2.x",
+            "ALL": "input",
+            "META": "input.meta",
+            "LIT": "Qwen/Qwen2.5-1.5B",
+        },
+        task,
+    )
+    assert env == {
+        "Q": "2+2 = ？",
+        "N": "2",
+        "X": "null",
+        "ALL": json.dumps(task, ensure_ascii=False),
+        "META": '{"ok": true}',
+        "LIT": "Qwen/Qwen2.5-1.5B",
+    }
     for bad in ("input.missing", "input.nums.3", "input.question.0", "input.nums.x"):
         with pytest.raises(ValueError, match=f"^local.env_map path not found: {bad}$"):
             resolve_env_map({"V": bad}, task)
@@ -115,7 +138,8 @@ def test_env_map_resolution_follows_agl_rules():
 def test_agent_urls_match_agl():
     assert agent_urls("http://h:1/", "abc", True) == (
         "http://h:1/proxy/rollout/abc/attempt/0/mode/train/openai/v1",
-        "http://h:1/api/rollouts/abc/attempt/0/events")
+        "http://h:1/api/rollouts/abc/attempt/0/events",
+    )
     assert agent_urls("http://h:1", "abc", False)[0].endswith("/mode/val/openai/v1")
 
 
@@ -149,8 +173,10 @@ def test_callable_agent_success_posts_reward_and_gets_its_context(server, api):
     assert {rid: st["state"] for rid, st in final.items()} == dict.fromkeys(ids, "succeeded")
     assert all(st["last_attempt_id"] == "0" and st["error_message"] is None for st in final.values())
     assert [e["data"] for e in events(api, ids[0])] == [{"task": 0}, {"value": 0.0}]
-    assert [(e["event_type"], e["data"]) for e in events(api, ids[1])] == [("note", {"task": 1}),
-                                                                          ("reward", {"value": 0.25})]
+    assert [(e["event_type"], e["data"]) for e in events(api, ids[1])] == [
+        ("note", {"task": 1}),
+        ("reward", {"value": 0.25}),
+    ]
     assert events(api, ids[2], event_type="reward") == []  # None = no reward event
     ctx = seen[ids[1]]
     assert ctx.base_url == f"{server.url}/proxy/rollout/{ids[1]}/attempt/0/mode/val/openai/v1"
@@ -164,8 +190,15 @@ def test_callable_agent_success_posts_reward_and_gets_its_context(server, api):
     assert (ctx.api_key, ctx.attempt_id, ctx.is_train) == (token, "0", False)
     client = ctx.openai_client(max_retries=1)
     assert str(client.base_url).rstrip("/") == ctx.base_url and client.api_key == token
-    assert runner.stats == {"claimed": 3, "succeeded": 3, "failed": 0, "abandoned": 0, "released": 0,
-                            "conflicts": 0, "running": 0}
+    assert runner.stats == {
+        "claimed": 3,
+        "succeeded": 3,
+        "failed": 0,
+        "abandoned": 0,
+        "released": 0,
+        "conflicts": 0,
+        "running": 0,
+    }
 
 
 def test_async_callable_agent_is_awaited(server, api):
@@ -189,15 +222,22 @@ def test_callable_crash_timeout_and_bad_return_fail_with_a_message(server, api):
         # hang: ignore the deadline, then try the gateway after the runner gave up
         ctx.cancelled.wait(30)
         wait_until(lambda: status_of(ctx.rollout_id) == "failed", 10, "the timeout patch")
-        resp = httpx.post(ctx.base_url + "/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
-                          json={"model": "auto", "messages": [{"role": "user", "content": "hi"}]})
+        resp = httpx.post(
+            ctx.base_url + "/chat/completions",
+            headers={"Authorization": f"Bearer {KEY}"},
+            json={"model": "auto", "messages": [{"role": "user", "content": "hi"}]},
+        )
         late_gateway_status.append(resp.status_code)
 
     def status_of(rid: str) -> str:
         return status(api, rid)["state"]
 
-    ids = create(api, {"input": {"kind": "raise"}}, {"input": {"kind": "bool"}},
-                 {"input": {"kind": "hang"}, "config": {"timeout_seconds": 1}})
+    ids = create(
+        api,
+        {"input": {"kind": "raise"}},
+        {"input": {"kind": "bool"}},
+        {"input": {"kind": "hang"}, "config": {"timeout_seconds": 1}},
+    )
     with Runner(server.url, key=KEY, agent=agent):
         final = wait_terminal(api, ids)
         wait_until(lambda: late_gateway_status, 15, "the abandoned agent's late call")
@@ -211,8 +251,7 @@ def test_callable_crash_timeout_and_bad_return_fail_with_a_message(server, api):
 
 def test_runner_timeout_caps_the_rollout_timeout(server, api):
     ids = create(api, {"input": {}})  # config.timeout_seconds defaults to 3600
-    with Runner(server.url, key=KEY, agent=lambda t, ctx: ctx.cancelled.wait(30),
-                rollout_timeout_seconds=0.3):
+    with Runner(server.url, key=KEY, agent=lambda t, ctx: ctx.cancelled.wait(30), rollout_timeout_seconds=0.3):
         final = wait_terminal(api, ids)
     assert final[ids[0]]["error_message"] == "agent timed out after 0.3 s"
 
@@ -251,8 +290,10 @@ def test_two_runners_never_run_a_rollout_twice(server, api):
         time.sleep(0.01)
 
     ids = create(api, *[{"input": {"i": i}} for i in range(12)])
-    with Runner(server.url, key=KEY, agent=agent, concurrency=4) as a, \
-            Runner(server.url, key=KEY, agent=agent, concurrency=4) as b:
+    with (
+        Runner(server.url, key=KEY, agent=agent, concurrency=4) as a,
+        Runner(server.url, key=KEY, agent=agent, concurrency=4) as b,
+    ):
         wait_terminal(api, ids)
     assert sorted(runs) == sorted(ids)
     assert a.stats["claimed"] + b.stats["claimed"] == len(ids)
@@ -275,8 +316,11 @@ def test_shutdown_releases_running_rollouts_back_to_the_queue(server, api):
     states = [status(api, rid) for rid in ids]
     released = [st for st in states if st["error_message"]]
     assert len(released) == 2 and runner.stats["released"] == 2 and runner.stats["failed"] == 0
-    assert all(st["error_message"] == f"attempt 0 released (runner {runner.runner_id} stopped); re-queued"
-               and st["last_attempt_id"] == "0" for st in released)
+    assert all(
+        st["error_message"] == f"attempt 0 released (runner {runner.runner_id} stopped); re-queued"
+        and st["last_attempt_id"] == "0"
+        for st in released
+    )
     assert all(st["state"] == "queuing" for st in states)  # none failed: another runner runs them
     assert api.get("/api/rollouts", params={"state_in": "running"}).json() == []
     assert runner.running == []
@@ -308,10 +352,16 @@ def test_runner_keeps_polling_through_a_server_outage(embedded_server):
 
 def test_subprocess_agent_gets_the_agl_environment(server, api):
     task = {"question": "¿cuánto es 2+2?", "nums": [3, 4], "meta": {"level": 1}}
-    env_map = {"T_Q": "input.question", "T_N": "input.nums.1", "T_META": "input.meta",
-               "T_ALL": "input", "T_MODEL": "Qwen/Qwen2.5-1.5B-Instruct"}
-    ids = create(api, subprocess_rollout("EnvReportAgent", env_map, task),
-                 subprocess_rollout("AsyncRewardAgent", is_train=False))
+    env_map = {
+        "T_Q": "input.question",
+        "T_N": "input.nums.1",
+        "T_META": "input.meta",
+        "T_ALL": "input",
+        "T_MODEL": "Qwen/Qwen2.5-1.5B-Instruct",
+    }
+    ids = create(
+        api, subprocess_rollout("EnvReportAgent", env_map, task), subprocess_rollout("AsyncRewardAgent", is_train=False)
+    )
     with Runner(server.url, key=KEY, concurrency=2):  # agent=None: each rollout's agent_class
         final = wait_terminal(api, ids)
     assert [final[rid]["state"] for rid in ids] == ["succeeded", "succeeded"]
@@ -321,8 +371,11 @@ def test_subprocess_agent_gets_the_agl_environment(server, api):
         "AGL_OPENAI_BASE_URL": f"{server.url}/proxy/rollout/{ids[0]}/attempt/0/mode/train/openai/v1",
         "AGL_EVENT_URL": f"{server.url}/api/rollouts/{ids[0]}/attempt/0/events",
         "AGL_KEY": rollout_token(KEY, ids[0], final[ids[0]]["created_at"]),  # its own token, not the server key
-        "T_Q": "¿cuánto es 2+2?", "T_N": "4", "T_META": '{"level": 1}',
-        "T_ALL": json.dumps(task, ensure_ascii=False), "T_MODEL": "Qwen/Qwen2.5-1.5B-Instruct",
+        "T_Q": "¿cuánto es 2+2?",
+        "T_N": "4",
+        "T_META": '{"level": 1}',
+        "T_ALL": json.dumps(task, ensure_ascii=False),
+        "T_MODEL": "Qwen/Qwen2.5-1.5B-Instruct",
     }
     assert events(api, ids[0], event_type="reward")[0]["data"] == {"value": 1.0}
     assert events(api, ids[1], event_type="reward")[0]["data"] == {"value": 0.25}
@@ -335,9 +388,14 @@ def test_runner_agent_class_overrides_the_rollout(server, api):
 
 
 def test_subprocess_failures_fail_with_a_message(server, api):
-    ids = create(api, subprocess_rollout("CrashAgent"), subprocess_rollout("ExitCodeAgent"),
-                 subprocess_rollout(None), subprocess_rollout("EnvReportAgent", {"T_X": "input.nope"}),
-                 subprocess_rollout("NoSuchAgent"))
+    ids = create(
+        api,
+        subprocess_rollout("CrashAgent"),
+        subprocess_rollout("ExitCodeAgent"),
+        subprocess_rollout(None),
+        subprocess_rollout("EnvReportAgent", {"T_X": "input.nope"}),
+        subprocess_rollout("NoSuchAgent"),
+    )
     with Runner(server.url, key=KEY, concurrency=5):
         final = [wait_terminal(api, ids)[rid] for rid in ids]
     assert [st["state"] for st in final] == ["failed"] * 5
@@ -345,8 +403,7 @@ def test_subprocess_failures_fail_with_a_message(server, api):
     assert crash.startswith("subprocess exited with code 1; stderr tail:\n")
     assert "about to crash" in crash and "RuntimeError: agent crashed on purpose" in crash
     assert code3 == "subprocess exited with code 3; stderr tail:\nbad configuration: giving up"
-    assert missing.startswith("local subprocess spawn failed: invalid rollout config: "
-                              "missing config.local.agent_class")
+    assert missing.startswith("local subprocess spawn failed: invalid rollout config: missing config.local.agent_class")
     assert bad_path == "local subprocess spawn failed: local.env_map path not found: input.nope"
     assert no_class.startswith("subprocess exited with code 1") and "has no attribute 'NoSuchAgent'" in no_class
 
@@ -378,8 +435,9 @@ def test_rollout_ended_outside_the_runner_stops_its_agent(server, api):
     ids = create(api, subprocess_rollout("HangAgent"))
     with Runner(server.url, key=KEY) as runner:
         wait_until(lambda: events(api, ids[0], event_type="pids"), 20, "the agent to start")
-        api.patch(f"/api/rollouts/{ids[0]}",
-                  json={"status": {"state": "failed", "error_message": "trainer gave up"}}).raise_for_status()
+        api.patch(
+            f"/api/rollouts/{ids[0]}", json={"status": {"state": "failed", "error_message": "trainer gave up"}}
+        ).raise_for_status()
         pids = events(api, ids[0], event_type="pids")[0]["data"]
         wait_until(lambda: process_gone(pids["agent"]) and process_gone(pids["tool"]), 10, "the agent to die")
         wait_until(lambda: runner.stats["abandoned"] == 1, 5, "the slot to be freed")

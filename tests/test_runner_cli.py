@@ -27,10 +27,24 @@ AGENT = "tests.agents_for_tests:remote_agent"
 
 
 def start_runner(url: str, *extra: str, env: dict[str, str] | None = None, key: str = KEY) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "agl_lab.cli", "runner", "--server", url, "--key", key, "--agent", AGENT,
-            "--poll-interval", "0.02", *extra]
-    return subprocess.Popen(argv, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    argv = [
+        sys.executable,
+        "-m",
+        "agl_lab.cli",
+        "runner",
+        "--server",
+        url,
+        "--key",
+        key,
+        "--agent",
+        AGENT,
+        "--poll-interval",
+        "0.02",
+        *extra,
+    ]
+    return subprocess.Popen(
+        argv, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
 
 
 def wait_for(predicate, bound: float, what: str) -> None:
@@ -109,11 +123,19 @@ def test_a_key_refused_after_start_up_ends_the_runner_after_bounded_retries(embe
 
 
 def test_bad_arguments_fail_naming_the_flag():
-    for argv, message in ((["--server", "host:8080"], "must be an http:// or https:// URL"),
-                          (["--server", "http://127.0.0.1:9", "--agent", "nomodule"], "must be 'module:function'"),
-                          (["--server", "http://127.0.0.1:9", "--concurrency", "0"], "concurrency")):
-        proc = subprocess.run([sys.executable, "-m", "agl_lab.cli", "runner", *argv], cwd=ROOT, capture_output=True,
-                              text=True, timeout=60, env={k: v for k, v in os.environ.items() if k != "AGL_SERVER_URL"})
+    for argv, message in (
+        (["--server", "host:8080"], "must be an http:// or https:// URL"),
+        (["--server", "http://127.0.0.1:9", "--agent", "nomodule"], "must be 'module:function'"),
+        (["--server", "http://127.0.0.1:9", "--concurrency", "0"], "concurrency"),
+    ):
+        proc = subprocess.run(
+            [sys.executable, "-m", "agl_lab.cli", "runner", *argv],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={k: v for k, v in os.environ.items() if k != "AGL_SERVER_URL"},
+        )
         assert proc.returncode == 2 and message in proc.stderr, (argv, proc.stderr)
 
 
@@ -133,15 +155,16 @@ class CountingHooks(RolloutHooks):
 
 @pytest.mark.parametrize("store_kind", ["memory", "sqlite"])
 def test_sigkilled_runner_loses_nothing_its_rollouts_rerun_as_attempt_1_and_finish_once(
-        embedded_server, tmp_path, store_kind):
+    embedded_server, tmp_path, store_kind
+):
     store = "memory" if store_kind == "memory" else f"sqlite:///{tmp_path}/store.db"
-    server = embedded_server(key=KEY, default_proxy={"model_name": "m"}, store=store, lease_seconds=1.0,
-                             max_attempts=2)
+    server = embedded_server(key=KEY, default_proxy={"model_name": "m"}, store=store, lease_seconds=1.0, max_attempts=2)
     doomed = start_runner(server.url, "--concurrency", "4")
     rescuer: list[subprocess.Popen] = []
     hooks = CountingHooks()
     try:
         with AglClient(server.url, key=KEY) as client:
+
             def kill_then_rescue() -> None:  # the doomed runner holds 4 rollouts; kill -9 it; start another
                 wait_for(lambda: len(running_ids(client)) == 4, 60, "the doomed runner to hold 4 rollouts")
                 doomed.send_signal(signal.SIGKILL)
@@ -150,8 +173,9 @@ def test_sigkilled_runner_loses_nothing_its_rollouts_rerun_as_attempt_1_and_fini
 
             killer = threading.Thread(target=kill_then_rescue)
             killer.start()
-            manager = SyncRolloutManager(client, n=2, step=0, rollout_config={}, hooks=hooks, timeout_seconds=120,
-                                         poll_interval=0.05)
+            manager = SyncRolloutManager(
+                client, n=2, step=0, rollout_config={}, hooks=hooks, timeout_seconds=120, poll_interval=0.05
+            )
             completed = manager.run([{"hold": True, "i": i} for i in range(3)], is_train=True)
             killer.join()
     finally:
@@ -174,8 +198,11 @@ def test_sigkilled_runner_loses_nothing_its_rollouts_rerun_as_attempt_1_and_fini
 AGL_PYTHON = os.environ.get("AGL_PYTHON", "/tmp/agl-venv/bin/python")
 
 
-@pytest.mark.skipif(not os.path.exists(AGL_PYTHON), reason=f"no Agent Lightning environment at {AGL_PYTHON} "
-                    "(set AGL_PYTHON; benchmarks/batch.py's docstring has the recipe)")
+@pytest.mark.skipif(
+    not os.path.exists(AGL_PYTHON),
+    reason=f"no Agent Lightning environment at {AGL_PYTHON} "
+    "(set AGL_PYTHON; benchmarks/batch.py's docstring has the recipe)",
+)
 def test_runner_on_agent_lightnings_own_server_claims_by_list_then_patch(tmp_path):
     """AGL's server has no claim, release or heartbeat route: the Runner falls back to AGL's
     list-then-PATCH claims, attempt "0", and stop() fails what it holds ("runner shutdown")."""
@@ -188,19 +215,35 @@ def test_runner_on_agent_lightnings_own_server_claims_by_list_then_patch(tmp_pat
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    agl = subprocess.Popen([AGL_PYTHON, "-I", "-m", "agentlightning.server", "host=127.0.0.1", f"port={port}",
-                            f"key={KEY}", f"hydra.run.dir={tmp_path}", "hydra.output_subdir=null"],
-                           cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    agl = subprocess.Popen(
+        [
+            AGL_PYTHON,
+            "-I",
+            "-m",
+            "agentlightning.server",
+            "host=127.0.0.1",
+            f"port={port}",
+            f"key={KEY}",
+            f"hydra.run.dir={tmp_path}",
+            "hydra.output_subdir=null",
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_for(lambda: _healthy(httpx, url), 60, "AGL's server")
         with AglClient(url, key=KEY) as client:
-            client.create_rollouts([RolloutCreate(rollout_id=f"a{i}", input={}) for i in range(6)]
-                                   + [RolloutCreate(rollout_id="held", input={"hold": True})])
+            client.create_rollouts(
+                [RolloutCreate(rollout_id=f"a{i}", input={}) for i in range(6)]
+                + [RolloutCreate(rollout_id="held", input={"hold": True})]
+            )
             from tests.agents_for_tests import remote_agent
 
-            runners = [Runner(url, key=KEY, agent=remote_agent, concurrency=4, poll_interval=0.01).start()
-                       for _ in range(2)]
+            runners = [
+                Runner(url, key=KEY, agent=remote_agent, concurrency=4, poll_interval=0.01).start() for _ in range(2)
+            ]
             wait_for(lambda: all(client.get_rollout(f"a{i}")[0].is_terminal for i in range(6)), 60, "the rollouts")
             wait_for(lambda: running_ids(client) == {"held"}, 30, "the held rollout to run")
             for runner in runners:
@@ -226,10 +269,20 @@ def _healthy(httpx, url: str) -> bool:
 
 def test_the_trainers_config_gives_the_runner_its_server_key_agent_and_concurrency(embedded_server, tmp_path):
     server = embedded_server(key=KEY, default_proxy={"model_name": "m"})
-    (tmp_path / "run.yaml").write_text(f"agentlightning:\n  agl_base_url: {server.url}\n  agl_key: {KEY}\n"
-                                       "agl_lab:\n  server:\n    embedded: false\n  runner:\n    concurrency: 3\n")
-    argv = [sys.executable, "-m", "agl_lab.cli", "runner", str(tmp_path / "run.yaml"), f"agl_lab.agent={AGENT}",
-            "--summary-every", "0"]
+    (tmp_path / "run.yaml").write_text(
+        f"agentlightning:\n  agl_base_url: {server.url}\n  agl_key: {KEY}\n"
+        "agl_lab:\n  server:\n    embedded: false\n  runner:\n    concurrency: 3\n"
+    )
+    argv = [
+        sys.executable,
+        "-m",
+        "agl_lab.cli",
+        "runner",
+        str(tmp_path / "run.yaml"),
+        f"agl_lab.agent={AGENT}",
+        "--summary-every",
+        "0",
+    ]
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         with AglClient(server.url, key=KEY) as client:
@@ -266,7 +319,7 @@ print("MODULES " + json.dumps(sorted(sys.modules)), flush=True)
 
 def _heavy(out: str) -> list[str]:
     line = next(line for line in reversed(out.splitlines()) if line.startswith("MODULES "))
-    loaded = json.loads(line[len("MODULES "):])
+    loaded = json.loads(line[len("MODULES ") :])
     return sorted(m for m in loaded for bad in NOT_IN_A_RUNNER if m == bad or m.startswith(bad + "."))
 
 
@@ -275,18 +328,38 @@ def _fresh_env() -> dict[str, str]:  # as a runner host starts it: no VERL_* var
 
 
 def test_runner_help_imports_no_server_stack_and_no_numpy():
-    done = subprocess.run([sys.executable, "-c", LOADED, "--help"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120, env=_fresh_env())
+    done = subprocess.run(
+        [sys.executable, "-c", LOADED, "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_fresh_env(),
+    )
     assert done.returncode == 0 and "usage: agl-lab runner" in done.stdout, done.stdout + done.stderr
     assert _heavy(done.stdout) == []
 
 
 def test_a_runner_runs_a_rollout_without_the_server_stack_or_numpy(embedded_server):
     server = embedded_server(key=KEY, default_proxy={"model_name": "m"})
-    argv = [sys.executable, "-c", LOADED, "--server", server.url, "--key", KEY, "--agent", AGENT,
-            "--poll-interval", "0.02", "--summary-every", "0"]
-    proc = subprocess.Popen(argv, cwd=ROOT, env=_fresh_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    argv = [
+        sys.executable,
+        "-c",
+        LOADED,
+        "--server",
+        server.url,
+        "--key",
+        KEY,
+        "--agent",
+        AGENT,
+        "--poll-interval",
+        "0.02",
+        "--summary-every",
+        "0",
+    ]
+    proc = subprocess.Popen(
+        argv, cwd=ROOT, env=_fresh_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         with AglClient(server.url, key=KEY) as client:
             client.create_rollouts([RolloutCreate(rollout_id="light", input={})])

@@ -31,8 +31,9 @@ def _wait_state(client, rid, state, bound=30.0):
 
 
 def test_running_rollout_without_a_runner_is_requeued_then_fails_after_max_attempts(embedded_server, store_url):
-    server = embedded_server(key=KEY, default_proxy={"model_name": "m"}, store=store_url, lease_seconds=0.5,
-                             max_attempts=2)
+    server = embedded_server(
+        key=KEY, default_proxy={"model_name": "m"}, store=store_url, lease_seconds=0.5, max_attempts=2
+    )
     with AglClient(server.url, key=KEY) as client:
         client.create_rollouts([RolloutCreate(input={}, rollout_id="orphan"), RolloutCreate(input={}, rollout_id="q")])
         client.patch_status("orphan", state="running", last_attempt_id="0")  # a runner that then crashed
@@ -142,8 +143,9 @@ def test_async_carry_over_and_hooks_see_a_requeued_rollout_finish_once(embedded_
         def on_succeeded(self, rollout, events_by_attempt, writer):
             self.seen.append((rollout.rollout_id, tuple(sorted(events_by_attempt))))
 
-    server = embedded_server(key=KEY, default_proxy={"model_name": "m"}, store=store_url, lease_seconds=0.6,
-                             max_attempts=2)
+    server = embedded_server(
+        key=KEY, default_proxy={"model_name": "m"}, store=store_url, lease_seconds=0.6, max_attempts=2
+    )
     hooks = Hooks()
 
     def agent(task, ctx):
@@ -151,8 +153,16 @@ def test_async_carry_over_and_hooks_see_a_requeued_rollout_finish_once(embedded_
         return 1.0
 
     with AglClient(server.url, key=KEY) as client:
-        manager = AsyncRolloutManager(client, n=2, train_batch_size=1, async_train_batch_size=2, rollout_config={},
-                                      hooks=hooks, timeout_seconds=60, poll_interval=0.02)
+        manager = AsyncRolloutManager(
+            client,
+            n=2,
+            train_batch_size=1,
+            async_train_batch_size=2,
+            rollout_config={},
+            hooks=hooks,
+            timeout_seconds=60,
+            poll_interval=0.02,
+        )
         dead = AglClient(server.url, key=KEY)
         real_create = client.create_rollouts
 

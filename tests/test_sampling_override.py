@@ -15,15 +15,22 @@ def cool_agent(task: dict, ctx) -> float:
     client = ctx.openai_client()
     for i, temperature in enumerate((0.2, None)):  # the second call leaves the temperature to the gateway
         kwargs = {} if temperature is None else {"temperature": temperature}
-        client.chat.completions.create(model="m", messages=[{"role": "user", "content": f"get {task['key']} {i}"}],
-                                       max_tokens=3, **kwargs)
+        client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": f"get {task['key']} {i}"}], max_tokens=3, **kwargs
+        )
     return 0.0
 
 
 def test_an_overridden_agent_temperature_is_recorded_per_call_and_said_once(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="agl_lab.server.gateway"):
-        with Trainer.from_config("configs/cpu_tiny.yaml", overrides=SMALL, agent=cool_agent,
-                                 train_dataset=[{"key": k} for k in "abcd"], run_dir=tmp_path, console=False) as t:
+        with Trainer.from_config(
+            "configs/cpu_tiny.yaml",
+            overrides=SMALL,
+            agent=cool_agent,
+            train_dataset=[{"key": k} for k in "abcd"],
+            run_dir=tmp_path,
+            console=False,
+        ) as t:
             ro = t.rollout()
     for rollout in ro.rollouts:
         first, second = rollout.triplets

@@ -6,8 +6,15 @@ from agl_lab.server.seeding import SeededCallsRewriter, derive_seed
 
 
 def _call(rollout, body=None):
-    return ProxyCall(rollout=rollout, attempt_id="0", mode="train", upstream_path="chat/completions",
-                     server=None, request=dict(body or {}), store=None)
+    return ProxyCall(
+        rollout=rollout,
+        attempt_id="0",
+        mode="train",
+        upstream_path="chat/completions",
+        server=None,
+        request=dict(body or {}),
+        store=None,
+    )
 
 
 def _rollout(copy_idx, rid):

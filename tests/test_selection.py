@@ -30,8 +30,10 @@ def test_alignment_drops_whole_zero_advantage_group_first():
 
 def test_alignment_then_random_whole_rollouts_with_seeded_rng():
     # cap: 2 updates of 3 rows → keep 6 of 12: z (4 rows) goes first, then 2 random rollouts
-    runs = [alg.select_for_update(three_groups(), mini_batch_rows=3, max_ppo_update_times=2, seed=s)
-            for s in (7, 7, 8, 9, 10)]
+    runs = [
+        alg.select_for_update(three_groups(), mini_batch_rows=3, max_ppo_update_times=2, seed=s)
+        for s in (7, 7, 8, 9, 10)
+    ]
     for kept, records, metrics in runs:
         assert len(kept) == 6
         assert metrics["training/n_sample_dropped/same_reward"] == 4
@@ -45,7 +47,6 @@ def test_random_policy_ignores_zero_advantage():
     kept, records, metrics = alg.select_for_update(three_groups(), mini_batch_rows=8, seed=3, policy="random")
     assert len(kept) == 8 and {r["reason"] for r in records} == {"random"}
     assert metrics["training/n_dropped_groups/zero_adv"] == 0
-
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -90,19 +91,20 @@ def test_small_batch_is_trained_or_skipped_loudly(caplog):
 
 
 def test_marked_rows_are_dropped_and_recorded():
-    data = make_batch([[1, 1]] * 4, [1, 1, 0, 1], ["r0", "r0", "r1", "r2"], ["g"] * 4,
-                      is_drop=[False, True, False, False])
+    data = make_batch(
+        [[1, 1]] * 4, [1, 1, 0, 1], ["r0", "r0", "r1", "r2"], ["g"] * 4, is_drop=[False, True, False, False]
+    )
     kept, records, metrics = alg.select_for_update(data, mini_batch_rows=1, seed=0)
     assert list(kept) == [0, 2, 3]
     assert records == [{"rollout_id": "r0", "data_id": "g", "rows": 1, "reason": "marked"}]
     assert metrics["training/n_sample_dropped/marked"] == 1 and metrics["training/n_sample_collected"] == 4
 
 
-
 def test_dropped_rollouts_do_not_change_kept_advantages():
     data = one_row_rollouts({"a": [1, 0, 0, 1, 1], "b": [0, 1, 1, 0, 0], "c": [1, 1, 0, 1, 0]})
-    full, _ = alg.compute_rollout_level_advantage(one_row_rollouts(
-        {"a": [1, 0, 0, 1, 1], "b": [0, 1, 1, 0, 0], "c": [1, 1, 0, 1, 0]}), "grpo", num_repeat=5)
+    full, _ = alg.compute_rollout_level_advantage(
+        one_row_rollouts({"a": [1, 0, 0, 1, 1], "b": [0, 1, 1, 0, 0], "c": [1, 1, 0, 1, 0]}), "grpo", num_repeat=5
+    )
     out, records, metrics = alg.prepare_update_batch(data, mini_batch_rows=4, num_repeat=5, seed=1)
     assert len(out) == 12 and metrics["training/n_sample_dropped/random"] == 3
     full_adv = dict(zip(full.non_tensor_batch["rollout_id_list"], full.batch["advantages"][:, 0].tolist()))
@@ -117,12 +119,12 @@ def test_prepare_update_batch_skip_and_vanilla():
     data = one_row_rollouts({"a": [1, 0]})
     out, records, metrics = alg.prepare_update_batch(data, mini_batch_rows=4, num_repeat=2, small_batch="skip")
     assert out is None and metrics["training/skipped_steps"] == 1 and len(records) == 2
-    out, _, _ = alg.prepare_update_batch(one_row_rollouts({"a": [1, 0]}), mini_batch_rows=4, num_repeat=2,
-                                         loss_mode="vanilla")
+    out, _, _ = alg.prepare_update_batch(
+        one_row_rollouts({"a": [1, 0]}), mini_batch_rows=4, num_repeat=2, loss_mode="vanilla"
+    )
     assert "rollout_advantages" not in out.batch.keys()  # vanilla: raw advantages, no normalisation
     # (1 − ½) / unbiased std of (1, 0)
     assert out.batch["advantages"][0, 0].item() == pytest.approx(0.5 / (math.sqrt(0.5) + 1e-6))
-
 
 
 # ---------------------------------------------------------------------------------------------
@@ -194,8 +196,9 @@ def test_prepare_update_batch_with_agl_order_computes_advantages_after_the_drops
 
 def test_bf16_rewards_reproduce_agls_precision():
     data = one_row_rollouts({"a": [0.1, 0.3]})
-    prepared, _, _ = alg.prepare_update_batch(data, mini_batch_rows=2, bf16_rewards=True, loss_mode="vanilla",
-                                              **_grpo_opts())
+    prepared, _, _ = alg.prepare_update_batch(
+        data, mini_batch_rows=2, bf16_rewards=True, loss_mode="vanilla", **_grpo_opts()
+    )
     assert prepared.batch["token_level_scores"].dtype == torch.bfloat16
     # bf16(0.1) = 0.10009765625, bf16(0.3) = 0.30078125 (8 bits of mantissa)
     assert float(prepared.batch["token_level_scores"].double().sum()) == 0.10009765625 + 0.30078125

@@ -17,8 +17,10 @@ from agl_lab.server.config import ServerConfig, load_server_config
 from agl_lab.server.embedded import EmbeddedServer, serve_main
 
 KEY = "test-secret-key"
-TEST_CONFIG = {"key": KEY, "default_proxy": {"model_name": "test-model", "train": {"temperature": 1},
-                                             "val": {"temperature": 0}}}
+TEST_CONFIG = {
+    "key": KEY,
+    "default_proxy": {"model_name": "test-model", "train": {"temperature": 1}, "val": {"temperature": 0}},
+}
 
 
 @pytest.fixture
@@ -82,7 +84,11 @@ def test_config_validation_names_the_key():
     omegaconf = pytest.importorskip("omegaconf")
     cfg = load_server_config(omegaconf.OmegaConf.create({"port": 8181, "default_proxy": {"val": {"temperature": 0}}}))
     assert (cfg.host, cfg.port, cfg.default_proxy.val.temperature, cfg.default_proxy.train.temperature) == (
-        "127.0.0.1", 8181, 0.0, 1.0)
+        "127.0.0.1",
+        8181,
+        0.0,
+        1.0,
+    )
     assert cfg.default_proxy.include_log_probs is True and cfg.upstream_max_attempts == 6
     assert ServerConfig().store == "memory" and ServerConfig().token_preserving is False
 
@@ -91,8 +97,24 @@ def test_agl_lab_serve_runs_in_the_foreground(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "agl_lab.cli", "serve", "--port", str(port), "--key", "k", "--model-name", "m",
-           "--store", f"sqlite:///{tmp_path}/f.db", "--val-temperature", "0", "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "agl_lab.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--key",
+        "k",
+        "--model-name",
+        "m",
+        "--store",
+        f"sqlite:///{tmp_path}/f.db",
+        "--val-temperature",
+        "0",
+        "--log-level",
+        "warning",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -216,7 +238,10 @@ def test_terminal_rollouts_cursor_pagination(client):
     page = client.get("/api/rollouts/terminal", params={"after": 2, "limit": 2}).json()
     assert [it["rollout_id"] for it in page["items"]] == ["c"] and page["next_after"] == 3
     assert client.get("/api/rollouts/terminal", params={"after": 3}).json() == {
-        "items": [], "next_after": 3, "total_terminal": 3}
+        "items": [],
+        "next_after": 3,
+        "total_terminal": 3,
+    }
     client.delete("/api/rollouts/b")  # deleted ids are skipped but consumed
     page = client.get("/api/rollouts/terminal", params={"after": -1, "limit": 5}).json()
     assert [it["rollout_id"] for it in page["items"]] == ["a", "c"] and page["next_after"] == 3
@@ -230,7 +255,9 @@ def test_terminal_log_is_bounded(embedded_server, store_url):
             patch(c, f"r{i}", state="failed", error_message="boom")
         page = c.get("/api/rollouts/terminal", params={"after": 0}).json()
     assert [(it["rollout_id"], it["state"], it["data_id"]) for it in page["items"]] == [
-        ("r2", "failed", "i2"), ("r3", "failed", "i3")]
+        ("r2", "failed", "i2"),
+        ("r3", "failed", "i3"),
+    ]
     assert (page["next_after"], page["total_terminal"]) == (4, 4)
 
 
@@ -243,14 +270,28 @@ def test_sqlite_server_restart_serves_the_same_ledger(embedded_server, tmp_path)
         c.post("/api/rollouts/done/attempt/0/events", json={"event_type": "reward", "data": {"value": 0.25}})
         patch(c, "done", state="succeeded")
         new_rollout(c, rollout_id="waiting")
-        before = [c.get(p).json() for p in ("/api/rollouts/done", "/api/rollouts/done/events",
-                                            "/api/rollouts/terminal", "/api/rollouts?state_in=queuing")]
+        before = [
+            c.get(p).json()
+            for p in (
+                "/api/rollouts/done",
+                "/api/rollouts/done/events",
+                "/api/rollouts/terminal",
+                "/api/rollouts?state_in=queuing",
+            )
+        ]
     first.stop()
     first.stop()  # idempotent
     second = embedded_server(store=url)
     with httpx.Client(base_url=second.url, trust_env=False) as c:
-        after = [c.get(p).json() for p in ("/api/rollouts/done", "/api/rollouts/done/events",
-                                           "/api/rollouts/terminal", "/api/rollouts?state_in=queuing")]
+        after = [
+            c.get(p).json()
+            for p in (
+                "/api/rollouts/done",
+                "/api/rollouts/done/events",
+                "/api/rollouts/terminal",
+                "/api/rollouts?state_in=queuing",
+            )
+        ]
     assert after == before and after[2]["items"][0]["rollout_id"] == "done"
 
 
@@ -261,8 +302,9 @@ def test_sqlite_server_restart_serves_the_same_ledger(embedded_server, tmp_path)
 
 def test_event_endpoints(client):
     rid = new_rollout(client)["rollout_id"]
-    r = client.post(f"/api/rollouts/{rid}/attempt/0/events",
-                    json={"event_type": "reward", "data": {"value": 0.7, "extra": "drop"}})
+    r = client.post(
+        f"/api/rollouts/{rid}/attempt/0/events", json={"event_type": "reward", "data": {"value": 0.7, "extra": "drop"}}
+    )
     assert r.status_code == 200 and r.json()["event_type"] == "reward" and r.json()["attempt_id"] == "0"
     got = client.get(f"/api/rollouts/{rid}/events", params={"event_type": "reward", "format": "triplet"}).json()
     assert [e["data"] for e in got] == [{"value": 0.7}]
@@ -281,8 +323,10 @@ def test_triplet_events_keep_last_model_request_for_duplicate_prompt(client):
     rid = new_rollout(client)["rollout_id"]
 
     def model_request(prompt, response):
-        data = {"response": {"prompt_token_ids": prompt, "choices": [{"token_ids": response}]},
-                "server": {"model": "test-model", "endpoint": "http://x/v1", "version": 3}}
+        data = {
+            "response": {"prompt_token_ids": prompt, "choices": [{"token_ids": response}]},
+            "server": {"model": "test-model", "endpoint": "http://x/v1", "version": 3},
+        }
         client.post(f"/api/rollouts/{rid}/attempt/0/events", json={"event_type": "model_request", "data": data})
 
     model_request([1, 2], [10])
@@ -300,8 +344,10 @@ def test_triplet_events_keep_last_model_request_for_duplicate_prompt(client):
 
 
 def test_model_endpoints(client):
-    models = [{"model": "test-model", "endpoint": "http://a/v1", "version": 0},
-              {"model": "test-model", "endpoint": "http://b/v1", "version": 2}]
+    models = [
+        {"model": "test-model", "endpoint": "http://a/v1", "version": 0},
+        {"model": "test-model", "endpoint": "http://b/v1", "version": 2},
+    ]
     r = client.post("/api/models", json=models)
     assert (r.status_code, r.json()) == (201, models)
     r = client.delete("/api/models")

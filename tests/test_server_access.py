@@ -18,8 +18,9 @@ def _attempts(c: httpx.Client, headers: dict[str, str]) -> list[int]:
         c.get("/api/rollouts", params={"state_in": "queuing"}, headers=headers).status_code,
         c.post("/proxy/pause", json={}, headers=headers).status_code,
         c.post("/api/models", json=[{"model": "m", "endpoint": "http://evil.example/v1"}], headers=headers).status_code,
-        c.post("/proxy/rollout/r1/attempt/0/mode/train/openai/v1/chat/completions", json=CHAT,
-               headers=headers).status_code,
+        c.post(
+            "/proxy/rollout/r1/attempt/0/mode/train/openai/v1/chat/completions", json=CHAT, headers=headers
+        ).status_code,
     ]
 
 
@@ -47,8 +48,9 @@ def test_allowed_hosts_is_configurable_and_a_key_makes_it_moot(embedded_server):
     listing = ("/api/rollouts", {"state_in": "queuing"})
 
     def status(server, host, headers=None):
-        return httpx.get(server.url + listing[0], params=listing[1], headers={"Host": host, **(headers or {})},
-                         trust_env=False).status_code
+        return httpx.get(
+            server.url + listing[0], params=listing[1], headers={"Host": host, **(headers or {})}, trust_env=False
+        ).status_code
 
     assert (status(listed, "lab.internal:1"), status(listed, "evil.example")) == (200, 403)
     assert status(anyone, "evil.example") == 200
@@ -78,10 +80,14 @@ def _token_of(admin: httpx.Client, rid: str) -> str:
 def _agent_moves(url: str, token: str, rid: str, attempt: str = "0") -> list[int]:
     headers = {"Authorization": f"Bearer {token}"}
     with httpx.Client(base_url=url, headers=headers, trust_env=False) as agent:
-        return [agent.post(f"/api/rollouts/{rid}/attempt/{attempt}/events",
-                           json={"event_type": "reward", "data": {"value": 99.0}}).status_code,
-                agent.post(f"/proxy/rollout/{rid}/attempt/{attempt}/mode/train/openai/v1/chat/completions",
-                           json=CHAT).status_code]
+        return [
+            agent.post(
+                f"/api/rollouts/{rid}/attempt/{attempt}/events", json={"event_type": "reward", "data": {"value": 99.0}}
+            ).status_code,
+            agent.post(
+                f"/proxy/rollout/{rid}/attempt/{attempt}/mode/train/openai/v1/chat/completions", json=CHAT
+            ).status_code,
+        ]
 
 
 def test_a_rollout_token_dies_with_its_rollouts_live_attempt(keyed):

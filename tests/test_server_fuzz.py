@@ -30,7 +30,9 @@ def _nest(depth: int) -> list:
 
 _texts = st.text(max_size=8) | st.sampled_from(["\ud800", "a\udfffb", "é", "\x00", "/?#", ""])
 _scalars = (
-    st.none() | st.booleans() | _texts
+    st.none()
+    | st.booleans()
+    | _texts
     | st.integers(min_value=-(2**70), max_value=2**70)
     | st.floats(allow_nan=True, allow_infinity=True)
 )
@@ -67,9 +69,13 @@ def _same(a, b) -> bool:
 
 
 def _check_readable(client: httpx.Client, rid: str) -> None:
-    for path, params in (("/api/rollouts", {"state_in": ALL_STATES}), ("/api/rollouts/terminal", {}),
-                         (f"/api/rollouts/{rid}", {}), (f"/api/rollouts/{rid}/events", {}),
-                         (f"/api/rollouts/{rid}/events", {"format": "triplet"})):
+    for path, params in (
+        ("/api/rollouts", {"state_in": ALL_STATES}),
+        ("/api/rollouts/terminal", {}),
+        (f"/api/rollouts/{rid}", {}),
+        (f"/api/rollouts/{rid}/events", {}),
+        (f"/api/rollouts/{rid}/events", {"format": "triplet"}),
+    ):
         r = client.get(path, params=params)
         assert r.status_code == 200, (path, r.status_code, r.text)
 
@@ -82,8 +88,13 @@ def test_fuzz_api_never_5xx_and_reads_back(embedded_server, tmp_path, store_kind
         anchor = client.post("/api/rollouts", json=[{"input": {}, "rollout_id": "anchor"}]).json()[0]["rollout_id"]
         counts = {"ok": 0, "refused": 0}
 
-        @settings(max_examples=EXAMPLES_PER_STORE, derandomize=True, deadline=None, database=None,
-                  suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=EXAMPLES_PER_STORE,
+            derandomize=True,
+            deadline=None,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        )
         @given(op=operations)
         def run(op):
             kind, a, b = op
@@ -91,7 +102,9 @@ def test_fuzz_api_never_5xx_and_reads_back(embedded_server, tmp_path, store_kind
                 body = [{"input": a} | ({"rollout_id": b} if b is not None else {})]
                 r = _send(client, "POST", "/api/rollouts", body)
             elif kind == "event":
-                r = _send(client, "POST", f"/api/rollouts/{anchor}/attempt/0/events", {"event_type": b, "data": {"v": a}})
+                r = _send(
+                    client, "POST", f"/api/rollouts/{anchor}/attempt/0/events", {"event_type": b, "data": {"v": a}}
+                )
             elif kind == "patch":
                 r = _send(client, "PATCH", f"/api/rollouts/{anchor}", {"status": {"error_message": a}})
             elif kind == "model":
@@ -132,13 +145,21 @@ def test_fuzz_api_never_5xx_and_reads_back(embedded_server, tmp_path, store_kind
 LEARNING_EXAMPLES = 25
 VOCAB = 1024  # the built-in tiny model's (tests/test_trainer.py's SMALL settings)
 _id = st.integers(min_value=0, max_value=VOCAB - 1)
-_ids = (st.lists(_id, min_size=1, max_size=12)  # mostly learnable: the fuzzed rollouts must also train
-        | st.lists(_id | st.integers(min_value=-3, max_value=VOCAB + 3) | st.sampled_from([2**31, 2**62, -(2**63)]),
-                   max_size=12))
-_calls = st.lists(st.tuples(_ids, _ids, st.lists(st.floats(allow_nan=False, allow_infinity=False,
-                                                           width=32), max_size=12)), max_size=3)
-_rewards = (st.none() | st.floats(min_value=-10, max_value=10)
-            | st.floats(allow_nan=False, allow_infinity=False, width=32) | st.sampled_from([3.0e38, -1e7]))
+_ids = (
+    st.lists(_id, min_size=1, max_size=12)  # mostly learnable: the fuzzed rollouts must also train
+    | st.lists(
+        _id | st.integers(min_value=-3, max_value=VOCAB + 3) | st.sampled_from([2**31, 2**62, -(2**63)]), max_size=12
+    )
+)
+_calls = st.lists(
+    st.tuples(_ids, _ids, st.lists(st.floats(allow_nan=False, allow_infinity=False, width=32), max_size=12)), max_size=3
+)
+_rewards = (
+    st.none()
+    | st.floats(min_value=-10, max_value=10)
+    | st.floats(allow_nan=False, allow_infinity=False, width=32)
+    | st.sampled_from([3.0e38, -1e7])
+)
 rollout_events = st.tuples(_calls, _rewards)
 
 
@@ -147,9 +168,16 @@ def _post_fuzzed(ctx, calls, reward) -> None:
     headers = {"Authorization": f"Bearer {ctx.api_key}"}
     with httpx.Client(headers=headers, trust_env=False, timeout=30) as c:
         for prompt, response, logprobs in calls:
-            data = {"model": "m", "request": {"messages": []}, "http_status": 200, "status": "ok",
-                    "response": {"prompt_token_ids": prompt, "choices": [
-                        {"token_ids": response, "logprobs": {"content": [{"logprob": lp} for lp in logprobs]}}]}}
+            data = {
+                "model": "m",
+                "request": {"messages": []},
+                "http_status": 200,
+                "status": "ok",
+                "response": {
+                    "prompt_token_ids": prompt,
+                    "choices": [{"token_ids": response, "logprobs": {"content": [{"logprob": lp} for lp in logprobs]}}],
+                },
+            }
             c.post(ctx.event_url, json={"event_type": "model_request", "data": data}).raise_for_status()
         if reward is not None:
             c.post(ctx.event_url, json={"event_type": "reward", "data": {"value": reward}}).raise_for_status()
@@ -180,14 +208,25 @@ def test_fuzz_events_never_crash_a_training_step(tmp_path):
         _post_fuzzed(ctx, calls, reward)
         return None  # the reward, if any, was posted as an event
 
-    overrides = [*SMALL, "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-                 "actor_rollout_ref.rollout.n=2"]
-    with Trainer.from_config("configs/cpu_tiny.yaml", overrides=overrides, agent=agent, run_dir=tmp_path / "run",
-                             console=False) as trainer:
+    overrides = [
+        *SMALL,
+        "data.train_batch_size=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.rollout.n=2",
+    ]
+    with Trainer.from_config(
+        "configs/cpu_tiny.yaml", overrides=overrides, agent=agent, run_dir=tmp_path / "run", console=False
+    ) as trainer:
         assert trainer.engine.vocab_size == VOCAB
 
-        @settings(max_examples=LEARNING_EXAMPLES, derandomize=True, deadline=None, database=None,
-                  suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate])
+        @settings(
+            max_examples=LEARNING_EXAMPLES,
+            derandomize=True,
+            deadline=None,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+            phases=[Phase.explicit, Phase.generate],
+        )
         @given(batch=st.lists(rollout_events, min_size=3, max_size=3))
         def run(batch):
             current["batch"] = batch

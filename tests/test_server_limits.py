@@ -18,8 +18,9 @@ KEY = "guard-key"
 
 @pytest.fixture
 def server(embedded_server, store_url):
-    return embedded_server(key=KEY, default_proxy={"model_name": "m"}, store=store_url,
-                           max_body_bytes=100_000, max_batch_items=5)
+    return embedded_server(
+        key=KEY, default_proxy={"model_name": "m"}, store=store_url, max_body_bytes=100_000, max_batch_items=5
+    )
 
 
 @pytest.fixture
@@ -53,14 +54,20 @@ def _length(answer: bytes) -> int:
 
 
 def test_key_is_checked_before_the_body_is_read(server):
-    answer = _raw_request(server, "POST /api/rollouts HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                                  "Content-Length: 1000000000\r\n\r\n")
+    answer = _raw_request(
+        server,
+        "POST /api/rollouts HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        "Content-Length: 1000000000\r\n\r\n",
+    )
     assert answer.startswith(b"HTTP/1.1 401") and b"Invalid or missing API key" in answer
 
 
 def test_body_over_the_limit_is_refused_before_it_is_read(server):
-    answer = _raw_request(server, f"POST /api/rollouts HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
-                                  "Content-Type: application/json\r\nContent-Length: 1000000000\r\n\r\n")
+    answer = _raw_request(
+        server,
+        f"POST /api/rollouts HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+        "Content-Type: application/json\r\nContent-Length: 1000000000\r\n\r\n",
+    )
     assert answer.startswith(b"HTTP/1.1 413") and b"max_body_bytes" in answer
 
 
@@ -70,6 +77,7 @@ def test_chunked_body_over_the_limit_is_refused(client):
         for _ in range(20):
             yield b"x" * 10_000
         yield b'"}]'
+
     r = client.post("/api/rollouts", content=chunks(), headers={"content-type": "application/json"})
     assert r.status_code == 413 and "max_body_bytes" in r.json()["detail"]
     assert client.get("/api/rollouts", params={"state_in": "queuing"}).json() == []
@@ -79,6 +87,7 @@ def test_chunked_body_within_the_limit_is_served(client):
     def chunks():
         yield b'[{"input": "small",'
         yield b' "rollout_id": "c1"}]'
+
     r = client.post("/api/rollouts", content=chunks(), headers={"content-type": "application/json"})
     assert r.status_code == 201 and r.json()[0]["rollout_id"] == "c1"
 
@@ -134,13 +143,21 @@ def test_serve_without_key_refuses_non_loopback(tmp_path):
         serve_config(_parser().parse_args(["--key-file", str(tmp_path / "empty")]), environ={})
 
 
-@pytest.mark.parametrize("content_type", ["text/plain", "text/plain;charset=UTF-8",
-                                          "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"])
-@pytest.mark.parametrize("method, path", [("POST", "/proxy/pause"), ("DELETE", "/api/models"),
-                                          ("POST", "/api/rollouts"), ("PATCH", "/api/rollouts/r1"),
-                                          ("POST", "/proxy/rollout/r1/attempt/0/mode/train/openai/v1/chat/completions")])
-def test_cross_site_content_types_are_refused_on_every_route_without_auth(embedded_server, content_type, method,
-                                                                          path):
+@pytest.mark.parametrize(
+    "content_type",
+    ["text/plain", "text/plain;charset=UTF-8", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"],
+)
+@pytest.mark.parametrize(
+    "method, path",
+    [
+        ("POST", "/proxy/pause"),
+        ("DELETE", "/api/models"),
+        ("POST", "/api/rollouts"),
+        ("PATCH", "/api/rollouts/r1"),
+        ("POST", "/proxy/rollout/r1/attempt/0/mode/train/openai/v1/chat/completions"),
+    ],
+)
+def test_cross_site_content_types_are_refused_on_every_route_without_auth(embedded_server, content_type, method, path):
     server = embedded_server(default_proxy={"model_name": "m"})  # auth off
     with httpx.Client(base_url=server.url, trust_env=False) as c:
         r = c.request(method, path, content=b'{"retry_after_seconds": 5}', headers={"content-type": content_type})
@@ -157,11 +174,17 @@ def test_per_rollout_token_opens_only_its_proxy_route_and_event_posts(server, cl
     created = client.post("/api/rollouts", json=[{"input": {}, "rollout_id": "r1"}, {"input": {}, "rollout_id": "r2"}])
     token = rollout_token(KEY, "r1", created.json()[0]["status"]["created_at"])
     with httpx.Client(base_url=server.url, trust_env=False, headers={"Authorization": f"Bearer {token}"}) as agent:
-        ok = agent.post("/proxy/rollout/r1/attempt/0/mode/train/openai/v1/chat/completions",
-                        json={"messages": [{"role": "user", "content": "hi"}]})
+        ok = agent.post(
+            "/proxy/rollout/r1/attempt/0/mode/train/openai/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hi"}]},
+        )
         assert ok.status_code == 200, ok.text
-        assert agent.post("/api/rollouts/r1/attempt/0/events", json={"event_type": "reward",
-                                                                      "data": {"value": 1}}).status_code == 200
+        assert (
+            agent.post(
+                "/api/rollouts/r1/attempt/0/events", json={"event_type": "reward", "data": {"value": 1}}
+            ).status_code
+            == 200
+        )
         refused = [
             agent.post("/proxy/rollout/r2/attempt/0/mode/train/openai/v1/chat/completions", json={}),
             agent.post("/api/rollouts/r2/attempt/0/events", json={"event_type": "reward", "data": {}}),
@@ -176,8 +199,12 @@ def test_per_rollout_token_opens_only_its_proxy_route_and_event_posts(server, cl
         ]
         assert [r.status_code for r in refused] == [401] * len(refused)
     forged = token[:-1] + ("0" if token[-1] != "0" else "1")
-    r = httpx.post(f"{server.url}/api/rollouts/r1/attempt/0/events", json={"event_type": "x", "data": {}},
-                   headers={"x-api-key": forged}, trust_env=False)
+    r = httpx.post(
+        f"{server.url}/api/rollouts/r1/attempt/0/events",
+        json={"event_type": "x", "data": {}},
+        headers={"x-api-key": forged},
+        trust_env=False,
+    )
     assert r.status_code == 401
     assert client.get("/proxy/state").json()["paused"] is False
 
@@ -224,7 +251,9 @@ def test_runner_agents_get_the_rollout_token(server, client):
                 time.sleep(0.02)
         assert admin.get_rollout("rt1")[0].status.state == "succeeded", admin.get_rollout("rt1")[0].status
         types = [e["event_type"] for e in admin.get_events("rt1")]
-    assert seen["key"] == rollout_token(KEY, "rt1", rollout.status.created_at) and {"note", "own", "reward"} <= set(types)
+    assert seen["key"] == rollout_token(KEY, "rt1", rollout.status.created_at) and {"note", "own", "reward"} <= set(
+        types
+    )
 
 
 # -- OpenAPI: every route lists the errors it answers ------------------------------------------------------
@@ -232,10 +261,14 @@ def test_runner_agents_get_the_rollout_token(server, client):
 
 def test_openapi_lists_error_responses(client):
     spec = client.get("/openapi.json").json()
-    expected = {("/api/rollouts", "post"): {"400", "422", "413"}, ("/api/rollouts/{rollout_id}", "patch"): {"404", "409", "422"},
-                ("/api/rollouts/{rollout_id}", "get"): {"404"}, ("/api/rollouts/terminal", "get"): {"422"},
-                ("/api/rollouts/{rollout_id}/attempt/{attempt_id}/events", "post"): {"404", "422"},
-                ("/api/models", "post"): {"413", "422"}}
+    expected = {
+        ("/api/rollouts", "post"): {"400", "422", "413"},
+        ("/api/rollouts/{rollout_id}", "patch"): {"404", "409", "422"},
+        ("/api/rollouts/{rollout_id}", "get"): {"404"},
+        ("/api/rollouts/terminal", "get"): {"422"},
+        ("/api/rollouts/{rollout_id}/attempt/{attempt_id}/events", "post"): {"404", "422"},
+        ("/api/models", "post"): {"413", "422"},
+    }
     for path, methods in spec["paths"].items():
         for method, op in methods.items():
             codes = set(op["responses"])
@@ -243,4 +276,6 @@ def test_openapi_lists_error_responses(client):
                 continue  # open, no body
             assert {"401", "413", "415", "500"} <= codes, (path, method, codes)
             assert expected.get((path, method), set()) <= codes, (path, method, codes)
-    assert spec["paths"]["/api/rollouts/{rollout_id}"]["patch"]["responses"]["409"]["description"].startswith("transition")
+    assert spec["paths"]["/api/rollouts/{rollout_id}"]["patch"]["responses"]["409"]["description"].startswith(
+        "transition"
+    )

@@ -32,8 +32,13 @@ def _connect(server) -> socket.socket:
 
 @pytest.fixture
 def strict(embedded_server):
-    return embedded_server(key=KEY, default_proxy={"model_name": "m"}, header_timeout_seconds=0.5,
-                           body_timeout_seconds=0.5, max_header_bytes=8192)
+    return embedded_server(
+        key=KEY,
+        default_proxy={"model_name": "m"},
+        header_timeout_seconds=0.5,
+        body_timeout_seconds=0.5,
+        max_header_bytes=8192,
+    )
 
 
 def test_an_idle_connection_is_closed(strict):
@@ -50,8 +55,10 @@ def test_a_stalled_request_head_is_closed(strict):
 
 
 def test_a_stalled_request_body_is_closed(strict):
-    head = (f"POST /api/rollouts HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
-            "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n[{\"input\"").encode()
+    head = (
+        f"POST /api/rollouts HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+        'Content-Type: application/json\r\nContent-Length: 100\r\n\r\n[{"input"'
+    ).encode()
     with _connect(strict) as sock:
         sock.sendall(head)
         answer = _until_closed(sock)
@@ -78,8 +85,10 @@ def test_a_huge_request_head_is_refused_unread(strict):
 
 def test_a_head_at_the_limit_passes_and_one_past_it_does_not(strict):
     def send(extra: int) -> bytes:
-        head = (f"GET /api/rollouts?state_in=queuing HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
-                "Connection: close\r\nX-Pad: ").encode()
+        head = (
+            f"GET /api/rollouts?state_in=queuing HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+            "Connection: close\r\nX-Pad: "
+        ).encode()
         head += b"p" * (8192 - len(head) - 4 + extra) + b"\r\n\r\n"
         with _connect(strict) as sock:
             sock.sendall(head)
@@ -93,8 +102,9 @@ def test_timeouts_never_cut_a_request_being_answered(embedded_server):
     slow = FakeOpenAI(delay_seconds=2.0)
     slow.serve()
     try:
-        server = embedded_server(key=KEY, default_proxy={"model_name": "m"}, header_timeout_seconds=0.3,
-                                 body_timeout_seconds=0.3)
+        server = embedded_server(
+            key=KEY, default_proxy={"model_name": "m"}, header_timeout_seconds=0.3, body_timeout_seconds=0.3
+        )
         with httpx.Client(base_url=server.url, headers=server.headers, trust_env=False, timeout=SAFETY_NET) as c:
             c.post("/api/models", json=[{"model": "m", "endpoint": slow.base_url}]).raise_for_status()
             c.post("/api/rollouts", json=[{"input": {}, "rollout_id": "r1"}]).raise_for_status()
@@ -107,8 +117,12 @@ def test_timeouts_never_cut_a_request_being_answered(embedded_server):
 @pytest.mark.parametrize("client", ["raw", "aiohttp", "httpx"])
 def test_an_oversized_model_answer_is_refused_not_stored(embedded_server, fake_upstream, client):
     fake_upstream.reply = "x" * 300_000  # > 256 KiB of content alone (the fake adds token ids)
-    server = embedded_server(key=KEY, default_proxy={"model_name": "m", "include_log_probs": False},
-                             upstream_client=client, max_upstream_answer_bytes=256 * 2**10)
+    server = embedded_server(
+        key=KEY,
+        default_proxy={"model_name": "m", "include_log_probs": False},
+        upstream_client=client,
+        max_upstream_answer_bytes=256 * 2**10,
+    )
     with httpx.Client(base_url=server.url, headers=server.headers, trust_env=False, timeout=SAFETY_NET) as c:
         c.post("/api/models", json=[{"model": "m", "endpoint": fake_upstream.base_url}]).raise_for_status()
         c.post("/api/rollouts", json=[{"input": {}, "rollout_id": "r1"}]).raise_for_status()

@@ -279,10 +279,14 @@ def test_sqlite_reads_files_with_text_event_data(tmp_path):
     s.close()
     with sqlite3.connect(path) as db:
         db.execute("DROP TABLE events")
-        db.execute("CREATE TABLE events (seq INTEGER PRIMARY KEY AUTOINCREMENT, rollout_id TEXT NOT NULL, "
-                   "attempt_id TEXT NOT NULL, event_type TEXT NOT NULL, timestamp REAL NOT NULL, data TEXT NOT NULL)")
-        db.execute("INSERT INTO events (rollout_id, attempt_id, event_type, timestamp, data) "
-                   "VALUES ('a', '0', 'reward', 1.0, '{\"value\": 0.5}')")
+        db.execute(
+            "CREATE TABLE events (seq INTEGER PRIMARY KEY AUTOINCREMENT, rollout_id TEXT NOT NULL, "
+            "attempt_id TEXT NOT NULL, event_type TEXT NOT NULL, timestamp REAL NOT NULL, data TEXT NOT NULL)"
+        )
+        db.execute(
+            "INSERT INTO events (rollout_id, attempt_id, event_type, timestamp, data) "
+            "VALUES ('a', '0', 'reward', 1.0, '{\"value\": 0.5}')"
+        )
     s = SqliteStore(str(path))
     s.append_event("a", "0", "reward", {"value": 1.0})
     assert [e.data for e in s.events("a")] == [{"value": 0.5}, {"value": 1.0}]
@@ -335,7 +339,9 @@ def test_concurrent_claims_hand_each_rollout_to_exactly_one_claimer(store):
         sys.setswitchinterval(switch)
     flat = [rid for ids_ in got for rid in ids_]
     assert len(flat) == len(set(flat)) == 600 and set(flat) == set(ids)
-    assert all(got)  # every claimer got rollouts (without the first round a loaded machine once let one thread take all)
+    assert all(
+        got
+    )  # every claimer got rollouts (without the first round a loaded machine once let one thread take all)
     for rollout in store.list_rollouts(["running"], limit=1000):
         assert rollout.status.last_attempt_id == "0" and rollout.status.version == 2
     assert store.list_rollouts(["queuing"]) == [] and store.claim_rollouts(5) == []
@@ -449,5 +455,8 @@ def test_a_requeued_rollout_cannot_be_claimed_again_under_an_attempt_it_ran(stor
         store.patch_status("r", RolloutStatusPatch(state=RolloutState.RUNNING, last_attempt_id="0"))
     with pytest.raises(InvalidTransition):  # a 409, like a rollout another runner took first
         store.patch_status("r", RUNNING)
-    assert store.patch_status("r", RolloutStatusPatch(state=RolloutState.RUNNING, last_attempt_id="1")).status.state == "running"
+    assert (
+        store.patch_status("r", RolloutStatusPatch(state=RolloutState.RUNNING, last_attempt_id="1")).status.state
+        == "running"
+    )
     assert store.expire_leases(1.0, max_attempts=2, now=LATER) == {"r": "failed"}  # bounded by max_attempts

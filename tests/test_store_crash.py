@@ -23,9 +23,25 @@ def _start(db: str) -> tuple[subprocess.Popen, str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "AGL_KEY": KEY}
-    proc = subprocess.Popen([sys.executable, "-m", "agl_lab.cli", "serve", "--port", str(port), "--model-name", "m",
-                             "--store", f"sqlite:///{db}", "--log-level", "warning"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "agl_lab.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--model-name",
+            "m",
+            "--store",
+            f"sqlite:///{db}",
+            "--log-level",
+            "warning",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while True:

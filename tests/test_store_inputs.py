@@ -56,11 +56,14 @@ def _everything_reads(client, rid=None):
 # -- finding 1: lone surrogates and deep nesting --------------------------------------------------------
 
 
-@pytest.mark.parametrize("bad_input, field", [
-    ('{"q": "\\ud800"}', "[0].input.q"),
-    (json.dumps(_nest(300)), "[0].input"),
-    (json.dumps({"a": _nest(MAX_DEPTH + 1)}), "[0].input.a"),
-])
+@pytest.mark.parametrize(
+    "bad_input, field",
+    [
+        ('{"q": "\\ud800"}', "[0].input.q"),
+        (json.dumps(_nest(300)), "[0].input"),
+        (json.dumps({"a": _nest(MAX_DEPTH + 1)}), "[0].input.a"),
+    ],
+)
 def test_unreadable_rollout_input_is_refused_and_nothing_stored(client, bad_input, field):
     r = _raw(client, "POST", "/api/rollouts", f'[{{"input": {bad_input}, "rollout_id": "bad"}}]')
     assert r.status_code == 422, r.text
@@ -70,8 +73,12 @@ def test_unreadable_rollout_input_is_refused_and_nothing_stored(client, bad_inpu
 
 
 def test_a_bad_request_in_a_batch_stores_none_of_the_batch(client):
-    r = _raw(client, "POST", "/api/rollouts",
-             '[{"input": 1, "rollout_id": "good"}, {"input": "\\udfff", "rollout_id": "bad"}]')
+    r = _raw(
+        client,
+        "POST",
+        "/api/rollouts",
+        '[{"input": 1, "rollout_id": "good"}, {"input": "\\udfff", "rollout_id": "bad"}]',
+    )
     assert r.status_code == 422 and "[1].input" in r.json()["detail"], r.text
     assert client.get("/api/rollouts/good").status_code == 404
 
@@ -105,10 +112,19 @@ def test_sqlite_store_reads_back_after_restart(embedded_server, tmp_path):
     first = embedded_server({"default_proxy": {"model_name": "m"}}, store=url)
     with httpx.Client(base_url=first.url, trust_env=False) as c:
         rid = c.post("/api/rollouts", json=[{"input": {"deep": _nest(MAX_DEPTH - 2)}}]).json()[0]["rollout_id"]
-        assert _raw(c, "POST", f"/api/rollouts/{rid}/attempt/0/events",
-                    '{"event_type": "x", "data": {"s": "\\ud800"}}').status_code == 422
-        assert c.post(f"/api/rollouts/{rid}/attempt/0/events",
-                      json={"event_type": "x", "data": {"deep": _nest(MAX_DEPTH - 2), "s": "é\U0001f600"}}).status_code == 200
+        assert (
+            _raw(
+                c, "POST", f"/api/rollouts/{rid}/attempt/0/events", '{"event_type": "x", "data": {"s": "\\ud800"}}'
+            ).status_code
+            == 422
+        )
+        assert (
+            c.post(
+                f"/api/rollouts/{rid}/attempt/0/events",
+                json={"event_type": "x", "data": {"deep": _nest(MAX_DEPTH - 2), "s": "é\U0001f600"}},
+            ).status_code
+            == 200
+        )
     first.stop()
     second = embedded_server({"default_proxy": {"model_name": "m"}}, store=url)
     with httpx.Client(base_url=second.url, trust_env=False) as c:
@@ -124,8 +140,12 @@ def test_triplet_view_never_500s_on_odd_token_ids(client, prompt_ids):
     rid = client.post("/api/rollouts", json=[{"input": {}}]).json()[0]["rollout_id"]
     data = {"response": {"prompt_token_ids": prompt_ids, "choices": [{"token_ids": [5]}]}, "http_status": 200}
     for _ in range(2):  # two calls with the same (odd) prompt: the dedup must not crash either
-        assert client.post(f"/api/rollouts/{rid}/attempt/0/events",
-                           json={"event_type": "model_request", "data": data}).status_code == 200
+        assert (
+            client.post(
+                f"/api/rollouts/{rid}/attempt/0/events", json={"event_type": "model_request", "data": data}
+            ).status_code
+            == 200
+        )
     r = client.get(f"/api/rollouts/{rid}/events", params={"format": "triplet"})
     assert r.status_code == 200, r.text
     (event,) = r.json()
@@ -146,12 +166,15 @@ def test_token_ids_beyond_int64_are_refused_not_turned_into_floats(client):
 # -- finding 3: integer ranges and booleans --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path, params", [
-    ("/api/rollouts", {"state_in": "queuing", "limit": 2**63}),
-    ("/api/rollouts/terminal", {"after": 10**30}),
-    ("/api/rollouts/terminal", {"limit": 10**30}),
-    ("/api/rollouts/terminal", {"after": "false"}),
-])
+@pytest.mark.parametrize(
+    "path, params",
+    [
+        ("/api/rollouts", {"state_in": "queuing", "limit": 2**63}),
+        ("/api/rollouts/terminal", {"after": 10**30}),
+        ("/api/rollouts/terminal", {"limit": 10**30}),
+        ("/api/rollouts/terminal", {"after": "false"}),
+    ],
+)
 def test_out_of_range_query_integers_answer_422(client, path, params):
     r = client.get(path, params=params)
     assert r.status_code == 422, r.text
@@ -162,22 +185,28 @@ def test_huge_limits_in_range_are_capped_not_500(client):
     assert client.get("/api/rollouts/terminal", params={"limit": 2**63 - 1, "after": -(2**63)}).status_code == 200
 
 
-@pytest.mark.parametrize("body", [
-    [{"model": "m", "endpoint": "http://x", "version": 10**30}],
-    [{"model": "m", "endpoint": "http://x", "version": False}],
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        [{"model": "m", "endpoint": "http://x", "version": 10**30}],
+        [{"model": "m", "endpoint": "http://x", "version": False}],
+    ],
+)
 def test_model_version_out_of_range_or_bool_answers_422(client, body):
     r = client.post("/api/models", json=body)
     assert r.status_code == 422, r.text
     assert "version" in r.text
 
 
-@pytest.mark.parametrize("body", [
-    [{"input": {}, "config": {"timeout_seconds": 10**30}}],
-    [{"input": {}, "config": {"timeout_seconds": True}}],
-    [{"input": {}, "metadata": {"batch_idx": 10**20}}],
-    [{"input": {"n": 10**30}}],
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        [{"input": {}, "config": {"timeout_seconds": 10**30}}],
+        [{"input": {}, "config": {"timeout_seconds": True}}],
+        [{"input": {}, "metadata": {"batch_idx": 10**20}}],
+        [{"input": {"n": 10**30}}],
+    ],
+)
 def test_rollout_integers_out_of_range_answer_422(client, body):
     r = client.post("/api/rollouts", json=body)
     assert r.status_code == 422, r.text
@@ -187,23 +216,29 @@ def test_rollout_integers_out_of_range_answer_422(client, body):
 # -- finding 4: NaN / Infinity ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("text", [
-    '[{"model": "m", "endpoint": "e", "version": NaN}]',
-    '[{"model": "m", "endpoint": "e", "version": Infinity}]',
-    '[{"model": NaN, "endpoint": "e"}]',
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        '[{"model": "m", "endpoint": "e", "version": NaN}]',
+        '[{"model": "m", "endpoint": "e", "version": Infinity}]',
+        '[{"model": NaN, "endpoint": "e"}]',
+    ],
+)
 def test_nan_in_an_invalid_body_answers_422(client, text):
     r = _raw(client, "POST", "/api/models", text)
     assert r.status_code == 422, r.text
     assert r.json()["detail"]
 
 
-@pytest.mark.parametrize("path_kind, text", [
-    ("rollouts", '[{"input": {"x": NaN}}]'),
-    ("rollouts", '[{"input": [Infinity]}]'),
-    ("events", '{"event_type": "reward", "data": {"value": NaN}}'),
-    ("events", '{"event_type": "reward", "data": {"value": -Infinity}}'),
-])
+@pytest.mark.parametrize(
+    "path_kind, text",
+    [
+        ("rollouts", '[{"input": {"x": NaN}}]'),
+        ("rollouts", '[{"input": [Infinity]}]'),
+        ("events", '{"event_type": "reward", "data": {"value": NaN}}'),
+        ("events", '{"event_type": "reward", "data": {"value": -Infinity}}'),
+    ],
+)
 def test_nan_in_a_valid_body_is_refused_naming_the_field(client, path_kind, text):
     if path_kind == "rollouts":
         r = _raw(client, "POST", "/api/rollouts", text)
@@ -223,4 +258,7 @@ def test_storable_rule_names_the_path():
         check_storable({"a": [0, {"b": "\ud800"}]}, "input")
     with pytest.raises(NotStorable, match="nested deeper"):
         dump_storable({"x": _nest(MAX_DEPTH + 5)})
-    assert dump_storable({"x": _nest(MAX_DEPTH - 1)}) == json.dumps({"x": _nest(MAX_DEPTH - 1)}, separators=(",", ":")).encode()
+    assert (
+        dump_storable({"x": _nest(MAX_DEPTH - 1)})
+        == json.dumps({"x": _nest(MAX_DEPTH - 1)}, separators=(",", ":")).encode()
+    )

@@ -34,8 +34,9 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
     mount.mkdir()
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root: the full-disk test runs only as root")
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True, text=True
+    )
     if proc.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.strip() or proc.returncode}): needs CAP_SYS_ADMIN")
     try:
@@ -144,8 +145,9 @@ _KILLED_MID_BATCH = textwrap.dedent("""
 
 def test_a_server_killed_mid_batch_stores_none_of_it(tmp_path):
     db = tmp_path / "store.db"
-    proc = subprocess.run([sys.executable, "-c", _KILLED_MID_BATCH, str(db)], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILLED_MID_BATCH, str(db)], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == -9, proc.stderr
     store = open_store(f"sqlite:///{db}")  # the dead process's lock is gone with it
     try:

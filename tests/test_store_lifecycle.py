@@ -61,8 +61,9 @@ def test_unexpected_error_is_json_500_and_the_connection_stays_usable(server):
 # -- finding 7: rollout ids ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("rid", ["a/b", "a?b", "a#b", "a b", "", "x" * 129, "é", "a%2Fb",
-                                 ".", ".."])  # dot segments: clients drop them from a path, nothing could end them
+@pytest.mark.parametrize(
+    "rid", ["a/b", "a?b", "a#b", "a b", "", "x" * 129, "é", "a%2Fb", ".", ".."]
+)  # dot segments: clients drop them from a path, nothing could end them
 def test_invalid_rollout_ids_are_refused(client, rid):
     r = client.post("/api/rollouts", json=[{"input": {}, "rollout_id": rid}])
     assert r.status_code == 422 and "rollout_id" in r.json()["detail"] and "A-Z" in r.json()["detail"], r.text
@@ -164,8 +165,10 @@ class _ResetThenAnswer:
                 if self.requests <= n_resets:
                     conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST
                 else:
-                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 15\r\n"
-                                 b"connection: close\r\n\r\n{\"status\":\"ok\"}")
+                    conn.sendall(
+                        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 15\r\n"
+                        b'connection: close\r\n\r\n{"status":"ok"}'
+                    )
                 conn.close()
 
         threading.Thread(target=serve, daemon=True).start()

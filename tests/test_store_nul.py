@@ -62,8 +62,9 @@ def test_a_nul_in_an_event_type_or_attempt_id_is_never_a_500(client):
     assert r.status_code == 422 and "NUL" in r.json()["detail"], r.text
     assert client.get(f"/api/rollouts/{rid}/events", params={"attempt_id": "a\u0000b"}).status_code in (200, 404)
     assert client.get("/api/rollouts/a%00b").status_code == 404
-    ok = client.post(f"/api/rollouts/{rid}/attempt/{attempt}/events",
-                     json={"event_type": "x", "data": {"s": "a\u0000"}})
+    ok = client.post(
+        f"/api/rollouts/{rid}/attempt/{attempt}/events", json={"event_type": "x", "data": {"s": "a\u0000"}}
+    )
     assert ok.status_code in (200, 201), ok.text  # event data may hold NUL on every backend
     events = client.get(f"/api/rollouts/{rid}/events").json()
     assert [e["data"]["s"] for e in events if e["event_type"] == "x"] == ["a\u0000"]
@@ -73,6 +74,8 @@ def test_a_nul_in_a_model_name_is_refused_or_not_found_never_a_500(client):
     r = client.post("/api/models", json=[{"model": "m\u0000", "endpoint": "http://127.0.0.1:9/v1", "version": 1}])
     assert r.status_code == 422 and "NUL" in r.json()["detail"], r.text
     rid, attempt = _running(client)
-    r = client.post(f"/proxy/rollout/{rid}/attempt/{attempt}/mode/train/openai/v1/chat/completions",
-                    json={"model": "m\u0000", "messages": [{"role": "user", "content": "hi"}]})
+    r = client.post(
+        f"/proxy/rollout/{rid}/attempt/{attempt}/mode/train/openai/v1/chat/completions",
+        json={"model": "m\u0000", "messages": [{"role": "user", "content": "hi"}]},
+    )
     assert r.status_code < 500 or r.status_code == 503, r.text  # 503: no endpoint for that name, as on memory

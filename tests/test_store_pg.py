@@ -44,9 +44,25 @@ class Serve:
             port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "agl_lab.cli", "serve", "--port", str(port), "--model-name", "m",
-             "--store", store_url, "--log-level", "warning", *flags],
-            env={**os.environ, "AGL_KEY": KEY}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "agl_lab.cli",
+                "serve",
+                "--port",
+                str(port),
+                "--model-name",
+                "m",
+                "--store",
+                store_url,
+                "--log-level",
+                "warning",
+                *flags,
+            ],
+            env={**os.environ, "AGL_KEY": KEY},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -103,19 +119,25 @@ def test_open_errors_name_the_url_and_the_fix(postgres, postgres_database, tmp_p
     with pytest.raises(ValueError, match=r"not a PostgreSQL URL .*badparam.*postgresql://user:password@host"):
         open_store("postgresql://u@/db?badparam=1")
     nowhere = f"postgresql://u:secret@/db?host={tmp_path}&port=1"  # no server on that socket
-    with pytest.raises(StoreUnavailable, match="cannot connect to the PostgreSQL store .*start PostgreSQL or fix "
-                                               r"the URL \(the `store` setting / --store\)") as err:
+    with pytest.raises(
+        StoreUnavailable,
+        match="cannot connect to the PostgreSQL store .*start PostgreSQL or fix "
+        r"the URL \(the `store` setting / --store\)",
+    ) as err:
         open_store(nowhere)
     assert "secret" not in str(err.value) and "u:***@" in str(err.value)
-    done = subprocess.run([sys.executable, "-m", "agl_lab.cli", "serve", "--store", nowhere],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "agl_lab.cli", "serve", "--store", nowhere], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 1 and done.stderr.startswith("agl-lab serve: --store: cannot connect"), done.stderr
 
     open_store(postgres_database).close()  # creates the tables
     with psycopg.connect(postgres_database, autocommit=True) as conn:
         conn.execute("UPDATE agl_meta SET value = '999' WHERE key = 'schema_version'")
-    with pytest.raises(SchemaMismatch, match="schema version 999, this agl_lab reads version 1: point the `store` "
-                                             "setting at another database"):
+    with pytest.raises(
+        SchemaMismatch,
+        match="schema version 999, this agl_lab reads version 1: point the `store` setting at another database",
+    ):
         open_store(postgres_database)
 
 
@@ -138,8 +160,10 @@ def test_a_restarted_postgres_answers_503_once_then_serves(postgres, postgres_da
             t.join(20)
         assert store._pool.get_stats()["pool_size"] >= 4
         with postgres.admin() as conn:  # what a PostgreSQL restart does to every session
-            conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s AND pid <> "
-                         "pg_backend_pid()", (postgres_database.split("/")[3].split("?")[0],))
+            conn.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
+                (postgres_database.split("/")[3].split("?")[0],),
+            )
         with pytest.raises(StoreUnavailable, match="nothing was stored; retry"):
             store.get_rollout("a")
         assert store.get_rollout("a").rollout_id == "a"
@@ -158,8 +182,10 @@ def test_kill_9_of_postgres_loses_no_acknowledged_write(postgres, postgres_datab
                 store.append_event(f"r{i % 10}", "0", "e", {"i": i})
             store.patch_status("r0", RUNNING)
             with postgres.admin() as conn:
-                (pid,) = conn.execute("SELECT pid FROM pg_stat_activity WHERE datname = %s LIMIT 1",
-                                      (postgres_database.split("/")[3].split("?")[0],)).fetchone()
+                (pid,) = conn.execute(
+                    "SELECT pid FROM pg_stat_activity WHERE datname = %s LIMIT 1",
+                    (postgres_database.split("/")[3].split("?")[0],),
+                ).fetchone()
             os.kill(pid, signal.SIGKILL)
         finally:
             store.close()
@@ -256,11 +282,15 @@ def test_lease_activity_seen_by_one_store_is_honoured_by_another(postgres_databa
         t1 = time.time()
         # a lease of 10 s, checked 9.9 s after t1: 'idle' was last active at t0, the others at t1
         assert b.expire_leases(10.0, now=t1 + 9.9) == {"idle": "failed"}  # max_attempts=1
-        assert b.get_rollout("idle").status.error_message.startswith("attempt 0: lease expired (no heartbeat, event or status")
+        assert b.get_rollout("idle").status.error_message.startswith(
+            "attempt 0: lease expired (no heartbeat, event or status"
+        )
         assert b.get_rollout("beat").status.state == "running" and b.get_rollout("event").status.state == "running"
         time.sleep(0.3)
         a.heartbeat(["beat"])
-        assert b.expire_leases(10.0, now=time.time() + 9.9) == {"event": "failed"}  # the heartbeat is newer than the event
+        assert b.expire_leases(10.0, now=time.time() + 9.9) == {
+            "event": "failed"
+        }  # the heartbeat is newer than the event
         assert t0 < t1
     finally:
         a.close()
@@ -350,7 +380,9 @@ def test_kill_9_of_either_server_loses_no_acknowledged_write(serve, postgres):
                     c().post("/api/rollouts", json=[{"input": {"i": i}, "rollout_id": rid}]).raise_for_status()
                     c().patch(f"/api/rollouts/{rid}", json={"status": {"state": "running"}}).raise_for_status()
                     for k in range(3):
-                        r = c().post(f"/api/rollouts/{rid}/attempt/0/events", json={"event_type": "e", "data": {"k": k}})
+                        r = c().post(
+                            f"/api/rollouts/{rid}/attempt/0/events", json={"event_type": "e", "data": {"k": k}}
+                        )
                         r.raise_for_status()
                         with lock:
                             acked_events[rid] = acked_events.get(rid, 0) + 1

@@ -26,9 +26,21 @@ from agl_lab.engines.warmstart import transcript_to_ids, warm_start
 from agl_lab.tasks import Task, get_task, lookup, merge_breakers, task_names
 from agl_lab.tasks.lookup import Action, LookupEnv, episode_reward, parse_action
 
-TASK = {"task_id": "t0", "key": "c", "value": "red",
-        "table": {"a": "blue", "b": "green", "c": "red", "d": "apple", "e": "banana",
-                  "f": "paris", "g": "london", "h": "tokyo"}}
+TASK = {
+    "task_id": "t0",
+    "key": "c",
+    "value": "red",
+    "table": {
+        "a": "blue",
+        "b": "green",
+        "c": "red",
+        "d": "apple",
+        "e": "banana",
+        "f": "paris",
+        "g": "london",
+        "h": "tokyo",
+    },
+}
 
 
 def play_replies(replies: list[Any], task: dict = TASK) -> tuple[LookupEnv, list[str | None]]:
@@ -75,27 +87,38 @@ def test_datasets_are_deterministic_disjoint_and_json():
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("get c", Action("get", "c")),
-    ("  Answer  red \n", Action("answer", "red")),
-    ("<think>find c</think>get c", Action("get", "c")),
-    ("get", None), ("get c d", None), ("fetch c", None), ("", None), (None, None), (42, None),
-    ("answer red<|im_end|>garbage", None),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("get c", Action("get", "c")),
+        ("  Answer  red \n", Action("answer", "red")),
+        ("<think>find c</think>get c", Action("get", "c")),
+        ("get", None),
+        ("get c d", None),
+        ("fetch c", None),
+        ("", None),
+        (None, None),
+        (42, None),
+        ("answer red<|im_end|>garbage", None),
+    ],
+)
 def test_parse_action(text, expected):
     assert parse_action(text) == expected
 
 
-@pytest.mark.parametrize("replies, reward, observations", [
-    (["get c", "answer red"], 1.0, ["c is red", None]),             # look up, then answer
-    (["get a", "answer blue"], 0.1, ["a is blue", None]),           # well-formed, wrong key
-    (["get c", "answer blue"], 0.4, ["c is red", None]),            # right key, wrong value
-    (["answer red"], 0.6, [None]),                                  # lucky guess, no tool call
-    (["get c", "get c", "get c"], 0.0, ["c is red", "c is red", None]),  # never answers
-    (["get z", "answer red"], 0.7, ["no key z", None]),             # bad key, right answer
-    (["blah", "", "%%"], 0.0, ["invalid reply", "invalid reply", None]),  # garbage, 3 calls
-    ([None, "get c", "answer red"], 0.9, ["invalid reply", "c is red", None]),  # one bad reply
-])
+@pytest.mark.parametrize(
+    "replies, reward, observations",
+    [
+        (["get c", "answer red"], 1.0, ["c is red", None]),  # look up, then answer
+        (["get a", "answer blue"], 0.1, ["a is blue", None]),  # well-formed, wrong key
+        (["get c", "answer blue"], 0.4, ["c is red", None]),  # right key, wrong value
+        (["answer red"], 0.6, [None]),  # lucky guess, no tool call
+        (["get c", "get c", "get c"], 0.0, ["c is red", "c is red", None]),  # never answers
+        (["get z", "answer red"], 0.7, ["no key z", None]),  # bad key, right answer
+        (["blah", "", "%%"], 0.0, ["invalid reply", "invalid reply", None]),  # garbage, 3 calls
+        ([None, "get c", "answer red"], 0.9, ["invalid reply", "c is red", None]),  # one bad reply
+    ],
+)
 def test_episode_rewards(replies, reward, observations):
     env, obs = play_replies(replies)
     assert obs == observations
@@ -123,7 +146,9 @@ def test_history_functions_edit_what_they_claim():
     reply = "<think>find c</think>get c"
     appended = lookup.append_turn(sent, reply, "c is red")
     assert appended[:2] == sent and appended[2:] == [
-        {"role": "assistant", "content": reply}, {"role": "user", "content": "c is red"}]
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": "c is red"},
+    ]
     dropped = merge_breakers.drop_reasoning_history(sent, reply, "c is red")
     assert dropped[2] == {"role": "assistant", "content": "get c"} and dropped[3] == appended[3]
     narrowed = merge_breakers.narrow_tools_history(sent, reply, "c is red")
@@ -216,8 +241,12 @@ class RecordingCtx:
         def record(request: httpx.Request) -> None:
             self.requests.append(json.loads(request.content))
 
-        return openai.OpenAI(base_url=self.base_url, api_key=self.api_key or "EMPTY", max_retries=0,
-                             http_client=httpx.Client(event_hooks={"request": [record]}, timeout=60))
+        return openai.OpenAI(
+            base_url=self.base_url,
+            api_key=self.api_key or "EMPTY",
+            max_retries=0,
+            http_client=httpx.Client(event_hooks={"request": [record]}, timeout=60),
+        )
 
 
 @pytest.fixture(scope="module")
@@ -242,7 +271,7 @@ def test_agents_run_end_to_end(name, server, tiny):
     assert isinstance(value, float) and 0.0 <= value <= 1.0
     assert len(ctx.requests) >= 2  # the untrained model babbles: every call is an invalid reply
     assert all(r["max_tokens"] <= lookup.THINK_MAX_TOKENS for r in ctx.requests)
-    (event_type, data), = ctx.events
+    ((event_type, data),) = ctx.events
     assert event_type == "task_result" and data["n_calls"] == len(ctx.requests) and data["reward"] == value
     first, second = (_rendered(tok, r["messages"]) for r in ctx.requests[:2])
     if name == "history_editing":  # the merge break it exists for: the next prompt is no extension
@@ -285,9 +314,11 @@ class TokenIdsTransport(httpx.BaseTransport):
 
 def transport_ctx(base_url: str, transport: TokenIdsTransport) -> SimpleNamespace:
     """A minimal agent context whose OpenAI client sends every call through `transport`."""
+
     def client() -> openai.OpenAI:
-        return openai.OpenAI(base_url=base_url, api_key="EMPTY", max_retries=0,
-                             http_client=httpx.Client(transport=transport, timeout=60))
+        return openai.OpenAI(
+            base_url=base_url, api_key="EMPTY", max_retries=0, http_client=httpx.Client(transport=transport, timeout=60)
+        )
 
     return SimpleNamespace(base_url=base_url, api_key="", openai_client=client)
 
@@ -359,7 +390,9 @@ def test_calc_tasks_tool_and_reward():
     assert train == calc.train_tasks(50, 0) and {t["task_id"] for t in train}.isdisjoint(t["task_id"] for t in val)
     t = train[0]
     assert calc.calculator(json.dumps({"expression": t["expression"]})) == str(t["value"])
-    assert calc.calculator("not json").startswith("error") and calc.calculator('{"expression": "2 ** 9"}').startswith("error")
+    assert calc.calculator("not json").startswith("error") and calc.calculator('{"expression": "2 ** 9"}').startswith(
+        "error"
+    )
     assert calc.reward(t, f"{t['expression']} is {t['value']}.") == 1.0 and calc.reward(t, "no idea") == 0.0
     assert calc.reward(t, f"{t['value']} is wrong, it is {t['value'] + 1}") == 0.0  # the conclusion counts
     assert calc.reward(t, None) == 0.0
@@ -385,12 +418,29 @@ class _ScriptedModel:
 
         self.seen.append([dict(m) for m in messages])
         content, calls = self.replies.pop(0)
-        tool_calls = [{"id": f"c{len(self.seen)}", "type": "function",
-                       "function": {"name": "calculator", "arguments": json.dumps({"expression": e})}} for e in calls]
-        return ChatCompletion.model_validate({
-            "id": "x", "object": "chat.completion", "created": 0, "model": "m",
-            "choices": [{"index": 0, "finish_reason": "tool_calls" if calls else "stop",
-                         "message": {"role": "assistant", "content": content, "tool_calls": tool_calls or None}}]})
+        tool_calls = [
+            {
+                "id": f"c{len(self.seen)}",
+                "type": "function",
+                "function": {"name": "calculator", "arguments": json.dumps({"expression": e})},
+            }
+            for e in calls
+        ]
+        return ChatCompletion.model_validate(
+            {
+                "id": "x",
+                "object": "chat.completion",
+                "created": 0,
+                "model": "m",
+                "choices": [
+                    {
+                        "index": 0,
+                        "finish_reason": "tool_calls" if calls else "stop",
+                        "message": {"role": "assistant", "content": content, "tool_calls": tool_calls or None},
+                    }
+                ],
+            }
+        )
 
 
 def test_calc_chain_needs_two_calls_the_second_on_the_first_result():
@@ -431,9 +481,14 @@ def test_parallel_warm_starts_compute_once_and_the_others_load(tmp_path, tiny, m
     fits, real_fit = [], warmstart.fit_transcripts
     monkeypatch.setattr(warmstart, "fit_transcripts", lambda *a, **k: (fits.append(1), real_fit(*a, **k)))
     models = [copy.deepcopy(model) for _ in range(3)]
-    threads = [threading.Thread(target=warm_start, args=(m, tok, get_task("lookup")),
-                                kwargs={"seed": 1, "cache_dir": tmp_path, "steps": 3, "batch_size": 4})
-               for m in models]
+    threads = [
+        threading.Thread(
+            target=warm_start,
+            args=(m, tok, get_task("lookup")),
+            kwargs={"seed": 1, "cache_dir": tmp_path, "steps": 3, "batch_size": 4},
+        )
+        for m in models
+    ]
     for t in threads:
         t.start()
     for t in threads:

@@ -84,11 +84,19 @@ def test_chat_template_renders_roles_and_tool_calls(tiny):
     messages = [
         {"role": "system", "content": "Use tools."},
         {"role": "user", "content": "What is 3 + 4?"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "calc", "arguments": '{"expr": "3+4"}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "calc", "arguments": '{"expr": "3+4"}'}}
+            ],
+        },
         {"role": "tool", "tool_call_id": "c1", "content": "7"},
-        {"role": "assistant", "content": "Checking.", "tool_calls": [
-            {"id": "c2", "type": "function", "function": {"name": "lookup", "arguments": {"key": "x"}}}]},
+        {
+            "role": "assistant",
+            "content": "Checking.",
+            "tool_calls": [{"id": "c2", "type": "function", "function": {"name": "lookup", "arguments": {"key": "x"}}}],
+        },
     ]
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert text == (
@@ -117,8 +125,9 @@ def test_chat_template_is_append_only(tiny):
         messages.append({"role": "user", "content": f"Question {k}: what is the value of key {k}?"})
         prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         messages.append({"role": "assistant", "content": reply})
-        nxt = tok.apply_chat_template(messages + [{"role": "user", "content": "next"}], tokenize=False,
-                                      add_generation_prompt=True)
+        nxt = tok.apply_chat_template(
+            messages + [{"role": "user", "content": "next"}], tokenize=False, add_generation_prompt=True
+        )
         assert nxt.startswith(prompt + reply + EOS_TOKEN)
         # token view: what an engine returns (prompt ids, then reply ids + eos) is a prefix
         served = tok(prompt, add_special_tokens=False)["input_ids"] + tok(reply, add_special_tokens=False)["input_ids"]
@@ -131,9 +140,10 @@ def test_sampled_ids_show_retokenization_drift(tiny, one_thread):
     model, tok = tiny
     torch.manual_seed(0)
     prompt = tok(["<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"] * 24, return_tensors="pt")
-    out = model.generate(**prompt, do_sample=True, max_new_tokens=16, top_k=0, pad_token_id=tok.pad_token_id,
-                         eos_token_id=None)
-    samples = [row[prompt["input_ids"].shape[1]:].tolist() for row in out]
+    out = model.generate(
+        **prompt, do_sample=True, max_new_tokens=16, top_k=0, pad_token_id=tok.pad_token_id, eos_token_id=None
+    )
+    samples = [row[prompt["input_ids"].shape[1] :].tolist() for row in out]
     drifted = sum(tok(tok.decode(ids), add_special_tokens=False)["input_ids"] != ids for ids in samples)
     assert drifted / len(samples) >= 0.25
 

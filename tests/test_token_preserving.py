@@ -51,14 +51,37 @@ def byte_ids(tok: Any, text: str) -> list[int]:
     return [tok.convert_tokens_to_ids("Ġ" if c == " " else c) for c in text]
 
 
-def first_turn(tok: Any, reply: str, response_ids: list[int], *, finish: str = "stop", stop_reason: Any = None,
-               messages: list[dict] | None = None, **extra: Any) -> tuple[dict, Turn]:
+def first_turn(
+    tok: Any,
+    reply: str,
+    response_ids: list[int],
+    *,
+    finish: str = "stop",
+    stop_reason: Any = None,
+    messages: list[dict] | None = None,
+    **extra: Any,
+) -> tuple[dict, Turn]:
     """(request body, remembered Turn) of a first call answered on the normal chat path."""
-    body = {"model": "m", "messages": messages or [SYSTEM, USER], "max_tokens": 8, "temperature": 1.0,
-            "return_token_ids": True, "logprobs": True, **extra}
-    response = {"prompt_token_ids": encode(tok, render_text(tok, body)),
-                "choices": [{"message": {"role": "assistant", "content": reply, "tool_calls": []},
-                             "token_ids": response_ids, "finish_reason": finish, "stop_reason": stop_reason}]}
+    body = {
+        "model": "m",
+        "messages": messages or [SYSTEM, USER],
+        "max_tokens": 8,
+        "temperature": 1.0,
+        "return_token_ids": True,
+        "logprobs": True,
+        **extra,
+    }
+    response = {
+        "prompt_token_ids": encode(tok, render_text(tok, body)),
+        "choices": [
+            {
+                "message": {"role": "assistant", "content": reply, "tool_calls": []},
+                "token_ids": response_ids,
+                "finish_reason": finish,
+                "stop_reason": stop_reason,
+            }
+        ],
+    }
     turn = turn_from_exchange(body, response)
     assert turn is not None
     return body, turn
@@ -87,7 +110,9 @@ def test_extension_keeps_the_sampled_ids_where_retokenization_drifts(tok):
     assert plan.prompt_ids[: len(context)] == context  # the model's own ids, verbatim
     assert tok.decode(plan.prompt_ids) == render_text(tok, body2)  # same text as the template renders
     # the continuation starts after the sampled <|im_end|>: its "\n" is an observation token
-    assert plan.prompt_ids[len(context):] == encode(tok, "\n<|im_start|>user\nc is 7<|im_end|>\n<|im_start|>assistant\n")
+    assert plan.prompt_ids[len(context) :] == encode(
+        tok, "\n<|im_start|>user\nc is 7<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert (plan.reused_tokens, plan.new_tokens) == (len(context), len(plan.prompt_ids) - len(context))
 
 
@@ -109,13 +134,19 @@ def test_special_token_sampled_inside_a_reply_is_kept_though_the_agent_never_saw
     body2 = next_body(body, reply, OBS)
     plan = plan_request(turn, body2, tok)
     assert plan.used and plan.prompt_ids[: len(turn.prompt_ids) + len(sampled)] == turn.prompt_ids + sampled
-    continuation = plan.prompt_ids[len(turn.prompt_ids) + len(sampled):]
+    continuation = plan.prompt_ids[len(turn.prompt_ids) + len(sampled) :]
     visible = turn.prompt_ids + [i for i in sampled if i != im_start] + continuation
     assert tok.decode(visible) == render_text(tok, body2)  # the text check ignores only the hidden token
     # the next call still extends: the hidden token now sits inside the *prompt* it builds on
     reply2 = byte_ids(tok, "answer 7") + [tok.eos_token_id]
-    turn2 = turn_from_exchange(body2, {"prompt_token_ids": plan.prompt_ids, "choices": [
-        {"message": {"role": "assistant", "content": "answer 7"}, "token_ids": reply2}]}, plan.text)
+    turn2 = turn_from_exchange(
+        body2,
+        {
+            "prompt_token_ids": plan.prompt_ids,
+            "choices": [{"message": {"role": "assistant", "content": "answer 7"}, "token_ids": reply2}],
+        },
+        plan.text,
+    )
     plan3 = plan_request(turn2, next_body(body2, "answer 7", OBS), tok)
     assert plan3.used and plan3.prompt_ids[: len(plan.prompt_ids) + len(reply2)] == plan.prompt_ids + reply2
 
@@ -136,25 +167,35 @@ def test_three_turns_chain_on_the_plans_own_prompts(tok):
     body2 = next_body(body, "get c", OBS)
     plan2 = plan_request(turn, body2, tok)
     reply2 = byte_ids(tok, "answer 7") + [tok.eos_token_id]
-    turn2 = turn_from_exchange(body2, {"prompt_token_ids": plan2.prompt_ids, "choices": [
-        {"message": {"role": "assistant", "content": "answer 7"}, "token_ids": reply2, "finish_reason": "stop"}]})
+    turn2 = turn_from_exchange(
+        body2,
+        {
+            "prompt_token_ids": plan2.prompt_ids,
+            "choices": [
+                {"message": {"role": "assistant", "content": "answer 7"}, "token_ids": reply2, "finish_reason": "stop"}
+            ],
+        },
+    )
     body3 = next_body(body2, "answer 7", {"role": "user", "content": "wrong, try again"})
     plan3 = plan_request(turn2, body3, tok)
     assert plan3.used and plan3.prompt_ids[: len(plan2.prompt_ids) + len(reply2)] == plan2.prompt_ids + reply2
     assert tok.decode(plan3.prompt_ids) == render_text(tok, body3)
 
 
-@pytest.mark.parametrize("case, kind, needle", [
-    ("first call", "first_call", "first call"),
-    ("system dropped", "history_edited", "messages[0] differs"),
-    ("conversation cut", "history_edited", "cut or restarted"),
-    ("reply stripped", "reply_edited", "content differs"),
-    ("temperature", "setup_changed", "temperature 1.0 → 0.5"),
-    ("tools", "setup_changed", "tools"),
-    ("n=2", "unsupported", "n=2"),
-    ("tool_choice", "unsupported", "tool_choice"),
-    ("unknown key", "unsupported", "['guided_choice']"),
-])
+@pytest.mark.parametrize(
+    "case, kind, needle",
+    [
+        ("first call", "first_call", "first call"),
+        ("system dropped", "history_edited", "messages[0] differs"),
+        ("conversation cut", "history_edited", "cut or restarted"),
+        ("reply stripped", "reply_edited", "content differs"),
+        ("temperature", "setup_changed", "temperature 1.0 → 0.5"),
+        ("tools", "setup_changed", "tools"),
+        ("n=2", "unsupported", "n=2"),
+        ("tool_choice", "unsupported", "tool_choice"),
+        ("unknown key", "unsupported", "['guided_choice']"),
+    ],
+)
 def test_fallbacks_name_their_reason(tok, case, kind, needle):
     body, turn = first_turn(tok, "get c ", byte_ids(tok, "get c ") + [tok.eos_token_id])
     good = next_body(body, "get c ", OBS)
@@ -196,12 +237,28 @@ def test_template_that_rewrites_earlier_turns_fails_the_prefix_check(tok):
 def test_tool_call_reply_and_tool_message_render_through_the_template(tok):
     tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
     text = '<tool_call>{"name": "lookup", "arguments": {"key": "c"}}</tool_call>'
-    body = {"model": "m", "messages": [SYSTEM, USER], "tools": tools, "max_tokens": 32, "logprobs": True,
-            "return_token_ids": True}
+    body = {
+        "model": "m",
+        "messages": [SYSTEM, USER],
+        "tools": tools,
+        "max_tokens": 32,
+        "logprobs": True,
+        "return_token_ids": True,
+    }
     prompt = encode(tok, render_text(tok, body))
     sampled = encode(tok, text) + [tok.eos_token_id]
-    completion = {"id": "cmpl-1", "choices": [{"text": text, "token_ids": sampled, "prompt_token_ids": prompt,
-                                               "finish_reason": "stop", "stop_reason": None}]}
+    completion = {
+        "id": "cmpl-1",
+        "choices": [
+            {
+                "text": text,
+                "token_ids": sampled,
+                "prompt_token_ids": prompt,
+                "finish_reason": "stop",
+                "stop_reason": None,
+            }
+        ],
+    }
     response = chat_response(completion, body)
     message = response["choices"][0]["message"]
     assert response["choices"][0]["finish_reason"] == "tool_calls" and message["content"] is None
@@ -217,11 +274,30 @@ def test_tool_call_reply_and_tool_message_render_through_the_template(tok):
 
 
 def test_completions_request_forwards_sampling_and_converts_chat_only_keys():
-    body = {"model": "m", "messages": [USER], "tools": [], "temperature": 0.7, "top_p": 0.9, "seed": 3,
-            "stop": ["x"], "logprobs": True, "top_logprobs": 2, "max_completion_tokens": 5, "return_token_ids": True}
+    body = {
+        "model": "m",
+        "messages": [USER],
+        "tools": [],
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "seed": 3,
+        "stop": ["x"],
+        "logprobs": True,
+        "top_logprobs": 2,
+        "max_completion_tokens": 5,
+        "return_token_ids": True,
+    }
     assert completions_request(body, [1, 2]) == {
-        "model": "m", "temperature": 0.7, "top_p": 0.9, "seed": 3, "stop": ["x"], "prompt": [1, 2],
-        "max_tokens": 5, "logprobs": 2, "return_token_ids": True}
+        "model": "m",
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "seed": 3,
+        "stop": ["x"],
+        "prompt": [1, 2],
+        "max_tokens": 5,
+        "logprobs": 2,
+        "return_token_ids": True,
+    }
     # no max_tokens: an explicit null (the engine's chat default), not the completions default
     req = completions_request({"messages": [USER], "logprobs": True}, [1])
     assert req["max_tokens"] is None and "max_tokens" in req and req["logprobs"] == 0
@@ -229,16 +305,35 @@ def test_completions_request_forwards_sampling_and_converts_chat_only_keys():
 
 def test_chat_response_carries_ids_usage_and_chat_schema_logprobs():
     completion = {
-        "id": "cmpl-abc", "object": "text_completion", "created": 7, "model": "m",
+        "id": "cmpl-abc",
+        "object": "text_completion",
+        "created": 7,
+        "model": "m",
         "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
-        "choices": [{"index": 0, "text": "hi", "finish_reason": "length", "stop_reason": None,
-                     "prompt_token_ids": [1, 2, 3], "token_ids": [9, 8],
-                     "logprobs": {"tokens": ["h", "i"], "token_logprobs": [-0.5, -1.25], "text_offset": [0, 1],
-                                  "top_logprobs": [{"h": -0.5, "a": -2.0, "b": -3.0}, {"i": -1.25, "o": -0.75}]}}],
+        "choices": [
+            {
+                "index": 0,
+                "text": "hi",
+                "finish_reason": "length",
+                "stop_reason": None,
+                "prompt_token_ids": [1, 2, 3],
+                "token_ids": [9, 8],
+                "logprobs": {
+                    "tokens": ["h", "i"],
+                    "token_logprobs": [-0.5, -1.25],
+                    "text_offset": [0, 1],
+                    "top_logprobs": [{"h": -0.5, "a": -2.0, "b": -3.0}, {"i": -1.25, "o": -0.75}],
+                },
+            }
+        ],
     }
     response = chat_response(completion, {"messages": [USER], "logprobs": True, "top_logprobs": 1})
     choice = response["choices"][0]
-    assert (response["id"], response["object"], response["prompt_token_ids"]) == ("chatcmpl-abc", "chat.completion", [1, 2, 3])
+    assert (response["id"], response["object"], response["prompt_token_ids"]) == (
+        "chatcmpl-abc",
+        "chat.completion",
+        [1, 2, 3],
+    )
     assert (choice["message"]["content"], choice["finish_reason"], choice["token_ids"]) == ("hi", "length", [9, 8])
     assert response["usage"] == completion["usage"]
     content = choice["logprobs"]["content"]
@@ -334,17 +429,25 @@ def run_rollouts(server: Any, agent: Any, tasks: list[dict]) -> list[Any]:
     rollouts = server.store.create_rollouts([RolloutCreate(rollout_id=uuid.uuid4().hex, input=t) for t in tasks])
 
     def play(rollout: Any) -> Any:
-        return agent(rollout.input, SimpleNamespace(base_url=proxy_base_url(server.url, rollout.rollout_id),
-                                                    api_key="EMPTY"))
+        return agent(
+            rollout.input, SimpleNamespace(base_url=proxy_base_url(server.url, rollout.rollout_id), api_key="EMPTY")
+        )
 
     with ThreadPoolExecutor(len(rollouts)) as pool:
         list(pool.map(play, rollouts))
     completed = []
     for i, rollout in enumerate(rollouts):
         events = server.store.events(rollout.rollout_id)
-        completed.append(events_to_completed_rollout(
-            rollout, [e.model_dump() for e in events], [e.model_dump() for e in triplet_events(events)],
-            data_id=rollout.input["task_id"], step=0, sample_idx=i))
+        completed.append(
+            events_to_completed_rollout(
+                rollout,
+                [e.model_dump() for e in events],
+                [e.model_dump() for e in triplet_events(events)],
+                data_id=rollout.input["task_id"],
+                step=0,
+                sample_idx=i,
+            )
+        )
     return completed
 
 
@@ -352,8 +455,16 @@ def build(completed: list[Any], tokenizer: Any) -> Any:
     from agl_lab.batch import build_batch
     from agl_lab.results import BatchResult
 
-    return BatchResult(build_batch(completed, "trajectory", max_prompt_length=256, max_response_length=512,
-                                   pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer))
+    return BatchResult(
+        build_batch(
+            completed,
+            "trajectory",
+            max_prompt_length=256,
+            max_response_length=512,
+            pad_token_id=tokenizer.pad_token_id,
+            tokenizer=tokenizer,
+        )
+    )
 
 
 def model_calls(rollout: Any) -> list[dict]:
@@ -400,9 +511,9 @@ def test_mode_on_every_append_only_rollout_is_one_row_of_the_sampled_ids(append_
         trained = 0
         for triplet in by_id[rollout_id].triplets:
             p, s = triplet.prompt_ids, triplet.response_ids
-            assert full[: len(p)] == p and full[len(p): len(p) + len(s)] == s
+            assert full[: len(p)] == p and full[len(p) : len(p) + len(s)] == s
             assert s in sampled[tuple(p)]  # KeyError: the engine never saw this prompt
-            assert model_mask[len(p): len(p) + len(s)] == [1] * len(s)
+            assert model_mask[len(p) : len(p) + len(s)] == [1] * len(s)
             trained += len(s)
         assert sum(model_mask) == trained  # nothing else carries loss
 
@@ -410,7 +521,7 @@ def test_mode_on_every_append_only_rollout_is_one_row_of_the_sampled_ids(append_
 def row_loss_mask(batch: Any, i: int) -> list[int]:
     """Row i's loss mask over its attended tokens (0 on the prompt)."""
     prompt = [0] * int(batch["attention_mask"][i][: batch["prompts"].shape[1]].sum())
-    n_response = int(batch["attention_mask"][i][batch["prompts"].shape[1]:].sum())
+    n_response = int(batch["attention_mask"][i][batch["prompts"].shape[1] :].sum())
     return prompt + batch["response_mask"][i][:n_response].tolist()
 
 
@@ -419,7 +530,9 @@ def test_mode_on_answers_the_agent_with_a_chat_completion_of_the_sampled_text(ap
         for call in model_calls(rollout)[1:]:
             response, choice = call["response"], call["response"]["choices"][0]
             assert response["object"] == "chat.completion" and "messages" in call["request"]
-            assert choice["message"]["content"] == engine.tokenizer.decode(choice["token_ids"], skip_special_tokens=True)
+            assert choice["message"]["content"] == engine.tokenizer.decode(
+                choice["token_ids"], skip_special_tokens=True
+            )
             assert choice["finish_reason"] in ("stop", "length") and call["finish_reason"] == choice["finish_reason"]
             assert response["usage"]["prompt_tokens"] == len(response["prompt_token_ids"])
             assert len(choice["logprobs"]["content"]) == len(choice["token_ids"])
@@ -453,7 +566,7 @@ def test_recorded_logprobs_are_the_sampled_tokens_logprobs(append_only_runs, eng
             with engine.server.weights_lock, torch.no_grad():
                 logits = engine.model(input_ids=ids).logits[0].float()
             n = len(t.prompt_ids)
-            recomputed = torch.log_softmax(logits[n - 1: -1], dim=-1).gather(1, ids[0, n:, None])[:, 0]
+            recomputed = torch.log_softmax(logits[n - 1 : -1], dim=-1).gather(1, ids[0, n:, None])[:, 0]
             worst = max(worst, float((recomputed - torch.tensor(t.logprobs)).abs().max()))
     assert worst < 1e-4
 

@@ -21,8 +21,12 @@ WARM = [o for o in SMALL if not o.startswith("agl_lab.model.warm_start_steps")] 
 
 @pytest.fixture(scope="module")
 def stepped(tmp_path_factory):
-    t = Trainer.from_config("configs/cpu_tiny.yaml", overrides=[*WARM, "data.train_batch_size=8"],
-                            run_dir=tmp_path_factory.mktemp("run"), console=False)
+    t = Trainer.from_config(
+        "configs/cpu_tiny.yaml",
+        overrides=[*WARM, "data.train_batch_size=8"],
+        run_dir=tmp_path_factory.mktemp("run"),
+        console=False,
+    )
     t.rollout()
     b = t.build_batch()
     before = t.tokens(0, b)  # the batch before any update: the current policy only
@@ -40,7 +44,7 @@ def _reference(model, b, i, temperature):
     with torch.no_grad():
         logits = model(input_ids=ids[None]).logits[0].float() / temperature  # [L, V]
     logp = torch.log_softmax(logits, -1)
-    pred = logp[n_prompt - 1:-1]  # Critical: position t predicts token t+1
+    pred = logp[n_prompt - 1 : -1]  # Critical: position t predicts token t+1
     response = ids[n_prompt:]
     token_lp = pred.gather(-1, response[:, None])[:, 0]
     entropy = -(pred.exp() * pred).sum(-1)

@@ -20,20 +20,30 @@ KILL_AT = "AGL_TEST_KILL_AT_ROLLOUT"
 
 
 def _train(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "agl_lab.cli", "train", *args], env=env, capture_output=True,
-                          text=True, timeout=900)
+    return subprocess.run(
+        [sys.executable, "-m", "agl_lab.cli", "train", *args], env=env, capture_output=True, text=True, timeout=900
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)  # two CLI runs, eight steps: minutes on a loaded 2-core machine
 def test_kill_9_then_resume_logs_each_step_once_and_writes_no_secret(tmp_path):
     run, ckpt = tmp_path / "run", tmp_path / "ckpt"
-    overrides = [*SMALL, "trainer.total_training_steps=5", "trainer.save_freq=2",
-                 f"trainer.default_local_dir={ckpt}", "agl_lab.agent=tests.agents_for_tests:killed_lookup_agent",
-                 f"agentlightning.agl_key={SECRET}"]
-    env = {**os.environ, "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
-           KILL_AT: str(3 * 8 + 1)}  # 8 rollouts a step: the first rollout of step 4
+    overrides = [
+        *SMALL,
+        "trainer.total_training_steps=5",
+        "trainer.save_freq=2",
+        f"trainer.default_local_dir={ckpt}",
+        "agl_lab.agent=tests.agents_for_tests:killed_lookup_agent",
+        f"agentlightning.agl_key={SECRET}",
+    ]
+    env = {
+        **os.environ,
+        "WANDB_MODE": "disabled",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+        KILL_AT: str(3 * 8 + 1),
+    }  # 8 rollouts a step: the first rollout of step 4
     killed = _train(["configs/cpu_tiny.yaml", "--run-dir", str(run), *overrides], env)
     assert killed.returncode == -9, killed.stdout[-3000:] + killed.stderr[-3000:]
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3]
@@ -54,12 +64,15 @@ def test_kill_9_then_resume_logs_each_step_once_and_writes_no_secret(tmp_path):
     assert leaked == []
 
 
-@pytest.mark.parametrize("argv, resume, rest", [
-    (["c.yaml", "--resume", "a.b=1"], "auto", ["c.yaml", "a.b=1"]),
-    (["c.yaml", "a.b=1", "--resume"], "auto", ["c.yaml", "a.b=1"]),
-    (["--resume", "c.yaml", "a.b=1"], "auto", ["c.yaml", "a.b=1"]),
-    (["c.yaml", "--resume", "--steps", "2"], "auto", ["c.yaml", "--steps", "2"]),
-])
+@pytest.mark.parametrize(
+    "argv, resume, rest",
+    [
+        (["c.yaml", "--resume", "a.b=1"], "auto", ["c.yaml", "a.b=1"]),
+        (["c.yaml", "a.b=1", "--resume"], "auto", ["c.yaml", "a.b=1"]),
+        (["--resume", "c.yaml", "a.b=1"], "auto", ["c.yaml", "a.b=1"]),
+        (["c.yaml", "--resume", "--steps", "2"], "auto", ["c.yaml", "--steps", "2"]),
+    ],
+)
 def test_resume_parses_wherever_it_stands(tmp_path, monkeypatch, argv, resume, rest):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "c.yaml").write_text("{}\n")

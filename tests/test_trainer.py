@@ -110,19 +110,25 @@ def test_update_before_build_batch_is_a_clear_error(trainer):
 
 
 def _numbers(metrics):
-    keep = ("training/reward", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "training/n_sample_trained",
-            "training/n_zero_adv_groups")
+    keep = (
+        "training/reward",
+        "actor/pg_loss",
+        "actor/grad_norm",
+        "actor/entropy",
+        "training/n_sample_trained",
+        "training/n_zero_adv_groups",
+    )
     return {k: metrics[k] for k in keep if k in metrics}
 
 
 def test_save_load_continue_matches_an_uninterrupted_run(tmp_path):
     """Seeded calls + saved optimiser/RNG/data cursor: resuming reproduces the same curve."""
-    with Trainer.from_config("configs/cpu_tiny.yaml", overrides=SMALL, run_dir=tmp_path / "a",
-                             console=False) as straight:
+    with Trainer.from_config(
+        "configs/cpu_tiny.yaml", overrides=SMALL, run_dir=tmp_path / "a", console=False
+    ) as straight:
         expected = [_numbers(straight.step()) for _ in range(3)]
 
-    with Trainer.from_config("configs/cpu_tiny.yaml", overrides=SMALL, run_dir=tmp_path / "b",
-                             console=False) as first:
+    with Trainer.from_config("configs/cpu_tiny.yaml", overrides=SMALL, run_dir=tmp_path / "b", console=False) as first:
         got = [_numbers(first.step()) for _ in range(2)]
         first.save(tmp_path / "ckpt")
     with Trainer.load(tmp_path / "ckpt", run_dir=tmp_path / "c", console=False) as resumed:

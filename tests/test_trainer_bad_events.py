@@ -24,12 +24,22 @@ POISONS = ("token id outside the vocabulary", "empty prompt", "huge reward")
 
 def _bad_call(ctx, prompt: list[int], response: list[int]) -> None:
     """A model_request event as the gateway records it, posted with the rollout's own token."""
-    data = {"model": "m", "request": {"messages": []}, "http_status": 200, "status": "ok",
-            "response": {"prompt_token_ids": prompt,
-                         "choices": [{"token_ids": response,
-                                      "logprobs": {"content": [{"logprob": -0.5} for _ in response]}}]}}
-    r = httpx.post(ctx.event_url, json={"event_type": "model_request", "data": data},
-                   headers={"Authorization": f"Bearer {ctx.api_key}"}, trust_env=False)
+    data = {
+        "model": "m",
+        "request": {"messages": []},
+        "http_status": 200,
+        "status": "ok",
+        "response": {
+            "prompt_token_ids": prompt,
+            "choices": [{"token_ids": response, "logprobs": {"content": [{"logprob": -0.5} for _ in response]}}],
+        },
+    }
+    r = httpx.post(
+        ctx.event_url,
+        json={"event_type": "model_request", "data": data},
+        headers={"Authorization": f"Bearer {ctx.api_key}"},
+        trust_env=False,
+    )
     r.raise_for_status()
 
 
@@ -60,8 +70,9 @@ def poisoning_agent():
 @pytest.fixture
 def trainer(tmp_path):
     agent = poisoning_agent()
-    tr = Trainer.from_config("configs/cpu_tiny.yaml", overrides=SMALL, agent=agent, run_dir=tmp_path / "run",
-                             console=False)
+    tr = Trainer.from_config(
+        "configs/cpu_tiny.yaml", overrides=SMALL, agent=agent, run_dir=tmp_path / "run", console=False
+    )
     tr.poisoned = agent.poisoned
     yield tr
     tr.close()
@@ -73,8 +84,11 @@ def test_bad_events_fail_their_rollout_alone_and_the_step_trains(trainer):
     assert trainer.global_step == 1 and metrics["training/n_unlearnable_rollouts"] == 3
     assert metrics["training/n_failed_rollouts"] >= 3
     by_id = {r.rollout_id: r for r in trainer._last_rollout.rollouts}
-    why = {"token id outside the vocabulary": "outside the vocabulary [0, ",
-           "empty prompt": "empty prompt_token_ids", "huge reward": "agl_lab.algorithm.max_abs_reward"}
+    why = {
+        "token id outside the vocabulary": "outside the vocabulary [0, ",
+        "empty prompt": "empty prompt_token_ids",
+        "huge reward": "agl_lab.algorithm.max_abs_reward",
+    }
     assert sorted(trainer.poisoned.values()) == sorted(POISONS)
     for rid, poison in trainer.poisoned.items():
         rollout = by_id[rid]

@@ -75,8 +75,12 @@ class RecordingEngine(Engine):
 
 
 def config(**overrides: Any):
-    base = {"actor_rollout_ref.rollout.n": 4, "actor_rollout_ref.actor.ppo_mini_batch_size": 2,
-            "actor_rollout_ref.rollout.temperature": 0.7, "agl_lab.rollout.drain_timeout_seconds": 12}
+    base = {
+        "actor_rollout_ref.rollout.n": 4,
+        "actor_rollout_ref.actor.ppo_mini_batch_size": 2,
+        "actor_rollout_ref.rollout.temperature": 0.7,
+        "agl_lab.rollout.drain_timeout_seconds": 12,
+    }
     return load_config("configs/cpu_tiny.yaml", [f"{k}={v}" for k, v in {**base, **overrides}.items()])
 
 
@@ -156,7 +160,11 @@ def test_a_batch_off_the_schema_is_refused_before_any_engine_call(selections):
     assert f"'rollout_log_probs' has shape [8, {r + 1}], expected [N, R] = [8, {r}]" in str(err.value)
     assert engine.calls == [] and selections == []
     assert {k for k, spec in BATCH_SCHEMA.items() if spec.required} == {
-        "response_mask", "token_level_scores", "rollout_id_list", "data_id_list"}
+        "response_mask",
+        "token_level_scores",
+        "rollout_id_list",
+        "data_id_list",
+    }
 
 
 def test_an_engine_error_inside_the_update_still_resumes_the_engine(selections):

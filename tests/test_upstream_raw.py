@@ -90,15 +90,21 @@ class ScriptedServer:
             conn.sendall(_head("200 OK", "Content-Type: application/json") + BODY)
             return False
         elif path == "/close-header":
-            conn.sendall(_head("200 OK", "Content-Type: application/json", f"Content-Length: {len(BODY)}",
-                               "Connection: close") + BODY)
+            conn.sendall(
+                _head("200 OK", "Content-Type: application/json", f"Content-Length: {len(BODY)}", "Connection: close")
+                + BODY
+            )
             return False
         elif path == "/then-idle-close":  # keep-alive answer, then the server drops the idle connection
             conn.sendall(_head("200 OK", "Content-Type: application/json", f"Content-Length: {len(BODY)}") + BODY)
             return False
         elif path == "/retry-after":
-            conn.sendall(_head("503 Service Unavailable", "Content-Type: application/json", "Retry-After: 7",
-                               "Content-Length: 2") + b"{}")
+            conn.sendall(
+                _head(
+                    "503 Service Unavailable", "Content-Type: application/json", "Retry-After: 7", "Content-Length: 2"
+                )
+                + b"{}"
+            )
         elif path == "/reset-mid-answer":
             conn.sendall(_head("200 OK", "Content-Type: application/json", "Content-Length: 1000") + b'{"partial')
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = RST
@@ -134,8 +140,9 @@ def test_content_length_answer_and_keep_alive_reuse(server):
         return [await client.post_json(server.url("/length"), b'{"n": %d}' % i) for i in range(3)]
 
     answers = run(calls)
-    assert [(a.status_code, a.content_type, a.content, a.retry_after) for a in answers] == \
-        [(200, "application/json", BODY, None)] * 3
+    assert [(a.status_code, a.content_type, a.content, a.retry_after) for a in answers] == [
+        (200, "application/json", BODY, None)
+    ] * 3
     assert server.connections == 1  # one keep-alive connection for all three
     path, head, body = server.requests[2]
     assert (path, body) == ("/length", b'{"n": 2}')
@@ -178,11 +185,14 @@ def test_retry_after_and_status_are_returned(server):
     assert (answer.status_code, answer.retry_after, answer.content) == (503, "7", b"{}")
 
 
-@pytest.mark.parametrize("path, message", [
-    ("/reset-mid-answer", "closed the connection mid-answer"),
-    ("/close-before-answer", "closed the connection before answering"),
-    ("/garbage", "invalid HTTP answer"),
-])
+@pytest.mark.parametrize(
+    "path, message",
+    [
+        ("/reset-mid-answer", "closed the connection mid-answer"),
+        ("/close-before-answer", "closed the connection before answering"),
+        ("/garbage", "invalid HTTP answer"),
+    ],
+)
 def test_broken_answers_are_transport_errors_and_not_resent(server, path, message):
     with pytest.raises(UpstreamTransportError, match=message):
         run(lambda client: client.post_json(server.url(path), b"{}"))

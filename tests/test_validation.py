@@ -9,12 +9,25 @@ from tests.test_batch import R, SpaceTokenizer, T  # the hand-built fixtures of 
 
 
 def test_validation_metrics_names_and_values():
-    rollouts = [R(f"vr{i}", [T([i], [i + 10]), T([i, i + 10, i + 20], [i + 30])], reward=float(i),
-                  data_id=f"d{i}", step=31, sample_idx=i - 1) for i in range(1, 8)]
+    rollouts = [
+        R(
+            f"vr{i}",
+            [T([i], [i + 10]), T([i, i + 10, i + 20], [i + 30])],
+            reward=float(i),
+            data_id=f"d{i}",
+            step=31,
+            sample_idx=i - 1,
+        )
+        for i in range(1, 8)
+    ]
     val = build_validation(rollouts, 0.0, SpaceTokenizer())
     assert val.metrics == {
-        "val/reward": 4.0, "val/n_rollouts": 7, "val/n_rollouts_w_trace": 7, "val/n_rollouts_w_reward": 7,
-        "val/mean_response_length_per_turn": 1.0, "val/mean_total_response_length_per_rollout": 2.0,
+        "val/reward": 4.0,
+        "val/n_rollouts": 7,
+        "val/n_rollouts_w_trace": 7,
+        "val/n_rollouts_w_reward": 7,
+        "val/mean_response_length_per_turn": 1.0,
+        "val/mean_total_response_length_per_rollout": 2.0,
         "val/turn_count": 2.0,
     }
     assert validation_metrics(rollouts, 0.0) == val.metrics

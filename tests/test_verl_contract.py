@@ -37,7 +37,10 @@ def test_verl_symbol_matches_installed_verl(key):
     assert check_symbol(VERL_API[key]) == []
 
 
-@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed here: its rows are checked in .venv-vllm (./lab test) and on a GPU machine")
+@pytest.mark.skipif(
+    not HAS_VLLM,
+    reason="vLLM is not installed here: its rows are checked in .venv-vllm (./lab test) and on a GPU machine",
+)
 @pytest.mark.parametrize("key", VLLM_ROWS)
 def test_vllm_symbol_matches_installed_vllm(key):
     assert check_symbol(VERL_API[key]) == []
@@ -150,8 +153,12 @@ def _self_attribute_uses(cls_name: str) -> tuple[set[str], set[tuple[str, str]]]
     for node in ast.walk(cls):
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
             names.add(node.attr)
-        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
-                and isinstance(node.value.value, ast.Name) and node.value.value.id == "self"):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Attribute)
+            and isinstance(node.value.value, ast.Name)
+            and node.value.value.id == "self"
+        ):
             pairs.add((node.value.attr, node.attr))
     return names, pairs
 
@@ -179,10 +186,12 @@ def test_every_inherited_trainer_member_the_engine_touches_is_in_the_table():
 
 
 def test_engine_module_imports_without_verl_torch_ray_or_vllm():
-    code = ("import sys; sys.modules['vllm'] = None\n"
-            "import agl_lab.engines.verl.engine\n"
-            "heavy = [m for m in ('verl', 'torch', 'ray', 'vllm') if sys.modules.get(m) is not None]\n"
-            "assert heavy == [], heavy\n")
+    code = (
+        "import sys; sys.modules['vllm'] = None\n"
+        "import agl_lab.engines.verl.engine\n"
+        "heavy = [m for m in ('verl', 'torch', 'ray', 'vllm') if sys.modules.get(m) is not None]\n"
+        "assert heavy == [], heavy\n"
+    )
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=60)
 

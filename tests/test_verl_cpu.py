@@ -47,10 +47,19 @@ def trainer(ray_env):
     from agl_lab.trainer import Trainer
 
     ENV_BEFORE.update({key: os.environ.get(key) for key in WORKER_ENV_KEYS})
-    t = Trainer.from_config(CONFIG, [
-        "agl_lab.model.warm_start_steps=0", "agl_lab.task.n_train=16", "agl_lab.task.n_val=2",
-        "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-        "trainer.total_training_steps=4"], console=False, run_dir=os.path.join(ray_env, "run"))
+    t = Trainer.from_config(
+        CONFIG,
+        [
+            "agl_lab.model.warm_start_steps=0",
+            "agl_lab.task.n_train=16",
+            "agl_lab.task.n_val=2",
+            "data.train_batch_size=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "trainer.total_training_steps=4",
+        ],
+        console=False,
+        run_dir=os.path.join(ray_env, "run"),
+    )
     yield t
     t.close()
 
@@ -63,6 +72,7 @@ def _count_loss_calls_in_workers(workers):
 
         fn = core_algos.POLICY_LOSS_REGISTRY["per_rollout_mean"]
         if not hasattr(fn, "calls"):
+
             def counted(*args, **kwargs):
                 counted.calls += 1
                 return fn(*args, **kwargs)
@@ -132,8 +142,10 @@ def test_local_and_verl_engines_make_the_same_update(trainer):
     d_verl = torch.cat([(after_verl[k] - before[k]).flatten() for k in before])
     assert d_local.abs().max() > 0
     rel = ((d_local - d_verl).norm() / d_local.norm()).item()
-    print(f"pg_loss local {lm['actor/pg_loss']:.6g} verl {vm['actor/pg_loss']:.6g}; grad_norm "
-          f"{lm['actor/grad_norm']:.6g} / {vm['actor/grad_norm']:.6g}; parameter change rel. diff {rel:.2e}")
+    print(
+        f"pg_loss local {lm['actor/pg_loss']:.6g} verl {vm['actor/pg_loss']:.6g}; grad_norm "
+        f"{lm['actor/grad_norm']:.6g} / {vm['actor/grad_norm']:.6g}; parameter change rel. diff {rel:.2e}"
+    )
     assert rel < 2e-5
 
 
@@ -171,17 +183,18 @@ def test_one_step_drives_the_real_replica_in_the_phase_order(trainer):
     version = engine.policy_version
     trainer.step()
     assert run_coroutine(replica.events())[0][before:] == [
-        "resume_generation",                       # rollout: generation opens
-        "abort_all_requests",                      # sync mode: residual requests aborted
-        "sleep",                                   # before old logprobs and the update
-        "resume:weights",                          # verl's naive sync into the server ...
-        f"update_weights:{version + 1}",           # ... the trained weights, tagged with the new step
-        "resume:kv_cache",                         # ... then it serves again
-        "resume_generation",                       # the Trainer reopens generation for the next step
+        "resume_generation",  # rollout: generation opens
+        "abort_all_requests",  # sync mode: residual requests aborted
+        "sleep",  # before old logprobs and the update
+        "resume:weights",  # verl's naive sync into the server ...
+        f"update_weights:{version + 1}",  # ... the trained weights, tagged with the new step
+        "resume:kv_cache",  # ... then it serves again
+        "resume_generation",  # the Trainer reopens generation for the next step
     ]
     assert engine.policy_version == version + 1
-    assert run_coroutine(replica.status()) == [{"paused": False, "global_steps": version + 1,
-                                                "n_weight_syncs": version + 2}]  # + the initial sync
+    assert run_coroutine(replica.status()) == [
+        {"paused": False, "global_steps": version + 1, "n_weight_syncs": version + 2}
+    ]  # + the initial sync
 
 
 def test_a_verl_step_is_recorded_and_replays_without_the_engine(trainer):

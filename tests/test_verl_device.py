@@ -67,8 +67,11 @@ def test_verl_on_cuda_without_a_cuda_device_says_what_to_set():
     from agl_lab.engines.verl.engine import VerlEngine
 
     cfg = load_config(CPU_VERL, ["agl_lab.verl.device=cuda"])
-    with pytest.raises(RuntimeError, match=r"needs a CUDA device and none is visible here: .*join a Ray cluster "
-                                           r"whose nodes have GPUs \(RAY_ADDRESS=.*set agl_lab\.verl\.device=cpu"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"needs a CUDA device and none is visible here: .*join a Ray cluster "
+        r"whose nodes have GPUs \(RAY_ADDRESS=.*set agl_lab\.verl\.device=cpu",
+    ):
         VerlEngine(cfg, train_dataset=ROWS)
 
 

@@ -63,13 +63,19 @@ def make_batch(n: int, *, rollout_log_probs: torch.Tensor | None = None) -> Data
     attn, scores = torch.zeros(n, P + R, dtype=torch.long), torch.zeros(n, R)
     for i in range(n):
         plen, rlen = 2 + i % 3, 1 + i % 3
-        prompts[i, P - plen:] = 10 * i + torch.arange(1, plen + 1)
+        prompts[i, P - plen :] = 10 * i + torch.arange(1, plen + 1)
         responses[i, :rlen] = 100 + 10 * i + torch.arange(rlen)
-        attn[i, P - plen:P + rlen] = 1
+        attn[i, P - plen : P + rlen] = 1
         scores[i, rlen - 1] = float(i % 2)
-    tensors = {"prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
-               "attention_mask": attn, "position_ids": torch.clamp(attn.cumsum(-1) - 1, min=0),
-               "response_mask": attn[:, P:].clone(), "token_level_scores": scores}
+    tensors = {
+        "prompts": prompts,
+        "responses": responses,
+        "input_ids": torch.cat([prompts, responses], 1),
+        "attention_mask": attn,
+        "position_ids": torch.clamp(attn.cumsum(-1) - 1, min=0),
+        "response_mask": attn[:, P:].clone(),
+        "token_level_scores": scores,
+    }
     if rollout_log_probs is not None:
         tensors["rollout_log_probs"] = rollout_log_probs
     uids = np.array([f"g{i // 2}" for i in range(n)], dtype=object)

@@ -49,11 +49,22 @@ def trainer():
 
     with isolated_ray_env("aglora") as path:
         adapter = _adapter_dir(path)
-        t = Trainer.from_config(CONFIG, [
-            "agl_lab.model.warm_start_steps=0", "agl_lab.task.n_train=16", "agl_lab.task.n_val=2",
-            "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-            "trainer.total_training_steps=2", "actor_rollout_ref.model.lora_rank=4",
-            "actor_rollout_ref.model.lora_alpha=8", f"actor_rollout_ref.model.lora_adapter_path={adapter}"], console=False, run_dir=os.path.join(path, "run"))
+        t = Trainer.from_config(
+            CONFIG,
+            [
+                "agl_lab.model.warm_start_steps=0",
+                "agl_lab.task.n_train=16",
+                "agl_lab.task.n_val=2",
+                "data.train_batch_size=4",
+                "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                "trainer.total_training_steps=2",
+                "actor_rollout_ref.model.lora_rank=4",
+                "actor_rollout_ref.model.lora_alpha=8",
+                f"actor_rollout_ref.model.lora_adapter_path={adapter}",
+            ],
+            console=False,
+            run_dir=os.path.join(path, "run"),
+        )
         try:
             yield t
         finally:
@@ -98,14 +109,16 @@ def test_local_and_verl_engines_make_the_same_lora_update(trainer):
     local = LocalEngine.from_config(trainer.cfg)
     try:
         assert local.lora.rank == 4 and local.lora_params is not None
-        before = {k.replace(".default", ""): v.detach().clone()
-                  for k, v in local.model.state_dict().items() if ".lora_" in k}
+        before = {
+            k.replace(".default", ""): v.detach().clone() for k, v in local.model.state_dict().items() if ".lora_" in k
+        }
         verl_before = _actor_adapter(engine)
         assert set(verl_before) == set(before)
         assert all(torch.equal(verl_before[k], before[k]) for k in before)  # one adapter file, both engines
         local_result = run_update(trainer.cfg, local, batch, step=batch.step)
-        after_local = {k.replace(".default", ""): v.detach().clone()
-                       for k, v in local.model.state_dict().items() if ".lora_" in k}
+        after_local = {
+            k.replace(".default", ""): v.detach().clone() for k, v in local.model.state_dict().items() if ".lora_" in k
+        }
     finally:
         local.close()
     verl_result = trainer.update(batch)
@@ -118,8 +131,10 @@ def test_local_and_verl_engines_make_the_same_lora_update(trainer):
     d_verl = torch.cat([(after_verl[k] - before[k]).flatten() for k in sorted(before)])
     assert d_local.abs().max() > 0
     rel = ((d_local - d_verl).norm() / d_local.norm()).item()
-    print(f"LoRA: pg_loss local {lm['actor/pg_loss']:.6g} verl {vm['actor/pg_loss']:.6g}; grad_norm "
-          f"{lm['actor/grad_norm']:.6g} / {vm['actor/grad_norm']:.6g}; adapter change rel. diff {rel:.2e}")
+    print(
+        f"LoRA: pg_loss local {lm['actor/pg_loss']:.6g} verl {vm['actor/pg_loss']:.6g}; grad_norm "
+        f"{lm['actor/grad_norm']:.6g} / {vm['actor/grad_norm']:.6g}; adapter change rel. diff {rel:.2e}"
+    )
     assert rel < 2e-5
 
 

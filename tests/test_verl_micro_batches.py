@@ -31,11 +31,15 @@ from tests.replica_probe import give_rollouts_distinct_rewards  # noqa: E402
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "cpu_verl.yaml")
 GPU_CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "gpu_verl.yaml")
 #: the GPU config's micro-batching and memory keys, taken from configs/gpu_verl.yaml itself
-GPU_KEYS = ("actor_rollout_ref.actor.use_dynamic_bsz", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
-            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
-            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
-            "actor_rollout_ref.model.enable_gradient_checkpointing", "actor_rollout_ref.model.use_remove_padding",
-            "trainer.balance_batch")
+GPU_KEYS = (
+    "actor_rollout_ref.actor.use_dynamic_bsz",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+    "actor_rollout_ref.model.enable_gradient_checkpointing",
+    "actor_rollout_ref.model.use_remove_padding",
+    "trainer.balance_batch",
+)
 
 
 def _gpu_overrides() -> list[str]:
@@ -59,10 +63,20 @@ def test_fixed_micro_batches_of_one_make_the_same_update(tmp_path):
         ray.shutdown()
     overrides = _gpu_overrides()
     with isolated_ray_env("aglmb") as path:
-        trainer = Trainer.from_config(CONFIG, [
-            "agl_lab.model.warm_start_steps=0", "agl_lab.task.n_train=16", "agl_lab.task.n_val=2",
-            "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-            "trainer.total_training_steps=2", *overrides], console=False, run_dir=os.path.join(path, "run"))
+        trainer = Trainer.from_config(
+            CONFIG,
+            [
+                "agl_lab.model.warm_start_steps=0",
+                "agl_lab.task.n_train=16",
+                "agl_lab.task.n_val=2",
+                "data.train_batch_size=4",
+                "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                "trainer.total_training_steps=2",
+                *overrides,
+            ],
+            console=False,
+            run_dir=os.path.join(path, "run"),
+        )
         try:
             cfg = trainer.cfg
             assert cfg.actor_rollout_ref.actor.use_dynamic_bsz is False
@@ -102,6 +116,8 @@ def test_fixed_micro_batches_of_one_make_the_same_update(tmp_path):
     d_local = torch.cat([(after_local[k] - before[k]).flatten() for k in before])
     d_verl = torch.cat([(after_verl[k] - before[k]).flatten() for k in before])
     rel = ((d_local - d_verl).norm() / d_local.norm()).item()
-    print(f"fixed micro-batches of 1: pg_loss local {lm['actor/pg_loss']:.6g} verl {vm['actor/pg_loss']:.6g}; "
-          f"grad_norm {lm['actor/grad_norm']:.6g} / {vm['actor/grad_norm']:.6g}; parameter change rel. diff {rel:.2e}")
+    print(
+        f"fixed micro-batches of 1: pg_loss local {lm['actor/pg_loss']:.6g} verl {vm['actor/pg_loss']:.6g}; "
+        f"grad_norm {lm['actor/grad_norm']:.6g} / {vm['actor/grad_norm']:.6g}; parameter change rel. diff {rel:.2e}"
+    )
     assert d_local.abs().max() > 0 and rel < 2e-5

@@ -41,9 +41,14 @@ from tests.ray_env import isolated_ray_env, ray_nodes  # noqa: E402
 from tests.replica_probe import give_rollouts_distinct_rewards  # noqa: E402
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "cpu_verl.yaml")
-OVERRIDES = ["agl_lab.model.warm_start_steps=0", "agl_lab.task.n_train=16", "agl_lab.task.n_val=2",
-             "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-             "trainer.total_training_steps=4"]
+OVERRIDES = [
+    "agl_lab.model.warm_start_steps=0",
+    "agl_lab.task.n_train=16",
+    "agl_lab.task.n_val=2",
+    "data.train_batch_size=4",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    "trainer.total_training_steps=4",
+]
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +76,11 @@ def _served_states(engine):
 
         (adapter,) = _ADAPTERS.values()
         model = adapter.server.scheduler.model
-        return (ray.get_runtime_context().get_node_id(), agl_lab.__file__,
-                {k: v.detach().clone() for k, v in model.state_dict().items()})
+        return (
+            ray.get_runtime_context().get_node_id(),
+            agl_lab.__file__,
+            {k: v.detach().clone() for k, v in model.state_dict().items()},
+        )
 
     return ray.get([w.__ray_call__.remote(read) for w in engine.trainer.actor_rollout_wg.workers])
 
@@ -132,8 +140,13 @@ def test_two_nodes_train_like_one(cluster_address):
         warnings.simplefilter("ignore", RuntimeWarning)  # the joining warning was checked above
         # balance_batch as on GPUs (verl's default, configs/gpu_verl.yaml): tokens balanced across the
         # two ranks within each planned mini-batch, so the update still equals world size 1's
-        t2 = _trainer(os.path.join(tmp, "run2"), "trainer.nnodes=2", "trainer.n_gpus_per_node=1",
-                      "agl_lab.serving.host=node_ip", "trainer.balance_batch=true")
+        t2 = _trainer(
+            os.path.join(tmp, "run2"),
+            "trainer.nnodes=2",
+            "trainer.n_gpus_per_node=1",
+            "agl_lab.serving.host=node_ip",
+            "trainer.balance_batch=true",
+        )
     try:
         engine = t2.engine
         states = _served_states(engine)
@@ -154,8 +167,10 @@ def test_two_nodes_train_like_one(cluster_address):
             d1 = torch.cat([(w1[k] - before[k]).flatten() for k in before])
             d2 = torch.cat([(a[k] - before[k]).flatten() for k in before])
             rel = ((d1 - d2).norm() / d1.norm()).item()
-            print(f"step {step}: pg_loss {m1['actor/pg_loss']:.6g} / {m2['actor/pg_loss']:.6g}, grad_norm "
-                  f"{m1['actor/grad_norm']:.6g} / {m2['actor/grad_norm']:.6g}, parameter change rel. diff {rel:.2e}")
+            print(
+                f"step {step}: pg_loss {m1['actor/pg_loss']:.6g} / {m2['actor/pg_loss']:.6g}, grad_norm "
+                f"{m1['actor/grad_norm']:.6g} / {m2['actor/grad_norm']:.6g}, parameter change rel. diff {rel:.2e}"
+            )
             assert d1.abs().max() > 0 and rel < 2e-5, (step, rel)
         # both replicas registered under their node's address, and both serve a rollout
         endpoints = engine.endpoints()
@@ -165,15 +180,20 @@ def test_two_nodes_train_like_one(cluster_address):
         if is_loopback(node_ip):
             print("this machine's Ray node IP is loopback: the node_ip binding was not off loopback")
         rollouts = t2.rollout().rollouts  # the gateway spreads the calls over both replicas
-        assert rollouts and all(r.state == "succeeded" and r.triplets for r in rollouts), \
-            [(r.state, r.error_message) for r in rollouts]
+        assert rollouts and all(r.state == "succeeded" and r.triplets for r in rollouts), [
+            (r.state, r.error_message) for r in rollouts
+        ]
 
         # --- the checks of cluster.py, on the live cluster --------------------------------------
         nodes = cluster.alive_nodes()
         assert len(nodes) == 2
         with pytest.raises(ValueError, match=r"needs 2 worker processes on ONE node .*--num-gpus=2"):
-            cluster.check_placement({"global_pool": [2]}, 3, {n: {"ip": i["ip"], "available": {"CPU": 4, "GPU": 1}}
-                                                               for n, i in nodes.items()}, joined=True)
+            cluster.check_placement(
+                {"global_pool": [2]},
+                3,
+                {n: {"ip": i["ip"], "available": {"CPU": 4, "GPU": 1}} for n, i in nodes.items()},
+                joined=True,
+            )
         with pytest.raises(FileNotFoundError, match=r"agl_lab\.missing=/nonexistent/agl_lab is missing on node"):
             cluster.check_paths_on_nodes({"agl_lab.missing": "/nonexistent/agl_lab"})
         cluster.check_shared_dir(os.path.join(tmp, "shared"))  # one machine: the dir is shared
@@ -195,8 +215,9 @@ def test_a_placement_group_no_node_holds_times_out_with_the_numbers(cluster_addr
     address, _ = cluster_address
     ray.init(address=address, runtime_env={"py_modules": cluster.agl_lab_py_modules({})})
     try:
-        pool = SimpleNamespace(pgs=None, max_colocate_count=3, use_gpu=True, accelerator_type=None,
-                               name_prefix="too_big", store=[2])
+        pool = SimpleNamespace(
+            pgs=None, max_colocate_count=3, use_gpu=True, accelerator_type=None, name_prefix="too_big", store=[2]
+        )
         with pytest.raises(TimeoutError, match=r"pool 'too_big' .*not placed within 2 s"):
             cluster.place_pools([pool], timeout_s=2)
         assert pool.pgs is None
@@ -204,8 +225,9 @@ def test_a_placement_group_no_node_holds_times_out_with_the_numbers(cluster_addr
         ray.shutdown()
 
 
-def test_a_driver_without_a_gpu_joining_the_cluster_takes_the_device_from_its_nodes(cluster_address, tmp_path,
-                                                                                  monkeypatch):
+def test_a_driver_without_a_gpu_joining_the_cluster_takes_the_device_from_its_nodes(
+    cluster_address, tmp_path, monkeypatch
+):
     """The notebook case: a login node (no GPU, no CUDA) joins a GPU cluster. The device is decided
     by the nodes: `auto` asks each node that declares Ray GPUs how many GPUs its NVIDIA driver
     lists; `cuda` needs nodes that declare GPUs, not a GPU here. These nodes declare fake GPUs

@@ -107,7 +107,7 @@ class Rig:
 
     def step_log(self, i: int) -> list[str]:
         end = self.marks[i + 1] if i + 1 < len(self.marks) else None
-        return CallLog.compress(self.log.entries()[self.marks[i]:end])
+        return CallLog.compress(self.log.entries()[self.marks[i] : end])
 
     def temperatures(self) -> list[float]:
         return [r["json"].get("temperature") for f in self.replicas for r in f.requests]
@@ -140,8 +140,9 @@ def make_rig(tmp_path, monkeypatch):
     made: list[Rig] = []
     servers: list[FakeOpenAI] = []
 
-    def make(overrides: Sequence[str] = (), *, train: Sequence[dict], val: Sequence[dict] = (),
-             agent: Callable | None = None) -> Rig:
+    def make(
+        overrides: Sequence[str] = (), *, train: Sequence[dict], val: Sequence[dict] = (), agent: Callable | None = None
+    ) -> Rig:
         log = CallLog()
         replicas = [FakeOpenAI(reply=lookup_policy(log)) for _ in ABORTED]
         for fake in replicas:
@@ -151,16 +152,24 @@ def make_rig(tmp_path, monkeypatch):
 
         def build_fake_stack(config, train_dataset, val_dataset=None):
             # like build_trainer: a copy of the config (verl edits it), workers not spawned yet
-            stack = fake_verl_trainer(copy.deepcopy(config), train_dataset, log=log, aborted=ABORTED,
-                                      addresses=addresses, spawn=False)
+            stack = fake_verl_trainer(
+                copy.deepcopy(config), train_dataset, log=log, aborted=ABORTED, addresses=addresses, spawn=False
+            )
             return stack, "fake-model"
 
         monkeypatch.setattr(verl_trainer_module, "build_trainer", build_fake_stack)
         monkeypatch.setattr(verl_module, "init_ray", lambda config, env_vars=None: False)
         monkeypatch.setattr(verl_module, "_select_device", lambda config: {})  # fake vLLM replicas on CPU
         trainer = Trainer.from_config(
-            CPU_TINY, [*BASE, *overrides], engine="verl", agent=agent or LOOKUP.agent,
-            train_dataset=list(train), val_dataset=list(val), run_dir=tmp_path / f"run{len(made)}", console=False)
+            CPU_TINY,
+            [*BASE, *overrides],
+            engine="verl",
+            agent=agent or LOOKUP.agent,
+            train_dataset=list(train),
+            val_dataset=list(val),
+            run_dir=tmp_path / f"run{len(made)}",
+            console=False,
+        )
         assert isinstance(trainer.engine, VerlEngine)
         assert log.compressed() == ["update_weights 0"]  # VerlEngine.__init__ served the initial weights
         rig = Rig(trainer, trainer.engine, log, replicas)
@@ -183,9 +192,18 @@ def train_tasks(n: int) -> list[dict]:
 
 def sync_step(version: int) -> list[str]:
     """The compressed log of one sync training step served by `version`."""
-    return ["DELETE /api/models", f"POST /api/models v{version}", "resume_generation", "generate",
-            "abort_all_requests", "sleep_replicas", f"compute_log_prob {MINI_ROWS}", f"update_actor {MINI_ROWS}",
-            f"update_weights {version + 1}", "resume_generation"]
+    return [
+        "DELETE /api/models",
+        f"POST /api/models v{version}",
+        "resume_generation",
+        "generate",
+        "abort_all_requests",
+        "sleep_replicas",
+        f"compute_log_prob {MINI_ROWS}",
+        f"update_actor {MINI_ROWS}",
+        f"update_weights {version + 1}",
+        "resume_generation",
+    ]
 
 
 # ------------------------------------------------------------------------------------------
@@ -279,8 +297,11 @@ def test_async_carry_over_trains_a_slow_group_in_the_next_step_with_its_age(make
     train = [{**t, "kind": k} for t, k in zip(tasks, kinds)]
     rig_ref: list[Rig] = []
     agents = CarryOverAgents(rig_ref)
-    rig = make_rig(["agentlightning.async_rollout.enabled=true",
-                    "agentlightning.async_rollout.async_train_batch_size=3"], train=train, agent=agents)
+    rig = make_rig(
+        ["agentlightning.async_rollout.enabled=true", "agentlightning.async_rollout.async_train_batch_size=3"],
+        train=train,
+        agent=agents,
+    )
     rig_ref.append(rig)
     rig.trainer.client.http.event_hooks["response"].append(agents.on_response)
 
@@ -291,17 +312,28 @@ def test_async_carry_over_trains_a_slow_group_in_the_next_step_with_its_age(make
 
     # async: the gateway is resumed after the replicas and paused (drained) after the
     # rollouts — no replica abort — before the replicas sleep for the update
-    async_step = ["DELETE /api/models", "POST /api/models v{v}", "resume_generation", "POST /proxy/resume",
-                  "generate", "POST /proxy/pause", "sleep_replicas", f"compute_log_prob {MINI_ROWS}",
-                  f"update_actor {MINI_ROWS}", "update_weights {w}", "resume_generation"]
+    async_step = [
+        "DELETE /api/models",
+        "POST /api/models v{v}",
+        "resume_generation",
+        "POST /proxy/resume",
+        "generate",
+        "POST /proxy/pause",
+        "sleep_replicas",
+        f"compute_log_prob {MINI_ROWS}",
+        f"update_actor {MINI_ROWS}",
+        "update_weights {w}",
+        "resume_generation",
+    ]
     for i in (0, 1):
         assert rig.step_log(i) == [s.format(v=i, w=i + 1) for s in async_step]
 
     # step 0 trains the two fast groups and carries the slow one over
     assert {r.input["kind"] for r in ro0.rollouts} == {"fast"}
     assert m0["training/async/n_completed_rollouts"] == 4 and m0["training/async/n_new_carry_over_rollouts"] == N
-    assert ro0.carry_over == [{"data_id": ro0.carry_over[0]["data_id"], "step": 0, "policy_version": 0,
-                               "n_finished": 0, "n": N}]
+    assert ro0.carry_over == [
+        {"data_id": ro0.carry_over[0]["data_id"], "step": 0, "policy_version": 0, "n_finished": 0, "n": N}
+    ]
     # step 1 trains the slow group (enqueued in step 0) with one of step 1's groups
     slow = [r for r in ro1.rollouts if r.input["kind"] == "slow"]
     assert sorted(r.rollout_id for r in slow) == sorted(agents.slow_ids)
@@ -340,7 +372,7 @@ def test_a_step_without_a_whole_mini_batch_is_skipped_logged_and_not_trained(mak
     step0 = rig.step_log(0)
     assert not any(s.startswith("update_actor") for s in step0)  # no policy update
     # whatever the replicas are given back carries the unchanged version: no new weights
-    assert [d for who, what, d in rig.log.entries()[:rig.marks[1]] if what == "update_weights"] in ([], [0])
+    assert [d for who, what, d in rig.log.entries()[: rig.marks[1]] if what == "update_weights"] in ([], [0])
     assert "training/policy_version" not in m0 and version_after_skip == 0
     assert rig.step_log(1) == sync_step(0)  # the next step is served by, and trains from, version 0
     lines = rig.metrics_lines()
@@ -351,8 +383,14 @@ def test_a_step_without_a_whole_mini_batch_is_skipped_logged_and_not_trained(mak
 def test_a_skipped_step_leaves_the_replicas_serving(make_rig):
     rig = make_rig(["agl_lab.algorithm.small_batch=skip"], train=half_silent(4), agent=silent_or_lookup)
     rig.step()
-    assert rig.step_log(0) == ["DELETE /api/models", "POST /api/models v0", "resume_generation", "generate",
-                               "abort_all_requests", "resume_generation"]
+    assert rig.step_log(0) == [
+        "DELETE /api/models",
+        "POST /api/models v0",
+        "resume_generation",
+        "generate",
+        "abort_all_requests",
+        "resume_generation",
+    ]
 
 
 def test_a_batch_smaller_than_a_mini_batch_is_trained_with_zero_weight_padding(make_rig):
@@ -363,7 +401,7 @@ def test_a_batch_smaller_than_a_mini_batch_is_trained_with_zero_weight_padding(m
     name, rows, settings, _ = rig.actor_calls[-1]
     assert (name, rows, settings["global_batch_size"]) == ("update_actor", MINI_ROWS, MINI_ROWS)
     loss_tokens = rig.engine.trainer.actor_rollout_wg.loss_tokens
-    assert sorted(loss_tokens)[:MINI_ROWS - N] == [0] * (MINI_ROWS - N) and min(sorted(loss_tokens)[-N:]) > 0
+    assert sorted(loss_tokens)[: MINI_ROWS - N] == [0] * (MINI_ROWS - N) and min(sorted(loss_tokens)[-N:]) > 0
     assert m0["training/policy_version"] == 1 == rig.engine.policy_version
 
 
@@ -394,7 +432,7 @@ def test_rows_go_to_ranks_so_verl_trains_the_planned_mini_batches():
     out = AglRayPPOTrainer.rows_in_rank_order(fake, data)
     chunks = out.batch["row"].chunk(2)  # verl's dispatch: one contiguous chunk per rank
     for m in range(2):
-        trained = sorted(torch.cat([chunk[8 * m:8 * (m + 1)] for chunk in chunks]).tolist())
+        trained = sorted(torch.cat([chunk[8 * m : 8 * (m + 1)] for chunk in chunks]).tolist())
         assert trained == list(range(16 * m, 16 * (m + 1)))
     assert out.meta_info == {"temperature": 1.0}
     one = SimpleNamespace(data_parallel_size=lambda: 1, mini_batch_rows=lambda: 16)
@@ -421,16 +459,17 @@ def test_balance_batch_balances_tokens_within_each_planned_mini_batch():
     out = AglRayPPOTrainer.rows_in_rank_order(fake, data, balance=True, metrics=metrics)
     chunks = out.batch["row"].chunk(2)
     for m in range(2):
-        parts = [chunk[8 * m:8 * (m + 1)] for chunk in chunks]  # what each rank trains in mini-batch m
+        parts = [chunk[8 * m : 8 * (m + 1)] for chunk in chunks]  # what each rank trains in mini-batch m
         assert sorted(torch.cat(parts).tolist()) == list(range(16 * m, 16 * (m + 1)))
         tokens = [int(lengths[p].sum()) for p in parts]
-        naive = [int(lengths[16 * m + 8 * r:16 * m + 8 * (r + 1)].sum()) for r in range(2)]
+        naive = [int(lengths[16 * m + 8 * r : 16 * m + 8 * (r + 1)].sum()) for r in range(2)]
         assert abs(tokens[0] - tokens[1]) < abs(naive[0] - naive[1]), (tokens, naive)
     assert {"global_seqlen/min", "global_seqlen/max", "global_seqlen/balanced_min"} <= set(metrics)
     assert out.meta_info == {"t": 1} and torch.equal(data.batch["row"], torch.arange(32))  # caller's order kept
     one = SimpleNamespace(data_parallel_size=lambda: 1, mini_batch_rows=lambda: 16)
-    assert torch.equal(AglRayPPOTrainer.rows_in_rank_order(one, data, balance=True, metrics={}).batch["row"],
-                       torch.arange(32))  # one rank: the planned order itself
+    assert torch.equal(
+        AglRayPPOTrainer.rows_in_rank_order(one, data, balance=True, metrics={}).batch["row"], torch.arange(32)
+    )  # one rank: the planned order itself
 
     class VerlBalanced(SimpleNamespace):  # verl's own _balance_batch on the same rows, for contrast
         _balance_batch = AglRayPPOTrainer._balance_batch

@@ -56,10 +56,18 @@ def test_init_ray_registers_the_loss_in_every_worker(ray_tmpdir):
 
     if ray.is_initialized():
         ray.shutdown()
-    config = OmegaConf.create({"ray_kwargs": {"ray_init": {
-        "num_cpus": 1, "object_store_memory": 80 * 1024 * 1024, "include_dashboard": False,
-        "runtime_env": {"env_vars": {"AGL_LAB_RAY_PROBE": "overlay-ok"}, "py_executable": None},
-    }}})
+    config = OmegaConf.create(
+        {
+            "ray_kwargs": {
+                "ray_init": {
+                    "num_cpus": 1,
+                    "object_store_memory": 80 * 1024 * 1024,
+                    "include_dashboard": False,
+                    "runtime_env": {"env_vars": {"AGL_LAB_RAY_PROBE": "overlay-ok"}, "py_executable": None},
+                }
+            }
+        }
+    )
     try:
         assert init_ray(config) is True
         assert init_ray(config) is False  # already initialised: nothing happens
@@ -91,9 +99,12 @@ def test_joining_a_cluster_drops_the_keys_ray_init_refuses_and_says_so_once(monk
     assert cluster.ray_init_kwargs({**kwargs, "address": "local"}) == {**kwargs, "address": "local"}
     monkeypatch.setattr(cluster, "_said_dropped", set())
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
-    with pytest.warns(RuntimeWarning, match=r"joining the existing Ray cluster at '10\.0\.0\.1:6379': ignoring "
-                                            r"ray_kwargs\.ray_init\.num_cpus, ray_kwargs\.ray_init\.num_gpus, "
-                                            r"ray_kwargs\.ray_init\.object_store_memory"):
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"joining the existing Ray cluster at '10\.0\.0\.1:6379': ignoring "
+        r"ray_kwargs\.ray_init\.num_cpus, ray_kwargs\.ray_init\.num_gpus, "
+        r"ray_kwargs\.ray_init\.object_store_memory",
+    ):
         assert cluster.ray_init_kwargs(kwargs) == {"include_dashboard": False}
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # said once: the second call is silent
@@ -127,5 +138,8 @@ def test_replicas_bind_loopback_on_one_machine_and_the_node_ip_across_machines(m
     assert serving_address({}) == ("10.0.0.2", "10.0.0.2")  # two machines: reachable from the driver's
     assert serving_address({SERVING_HOST_ENV: "node_ip"}) == ("10.0.0.2", "10.0.0.2")
     assert serving_address({SERVING_HOST_ENV: "0.0.0.0"}) == ("0.0.0.0", "10.0.0.2")
-    assert serving_address({SERVING_HOST_ENV: "0.0.0.0", SERVING_ADVERTISE_ENV: "gpu-7.lan"}) == ("0.0.0.0", "gpu-7.lan")
+    assert serving_address({SERVING_HOST_ENV: "0.0.0.0", SERVING_ADVERTISE_ENV: "gpu-7.lan"}) == (
+        "0.0.0.0",
+        "gpu-7.lan",
+    )
     assert serving_address({SERVING_HOST_ENV: "127.0.0.1"}) == ("127.0.0.1", "127.0.0.1")

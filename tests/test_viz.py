@@ -94,12 +94,26 @@ def batch(tok, conversation):
     p1, r1, obs, r2 = conversation
     lp = lambda ids: [-0.5] * len(ids)  # noqa: E731
     merged = rollout("r1", "g1", [Triplet(p1, r1, lp(r1)), Triplet(p1 + r1 + obs, r2, lp(r2), reward=1.0)], 1.0)
-    edited_prompt = chat(tok, [{"role": "user", "content": "Find c."}, {"role": "assistant", "content": "get c"},
-                               {"role": "user", "content": "c is 7"}])
+    edited_prompt = chat(
+        tok,
+        [
+            {"role": "user", "content": "Find c."},
+            {"role": "assistant", "content": "get c"},
+            {"role": "user", "content": "c is 7"},
+        ],
+    )
     edited = rollout("r2", "g1", [Triplet(p1, r1, lp(r1)), Triplet(edited_prompt, r2, lp(r2), reward=0.3)], 0.3)
     other = rollout("r3", "g2", [Triplet(p1, r1, lp(r1), reward=0.0)], 0.0)
-    return BatchResult(build_batch([merged, edited, other], "trajectory", max_prompt_length=64,
-                                   max_response_length=48, pad_token_id=tok.pad_token_id, tokenizer=tok))
+    return BatchResult(
+        build_batch(
+            [merged, edited, other],
+            "trajectory",
+            max_prompt_length=64,
+            max_response_length=48,
+            pad_token_id=tok.pad_token_id,
+            tokenizer=tok,
+        )
+    )
 
 
 # =========================================================================== token renderer
@@ -224,8 +238,15 @@ def test_moving_average_golden():
 
 
 def test_lifecycle_bars_stack_queue_wait_and_run(tmp_path):
-    frame = pd.DataFrame({"rollout_id": ["a", "b"], "data_id": ["g", "g"], "queue_wait_s": [0.5, np.nan],
-                          "run_s": [1.0, 2.0], "total_s": [1.5, np.nan]})
+    frame = pd.DataFrame(
+        {
+            "rollout_id": ["a", "b"],
+            "data_id": ["g", "g"],
+            "queue_wait_s": [0.5, np.nan],
+            "run_s": [1.0, 2.0],
+            "total_s": [1.5, np.nan],
+        }
+    )
     ax = viz.plot_lifecycle(frame)
     widths = [p.get_width() for p in ax.patches]
     lefts = [p.get_x() for p in ax.patches]
@@ -242,7 +263,10 @@ def test_advantage_histogram_separates_zero_advantage_rollouts(tmp_path):
     labels = ax.get_legend_handles_labels()[1]
     assert labels == ["A ≠ 0 (8)", "zero-advantage (3)"]
     assert [(round(p.get_x() + p.get_width() / 2, 3), p.get_height()) for p in ax.patches] == [
-        (-0.5, 6), (1.5, 2), (0.0, 3)]
+        (-0.5, 6),
+        (1.5, 2),
+        (0.0, 3),
+    ]
     many = np.linspace(-2, 2, 40)
     ax = viz.plot_advantages(pd.DataFrame({"advantage": many}), bins=10)
     assert sum(p.get_height() for p in ax.patches[:-1]) == 40

@@ -24,8 +24,10 @@ from agl_lab.engines.verl.api import GPU_VLLM_VERSION, VERL_API, check_symbol_re
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORD = os.path.join(ROOT, "tests", "fixtures", "vllm_gpu_api.json")
 #: verl imports these only for checkpoint_engine.backend=delta_sharded (vLLM #50723, not in 0.24.0)
-DELTA_SHARDED_ONLY = {"vllm.model_executor.model_loader.checkpoint_weight_patch:CheckpointWeightPatch",
-                      "vllm.model_executor.model_loader.checkpoint_weight_patch:load_checkpoint_weight_patches"}
+DELTA_SHARDED_ONLY = {
+    "vllm.model_executor.model_loader.checkpoint_weight_patch:CheckpointWeightPatch",
+    "vllm.model_executor.model_loader.checkpoint_weight_patch:load_checkpoint_weight_patches",
+}
 
 
 @pytest.fixture(scope="module")
@@ -58,11 +60,14 @@ def test_the_record_check_fails_on_drift(record):
     entry = copy.deepcopy(record["symbols"][row.path])
     entry["params"] = [p for p in entry["params"] if p[0] != "clear_cache"] + [["timeout", True, "positional"]]
     problems = check_symbol_record(row, entry)
-    assert any("['clear_cache'] gone" in p for p in problems) and any("new required parameters ['timeout']" in p
-                                                                      for p in problems)
+    assert any("['clear_cache'] gone" in p for p in problems) and any(
+        "new required parameters ['timeout']" in p for p in problems
+    )
     errored = VERL_API["AsyncLLM.errored.fget"]
-    assert "no longer mentions 'engine_dead'" in check_symbol_record(
-        errored, {**record["symbols"][errored.path], "returns": {"engine_dead": False}})[0]
+    assert (
+        "no longer mentions 'engine_dead'"
+        in check_symbol_record(errored, {**record["symbols"][errored.path], "returns": {"engine_dead": False}})[0]
+    )
     assert "not in the recording" in check_symbol_record(row, None)[0]
 
 
@@ -81,5 +86,6 @@ def test_the_gpu_config_s_vllm_serve_options_exist_in_vllm_0_24_0(record):
     assert options and set(options) <= set(record["serve_options"]), set(options) - set(record["serve_options"])
     assert options["tool_call_parser"] in record["tool_call_parsers"]
     # what verl itself always passes (vLLMHttpServer.launch_server's args), for scale
-    assert {"gpu_memory_utilization", "enable_sleep_mode", "max_num_seqs", "worker_extension_cls"} <= \
-        set(record["serve_options"])
+    assert {"gpu_memory_utilization", "enable_sleep_mode", "max_num_seqs", "worker_extension_cls"} <= set(
+        record["serve_options"]
+    )

@@ -15,11 +15,11 @@ def test_flat_rewards_warn_once_after_three_steps_in_a_row(caplog):
     watch = FlatRewardWatch(3)
     with caplog.at_level(logging.WARNING, logger="agl_lab.watch"):
         assert watch.observe(1, [0.0, 0.0, 0.0, 0.0]) is None
-        assert watch.observe(2, [0.0, 0.5, 0.0, 0.0]) is None   # rewards vary: the streak restarts
+        assert watch.observe(2, [0.0, 0.5, 0.0, 0.0]) is None  # rewards vary: the streak restarts
         assert watch.observe(3, [0.0] * 4) is None
         assert watch.observe(4, [0.0] * 4) is None
         message = watch.observe(5, [0.0] * 4)
-        assert watch.observe(6, [0.0] * 4) is None               # once
+        assert watch.observe(6, [0.0] * 4) is None  # once
     assert message.startswith("steps 3–5: every rollout got reward 0.000, 3 steps in a row")
     assert "dry_run" in message and "advantage 0" in message
     assert [r.getMessage() for r in caplog.records] == [message]
@@ -28,7 +28,7 @@ def test_flat_rewards_warn_once_after_three_steps_in_a_row(caplog):
 def test_a_streak_needs_the_same_reward_every_step():
     watch = FlatRewardWatch(3)
     for step, value in enumerate([1.0, 0.0, 1.0, 0.0], start=1):
-        assert watch.observe(step, [value] * 4) is None        # each step flat, but not the same reward
+        assert watch.observe(step, [value] * 4) is None  # each step flat, but not the same reward
     assert watch.observe(5, [0.0] * 4) is None and watch.observe(6, [0.0] * 4) is not None
 
 
@@ -52,10 +52,14 @@ def test_untrained_tiny_model_message_only_without_a_warm_start():
 def _rollouts(kind: str, n: int = 4):
     from agl_lab.records import CompletedRollout
 
-    make = {"failed": dict(state="failed", final_reward=None, error_message="ValueError: reward 'ok' is not a number"),
-            "missing": dict(state="succeeded", final_reward=None), "zero": dict(state="succeeded", final_reward=0.0)}
-    return [CompletedRollout(rollout_id=f"{kind}{k}", data_id="d", step=0, sample_idx=k, **make[kind])
-            for k in range(n)]
+    make = {
+        "failed": dict(state="failed", final_reward=None, error_message="ValueError: reward 'ok' is not a number"),
+        "missing": dict(state="succeeded", final_reward=None),
+        "zero": dict(state="succeeded", final_reward=0.0),
+    }
+    return [
+        CompletedRollout(rollout_id=f"{kind}{k}", data_id="d", step=0, sample_idx=k, **make[kind]) for k in range(n)
+    ]
 
 
 def test_the_flat_reward_warning_tells_failures_missing_rewards_and_unparseable_replies_apart():

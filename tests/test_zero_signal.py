@@ -12,15 +12,20 @@ from tests.test_trainer import SMALL
 
 
 def test_metric_groups_view_recording_and_trained_advantages_agree(tmp_path):
-    with Trainer.from_config("configs/cpu_tiny.yaml", overrides=[*SMALL, "agl_lab.model.warm_start_steps=20"],
-                             run_dir=tmp_path, console=False) as tr:
+    with Trainer.from_config(
+        "configs/cpu_tiny.yaml",
+        overrides=[*SMALL, "agl_lab.model.warm_start_steps=20"],
+        run_dir=tmp_path,
+        console=False,
+    ) as tr:
         for _ in range(2):
             metrics = tr.step()
             b, u = tr._last_batch, tr._last_update
             zero = set(b.groups.loc[b.groups.zero_adv, "data_id"])
             assert metrics["training/n_zero_adv_groups_collected"] == len(zero)
             assert metrics["training/n_zero_signal_rollouts_collected"] == int(
-                b.groups.loc[b.groups.zero_adv, "n_rollouts"].sum())
+                b.groups.loc[b.groups.zero_adv, "n_rollouts"].sum()
+            )
             recorded = groups_df(load_recording(tmp_path, tr.global_step).rollouts)
             assert set(recorded.loc[recorded.zero_adv, "data_id"]) == zero
             trained = u.trained

@@ -120,7 +120,7 @@ class FakeActorGroup(_Recorder):
         values, offsets = ids.values(), ids.offsets()
         lp = torch.zeros(values.shape, dtype=torch.float32)
         for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
-            lp[a:b - 1] = -values[a + 1:b].float() / 1000  # position t predicts token t+1
+            lp[a : b - 1] = -values[a + 1 : b].float() / 1000  # position t predicts token t+1
         self._record(("compute_log_prob", len(td), tu.get(td, "temperature")), "compute_log_prob", len(td))
         nested = torch.nested.nested_tensor_from_jagged(lp, offsets=offsets)
         entropy = torch.nested.nested_tensor_from_jagged(torch.full_like(lp, 0.5), offsets=offsets)
@@ -130,8 +130,9 @@ class FakeActorGroup(_Recorder):
         assert len(td) % self.dp == 0
         settings = {k: tu.get(td, k) for k in ("global_batch_size", "epochs")}
         loss_mask = td["loss_mask"]
-        loss_tokens = [int(row.sum()) for row in loss_mask.unbind()] if loss_mask.is_nested else \
-            loss_mask.sum(-1).tolist()
+        loss_tokens = (
+            [int(row.sum()) for row in loss_mask.unbind()] if loss_mask.is_nested else loss_mask.sum(-1).tolist()
+        )
         self.loss_tokens = loss_tokens
         self._record(("update_actor", len(td), settings, sorted(td.keys())), "update_actor", len(td))
         return tu.get_tensordict({}, non_tensor_dict={"metrics": {"pg_loss": [0.5, 0.7], "mfu": 0.3}})
@@ -209,9 +210,16 @@ class FakeStackTrainer(AglRayPPOTrainer):
         super().close()
 
 
-def fake_verl_trainer(cfg, tasks: Sequence[dict], *, log: CallLog | None = None,
-                      addresses: Sequence[str] | None = None, aborted: Sequence[int] = (3, 4),
-                      dp: int = DP, spawn: bool = True) -> FakeStackTrainer:
+def fake_verl_trainer(
+    cfg,
+    tasks: Sequence[dict],
+    *,
+    log: CallLog | None = None,
+    addresses: Sequence[str] | None = None,
+    aborted: Sequence[int] = (3, 4),
+    dp: int = DP,
+    spawn: bool = True,
+) -> FakeStackTrainer:
     """A real `AglRayPPOTrainer` on `cfg` whose GPU-side objects are the fakes above.
 
     One replica per `aborted` count; `addresses` are what `server_addresses()` returns
@@ -220,9 +228,15 @@ def fake_verl_trainer(cfg, tasks: Sequence[dict], *, log: CallLog | None = None,
     """
     ds = InMemoryDataset(tasks, None, cfg.data, name="train_dataset")
     trainer = FakeStackTrainer(
-        config=cfg, tokenizer=None, role_worker_mapping={Role.ActorRollout: object}, resource_pool_manager=None,
-        train_dataset=ds, val_dataset=ds, collate_fn=verl_import("collate_fn"),
-        train_sampler=verl_import("create_rl_sampler")(cfg.data, ds))
+        config=cfg,
+        tokenizer=None,
+        role_worker_mapping={Role.ActorRollout: object},
+        resource_pool_manager=None,
+        train_dataset=ds,
+        val_dataset=ds,
+        collate_fn=verl_import("collate_fn"),
+        train_sampler=verl_import("create_rl_sampler")(cfg.data, ds),
+    )
     replicas: list = []
     replicas += [FakeReplica(replicas, aborted=n, log=log) for n in aborted]
     manager = FakeServerManager(replicas, addresses if addresses is not None else ("127.0.0.1:8001", "[::1]:8002"))

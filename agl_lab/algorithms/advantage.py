@@ -139,9 +139,12 @@ def group_metrics(data: Any, suffix: str = "") -> dict[str, int | float]:
     ids = rollout_ids(data)
     all_rollouts = set(ids.tolist() if isinstance(ids, np.ndarray) else ids)
     silent = {ids[i] for i, k in enumerate(keys) if flags[k]}
-    return {f"training/n_groups{suffix}": len(flags), f"training/n_zero_adv_groups{suffix}": sum(flags.values()),
-            f"training/n_zero_signal_rollouts{suffix}": len(silent),
-            f"training/zero_signal_rollout_frac{suffix}": len(silent) / len(all_rollouts) if all_rollouts else 0.0}
+    return {
+        f"training/n_groups{suffix}": len(flags),
+        f"training/n_zero_adv_groups{suffix}": sum(flags.values()),
+        f"training/n_zero_signal_rollouts{suffix}": len(silent),
+        f"training/zero_signal_rollout_frac{suffix}": len(silent) / len(all_rollouts) if all_rollouts else 0.0,
+    }
 
 
 # =============================================================================================
@@ -186,8 +189,11 @@ def run_estimator(estimator: Callable[..., Any], data: Any, *, exact_zero: bool 
     finally:
         data.batch["token_level_rewards"] = rewards
     name = str(getattr(kwargs.get("adv_estimator"), "value", kwargs.get("adv_estimator"))).lower()
-    zero = (_equal_reward_rows(rewards.double().sum(-1), group_keys(out)) if name in GROUP_BASELINE_ESTIMATORS
-            else torch.zeros(len(out), dtype=torch.bool))
+    zero = (
+        _equal_reward_rows(rewards.double().sum(-1), group_keys(out))
+        if name in GROUP_BASELINE_ESTIMATORS
+        else torch.zeros(len(out), dtype=torch.bool)
+    )
     for key in ("advantages", "returns"):
         if key in out.batch.keys():
             values = out.batch[key].to(rewards.dtype)
@@ -202,21 +208,29 @@ def fill_reward_defaults(data: Any) -> None:
         data.batch["token_level_rewards"] = data.batch["token_level_scores"]
 
 
-def compute_advantages(data: Any, *, rollout_level: bool = True,
-                       compute_advantage_fn: Callable[..., Any] | None = None, exact_zero: bool = True,
-                       **kwargs: Any) -> tuple[Any, dict[str, int]]:
+def compute_advantages(
+    data: Any,
+    *,
+    rollout_level: bool = True,
+    compute_advantage_fn: Callable[..., Any] | None = None,
+    exact_zero: bool = True,
+    **kwargs: Any,
+) -> tuple[Any, dict[str, int]]:
     """`advantages`/`returns` [N, R]: rollout-level (default) or verl's per-row estimator.
 
     `kwargs` are verl's `compute_advantage` arguments (adv_estimator, gamma, lam, num_repeat,
     norm_adv_by_std_in_grpo, config); `exact_zero` see `run_estimator`. Returns `(data, metrics)`.
     """
     if rollout_level:
-        return compute_rollout_level_advantage(data, compute_advantage_fn=compute_advantage_fn,
-                                               exact_zero=exact_zero, **kwargs)
+        return compute_rollout_level_advantage(
+            data, compute_advantage_fn=compute_advantage_fn, exact_zero=exact_zero, **kwargs
+        )
     name = check_estimator(kwargs["adv_estimator"], rollout_level=False)
     if name.lower() == "gae" and "values" not in data.batch.keys():
-        raise ValueError("algorithm.adv_estimator=gae needs critic values and agl_lab trains without a critic: "
-                         f"use an outcome estimator ({OUTCOME_HINT})")
+        raise ValueError(
+            "algorithm.adv_estimator=gae needs critic values and agl_lab trains without a critic: "
+            f"use an outcome estimator ({OUTCOME_HINT})"
+        )
     return run_estimator(compute_advantage_fn or _verl_compute_advantage(), data, exact_zero=exact_zero, **kwargs), {}
 
 
@@ -234,13 +248,16 @@ def _check_rollouts_consistent(data: Any, rollouts: list[Any], pos: np.ndarray) 
         idx = np.flatnonzero(pos == r)
         reps.append(int(idx[0]))
         if len({uids[i] for i in idx}) > 1:
-            raise RuntimeError(f"rollout-level advantage found multiple uid values for rollout_id={rid}: "
-                               "every row of a rollout belongs to one group (check uid / data_id_list)")
+            raise RuntimeError(
+                f"rollout-level advantage found multiple uid values for rollout_id={rid}: "
+                "every row of a rollout belongs to one group (check uid / data_id_list)"
+            )
         if not torch.allclose(sums[idx], sums[idx[0]].expand(len(idx))):
             raise RuntimeError(
                 "rollout-level advantage requires all triplets for the same rollout_id to share the "
                 f"same scalar token_level_rewards sum; got rollout_id={rid} (a rollout has one final "
-                "reward: put it on the last token of every row of the rollout, as agl_lab.batch does)")
+                "reward: put it on the last token of every row of the rollout, as agl_lab.batch does)"
+            )
     return reps
 
 
@@ -250,13 +267,16 @@ def _rollout_scalars(adv: torch.Tensor, mask: torch.Tensor, rollouts: list[Any])
     for r, rid in enumerate(rollouts):
         values = adv[r][mask[r].bool()]
         if values.numel() == 0:
-            raise RuntimeError(f"rollout-level advantage cannot extract advantages for empty rollout_id={rid} "
-                               "(its first row has no loss token: drop such rows before the advantage)")
+            raise RuntimeError(
+                f"rollout-level advantage cannot extract advantages for empty rollout_id={rid} "
+                "(its first row has no loss token: drop such rows before the advantage)"
+            )
         if not torch.allclose(values, values[0].expand_as(values)):
             raise RuntimeError(
                 "rollout-level advantage requires scalar outcome-style advantages; got non-constant "
                 f"token values for rollout_id={rid} (set algorithm.enable_rollout_level_advantage=false "
-                "for token-level estimators)")
+                "for token-level estimators)"
+            )
         out[r] = values[0]
     return out
 
@@ -269,12 +289,12 @@ def _check_rollout_level_keys(data: Any) -> None:
     if "rollout_id_list" not in nt:
         raise RuntimeError("rollout-level advantage requires rollout_id_list in non_tensor_batch" + _KEYS_HINT)
     if len(nt["rollout_id_list"]) != len(data):
-        raise RuntimeError(f"rollout_id_list length ({len(nt['rollout_id_list'])}) must match batch "
-                           f"length ({len(data)})")
+        raise RuntimeError(
+            f"rollout_id_list length ({len(nt['rollout_id_list'])}) must match batch length ({len(data)})"
+        )
     if "uid" not in nt:
         if "data_id_list" not in nt:
-            raise RuntimeError("rollout-level advantage requires uid or data_id_list in non_tensor_batch"
-                               + _KEYS_HINT)
+            raise RuntimeError("rollout-level advantage requires uid or data_id_list in non_tensor_batch" + _KEYS_HINT)
         nt["uid"] = nt["data_id_list"]
     for key in ("response_mask", "token_level_rewards"):
         if key not in data.batch.keys():
@@ -308,9 +328,16 @@ def compute_rollout_level_advantage(
     reps = _check_rollouts_consistent(data, rollouts, pos)
     estimator = compute_advantage_fn or _verl_compute_advantage()
     sub = run_estimator(
-        estimator, data.select_idxs(np.asarray(reps, dtype=np.int64)), exact_zero=exact_zero,
-        adv_estimator=adv_estimator, gamma=gamma,
-        lam=lam, num_repeat=num_repeat, norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo, config=config)
+        estimator,
+        data.select_idxs(np.asarray(reps, dtype=np.int64)),
+        exact_zero=exact_zero,
+        adv_estimator=adv_estimator,
+        gamma=gamma,
+        lam=lam,
+        num_repeat=num_repeat,
+        norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
+        config=config,
+    )
 
     mask = data.batch["response_mask"]
     rep_mask = mask[torch.as_tensor(reps)]

@@ -80,22 +80,28 @@ def normalize_advantages_by_rollout(
     rollouts, pos = rollout_index(rollout_ids)
     d = _per_rollout_divisor(n, len(rollouts), divisor, num_trained_rows, num_rollouts)
     index = torch.as_tensor(pos, device=advantages.device)
-    row_tokens = response_mask.to(advantages.dtype).sum(-1)                       # [N]
+    row_tokens = response_mask.to(advantages.dtype).sum(-1)  # [N]
     tokens = torch.zeros(len(rollouts), dtype=advantages.dtype, device=advantages.device)
-    tokens.index_add_(0, index, row_tokens)                                       # T_r
-    denom = torch.clamp(tokens[index] * d, min=1.0)                               # [N]
+    tokens.index_add_(0, index, row_tokens)  # T_r
+    denom = torch.clamp(tokens[index] * d, min=1.0)  # [N]
     return advantages / denom.unsqueeze(-1)
 
 
 def normalize_batch(data: Any, divisor: str = "rollouts") -> Any:
     """In place: raw advantages → `rollout_advantages`, `advantages` ← normalised [N, R]. Returns data."""
     if "rollout_id_list" not in data.non_tensor_batch:
-        raise RuntimeError("per_rollout_mean loss requires rollout_id_list in non_tensor_batch "
-                           "(batches from agl_lab.batch have it; set it for hand-built ones)")
+        raise RuntimeError(
+            "per_rollout_mean loss requires rollout_id_list in non_tensor_batch "
+            "(batches from agl_lab.batch have it; set it for hand-built ones)"
+        )
     data.batch["rollout_advantages"] = data.batch["advantages"]
     data.batch["advantages"] = normalize_advantages_by_rollout(
-        data.batch["advantages"], data.batch["response_mask"], data.non_tensor_batch["rollout_id_list"],
-        num_trained_rows=len(data), divisor=divisor)
+        data.batch["advantages"],
+        data.batch["response_mask"],
+        data.non_tensor_batch["rollout_id_list"],
+        num_trained_rows=len(data),
+        divisor=divisor,
+    )
     return data
 
 
@@ -172,8 +178,11 @@ def register_loss() -> None:
     if existing is compute_policy_loss_per_rollout_mean:
         return
     if existing is not None and getattr(existing, "__module__", None) != __name__:
-        logger.warning("replacing policy loss %r registered by %s with agl_lab's",
-                       LOSS_NAME, getattr(existing, "__module__", existing))
+        logger.warning(
+            "replacing policy loss %r registered by %s with agl_lab's",
+            LOSS_NAME,
+            getattr(existing, "__module__", existing),
+        )
     register_policy_loss(LOSS_NAME)(compute_policy_loss_per_rollout_mean)
 
 
@@ -188,8 +197,9 @@ def register_in_worker() -> None:
 # =============================================================================================
 
 
-def _token_weights(tokens: np.ndarray, pos: np.ndarray, n_rollouts: int, loss_mode: str,
-                   loss_agg_mode: str, divisor_value: int) -> np.ndarray:
+def _token_weights(
+    tokens: np.ndarray, pos: np.ndarray, n_rollouts: int, loss_mode: str, loss_agg_mode: str, divisor_value: int
+) -> np.ndarray:
     """Loss weight per row [N]: Σ over its loss tokens of the coefficient multiplying A."""
     if loss_mode == LOSS_NAME:
         t_r = np.bincount(pos, weights=tokens, minlength=n_rollouts)
@@ -203,8 +213,10 @@ def _token_weights(tokens: np.ndarray, pos: np.ndarray, n_rollouts: int, loss_mo
         return (tokens > 0) / nonempty
     if loss_agg_mode == "seq-mean-token-sum":
         return tokens / nonempty
-    raise ValueError(f"loss_agg_mode={loss_agg_mode!r} is not supported here; use token-mean, token-sum, "
-                     "seq-mean-token-mean or seq-mean-token-sum")
+    raise ValueError(
+        f"loss_agg_mode={loss_agg_mode!r} is not supported here; use token-mean, token-sum, "
+        "seq-mean-token-mean or seq-mean-token-sum"
+    )
 
 
 def _raw_advantage(adv: torch.Tensor | None, mask: torch.Tensor, idx: np.ndarray) -> float:
@@ -252,8 +264,16 @@ def rollout_weights_table(
     for r, rid in enumerate(rollouts):
         idx = np.flatnonzero(pos == r)
         a, w = _raw_advantage(adv, mask, idx), float(row_w[idx].sum())
-        out.append({"rollout_id": rid, "data_id": None if data_ids is None else data_ids[idx[0]],
-                    "reward": math.nan if scores is None else float(scores[idx[0]]), "advantage": a,
-                    "n_rows": len(idx), "loss_tokens": int(tokens[idx].sum()), "loss_weight": w,
-                    "signed_weight": a * w})
+        out.append(
+            {
+                "rollout_id": rid,
+                "data_id": None if data_ids is None else data_ids[idx[0]],
+                "reward": math.nan if scores is None else float(scores[idx[0]]),
+                "advantage": a,
+                "n_rows": len(idx),
+                "loss_tokens": int(tokens[idx].sum()),
+                "loss_weight": w,
+                "signed_weight": a * w,
+            }
+        )
     return pd.DataFrame(out)

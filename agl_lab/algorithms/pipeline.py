@@ -23,10 +23,19 @@ from agl_lab.rules import DROP_ORDERS  # noqa: F401 (re-export)
 
 logger = logging.getLogger(__name__)
 
+
 def _data_metrics(data: Any) -> dict[str, Any]:
     """verl's `compute_data_metrics` (critic/*, response_length/*) when the batch has its keys."""
-    needed = ("token_level_scores", "token_level_rewards", "advantages", "returns", "prompts",
-              "responses", "attention_mask", "response_mask")
+    needed = (
+        "token_level_scores",
+        "token_level_rewards",
+        "advantages",
+        "returns",
+        "prompts",
+        "responses",
+        "attention_mask",
+        "response_mask",
+    )
     if not all(k in data.batch.keys() for k in needed):
         return {}
     from verl.trainer.ppo.metric_utils import compute_data_metrics
@@ -80,10 +89,17 @@ def prepare_update_batch(
     check_selection_args(mini_batch_rows, max_ppo_update_times, selection_policy, small_batch)
     check_estimator(adv_estimator, rollout_level=rollout_level_advantage)
     fill_reward_defaults(data)
-    advantage_args = dict(rollout_level=rollout_level_advantage, compute_advantage_fn=compute_advantage_fn,
-                          adv_estimator=adv_estimator, gamma=gamma, lam=lam, num_repeat=num_repeat,
-                          norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo, config=algo_config,
-                          exact_zero=not grpo_float32)
+    advantage_args = dict(
+        rollout_level=rollout_level_advantage,
+        compute_advantage_fn=compute_advantage_fn,
+        adv_estimator=adv_estimator,
+        gamma=gamma,
+        lam=lam,
+        num_repeat=num_repeat,
+        norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
+        config=algo_config,
+        exact_zero=not grpo_float32,
+    )
     # 0. rows the batch builder marked go first, row by row (AGL v1)
     kept, records, metrics = drop_marked_rows(data)
     collected = {k: metrics[k] for k in ("training/n_sample_collected", "training/n_sample_dropped/marked")}
@@ -94,8 +110,9 @@ def prepare_update_batch(
 
     if drop_order == "agl":
         # AGL v1: align rows first, advantages on what is left
-        kept, sel_records, sel_metrics = agl_alignment(data, mini_batch_rows=mini_batch_rows,
-                                                       max_ppo_update_times=max_ppo_update_times, seed=seed)
+        kept, sel_records, sel_metrics = agl_alignment(
+            data, mini_batch_rows=mini_batch_rows, max_ppo_update_times=max_ppo_update_times, seed=seed
+        )
         records += sel_records  # marked rows are gone already: these are alignment drops only
         metrics.update(sel_metrics)
         if sel_metrics["training/skipped_steps"]:
@@ -110,8 +127,13 @@ def prepare_update_batch(
         metrics.update(group_metrics(data, "_collected"))  # before the alignment drops (agl_lab's own)
         # 2. whole mini-batches: zero-advantage groups first, then whole rollouts, seeded
         kept, sel_records, sel_metrics = select_for_update(
-            data, mini_batch_rows=mini_batch_rows, max_ppo_update_times=max_ppo_update_times, seed=seed,
-            policy=selection_policy, small_batch=small_batch)
+            data,
+            mini_batch_rows=mini_batch_rows,
+            max_ppo_update_times=max_ppo_update_times,
+            seed=seed,
+            policy=selection_policy,
+            small_batch=small_batch,
+        )
         records += sel_records
         metrics.update({**sel_metrics, **collected})
         if sel_metrics["training/skipped_steps"]:

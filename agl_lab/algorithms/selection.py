@@ -53,8 +53,10 @@ def skip_reason(n_trainable: int, mini_batch_rows: int, small_batch: str) -> str
     if n_trainable == 0:
         return "no trainable rows left after the marked drop"
     if target_rows(n_trainable, mini_batch_rows, None, small_batch) == 0:
-        return (f"{n_trainable} trainable rows is fewer than one mini-batch ({mini_batch_rows} rows) "
-                "and agl_lab.algorithm.small_batch='skip'")
+        return (
+            f"{n_trainable} trainable rows is fewer than one mini-batch ({mini_batch_rows} rows) "
+            "and agl_lab.algorithm.small_batch='skip'"
+        )
     return None
 
 
@@ -65,8 +67,12 @@ def skip_reason(n_trainable: int, mini_batch_rows: int, small_batch: str) -> str
 
 def _drop_record(data: Any, rollout_id: Any, row: int, rows: int, reason: str) -> dict[str, Any]:
     data_ids = data.non_tensor_batch.get("data_id_list")
-    return {"rollout_id": rollout_id, "data_id": None if data_ids is None else data_ids[row],
-            "rows": int(rows), "reason": reason}
+    return {
+        "rollout_id": rollout_id,
+        "data_id": None if data_ids is None else data_ids[row],
+        "rows": int(rows),
+        "reason": reason,
+    }
 
 
 def drop_marked_rows(data: Any) -> tuple[np.ndarray, list[dict[str, Any]], dict[str, int]]:
@@ -88,12 +94,21 @@ def skipped_step(data: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Records and metrics of a skipped step: marked rows, then every other rollout `small_batch_skip`."""
     alive, records, metrics = drop_marked_rows(data)
     t = _alive_rollouts(data, alive, with_groups=False)
-    records += [_drop_record(data, rid, t["first_row"][r], t["rows"][r], "small_batch_skip")
-                for r, rid in enumerate(t["ids"])]
-    metrics.update({"training/n_sample_dropped/same_reward": 0, "training/n_sample_dropped/random": 0,
-                    "training/n_sample_dropped/small_batch": len(alive), "training/n_dropped_groups/zero_adv": 0,
-                    "training/n_sample_target": 0, "training/n_sample_trained": 0,
-                    "training/n_mini_batches": 0, "training/skipped_steps": 1})
+    records += [
+        _drop_record(data, rid, t["first_row"][r], t["rows"][r], "small_batch_skip") for r, rid in enumerate(t["ids"])
+    ]
+    metrics.update(
+        {
+            "training/n_sample_dropped/same_reward": 0,
+            "training/n_sample_dropped/random": 0,
+            "training/n_sample_dropped/small_batch": len(alive),
+            "training/n_dropped_groups/zero_adv": 0,
+            "training/n_sample_target": 0,
+            "training/n_sample_trained": 0,
+            "training/n_mini_batches": 0,
+            "training/skipped_steps": 1,
+        }
+    )
     return records, metrics
 
 
@@ -102,8 +117,9 @@ def skipped_step(data: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
 # =============================================================================================
 
 
-def _plan_drops(rows: np.ndarray, zero_adv: np.ndarray, group: list[Any], need: int,
-                rng: np.random.Generator, policy: str) -> list[tuple[int, str]]:
+def _plan_drops(
+    rows: np.ndarray, zero_adv: np.ndarray, group: list[Any], need: int, rng: np.random.Generator, policy: str
+) -> list[tuple[int, str]]:
     """Choose whole rollouts to drop so that about `need` rows go; returns (rollout, reason).
 
     rows [n_rollouts] rows per rollout; zero_adv [n_rollouts] bool; group [n_rollouts] key.
@@ -161,8 +177,9 @@ def _alive_rollouts(data: Any, alive: np.ndarray, with_groups: bool = True) -> d
     return out
 
 
-def _selection_metrics(plan: list[tuple[int, str]], t: dict[str, Any], n: int, target: int, kept: int,
-                       mini_batch_rows: int) -> dict[str, Any]:
+def _selection_metrics(
+    plan: list[tuple[int, str]], t: dict[str, Any], n: int, target: int, kept: int, mini_batch_rows: int
+) -> dict[str, Any]:
     rows = t["rows"]
     return {
         "training/n_sample_dropped/same_reward": sum(int(rows[r]) for r, why in plan if why.startswith("zero_adv")),
@@ -211,8 +228,9 @@ def select_for_update(
         logger.warning("skipping this training step: %s", skip_reason(n, mini_batch_rows, small_batch))
     else:
         if n < mini_batch_rows:
-            logger.info("training %d rows as one mini-batch smaller than ppo_mini_batch_size × n = %d rows",
-                        n, mini_batch_rows)
+            logger.info(
+                "training %d rows as one mini-batch smaller than ppo_mini_batch_size × n = %d rows", n, mini_batch_rows
+            )
         plan = _plan_drops(t["rows"], t["zero_adv"], t["group"], n - target, np.random.default_rng(seed), policy)
 
     gone = np.zeros(len(t["ids"]), dtype=bool)
@@ -229,8 +247,9 @@ def select_for_update(
 # =============================================================================================
 
 
-def agl_alignment(data: Any, *, mini_batch_rows: int, max_ppo_update_times: int | None = None,
-                  seed: int = 0) -> tuple[np.ndarray, list[dict[str, Any]], dict[str, Any]]:
+def agl_alignment(
+    data: Any, *, mini_batch_rows: int, max_ppo_update_times: int | None = None, seed: int = 0
+) -> tuple[np.ndarray, list[dict[str, Any]], dict[str, Any]]:
     """AGL v1's mini-batch alignment, for side-by-side runs: *before* advantages, row by row.
 
     Keep ⌊n / mini_batch_rows⌋ × mini_batch_rows rows (capped at × max_ppo_update_times);
@@ -252,7 +271,7 @@ def agl_alignment(data: Any, *, mini_batch_rows: int, max_ppo_update_times: int 
     in_same = np.array([keys is not None and keys[i] in same for i in range(n)], dtype=bool)
     need = n - target
     first = rng.permutation(np.flatnonzero(in_same))[:need]
-    rest = rng.permutation(np.setdiff1d(np.arange(n), first))[:need - len(first)]
+    rest = rng.permutation(np.setdiff1d(np.arange(n), first))[: need - len(first)]
     gone = np.zeros(n, dtype=bool)
     gone[first], gone[rest] = True, True
     ids = np.asarray(rollout_ids(data))[alive]
@@ -261,9 +280,16 @@ def agl_alignment(data: Any, *, mini_batch_rows: int, max_ppo_update_times: int 
             r_rows = rows[ids[rows] == rid]
             records.append(_drop_record(data, rid, int(alive[r_rows[0]]), len(r_rows), reason))
     kept = alive[~gone]
-    metrics.update({"training/n_sample_dropped/same_reward": len(first), "training/n_sample_dropped/random": len(rest),
-                    "training/n_sample_dropped/small_batch": n if target == 0 else 0,
-                    "training/n_dropped_groups/zero_adv": 0, "training/n_sample_target": target,
-                    "training/n_sample_trained": len(kept), "training/n_mini_batches": len(kept) // mini_batch_rows,
-                    "training/skipped_steps": int(target == 0)})
+    metrics.update(
+        {
+            "training/n_sample_dropped/same_reward": len(first),
+            "training/n_sample_dropped/random": len(rest),
+            "training/n_sample_dropped/small_batch": n if target == 0 else 0,
+            "training/n_dropped_groups/zero_adv": 0,
+            "training/n_sample_target": target,
+            "training/n_sample_trained": len(kept),
+            "training/n_mini_batches": len(kept) // mini_batch_rows,
+            "training/skipped_steps": int(target == 0),
+        }
+    )
     return kept, records, metrics

@@ -71,7 +71,8 @@ class Engine(abc.ABC):
         current weights at `temperature`, for the per-token view (`agl_lab.token_view`)."""
         raise NotImplementedError(
             f"{type(self).__name__} does not compute per-token entropy on request; the local engine does "
-            "(agl_lab.engine=local). Its metrics still carry actor/entropy per step.")
+            "(agl_lab.engine=local). Its metrics still carry actor/entropy per step."
+        )
 
     def prepare(self, data: Any) -> tuple[Any, dict[str, float]]:
         """What the advantage needs that only the engine computes; returns `(data, metrics)`.
@@ -110,8 +111,10 @@ def sampling_log_probs(data: Any) -> Any:
     """`rollout_log_probs` [N, R] as float32 old logprobs (bypass mode, both engines); they must
     be present and finite, padding included."""
     if "rollout_log_probs" not in data.batch.keys():
-        raise RuntimeError("algorithm.rollout_correction.bypass_mode=true needs rollout_log_probs in the batch: "
-                           "every captured call must carry sampling logprobs (agl_lab.server.include_log_probs=true)")
+        raise RuntimeError(
+            "algorithm.rollout_correction.bypass_mode=true needs rollout_log_probs in the batch: "
+            "every captured call must carry sampling logprobs (agl_lab.server.include_log_probs=true)"
+        )
     rollout = data.batch["rollout_log_probs"]
     if not rollout.isfinite().all():
         raise RuntimeError("bypass_mode needs finite rollout_log_probs everywhere (padding included)")
@@ -128,8 +131,10 @@ def logprob_gap(data: Any) -> dict[str, float]:
     diff = (b["old_log_probs"].float() - b["rollout_log_probs"].float()).abs()[b["response_mask"].bool()]
     if not diff.numel():
         return {}
-    return {"training/rollout_logprobs_diff_mean": diff.mean().item(),
-            "training/rollout_logprobs_diff_max": diff.max().item()}
+    return {
+        "training/rollout_logprobs_diff_mean": diff.mean().item(),
+        "training/rollout_logprobs_diff_max": diff.max().item(),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,8 +166,9 @@ BATCH_SCHEMA: dict[str, BatchKey] = {
     "responses": BatchKey(("int64",), "N, R", "batch.build_batch"),
     "response_mask": BatchKey(_MASK, "N, R", "batch.build_batch (1 on model-sampled tokens)", required=True),
     "is_drop_mask": BatchKey(("bool",), "N", "batch.build_batch (prompt or response too long)"),
-    "token_level_scores": BatchKey(("float32", "bfloat16"), "N, R", "batch.build_batch (reward on the last token)",
-                                   required=True),
+    "token_level_scores": BatchKey(
+        ("float32", "bfloat16"), "N, R", "batch.build_batch (reward on the last token)", required=True
+    ),
     "rollout_log_probs": BatchKey(("float32",), "N, R", "batch.build_batch (when every call has logprobs)"),
     "rollout_id_list": BatchKey(("object",), "N", "batch.build_batch", required=True),
     "data_id_list": BatchKey(("object",), "N", "batch.build_batch (the group)", required=True),
@@ -171,8 +177,11 @@ BATCH_SCHEMA: dict[str, BatchKey] = {
     # written during the update
     "old_log_probs": BatchKey(("float32",), "N, R", "Engine.prepare"),
     "ref_log_prob": BatchKey(("float32",), "N, R", "Engine.prepare (verl: reference policy; local: KL in reward)"),
-    "token_level_rewards": BatchKey(("float32", "bfloat16"), "N, R", "Engine.prepare (KL in reward) or "
-                                    "algorithms.advantage.fill_reward_defaults (= token_level_scores)"),
+    "token_level_rewards": BatchKey(
+        ("float32", "bfloat16"),
+        "N, R",
+        "Engine.prepare (KL in reward) or algorithms.advantage.fill_reward_defaults (= token_level_scores)",
+    ),
     "advantages": BatchKey(("float32",), "N, R", "algorithms.advantage, then algorithms.loss.normalize_batch"),
     "returns": BatchKey(("float32",), "N, R", "algorithms.advantage"),
     "rollout_advantages": BatchKey(("float32",), "N, R", "algorithms.loss.normalize_batch (the raw advantages)"),
@@ -187,8 +196,11 @@ def check_batch(data: Any, where: str = "run_update") -> None:
     differs from its declaration."""
     tensors, extras = data.batch, data.non_tensor_batch
     present = {**{k: tensors[k] for k in tensors.keys()}, **dict(extras)}
-    problems = [f"{k!r} is missing (written by {spec.writer})"
-                for k, spec in BATCH_SCHEMA.items() if spec.required and k not in present]
+    problems = [
+        f"{k!r} is missing (written by {spec.writer})"
+        for k, spec in BATCH_SCHEMA.items()
+        if spec.required and k not in present
+    ]
     if "response_mask" in present:
         n, r = (int(x) for x in present["response_mask"].shape)
         p = int(present["prompts"].shape[1]) if "prompts" in present else None
@@ -205,5 +217,8 @@ def check_batch(data: Any, where: str = "run_update") -> None:
             if len(got) != len(want) or any(w is not None and w != g for w, g in zip(want, got)):
                 problems.append(f"{key!r} has shape {got}, expected [{spec.shape}] = {want}")
     if problems:
-        raise ValueError(f"{where}: the batch does not match agl_lab.engines.base.BATCH_SCHEMA: "
-                         + "; ".join(problems) + " (build batches with agl_lab.batch.build_batch)")
+        raise ValueError(
+            f"{where}: the batch does not match agl_lab.engines.base.BATCH_SCHEMA: "
+            + "; ".join(problems)
+            + " (build batches with agl_lab.batch.build_batch)"
+        )

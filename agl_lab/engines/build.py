@@ -34,8 +34,9 @@ from agl_lab.engines.lora import LoraSpec
 logger = logging.getLogger(__name__)
 
 
-def build_engine(cfg: Any, *, task: Any = None, train_dataset: Sequence[dict] = (),
-                 val_dataset: Sequence[dict] = ()) -> Engine:
+def build_engine(
+    cfg: Any, *, task: Any = None, train_dataset: Sequence[dict] = (), val_dataset: Sequence[dict] = ()
+) -> Engine:
     """The engine of `cfg.agl_lab.engine`, its model warm-started where that applies; agl_lab's
     `per_rollout_mean` loss registered in verl's registry first (both engines look it up there)."""
     from agl_lab.algorithms.loss import register_loss
@@ -58,8 +59,11 @@ def build_engine(cfg: Any, *, task: Any = None, train_dataset: Sequence[dict] = 
     lora = LoraSpec.from_model_config(OmegaConf.select(cfg, "actor_rollout_ref.model", default=None))
     if lora.enabled and steps > 0 and lab.model.path is None and preset is None:
         _use_warm_started_dir(lab, task, steps)  # the warm start trains the full base, before the adapter
-    label = lab.model.path or (f"preset {preset} (converted once into {_cache_hint()})" if preset
-                               else f"built-in tiny model (cached in {_cache_hint()})")
+    label = lab.model.path or (
+        f"preset {preset} (converted once into {_cache_hint()})"
+        if preset
+        else f"built-in tiny model (cached in {_cache_hint()})"
+    )
     with quiet_hf(), _stage(f"model: {label}"):
         engine = LocalEngine.from_config(cfg)
     if lab.get("torch_threads", "auto") == "auto":  # now that the model's size is known
@@ -116,8 +120,12 @@ def _warm_start(engine: Any, task: Any, steps: int, seed: int) -> None:
     from agl_lab.engines.warmstart import warm_start
 
     if task.demonstrations is None:
-        logger.warning("task %r has no demonstrations: agl_lab.model.warm_start_steps=%s has no effect "
-                       "(give Task(demonstrations=...) for a warm start)", task.name, steps)
+        logger.warning(
+            "task %r has no demonstrations: agl_lab.model.warm_start_steps=%s has no effect "
+            "(give Task(demonstrations=...) for a warm start)",
+            task.name,
+            steps,
+        )
         return
     warm_start(engine.model, engine.tokenizer, task, steps=steps, seed=seed, progress=True)
 

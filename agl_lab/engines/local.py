@@ -50,7 +50,8 @@ def actor_config(actor: Any = None, lr: float | None = None) -> Any:
             raise ValueError(
                 f"actor={{...}} has keys that are not ActorUpdateConfig fields: {unknown}. Pass its fields "
                 "(lr, ppo_mini_batch_size, ...) or a verl actor section (with optim: and policy_loss:); the "
-                "sampling temperature is not an actor key: it travels in data.meta_info['temperature']")
+                "sampling temperature is not an actor key: it travels in data.meta_info['temperature']"
+            )
         cfg = ActorUpdateConfig(**dict(actor))
     else:  # `actor_rollout_ref.actor` of a verl config (dict, DictConfig or dataclass)
         cfg = ActorUpdateConfig.from_verl_actor_config(actor)
@@ -91,8 +92,9 @@ class LocalEngine(Engine):
         self.device = next(self.model.parameters()).device
         self.model_name = model_name or (Path(model_path).resolve().name if model_path else DEFAULT_MODEL_NAME)
         # `algorithm.*` of a verl config: KL in reward and rollout correction (see `prepare`)
-        self.algorithm = OmegaConf.create(OmegaConf.to_container(algorithm, resolve=True)
-                                          if OmegaConf.is_config(algorithm) else (algorithm or {}))
+        self.algorithm = OmegaConf.create(
+            OmegaConf.to_container(algorithm, resolve=True) if OmegaConf.is_config(algorithm) else (algorithm or {})
+        )
         self.use_kl_in_reward = bool(self.algorithm.get("use_kl_in_reward", False))
         self.kl_ctrl = None
         if self.use_kl_in_reward:
@@ -115,9 +117,17 @@ class LocalEngine(Engine):
         self._policy_version = 0
         self._closed = False
         self.server = OpenAIServer(
-            self.model, self.tokenizer, model_name=self.model_name, host=host, advertise_host=advertise_host, port=port,
-            max_model_len=max_model_len, batch_window_ms=batch_window_ms, max_batch_size=max_batch_size,
-            weights_lock=self.weights_lock)
+            self.model,
+            self.tokenizer,
+            model_name=self.model_name,
+            host=host,
+            advertise_host=advertise_host,
+            port=port,
+            max_model_len=max_model_len,
+            batch_window_ms=batch_window_ms,
+            max_batch_size=max_batch_size,
+            weights_lock=self.weights_lock,
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -140,14 +150,21 @@ class LocalEngine(Engine):
         from agl_lab.models import resolve_model_path
 
         return cls(
-            resolve_model_path(lab.model), device=lab.model.device, seed=int(lab.seed), max_model_len=int(lab.model.max_model_len),
-            actor=actor, model_name=lab.model.get("name"),
-            host=str(serving.get("host") or "127.0.0.1"), advertise_host=serving.get("advertise_host"),
+            resolve_model_path(lab.model),
+            device=lab.model.device,
+            seed=int(lab.seed),
+            max_model_len=int(lab.model.max_model_len),
+            actor=actor,
+            model_name=lab.model.get("name"),
+            host=str(serving.get("host") or "127.0.0.1"),
+            advertise_host=serving.get("advertise_host"),
             batch_window_ms=float(opts.get("batch_window_ms", BATCH_WINDOW_MS)),
             max_batch_size=int(opts.get("max_batch_size", MAX_BATCH_SIZE)),
             log_prob_micro_batch_size=int(log_prob_micro) if log_prob_micro else 16,
             bypass_mode=uses_bypass(OmegaConf.select(cfg, "algorithm.rollout_correction", default=None)),
-            algorithm=cfg.get("algorithm"), lora=cfg.actor_rollout_ref.get("model"))
+            algorithm=cfg.get("algorithm"),
+            lora=cfg.actor_rollout_ref.get("model"),
+        )
 
     def _frozen_copy(self) -> torch.nn.Module:
         import copy
@@ -199,9 +216,16 @@ class LocalEngine(Engine):
             was_training = self.model.training
             self.model.eval()
             try:
-                logp, ent = sequence_log_probs(self.model, b["input_ids"], b["attention_mask"], b["position_ids"],
-                                               b["responses"].shape[-1], temperature, self.log_prob_micro_batch_size,
-                                               with_entropy=True)
+                logp, ent = sequence_log_probs(
+                    self.model,
+                    b["input_ids"],
+                    b["attention_mask"],
+                    b["position_ids"],
+                    b["responses"].shape[-1],
+                    temperature,
+                    self.log_prob_micro_batch_size,
+                    with_entropy=True,
+                )
             finally:
                 self.model.train(was_training)
         return logp.float().cpu(), ent.float().cpu()
@@ -224,8 +248,9 @@ class LocalEngine(Engine):
             from agl_lab.engines.local_ppo import batch_log_probs
 
             temperature = float(data.meta_info.get("temperature", 1.0))
-            data.batch["ref_log_prob"] = batch_log_probs(self.ref_model, data, temperature,
-                                                         self.log_prob_micro_batch_size).float()
+            data.batch["ref_log_prob"] = batch_log_probs(
+                self.ref_model, data, temperature, self.log_prob_micro_batch_size
+            ).float()
             data, kl_metrics = apply_kl_penalty(data, self.kl_ctrl, str(self.algorithm.get("kl_penalty", "kl")))
             metrics.update(kl_metrics)
         rc = self.algorithm.get("rollout_correction")
@@ -315,9 +340,13 @@ def _check_model_dir(cfg: Any) -> None:
     path = cfg.agl_lab.model.path
     if path is None or (Path(str(path)).expanduser() / "config.json").exists():
         return
-    key = ("actor_rollout_ref.model.path" if str(path) == str(OmegaConf.select(cfg, "actor_rollout_ref.model.path"))
-           else "agl_lab.model.path")
+    key = (
+        "actor_rollout_ref.model.path"
+        if str(path) == str(OmegaConf.select(cfg, "actor_rollout_ref.model.path"))
+        else "agl_lab.model.path"
+    )
     raise ConfigError(
         f"{key}={str(path)!r} is not a local Hugging Face model directory (no config.json) and the local "
         f"engine never downloads: fetch it first (`huggingface-cli download {path} --local-dir DIR`) and "
-        f"set {key}=DIR, or use agl_lab.engine=verl")
+        f"set {key}=DIR, or use agl_lab.engine=verl"
+    )

@@ -104,9 +104,7 @@ class ActorUpdateConfig:
         return self.ppo_micro_batch_size_per_gpu or self.ppo_mini_batch_size
 
     @classmethod
-    def from_verl_actor_config(
-        cls, actor: Any, *, rollout_n: int = 1, **overrides: Any
-    ) -> ActorUpdateConfig:
+    def from_verl_actor_config(cls, actor: Any, *, rollout_n: int = 1, **overrides: Any) -> ActorUpdateConfig:
         """Map `actor_rollout_ref.actor.*` (dict, DictConfig or verl dataclass) to this config.
 
         verl's `ppo_mini_batch_size` counts tasks: rows = it × `rollout_n`
@@ -133,9 +131,19 @@ class ActorUpdateConfig:
             betas=tuple(_get(actor, "optim.betas", (0.9, 0.999))),
             policy_loss_options=loss_options,
         )
-        for key in ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "entropy_coeff",
-                    "use_kl_loss", "kl_loss_coef", "kl_loss_type", "loss_agg_mode", "loss_scale_factor",
-                    "shuffle"):
+        for key in (
+            "clip_ratio",
+            "clip_ratio_low",
+            "clip_ratio_high",
+            "clip_ratio_c",
+            "entropy_coeff",
+            "use_kl_loss",
+            "kl_loss_coef",
+            "kl_loss_type",
+            "loss_agg_mode",
+            "loss_scale_factor",
+            "shuffle",
+        ):
             value = _get(actor, key)
             if value is not None:
                 kwargs[key] = value
@@ -149,16 +157,28 @@ class ActorUpdateConfig:
         known = {f.name for f in fields(PolicyLossConfig)} - {"loss_mode"}
         unknown = sorted(set(self.policy_loss_options) - known)
         if unknown:
-            raise ValueError(f"{_PREFIX}policy_loss has unknown keys {unknown}; verl's PolicyLossConfig "
-                             f"accepts {sorted(known)}")
+            raise ValueError(
+                f"{_PREFIX}policy_loss has unknown keys {unknown}; verl's PolicyLossConfig accepts {sorted(known)}"
+            )
         return FSDPActorConfig(
-            strategy="fsdp", rollout_n=1, ppo_epochs=self.ppo_epochs, shuffle=self.shuffle,
-            ppo_mini_batch_size=self.ppo_mini_batch_size, ppo_micro_batch_size_per_gpu=self.micro_batch_rows,
-            clip_ratio=self.clip_ratio, clip_ratio_low=self.clip_ratio_low, clip_ratio_high=self.clip_ratio_high,
-            clip_ratio_c=self.clip_ratio_c, loss_agg_mode=self.loss_agg_mode,
-            loss_scale_factor=self.loss_scale_factor, entropy_coeff=self.entropy_coeff,
-            use_kl_loss=self.use_kl_loss, kl_loss_coef=self.kl_loss_coef, kl_loss_type=self.kl_loss_type,
-            grad_clip=self.grad_clip, data_loader_seed=self.seed,
+            strategy="fsdp",
+            rollout_n=1,
+            ppo_epochs=self.ppo_epochs,
+            shuffle=self.shuffle,
+            ppo_mini_batch_size=self.ppo_mini_batch_size,
+            ppo_micro_batch_size_per_gpu=self.micro_batch_rows,
+            clip_ratio=self.clip_ratio,
+            clip_ratio_low=self.clip_ratio_low,
+            clip_ratio_high=self.clip_ratio_high,
+            clip_ratio_c=self.clip_ratio_c,
+            loss_agg_mode=self.loss_agg_mode,
+            loss_scale_factor=self.loss_scale_factor,
+            entropy_coeff=self.entropy_coeff,
+            use_kl_loss=self.use_kl_loss,
+            kl_loss_coef=self.kl_loss_coef,
+            kl_loss_type=self.kl_loss_type,
+            grad_clip=self.grad_clip,
+            data_loader_seed=self.seed,
             policy_loss=PolicyLossConfig(loss_mode=self.loss_mode, **self.policy_loss_options),
         )
 
@@ -197,8 +217,9 @@ def _position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return torch.clamp(attention_mask.long().cumsum(-1) - 1, min=0)
 
 
-def _trim(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-          response_length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+def _trim(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, response_length: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Cut the columns no row attends to (left padding of all prompts, right padding of all
     responses) → the [n, L'] tensors and the kept response width R' ≤ R. Rows are padded to
     max_prompt + max_response (768 columns in configs/cpu_smollm2.yaml; a calc rollout
@@ -213,18 +234,29 @@ def _trim(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: t
     return input_ids[:, cols], attention_mask[:, cols], position_ids[:, cols], kept
 
 
-def _response_forward(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                      position_ids: torch.Tensor, response_length: int, temperature: float,
-                      entropy: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _response_forward(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    response_length: int,
+    temperature: float,
+    entropy: str,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One forward over the attended columns (`_trim`) → (logprobs [n, R], entropy [n, R] | None);
     entropy: none | grad | detached."""
     device = next(model.parameters()).device
     input_ids, attention_mask, position_ids, kept = _trim(input_ids, attention_mask, position_ids, response_length)
-    out = model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                position_ids=position_ids.to(device), use_cache=False, logits_to_keep=kept + 1)
+    out = model(
+        input_ids=input_ids.to(device),
+        attention_mask=attention_mask.to(device),
+        position_ids=position_ids.to(device),
+        use_cache=False,
+        logits_to_keep=kept + 1,
+    )
     # Critical: position t predicts token t+1, so the R' logits before the last one score the
     # R' response tokens; the last position predicts past the end and is dropped.
-    logits = out.logits[:, -(kept + 1):-1, :].float() / temperature
+    logits = out.logits[:, -(kept + 1) : -1, :].float() / temperature
     attended = attention_mask[:, -kept:].to(device, logits.dtype)  # padding → 0.0, cut off or not
     widen = lambda t: F.pad(t * attended, (0, response_length - kept))  # noqa: E731  [n, R'] → [n, R]
     logprobs = widen(logprobs_from_logits(logits, input_ids[:, -kept:].to(device)))
@@ -233,10 +265,16 @@ def _response_forward(model: torch.nn.Module, input_ids: torch.Tensor, attention
     return logprobs, widen(entropy_from_logits(logits if entropy == "grad" else logits.detach()))
 
 
-def sequence_log_probs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                       position_ids: torch.Tensor | None, response_length: int, temperature: float = 1.0,
-                       micro_batch_size: int | None = None, with_entropy: bool = False,
-                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def sequence_log_probs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    response_length: int,
+    temperature: float = 1.0,
+    micro_batch_size: int | None = None,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log π(response token | everything before it) at `temperature`: ([N, R], entropy [N, R] | None).
 
     `input_ids`/`attention_mask`/`position_ids` are [N, L] with the response in the last R
@@ -248,22 +286,39 @@ def sequence_log_probs(model: torch.nn.Module, input_ids: torch.Tensor, attentio
         position_ids = _position_ids(attention_mask)
     n = input_ids.shape[0]
     step = micro_batch_size or max(n, 1)
-    parts = [_response_forward(model, input_ids[s:s + step], attention_mask[s:s + step], position_ids[s:s + step],
-                               response_length, temperature, "grad" if with_entropy else "none")
-             for s in range(0, n, step)]
+    parts = [
+        _response_forward(
+            model,
+            input_ids[s : s + step],
+            attention_mask[s : s + step],
+            position_ids[s : s + step],
+            response_length,
+            temperature,
+            "grad" if with_entropy else "none",
+        )
+        for s in range(0, n, step)
+    ]
     return torch.cat([lp for lp, _ in parts]), (torch.cat([e for _, e in parts]) if with_entropy else None)
 
 
-def batch_log_probs(model: torch.nn.Module, data: DataProto, temperature: float,
-                    micro_batch_size: int | None = None) -> torch.Tensor:
+def batch_log_probs(
+    model: torch.nn.Module, data: DataProto, temperature: float, micro_batch_size: int | None = None
+) -> torch.Tensor:
     """log π(responses) of `data` [N, R] on CPU, in eval mode without gradients."""
     b = data.batch
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            logp, _ = sequence_log_probs(model, b["input_ids"], b["attention_mask"], b["position_ids"],
-                                         b["responses"].shape[-1], temperature, micro_batch_size)
+            logp, _ = sequence_log_probs(
+                model,
+                b["input_ids"],
+                b["attention_mask"],
+                b["position_ids"],
+                b["responses"].shape[-1],
+                temperature,
+                micro_batch_size,
+            )
     finally:
         model.train(was_training)
     return logp.cpu()
@@ -291,23 +346,33 @@ def rollout_mismatch_metrics(data: DataProto) -> dict[str, float]:
 _NEEDED = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask", "old_log_probs", "advantages")
 
 
-def _update_tensors(model: torch.nn.Module, data: DataProto, cfg: ActorUpdateConfig,
-                    ref_model: torch.nn.Module | None) -> tuple[dict[str, torch.Tensor], float]:
+def _update_tensors(
+    model: torch.nn.Module, data: DataProto, cfg: ActorUpdateConfig, ref_model: torch.nn.Module | None
+) -> tuple[dict[str, torch.Tensor], float]:
     """The tensors of the loop, checked, with reference logprobs when the KL loss is on, and the
     sampling temperature the logprobs are computed at (`data.meta_info["temperature"]`)."""
     b = data.batch
     for key in _NEEDED:
         if key not in b.keys():
-            hint = (" (Engine.prepare(data) writes them)" if key == "old_log_probs"
-                    else " (compute them with agl_lab.algorithms first)" if key == "advantages" else "")
+            hint = (
+                " (Engine.prepare(data) writes them)"
+                if key == "old_log_probs"
+                else " (compute them with agl_lab.algorithms first)"
+                if key == "advantages"
+                else ""
+            )
             raise KeyError(f"ppo_update needs {key!r} in data.batch{hint}")
     if "temperature" not in data.meta_info:
-        raise KeyError("ppo_update needs data.meta_info['temperature'], the sampling temperature "
-                       "(actor_rollout_ref.rollout.temperature; agl_lab.update.run_update sets it)")
+        raise KeyError(
+            "ppo_update needs data.meta_info['temperature'], the sampling temperature "
+            "(actor_rollout_ref.rollout.temperature; agl_lab.update.run_update sets it)"
+        )
     temperature = float(data.meta_info["temperature"])
     if not temperature > 0:
-        raise ValueError(f"data.meta_info['temperature']={temperature}: the sampling temperature must be > 0 "
-                         "for training (actor_rollout_ref.rollout.temperature)")
+        raise ValueError(
+            f"data.meta_info['temperature']={temperature}: the sampling temperature must be > 0 "
+            "for training (actor_rollout_ref.rollout.temperature)"
+        )
     t = {k: b[k] for k in _NEEDED}
     if "rollout_is_weights" in b.keys():
         t["rollout_is_weights"] = b["rollout_is_weights"]
@@ -321,19 +386,36 @@ def _update_tensors(model: torch.nn.Module, data: DataProto, cfg: ActorUpdateCon
     return t, temperature
 
 
-def _micro_loss(model: torch.nn.Module, mb: dict[str, torch.Tensor], cfg: ActorUpdateConfig, temperature: float,
-                verl_cfg: Any, loss_fn: Any) -> tuple[torch.Tensor, dict[str, float]]:
+def _micro_loss(
+    model: torch.nn.Module,
+    mb: dict[str, torch.Tensor],
+    cfg: ActorUpdateConfig,
+    temperature: float,
+    verl_cfg: Any,
+    loss_fn: Any,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Loss of one micro-batch, normalised by the mini-batch totals in `verl_cfg.global_batch_info`."""
     response_length = mb["responses"].shape[-1]
-    logp, ent = _response_forward(model, mb["input_ids"], mb["attention_mask"], mb["position_ids"],
-                                  response_length, temperature,
-                                  "grad" if cfg.entropy_coeff != 0 else "detached")
+    logp, ent = _response_forward(
+        model,
+        mb["input_ids"],
+        mb["attention_mask"],
+        mb["position_ids"],
+        response_length,
+        temperature,
+        "grad" if cfg.entropy_coeff != 0 else "detached",
+    )
     device = logp.device
     mask = mb["response_mask"].to(device).bool()
     pg_loss, pg_metrics = loss_fn(
-        old_log_prob=mb["old_log_probs"].to(device), log_prob=logp, advantages=mb["advantages"].to(device),
-        response_mask=mask, loss_agg_mode=cfg.loss_agg_mode, config=verl_cfg,
-        rollout_is_weights=mb["rollout_is_weights"].to(device) if "rollout_is_weights" in mb else None)
+        old_log_prob=mb["old_log_probs"].to(device),
+        log_prob=logp,
+        advantages=mb["advantages"].to(device),
+        response_mask=mask,
+        loss_agg_mode=cfg.loss_agg_mode,
+        config=verl_cfg,
+        rollout_is_weights=mb["rollout_is_weights"].to(device) if "rollout_is_weights" in mb else None,
+    )
     info = verl_cfg.global_batch_info
     tokens = float(mask.sum())
     stats = {f"{k}*tokens": float(v) * tokens for k, v in pg_metrics.items()}
@@ -351,18 +433,26 @@ def _micro_loss(model: torch.nn.Module, mb: dict[str, torch.Tensor], cfg: ActorU
     return loss, stats
 
 
-def _mini_batch_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mb: dict[str, torch.Tensor],
-                     cfg: ActorUpdateConfig, temperature: float, verl_cfg: Any, loss_fn: Any) -> dict[str, float]:
+def _mini_batch_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    mb: dict[str, torch.Tensor],
+    cfg: ActorUpdateConfig,
+    temperature: float,
+    verl_cfg: Any,
+    loss_fn: Any,
+) -> dict[str, float]:
     """Micro-batches → accumulated gradient → clip → optimiser step; the mini-batch's metrics."""
     rows, mask = mb["input_ids"].shape[0], mb["response_mask"]
     tokens = max(int(mask.sum()), 1)
     # Critical: every micro-batch is normalised by the mini-batch totals → accumulation is exact.
-    verl_cfg.global_batch_info.update(dp_size=1, batch_num_tokens=tokens, global_batch_size=rows,
-                                      loss_scale_factor=cfg.loss_scale_factor)
+    verl_cfg.global_batch_info.update(
+        dp_size=1, batch_num_tokens=tokens, global_batch_size=rows, loss_scale_factor=cfg.loss_scale_factor
+    )
     optimizer.zero_grad(set_to_none=True)
     totals: dict[str, float] = {}
     for s in range(0, rows, cfg.micro_batch_rows):
-        micro = {k: v[s:s + cfg.micro_batch_rows] for k, v in mb.items()}
+        micro = {k: v[s : s + cfg.micro_batch_rows] for k, v in mb.items()}
         loss, stats = _micro_loss(model, micro, cfg, temperature, verl_cfg, loss_fn)
         loss.backward()
         for k, v in stats.items():
@@ -378,7 +468,7 @@ def _mini_batch_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, m
         optimizer.step()
     # `*tokens` accumulators are token-weighted sums (internal): only their means are metrics
     out = {k: v for k, v in totals.items() if k.startswith("actor/") and not k.endswith("*tokens")}
-    out.update({k[:-len("*tokens")]: v / tokens for k, v in totals.items() if k.endswith("*tokens")})
+    out.update({k[: -len("*tokens")]: v / tokens for k, v in totals.items() if k.endswith("*tokens")})
     out["actor/entropy"] = totals["entropy_sum"] / tokens
     out["actor/grad_norm"] = grad_norm
     out["actor/nonfinite_grad_steps"] = float(nonfinite)
@@ -391,8 +481,13 @@ def _row_order(n: int, cfg: ActorUpdateConfig, epoch: int) -> torch.Tensor:
     return torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + epoch))
 
 
-def ppo_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, data: DataProto, cfg: ActorUpdateConfig,
-               ref_model: torch.nn.Module | None = None) -> dict[str, float]:
+def ppo_update(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data: DataProto,
+    cfg: ActorUpdateConfig,
+    ref_model: torch.nn.Module | None = None,
+) -> dict[str, float]:
     """PPO epochs over mini-batches (one optimiser step each) of `data`; returns metrics.
 
     Needs `old_log_probs` and `advantages` in the batch and the sampling temperature in
@@ -414,7 +509,7 @@ def ppo_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, data: D
     for epoch in range(cfg.ppo_epochs):
         order = _row_order(n, cfg, epoch)
         for s in range(0, n, cfg.ppo_mini_batch_size):
-            idx = order[s:s + cfg.ppo_mini_batch_size]
+            idx = order[s : s + cfg.ppo_mini_batch_size]
             mb = {k: v[idx] for k, v in tensors.items()}
             steps.append(_mini_batch_step(model, optimizer, mb, cfg, temperature, verl_cfg, loss_fn))
     for key in dict.fromkeys(k for step in steps for k in step):

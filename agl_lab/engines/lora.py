@@ -61,13 +61,22 @@ class LoraSpec:
         if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or alpha <= 0:
             raise ConfigError(f"actor_rollout_ref.model.lora_alpha must be a number > 0, got {alpha!r}")
         targets = _plain(cfg.get("target_modules", "all-linear"))
-        if not (isinstance(targets, str) or (isinstance(targets, list) and targets
-                                             and all(isinstance(t, str) for t in targets))):
-            raise ConfigError("actor_rollout_ref.model.target_modules must be 'all-linear' or a list of module "
-                              f"names (e.g. [q_proj, v_proj]), got {targets!r}")
+        if not (
+            isinstance(targets, str)
+            or (isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets))
+        ):
+            raise ConfigError(
+                "actor_rollout_ref.model.target_modules must be 'all-linear' or a list of module "
+                f"names (e.g. [q_proj, v_proj]), got {targets!r}"
+            )
         path = cfg.get("lora_adapter_path")
-        return cls(rank=rank, alpha=alpha, target_modules=targets,
-                   exclude_modules=_plain(cfg.get("exclude_modules")), adapter_path=str(path) if path else None)
+        return cls(
+            rank=rank,
+            alpha=alpha,
+            target_modules=targets,
+            exclude_modules=_plain(cfg.get("exclude_modules")),
+            adapter_path=str(path) if path else None,
+        )
 
     @property
     def enabled(self) -> bool:
@@ -76,9 +85,15 @@ class LoraSpec:
     def peft_config(self) -> Any:
         from peft import LoraConfig, TaskType
 
-        return LoraConfig(task_type=TaskType.CAUSAL_LM, r=self.rank, lora_alpha=self.alpha,
-                          target_modules=self.target_modules, exclude_modules=self.exclude_modules,
-                          bias="none", lora_dropout=0.0)
+        return LoraConfig(
+            task_type=TaskType.CAUSAL_LM,
+            r=self.rank,
+            lora_alpha=self.alpha,
+            target_modules=self.target_modules,
+            exclude_modules=self.exclude_modules,
+            bias="none",
+            lora_dropout=0.0,
+        )
 
 
 def _plain(value: Any) -> Any:
@@ -103,8 +118,10 @@ def add_lora(model: torch.nn.Module, spec: LoraSpec) -> dict[str, int]:
         inject_adapter_in_model(spec.peft_config(), model, adapter_name=_ADAPTER)
     except ValueError as exc:
         names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
-        raise ConfigError(f"actor_rollout_ref.model.target_modules={spec.target_modules!r} selects no layer of "
-                          f"this model ({exc}); its linear layers are named {names}, or use 'all-linear'") from None
+        raise ConfigError(
+            f"actor_rollout_ref.model.target_modules={spec.target_modules!r} selects no layer of "
+            f"this model ({exc}); its linear layers are named {names}, or use 'all-linear'"
+        ) from None
     model._agl_lora = True
     if spec.adapter_path is not None:
         load_adapter(model, spec.adapter_path)
@@ -118,11 +135,18 @@ def _spec_of_adapter(spec: LoraSpec) -> LoraSpec:
 
     config_file = Path(spec.adapter_path).expanduser() / "adapter_config.json"
     if not config_file.exists():
-        raise ConfigError(f"actor_rollout_ref.model.lora_adapter_path={spec.adapter_path!r} has no "
-                          "adapter_config.json: pass a directory written by PEFT's save_pretrained or LocalEngine.save")
+        raise ConfigError(
+            f"actor_rollout_ref.model.lora_adapter_path={spec.adapter_path!r} has no "
+            "adapter_config.json: pass a directory written by PEFT's save_pretrained or LocalEngine.save"
+        )
     saved = json.loads(config_file.read_text())
-    return LoraSpec(rank=int(saved["r"]), alpha=saved["lora_alpha"], target_modules=saved["target_modules"],
-                    exclude_modules=saved.get("exclude_modules"), adapter_path=spec.adapter_path)
+    return LoraSpec(
+        rank=int(saved["r"]),
+        alpha=saved["lora_alpha"],
+        target_modules=saved["target_modules"],
+        exclude_modules=saved.get("exclude_modules"),
+        adapter_path=spec.adapter_path,
+    )
 
 
 def is_lora(model: torch.nn.Module) -> bool:
@@ -204,8 +228,12 @@ def spec_of_peft_config(peft_config: Mapping[str, Any]) -> LoraSpec:
     targets = sorted(targets) if isinstance(targets, (set, frozenset, tuple)) else targets
     exclude = peft_config.get("exclude_modules")
     exclude = sorted(exclude) if isinstance(exclude, (set, frozenset, tuple)) else exclude
-    return LoraSpec(rank=int(peft_config["r"]), alpha=peft_config.get("lora_alpha", 16), target_modules=targets,
-                    exclude_modules=exclude)
+    return LoraSpec(
+        rank=int(peft_config["r"]),
+        alpha=peft_config.get("lora_alpha", 16),
+        target_modules=targets,
+        exclude_modules=exclude,
+    )
 
 
 def load_adapter(model: torch.nn.Module, path: str | Path) -> None:
@@ -216,15 +244,20 @@ def load_adapter(model: torch.nn.Module, path: str | Path) -> None:
     files = list(src.glob("adapter_model.safetensors")) or list(src.glob("adapter_model.bin"))
     if not files:
         raise FileNotFoundError(f"{src} has no adapter_model.safetensors (a PEFT adapter directory)")
-    saved = (load_file(str(files[0])) if files[0].suffix == ".safetensors"
-             else torch.load(files[0], map_location="cpu", weights_only=True))
+    saved = (
+        load_file(str(files[0]))
+        if files[0].suffix == ".safetensors"
+        else torch.load(files[0], map_location="cpu", weights_only=True)
+    )
     params = dict(model.named_parameters())
     with torch.no_grad():
         for key, tensor in saved.items():
             name = injected_name(key)
             if name not in params or params[name].shape != tensor.shape:
-                raise ValueError(f"{src}: adapter tensor {key} {tuple(tensor.shape)} has no matching layer in this "
-                                 "model (another base model, or another rank/targets)")
+                raise ValueError(
+                    f"{src}: adapter tensor {key} {tuple(tensor.shape)} has no matching layer in this "
+                    "model (another base model, or another rank/targets)"
+                )
             params[name].copy_(tensor)
 
 

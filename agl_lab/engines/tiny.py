@@ -76,7 +76,7 @@ CHAT_TEMPLATE = (
     "{%- endif %}"
     "{{- '# Tools\\n<tools>' }}"
     "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
-    "{{- '\\n</tools>\\nCall a tool with <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>'"
+    '{{- \'\\n</tools>\\nCall a tool with <tool_call>{"name": ..., "arguments": ...}</tool_call>\''
     " + '<|im_end|>\\n' }}"
     "{%- endif %}"
     "{%- for message in messages %}"
@@ -87,9 +87,7 @@ CHAT_TEMPLATE = (
     "{%- for part in message['content'] %}"
     "{%- if part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
     "{%- endfor %}"
-    "{%- endif %}"
-    + TOOL_CALLS_JINJA +
-    "{{- '<|im_end|>\\n' }}"
+    "{%- endif %}" + TOOL_CALLS_JINJA + "{{- '<|im_end|>\\n' }}"
     "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"

@@ -43,8 +43,11 @@ DEFAULT_BATCH_SIZE = 32
 
 
 def _render(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
-    return list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False,
-                                              add_generation_prompt=generation_prompt))
+    return list(
+        tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=False, add_generation_prompt=generation_prompt
+        )
+    )
 
 
 def transcript_to_ids(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
@@ -63,8 +66,10 @@ def transcript_to_ids(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[l
         start = len(_render(tokenizer, messages[:i], True))
         end_ids = _render(tokenizer, messages[: i + 1], False)
         if ids[: len(end_ids)] != end_ids or ids[:start] != _render(tokenizer, messages[:i], True):
-            raise ValueError("warm start needs an append-only chat template; this tokenizer's "
-                             "template re-renders earlier turns (use a ChatML template)")
+            raise ValueError(
+                "warm start needs an append-only chat template; this tokenizer's "
+                "template re-renders earlier turns (use a ChatML template)"
+            )
         # Critical: learn up to and including EOS (the model must learn to stop), not the
         # template's newline after it, which the server never samples.
         reply = end_ids[start:]
@@ -108,9 +113,19 @@ def _tokenizer_digest(tokenizer: Any) -> str:
 
 def warm_start_key(model: Any, tokenizer: Any, task_name: str, steps: int, seed: int, **fit: Any) -> str:
     """Hash of every input that determines the warm-started weights (names the cache file)."""
-    blob = json.dumps({"v": WARMSTART_VERSION, "task": task_name, "steps": steps, "seed": seed,
-                       "fit": fit, "weights": _weights_digest(model), "tok": _tokenizer_digest(tokenizer),
-                       "torch": torch.__version__.split("+")[0]}, sort_keys=True)
+    blob = json.dumps(
+        {
+            "v": WARMSTART_VERSION,
+            "task": task_name,
+            "steps": steps,
+            "seed": seed,
+            "fit": fit,
+            "weights": _weights_digest(model),
+            "tok": _tokenizer_digest(tokenizer),
+            "torch": torch.__version__.split("+")[0],
+        },
+        sort_keys=True,
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -127,9 +142,16 @@ def _cache_dir(cache_dir: str | os.PathLike | None) -> Path:
 # ---------------------------------------------------------------------------------------------
 
 
-def fit_transcripts(model: Any, tokenizer: Any, transcripts: list[list[dict[str, str]]], steps: int,
-                    seed: int, lr: float = DEFAULT_LR, batch_size: int = DEFAULT_BATCH_SIZE,
-                    progress: str | None = None) -> list[float]:
+def fit_transcripts(
+    model: Any,
+    tokenizer: Any,
+    transcripts: list[list[dict[str, str]]],
+    steps: int,
+    seed: int,
+    lr: float = DEFAULT_LR,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    progress: str | None = None,
+) -> list[float]:
     """`steps` AdamW steps of masked cross-entropy over `transcripts` *in order*; returns the losses.
 
     Step k fits transcripts[k·B : (k+1)·B] (wrapping around), so the caller's order is a
@@ -177,21 +199,41 @@ def _fit_inputs(task: Any, steps: int, seed: int, batch_size: int) -> list[list[
     if steps < 0:
         raise ValueError(f"steps={steps} must be >= 0 (0 = no warm start)")
     if task.demonstrations is None:
-        raise ValueError(f"task {task.name!r} has no demonstrations to warm-start on; give "
-                         "Task(demonstrations=[transcript, ...]) or set agl_lab.model.warm_start_steps=0")
+        raise ValueError(
+            f"task {task.name!r} has no demonstrations to warm-start on; give "
+            "Task(demonstrations=[transcript, ...]) or set agl_lab.model.warm_start_steps=0"
+        )
     return task.demonstrations(steps * batch_size, seed)
 
 
-def _key(model: Any, tokenizer: Any, task: Any, transcripts: list, steps: int, seed: int, lr: float,
-         batch_size: int) -> str:
+def _key(
+    model: Any, tokenizer: Any, task: Any, transcripts: list, steps: int, seed: int, lr: float, batch_size: int
+) -> str:
     # the demonstrations themselves are part of the key: editing a task's transcripts refits
-    return warm_start_key(model, tokenizer, task.name, steps, seed, lr=lr, batch_size=batch_size,
-                          demonstrations=_transcripts_digest(transcripts))
+    return warm_start_key(
+        model,
+        tokenizer,
+        task.name,
+        steps,
+        seed,
+        lr=lr,
+        batch_size=batch_size,
+        demonstrations=_transcripts_digest(transcripts),
+    )
 
 
-def warm_start(model: Any, tokenizer: Any, task: Any, steps: int, seed: int = 0,
-               cache_dir: str | os.PathLike | None = None, *, lr: float = DEFAULT_LR,
-               batch_size: int = DEFAULT_BATCH_SIZE, progress: bool = False) -> Any:
+def warm_start(
+    model: Any,
+    tokenizer: Any,
+    task: Any,
+    steps: int,
+    seed: int = 0,
+    cache_dir: str | os.PathLike | None = None,
+    *,
+    lr: float = DEFAULT_LR,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    progress: bool = False,
+) -> Any:
     """Fit `model` in place on `steps × batch_size` demonstrations of `task`; returns `model`.
 
     `task`: an `agl_lab.tasks.Task` (anything with `name` and `demonstrations(n, seed)`;
@@ -208,18 +250,34 @@ def warm_start(model: Any, tokenizer: Any, task: Any, steps: int, seed: int = 0,
     if not path.exists():
         with cache_lock(path):  # parallel runs (agl_lab.sweep) compute one warm start, the others load it
             if not path.exists():
-                return _fit_and_cache(model, tokenizer, task, transcripts, steps, seed, lr, batch_size, path,
-                                      progress)
+                return _fit_and_cache(model, tokenizer, task, transcripts, steps, seed, lr, batch_size, path, progress)
     model.load_state_dict(torch.load(path, map_location=next(model.parameters()).device))
     return model.eval()
 
 
-def _fit_and_cache(model: Any, tokenizer: Any, task: Any, transcripts: list, steps: int, seed: int, lr: float,
-                   batch_size: int, path: Path, progress: bool) -> Any:
+def _fit_and_cache(
+    model: Any,
+    tokenizer: Any,
+    task: Any,
+    transcripts: list,
+    steps: int,
+    seed: int,
+    lr: float,
+    batch_size: int,
+    path: Path,
+    progress: bool,
+) -> Any:
     shown = str(path).replace(str(Path.home()), "~")
-    fit_transcripts(model, tokenizer, transcripts, steps, seed, lr, batch_size,
-                    progress=f"warm start on {task.name!r} demonstrations (first run; cached as {shown})"
-                    if progress else None)
+    fit_transcripts(
+        model,
+        tokenizer,
+        transcripts,
+        steps,
+        seed,
+        lr,
+        batch_size,
+        progress=f"warm start on {task.name!r} demonstrations (first run; cached as {shown})" if progress else None,
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
     os.close(fd)
@@ -249,8 +307,7 @@ def cache_lock(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def warm_started_model_dir(task: Any, steps: int, seed: int = 0,
-                           cache_dir: str | os.PathLike | None = None) -> Path:
+def warm_started_model_dir(task: Any, steps: int, seed: int = 0, cache_dir: str | os.PathLike | None = None) -> Path:
     """The tiny model for `seed`, warm-started on `task` (a Task), saved as a Hugging Face directory.
 
     For engines that load weights from disk (the verl engine's workers and replica): the same

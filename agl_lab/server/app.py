@@ -147,8 +147,9 @@ class ClaimRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     limit: int = Field(1, ge=1, description="most rollouts to claim (the server hands at most max_batch_items)")
     runner_id: str = Field("", max_length=200, description="names the caller in the server log")
-    wait_seconds: float = Field(0.0, ge=0, le=MAX_CLAIM_WAIT_SECONDS,
-                                description="with none queued, wait this long for one (long poll)")
+    wait_seconds: float = Field(
+        0.0, ge=0, le=MAX_CLAIM_WAIT_SECONDS, description="with none queued, wait this long for one (long poll)"
+    )
 
 
 class QueueSignal:
@@ -198,8 +199,13 @@ async def _expire_leases_forever(store: Store, lease_seconds: float, max_attempt
             for outcome in ("requeued", "failed"):
                 ids = [rid for rid, what in expired.items() if what == outcome]
                 if ids:
-                    logger.warning("Lease expired: %s %d running rollout(s) (max_attempts=%d): %s",
-                                   outcome, len(ids), max_attempts, ids[:10])
+                    logger.warning(
+                        "Lease expired: %s %d running rollout(s) (max_attempts=%d): %s",
+                        outcome,
+                        len(ids),
+                        max_attempts,
+                        ids[:10],
+                    )
         except Exception:  # never let the sweeper die silently
             logger.exception("Lease sweep failed")
         await asyncio.sleep(min(5.0, lease_seconds / 4))
@@ -231,10 +237,14 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        gateway.client = open_upstream_client(cfg.upstream_client, cfg.upstream_timeout_seconds,
-                                              cfg.max_upstream_answer_bytes)
-        sweeper = (asyncio.ensure_future(_expire_leases_forever(store, cfg.lease_seconds, cfg.max_attempts, queued))
-                   if cfg.lease_seconds else None)
+        gateway.client = open_upstream_client(
+            cfg.upstream_client, cfg.upstream_timeout_seconds, cfg.max_upstream_answer_bytes
+        )
+        sweeper = (
+            asyncio.ensure_future(_expire_leases_forever(store, cfg.lease_seconds, cfg.max_attempts, queued))
+            if cfg.lease_seconds
+            else None
+        )
         try:
             yield
         finally:
@@ -248,8 +258,13 @@ def create_app(
     _install_error_handlers(app)
     app.add_middleware(JsonServerErrors)
     open_paths = (HEALTH_PATH,) if cfg.docs_auth else (HEALTH_PATH, *DOCS_PATHS)
-    guard = {"key": cfg.key, "max_body_bytes": cfg.max_body_bytes, "open_paths": open_paths,
-             "token_check": rollout_token_checker(cfg.key, store), "allowed_hosts": tuple(cfg.allowed_hosts)}
+    guard = {
+        "key": cfg.key,
+        "max_body_bytes": cfg.max_body_bytes,
+        "open_paths": open_paths,
+        "token_check": rollout_token_checker(cfg.key, store),
+        "allowed_hosts": tuple(cfg.allowed_hosts),
+    }
     app.add_middleware(RequestGuard, **guard)  # auth lives here, before the body is read
     # the hot path as a plain Starlette route (no dependency solving), which AglApp's fast path
     # answers before the middleware stack with the same checks (agl_lab.server.asgi)
@@ -285,12 +300,14 @@ def rollout_token_checker(key: str, store: Store) -> Callable[[str, str, str], b
     def check(token: str, method: str, path: str) -> bool:
         if method != "POST" or not token.startswith(ROLLOUT_TOKEN_PREFIX):
             return False
-        rollout_id = token[len(ROLLOUT_TOKEN_PREFIX):].rpartition(".")[0]
+        rollout_id = token[len(ROLLOUT_TOKEN_PREFIX) :].rpartition(".")[0]
         parts = path.split("/")  # "", "proxy"|"api", "rollout"|"rollouts", id, "attempt", aid, ...
         if not rollout_id or len(parts) < 7 or parts[3] != rollout_id or parts[4] != "attempt":
             return False
         proxy = parts[1] == "proxy" and parts[2] == "rollout"
-        if not proxy and not (parts[1] == "api" and parts[2] == "rollouts" and len(parts) == 7 and parts[6] == "events"):
+        if not proxy and not (
+            parts[1] == "api" and parts[2] == "rollouts" and len(parts) == 7 and parts[6] == "events"
+        ):
             return False
         rollout = store.get_rollout(rollout_id)
         if rollout is None:
@@ -329,8 +346,10 @@ def _install_error_handlers(app: FastAPI) -> None:
         # the SQLite store rolled the write back (store._transaction): what reads back is the file
         full = "full" in str(exc)
         hint = "free disk space on the store's filesystem and retry" if full else "retry"
-        return JSONResponse({"detail": f"store refused the write ({exc}) — nothing was stored; {hint}"},
-                            status_code=507 if full else 503)
+        return JSONResponse(
+            {"detail": f"store refused the write ({exc}) — nothing was stored; {hint}"},
+            status_code=507 if full else 503,
+        )
 
     @app.exception_handler(StoreUnavailable)
     async def store_unavailable(_: Request, exc: StoreUnavailable) -> JSONResponse:
@@ -362,8 +381,9 @@ def _parse_json(adapter: TypeAdapter[Any], raw: bytes) -> Any:
     try:
         value = json.loads(raw)
     except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
-        raise RequestValidationError([{"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error",
-                                       "input": {}}]) from None
+        raise RequestValidationError(
+            [{"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error", "input": {}}]
+        ) from None
     try:
         return adapter.validate_python(value)
     except ValidationError as exc:
@@ -372,8 +392,11 @@ def _parse_json(adapter: TypeAdapter[Any], raw: bytes) -> Any:
 
 def _check_batch(items: Sequence[Any], limit: int) -> None:
     if len(items) > limit:
-        raise HTTPException(413, f"{len(items)} items in one request; at most {limit} (server setting "
-                                 "max_batch_items): send them in several requests")
+        raise HTTPException(
+            413,
+            f"{len(items)} items in one request; at most {limit} (server setting "
+            "max_batch_items): send them in several requests",
+        )
 
 
 # Store calls run in the thread pool (`run_in_threadpool`): a large create or listing must not
@@ -388,8 +411,11 @@ def _rollout_router(store: Store, max_batch_items: int, lease_seconds: float, qu
         """Renew the leases of running rollouts (agl_lab; AGL has no leases)."""
         _check_batch(body.rollout_ids, max_batch_items)
         if body.attempt_ids is not None and len(body.attempt_ids) != len(body.rollout_ids):
-            raise HTTPException(422, f"attempt_ids has {len(body.attempt_ids)} items for {len(body.rollout_ids)} "
-                                     "rollout_ids: send one attempt id per rollout id, or none")
+            raise HTTPException(
+                422,
+                f"attempt_ids has {len(body.attempt_ids)} items for {len(body.rollout_ids)} "
+                "rollout_ids: send one attempt id per rollout id, or none",
+            )
         not_running = await run_in_threadpool(store.heartbeat, body.rollout_ids, body.attempt_ids)
         return HeartbeatAnswer(not_running=not_running, lease_seconds=lease_seconds)
 
@@ -421,9 +447,22 @@ def _rollout_router(store: Store, max_batch_items: int, lease_seconds: float, qu
             queued.notify()
         return ReleaseAnswer(released=released)
 
-    @router.post("/rollouts", status_code=201, response_model=list[Rollout], responses=_errors(400, 422),
-                 openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
-                     "schema": {"type": "array", "items": {"$ref": "#/components/schemas/RolloutCreate"}}}}}})
+    @router.post(
+        "/rollouts",
+        status_code=201,
+        response_model=list[Rollout],
+        responses=_errors(400, 422),
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {
+                        "schema": {"type": "array", "items": {"$ref": "#/components/schemas/RolloutCreate"}}
+                    }
+                },
+            }
+        },
+    )
     async def create_rollouts(request: Request) -> Response:
         """Parsing, storing and encoding all run in the thread pool: a batch of 10,000 is
         ~0.1-1 s of CPU that must not stall /healthz and the gateway."""
@@ -468,11 +507,13 @@ def _rollout_router(store: Store, max_batch_items: int, lease_seconds: float, qu
 
     @router.patch("/rollouts/{rollout_id}", response_model=Rollout, responses=_errors(400, 404, 409, 422))
     async def patch_rollout(
-        rollout_id: str, body: RolloutPatch,
+        rollout_id: str,
+        body: RolloutPatch,
         attempt_id: str | None = Query(None, description="agl_lab: apply only while this attempt runs (409 else)"),
     ) -> Rollout:
-        return await run_in_threadpool(lambda: store.patch_status(rollout_id, body.status or RolloutStatusPatch(),
-                                                                  attempt_id=attempt_id))
+        return await run_in_threadpool(
+            lambda: store.patch_status(rollout_id, body.status or RolloutStatusPatch(), attempt_id=attempt_id)
+        )
 
     @router.delete("/rollouts/{rollout_id}", status_code=204)
     async def delete_rollout(rollout_id: str) -> Response:
@@ -485,8 +526,9 @@ def _rollout_router(store: Store, max_batch_items: int, lease_seconds: float, qu
 def _event_router(store: Store) -> APIRouter:
     router = APIRouter(tags=["events"], responses=_errors(*COMMON_ERRORS))
 
-    @router.post("/rollouts/{rollout_id}/attempt/{attempt_id}/events", response_model=Event,
-                 responses=_errors(400, 404, 422))
+    @router.post(
+        "/rollouts/{rollout_id}/attempt/{attempt_id}/events", response_model=Event, responses=_errors(400, 404, 422)
+    )
     async def post_event(rollout_id: str, attempt_id: str, body: EventCreate) -> Event:
         # strict (NaN, int64) on the API; the gateway's bodies are orjson's; NUL may stand in event data
         check_storable(body.data, "data", nul_ok=True)

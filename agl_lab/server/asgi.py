@@ -106,8 +106,9 @@ class ProxyFastPath:
     regex decides what is proxied), `exception_handlers` the app's (FastAPI's defaults + ours).
     """
 
-    def __init__(self, gateway: Gateway, guard: RequestGuard, route: Route,
-                 exception_handlers: Mapping[Any, Callable[..., Any]]):
+    def __init__(
+        self, gateway: Gateway, guard: RequestGuard, route: Route, exception_handlers: Mapping[Any, Callable[..., Any]]
+    ):
         self.gateway, self.guard = gateway, guard
         self._regex, self._convertors = route.path_regex, route.param_convertors
         self._handlers = exception_handlers
@@ -124,8 +125,14 @@ class ProxyFastPath:
         if admitted is None:
             return
         try:
-            response = await self.gateway.handle(lambda: _read_body(admitted), admitted, params["rollout_id"],
-                                                 params["attempt_id"], params["mode"], params["upstream_path"])
+            response = await self.gateway.handle(
+                lambda: _read_body(admitted),
+                admitted,
+                params["rollout_id"],
+                params["attempt_id"],
+                params["mode"],
+                params["upstream_path"],
+            )
         except Exception as exc:
             response = await self._handled(scope, admitted, exc)
         await send({"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers})
@@ -137,8 +144,10 @@ class ProxyFastPath:
         if isinstance(exc, HTTPException) and exc.status_code != 500:
             handler = self._handlers.get(exc.status_code)
         if handler is None:
-            handler = next((self._handlers[cls] for cls in type(exc).__mro__
-                            if cls in self._handlers and cls is not Exception), None)
+            handler = next(
+                (self._handlers[cls] for cls in type(exc).__mro__ if cls in self._handlers and cls is not Exception),
+                None,
+            )
         if handler is None:
             return internal_error(scope, exc)
         try:
@@ -167,8 +176,13 @@ class AglApp(FastAPI):
 
     async def __call__(self, scope: Any, receive: ASGIReceive, send: ASGISend) -> None:
         fast = self.proxy_fast_path
-        if (fast is not None and scope["type"] == "http" and scope["method"] == "POST"
-                and not scope.get("root_path") and not self.root_path):
+        if (
+            fast is not None
+            and scope["type"] == "http"
+            and scope["method"] == "POST"
+            and not scope.get("root_path")
+            and not self.root_path
+        ):
             params = fast.match(scope["path"])
             if params is not None:
                 scope["app"] = self
@@ -226,24 +240,36 @@ class ReadLimits:
 def _close_with(transport: Any, status: int, reason: bytes, detail: str) -> None:
     """Write a JSON error answer with `connection: close` and close the connection."""
     body = json.dumps({"detail": detail}).encode()
-    transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-                    b"connection: close\r\n\r\n%s" % (status, reason, len(body), body))
+    transport.write(
+        b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+        b"connection: close\r\n\r\n%s" % (status, reason, len(body), body)
+    )
     transport.close()
 
 
 # what the classes below rely on in uvicorn's httptools protocol (checked at import: see _fits)
 _CYCLE_FIELDS = ("scope", "transport", "flow", "message_event", "keep_alive", "on_response")
-_PROTOCOL_HOOKS = ("on_headers_complete", "on_response_complete", "_start_asgi_task", "on_body",
-                   "on_message_complete", "data_received", "connection_made", "connection_lost")
+_PROTOCOL_HOOKS = (
+    "on_headers_complete",
+    "on_response_complete",
+    "_start_asgi_task",
+    "on_body",
+    "on_message_complete",
+    "data_received",
+    "connection_made",
+    "connection_lost",
+)
 
 
 def _fits(protocol: Any, cycle: Any) -> bool:
     """Whether this uvicorn's httptools protocol and cycle have the hooks and fields used below
     (they are uvicorn's internals, not its API: a release may change them)."""
     fields = inspect.signature(cycle.__init__).parameters
-    return (all(callable(getattr(protocol, hook, None)) for hook in _PROTOCOL_HOOKS)
-            and all(name in fields for name in _CYCLE_FIELDS)
-            and inspect.iscoroutinefunction(getattr(cycle, "send", None)))
+    return (
+        all(callable(getattr(protocol, hook, None)) for hook in _PROTOCOL_HOOKS)
+        and all(name in fields for name in _CYCLE_FIELDS)
+        and inspect.iscoroutinefunction(getattr(cycle, "send", None))
+    )
 
 
 try:
@@ -303,9 +329,13 @@ else:
                 if self._head_too_big(data):
                     self._disarm()
                     self._head_open = False
-                    _close_with(self.transport, 431, b"Request Header Fields Too Large",
-                                f"request head larger than {self.limits.max_header_bytes} bytes "
-                                "(server setting max_header_bytes)")
+                    _close_with(
+                        self.transport,
+                        431,
+                        b"Request Header Fields Too Large",
+                        f"request head larger than {self.limits.max_header_bytes} bytes "
+                        "(server setting max_header_bytes)",
+                    )
                     return
             super().data_received(data)
 
@@ -353,9 +383,13 @@ else:
             if self._answering():  # a pipelined head behind a request in progress: wait for it
                 self._arm(self.limits.header_timeout_seconds, self._head_timed_out)
                 return
-            _close_with(self.transport, 408, b"Request Timeout",
-                        f"request head not complete within {self.limits.header_timeout_seconds:g} s "
-                        "(server setting header_timeout_seconds)")
+            _close_with(
+                self.transport,
+                408,
+                b"Request Timeout",
+                f"request head not complete within {self.limits.header_timeout_seconds:g} s "
+                "(server setting header_timeout_seconds)",
+            )
 
         def _body_timed_out(self) -> None:
             self._read_timer = None
@@ -369,14 +403,22 @@ else:
                 self.transport.close()
                 return
             cycle.response_started = cycle.response_complete = True  # the app's answer, if any, is dropped
-            _close_with(self.transport, 408, b"Request Timeout",
-                        f"no request body data for {self.limits.body_timeout_seconds:g} s "
-                        "(server setting body_timeout_seconds)")
+            _close_with(
+                self.transport,
+                408,
+                b"Request Timeout",
+                f"no request body data for {self.limits.body_timeout_seconds:g} s "
+                "(server setting body_timeout_seconds)",
+            )
 
         def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
             scope = cycle.scope
-            if (scope["method"] == "GET" and scope["path"] == HEALTH_PATH and not scope["query_string"]
-                    and not self.root_path):
+            if (
+                scope["method"] == "GET"
+                and scope["path"] == HEALTH_PATH
+                and not scope["query_string"]
+                and not self.root_path
+            ):
                 self._answer_health(cycle)
                 return
             super()._start_asgi_task(cycle, app)
@@ -399,10 +441,14 @@ else:
     if _fits(HttpToolsProtocol, RequestResponseCycle):
         HTTP_PROTOCOL = OneWriteHttpToolsProtocol
     else:  # pragma: no cover - depends on the installed uvicorn
-        logger.warning("This uvicorn's httptools protocol lacks what agl_lab's one-write protocol hooks into "
-                       "(%s; cycle fields %s): serving with uvicorn's own httptools protocol, which is correct, "
-                       "somewhat slower per call, and does not apply max_header_bytes, header_timeout_seconds "
-                       "and body_timeout_seconds", ", ".join(_PROTOCOL_HOOKS), ", ".join(_CYCLE_FIELDS))
+        logger.warning(
+            "This uvicorn's httptools protocol lacks what agl_lab's one-write protocol hooks into "
+            "(%s; cycle fields %s): serving with uvicorn's own httptools protocol, which is correct, "
+            "somewhat slower per call, and does not apply max_header_bytes, header_timeout_seconds "
+            "and body_timeout_seconds",
+            ", ".join(_PROTOCOL_HOOKS),
+            ", ".join(_CYCLE_FIELDS),
+        )
         HTTP_PROTOCOL = "httptools"
 
 
@@ -416,5 +462,8 @@ def http_protocol(limits: ReadLimits) -> Any:
 
 def read_limits(config: Any) -> ReadLimits:
     """The ReadLimits of a ServerConfig."""
-    return ReadLimits(max_header_bytes=config.max_header_bytes, header_timeout_seconds=config.header_timeout_seconds,
-                      body_timeout_seconds=config.body_timeout_seconds)
+    return ReadLimits(
+        max_header_bytes=config.max_header_bytes,
+        header_timeout_seconds=config.header_timeout_seconds,
+        body_timeout_seconds=config.body_timeout_seconds,
+    )

@@ -23,7 +23,7 @@ def open_store(url: str | None = None, *, terminal_log_limit: int = DEFAULT_TERM
     if url is None or url in ("memory", "memory://", ""):
         return MemoryStore(terminal_log_limit)
     if url.startswith("sqlite:///"):
-        path = url[len("sqlite:///"):]
+        path = url[len("sqlite:///") :]
         if not path:
             raise ValueError(f"store url {url!r} names no file: use 'sqlite:///path/to/store.db'")
         return SqliteStore(path, terminal_log_limit)

@@ -84,9 +84,7 @@ def load_server_config(config: ServerConfig | Mapping[str, Any] | None) -> Serve
     try:
         return ServerConfig.model_validate(_plain(config))
     except ValidationError as err:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors()
-        )
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors())
         raise ValueError(
             f"invalid server config ({problems}); valid keys: {', '.join(ServerConfig.model_fields)}"
         ) from None

@@ -43,8 +43,17 @@ logger = logging.getLogger("agl_lab.server")
 class ThreadedUvicorn:
     """Serve an ASGI app with uvicorn in a daemon thread on an already-bound socket."""
 
-    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, *, log_level: str = "warning",
-                 health_path: str | None = None, start_timeout: float = 20.0, http: Any = HTTP_PROTOCOL):
+    def __init__(
+        self,
+        app: Any,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        log_level: str = "warning",
+        health_path: str | None = None,
+        start_timeout: float = 20.0,
+        http: Any = HTTP_PROTOCOL,
+    ):
         self.app, self.host = app, host
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY only on sockets that declare it,
@@ -54,8 +63,15 @@ class ThreadedUvicorn:
         self._sock.bind((host, port))
         self.port: int = self._sock.getsockname()[1]
         # log_config=None: leave the host program's (notebook's) logging configuration alone
-        config = uvicorn.Config(app, log_level=log_level, log_config=None, timeout_keep_alive=120,
-                                lifespan="on", access_log=False, http=http)
+        config = uvicorn.Config(
+            app,
+            log_level=log_level,
+            log_config=None,
+            timeout_keep_alive=120,
+            lifespan="on",
+            access_log=False,
+            http=http,
+        )
         self._server = uvicorn.Server(config)
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"uvicorn:{self.port}", daemon=True)
@@ -116,9 +132,16 @@ class EmbeddedServer:
     here is closed by `stop()`; a passed-in Store object is not.
     """
 
-    def __init__(self, config: ServerConfig | Mapping[str, Any] | None = None, *,
-                 store: Store | str | None = None, rewriters: tuple[Any, ...] | list[Any] = (),
-                 log_level: str = "warning", advertise_host: str | None = None, **overrides: Any):
+    def __init__(
+        self,
+        config: ServerConfig | Mapping[str, Any] | None = None,
+        *,
+        store: Store | str | None = None,
+        rewriters: tuple[Any, ...] | list[Any] = (),
+        log_level: str = "warning",
+        advertise_host: str | None = None,
+        **overrides: Any,
+    ):
         if isinstance(store, str):
             overrides["store"], store = store, None
         base = load_server_config(config if config is not None else {})
@@ -126,13 +149,21 @@ class EmbeddedServer:
         merged = _deep_merge(base.model_dump(exclude_unset=True), overrides)
         self.config: ServerConfig = load_server_config(merged)
         self._owns_store = store is None
-        self.store: Store = store if store is not None else open_store(
-            self.config.store, terminal_log_limit=self.config.terminal_log_limit)
+        self.store: Store = (
+            store
+            if store is not None
+            else open_store(self.config.store, terminal_log_limit=self.config.terminal_log_limit)
+        )
         self.app = create_app(self.config, store=self.store, rewriters=rewriters)
         try:
-            self._uvicorn = ThreadedUvicorn(self.app, self.config.host, self.config.port if port_given else 0,
-                                            log_level=log_level, health_path="/healthz",
-                                            http=http_protocol(read_limits(self.config)))
+            self._uvicorn = ThreadedUvicorn(
+                self.app,
+                self.config.host,
+                self.config.port if port_given else 0,
+                log_level=log_level,
+                health_path="/healthz",
+                http=http_protocol(read_limits(self.config)),
+            )
         except BaseException:
             if self._owns_store:
                 self.store.close()
@@ -184,8 +215,10 @@ def set_tokenizer(gateway: Any, model_name: str, tokenizer: Any) -> None:
     """Register `tokenizer` with every gateway rewriter that takes one (the token-preserving mode)."""
     takers = [r for r in gateway.rewriters if callable(getattr(r, "set_tokenizer", None))]
     if not takers:
-        raise ValueError("set_tokenizer: no rewriter of this server takes a tokenizer; start it with "
-                         "token_preserving=True (agl-lab serve --token-preserving)")
+        raise ValueError(
+            "set_tokenizer: no rewriter of this server takes a tokenizer; start it with "
+            "token_preserving=True (agl-lab serve --token-preserving)"
+        )
     for rewriter in takers:
         rewriter.set_tokenizer(model_name, tokenizer)
 
@@ -211,55 +244,98 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="agl-lab serve", description="Run the rollout store + LLM gateway.")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; 0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=8080)
-    p.add_argument("--key", default=None,
-                   help="API key; prefer AGL_KEY or --key-file (ps shows arguments). None: auth off, loopback only")
+    p.add_argument(
+        "--key",
+        default=None,
+        help="API key; prefer AGL_KEY or --key-file (ps shows arguments). None: auth off, loopback only",
+    )
     p.add_argument("--key-file", default=None, metavar="PATH", help="read the API key from this file")
     p.add_argument("--model-name", default=None, help="default_proxy.model_name: the model engines register")
-    p.add_argument("--store", default="memory",
-                   help="'memory', 'sqlite:///path/to/store.db' (this server only) or "
-                        "'postgresql://user:pass@host:5432/db' (shared by several servers)")
+    p.add_argument(
+        "--store",
+        default="memory",
+        help="'memory', 'sqlite:///path/to/store.db' (this server only) or "
+        "'postgresql://user:pass@host:5432/db' (shared by several servers)",
+    )
     p.add_argument("--train-temperature", type=float, default=None)
     p.add_argument("--val-temperature", type=float, default=None)
     p.add_argument("--no-log-probs", action="store_true", help="do not ask upstream for logprobs in train mode")
     p.add_argument("--token-preserving", action="store_true")
-    p.add_argument("--tokenizer-path", default=None,
-                   help="tokenizer (with chat template) of --model-name, for --token-preserving")
-    p.add_argument("--upstream-client", default="auto",
-                   choices=typing.get_args(ServerConfig.model_fields["upstream_client"].annotation))
+    p.add_argument(
+        "--tokenizer-path", default=None, help="tokenizer (with chat template) of --model-name, for --token-preserving"
+    )
+    p.add_argument(
+        "--upstream-client",
+        default="auto",
+        choices=typing.get_args(ServerConfig.model_fields["upstream_client"].annotation),
+    )
     for flag, (key, kind, metavar, text) in LIMIT_FLAGS.items():
         p.add_argument(flag, dest=key, type=kind, default=None, metavar=metavar, help=f"{key}: {text}")
-    p.add_argument("--allowed-host", dest="allowed_hosts", action="append", default=None, metavar="NAME",
-                   help="allowed_hosts: without a key, also answer requests whose Host header is NAME "
-                        "(repeatable; '*' for any; default only localhost, 127.0.0.1, ::1)")
+    p.add_argument(
+        "--allowed-host",
+        dest="allowed_hosts",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="allowed_hosts: without a key, also answer requests whose Host header is NAME "
+        "(repeatable; '*' for any; default only localhost, 127.0.0.1, ::1)",
+    )
     p.add_argument("--log-level", default="info")
     return p
 
 
 # `agl-lab serve` flags of the ServerConfig keys set only when given: flag -> (key, type, metavar, help)
 LIMIT_FLAGS: dict[str, tuple[str, type, str, str]] = {
-    "--terminal-log-limit": ("terminal_log_limit", int, "N", "terminal rollouts kept for the managers' polls "
-                                                             "(default 100000)"),
+    "--terminal-log-limit": (
+        "terminal_log_limit",
+        int,
+        "N",
+        "terminal rollouts kept for the managers' polls (default 100000)",
+    ),
     "--upstream-timeout": ("upstream_timeout_seconds", float, "S", "bound on each upstream attempt (default 300)"),
-    "--upstream-max-attempts": ("upstream_max_attempts", int, "N",
-                                "tries per call on timeouts, 408/409/429/5xx (default 6)"),
-    "--upstream-call-deadline": ("upstream_call_deadline_seconds", float, "S",
-                                 "bound on a whole call, retries included (default 600)"),
+    "--upstream-max-attempts": (
+        "upstream_max_attempts",
+        int,
+        "N",
+        "tries per call on timeouts, 408/409/429/5xx (default 6)",
+    ),
+    "--upstream-call-deadline": (
+        "upstream_call_deadline_seconds",
+        float,
+        "S",
+        "bound on a whole call, retries included (default 600)",
+    ),
     "--upstream-backoff-base": ("upstream_backoff_base_seconds", float, "S", "(default 0.5)"),
     "--upstream-backoff-max": ("upstream_backoff_max_seconds", float, "S", "(default 8)"),
-    "--upstream-breaker-seconds": ("upstream_breaker_seconds", float, "S", "fail fast this long after the model "
-                                                                          "server refused a connection (default 5; 0: retry)"),
-    "--lease-seconds": ("lease_seconds", float, "S", "re-queue a running rollout with no heartbeat, event or "
-                                                     "status change this long (default 60; 0: off)"),
-    "--max-attempts": ("max_attempts", int, "N", "attempts per rollout before an expired lease fails it "
-                                                 "(default 3)"),
+    "--upstream-breaker-seconds": (
+        "upstream_breaker_seconds",
+        float,
+        "S",
+        "fail fast this long after the model server refused a connection (default 5; 0: retry)",
+    ),
+    "--lease-seconds": (
+        "lease_seconds",
+        float,
+        "S",
+        "re-queue a running rollout with no heartbeat, event or status change this long (default 60; 0: off)",
+    ),
+    "--max-attempts": ("max_attempts", int, "N", "attempts per rollout before an expired lease fails it (default 3)"),
     "--max-body-bytes": ("max_body_bytes", int, "N", "larger request bodies answer 413 (default 32 MiB)"),
-    "--max-batch-items": ("max_batch_items", int, "N", "items per POST of rollouts or models, 413 beyond "
-                                                       "(default 10000)"),
+    "--max-batch-items": (
+        "max_batch_items",
+        int,
+        "N",
+        "items per POST of rollouts or models, 413 beyond (default 10000)",
+    ),
     "--max-header-bytes": ("max_header_bytes", int, "N", "a larger request head answers 431 (default 64 KiB)"),
     "--header-timeout": ("header_timeout_seconds", float, "S", "a request head must arrive within this (default 30)"),
     "--body-timeout": ("body_timeout_seconds", float, "S", "longest pause within a request body (default 60)"),
-    "--max-upstream-answer-bytes": ("max_upstream_answer_bytes", int, "N", "a larger model answer is refused "
-                                                                          "with 502 (default 32 MiB)"),
+    "--max-upstream-answer-bytes": (
+        "max_upstream_answer_bytes",
+        int,
+        "N",
+        "a larger model answer is refused with 502 (default 32 MiB)",
+    ),
 }
 
 
@@ -273,8 +349,10 @@ def serve_config(args: argparse.Namespace, environ: Mapping[str, str] | None = N
 
     key = server_key(args.key, args.key_file, os.environ if environ is None else environ, "agl-lab serve")
     if not key and not is_loopback(args.host):
-        raise SystemExit(f"agl-lab serve: refusing to bind {args.host} without a key: set AGL_KEY (or --key-file "
-                         "PATH) so clients must authenticate, or bind 127.0.0.1")
+        raise SystemExit(
+            f"agl-lab serve: refusing to bind {args.host} without a key: set AGL_KEY (or --key-file "
+            "PATH) so clients must authenticate, or bind 127.0.0.1"
+        )
     proxy: dict[str, Any] = {"include_log_probs": not args.no_log_probs}
     if args.model_name is not None:
         proxy["model_name"] = args.model_name
@@ -282,9 +360,15 @@ def serve_config(args: argparse.Namespace, environ: Mapping[str, str] | None = N
         proxy["train"] = {"temperature": args.train_temperature}
     if args.val_temperature is not None:
         proxy["val"] = {"temperature": args.val_temperature}
-    raw: dict[str, Any] = {"host": args.host, "port": args.port, "key": key, "store": args.store,
-                           "default_proxy": proxy, "token_preserving": args.token_preserving,
-                           "upstream_client": args.upstream_client}
+    raw: dict[str, Any] = {
+        "host": args.host,
+        "port": args.port,
+        "key": key,
+        "store": args.store,
+        "default_proxy": proxy,
+        "token_preserving": args.token_preserving,
+        "upstream_client": args.upstream_client,
+    }
     raw.update({key: getattr(args, key) for key, *_ in LIMIT_FLAGS.values() if getattr(args, key) is not None})
     if getattr(args, "allowed_hosts", None):
         raw["allowed_hosts"] = [*ServerConfig().allowed_hosts, *args.allowed_hosts]
@@ -309,12 +393,23 @@ def serve_main(argv: list[str]) -> int:
         if args.tokenizer_path:
             from transformers import AutoTokenizer
 
-            set_tokenizer(app.state.gateway, config.default_proxy.model_name,
-                          AutoTokenizer.from_pretrained(args.tokenizer_path, local_files_only=True))
+            set_tokenizer(
+                app.state.gateway,
+                config.default_proxy.model_name,
+                AutoTokenizer.from_pretrained(args.tokenizer_path, local_files_only=True),
+            )
         # uvicorn formats each access-log line before its logger filters it: only when shown
         access_log = args.log_level.lower() in ("trace", "debug", "info")
-        uvicorn.run(app, host=config.host, port=config.port, workers=1, timeout_keep_alive=120,
-                    log_level=args.log_level, http=http_protocol(read_limits(config)), access_log=access_log)
+        uvicorn.run(
+            app,
+            host=config.host,
+            port=config.port,
+            workers=1,
+            timeout_keep_alive=120,
+            log_level=args.log_level,
+            http=http_protocol(read_limits(config)),
+            access_log=access_log,
+        )
     finally:
         store.close()
     return 0

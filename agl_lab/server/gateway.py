@@ -134,8 +134,11 @@ OVERRIDE_REPORTED = ("temperature",)
 def overridden_params(body: dict[str, Any], request: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """`{name: {"agent": asked, "served": forced}}` for each reported parameter the agent set to
     another value than the one the gateway serves with (recorded on the call, said once)."""
-    return {k: {"agent": body[k], "served": request[k]} for k in OVERRIDE_REPORTED
-            if k in body and body[k] is not None and body[k] != request.get(k)}
+    return {
+        k: {"agent": body[k], "served": request[k]}
+        for k in OVERRIDE_REPORTED
+        if k in body and body[k] is not None and body[k] != request.get(k)
+    }
 
 
 def backoff_seconds(attempt: int, base: float, cap: float, rng: random.Random) -> float:
@@ -210,8 +213,9 @@ class PauseGate:
             return self._state()
 
     def _state(self) -> PauseState:
-        return PauseState(paused=self.paused, retry_after_seconds=self.retry_after_seconds,
-                          reason=self.reason, inflight=self.inflight)
+        return PauseState(
+            paused=self.paused, retry_after_seconds=self.retry_after_seconds, reason=self.reason, inflight=self.inflight
+        )
 
     def pause(self, retry_after_seconds: int = 5, reason: str | None = None) -> PauseState:
         with self._lock:
@@ -277,8 +281,15 @@ class Gateway:
         self._down_until: dict[str, float] = {}  # endpoint -> loop time its breaker closes again
         self._said_override = False  # the agent-temperature override is logged once per gateway
 
-    async def handle(self, read_body: Callable[[], Awaitable[bytes]], receive: Callable[[], Awaitable[Any]],
-                     rollout_id: str, attempt_id: str, mode: str, upstream_path: str) -> Response:
+    async def handle(
+        self,
+        read_body: Callable[[], Awaitable[bytes]],
+        receive: Callable[[], Awaitable[Any]],
+        rollout_id: str,
+        attempt_id: str,
+        mode: str,
+        upstream_path: str,
+    ) -> Response:
         """The proxy route: validate in AGL's order, then forward (`_forward`).
 
         `read_body()` returns the request body; `receive` is the request's ASGI receive, which
@@ -292,9 +303,12 @@ class Gateway:
         if rollout is None:
             raise HTTPException(404, f"Rollout not found: {rollout_id}")
         if rollout.is_terminal:
-            raise HTTPException(409, f"Rollout {rollout_id} is {rollout.status.state}: the gateway only "
-                                     "forwards calls of queuing or running rollouts (create a new rollout "
-                                     "to run the task again)")
+            raise HTTPException(
+                409,
+                f"Rollout {rollout_id} is {rollout.status.state}: the gateway only "
+                "forwards calls of queuing or running rollouts (create a new rollout "
+                "to run the task again)",
+            )
         if self.client is None:
             raise HTTPException(503, "Proxy not configured")
         body = _parse_body(await read_body())
@@ -303,20 +317,29 @@ class Gateway:
         if not pool:
             raise HTTPException(503, f"No servers available for model '{model_name}'")
         server = select_server(pool, rollout_id)
-        call = ProxyCall(rollout=rollout, attempt_id=attempt_id, mode=mode, upstream_path=upstream_path,
-                         server=server, request=rewrite_request(body, mode, self.config.default_proxy),
-                         store=self.store)
+        call = ProxyCall(
+            rollout=rollout,
+            attempt_id=attempt_id,
+            mode=mode,
+            upstream_path=upstream_path,
+            server=server,
+            request=rewrite_request(body, mode, self.config.default_proxy),
+            store=self.store,
+        )
         overridden = overridden_params(body, call.request)
         if overridden:
             call.annotations["overridden"] = overridden
             if not self._said_override:
                 self._said_override = True
-                logger.warning("the gateway samples with %s, not the agent's %s (%s mode): the policy is trained on "
-                               "its own sampling distribution (actor_rollout_ref.rollout.temperature; validation: "
-                               "agl_lab.server.val_temperature). Each such call records it in "
-                               "triplet.metadata['overridden']; said once.",
-                               ", ".join(f"{k}={v['served']}" for k, v in overridden.items()),
-                               ", ".join(f"{k}={v['agent']}" for k, v in overridden.items()), mode)
+                logger.warning(
+                    "the gateway samples with %s, not the agent's %s (%s mode): the policy is trained on "
+                    "its own sampling distribution (actor_rollout_ref.rollout.temperature; validation: "
+                    "agl_lab.server.val_temperature). Each such call records it in "
+                    "triplet.metadata['overridden']; said once.",
+                    ", ".join(f"{k}={v['served']}" for k, v in overridden.items()),
+                    ", ".join(f"{k}={v['agent']}" for k, v in overridden.items()),
+                    mode,
+                )
         for rewriter in self.rewriters:
             result = rewriter(call)
             if inspect.isawaitable(result):
@@ -350,7 +373,8 @@ class Gateway:
         refused = self.gate.enter()
         if refused is not None:  # paused: the agent retries after Retry-After; nothing recorded
             return JSONResponse(
-                {"error": "gateway paused", "reason": refused.reason}, status_code=429,
+                {"error": "gateway paused", "reason": refused.reason},
+                status_code=429,
                 headers={"Retry-After": str(refused.retry_after_seconds), "X-Agl-Paused": "true"},
             )
         started = time.perf_counter()
@@ -358,8 +382,9 @@ class Gateway:
             if call.request.get("stream"):
                 raise HTTPException(400, "Streaming responses are not supported")
             if call.upstream_path not in UPSTREAM_PATHS:
-                raise ValueError(f"a request rewriter set upstream_path={call.upstream_path!r}; use one of "
-                                 f"{UPSTREAM_PATHS}")
+                raise ValueError(
+                    f"a request rewriter set upstream_path={call.upstream_path!r}; use one of {UPSTREAM_PATHS}"
+                )
             url = call.server.endpoint.rstrip("/") + "/" + call.upstream_path
             body = call.request if call.upstream_request is None else call.upstream_request
             upstream, retry_count = await self._send_with_retries(url, _dumps(body), call.server.endpoint)
@@ -374,9 +399,12 @@ class Gateway:
             unrecordable = self._record(call, payload, upstream.status_code, latency_ms, retry_count)
             if unrecordable is not None and upstream.status_code < 400:
                 return UpstreamFailure(502, "The model server's answer cannot be recorded", unrecordable).response()
-            headers = {"Retry-After": upstream.retry_after} if upstream.retry_after and upstream.status_code >= 400 else None
-            return Response(content=content, status_code=upstream.status_code, media_type="application/json",
-                            headers=headers)
+            headers = (
+                {"Retry-After": upstream.retry_after} if upstream.retry_after and upstream.status_code >= 400 else None
+            )
+            return Response(
+                content=content, status_code=upstream.status_code, media_type="application/json", headers=headers
+            )
         except UpstreamFailure as failure:
             logger.warning("Rollout %s: %s", call.rollout.rollout_id, failure)
             self._record_failure(call, failure, (time.perf_counter() - started) * 1000.0)
@@ -404,16 +432,25 @@ class Gateway:
                     response = await self.client.post_json(url, payload)
             except (UpstreamTimeout, TimeoutError) as exc:
                 if last or loop.time() >= deadline:
-                    raise UpstreamFailure(504, "Upstream model server timed out", _timeout_cause(
-                        exc, attempt + 1, cfg.upstream_timeout_seconds, cfg.upstream_call_deadline_seconds)) from exc
+                    raise UpstreamFailure(
+                        504,
+                        "Upstream model server timed out",
+                        _timeout_cause(
+                            exc, attempt + 1, cfg.upstream_timeout_seconds, cfg.upstream_call_deadline_seconds
+                        ),
+                    ) from exc
                 reason = f"timeout ({str(exc) or 'attempt timed out'})"
             except UpstreamTooLarge as exc:  # the same request would get the same answer: not retried
                 raise UpstreamFailure(502, "The model server's answer is too large", str(exc)) from exc
             except UpstreamRefused as exc:
                 if cfg.upstream_breaker_seconds > 0:
                     self._down_until[endpoint] = loop.time() + cfg.upstream_breaker_seconds
-                    raise UpstreamFailure(503, f"Model server {endpoint} is down: it refused the connection",
-                                          str(exc), retry_after=cfg.upstream_breaker_seconds) from exc
+                    raise UpstreamFailure(
+                        503,
+                        f"Model server {endpoint} is down: it refused the connection",
+                        str(exc),
+                        retry_after=cfg.upstream_breaker_seconds,
+                    ) from exc
                 if last:
                     raise UpstreamFailure(502, "Upstream model server request failed", str(exc)) from exc
                 reason = f"transport error ({exc})"
@@ -426,17 +463,27 @@ class Gateway:
                 if last or not retryable:
                     return response, attempt
                 reason = f"HTTP {response.status_code}"
-            delay = backoff_seconds(attempt, cfg.upstream_backoff_base_seconds, cfg.upstream_backoff_max_seconds,
-                                    self._rng)
+            delay = backoff_seconds(
+                attempt, cfg.upstream_backoff_base_seconds, cfg.upstream_backoff_max_seconds, self._rng
+            )
             delay = max(delay, _retry_after_seconds(response) if reason.startswith("HTTP") else 0.0)
             if loop.time() + delay >= deadline:
                 if reason.startswith("HTTP"):
                     return response, attempt  # the upstream's own answer beats a 504 of ours
-                raise UpstreamFailure(504, "Upstream model server timed out",
-                                      f"the call deadline (upstream_call_deadline_seconds="
-                                      f"{cfg.upstream_call_deadline_seconds:g}) leaves no time to retry after {reason}")
-            logger.warning("Retrying upstream request to %s after %s (attempt %d/%d, sleeping %.2fs)",
-                           url, reason, attempt + 1, attempts, delay)
+                raise UpstreamFailure(
+                    504,
+                    "Upstream model server timed out",
+                    f"the call deadline (upstream_call_deadline_seconds="
+                    f"{cfg.upstream_call_deadline_seconds:g}) leaves no time to retry after {reason}",
+                )
+            logger.warning(
+                "Retrying upstream request to %s after %s (attempt %d/%d, sleeping %.2fs)",
+                url,
+                reason,
+                attempt + 1,
+                attempts,
+                delay,
+            )
             await asyncio.sleep(delay)
         raise AssertionError("unreachable: the last attempt returns or raises")
 
@@ -449,18 +496,22 @@ class Gateway:
         if now >= until:
             del self._down_until[endpoint]
             return
-        raise UpstreamFailure(503, f"Model server {endpoint} is down: it refused a connection recently",
-                              f"failing fast for {until - now:.1f}s more (upstream_breaker_seconds="
-                              f"{self.config.upstream_breaker_seconds:g}); start or restart the model server",
-                              retry_after=until - now)
+        raise UpstreamFailure(
+            503,
+            f"Model server {endpoint} is down: it refused a connection recently",
+            f"failing fast for {until - now:.1f}s more (upstream_breaker_seconds="
+            f"{self.config.upstream_breaker_seconds:g}); start or restart the model server",
+            retry_after=until - now,
+        )
 
     def _record_failure(self, call: ProxyCall, failure: UpstreamFailure, latency_ms: float) -> None:
         """The error event of a call the gateway answered itself (no upstream payload)."""
         error = {"error": {"message": failure.detail, "cause": failure.cause, "type": "gateway_error"}}
         self._record(call, error, failure.status, latency_ms, 0)
 
-    def _record(self, call: ProxyCall, response: Any, http_status: int, latency_ms: float,
-                retry_count: int) -> str | None:
+    def _record(
+        self, call: ProxyCall, response: Any, http_status: int, latency_ms: float, retry_count: int
+    ) -> str | None:
         """Append the model_request event (AGL's data dict + rewriter annotations).
 
         Returns why the call could not be recorded as is (then an error event says so), else None.
@@ -492,15 +543,23 @@ class Gateway:
                 self.store.append_event(call.rollout.rollout_id, call.attempt_id, "model_request", data)
             except NotStorable as exc:  # e.g. an answer nested too deep: record why, tell the agent
                 keep = ("model", "model_version", "server", "latency_ms", "retry_count")
-                data = {**{k: data[k] for k in keep}, "request": None, "usage": None, "finish_reason": None,
-                        "response": {"error": {"message": f"call not recordable: {exc}"}},
-                        "http_status": 502, "status": "error"}
+                data = {
+                    **{k: data[k] for k in keep},
+                    "request": None,
+                    "usage": None,
+                    "finish_reason": None,
+                    "response": {"error": {"message": f"call not recordable: {exc}"}},
+                    "http_status": 502,
+                    "status": "error",
+                }
                 self.store.append_event(call.rollout.rollout_id, call.attempt_id, "model_request", data)
                 return str(exc)
         except RolloutNotFound:
-            logger.warning("Rollout %s was deleted while its model call was in flight: the answer is "
-                           "returned to the agent but no model_request event is recorded",
-                           call.rollout.rollout_id)
+            logger.warning(
+                "Rollout %s was deleted while its model call was in flight: the answer is "
+                "returned to the agent but no model_request event is recorded",
+                call.rollout.rollout_id,
+            )
         return None
 
 
@@ -537,8 +596,11 @@ def _json_of(response: UpstreamResponse) -> tuple[bytes, Any]:
         problem = f"content-type {response.content_type or 'none'!r}, not application/json"
     if response.status_code < 300:
         snippet = response.content[:200].decode("utf-8", "replace")
-        raise UpstreamFailure(502, "The model server answered with an unusable body",
-                              f"HTTP {response.status_code} with {problem}: {snippet!r}")
+        raise UpstreamFailure(
+            502,
+            "The model server answered with an unusable body",
+            f"HTTP {response.status_code} with {problem}: {snippet!r}",
+        )
     logger.warning("Upstream answered HTTP %d with %s", response.status_code, problem)
     return b"{}", {}
 
@@ -553,12 +615,15 @@ def _retry_after_seconds(response: UpstreamResponse | None) -> float:
 
 
 def _timeout_cause(exc: BaseException, attempts: int, per_attempt: float, deadline: float) -> str:
-    return (f"{attempts} attempt(s) timed out ({str(exc) or 'no answer in time'}); bounds: "
-            f"upstream_timeout_seconds={per_attempt:g} per attempt, upstream_call_deadline_seconds={deadline:g} per call")
+    return (
+        f"{attempts} attempt(s) timed out ({str(exc) or 'no answer in time'}); bounds: "
+        f"upstream_timeout_seconds={per_attempt:g} per attempt, upstream_call_deadline_seconds={deadline:g} per call"
+    )
 
 
-async def _cancel_on_disconnect(receive: Callable[[], Awaitable[Any]], task: asyncio.Task[Any],
-                                hung_up: asyncio.Future[None]) -> None:
+async def _cancel_on_disconnect(
+    receive: Callable[[], Awaitable[Any]], task: asyncio.Task[Any], hung_up: asyncio.Future[None]
+) -> None:
     """Wait for the agent's disconnect, then mark `hung_up` done and cancel `task`. (Recording a
     call's event is synchronous: a hang-up never lands between its answer and its event.)"""
     while (await receive())["type"] != "http.disconnect":
@@ -586,17 +651,25 @@ def proxy_route(gateway: Gateway, check_key: Callable[[Request], None]) -> Route
     async def proxy(request: Request) -> Response:
         check_key(request)
         p = request.path_params
-        return await gateway.handle(request.body, request.receive, p["rollout_id"], p["attempt_id"], p["mode"],
-                                    p["upstream_path"])
+        return await gateway.handle(
+            request.body, request.receive, p["rollout_id"], p["attempt_id"], p["mode"], p["upstream_path"]
+        )
 
     return Route(PROXY_PATH, proxy, methods=["POST"], include_in_schema=False)
 
 
 def gateway_router(gateway: Gateway) -> APIRouter:
     """Management routes, mounted under /proxy with auth: pause, resume, state, config."""
-    errors = {code: {"description": text} for code, text in (
-        (401, "missing or wrong key"), (413, "body larger than max_body_bytes"),
-        (415, "cross-site content type: send application/json"), (422, "invalid field"), (500, "unexpected error"))}
+    errors = {
+        code: {"description": text}
+        for code, text in (
+            (401, "missing or wrong key"),
+            (413, "body larger than max_body_bytes"),
+            (415, "cross-site content type: send application/json"),
+            (422, "invalid field"),
+            (500, "unexpected error"),
+        )
+    }
     router = APIRouter(tags=["proxy"], responses=errors)
 
     @router.post("/pause", response_model=PauseState)
@@ -618,7 +691,11 @@ def gateway_router(gateway: Gateway) -> APIRouter:
         under, the sampling temperatures, logprobs (a Trainer on an external server checks
         them against its engine, agl_lab.execution)."""
         proxy = gateway.config.default_proxy
-        return {"model_name": proxy.model_name, "train_temperature": proxy.train.temperature,
-                "val_temperature": proxy.val.temperature, "include_log_probs": proxy.include_log_probs}
+        return {
+            "model_name": proxy.model_name,
+            "train_temperature": proxy.train.temperature,
+            "val_temperature": proxy.val.temperature,
+            "include_log_probs": proxy.include_log_probs,
+        }
 
     return router

@@ -57,7 +57,7 @@ def host_name(headers: Any) -> str | None:
         return None
     text = raw.decode("latin-1").strip().lower()
     if text.startswith("["):  # [::1]:8080
-        return text[1:text.find("]")] if "]" in text else text
+        return text[1 : text.find("]")] if "]" in text else text
     if text.count(":") == 1:  # name:port (a bare IPv6 address has several colons)
         text = text.partition(":")[0]
     return text.rstrip(".")
@@ -66,8 +66,16 @@ def host_name(headers: Any) -> str | None:
 class RequestGuard:
     """ASGI middleware applying the module's three checks (see the module docstring)."""
 
-    def __init__(self, app: Any, *, key: str, max_body_bytes: int, open_paths: tuple[str, ...] = ("/healthz",),
-                 token_check: TokenCheck | None = None, allowed_hosts: tuple[str, ...] = LOOPBACK_HOSTS):
+    def __init__(
+        self,
+        app: Any,
+        *,
+        key: str,
+        max_body_bytes: int,
+        open_paths: tuple[str, ...] = ("/healthz",),
+        token_check: TokenCheck | None = None,
+        allowed_hosts: tuple[str, ...] = LOOPBACK_HOSTS,
+    ):
         self.app, self.key, self.max_body_bytes = app, key, max_body_bytes
         self.open_paths, self.token_check = frozenset(open_paths), token_check
         hosts = frozenset(h.strip().lower().strip("[]").rstrip(".") for h in allowed_hosts)
@@ -112,9 +120,12 @@ class RequestGuard:
         if self.allowed_hosts is not None and scope["path"] not in self.open_paths:
             host = host_name(headers)
             if host not in self.allowed_hosts:
-                return (403, f"Host {host!r} is not allowed on a server without a key (server setting allowed_hosts: "
-                             f"{', '.join(sorted(self.allowed_hosts))}): connect by one of those names, add "
-                             "yours to allowed_hosts, or set a key"), True
+                return (
+                    403,
+                    f"Host {host!r} is not allowed on a server without a key (server setting allowed_hosts: "
+                    f"{', '.join(sorted(self.allowed_hosts))}): connect by one of those names, add "
+                    "yours to allowed_hosts, or set a key",
+                ), True
         if not self._authorized(scope, headers):
             return (401, "Invalid or missing API key"), True
         if length is None:
@@ -137,8 +148,10 @@ class RequestGuard:
         return self.token_check is not None and self.token_check(presented, scope["method"], path)
 
     def _too_big_detail(self) -> str:
-        return (f"Request body larger than {self.max_body_bytes} bytes (server setting max_body_bytes); "
-                "send fewer items per request")
+        return (
+            f"Request body larger than {self.max_body_bytes} bytes (server setting max_body_bytes); "
+            "send fewer items per request"
+        )
 
     async def _read_bounded(self, receive: Any) -> bytes | None:
         """A body without Content-Length, read up to the limit (None: it is larger)."""

@@ -69,18 +69,58 @@ from agl_lab.chat_format import parse_tool_calls
 # ---------------------------------------------------------------------------------------------
 
 RENDER_KEYS = ("tools", "chat_template", "chat_template_kwargs", "documents")
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "logit_bias")
-FORWARDED_KEYS = SAMPLING_KEYS + ("model", "max_tokens", "seed", "stop", "stop_token_ids", "ignore_eos",
-                                  "min_tokens", "n", "user")
+SAMPLING_KEYS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+)
+FORWARDED_KEYS = SAMPLING_KEYS + (
+    "model",
+    "max_tokens",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "min_tokens",
+    "n",
+    "user",
+)
 # consumed here (rendering, logprob format) or meaningless for one non-streamed answer
-CHAT_KEYS = RENDER_KEYS + ("messages", "logprobs", "top_logprobs", "max_completion_tokens", "return_token_ids",
-                           "tool_choice", "parallel_tool_calls", "stream", "stream_options", "metadata",
-                           "store", "service_tier", "add_generation_prompt", "continue_final_message",
-                           "response_format")
+CHAT_KEYS = RENDER_KEYS + (
+    "messages",
+    "logprobs",
+    "top_logprobs",
+    "max_completion_tokens",
+    "return_token_ids",
+    "tool_choice",
+    "parallel_tool_calls",
+    "stream",
+    "stream_options",
+    "metadata",
+    "store",
+    "service_tier",
+    "add_generation_prompt",
+    "continue_final_message",
+    "response_format",
+)
 
-KINDS = ("extended", "first_call", "history_edited", "reply_edited", "stop_string", "setup_changed",
-         "unsupported", "template_mismatch", "no_tokenizer", "not_chat")
+KINDS = (
+    "extended",
+    "first_call",
+    "history_edited",
+    "reply_edited",
+    "stop_string",
+    "setup_changed",
+    "unsupported",
+    "template_mismatch",
+    "no_tokenizer",
+    "not_chat",
+)
 
 
 @dataclass
@@ -226,8 +266,10 @@ def _unsupported(body: Mapping[str, Any]) -> str | None:
     """Why `/completions` cannot serve this chat request as the chat API would, or None."""
     unknown = sorted(k for k in body if k not in CHAT_KEYS and k not in FORWARDED_KEYS)
     if unknown:
-        return (f"request key(s) {unknown} are not known to the token-preserving mode, which never "
-                "drops a parameter silently; send them on a rollout without the mode")
+        return (
+            f"request key(s) {unknown} are not known to the token-preserving mode, which never "
+            "drops a parameter silently; send them on a rollout without the mode"
+        )
     if body.get("n") not in (None, 1):
         return f"n={body.get('n')}: only one choice per call can be preserved"
     if body.get("tool_choice") not in (None, "auto", "none"):
@@ -246,13 +288,19 @@ def _check_extension(previous: Turn, messages: list[dict[str, Any]]) -> Plan | N
     """A fallback Plan when `messages` is not previous messages + same reply + new ones."""
     n = len(previous.messages)
     if len(messages) <= n:
-        return _fallback("history_edited", f"the request has {len(messages)} messages, not more than the "
-                                           f"previous call's {n}: the conversation was cut or restarted")
+        return _fallback(
+            "history_edited",
+            f"the request has {len(messages)} messages, not more than the "
+            f"previous call's {n}: the conversation was cut or restarted",
+        )
     head = messages[:n]
     if head != previous.messages:
         i = _first_difference(previous.messages, head)
-        return _fallback("history_edited", f"history edited: messages[{i}] differs from the previous call "
-                                           f"(role {previous.messages[i].get('role')!r} → {head[i].get('role')!r})")
+        return _fallback(
+            "history_edited",
+            f"history edited: messages[{i}] differs from the previous call "
+            f"(role {previous.messages[i].get('role')!r} → {head[i].get('role')!r})",
+        )
     want, got = _reply_signature(previous.reply), _reply_signature(messages[n])
     if got != want:
         what = "role" if got[0] != want[0] else "content" if got[1] != want[1] else "tool_calls"
@@ -261,11 +309,17 @@ def _check_extension(previous: Turn, messages: list[dict[str, Any]]) -> Plan | N
 
 
 def _check_setup(previous: Turn, body: Mapping[str, Any]) -> Plan | None:
-    for kind, keys, stored in (("render", RENDER_KEYS, previous.render), ("sampling", SAMPLING_KEYS, previous.sampling)):
+    for kind, keys, stored in (
+        ("render", RENDER_KEYS, previous.render),
+        ("sampling", SAMPLING_KEYS, previous.sampling),
+    ):
         for key in keys:
             if normalize(body.get(key)) != stored.get(key):
-                return _fallback("setup_changed", f"{kind} setup changed since the previous call: {key} "
-                                                  f"{_short(stored.get(key))} → {_short(body.get(key))}")
+                return _fallback(
+                    "setup_changed",
+                    f"{kind} setup changed since the previous call: {key} "
+                    f"{_short(stored.get(key))} → {_short(body.get(key))}",
+                )
     return None
 
 
@@ -280,8 +334,9 @@ def render_text(tokenizer: Any, body: Mapping[str, Any]) -> str:
     for key in ("chat_template", "documents"):
         if body.get(key) is not None:
             kwargs[key] = body[key]
-    return tokenizer.apply_chat_template(list(body["messages"]), tools=body.get("tools"), tokenize=False,
-                                         add_generation_prompt=True, **kwargs)
+    return tokenizer.apply_chat_template(
+        list(body["messages"]), tools=body.get("tools"), tokenize=False, add_generation_prompt=True, **kwargs
+    )
 
 
 def _decode(tokenizer: Any, ids: Sequence[int]) -> str:
@@ -334,8 +389,11 @@ def plan_request(previous: Turn | None, body: Mapping[str, Any], tokenizer: Any)
     if plan is not None:
         return plan
     if isinstance(previous.stop_reason, str):
-        return _fallback("stop_string", f"the previous reply stopped on the stop string {previous.stop_reason!r}: "
-                                        "its text was cut, so it no longer equals the sampled ids")
+        return _fallback(
+            "stop_string",
+            f"the previous reply stopped on the stop string {previous.stop_reason!r}: "
+            "its text was cut, so it no longer equals the sampled ids",
+        )
     try:
         full = render_text(tokenizer, body)
     except Exception as exc:  # a template error is the request's business: the chat path reports it
@@ -345,15 +403,25 @@ def plan_request(previous: Turn | None, body: Mapping[str, Any], tokenizer: Any)
     seen = next((text for text in candidates if full.startswith(text)), candidates[0])
     if not full.startswith(seen):
         i = _first_difference(seen, full)
-        return _fallback("template_mismatch", "the chat template renders the earlier turns differently from the "
-                                              f"tokens the model saw and sampled (first difference at character {i}: "
-                                              f"sampled {seen[i:i + 24]!r}, template {full[i:i + 24]!r})")
-    continuation = full[len(seen):]
+        return _fallback(
+            "template_mismatch",
+            "the chat template renders the earlier turns differently from the "
+            f"tokens the model saw and sampled (first difference at character {i}: "
+            f"sampled {seen[i : i + 24]!r}, template {full[i : i + 24]!r})",
+        )
+    continuation = full[len(seen) :]
     new_ids = list(tokenizer(continuation, add_special_tokens=False)["input_ids"])
     if _decode(tokenizer, new_ids) != continuation:
         return _fallback("template_mismatch", "the continuation text does not round-trip through the tokenizer")
-    return Plan(True, "extended", f"extends the previous call: {len(context)} ids kept, {len(new_ids)} new",
-                context + new_ids, len(context), len(new_ids), full)
+    return Plan(
+        True,
+        "extended",
+        f"extends the previous call: {len(context)} ids kept, {len(new_ids)} new",
+        context + new_ids,
+        len(context),
+        len(new_ids),
+        full,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -400,15 +468,28 @@ def chat_response(completion: Mapping[str, Any], body: Mapping[str, Any]) -> dic
     finish = choice.get("finish_reason")
     if tool_calls and finish == "stop":
         finish = "tool_calls"
-    logprobs = chat_logprobs(choice.get("logprobs"), int(body.get("top_logprobs") or 0)) if body.get("logprobs") else None
+    logprobs = (
+        chat_logprobs(choice.get("logprobs"), int(body.get("top_logprobs") or 0)) if body.get("logprobs") else None
+    )
     message = {"role": "assistant", "content": content, "tool_calls": tool_calls, "reasoning_content": None}
     cid = str(completion.get("id") or uuid.uuid4().hex)
     return {
-        "id": "chatcmpl-" + cid.removeprefix("cmpl-"), "object": "chat.completion",
-        "created": completion.get("created", int(time.time())), "model": completion.get("model"),
-        "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish,
-                     "stop_reason": choice.get("stop_reason"), "token_ids": choice.get("token_ids")}],
-        "usage": completion.get("usage"), "prompt_logprobs": None,
+        "id": "chatcmpl-" + cid.removeprefix("cmpl-"),
+        "object": "chat.completion",
+        "created": completion.get("created", int(time.time())),
+        "model": completion.get("model"),
+        "choices": [
+            {
+                "index": 0,
+                "message": message,
+                "logprobs": logprobs,
+                "finish_reason": finish,
+                "stop_reason": choice.get("stop_reason"),
+                "token_ids": choice.get("token_ids"),
+            }
+        ],
+        "usage": completion.get("usage"),
+        "prompt_logprobs": None,
         "prompt_token_ids": choice.get("prompt_token_ids"),
     }
 
@@ -462,8 +543,10 @@ class TokenPreservingRewriter:
 
     def set_tokenizer(self, model_name: str, tokenizer: Any) -> None:
         if not callable(getattr(tokenizer, "apply_chat_template", None)):
-            raise TypeError(f"set_tokenizer({model_name!r}, ...): expected a Hugging Face tokenizer with a chat "
-                            f"template, got {type(tokenizer).__name__}")
+            raise TypeError(
+                f"set_tokenizer({model_name!r}, ...): expected a Hugging Face tokenizer with a chat "
+                f"template, got {type(tokenizer).__name__}"
+            )
         self.tokenizers[model_name] = copy.deepcopy(tokenizer)
 
     def __call__(self, call: Any) -> None:
@@ -472,15 +555,19 @@ class TokenPreservingRewriter:
         if self._calls % self.prune_every == 0:
             self.memory.prune(lambda rid: _alive(call.store, rid))
         if call.upstream_path != "chat/completions":
-            call.annotations[ANNOTATION_KEY] = _fallback("not_chat", "completions call: its prompt is already "
-                                                         "explicit").annotation()
+            call.annotations[ANNOTATION_KEY] = _fallback(
+                "not_chat", "completions call: its prompt is already explicit"
+            ).annotation()
             return
         tokenizer = self.tokenizers.get(call.server.model)
         key = (call.rollout.rollout_id, call.attempt_id)
         if tokenizer is None:
-            plan = _fallback("no_tokenizer", f"no tokenizer registered for model {call.server.model!r}: call "
-                                             "set_tokenizer(model_name, tokenizer) or start the server with "
-                                             "--tokenizer-path")
+            plan = _fallback(
+                "no_tokenizer",
+                f"no tokenizer registered for model {call.server.model!r}: call "
+                "set_tokenizer(model_name, tokenizer) or start the server with "
+                "--tokenizer-path",
+            )
         else:
             plan = plan_request(self.memory.get(key), call.request, tokenizer)
         call.annotations[ANNOTATION_KEY] = plan.annotation()
@@ -490,8 +577,7 @@ class TokenPreservingRewriter:
             call.upstream_request = completions_request(chat_body, plan.prompt_ids or [])
         call.response_hooks.append(lambda payload, status: self._on_response(key, chat_body, plan, payload, status))
 
-    def _on_response(self, key: tuple[str, str], body: dict[str, Any], plan: Plan, payload: Any,
-                     status: int) -> Any:
+    def _on_response(self, key: tuple[str, str], body: dict[str, Any], plan: Plan, payload: Any, status: int) -> Any:
         if status >= 400 or not isinstance(payload, Mapping) or not payload.get("choices"):
             return payload  # errors pass through untouched; the memory keeps the last good turn
         response = chat_response(payload, body) if plan.used else payload

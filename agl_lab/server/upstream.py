@@ -43,8 +43,10 @@ class UpstreamTooLarge(Exception):
     """The model server's answer body is larger than `max_upstream_answer_bytes`."""
 
     def __init__(self, limit: int):
-        super().__init__(f"the model server's answer is larger than {limit} bytes (server setting "
-                         "max_upstream_answer_bytes): ask for fewer tokens or logprobs, or raise the limit")
+        super().__init__(
+            f"the model server's answer is larger than {limit} bytes (server setting "
+            "max_upstream_answer_bytes): ask for fewer tokens or logprobs, or raise the limit"
+        )
         self.limit = limit
 
 
@@ -83,8 +85,7 @@ class HttpxUpstream:
             raise UpstreamRefused(f"{type(exc).__name__}: {exc}") from exc
         except (httpx.HTTPError, httpx.InvalidURL) as exc:
             raise UpstreamTransportError(f"{type(exc).__name__}: {exc}") from exc
-        return UpstreamResponse(r.status_code, r.headers.get("content-type", ""), content,
-                                r.headers.get("retry-after"))
+        return UpstreamResponse(r.status_code, r.headers.get("content-type", ""), content, r.headers.get("retry-after"))
 
     async def aclose(self) -> None:
         await self.client.aclose()
@@ -118,8 +119,9 @@ class AiohttpUpstream:
                 if len(content) > self.max_answer_bytes:
                     r.close()  # the rest is not read: the connection is not reused
                     raise UpstreamTooLarge(self.max_answer_bytes)
-                return UpstreamResponse(r.status, r.headers.get("content-type", ""), content,
-                                        r.headers.get("retry-after"))
+                return UpstreamResponse(
+                    r.status, r.headers.get("content-type", ""), content, r.headers.get("retry-after")
+                )
         except TimeoutError as exc:  # aiohttp's timeouts subclass it
             raise UpstreamTimeout(f"{type(exc).__name__}: {exc}") from exc
         except self._aiohttp.ClientConnectorError as exc:
@@ -182,9 +184,13 @@ class _Exchange(asyncio.Protocol):
             self.on_message_complete()  # no Content-Length, not chunked: the body ends with the connection
             return
         cause = f": {type(exc).__name__}: {exc}" if exc is not None else ""
-        self._fail(UpstreamTransportError(f"the model server closed the connection before answering{cause}"
-                                          if not self.received else
-                                          f"the model server closed the connection mid-answer{cause}"))
+        self._fail(
+            UpstreamTransportError(
+                f"the model server closed the connection before answering{cause}"
+                if not self.received
+                else f"the model server closed the connection mid-answer{cause}"
+            )
+        )
 
     # httptools callbacks
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -280,15 +286,18 @@ class RawUpstream:
             return known
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise UpstreamTransportError(f"ValueError: unusable model server URL {url!r} (want http(s)://host[:port]/path)")
+            raise UpstreamTransportError(
+                f"ValueError: unusable model server URL {url!r} (want http(s)://host[:port]/path)"
+            )
         try:
             port = parts.port or (443 if parts.scheme == "https" else 80)
         except ValueError as exc:
             raise UpstreamTransportError(f"ValueError: {exc} in model server URL {url!r}") from None
         path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         host = parts.netloc.rpartition("@")[2]
-        head = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-                "Content-Length: ").encode("latin-1")
+        head = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: ").encode(
+            "latin-1"
+        )
         if len(self._targets) < 4096:
             self._targets[url] = ((parts.scheme, parts.hostname, port), head)
         return (parts.scheme, parts.hostname, port), head
@@ -307,7 +316,8 @@ class RawUpstream:
             tls = self._ssl
         try:
             _, exchange = await asyncio.get_running_loop().create_connection(
-                lambda: _Exchange(self.max_answer_bytes), host, port, ssl=tls, server_hostname=host if tls else None)
+                lambda: _Exchange(self.max_answer_bytes), host, port, ssl=tls, server_hostname=host if tls else None
+            )
         except OSError as exc:  # refused, unreachable, unknown host
             raise UpstreamRefused(f"{type(exc).__name__}: cannot connect to {host}:{port}: {exc}") from exc
         return exchange, False
@@ -322,8 +332,9 @@ class RawUpstream:
 UpstreamClient = RawUpstream | HttpxUpstream | AiohttpUpstream
 
 
-def open_upstream_client(kind: str, timeout_seconds: float,
-                         max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES) -> UpstreamClient:
+def open_upstream_client(
+    kind: str, timeout_seconds: float, max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES
+) -> UpstreamClient:
     """`kind`: "raw", "aiohttp", "httpx", or "auto" (the raw client)."""
     if kind in ("auto", "raw"):
         return RawUpstream(max_answer_bytes=max_answer_bytes)  # bounded by the gateway's per-attempt asyncio.timeout
@@ -332,5 +343,3 @@ def open_upstream_client(kind: str, timeout_seconds: float,
     if kind == "httpx":
         return HttpxUpstream(timeout_seconds, max_answer_bytes)
     raise ValueError(f"upstream_client must be 'auto', 'raw', 'aiohttp' or 'httpx', got {kind!r}")
-
-

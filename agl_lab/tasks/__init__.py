@@ -84,8 +84,9 @@ class Task:
         if not isinstance(self.name, str) or not self.name or ":" in self.name:
             raise ValueError(f"Task.name must be a non-empty string without ':', got {self.name!r}")
         if not callable(self.agent):
-            raise TypeError(f"Task {self.name!r}: agent must be a function agent(task, ctx), "
-                            f"got {type(self.agent).__name__}")
+            raise TypeError(
+                f"Task {self.name!r}: agent must be a function agent(task, ctx), got {type(self.agent).__name__}"
+            )
         for name in ("train_tasks", "val_tasks", "demonstrations"):
             object.__setattr__(self, name, _as_generator(getattr(self, name), name))
         if self.train_tasks is None:
@@ -134,7 +135,7 @@ def _calc_chain_spec() -> Task:
     return Task(
         name="calc_chain",
         description="`(a op b) op c` through a one-operator calculator: two calls, the second on the "
-                    "first's result (agl_lab/tasks/calc.py).",
+        "first's result (agl_lab/tasks/calc.py).",
         train_tasks=calc.chain_train_tasks,
         val_tasks=calc.chain_val_tasks,
         agent=calc.calc_agent,
@@ -177,7 +178,9 @@ def _import_task(spec: str) -> Task:
     if callable(obj) and not isinstance(obj, Task):
         obj = obj()
     if not isinstance(obj, Task):
-        raise TypeError(f"task {spec!r} is a {type(obj).__name__}; name an agl_lab.tasks.Task or a function returning one")
+        raise TypeError(
+            f"task {spec!r} is a {type(obj).__name__}; name an agl_lab.tasks.Task or a function returning one"
+        )
     return register_task(obj)
 
 
@@ -192,9 +195,11 @@ def get_task(name: Any) -> Task:
         return _BUILTIN[name]()
     if isinstance(name, str) and ":" in name:
         return _import_task(name)
-    raise KeyError(f"unknown task {name!r}; known tasks are {task_names()} (set agl_lab.task.name to one "
-                   "of them, register yours with agl_lab.tasks.register_task(Task(...)), or name it "
-                   "as 'module:attr')")
+    raise KeyError(
+        f"unknown task {name!r}; known tasks are {task_names()} (set agl_lab.task.name to one "
+        "of them, register yours with agl_lab.tasks.register_task(Task(...)), or name it "
+        "as 'module:attr')"
+    )
 
 
 def agent_and_task(cfg: Any, agent: Any, task: Any, *, has_tasks: bool) -> tuple[Any, Task | None]:

@@ -35,20 +35,36 @@ MAX_TURNS = 4  # calc_chain: two calls and the answer, one spare
 MAX_TOKENS = 48
 MODEL_NAME = "auto"
 SYSTEM_PROMPT = "You answer arithmetic questions. Call the calculator tool, then reply with the number only."
-TOOLS = [{"type": "function", "function": {
-    "name": "calculator", "description": "Evaluate an arithmetic expression such as 12 * 7",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate an arithmetic expression such as 12 * 7",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
+        },
+    }
+]
 
 
 def _worked_example(question: str, steps: list[str], call_id: str) -> list[dict[str, Any]]:
     """A solved question: one calculator call per step (each on the previous value), then the answer."""
     messages: list[dict[str, Any]] = [{"role": "user", "content": question}]
     for k, expression in enumerate(steps):
-        call = {"id": f"{call_id}_{k}", "type": "function",
-                "function": {"name": "calculator", "arguments": json.dumps({"expression": expression})}}
+        call = {
+            "id": f"{call_id}_{k}",
+            "type": "function",
+            "function": {"name": "calculator", "arguments": json.dumps({"expression": expression})},
+        }
         result = calculator(call["function"]["arguments"])
-        messages += [{"role": "assistant", "content": None, "tool_calls": [call]},
-                     {"role": "tool", "tool_call_id": call["id"], "content": result}]
+        messages += [
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": call["id"], "content": result},
+        ]
     return [*messages, {"role": "assistant", "content": messages[-1]["content"]}]
 
 
@@ -78,8 +94,16 @@ def make_tasks(n: int, seed: int, split: str, ops: int = 1) -> list[dict[str, An
             question, expression = f"What is ({a} {op} {b}) {op2} {c}?", f"({a} {op} {b}) {op2} {c}"
         else:
             question, expression = f"What is {a} {op} {b}?", steps[0]
-        out.append({"task_id": f"{name}-{split}-{seed}-{i:05d}", "question": question, "expression": expression,
-                    "value": value, "ops": ops, "steps": steps})
+        out.append(
+            {
+                "task_id": f"{name}-{split}-{seed}-{i:05d}",
+                "question": question,
+                "expression": expression,
+                "value": value,
+                "ops": ops,
+                "steps": steps,
+            }
+        )
     return out
 
 
@@ -106,21 +130,25 @@ def calculator(arguments: str) -> str:
     except (ValueError, KeyError, TypeError):
         match = None
     if match is None:
-        return "error: expected {\"expression\": \"a op b\"} with integers and one of + - *"
+        return 'error: expected {"expression": "a op b"} with integers and one of + - *'
     return str(_OPS[match.group(2)](int(match.group(1)), int(match.group(3))))
 
 
 # Two worked examples: with one, zero-shot SmolLM2 starts a <tool_call> ~8 % of the time but writes a
 # parsable calculator call in none of 64 rollouts (P(exact call) ≈ 0.01 at temperature 1); with two
 # it writes one ~32 % of the time (a third: P ≈ 0.66, leaving little to learn, for 64 more prompt tokens).
-EXAMPLES = [*_worked_example("What is 3 + 4?", ["3 + 4"], "call_0"),
-            *_worked_example("What is 6 * 9?", ["6 * 9"], "call_1")]
+EXAMPLES = [
+    *_worked_example("What is 3 + 4?", ["3 + 4"], "call_0"),
+    *_worked_example("What is 6 * 9?", ["6 * 9"], "call_1"),
+]
 # calc_chain: two two-step examples (the second call on the first call's result). Zero-shot SmolLM2 calls
 # the tool in ~41 % of rollouts but chains in almost none (right answers 3 % of 64, with these examples as
 # with one one-step + one two-step); with the latter, GRPO at LoRA lr 2e-4 learned the first call in ~5
 # steps and then sat at reward 0.2 (every group tied): a task for more steps.
-CHAIN_EXAMPLES = [*_worked_example("What is (3 + 4) * 2?", ["3 + 4", "7 * 2"], "call_0"),
-                  *_worked_example("What is (6 * 9) - 5?", ["6 * 9", "54 - 5"], "call_1")]
+CHAIN_EXAMPLES = [
+    *_worked_example("What is (3 + 4) * 2?", ["3 + 4", "7 * 2"], "call_0"),
+    *_worked_example("What is (6 * 9) - 5?", ["6 * 9", "54 - 5"], "call_1"),
+]
 
 
 def reward(task: dict[str, Any], answer: Any) -> float:
@@ -145,8 +173,9 @@ def calc_agent(task: dict[str, Any], ctx: Any) -> float | None:
     for _ in range(MAX_TURNS):
         if cancelled is not None and cancelled.is_set():
             return None
-        resp = client.chat.completions.create(model=MODEL_NAME, messages=messages, tools=TOOLS,
-                                              max_tokens=MAX_TOKENS, temperature=1.0)
+        resp = client.chat.completions.create(
+            model=MODEL_NAME, messages=messages, tools=TOOLS, max_tokens=MAX_TOKENS, temperature=1.0
+        )
         msg = resp.choices[0].message
         if not msg.tool_calls:
             answer = msg.content or ""
@@ -154,20 +183,23 @@ def calc_agent(task: dict[str, Any], ctx: Any) -> float | None:
         messages.append(msg.model_dump(include={"role", "content", "tool_calls"}))  # as the SDK returned it
         for call in msg.tool_calls:
             called = called or call.function.name == "calculator"
-            result = calculator(call.function.arguments) if call.function.name == "calculator" else "error: no such tool"
+            result = (
+                calculator(call.function.arguments) if call.function.name == "calculator" else "error: no such tool"
+            )
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
     value = 0.0 if answer is None else TOOL_WEIGHT * called + ANSWER_WEIGHT * reward(task, answer)
     emit = getattr(ctx, "emit", None)
     if callable(emit):
-        emit("task_result", {"success": reward(task, answer), "answer": answer, "tool_called": called,
-                             "reward": value})
+        emit("task_result", {"success": reward(task, answer), "answer": answer, "tool_called": called, "reward": value})
     return value
 
 
 def demonstrations(n: int, seed: int, ops: int = 1) -> list[list[dict[str, Any]]]:
     """`n` correct transcripts (for a supervised warm start, if one is wanted)."""
-    return [first_messages(task)[:-1] + _worked_example(task["question"], task["steps"], "call_9")
-            for task in make_tasks(n, seed, "train", ops)]
+    return [
+        first_messages(task)[:-1] + _worked_example(task["question"], task["steps"], "call_9")
+        for task in make_tasks(n, seed, "train", ops)
+    ]
 
 
 def chain_demonstrations(n: int, seed: int) -> list[list[dict[str, Any]]]:

@@ -223,8 +223,7 @@ def reward(task: dict[str, Any], answer: str | None) -> float:
 def well_formed(episode: Episode) -> bool:
     """Every reply parsed, at least one tool call, and the episode ended with an answer."""
     acts = episode.actions
-    return (episode.answer is not None and all(a is not None for a in acts)
-            and any(a.kind == "get" for a in acts))
+    return episode.answer is not None and all(a is not None for a in acts) and any(a.kind == "get" for a in acts)
 
 
 def episode_reward(task: dict[str, Any], episode: Episode) -> float:
@@ -232,8 +231,9 @@ def episode_reward(task: dict[str, Any], episode: Episode) -> float:
     if episode.answer is None:
         return 0.0  # Critical: no credit without an answer, else GRPO can settle in `get` loops
     looked_up = any(a is not None and a.kind == "get" and a.arg == task["key"] for a in episode.actions)
-    return (FORMAT_WEIGHT * well_formed(episode) + LOOKUP_WEIGHT * looked_up
-            + ANSWER_WEIGHT * reward(task, episode.answer))
+    return (
+        FORMAT_WEIGHT * well_formed(episode) + LOOKUP_WEIGHT * looked_up + ANSWER_WEIGHT * reward(task, episode.answer)
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,8 +241,9 @@ def episode_reward(task: dict[str, Any], episode: Episode) -> float:
 # ---------------------------------------------------------------------------------------------
 
 
-def demo_messages(task: dict[str, Any], rng: random.Random, key_noise: float = 0.0,
-                  value_noise: float = 0.0, think: bool = False) -> list[dict[str, str]]:
+def demo_messages(
+    task: dict[str, Any], rng: random.Random, key_noise: float = 0.0, value_noise: float = 0.0, think: bool = False
+) -> list[dict[str, str]]:
     """A well-formed two-call transcript of `task`, its content optionally noisy.
 
     With probability `key_noise` the tool call names a random key (and the observation is
@@ -295,8 +296,13 @@ def append_turn(sent: Messages, reply: str, observation: str) -> Messages:
     return sent + [{"role": "assistant", "content": reply}, {"role": "user", "content": observation}]
 
 
-def play(task: dict[str, Any], ctx: Any, next_messages: HistoryFn = append_turn,
-         system_prompt: str = SYSTEM_PROMPT, max_tokens: int = MAX_TOKENS) -> Episode | None:
+def play(
+    task: dict[str, Any],
+    ctx: Any,
+    next_messages: HistoryFn = append_turn,
+    system_prompt: str = SYSTEM_PROMPT,
+    max_tokens: int = MAX_TOKENS,
+) -> Episode | None:
     """Run one episode of `task` through the model behind `ctx`; None if the runner cancelled it.
 
     Model text never raises here (bad text costs reward inside `LookupEnv`); transport
@@ -324,8 +330,15 @@ def finish(task: dict[str, Any], ctx: Any, episode: Episode | None) -> float | N
     value = episode_reward(task, episode)
     emit = getattr(ctx, "emit", None)
     if callable(emit):
-        emit("task_result", {"success": reward(task, episode.answer), "answer": episode.answer,
-                             "n_calls": episode.n_calls, "reward": value})
+        emit(
+            "task_result",
+            {
+                "success": reward(task, episode.answer),
+                "answer": episode.answer,
+                "n_calls": episode.n_calls,
+                "reward": value,
+            },
+        )
     return value
 
 
@@ -334,8 +347,14 @@ def lookup_agent(task: dict[str, Any], ctx: Any) -> float | None:
     return finish(task, ctx, play(task, ctx))
 
 
-def demonstrations(n: int, seed: int, blur_fraction: float = BLUR_FRACTION, key_noise: float = KEY_NOISE,
-                     value_noise: float = VALUE_NOISE, think_fraction: float = THINK_FRACTION) -> list[Messages]:
+def demonstrations(
+    n: int,
+    seed: int,
+    blur_fraction: float = BLUR_FRACTION,
+    key_noise: float = KEY_NOISE,
+    value_noise: float = VALUE_NOISE,
+    think_fraction: float = THINK_FRACTION,
+) -> list[Messages]:
     """`n` warm-start transcripts in curriculum order: learn the skill, then blur it.
 
     The first `1 - blur_fraction` are clean (the model learns the format *and* the two
@@ -349,6 +368,13 @@ def demonstrations(n: int, seed: int, blur_fraction: float = BLUR_FRACTION, key_
     out = []
     for i, task in enumerate(make_tasks(n, seed, "warmstart")):
         noisy = i >= n_clean
-        out.append(demo_messages(task, rng, key_noise if noisy else 0.0, value_noise if noisy else 0.0,
-                                 think=rng.random() < think_fraction))
+        out.append(
+            demo_messages(
+                task,
+                rng,
+                key_noise if noisy else 0.0,
+                value_noise if noisy else 0.0,
+                think=rng.random() < think_fraction,
+            )
+        )
     return out

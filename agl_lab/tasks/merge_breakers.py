@@ -65,8 +65,13 @@ def append_only_agent(task: dict[str, Any], ctx: Any) -> float | None:
 
 def reasoning_dropping_agent(task: dict[str, Any], ctx: Any) -> float | None:
     """Asks the model to think in `<think>…</think>` first, and drops old reasoning from history."""
-    episode = lookup.play(task, ctx, next_messages=drop_reasoning_history,
-                          system_prompt=lookup.THINK_SYSTEM_PROMPT, max_tokens=lookup.THINK_MAX_TOKENS)
+    episode = lookup.play(
+        task,
+        ctx,
+        next_messages=drop_reasoning_history,
+        system_prompt=lookup.THINK_SYSTEM_PROMPT,
+        max_tokens=lookup.THINK_MAX_TOKENS,
+    )
     return lookup.finish(task, ctx, episode)
 
 

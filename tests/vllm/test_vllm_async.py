@@ -15,8 +15,11 @@ import os
 import pytest
 
 if importlib.util.find_spec("vllm") is None:
-    pytest.skip("vLLM is not installed in this environment: tests/vllm run in .venv-vllm (`./lab test` sets it "
-                "up and runs them there)", allow_module_level=True)
+    pytest.skip(
+        "vLLM is not installed in this environment: tests/vllm run in .venv-vllm (`./lab test` sets it "
+        "up and runs them there)",
+        allow_module_level=True,
+    )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -31,11 +34,20 @@ def trainer():
     from agl_lab.trainer import Trainer
 
     with isolated_ray_env("aglva") as path:
-        t = Trainer.from_config(CONFIG, [
-            "agl_lab.task.n_train=16", "agl_lab.task.n_val=2", "data.train_batch_size=4",
-            "actor_rollout_ref.actor.ppo_mini_batch_size=4", "trainer.total_training_steps=4",
-            "agentlightning.async_rollout.enabled=true", "agentlightning.async_rollout.async_train_batch_size=8"],
-            console=False, run_dir=os.path.join(path, "run"))
+        t = Trainer.from_config(
+            CONFIG,
+            [
+                "agl_lab.task.n_train=16",
+                "agl_lab.task.n_val=2",
+                "data.train_batch_size=4",
+                "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                "trainer.total_training_steps=4",
+                "agentlightning.async_rollout.enabled=true",
+                "agentlightning.async_rollout.async_train_batch_size=8",
+            ],
+            console=False,
+            run_dir=os.path.join(path, "run"),
+        )
         yield t
         t.close()
 
@@ -90,8 +102,11 @@ def test_a_killed_vllm_enginecore_fails_the_step_naming_the_replica_never_a_hang
     watched = [p for p in ours if p.name() in ("raylet", "gcs_server") or p.name().startswith(("ray::", "VLLM::"))]
     os.kill(core.pid, signal.SIGKILL)
     t0 = time.time()
-    with pytest.raises(VerlWorkerDied, match=r"the vLLM engine of rollout_replica/0/server_0 \(vLLMReplica\) died "
-                                             r"\(EngineDeadError"):
+    with pytest.raises(
+        VerlWorkerDied,
+        match=r"the vLLM engine of rollout_replica/0/server_0 \(vLLMReplica\) died "
+        r"\(EngineDeadError",
+    ):
         trainer.step()
     print(f"step failed {time.time() - t0:.1f} s after the EngineCore kill")
     with pytest.raises(VerlWorkerDied, match=re.escape("rollout_replica/0/server_0")):

@@ -56,22 +56,34 @@ def test_cpu_vllm_differs_from_gpu_verl_only_in_documented_device_keys(configs):
 
 def test_the_code_path_keys_are_equal(configs):
     gpu, cpu = configs
-    for key in ("agl_lab.engine", "actor_rollout_ref.rollout.name", "actor_rollout_ref.rollout.mode",
-                "actor_rollout_ref.hybrid_engine", "actor_rollout_ref.actor.strategy",
-                "actor_rollout_ref.rollout.checkpoint_engine.backend", "actor_rollout_ref.rollout.load_format",
-                "actor_rollout_ref.model.use_remove_padding", "actor_rollout_ref.actor.policy_loss.loss_mode",
-                "algorithm.adv_estimator", "agl_lab.server.include_log_probs", "agentlightning.async_rollout.enabled"):
+    for key in (
+        "agl_lab.engine",
+        "actor_rollout_ref.rollout.name",
+        "actor_rollout_ref.rollout.mode",
+        "actor_rollout_ref.hybrid_engine",
+        "actor_rollout_ref.actor.strategy",
+        "actor_rollout_ref.rollout.checkpoint_engine.backend",
+        "actor_rollout_ref.rollout.load_format",
+        "actor_rollout_ref.model.use_remove_padding",
+        "actor_rollout_ref.actor.policy_loss.loss_mode",
+        "algorithm.adv_estimator",
+        "agl_lab.server.include_log_probs",
+        "agentlightning.async_rollout.enabled",
+    ):
         assert OmegaConf.select(gpu, key) == OmegaConf.select(cpu, key), key
     assert cpu.actor_rollout_ref.rollout.name == "vllm"
 
 
 def test_the_comparison_catches_a_code_path_difference(configs):
     gpu, cpu = configs
-    drifted = OmegaConf.merge(cpu, {"actor_rollout_ref": {"rollout": {"mode": "sync", "checkpoint_engine": {
-        "backend": "nccl"}}}})
+    drifted = OmegaConf.merge(
+        cpu, {"actor_rollout_ref": {"rollout": {"mode": "sync", "checkpoint_engine": {"backend": "nccl"}}}}
+    )
     found = undocumented_differences(gpu, drifted)
-    assert [line.split(":")[0] for line in found] == ["actor_rollout_ref.rollout.checkpoint_engine.backend",
-                                                      "actor_rollout_ref.rollout.mode"]
+    assert [line.split(":")[0] for line in found] == [
+        "actor_rollout_ref.rollout.checkpoint_engine.backend",
+        "actor_rollout_ref.rollout.mode",
+    ]
 
 
 def test_every_device_key_is_used_and_explained(configs):

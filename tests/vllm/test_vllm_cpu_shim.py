@@ -21,23 +21,29 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 def _run(code: str, **env: str) -> dict:
     full_env = {**os.environ, "PYTHONPATH": ROOT, **env}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=180,
-                         cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=180, cwd=ROOT
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def test_importing_the_shim_imports_neither_verl_vllm_nor_torch():
-    heavy = _run("import sys, json\nimport agl_lab.engines.verl.vllm_cpu\n"
-                 "print(json.dumps([m for m in ('verl', 'vllm', 'torch', 'ray') if m in sys.modules]))")
+    heavy = _run(
+        "import sys, json\nimport agl_lab.engines.verl.vllm_cpu\n"
+        "print(json.dumps([m for m in ('verl', 'vllm', 'torch', 'ray') if m in sys.modules]))"
+    )
     assert heavy == []
 
 
 def test_server_env_defaults_and_the_users_values_win():
     from agl_lab.engines.verl.vllm_cpu import server_env
 
-    assert server_env({}) == {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-                              "OMP_NUM_THREADS": "1"}
+    assert server_env({}) == {
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "OMP_NUM_THREADS": "1",
+    }
     assert server_env({"VLLM_CPU_KVCACHE_SPACE": "4"})["VLLM_CPU_KVCACHE_SPACE"] == "4"
 
 

@@ -29,8 +29,11 @@ import time
 import pytest
 
 if importlib.util.find_spec("vllm") is None:
-    pytest.skip("vLLM is not installed in this environment: tests/vllm run in .venv-vllm (`./lab test` sets it "
-                "up and runs them there; `./lab setup-vllm` alone builds it)", allow_module_level=True)
+    pytest.skip(
+        "vLLM is not installed in this environment: tests/vllm run in .venv-vllm (`./lab test` sets it "
+        "up and runs them there; `./lab setup-vllm` alone builds it)",
+        allow_module_level=True,
+    )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -61,10 +64,18 @@ def trainer(ray_env):
 
     ENV_BEFORE.update({key: os.environ.get(key) for key in WORKER_ENV_KEYS})
     t0 = time.time()
-    t = Trainer.from_config(CONFIG, [
-        "agl_lab.task.n_train=16", "agl_lab.task.n_val=2", "data.train_batch_size=4",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "trainer.total_training_steps=4"],
-        console=False, run_dir=os.path.join(ray_env, "run"))
+    t = Trainer.from_config(
+        CONFIG,
+        [
+            "agl_lab.task.n_train=16",
+            "agl_lab.task.n_val=2",
+            "data.train_batch_size=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "trainer.total_training_steps=4",
+        ],
+        console=False,
+        run_dir=os.path.join(ray_env, "run"),
+    )
     print(f"engine start {time.time() - t0:.0f} s")
     yield t
     t.close()
@@ -77,16 +88,16 @@ def _replica(engine):
 
 def _fixed_sequence(engine, max_tokens: int = 12):
     """A sampled continuation of FIXED_PROMPT from the replica: (DataProto, served logprobs [R])."""
-    return sample_fixed(engine.endpoints()[0], FIXED_PROMPT, max_tokens=max_tokens, model=engine.model_name,
-                        timeout=120)
+    return sample_fixed(
+        engine.endpoints()[0], FIXED_PROMPT, max_tokens=max_tokens, model=engine.model_name, timeout=120
+    )
 
 
 def _served_logprobs_of(engine, data):
     """What the replica serves for `data`'s prompt + response (prompt logprobs of the whole sequence)."""
     ids = data.batch["input_ids"][0].tolist()
     n_resp = data.batch["responses"].shape[1]
-    body = {"model": engine.model_name, "prompt": ids, "max_tokens": 1, "temperature": 1.0,
-            "prompt_logprobs": 0}
+    body = {"model": engine.model_name, "prompt": ids, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
     answer = httpx.post(engine.endpoints()[0] + "/completions", json=body, timeout=120)
     assert answer.status_code == 200, answer.text
     per_token = answer.json()["choices"][0]["prompt_logprobs"]
@@ -99,6 +110,7 @@ def test_replicas_are_verl_vllm_and_the_gateway_registers_their_bound_address(tr
     replica = _replica(engine)
     assert type(replica).__name__ == "vLLMReplica"
     host, port = ray.get(replica.servers[0].get_server_address.remote())
+
     @ray.remote
     def node_ip_of_a_worker():
         return ray.util.get_node_ip_address()
@@ -107,11 +119,24 @@ def test_replicas_are_verl_vllm_and_the_gateway_registers_their_bound_address(tr
     assert host == node_ip == "127.0.0.1"  # Ray's node IP, kept on loopback by the engine (one node)
     assert engine.endpoints() == [f"http://{host}:{port}/v1"]  # what the gateway registers at each rollout
     # vLLM's CPU settings reached the server actor (verl's launch_servers: platform.rollout_env_vars())
-    env = ray.get(replica.servers[0].__ray_call__.remote(
-        lambda _actor: {k: os.environ.get(k) for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND",
-                                                        "OMP_NUM_THREADS", "VERL_USE_EXTERNAL_MODULES")}))
-    assert (env["VLLM_CPU_KVCACHE_SPACE"], env["VLLM_CPU_OMP_THREADS_BIND"], env["OMP_NUM_THREADS"]) == \
-        ("1", "nobind", "1"), env
+    env = ray.get(
+        replica.servers[0].__ray_call__.remote(
+            lambda _actor: {
+                k: os.environ.get(k)
+                for k in (
+                    "VLLM_CPU_KVCACHE_SPACE",
+                    "VLLM_CPU_OMP_THREADS_BIND",
+                    "OMP_NUM_THREADS",
+                    "VERL_USE_EXTERNAL_MODULES",
+                )
+            }
+        )
+    )
+    assert (env["VLLM_CPU_KVCACHE_SPACE"], env["VLLM_CPU_OMP_THREADS_BIND"], env["OMP_NUM_THREADS"]) == (
+        "1",
+        "nobind",
+        "1",
+    ), env
     assert "agl_lab.engines.verl.vllm_cpu" in env["VERL_USE_EXTERNAL_MODULES"].split(",")
     models = httpx.get(engine.endpoints()[0] + "/models", timeout=30).json()["data"]
     assert [m["id"] for m in models] == [engine.model_name]  # vLLM's own OpenAI app answers there
@@ -148,8 +173,10 @@ def test_local_and_vllm_engines_make_the_same_update(trainer):
     pd.testing.assert_frame_equal(local_result.weights, vllm_result.weights)  # the loss-weights tables
     moved = (local_after - local_before).abs().max().item()
     gap = (served_after - local_after).abs().max().item()
-    print(f"pg_loss local {lm['actor/pg_loss']:.6g} verl {vm['actor/pg_loss']:.6g}; update moved the probe's "
-          f"logprobs by {moved:.3g}; served (vLLM) vs local after the update {gap:.2e}")
+    print(
+        f"pg_loss local {lm['actor/pg_loss']:.6g} verl {vm['actor/pg_loss']:.6g}; update moved the probe's "
+        f"logprobs by {moved:.3g}; served (vLLM) vs local after the update {gap:.2e}"
+    )
     assert moved > 1e-3  # the comparison below is sharp: the update changed what is served
     assert gap < 1e-4  # parameter changes agree to ~1e-5 relative (test_verl_cpu); logprobs follow
 
@@ -166,8 +193,10 @@ def test_two_trainer_steps_serve_the_actors_weights_after_each_sync(trainer):
         served = _served_logprobs_of(engine, probe)
         actor = engine.compute_log_probs(probe, temperature=1.0)[0].float()
         gap = (served - actor).abs().max().item()
-        print(f"step {k + 1}: served vs actor {gap:.2e}; served moved {(served - previous).abs().max().item():.3g}; "
-              f"rollout_logprobs_diff_max {metrics['training/rollout_logprobs_diff_max']:.2e}")
+        print(
+            f"step {k + 1}: served vs actor {gap:.2e}; served moved {(served - previous).abs().max().item():.3g}; "
+            f"rollout_logprobs_diff_max {metrics['training/rollout_logprobs_diff_max']:.2e}"
+        )
         assert gap <= 1e-5
         previous = served
     fresh, served_fresh = _fixed_sequence(engine)  # sampled logprobs (the chat/completion route) too
@@ -186,8 +215,14 @@ def test_abort_with_requests_in_flight_then_a_parked_request_completes_after_res
     ends: dict[int, dict] = {}
 
     def stream(i: int) -> None:
-        body = {"model": engine.model_name, "prompt": FIXED_PROMPT, "max_tokens": budget, "temperature": 1.0,
-                "ignore_eos": True, "stream": True}
+        body = {
+            "model": engine.model_name,
+            "prompt": FIXED_PROMPT,
+            "max_tokens": budget,
+            "temperature": 1.0,
+            "ignore_eos": True,
+            "stream": True,
+        }
         tokens, finish = 0, None
         try:
             with httpx.stream("POST", base + "/completions", json=body, timeout=300) as answer:
@@ -220,10 +255,10 @@ def test_abort_with_requests_in_flight_then_a_parked_request_completes_after_res
     assert len(cut) >= 1 and all(end["chunks"] < budget for end in cut), ends  # ended early, marked aborted
 
     parked: dict = {}
-    body = {"model": engine.model_name, "prompt": FIXED_PROMPT, "max_tokens": 4, "temperature": 1.0,
-            "ignore_eos": True}
-    waiting = threading.Thread(target=lambda: parked.update(
-        httpx.post(base + "/completions", json=body, timeout=300).json()))
+    body = {"model": engine.model_name, "prompt": FIXED_PROMPT, "max_tokens": 4, "temperature": 1.0, "ignore_eos": True}
+    waiting = threading.Thread(
+        target=lambda: parked.update(httpx.post(base + "/completions", json=body, timeout=300).json())
+    )
     waiting.start()
     waiting.join(timeout=3)
     assert waiting.is_alive(), f"a request sent while aborted was served at once: {parked}"
@@ -257,6 +292,9 @@ def test_killed_vllm_server_fails_the_step_naming_it_and_close_leaves_no_ray_or_
     assert {key: os.environ.get(key) for key in WORKER_ENV_KEYS} == ENV_BEFORE
     _, alive = psutil.wait_procs(ray_procs + vllm_procs, timeout=60)  # a bounded wait for exits
     assert alive == [], [(p.pid, p.name(), " ".join(p.cmdline())[:80]) for p in alive]
-    leftovers = [p for p in psutil.process_iter(["name", "cmdline"])
-                 if "vllm::" in (p.info["name"] or "").lower() or "VLLM::" in " ".join(p.info["cmdline"] or [])]
+    leftovers = [
+        p
+        for p in psutil.process_iter(["name", "cmdline"])
+        if "vllm::" in (p.info["name"] or "").lower() or "VLLM::" in " ".join(p.info["cmdline"] or [])
+    ]
     assert leftovers == [], leftovers

@@ -127,8 +127,12 @@ def _left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
 
 
 def sample_tokens(
-    logits: torch.Tensor, temps: torch.Tensor, top_p: torch.Tensor, greedy: torch.Tensor,
-    uniforms: torch.Tensor, nucleus: bool = True,
+    logits: torch.Tensor,
+    temps: torch.Tensor,
+    top_p: torch.Tensor,
+    greedy: torch.Tensor,
+    uniforms: torch.Tensor,
+    nucleus: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row and the log-probabilities it was drawn from.
 
@@ -186,10 +190,17 @@ class DecodeBatch:
         return bool((self.top_p < 1.0).any())
 
     @classmethod
-    def prefill(cls, model: Any, prompts: list[list[int]], temps: list[float], top_p: list[float],
-                greedy: list[bool], pad_id: int,
-                prefixes: list[CachedPrefix | None] | None = None,
-                prefix_lens: list[int] | None = None) -> tuple[DecodeBatch, torch.Tensor]:
+    def prefill(
+        cls,
+        model: Any,
+        prompts: list[list[int]],
+        temps: list[float],
+        top_p: list[float],
+        greedy: list[bool],
+        pad_id: int,
+        prefixes: list[CachedPrefix | None] | None = None,
+        prefix_lens: list[int] | None = None,
+    ) -> tuple[DecodeBatch, torch.Tensor]:
         """One forward over the left-padded prompts → (batch with no pending tokens yet, logits [b, V]).
 
         With `prefixes` (row i's first `prefix_lens[i]` tokens already computed in a
@@ -212,13 +223,21 @@ class DecodeBatch:
             for i, m in enumerate(lens):
                 pre_mask[i, lp - m :] = 1
             mask = torch.cat([pre_mask, mask], dim=1)
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                    past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         batch = cls(
-            layers=list(cache.layers), mask=mask,
+            layers=list(cache.layers),
+            mask=mask,
             tokens=torch.zeros(n, dtype=torch.long, device=device),
             positions=torch.tensor([len(p) for p in prompts], device=device),
-            temps=torch.tensor(temps, device=device), top_p=torch.tensor(top_p, device=device),
+            temps=torch.tensor(temps, device=device),
+            top_p=torch.tensor(top_p, device=device),
             greedy=torch.tensor(greedy, device=device),
         )
         return batch, out.logits[:, -1, :]
@@ -226,7 +245,10 @@ class DecodeBatch:
     def row_kv(self, row: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Keys and values of the real (unmasked) columns of `row`, per layer [KV, n, D] (copies)."""
         cols = self.mask[row].nonzero()[:, 0]
-        return ([layer.kbuf[row, :, cols] for layer in self.layers], [layer.vbuf[row, :, cols] for layer in self.layers])
+        return (
+            [layer.kbuf[row, :, cols] for layer in self.layers],
+            [layer.vbuf[row, :, cols] for layer in self.layers],
+        )
 
     def decode(self, model: Any, fast: bool = True) -> torch.Tensor:
         """Forward the pending tokens (they enter the cache) → next-token logits [B, V].
@@ -238,8 +260,14 @@ class DecodeBatch:
         if fast and fast_decode.supports(model):
             logits = fast_decode.decode_step(model, self.layers, self.tokens, self.positions, mask)
         else:
-            out = model(input_ids=self.tokens[:, None], attention_mask=mask, position_ids=self.positions[:, None],
-                        past_key_values=Cache(layers=self.layers), use_cache=True, logits_to_keep=1)
+            out = model(
+                input_ids=self.tokens[:, None],
+                attention_mask=mask,
+                position_ids=self.positions[:, None],
+                past_key_values=Cache(layers=self.layers),
+                use_cache=True,
+                logits_to_keep=1,
+            )
             logits = out.logits[:, -1, :]
         self.mask, self.positions = mask, self.positions + 1
         return logits
@@ -258,7 +286,8 @@ class DecodeBatch:
             return torch.cat([m.new_zeros((m.shape[0], length - m.shape[1])), m], dim=1)
 
         return DecodeBatch(
-            layers=layers, mask=torch.cat([left(self.mask), left(other.mask)]),
+            layers=layers,
+            mask=torch.cat([left(self.mask), left(other.mask)]),
             **{f: torch.cat([getattr(self, f), getattr(other, f)]) for f in _ROW_FIELDS},
         )
 
@@ -267,8 +296,10 @@ class DecodeBatch:
         rows = torch.tensor(keep, device=self.mask.device)
         mask = self.mask[rows]
         first = int((mask.sum(0) > 0).nonzero()[0])
-        layers = [SlabLayer(layer.kbuf[rows, :, first:], layer.vbuf[rows, :, first:], layer.length - first)
-                  for layer in self.layers]
+        layers = [
+            SlabLayer(layer.kbuf[rows, :, first:], layer.vbuf[rows, :, first:], layer.length - first)
+            for layer in self.layers
+        ]
         return replace(self, layers=layers, mask=mask[:, first:], **{f: getattr(self, f)[rows] for f in _ROW_FIELDS})
 
 

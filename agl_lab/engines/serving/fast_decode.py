@@ -61,8 +61,11 @@ def supports(model: Any) -> bool:
 def _onednn_ok() -> bool:
     if os.environ.get("AGL_LAB_DECODE_ONEDNN", "1") == "0":  # opt out: torch's default matmul path
         return False
-    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
 
 
 _ONEDNN = _onednn_ok()
@@ -116,8 +119,9 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + rotated * sin
 
 
-def decode_step(model: Any, layers: list, tokens: torch.Tensor, positions: torch.Tensor,
-                mask: torch.Tensor) -> torch.Tensor:
+def decode_step(
+    model: Any, layers: list, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
     """Forward one pending token per row through `model`, appending its K/V to the slabs.
 
     tokens [B], positions [B] (position id of each token), mask [B, L+1] (1 = real column,

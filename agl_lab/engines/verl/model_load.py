@@ -89,8 +89,12 @@ def load_actor_module(config: Any) -> Any:
     model_config, actor = actor_configs(config)
     with one_process_group():
         engine_cls = verl_import("EngineRegistry.get_engine_cls")("language_model", actor.engine.strategy)
-        engine = engine_cls(model_config=model_config, engine_config=actor.engine, optimizer_config=actor.optim,
-                            checkpoint_config=actor.checkpoint)
+        engine = engine_cls(
+            model_config=model_config,
+            engine_config=actor.engine,
+            optimizer_config=actor.optim,
+            checkpoint_config=actor.checkpoint,
+        )
         return engine._build_module()
 
 
@@ -108,18 +112,21 @@ def packed_vs_padded(module: Any, lengths: Sequence[int] = (5, 9, 3), seed: int 
     ids = torch.zeros(len(rows), width, dtype=torch.long, device=device)
     mask = torch.zeros(len(rows), width, dtype=torch.long, device=device)
     for i, row in enumerate(rows):  # right padding, as verl's actor sees rows after removing left pads
-        ids[i, :len(row)], mask[i, :len(row)] = row, 1
+        ids[i, : len(row)], mask[i, : len(row)] = row, 1
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     was_training = module.training
     module.eval()
     try:
         with torch.no_grad():
             padded = module(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
-            packed = module(input_ids=torch.cat(rows)[None], use_cache=False,
-                            position_ids=torch.cat([torch.arange(len(r), device=device) for r in rows])[None]).logits[0]
+            packed = module(
+                input_ids=torch.cat(rows)[None],
+                use_cache=False,
+                position_ids=torch.cat([torch.arange(len(r), device=device) for r in rows])[None],
+            ).logits[0]
     finally:
         module.train(was_training)
-    real = torch.cat([padded[i, :len(r)] for i, r in enumerate(rows)])
+    real = torch.cat([padded[i, : len(r)] for i, r in enumerate(rows)])
     return float((real.float() - packed.float()).abs().max())
 
 

@@ -61,8 +61,15 @@ class InMemoryDataset(RLHFDataset):
     Rows are pickled inline (`serialize_dataset=True`) so Ray and dataloader checkpoints carry them.
     """
 
-    def __init__(self, rows: Sequence[Mapping[str, Any]], tokenizer: Any = None, config: Any = None,
-                 processor: Any = None, *, name: str = "dataset"):
+    def __init__(
+        self,
+        rows: Sequence[Mapping[str, Any]],
+        tokenizer: Any = None,
+        config: Any = None,
+        processor: Any = None,
+        *,
+        name: str = "dataset",
+    ):
         rows = list(rows)
         if not rows:
             raise ValueError(f"{name} must be non-empty: pass at least one task row (a dict)")
@@ -125,16 +132,21 @@ class AglRayPPOTrainer(RayPPOTrainer):
         from agl_lab.engines.verl import cluster
 
         pools = self.resource_pool_manager
-        cluster.check_placement(pools.resource_pool_spec, pools.max_colocate_count, cluster.alive_nodes(),
-                                joined=self.placement_fix_is_ray_start)
+        cluster.check_placement(
+            pools.resource_pool_spec,
+            pools.max_colocate_count,
+            cluster.alive_nodes(),
+            joined=self.placement_fix_is_ray_start,
+        )
         cluster.check_paths_on_nodes(self.worker_paths())
         timeout = OmegaConf.select(self.config, "agl_lab.verl.placement_timeout_seconds", default=None)
         create = pools.create_resource_pool
 
         def create_and_place() -> None:
             create()
-            cluster.place_pools(pools.resource_pool_dict.values(),
-                                cluster.PLACEMENT_TIMEOUT_S if timeout is None else float(timeout))
+            cluster.place_pools(
+                pools.resource_pool_dict.values(), cluster.PLACEMENT_TIMEOUT_S if timeout is None else float(timeout)
+            )
 
         pools.create_resource_pool = create_and_place  # verl's init_workers calls it first
         super().init_workers()
@@ -153,7 +165,8 @@ class AglRayPPOTrainer(RayPPOTrainer):
     def fit(self) -> None:
         raise NotImplementedError(
             "AglRayPPOTrainer is stepped by agl_lab.Trainer (rollout → build_batch → update); "
-            "call agl_lab.Trainer.fit(), not verl's fit()")
+            "call agl_lab.Trainer.fit(), not verl's fit()"
+        )
 
     # --- serving ---------------------------------------------------------------------------
 
@@ -202,8 +215,9 @@ class AglRayPPOTrainer(RayPPOTrainer):
         if batch.meta_info.get("agl_lab_prepared"):
             return batch, {}
         if "token_level_scores" not in batch.batch.keys():
-            raise ValueError("batch.batch['token_level_scores'] is missing: "
-                             "build the batch with agl_lab.batch.build_batch")
+            raise ValueError(
+                "batch.batch['token_level_scores'] is missing: build the batch with agl_lab.batch.build_batch"
+            )
         batch.meta_info.setdefault("temperature", self.config.actor_rollout_ref.rollout.temperature)
         metrics: dict[str, float] = {}
         batch = self._attach_log_probs(batch, metrics)
@@ -256,11 +270,15 @@ class AglRayPPOTrainer(RayPPOTrainer):
 
     def load_from(self, path: str) -> None:
         """verl `_load_checkpoint` from `path/global_step_N` (or the latest under `path`)."""
-        folder = path if os.path.basename(os.path.normpath(path)).startswith("global_step_") else \
-            verl_import("find_latest_ckpt_path")(path)
+        folder = (
+            path
+            if os.path.basename(os.path.normpath(path)).startswith("global_step_")
+            else verl_import("find_latest_ckpt_path")(path)
+        )
         if folder is None or not os.path.isdir(folder):
-            raise FileNotFoundError(f"no checkpoint at {path!r}: expected PATH/global_step_N "
-                                    "written by engine.save(PATH)")
+            raise FileNotFoundError(
+                f"no checkpoint at {path!r}: expected PATH/global_step_N written by engine.save(PATH)"
+            )
         from agl_lab.engines.verl.cluster import check_paths_on_nodes
 
         check_paths_on_nodes({"checkpoint": os.path.abspath(folder)})
@@ -307,8 +325,12 @@ class AglRayPPOTrainer(RayPPOTrainer):
         output, mfu = self.compute_old_log_probs(batch)
         metrics["timing_s/old_log_prob"] = time.perf_counter() - start
         actor = self.config.actor_rollout_ref.actor
-        entropy = verl_import("agg_loss")(loss_mat=output.batch["entropys"], loss_mask=batch.batch["response_mask"],
-                                          loss_agg_mode=actor.loss_agg_mode, loss_scale_factor=actor.loss_scale_factor)
+        entropy = verl_import("agg_loss")(
+            loss_mat=output.batch["entropys"],
+            loss_mask=batch.batch["response_mask"],
+            loss_agg_mode=actor.loss_agg_mode,
+            loss_scale_factor=actor.loss_scale_factor,
+        )
         metrics.update({"actor/entropy": float(entropy.detach().item()), "perf/mfu/actor_infer": float(mfu)})
         output.batch.pop("entropys")
         batch = batch.union(output)
@@ -319,7 +341,8 @@ class AglRayPPOTrainer(RayPPOTrainer):
     def _rewards_and_correction(self, batch: Any, metrics: dict[str, float]) -> Any:
         if self.config.algorithm.use_kl_in_reward:
             batch, kl_metrics = verl_import("apply_kl_penalty")(
-                batch, kl_ctrl=self.kl_ctrl_in_reward, kl_penalty=self.config.algorithm.kl_penalty)
+                batch, kl_ctrl=self.kl_ctrl_in_reward, kl_penalty=self.config.algorithm.kl_penalty
+            )
             metrics.update(kl_metrics)
         else:
             batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
@@ -335,16 +358,21 @@ class AglRayPPOTrainer(RayPPOTrainer):
         if self.use_critic:
             missing += [k for k in ("values", "returns") if k not in keys]
         if missing:
-            raise ValueError(f"update(batch) is missing {missing}: run engine.prepare(batch), then the advantage "
-                             "(agl_lab.algorithms), before engine.update(batch)")
+            raise ValueError(
+                f"update(batch) is missing {missing}: run engine.prepare(batch), then the advantage "
+                "(agl_lab.algorithms), before engine.update(batch)"
+            )
         if len(batch) == 0:
-            raise ValueError("update(batch) got 0 rows: skip the step instead (agl_lab.algorithms.prepare_update_batch "
-                             "returns None when nothing is trainable)")
+            raise ValueError(
+                "update(batch) got 0 rows: skip the step instead (agl_lab.algorithms.prepare_update_batch "
+                "returns None when nothing is trainable)"
+            )
         mini, dp = self.mini_batch_rows(), self.data_parallel_size()
         if mini % dp:
             raise ValueError(
                 f"a PPO mini-batch of actor_rollout_ref.actor.ppo_mini_batch_size × rollout.n = {mini} rows cannot be "
-                f"split over {dp} data-parallel ranks: make ppo_mini_batch_size × n a multiple of {dp}")
+                f"split over {dp} data-parallel ranks: make ppo_mini_batch_size × n a multiple of {dp}"
+            )
 
     def pad_to_mini_batches(self, batch: Any) -> tuple[Any, int]:
         """`batch` grown to a whole number of PPO mini-batches with zero-weight rows → (batch, n_pad).
@@ -399,12 +427,15 @@ class AglRayPPOTrainer(RayPPOTrainer):
             balanced = verl_import("get_seqlen_balanced_partitions")
             ranks: list[list[int]] = [[] for _ in range(dp)]
             for start in range(0, rows, mini):
-                groups = balanced(workload[start:start + mini], k_partitions=dp, equal_size=True)
+                groups = balanced(workload[start : start + mini], k_partitions=dp, equal_size=True)
                 for rank, group in zip(ranks, groups):
                     rank.extend(start + i for i in sorted(group))
             if metrics is not None:
-                metrics.update(verl_import("log_seqlen_unbalance")(
-                    seqlen_list=seqlens.tolist(), partitions=ranks, prefix="global_seqlen"))
+                metrics.update(
+                    verl_import("log_seqlen_unbalance")(
+                        seqlen_list=seqlens.tolist(), partitions=ranks, prefix="global_seqlen"
+                    )
+                )
             order = torch.tensor([i for rank in ranks for i in rank])
         ordered = batch.select_idxs(order)
         ordered.meta_info = dict(batch.meta_info)
@@ -412,8 +443,9 @@ class AglRayPPOTrainer(RayPPOTrainer):
 
     def mini_batch_rows(self) -> int:
         """Rows per PPO mini-batch: verl counts `ppo_mini_batch_size` in tasks, × `rollout.n`."""
-        return mini_batch_rows(self.config.actor_rollout_ref.actor.ppo_mini_batch_size,
-                               self.config.actor_rollout_ref.rollout.n)
+        return mini_batch_rows(
+            self.config.actor_rollout_ref.actor.ppo_mini_batch_size, self.config.actor_rollout_ref.rollout.n
+        )
 
     @staticmethod
     def _timed(metrics: dict[str, Any], name: str, fn: Callable[[], Any]) -> Any:
@@ -443,8 +475,9 @@ def apply_agl_lab_keys(cfg: DictConfig) -> None:
             cfg.actor_rollout_ref.model.path = str(model_path)
 
 
-def build_trainer(config: Any, train_dataset: Sequence[Mapping[str, Any]],
-                  val_dataset: Sequence[Mapping[str, Any]] | None = None) -> tuple[AglRayPPOTrainer, str]:
+def build_trainer(
+    config: Any, train_dataset: Sequence[Mapping[str, Any]], val_dataset: Sequence[Mapping[str, Any]] | None = None
+) -> tuple[AglRayPPOTrainer, str]:
     """Role mapping, resource pools, tokenizer and datasets → an `AglRayPPOTrainer` (workers not
     yet spawned: call `init_workers()`), and the model name vLLM serves (its local path).
 
@@ -461,16 +494,27 @@ def build_trainer(config: Any, train_dataset: Sequence[Mapping[str, Any]],
     runner.add_critic_worker(cfg)
     runner.add_reward_model_resource_pool(cfg)
     runner.add_teacher_model_resource_pool(cfg)
-    verl_import("validate_config")(config=cfg, use_reference_policy=verl_import("need_reference_policy")(cfg),
-                                   use_critic=verl_import("need_critic")(cfg))
+    verl_import("validate_config")(
+        config=cfg,
+        use_reference_policy=verl_import("need_reference_policy")(cfg),
+        use_critic=verl_import("need_critic")(cfg),
+    )
     model_config = verl_import("omega_conf_to_dataclass")(cfg.actor_rollout_ref.model)
     tokenizer, processor = model_config.tokenizer, model_config.processor
     train_ds = InMemoryDataset(train_dataset, tokenizer, cfg.data, processor, name="train_dataset")
-    val_ds = InMemoryDataset(val_dataset if val_dataset is not None else train_dataset, tokenizer, cfg.data,
-                             processor, name="val_dataset")
+    val_ds = InMemoryDataset(
+        val_dataset if val_dataset is not None else train_dataset, tokenizer, cfg.data, processor, name="val_dataset"
+    )
     trainer = AglRayPPOTrainer(
-        config=cfg, tokenizer=tokenizer, role_worker_mapping=runner.role_worker_mapping,
-        resource_pool_manager=runner.init_resource_pool_mgr(cfg), ray_worker_group_cls=worker_group_cls,
-        processor=processor, train_dataset=train_ds, val_dataset=val_ds,
-        collate_fn=verl_import("collate_fn"), train_sampler=verl_import("create_rl_sampler")(cfg.data, train_ds))
+        config=cfg,
+        tokenizer=tokenizer,
+        role_worker_mapping=runner.role_worker_mapping,
+        resource_pool_manager=runner.init_resource_pool_mgr(cfg),
+        ray_worker_group_cls=worker_group_cls,
+        processor=processor,
+        train_dataset=train_ds,
+        val_dataset=val_ds,
+        collate_fn=verl_import("collate_fn"),
+        train_sampler=verl_import("create_rl_sampler")(cfg.data, train_ds),
+    )
     return trainer, str(model_config.local_path)

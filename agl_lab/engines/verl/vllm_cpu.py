@@ -114,7 +114,7 @@ DEVICE_KEYS: dict[str, str] = {
     "trainer.test_freq": "validation cadence",
     "trainer.balance_batch": "CPU: one worker, nothing to balance; GPU: true, balanced within agl_lab's mini-batches",
     "actor_rollout_ref.rollout.engine_kwargs": "GPU: vLLM's tool-call parser for tool-using tasks (the tiny "
-                                                "CPU model calls no tools)",
+    "CPU model calls no tools)",
 }
 
 
@@ -134,7 +134,8 @@ def check_vllm_installed() -> None:
             "it in .venv-vllm (`./lab vllm-demo`, or `./lab setup-vllm` then .venv-vllm/bin/agl-lab), or set "
             "actor_rollout_ref.rollout.name=agl_lab_cpu (configs/cpu_verl.yaml). For the GPU path from a driver "
             "without a GPU (a login node), join the GPU cluster (RAY_ADDRESS=<head>:<port>) and set "
-            "agl_lab.verl.device=cuda")
+            "agl_lab.verl.device=cuda"
+        )
     try:
         version = md.version("vllm")
     except md.PackageNotFoundError:
@@ -143,7 +144,8 @@ def check_vllm_installed() -> None:
         raise RuntimeError(
             f"the installed vLLM distribution reports version {version!r}; verl reads "
             "importlib.metadata.version('vllm') and vLLM's CPU platform detection needs it to end in '+cpu': "
-            "set the environment up with `./lab setup-vllm` (it writes the vllm-<version>+cpu.dist-info alias)")
+            "set the environment up with `./lab setup-vllm` (it writes the vllm-<version>+cpu.dist-info alias)"
+        )
 
 
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # Ray's switch: "0" → node IP 127.0.0.1
@@ -205,11 +207,15 @@ def wrap_update_weights_from_ipc(original: Any) -> Any:
         return original
 
     @functools.wraps(original)
-    def update_weights_from_ipc(self: Any, peft_config: dict | None = None, base_sync_done: bool = False,
-                                use_shm: bool = False) -> Any:
+    def update_weights_from_ipc(
+        self: Any, peft_config: dict | None = None, base_sync_done: bool = False, use_shm: bool = False
+    ) -> Any:
         if not _vllm_on_cpu() or not _plain_weights_sync(self, peft_config, base_sync_done):
             return original(self, peft_config=peft_config, base_sync_done=base_sync_done, use_shm=use_shm)
-        initialize, finalize_reload = verl_import("initialize_layerwise_reload"), verl_import("finalize_layerwise_reload")
+        initialize, finalize_reload = (
+            verl_import("initialize_layerwise_reload"),
+            verl_import("finalize_layerwise_reload"),
+        )
         loader_utils = verl_module("process_weights_after_loading")
 
         models = list(self._iter_all_models_with_config())
@@ -223,8 +229,11 @@ def wrap_update_weights_from_ipc(original: Any) -> Any:
 
         def update_cloned(weights: Any, peft_config: Any, base_sync_done: bool) -> Any:
             # views into the reused shared-memory bucket → own storage
-            return receive([(name, tensor.clone()) for name, tensor in weights],
-                           peft_config=peft_config, base_sync_done=base_sync_done)
+            return receive(
+                [(name, tensor.clone()) for name, tensor in weights],
+                peft_config=peft_config,
+                base_sync_done=base_sync_done,
+            )
 
         self._update_weights = update_cloned  # an instance attribute, removed below
         try:

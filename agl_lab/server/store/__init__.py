@@ -31,9 +31,20 @@ from agl_lab.server.store.memory import MemoryStore
 from agl_lab.server.store.sqlite import SqliteStore
 
 __all__ = [
-    "DEFAULT_TERMINAL_LOG_LIMIT", "InvalidTransition", "MemoryStore", "PostgresStore", "ReusedAttempt",
-    "RolloutNotFound", "SchemaMismatch", "SqliteStore", "StaleAttempt", "Store", "StoreError", "StoreLocked",
-    "StoreUnavailable", "next_attempt_id",
+    "DEFAULT_TERMINAL_LOG_LIMIT",
+    "InvalidTransition",
+    "MemoryStore",
+    "PostgresStore",
+    "ReusedAttempt",
+    "RolloutNotFound",
+    "SchemaMismatch",
+    "SqliteStore",
+    "StaleAttempt",
+    "Store",
+    "StoreError",
+    "StoreLocked",
+    "StoreUnavailable",
+    "next_attempt_id",
 ]
 
 

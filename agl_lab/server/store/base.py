@@ -111,9 +111,12 @@ class ReusedAttempt(InvalidTransition):
     (AGL clients always claim attempt "0"): 409, so attempts stay bounded by max_attempts."""
 
     def __init__(self, rollout: Rollout, attempt_id: str):
-        ValueError.__init__(self, f"Rollout {rollout.rollout_id}: attempt {attempt_id} already ran (the rollout was "
-                                  f"re-queued); claim it as attempt {next_attempt_id(rollout.status.last_attempt_id)} "
-                                  f"(last_attempt_id) or through POST /api/rollouts/claim")
+        ValueError.__init__(
+            self,
+            f"Rollout {rollout.rollout_id}: attempt {attempt_id} already ran (the rollout was "
+            f"re-queued); claim it as attempt {next_attempt_id(rollout.status.last_attempt_id)} "
+            f"(last_attempt_id) or through POST /api/rollouts/claim",
+        )
         self.rollout_id, self.current, self.target = rollout.rollout_id, rollout.status.state, RolloutState.RUNNING
 
 
@@ -122,8 +125,10 @@ class StaleAttempt(StoreError, ValueError):
 
     def __init__(self, rollout: Rollout, attempt_id: str):
         live = rollout.status.last_attempt_id or DEFAULT_ATTEMPT_ID
-        super().__init__(f"Rollout {rollout.rollout_id}: attempt {attempt_id} is not running (the rollout is "
-                         f"{rollout.status.state.value}, attempt {live}); its lease expired or it was released")
+        super().__init__(
+            f"Rollout {rollout.rollout_id}: attempt {attempt_id} is not running (the rollout is "
+            f"{rollout.status.state.value}, attempt {live}); its lease expired or it was released"
+        )
         self.rollout_id, self.attempt_id = rollout.rollout_id, attempt_id
 
 
@@ -287,9 +292,7 @@ class Store(ABC):
                 self._touch([rollout_id], event.timestamp)  # one of an old attempt does not
             return event
 
-    def events(
-        self, rollout_id: str, *, event_type: str | None = None, attempt_id: str | None = None
-    ) -> list[Event]:
+    def events(self, rollout_id: str, *, event_type: str | None = None, attempt_id: str | None = None) -> list[Event]:
         """Events of one attempt in insertion order (default: `last_attempt_id or "0"`)."""
         with self._lock:
             rollout = self._load(rollout_id)
@@ -327,8 +330,13 @@ class Store(ABC):
         with self._lock, self._transaction():
             claimed = []
             for rollout in self._lock_queued(limit):
-                rollout = _with_status(rollout, now, state=RolloutState.RUNNING, error_message=None,
-                                       last_attempt_id=next_attempt_id(rollout.status.last_attempt_id))
+                rollout = _with_status(
+                    rollout,
+                    now,
+                    state=RolloutState.RUNNING,
+                    error_message=None,
+                    last_attempt_id=next_attempt_id(rollout.status.last_attempt_id),
+                )
                 self._replace(rollout)
                 claimed.append(rollout)
             self._touch([r.rollout_id for r in claimed], now)
@@ -354,8 +362,11 @@ class Store(ABC):
                 if rollout is None or not _runs_attempt(rollout, attempt_id):
                     continue
                 message = f"attempt {attempt_id} released ({reason}); re-queued"
-                self._replace(_with_status(rollout, now, state=RolloutState.QUEUING, error_message=message,
-                                           last_attempt_id=attempt_id))  # the next claim: attempt + 1
+                self._replace(
+                    _with_status(
+                        rollout, now, state=RolloutState.QUEUING, error_message=message, last_attempt_id=attempt_id
+                    )
+                )  # the next claim: attempt + 1
                 released.append(rid)
         return released
 
@@ -367,8 +378,10 @@ class Store(ABC):
         it runs that attempt: the runner of a re-queued attempt learns to stop its agent.
         """
         if attempt_ids is not None and len(attempt_ids) != len(rollout_ids):
-            raise ValueError(f"attempt_ids has {len(attempt_ids)} items for {len(rollout_ids)} rollout_ids: "
-                             "give one attempt id per rollout id, or none")
+            raise ValueError(
+                f"attempt_ids has {len(attempt_ids)} items for {len(rollout_ids)} rollout_ids: "
+                "give one attempt id per rollout id, or none"
+            )
         now = time.time()
         with self._lock:
             rollouts = self._load_many(list(rollout_ids))
@@ -376,8 +389,11 @@ class Store(ABC):
             for i, rid in enumerate(rollout_ids):
                 rollout = rollouts.get(rid)
                 attempt = None if attempt_ids is None else attempt_ids[i]
-                if rollout is not None and rollout.status.state == RolloutState.RUNNING and (
-                        attempt is None or _runs_attempt(rollout, attempt)):
+                if (
+                    rollout is not None
+                    and rollout.status.state == RolloutState.RUNNING
+                    and (attempt is None or _runs_attempt(rollout, attempt))
+                ):
                     live.append(rid)
                 else:
                     not_running.append(rid)
@@ -406,12 +422,17 @@ class Store(ABC):
                     continue
                 attempt = rollout.status.last_attempt_id or DEFAULT_ATTEMPT_ID
                 used = _attempts_used(attempt)  # a running rollout without an attempt id runs "0"
-                why = (f"attempt {attempt}: lease expired (no heartbeat, event or status change for "
-                       f"{lease_seconds:g}s, lease_seconds={lease_seconds:g}); its runner stopped or lost the network")
+                why = (
+                    f"attempt {attempt}: lease expired (no heartbeat, event or status change for "
+                    f"{lease_seconds:g}s, lease_seconds={lease_seconds:g}); its runner stopped or lost the network"
+                )
                 if used < max_attempts:
                     message = f"{why}; re-queued as attempt {next_attempt_id(attempt)} of max_attempts={max_attempts}"
-                    self._replace(_with_status(rollout, now, state=RolloutState.QUEUING, error_message=message,
-                                               last_attempt_id=attempt))  # the next claim: attempt + 1
+                    self._replace(
+                        _with_status(
+                            rollout, now, state=RolloutState.QUEUING, error_message=message, last_attempt_id=attempt
+                        )
+                    )  # the next claim: attempt + 1
                     outcome[rid] = "requeued"
                 else:
                     message = f"{why}; failed after {used} attempt(s) (max_attempts={max_attempts})"
@@ -631,4 +652,3 @@ def _check_creates(creates: Sequence[RolloutCreate]) -> None:
         check_storable(metadata, f"[{i}].metadata")
         if create.config is not None:
             check_storable(create.config.model_dump(), f"[{i}].config")
-

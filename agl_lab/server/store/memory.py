@@ -91,9 +91,12 @@ class MemoryStore(Store):
         return True
 
     def _events(self, rollout_id: str, attempt_id: str) -> list[Event]:
-        return [Event.model_construct(event_type=etype, rollout_id=rollout_id, attempt_id=attempt_id,
-                                      timestamp=ts, data=_unpack(data))
-                for etype, ts, data in self._event_log.get(rollout_id, {}).get(attempt_id, [])]
+        return [
+            Event.model_construct(
+                event_type=etype, rollout_id=rollout_id, attempt_id=attempt_id, timestamp=ts, data=_unpack(data)
+            )
+            for etype, ts, data in self._event_log.get(rollout_id, {}).get(attempt_id, [])
+        ]
 
     def _attempts(self, rollout_id: str) -> list[str]:
         buckets = self._event_log.get(rollout_id, {})

@@ -136,8 +136,9 @@ def redact(url: str) -> str:
     if "@" in netloc:
         user, _, host = netloc.rpartition("@")
         netloc = f"{user.split(':', 1)[0]}:***@{host}" if ":" in user else netloc
-    query = urllib.parse.urlencode([(k, "***" if k == "password" else v)
-                                    for k, v in urllib.parse.parse_qsl(parts.query)], safe="/%=")
+    query = urllib.parse.urlencode(
+        [(k, "***" if k == "password" else v) for k, v in urllib.parse.parse_qsl(parts.query)], safe="/%="
+    )
     return urllib.parse.urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
@@ -204,7 +205,8 @@ class _Checkout:
     def _unavailable(self, exc: BaseException) -> StoreUnavailable:
         return StoreUnavailable(
             f"PostgreSQL store {self._where} failed: {type(exc).__name__}: {_one_line(exc)} — nothing was "
-            f"stored; retry (is PostgreSQL up and reachable? the store URL is the `store` setting / --store)")
+            f"stored; retry (is PostgreSQL up and reachable? the store URL is the `store` setting / --store)"
+        )
 
 
 class PostgresStore(Store):
@@ -217,26 +219,41 @@ class PostgresStore(Store):
     connections (each concurrent store call holds one).
     """
 
-    def __init__(self, url: str, terminal_log_limit: int = DEFAULT_TERMINAL_LOG_LIMIT, *,
-                 pool_size: int = 16, connect_timeout: float = 10.0):
+    def __init__(
+        self,
+        url: str,
+        terminal_log_limit: int = DEFAULT_TERMINAL_LOG_LIMIT,
+        *,
+        pool_size: int = 16,
+        connect_timeout: float = 10.0,
+    ):
         super().__init__(terminal_log_limit)
         self.url = url
         self._where = redact(url)
         try:
             conninfo = psycopg.conninfo.make_conninfo(url, connect_timeout=max(1, round(connect_timeout)))
         except psycopg.ProgrammingError as exc:
-            raise ValueError(f"store url {self._where!r} is not a PostgreSQL URL ({_one_line(exc)}): use "
-                             "'postgresql://user:password@host:5432/database'") from None
+            raise ValueError(
+                f"store url {self._where!r} is not a PostgreSQL URL ({_one_line(exc)}): use "
+                "'postgresql://user:password@host:5432/database'"
+            ) from None
         try:
             with psycopg.connect(conninfo, autocommit=True) as conn:
                 _create_or_check_schema(conn, self._where)
         except psycopg.OperationalError as exc:
             raise StoreUnavailable(
                 f"cannot connect to the PostgreSQL store {self._where}: {_one_line(exc)}; start PostgreSQL or "
-                f"fix the URL (the `store` setting / --store)") from None
+                f"fix the URL (the `store` setting / --store)"
+            ) from None
         self._pool = psycopg_pool.ConnectionPool(
-            conninfo, min_size=1, max_size=pool_size, timeout=connect_timeout, open=True,
-            kwargs={"autocommit": True}, name=f"agl-store-{id(self):x}")
+            conninfo,
+            min_size=1,
+            max_size=pool_size,
+            timeout=connect_timeout,
+            open=True,
+            kwargs={"autocommit": True},
+            name=f"agl-store-{id(self):x}",
+        )
         self._lock = _Checkout(self._pool, self._where)  # type: ignore[assignment]  # see _Checkout
         self._activity = _Discard()
         with self._lock, self._transaction():
@@ -318,7 +335,9 @@ class PostgresStore(Store):
             "WITH locked AS (SELECT rollout_id FROM agl_rollouts WHERE rollout_id = ANY(%s) AND state = 'running' "
             "ORDER BY rollout_id FOR NO KEY UPDATE) "
             "UPDATE agl_rollouts r SET active_at = GREATEST(r.active_at, %s) FROM locked "
-            "WHERE r.rollout_id = locked.rollout_id RETURNING r.rollout_id", (list(rollout_ids), now))
+            "WHERE r.rollout_id = locked.rollout_id RETURNING r.rollout_id",
+            (list(rollout_ids), now),
+        )
         return {rid for (rid,) in rows}
 
     def _idle_running(self, before: float) -> list[str]:
@@ -326,8 +345,10 @@ class PostgresStore(Store):
         process) is older than `before`, in creation order. Reads only: the base class's
         `expire_leases` locks the rows it returns (`_load_many` in its transaction) and asks again,
         so a heartbeat that committed in between keeps its rollout."""
-        sql = (f"SELECT r.rollout_id FROM agl_rollouts r WHERE r.state = 'running' AND {_LAST_ACTIVITY} < %s "
-               "ORDER BY r.seq")
+        sql = (
+            f"SELECT r.rollout_id FROM agl_rollouts r WHERE r.state = 'running' AND {_LAST_ACTIVITY} < %s "
+            "ORDER BY r.seq"
+        )
         return [rid for (rid,) in self._db.execute(sql, (before,))]
 
     def _lock_queued(self, limit: int) -> list[Rollout]:
@@ -339,8 +360,9 @@ class PostgresStore(Store):
         """
         if not self._writing():
             raise RuntimeError("_lock_queued must run inside _transaction(): the locks end with it")
-        sql = ("SELECT body FROM agl_rollouts WHERE state = 'queuing' ORDER BY seq LIMIT %s "
-               "FOR NO KEY UPDATE SKIP LOCKED")
+        sql = (
+            "SELECT body FROM agl_rollouts WHERE state = 'queuing' ORDER BY seq LIMIT %s FOR NO KEY UPDATE SKIP LOCKED"
+        )
         return [Rollout.model_validate_json(body) for (body,) in self._db.execute(sql, (limit,))]
 
     # --- rollouts -------------------------------------------------------------------------------
@@ -357,8 +379,9 @@ class PostgresStore(Store):
         if not ids:
             return {}
         if self._writing():  # create_rollouts: a concurrent creator of one of these ids commits first
-            self._db.execute("SELECT pg_advisory_xact_lock(hashtextextended(id, 0)) FROM unnest(%s::text[]) id",
-                             (sorted(ids),))  # sorted: two creators lock in one order (no deadlock)
+            self._db.execute(
+                "SELECT pg_advisory_xact_lock(hashtextextended(id, 0)) FROM unnest(%s::text[]) id", (sorted(ids),)
+            )  # sorted: two creators lock in one order (no deadlock)
         rows = self._db.execute("SELECT rollout_id, body FROM agl_rollouts WHERE rollout_id = ANY(%s)", (ids,))
         return {rid: Rollout.model_validate_json(body) for rid, body in rows}
 
@@ -379,20 +402,28 @@ class PostgresStore(Store):
             "SELECT a, b, c, d FROM unnest(%s::text[], %s::text[], %s::float8[], %s::text[]) "
             "WITH ORDINALITY AS t(a, b, c, d, n) "
             "ORDER BY n",  # seq follows the batch order
-            ([r.rollout_id for r in rollouts], [r.status.state.value for r in rollouts],
-             [r.status.updated_at for r in rollouts], [r.model_dump_json() for r in rollouts]))
+            (
+                [r.rollout_id for r in rollouts],
+                [r.status.state.value for r in rollouts],
+                [r.status.updated_at for r in rollouts],
+                [r.model_dump_json() for r in rollouts],
+            ),
+        )
 
     def _replace(self, rollout: Rollout) -> None:
-        self._db.execute("UPDATE agl_rollouts SET state = %s, updated_at = %s, body = %s WHERE rollout_id = %s",
-                         (rollout.status.state.value, rollout.status.updated_at, rollout.model_dump_json(),
-                          rollout.rollout_id))
+        self._db.execute(
+            "UPDATE agl_rollouts SET state = %s, updated_at = %s, body = %s WHERE rollout_id = %s",
+            (rollout.status.state.value, rollout.status.updated_at, rollout.model_dump_json(), rollout.rollout_id),
+        )
 
     def _remove(self, rollout_id: str) -> None:
         self._db.execute("DELETE FROM agl_rollouts WHERE rollout_id = %s", (rollout_id,))  # events: CASCADE
 
     def _list(self, states: list[RolloutState], limit: int) -> list[Rollout]:
-        rows = self._db.execute("SELECT body FROM agl_rollouts WHERE state = ANY(%s) ORDER BY seq LIMIT %s",
-                                ([s.value for s in states], min(limit, 2**62)))
+        rows = self._db.execute(
+            "SELECT body FROM agl_rollouts WHERE state = ANY(%s) ORDER BY seq LIMIT %s",
+            ([s.value for s in states], min(limit, 2**62)),
+        )
         return [Rollout.model_validate_json(body) for (body,) in rows]
 
     # --- events ---------------------------------------------------------------------------------
@@ -406,7 +437,8 @@ class PostgresStore(Store):
             cur = self._db.execute(
                 "INSERT INTO agl_events (rollout_id, attempt_id, event_type, timestamp, data) "
                 "SELECT %s, %s, %s, %s, %s WHERE EXISTS (SELECT 1 FROM agl_rollouts WHERE rollout_id = %s)",
-                (event.rollout_id, event.attempt_id, event.event_type, event.timestamp, data, event.rollout_id))
+                (event.rollout_id, event.attempt_id, event.event_type, event.timestamp, data, event.rollout_id),
+            )
         except psycopg.errors.ForeignKeyViolation:  # deleted between the check and the insert
             return False
         return cur.rowcount == 1
@@ -416,16 +448,23 @@ class PostgresStore(Store):
             return []
         rows = self._db.execute(
             "SELECT event_type, timestamp, data FROM agl_events WHERE rollout_id = %s AND attempt_id = %s ORDER BY seq",
-            (rollout_id, attempt_id))
-        return [Event.model_construct(event_type=etype, rollout_id=rollout_id, attempt_id=attempt_id,
-                                      timestamp=ts, data=orjson.loads(data)) for etype, ts, data in rows]
+            (rollout_id, attempt_id),
+        )
+        return [
+            Event.model_construct(
+                event_type=etype, rollout_id=rollout_id, attempt_id=attempt_id, timestamp=ts, data=orjson.loads(data)
+            )
+            for etype, ts, data in rows
+        ]
 
     def _attempts(self, rollout_id: str) -> list[str]:
         if "\x00" in rollout_id:
             return []
         rows = self._db.execute(
             "SELECT attempt_id FROM agl_events WHERE rollout_id = %s GROUP BY attempt_id "
-            "ORDER BY MIN(timestamp), MIN(seq)", (rollout_id,))
+            "ORDER BY MIN(timestamp), MIN(seq)",
+            (rollout_id,),
+        )
         return [aid for (aid,) in rows]
 
     # --- terminal-order log ---------------------------------------------------------------------
@@ -434,11 +473,15 @@ class PostgresStore(Store):
         # Critical: the head's row lock is held until COMMIT, so indices are taken in commit order
         self._db.execute(
             "WITH head AS (UPDATE agl_terminal_head SET total = total + 1 RETURNING total - 1 AS idx) "
-            "INSERT INTO agl_terminal_log (idx, rollout_id) SELECT idx, %s FROM head", (rollout_id,))
+            "INSERT INTO agl_terminal_log (idx, rollout_id) SELECT idx, %s FROM head",
+            (rollout_id,),
+        )
 
     def _terminal_trim(self) -> None:
-        self._db.execute("DELETE FROM agl_terminal_log WHERE idx < (SELECT total FROM agl_terminal_head) - %s",
-                         (self.terminal_log_limit,))
+        self._db.execute(
+            "DELETE FROM agl_terminal_log WHERE idx < (SELECT total FROM agl_terminal_head) - %s",
+            (self.terminal_log_limit,),
+        )
 
     def _terminal_total(self) -> int:
         (total,) = self._db.execute("SELECT total FROM agl_terminal_head").fetchone()  # type: ignore[misc]
@@ -453,7 +496,8 @@ class PostgresStore(Store):
     def _terminal_slice(self, start: int, stop: int) -> list[str]:
         sql = (  # "" for an entry superseded by a later entry of the same id
             "SELECT CASE WHEN t.idx = (SELECT MAX(l.idx) FROM agl_terminal_log l WHERE l.rollout_id = t.rollout_id) "
-            "THEN t.rollout_id ELSE '' END FROM agl_terminal_log t WHERE t.idx >= %s AND t.idx < %s ORDER BY t.idx")
+            "THEN t.rollout_id ELSE '' END FROM agl_terminal_log t WHERE t.idx >= %s AND t.idx < %s ORDER BY t.idx"
+        )
         return [rid for (rid,) in self._db.execute(sql, (start, stop))]
 
     # --- model registry -------------------------------------------------------------------------
@@ -462,7 +506,8 @@ class PostgresStore(Store):
         self._db.execute(
             "INSERT INTO agl_models (model, endpoint, version) VALUES (%s, %s, %s) "
             "ON CONFLICT (model, endpoint) DO UPDATE SET version = EXCLUDED.version",
-            (model.model, model.endpoint, model.version))
+            (model.model, model.endpoint, model.version),
+        )
 
     def _clear_models(self) -> None:
         self._db.execute("DELETE FROM agl_models")
@@ -490,4 +535,5 @@ def _create_or_check_schema(conn: psycopg.Connection[Any], where: str) -> None:
         raise SchemaMismatch(
             f"PostgreSQL store {where} holds agl_lab tables of schema version {version}, this agl_lab reads "
             f"version {SCHEMA_VERSION}: point the `store` setting at another database (or schema: "
-            f"?options=-csearch_path%3Dname), or drop the agl_* tables of the old one")
+            f"?options=-csearch_path%3Dname), or drop the agl_* tables of the old one"
+        )

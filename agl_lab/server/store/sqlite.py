@@ -90,9 +90,12 @@ class SqliteStore(Store):
         self._checkpointer: threading.Thread | None = None
         if path != ":memory:":  # an in-memory database has no WAL to checkpoint
             self._db.execute("PRAGMA wal_autocheckpoint=0")  # the checkpoint thread does it
-            self._checkpointer = threading.Thread(target=self._checkpoint_loop,
-                                                  args=(weakref.ref(self), self._closed, path),
-                                                  name="agl-sqlite-checkpoint", daemon=True)
+            self._checkpointer = threading.Thread(
+                target=self._checkpoint_loop,
+                args=(weakref.ref(self), self._closed, path),
+                name="agl-sqlite-checkpoint",
+                daemon=True,
+            )
             self._checkpointer.start()
         with self._lock:
             self._terminal_trim()  # a smaller limit on reopen applies at once
@@ -247,19 +250,19 @@ class SqliteStore(Store):
             return False
         self._db.execute(
             "INSERT INTO events (rollout_id, attempt_id, event_type, timestamp, data) VALUES (?, ?, ?, ?, ?)",
-            (event.rollout_id, event.attempt_id, event.event_type, event.timestamp,
-             dump_storable(event.data, "data")))  # a BLOB: no decode to str and re-encode by sqlite3
+            (event.rollout_id, event.attempt_id, event.event_type, event.timestamp, dump_storable(event.data, "data")),
+        )  # a BLOB: no decode to str and re-encode by sqlite3
         return True
 
     def _events(self, rollout_id: str, attempt_id: str) -> list[Event]:
-        sql = (
-            "SELECT event_type, timestamp, data FROM events "
-            "WHERE rollout_id=? AND attempt_id=? ORDER BY seq"
-        )
+        sql = "SELECT event_type, timestamp, data FROM events WHERE rollout_id=? AND attempt_id=? ORDER BY seq"
         return [
             Event.model_construct(
-                event_type=etype, rollout_id=rollout_id, attempt_id=attempt_id,
-                timestamp=ts, data=load_stored(data),
+                event_type=etype,
+                rollout_id=rollout_id,
+                attempt_id=attempt_id,
+                timestamp=ts,
+                data=load_stored(data),
             )
             for etype, ts, data in self._db.execute(sql, (rollout_id, attempt_id))
         ]
