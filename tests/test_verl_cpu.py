@@ -23,7 +23,10 @@ import signal
 import pandas as pd
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # the module fixture starts Ray, FSDP workers and a replica: > 300 s beside two busy loops
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(900),
+]  # the module fixture starts Ray, FSDP workers and a replica: > 300 s beside two busy loops
 
 ray = pytest.importorskip("ray")
 torch = pytest.importorskip("torch")
