@@ -31,7 +31,7 @@ import pytest
 
 import agl_lab
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]  # two Ray nodes and FSDP workers: slow on a busy machine
 
 ray = pytest.importorskip("ray")
 torch = pytest.importorskip("torch")
