@@ -58,10 +58,14 @@ class Execution:
         # (agents receive it through their context / AGL_KEY like any other key).
         self.key = str(agl.agl_key or "") or (secrets.token_hex(16) if lab.server.embedded else "")
         if lab.server.embedded:
+            import os
+
+            from agl_lab.addresses import ENGINE_KEY_ENV
             from agl_lab.server.embedded import EmbeddedServer
 
             self.server = EmbeddedServer(
                 key=self.key,
+                upstream_key=os.environ.get(ENGINE_KEY_ENV, ""),  # the engine's key beyond loopback (addresses.py)
                 host=str(lab.server.get("host") or "127.0.0.1"),  # agl_lab.server.host / advertise_host: addresses.py
                 advertise_host=lab.server.get("advertise_host"),
                 store=str(lab.server.store),

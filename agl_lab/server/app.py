@@ -238,7 +238,7 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         gateway.client = open_upstream_client(
-            cfg.upstream_client, cfg.upstream_timeout_seconds, cfg.max_upstream_answer_bytes
+            cfg.upstream_client, cfg.upstream_timeout_seconds, cfg.max_upstream_answer_bytes, cfg.upstream_key
         )
         sweeper = (
             asyncio.ensure_future(_expire_leases_forever(store, cfg.lease_seconds, cfg.max_attempts, queued))

@@ -54,6 +54,8 @@ class ServerConfig(_Strict):
     upstream_backoff_max_seconds: float = Field(8.0, ge=0)
     upstream_breaker_seconds: float = Field(5.0, ge=0)  # an endpoint that refused connections fails fast
     #                                                     this long (503 + Retry-After); 0: retry instead
+    upstream_key: str = ""  # sent upstream as a Bearer token: the engine's key (AGL_ENGINE_KEY), which
+    #                        its OpenAI server requires when bound beyond loopback
     upstream_client: Literal["auto", "raw", "aiohttp", "httpx"] = "auto"  # auto: the raw client (least CPU per call)
     max_body_bytes: int = Field(32 * 2**20, ge=1)  # larger request bodies answer 413 (checked before reading)
     max_header_bytes: int = Field(64 * 2**10, ge=1024)  # a request head (line + headers) beyond this: 431

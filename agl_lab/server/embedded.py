@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 import uvicorn
 
-from agl_lab.addresses import advertised_host, is_loopback, url_host
+from agl_lab.addresses import ENGINE_KEY_ENV, advertised_host, is_loopback, url_host
 from agl_lab.client import server_key
 from agl_lab.server.app import create_app
 from agl_lab.server.asgi import HTTP_PROTOCOL, http_protocol, read_limits
@@ -250,6 +250,13 @@ def _parser() -> argparse.ArgumentParser:
         help="API key; prefer AGL_KEY or --key-file (ps shows arguments). None: auth off, loopback only",
     )
     p.add_argument("--key-file", default=None, metavar="PATH", help="read the API key from this file")
+    p.add_argument(
+        "--engine-key-file",
+        default=None,
+        metavar="PATH",
+        help="upstream_key: the key sent to the engines' OpenAI servers (default: AGL_ENGINE_KEY); "
+        "an engine bound beyond loopback requires it",
+    )
     p.add_argument("--model-name", default=None, help="default_proxy.model_name: the model engines register")
     p.add_argument(
         "--store",
@@ -360,10 +367,15 @@ def serve_config(args: argparse.Namespace, environ: Mapping[str, str] | None = N
         proxy["train"] = {"temperature": args.train_temperature}
     if args.val_temperature is not None:
         proxy["val"] = {"temperature": args.val_temperature}
+    env = os.environ if environ is None else environ
+    upstream_key = env.get(ENGINE_KEY_ENV, "")
+    if getattr(args, "engine_key_file", None):
+        upstream_key = _read_key_file(args.engine_key_file, "--engine-key-file")
     raw: dict[str, Any] = {
         "host": args.host,
         "port": args.port,
         "key": key,
+        "upstream_key": upstream_key,
         "store": args.store,
         "default_proxy": proxy,
         "token_preserving": args.token_preserving,
@@ -373,6 +385,16 @@ def serve_config(args: argparse.Namespace, environ: Mapping[str, str] | None = N
     if getattr(args, "allowed_hosts", None):
         raw["allowed_hosts"] = [*ServerConfig().allowed_hosts, *args.allowed_hosts]
     return load_server_config(raw)
+
+
+def _read_key_file(path: str, flag: str) -> str:
+    try:
+        key = open(path, encoding="utf-8").read().strip()  # noqa: SIM115
+    except OSError as exc:
+        raise SystemExit(f"agl-lab serve: {flag} {path}: {exc.strerror}") from None
+    if not key:
+        raise SystemExit(f"agl-lab serve: {flag} {path} is empty: write the key into it")
+    return key
 
 
 def serve_main(argv: list[str]) -> int:
