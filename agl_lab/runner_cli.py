@@ -96,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help=f"print a summary line every N finished rollouts (default {SUMMARY_EVERY}; 0: only on exit)",
     )
+    p.add_argument(
+        "--ssl-ca-file",
+        default=None,
+        metavar="PEM",
+        help="verify an https:// server with this CA file (sets SSL_CERT_FILE for the runner and its agents)",
+    )
     p.add_argument("--log-level", default="warning", help="log level of the runner's messages (default warning)")
     return p
 
@@ -208,6 +214,10 @@ def _build_runner(args: argparse.Namespace):
         )
     if not args.server.startswith(("http://", "https://")):
         raise ValueError(f"--server {args.server!r} must be an http:// or https:// URL")
+    if args.ssl_ca_file is not None:
+        if not os.access(args.ssl_ca_file, os.R_OK):
+            raise ValueError(f"--ssl-ca-file {args.ssl_ca_file} is not a readable file")
+        os.environ["SSL_CERT_FILE"] = args.ssl_ca_file  # httpx and the openai SDK (agents) read it
     if args.summary_every < 0:
         raise ValueError(f"--summary-every must be >= 0, got {args.summary_every}")
     if os.getcwd() not in sys.path:  # `module:function` imports from the current directory, as `python -m`
@@ -241,5 +251,8 @@ def _check_server(runner) -> bool:
         )
         return False
     except Exception as exc:  # not up yet, or a hiccup: the poll loop keeps trying
+        if "CERTIFICATE_VERIFY_FAILED" in str(exc):  # except this: the next try meets the same certificate
+            print(f"agl-lab runner: {exc}", file=sys.stderr)
+            return False
         print(f"agl-lab runner: {runner.server_url} is not reachable yet ({exc!r:.200}); retrying", flush=True)
     return True

@@ -287,8 +287,31 @@ def _parser() -> argparse.ArgumentParser:
         help="allowed_hosts: without a key, also answer requests whose Host header is NAME "
         "(repeatable; '*' for any; default only localhost, 127.0.0.1, ::1)",
     )
+    p.add_argument(
+        "--ssl-certfile",
+        default=None,
+        metavar="PEM",
+        help="serve HTTPS with this certificate (chain); clients verify it with SSL_CERT_FILE=CA.pem",
+    )
+    p.add_argument("--ssl-keyfile", default=None, metavar="PEM", help="the private key of --ssl-certfile")
     p.add_argument("--log-level", default="info")
     return p
+
+
+def tls_files(args: argparse.Namespace) -> dict[str, str]:
+    """uvicorn's `ssl_certfile`/`ssl_keyfile` from --ssl-certfile/--ssl-keyfile ({}: plain HTTP).
+    Both or neither; each must be a readable file (SystemExit naming the flag otherwise)."""
+    import os
+
+    cert, key = getattr(args, "ssl_certfile", None), getattr(args, "ssl_keyfile", None)
+    if (cert is None) != (key is None):
+        raise SystemExit("agl-lab serve: give --ssl-certfile and --ssl-keyfile together (the certificate and its key)")
+    if cert is None:
+        return {}
+    for flag, path in (("--ssl-certfile", cert), ("--ssl-keyfile", key)):
+        if not os.access(path, os.R_OK):
+            raise SystemExit(f"agl-lab serve: {flag} {path} is not a readable file")
+    return {"ssl_certfile": cert, "ssl_keyfile": key}
 
 
 # `agl-lab serve` flags of the ServerConfig keys set only when given: flag -> (key, type, metavar, help)
@@ -401,6 +424,7 @@ def serve_main(argv: list[str]) -> int:
     """`agl-lab serve ...`: run the server in the foreground until interrupted."""
     args = _parser().parse_args(argv)
     config = serve_config(args)
+    tls = tls_files(args)
     if args.tokenizer_path and not config.token_preserving:
         raise SystemExit("agl-lab serve: --tokenizer-path is only used with --token-preserving")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -431,6 +455,7 @@ def serve_main(argv: list[str]) -> int:
             log_level=args.log_level,
             http=http_protocol(read_limits(config)),
             access_log=access_log,
+            **tls,
         )
     finally:
         store.close()
