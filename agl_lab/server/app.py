@@ -262,8 +262,9 @@ def create_app(
         "key": cfg.key,
         "max_body_bytes": cfg.max_body_bytes,
         "open_paths": open_paths,
-        "token_check": rollout_token_checker(cfg.key, store),
+        "token_check": rollout_token_checker(cfg.key, store, cfg.runner_key),
         "allowed_hosts": tuple(cfg.allowed_hosts),
+        "runner_key": cfg.runner_key,
     }
     app.add_middleware(RequestGuard, **guard)  # auth lives here, before the body is read
     # the hot path as a plain Starlette route (no dependency solving), which AglApp's fast path
@@ -289,13 +290,14 @@ def _no_check(_: Request) -> None:
     """The proxy route's own check: none, RequestGuard authorised the request already."""
 
 
-def rollout_token_checker(key: str, store: Store) -> Callable[[str, str, str], bool]:
+def rollout_token_checker(key: str, store: Store, runner_key: str = "") -> Callable[[str, str, str], bool]:
     """`check(token, method, path)`: a per-rollout token (`rollout_token`) opens only POSTs to
     its rollout's proxy route and event route, and only for the rollout's live attempt: the
     rollout exists with the `created_at` the token was made for (not a re-created one), is
     running (or queuing and never claimed), the path names its live attempt (`last_attempt_id`,
     default "0") and the token was made for that attempt: an agent of a re-queued or released
-    attempt is refused."""
+    attempt is refused. Tokens made from the runner key (a runner holding only that) count too."""
+    keys = (key, runner_key) if runner_key else (key,)
 
     def check(token: str, method: str, path: str) -> bool:
         if method != "POST" or not token.startswith(ROLLOUT_TOKEN_PREFIX):
@@ -321,8 +323,8 @@ def rollout_token_checker(key: str, store: Store) -> Callable[[str, str, str], b
             return False
         if attempt_id != (status.last_attempt_id or DEFAULT_ATTEMPT_ID):
             return False
-        expected = rollout_token(key, rollout_id, rollout.status.created_at, attempt_id)
-        return secrets.compare_digest(token.encode(), expected.encode())
+        made = [rollout_token(k, rollout_id, rollout.status.created_at, attempt_id).encode() for k in keys]
+        return any(secrets.compare_digest(token.encode(), expected) for expected in made)
 
     return check
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from agl_lab.server.store import DEFAULT_TERMINAL_LOG_LIMIT
 
@@ -44,6 +44,7 @@ class ServerConfig(_Strict):
     host: str = "127.0.0.1"  # AGL binds 0.0.0.0; loopback is the safe default
     port: int = Field(8080, ge=0, le=65535)
     key: str = ""
+    runner_key: str = ""  # a key scoped to what runners do (server/guard.py RUNNER_SCOPE); needs `key`
     default_proxy: DefaultProxyConfig = Field(default_factory=DefaultProxyConfig)
     store: str = "memory"  # or "sqlite:///path/to/store.db", "postgresql://user:pass@host:5432/db" (shared)
     terminal_log_limit: int = Field(DEFAULT_TERMINAL_LOG_LIMIT, ge=1)
@@ -73,6 +74,14 @@ class ServerConfig(_Strict):
     docs_auth: bool = True  # /docs, /redoc and /openapi.json need the key too (false: open like /healthz)
     token_preserving: bool = False  # flag only; the mode plugs in as a gateway request rewriter
     call_seed: int | None = None  # seed calls that carry none from their position (server/seeding.py)
+
+    @model_validator(mode="after")
+    def _runner_key_beside_a_key(self) -> ServerConfig:
+        if self.runner_key and not self.key:
+            raise ValueError("runner_key needs key (the admin key) set too: without a key, auth is off")
+        if self.runner_key and self.runner_key == self.key:
+            raise ValueError("runner_key must differ from key: the runner key is the one with less power")
+        return self
 
 
 def load_server_config(config: ServerConfig | Mapping[str, Any] | None) -> ServerConfig:

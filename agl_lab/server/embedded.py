@@ -38,6 +38,7 @@ from agl_lab.server.config import ServerConfig, load_server_config
 from agl_lab.server.store import Store, StoreError
 
 logger = logging.getLogger("agl_lab.server")
+RUNNER_KEY_ENV = "AGL_RUNNER_KEY"  # agl-lab serve's runner_key (a runner host holds it as its AGL_KEY)
 
 
 class ThreadedUvicorn:
@@ -251,6 +252,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--key-file", default=None, metavar="PATH", help="read the API key from this file")
     p.add_argument(
+        "--runner-key-file",
+        default=None,
+        metavar="PATH",
+        help="runner_key: a key for runner hosts (default: AGL_RUNNER_KEY) that opens only claims, heartbeats, "
+        "releases, PATCHes, events and agent tokens: no deletes, no model registration",
+    )
+    p.add_argument(
         "--engine-key-file",
         default=None,
         metavar="PATH",
@@ -394,11 +402,17 @@ def serve_config(args: argparse.Namespace, environ: Mapping[str, str] | None = N
     upstream_key = env.get(ENGINE_KEY_ENV, "")
     if getattr(args, "engine_key_file", None):
         upstream_key = _read_key_file(args.engine_key_file, "--engine-key-file")
+    runner_key = env.get(RUNNER_KEY_ENV, "")
+    if getattr(args, "runner_key_file", None):
+        runner_key = _read_key_file(args.runner_key_file, "--runner-key-file")
+    if runner_key and not key:
+        raise SystemExit("agl-lab serve: a runner key needs the admin key too: set AGL_KEY (or --key-file)")
     raw: dict[str, Any] = {
         "host": args.host,
         "port": args.port,
         "key": key,
         "upstream_key": upstream_key,
+        "runner_key": runner_key,
         "store": args.store,
         "default_proxy": proxy,
         "token_preserving": args.token_preserving,
