@@ -97,6 +97,19 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"print a summary line every N finished rollouts (default {SUMMARY_EVERY}; 0: only on exit)",
     )
     p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve GET /metrics (Prometheus text: agl_runner_*) on this port (0: a free one; default off)",
+    )
+    p.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        metavar="HOST",
+        help="bind address of --metrics-port (default 127.0.0.1; the counters carry no secrets)",
+    )
+    p.add_argument(
         "--ssl-ca-file",
         default=None,
         metavar="PEM",
@@ -147,6 +160,11 @@ def runner_main(argv: list[str]) -> int:
         signal.signal(sig, on_signal)
     t0 = time.monotonic()
     runner.start()
+    metrics_server = None
+    if args.metrics_port is not None:
+        metrics_server = serve_metrics(runner, args.metrics_host, args.metrics_port)
+        host, port = metrics_server.server_address[:2]
+        print(f"agl-lab runner: metrics at http://{host}:{port}/metrics", flush=True)
     spec = getattr(runner.agent, "__module__", ""), getattr(runner.agent, "__qualname__", runner.agent)
     agent = (
         args.agent
@@ -170,8 +188,37 @@ def runner_main(argv: list[str]) -> int:
             printed = done - done % args.summary_every
             print(summary_line(stats, time.monotonic() - t0), flush=True)
     runner.stop()
+    if metrics_server is not None:
+        metrics_server.shutdown()
     print(summary_line(runner.stats, time.monotonic() - t0, f"agl-lab runner: stopped ({received[0]})"), flush=True)
     return 0
+
+
+def serve_metrics(runner: Any, host: str, port: int) -> Any:
+    """A thread serving `GET /metrics` (the runner's counters, Prometheus text) on host:port."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from agl_lab.server.metrics import CONTENT_TYPE, render, runner_samples
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            if self.path.split("?")[0] != "/metrics":
+                self.send_error(404, "only GET /metrics is served here")
+                return
+            body = render(runner_samples(runner.stats)).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", CONTENT_TYPE)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_: Any) -> None:  # one line per scrape is noise
+            pass
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="runner-metrics", daemon=True).start()
+    return server
 
 
 def _from_config(args: argparse.Namespace) -> None:

@@ -89,6 +89,7 @@ from agl_lab.server.backends import open_store
 from agl_lab.server.config import ServerConfig, load_server_config
 from agl_lab.server.gateway import Gateway, RequestRewriter, gateway_router, proxy_route
 from agl_lab.server.guard import DOCS_PATHS, RequestGuard
+from agl_lab.server.metrics import CONTENT_TYPE, QUEUE_DEPTH_CAP, ServerMetrics, TimedStore, render
 from agl_lab.server.seeding import SeededCallsRewriter
 from agl_lab.server.storable import INT64_MAX, INT64_MIN, NotStorable, check_storable
 from agl_lab.server.store import InvalidTransition, RolloutNotFound, StaleAttempt, Store, StoreUnavailable
@@ -97,6 +98,7 @@ from agl_lab.server.upstream import open_upstream_client
 
 logger = logging.getLogger("agl_lab.server")
 
+METRICS_PATH = "/metrics"
 NO_KEY_WARNING = "AGL_KEY not set — authentication disabled. Do not use in production."
 MAX_LIST_LIMIT = 10_000  # listings and terminal pages answer at most this many items per request
 MAX_CLAIM_WAIT_SECONDS = 30.0  # longest long poll of POST /api/rollouts/claim
@@ -230,6 +232,8 @@ def create_app(
         rewriters.insert(0, SeededCallsRewriter(cfg.call_seed))  # before any rewriter copies the body
     if cfg.token_preserving and not any(hasattr(r, "set_tokenizer") for r in rewriters):
         rewriters.append(TokenPreservingRewriter())  # tokenizers: EmbeddedServer.set_tokenizer / --tokenizer-path
+    metrics, raw_store = ServerMetrics(), store
+    store = TimedStore(store, metrics)  # type: ignore[assignment]  # GET /metrics: store latency, claims, expiries
     gateway = Gateway(cfg, store, rewriters=rewriters)
     queued = QueueSignal()
     if not cfg.key:
@@ -254,7 +258,8 @@ def create_app(
             await client.aclose()
 
     app = AglApp(title="Agent Lightning", version="1.0.0", lifespan=lifespan)
-    app.state.config, app.state.store, app.state.gateway = cfg, store, gateway
+    app.state.config, app.state.store, app.state.gateway = cfg, raw_store, gateway
+    app.state.metrics = metrics
     _install_error_handlers(app)
     app.add_middleware(JsonServerErrors)
     open_paths = (HEALTH_PATH,) if cfg.docs_auth else (HEALTH_PATH, *DOCS_PATHS)
@@ -278,6 +283,17 @@ def create_app(
         """Liveness. Served by agl_lab's uvicorn protocol (asgi.HTTP_PROTOCOL) without reaching
         this route; other ASGI servers (and test clients) reach it."""
         return {"status": "ok"}
+
+    @app.get(METRICS_PATH, include_in_schema=False)
+    async def prometheus() -> Response:
+        """The Prometheus text format (agl_lab/server/metrics.py; needs a key like any route)."""
+        samples = metrics.samples() + [("agl_inflight_calls", {}, float(gateway.gate.inflight))]
+        try:
+            queuing = await run_in_threadpool(store.list_rollouts, ["queuing"], QUEUE_DEPTH_CAP)
+            samples.append(("agl_queue_depth", {}, float(len(queuing))))
+        except Exception as exc:  # the store is down: the counters still answer (the error is counted)
+            logger.warning("GET /metrics: queue depth unavailable: %r", exc)
+        return Response(render(samples), media_type=CONTENT_TYPE)
 
     app.include_router(_rollout_router(store, cfg.max_batch_items, cfg.lease_seconds, queued), prefix="/api")
     app.include_router(_event_router(store), prefix="/api")

@@ -49,6 +49,7 @@ RUNNER_SCOPE = (
     ("PATCH", re.compile(r"/api/rollouts/[^/]+")),
     ("POST", re.compile(r"/api/rollouts/[^/]+/attempt/[^/]+/events")),
     ("GET", re.compile(r"/api/rollouts(/[^/]+)?")),
+    ("GET", re.compile(r"/metrics")),
 )
 RUNNER_SCOPE_TEXT = (
     "claim, heartbeat and release rollouts, PATCH a rollout, post an attempt's events, read rollouts, mint agent tokens"
