@@ -495,9 +495,10 @@ class AglClient:
         body = [m.model_dump(mode="json") for m in models]
         return [Model.model_validate(m) for m in self._send(_Call("POST", "/api/models", json=body, retry=True))]
 
-    def delete_models(self) -> bool:
-        """Best-effort DELETE /api/models (clears every registered model)."""
-        return self._best_effort(_Call("DELETE", "/api/models", retry=True))
+    def delete_models(self, model: str | None = None) -> bool:
+        """Best-effort DELETE /api/models: the endpoints of `model` (None: of every model)."""
+        params = {"model": model} if model is not None else None
+        return self._best_effort(_Call("DELETE", "/api/models", params=params, retry=True))
 
     def pause(self, reason: str | None = None, retry_after_seconds: int = 5, timeout: float = 300.0) -> PauseState:
         return PauseState.model_validate(self._send(_pause_call(reason, retry_after_seconds, timeout)))

@@ -67,6 +67,7 @@ class Execution:
                 key=self.key,
                 upstream_key=os.environ.get(ENGINE_KEY_ENV, ""),  # the engine's key beyond loopback (addresses.py)
                 host=str(lab.server.get("host") or "127.0.0.1"),  # agl_lab.server.host / advertise_host: addresses.py
+                **({"port": int(lab.server.port)} if lab.server.get("port") else {}),  # 0/unset: a free port
                 advertise_host=lab.server.get("advertise_host"),
                 store=str(lab.server.store),
                 token_preserving=bool(lab.server.token_preserving),
@@ -128,7 +129,9 @@ class Execution:
         """
         from agl_lab.protocol import Model
 
-        self.client.delete_models()  # stale endpoints (a previous engine, an earlier run) go first
+        # stale endpoints of this model (a previous engine, an earlier run) go first; other
+        # trainers' models on a shared store stay (an AGL server ignores the filter: it clears all)
+        self.client.delete_models(engine.model_name)
         self.client.register_models(
             [Model(model=engine.model_name, endpoint=ep, version=engine.policy_version) for ep in engine.endpoints()]
         )

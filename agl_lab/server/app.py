@@ -576,8 +576,10 @@ def _model_router(store: Store, max_batch_items: int) -> APIRouter:
         return await run_in_threadpool(store.upsert_models, body)
 
     @router.delete("/models")
-    async def clear_models() -> dict[str, str]:
-        await run_in_threadpool(store.clear_models)
+    async def clear_models(model: str | None = None) -> dict[str, str]:
+        """Forget the registered endpoints of `?model=NAME` (a trainer's own, on a shared store),
+        or of every model without it (AGL's behaviour)."""
+        await run_in_threadpool(store.clear_models, model)
         return {"status": "ok"}
 
     return router

@@ -302,7 +302,8 @@ def _parser() -> argparse.ArgumentParser:
         help="serve HTTPS with this certificate (chain); clients verify it with SSL_CERT_FILE=CA.pem",
     )
     p.add_argument("--ssl-keyfile", default=None, metavar="PEM", help="the private key of --ssl-certfile")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", help="info (default): start-up, warnings, errors; debug: per request")
+    p.add_argument("--access-log", action="store_true", help="log one line per request (default: only at debug)")
     return p
 
 
@@ -458,8 +459,9 @@ def serve_main(argv: list[str]) -> int:
                 config.default_proxy.model_name,
                 AutoTokenizer.from_pretrained(args.tokenizer_path, local_files_only=True),
             )
-        # uvicorn formats each access-log line before its logger filters it: only when shown
-        access_log = args.log_level.lower() in ("trace", "debug", "info")
+        # one access-log line per request only when asked (--access-log) or at debug: at "info"
+        # a busy gateway would log every agent call; uvicorn formats a line before filtering it
+        access_log = args.access_log or args.log_level.lower() in ("trace", "debug")
         uvicorn.run(
             app,
             host=config.host,
