@@ -66,6 +66,7 @@ class Execution:
             self.server = EmbeddedServer(
                 key=self.key,
                 upstream_key=os.environ.get(ENGINE_KEY_ENV, ""),  # the engine's key beyond loopback (addresses.py)
+                runner_key=os.environ.get("AGL_RUNNER_KEY", ""),  # runner hosts' scoped key (server/guard.py)
                 host=str(lab.server.get("host") or "127.0.0.1"),  # agl_lab.server.host / advertise_host: addresses.py
                 **({"port": int(lab.server.port)} if lab.server.get("port") else {}),  # 0/unset: a free port
                 advertise_host=lab.server.get("advertise_host"),
