@@ -80,3 +80,18 @@ def test_serve_logs_no_line_per_request_unless_asked(access_log, tmp_path):
     text = log.read_text()
     assert "Uvicorn running on" in text or "Application startup complete" in text, text  # info lines stay
     assert ('"GET /api/rollouts?state_in=queuing HTTP/1.1" 200' in text) is access_log, text
+
+
+def test_the_documented_examples_parse_and_give_runners_the_runner_key_only():
+    """docs/examples/ are not run here (no Docker, no Kubernetes): they parse, and keep the scopes."""
+    import yaml
+
+    compose = yaml.safe_load((ROOT / "docs/examples/compose.yaml").read_text())
+    services = compose["services"]
+    assert {"postgres", "server-1", "server-2", "runner-1", "runner-2", "trainer"} <= set(services)
+    assert services["runner-1"]["secrets"] == services["runner-2"]["secrets"] == ["runner_key"]
+    assert "admin_key" not in str(services["runner-1"]) and "--key " not in str(compose)
+    job = yaml.safe_load((ROOT / "docs/examples/runner-job.yaml").read_text())
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    assert container["command"][:2] == ["agl-lab", "runner"] and "--key-file" in container["command"]
+    assert job["spec"]["template"]["spec"]["volumes"][0]["secret"]["secretName"] == "agl-runner-key"
