@@ -108,30 +108,31 @@ class TimedStore:
 
     def __init__(self, store: Any, metrics: ServerMetrics):
         self._store, self._metrics = store, metrics
-        self._wrapped: dict[str, Any] = {}
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> Any:  # only for names not yet wrapped: the wrapper is kept
         attr = getattr(self._store, name)
         if name.startswith("_") or not callable(attr):
             return attr
-        wrapped = self._wrapped.get(name)
-        if wrapped is None:
-            wrapped = self._wrapped[name] = self._timed(name)
+        wrapped = self._timed(name)
+        setattr(self, name, wrapped)  # later lookups find it on the instance (no __getattr__)
         return wrapped
 
     def _timed(self, name: str) -> Any:
         metrics, store = self._metrics, self._store
 
+        counted = name in _COUNTED
+
         def call(*args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
             try:
-                result = getattr(store, name)(*args, **kwargs)
+                result = getattr(store, name)(*args, **kwargs)  # looked up per call: a patched method counts
             except BaseException:
                 metrics.inc("agl_store_errors_total", op=name)
                 raise
             finally:
                 metrics.observe_store(name, time.perf_counter() - start)
-            _count(metrics, name, result)
+            if counted:
+                _count(metrics, name, result)
             return result
 
         call.__name__ = name
@@ -139,6 +140,9 @@ class TimedStore:
 
     def __repr__(self) -> str:
         return repr(self._store)
+
+
+_COUNTED = frozenset({"claim_rollouts", "expire_leases", "release_rollouts"})
 
 
 def _count(metrics: ServerMetrics, op: str, result: Any) -> None:
