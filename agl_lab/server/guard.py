@@ -21,7 +21,8 @@ Per HTTP request, before any route (and so before FastAPI reads or parses the bo
    only its rollout's proxy route and event posts). 401 otherwise, with the body unread.
    **The runner key** (server setting `runner_key`, `agl-lab serve --runner-key-file`) opens
    only what a runner does (`RUNNER_SCOPE`): claim, heartbeat and release rollouts, PATCH a
-   rollout, post an attempt's events, read rollouts — and its agents' tokens are made from it.
+   rollout, post an attempt's events, read rollouts and `/metrics` — and its agents' tokens are
+   made from it.
    Any other route (creating or deleting rollouts, `/api/models`, pausing the gateway) answers
    403 naming the scope: a compromised runner host cannot delete rollouts or re-register models.
 4. **Size.** A `Content-Length` above `max_body_bytes` answers 413 at once; a body without
