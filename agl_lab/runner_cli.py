@@ -21,6 +21,11 @@ to the queue, where another runner picks them up as their next attempt (nothing 
 `Runner.stop`). A runner killed with SIGKILL releases nothing: the server re-queues its
 rollouts when their lease runs out (`lease_seconds`, up to `max_attempts`).
 
+`--key-file` takes the runner key of `agl-lab serve --runner-key-file` (claims, heartbeats,
+events and agent tokens only) as well as the admin key; `--ssl-ca-file CA.pem` verifies an
+https:// server (it sets SSL_CERT_FILE for the runner and its agents); `--metrics-port N` serves
+the runner's counters as Prometheus text (`agl_runner_*`, docs/many-machines.md).
+
 The trainer whose rollouts these runners execute starts no runner of its own:
 `agl_lab.runner.enabled=false` (and, with an external server, `agl_lab.server.embedded=false`
 with `agentlightning.agl_base_url` naming it). docs/robustness.md describes leases and attempts.
