@@ -15,15 +15,29 @@ then the machine's own address (`machine_address()`) unless one is configured.
     advertised_host(bind, advertise)   the host to put in URLs
     url_host(host)                     `[v6]` for IPv6, the host otherwise
     is_loopback(host) / is_wildcard(host)
+    engine_key(host, environ)          the key an engine's OpenAI server bound to `host` requires
+
+**The engine's key.** An engine's OpenAI server bound beyond loopback (`agl_lab.serving.host`
+not 127.0.0.1) answers only requests with `Authorization: Bearer $AGL_ENGINE_KEY`: otherwise
+anyone who reaches the trainer host could generate with the training engine. The gateway
+holds the same key (server setting `upstream_key`; `agl-lab serve` reads `AGL_ENGINE_KEY` or
+`--engine-key-file`) and sends it upstream. A trainer whose environment has no key makes one
+(`engine_key`) and puts it in its environment, where its embedded server, its Ray workers
+and its verl CPU replicas read it; with a separate `agl-lab serve`, set the same
+`AGL_ENGINE_KEY` on both hosts. On loopback no key is needed (and none is asked for).
 """
 
 from __future__ import annotations
 
 import ipaddress
+import os
+import secrets
 import socket
+from collections.abc import MutableMapping
 
 LOOPBACK = "127.0.0.1"
 WILDCARDS = ("0.0.0.0", "::", "")
+ENGINE_KEY_ENV = "AGL_ENGINE_KEY"
 
 
 def is_wildcard(host: str) -> bool:
@@ -66,3 +80,17 @@ def advertised_host(bind: str, advertise: str | None = None) -> str:
 def url_host(host: str) -> str:
     """`host` as it goes into a URL: IPv6 literals in brackets."""
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def engine_key(host: str, environ: MutableMapping[str, str] | None = None) -> str:
+    """The key an engine's OpenAI server bound to `host` requires: "" on loopback; else
+    `$AGL_ENGINE_KEY`, or a fresh random key stored there (`environ`, default `os.environ`) so
+    that the embedded server's gateway and the Ray workers started after it send the same one."""
+    if is_loopback(host):
+        return ""
+    env = os.environ if environ is None else environ
+    key = env.get(ENGINE_KEY_ENV, "")
+    if key:
+        return key
+    env[ENGINE_KEY_ENV] = key = secrets.token_hex(16)
+    return key

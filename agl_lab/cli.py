@@ -123,6 +123,8 @@ def train_main(argv: list[str]) -> int:
                 f"model {trainer.engine.model_name} · task {cfg.agl_lab.task.name}",
                 flush=True,
             )
+            if trainer.execution.server is not None:  # runners on other hosts: agl-lab runner --server URL
+                print(f"agl-lab train: server {trainer.base_url}", flush=True)
             try:
                 resumed = trainer.resume()  # also checks trainer.resume_mode, found after the engine is built
             except config_mod.ConfigError as e:

@@ -227,6 +227,9 @@ class _RetryPolicy:
         """
         last = attempt + 1 >= self.attempts(call)
         if isinstance(answer, Exception):
+            refused = _certificate_refused(base_url, answer)
+            if refused is not None:
+                raise refused from answer
             if last:
                 raise _unreachable(base_url, call, attempt + 1, answer) from answer
             delay = self.delay(attempt, None)
@@ -262,6 +265,17 @@ def _request_args(call: _Call) -> dict[str, Any]:
 
 def _auth_headers(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def _certificate_refused(base_url: str, exc: Exception) -> AglConnectionError | None:
+    """The error for a TLS certificate this client could not verify (never retried: the next
+    attempt would meet the same certificate), or None for another transport error."""
+    if "CERTIFICATE_VERIFY_FAILED" not in str(exc):
+        return None
+    return AglConnectionError(
+        f"the TLS certificate of {base_url} could not be verified ({exc}): point SSL_CERT_FILE at the "
+        "CA file that signed it (agl-lab runner --ssl-ca-file PATH)"
+    )
 
 
 def _unreachable(base_url: str, call: _Call, attempts: int, exc: Exception) -> AglConnectionError:
@@ -481,9 +495,10 @@ class AglClient:
         body = [m.model_dump(mode="json") for m in models]
         return [Model.model_validate(m) for m in self._send(_Call("POST", "/api/models", json=body, retry=True))]
 
-    def delete_models(self) -> bool:
-        """Best-effort DELETE /api/models (clears every registered model)."""
-        return self._best_effort(_Call("DELETE", "/api/models", retry=True))
+    def delete_models(self, model: str | None = None) -> bool:
+        """Best-effort DELETE /api/models: the endpoints of `model` (None: of every model)."""
+        params = {"model": model} if model is not None else None
+        return self._best_effort(_Call("DELETE", "/api/models", params=params, retry=True))
 
     def pause(self, reason: str | None = None, retry_after_seconds: int = 5, timeout: float = 300.0) -> PauseState:
         return PauseState.model_validate(self._send(_pause_call(reason, retry_after_seconds, timeout)))

@@ -131,6 +131,7 @@ AGL_LAB_DEFAULTS: dict[str, Any] = {
             # the embedded server binds `host` and hands out `advertise_host` in its URL (null: the
             # bind host; a wildcard such as 0.0.0.0 advertises this machine's address) — addresses.py
             "host": "127.0.0.1",
+            "port": 0,  # 0: a free port (agl-lab train prints the URL); set it for runners on other hosts
             "advertise_host": None,
             "store": "memory",  # memory | sqlite:///path.db | postgresql://user:pass@host:5432/db
             "include_log_probs": True,
@@ -452,7 +453,11 @@ HOST_KEYS = (
 
 
 def _check_hosts(cfg: DictConfig) -> None:
-    """Bind/advertise hosts are host names or IP literals (agl_lab/addresses.py), not numbers or URLs."""
+    """Bind/advertise hosts are host names or IP literals (agl_lab/addresses.py), not numbers or URLs;
+    `agl_lab.server.port` is a TCP port or 0 (a free one)."""
+    port = OmegaConf.select(cfg, "agl_lab.server.port", default=0)
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ConfigError(f"agl_lab.server.port={port!r} must be a TCP port 1-65535, or 0 for a free one")
     for key in HOST_KEYS:
         value = OmegaConf.select(cfg, key, default=None)
         if value is None and key != "agl_lab.server.host":

@@ -58,11 +58,17 @@ class Execution:
         # (agents receive it through their context / AGL_KEY like any other key).
         self.key = str(agl.agl_key or "") or (secrets.token_hex(16) if lab.server.embedded else "")
         if lab.server.embedded:
+            import os
+
+            from agl_lab.addresses import ENGINE_KEY_ENV
             from agl_lab.server.embedded import EmbeddedServer
 
             self.server = EmbeddedServer(
                 key=self.key,
+                upstream_key=os.environ.get(ENGINE_KEY_ENV, ""),  # the engine's key beyond loopback (addresses.py)
+                runner_key=os.environ.get("AGL_RUNNER_KEY", ""),  # runner hosts' scoped key (server/guard.py)
                 host=str(lab.server.get("host") or "127.0.0.1"),  # agl_lab.server.host / advertise_host: addresses.py
+                **({"port": int(lab.server.port)} if lab.server.get("port") else {}),  # 0/unset: a free port
                 advertise_host=lab.server.get("advertise_host"),
                 store=str(lab.server.store),
                 token_preserving=bool(lab.server.token_preserving),
@@ -124,7 +130,9 @@ class Execution:
         """
         from agl_lab.protocol import Model
 
-        self.client.delete_models()  # stale endpoints (a previous engine, an earlier run) go first
+        # stale endpoints of this model (a previous engine, an earlier run) go first; other
+        # trainers' models on a shared store stay (an AGL server ignores the filter: it clears all)
+        self.client.delete_models(engine.model_name)
         self.client.register_models(
             [Model(model=engine.model_name, endpoint=ep, version=engine.policy_version) for ep in engine.endpoints()]
         )

@@ -146,6 +146,11 @@ def _read_tail(fh: IO[bytes] | None, limit: int = STDERR_TAIL_CHARS) -> str:
     return text[-limit:].strip()
 
 
+# this host's keys an agent never inherits (it gets its rollout's token as AGL_KEY instead): the
+# engine's key would let it call the engine past the gateway, the runner key claim other rollouts
+HOST_SECRETS = frozenset({"AGL_ENGINE_KEY", "AGL_RUNNER_KEY"})
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
     """SIGKILL the agent's process group (it leads its own session) and reap the leader."""
     try:
@@ -569,7 +574,7 @@ class Runner:
     def _spawn(self, ex: _Execution, stderr_file: IO[bytes]) -> subprocess.Popen:
         spec = self._agent_class_of(ex.rollout)
         env = {
-            **os.environ,
+            **{k: v for k, v in os.environ.items() if k not in HOST_SECRETS},
             "PYTHONPATH": _child_pythonpath(),
             **agent_env(ex.rollout, self.agent_server_url, self.key),
         }

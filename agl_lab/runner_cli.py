@@ -21,6 +21,11 @@ to the queue, where another runner picks them up as their next attempt (nothing 
 `Runner.stop`). A runner killed with SIGKILL releases nothing: the server re-queues its
 rollouts when their lease runs out (`lease_seconds`, up to `max_attempts`).
 
+`--key-file` takes the runner key of `agl-lab serve --runner-key-file` (claims, heartbeats,
+events and agent tokens only) as well as the admin key; `--ssl-ca-file CA.pem` verifies an
+https:// server (it sets SSL_CERT_FILE for the runner and its agents); `--metrics-port N` serves
+the runner's counters as Prometheus text (`agl_runner_*`, docs/many-machines.md).
+
 The trainer whose rollouts these runners execute starts no runner of its own:
 `agl_lab.runner.enabled=false` (and, with an external server, `agl_lab.server.embedded=false`
 with `agentlightning.agl_base_url` naming it). docs/robustness.md describes leases and attempts.
@@ -96,6 +101,25 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help=f"print a summary line every N finished rollouts (default {SUMMARY_EVERY}; 0: only on exit)",
     )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve GET /metrics (Prometheus text: agl_runner_*) on this port (0: a free one; default off)",
+    )
+    p.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        metavar="HOST",
+        help="bind address of --metrics-port (default 127.0.0.1; the counters carry no secrets)",
+    )
+    p.add_argument(
+        "--ssl-ca-file",
+        default=None,
+        metavar="PEM",
+        help="verify an https:// server with this CA file (sets SSL_CERT_FILE for the runner and its agents)",
+    )
     p.add_argument("--log-level", default="warning", help="log level of the runner's messages (default warning)")
     return p
 
@@ -141,6 +165,11 @@ def runner_main(argv: list[str]) -> int:
         signal.signal(sig, on_signal)
     t0 = time.monotonic()
     runner.start()
+    metrics_server = None
+    if args.metrics_port is not None:
+        metrics_server = serve_metrics(runner, args.metrics_host, args.metrics_port)
+        host, port = metrics_server.server_address[:2]
+        print(f"agl-lab runner: metrics at http://{host}:{port}/metrics", flush=True)
     spec = getattr(runner.agent, "__module__", ""), getattr(runner.agent, "__qualname__", runner.agent)
     agent = (
         args.agent
@@ -164,8 +193,37 @@ def runner_main(argv: list[str]) -> int:
             printed = done - done % args.summary_every
             print(summary_line(stats, time.monotonic() - t0), flush=True)
     runner.stop()
+    if metrics_server is not None:
+        metrics_server.shutdown()
     print(summary_line(runner.stats, time.monotonic() - t0, f"agl-lab runner: stopped ({received[0]})"), flush=True)
     return 0
+
+
+def serve_metrics(runner: Any, host: str, port: int) -> Any:
+    """A thread serving `GET /metrics` (the runner's counters, Prometheus text) on host:port."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from agl_lab.server.metrics import CONTENT_TYPE, render, runner_samples
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            if self.path.split("?")[0] != "/metrics":
+                self.send_error(404, "only GET /metrics is served here")
+                return
+            body = render(runner_samples(runner.stats)).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", CONTENT_TYPE)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_: Any) -> None:  # one line per scrape is noise
+            pass
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="runner-metrics", daemon=True).start()
+    return server
 
 
 def _from_config(args: argparse.Namespace) -> None:
@@ -208,6 +266,10 @@ def _build_runner(args: argparse.Namespace):
         )
     if not args.server.startswith(("http://", "https://")):
         raise ValueError(f"--server {args.server!r} must be an http:// or https:// URL")
+    if args.ssl_ca_file is not None:
+        if not os.access(args.ssl_ca_file, os.R_OK):
+            raise ValueError(f"--ssl-ca-file {args.ssl_ca_file} is not a readable file")
+        os.environ["SSL_CERT_FILE"] = args.ssl_ca_file  # httpx and the openai SDK (agents) read it
     if args.summary_every < 0:
         raise ValueError(f"--summary-every must be >= 0, got {args.summary_every}")
     if os.getcwd() not in sys.path:  # `module:function` imports from the current directory, as `python -m`
@@ -241,5 +303,8 @@ def _check_server(runner) -> bool:
         )
         return False
     except Exception as exc:  # not up yet, or a hiccup: the poll loop keeps trying
+        if "CERTIFICATE_VERIFY_FAILED" in str(exc):  # except this: the next try meets the same certificate
+            print(f"agl-lab runner: {exc}", file=sys.stderr)
+            return False
         print(f"agl-lab runner: {runner.server_url} is not reachable yet ({exc!r:.200}); retrying", flush=True)
     return True

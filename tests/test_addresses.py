@@ -12,12 +12,13 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 
 import httpx
 import pytest
 
-from agl_lab.addresses import LOOPBACK, advertised_host, is_loopback, machine_address, url_host
+from agl_lab.addresses import ENGINE_KEY_ENV, LOOPBACK, advertised_host, is_loopback, machine_address, url_host
 from agl_lab.config import ConfigError, load_config
 
 
@@ -61,8 +62,15 @@ def test_embedded_server_binds_all_and_advertises_the_machine_address():
         assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=30).status_code == 200  # bound on all
 
 
+@pytest.fixture
+def no_engine_key(monkeypatch):
+    """A process without AGL_ENGINE_KEY; the key an engine makes is removed after the test."""
+    monkeypatch.setenv(ENGINE_KEY_ENV, "")
+    monkeypatch.delenv(ENGINE_KEY_ENV)
+
+
 @needs_ip
-def test_local_engine_serves_on_the_advertised_address():
+def test_local_engine_serves_on_the_advertised_address(no_engine_key):
     from agl_lab.engines.local import LocalEngine
 
     engine = LocalEngine(host="0.0.0.0", advertise_host=HOST_IP)
@@ -70,14 +78,16 @@ def test_local_engine_serves_on_the_advertised_address():
         (endpoint,) = engine.endpoints()
         assert endpoint.startswith(f"http://{HOST_IP}:") and endpoint.endswith("/v1")
         body = {"model": engine.model_name, "prompt": "Look up", "max_tokens": 4, "return_token_ids": True}
-        choice = httpx.post(endpoint + "/completions", json=body, timeout=60).json()["choices"][0]
+        assert httpx.post(endpoint + "/completions", json=body, timeout=60).status_code == 401  # beyond loopback
+        auth = {"Authorization": f"Bearer {os.environ[ENGINE_KEY_ENV]}"}  # made at start (addresses.engine_key)
+        choice = httpx.post(endpoint + "/completions", json=body, headers=auth, timeout=60).json()["choices"][0]
         assert choice["token_ids"]
     finally:
         engine.close()
 
 
 @needs_ip
-def test_a_trainer_rolls_out_over_the_configured_addresses(tmp_path):
+def test_a_trainer_rolls_out_over_the_configured_addresses(tmp_path, no_engine_key):
     from agl_lab.trainer import Trainer
 
     t = Trainer.from_config(

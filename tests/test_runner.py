@@ -350,7 +350,9 @@ def test_runner_keeps_polling_through_a_server_outage(embedded_server):
 # ---------------------------------------------------------------------------------------------
 
 
-def test_subprocess_agent_gets_the_agl_environment(server, api):
+def test_subprocess_agent_gets_the_agl_environment(server, api, monkeypatch):
+    for secret in ("AGL_ENGINE_KEY", "AGL_RUNNER_KEY"):  # this host's keys: not passed on to agents
+        monkeypatch.setenv(secret, "host-secret")
     task = {"question": "¿cuánto es 2+2?", "nums": [3, 4], "meta": {"level": 1}}
     env_map = {
         "T_Q": "input.question",

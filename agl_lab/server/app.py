@@ -89,6 +89,7 @@ from agl_lab.server.backends import open_store
 from agl_lab.server.config import ServerConfig, load_server_config
 from agl_lab.server.gateway import Gateway, RequestRewriter, gateway_router, proxy_route
 from agl_lab.server.guard import DOCS_PATHS, RequestGuard
+from agl_lab.server.metrics import CONTENT_TYPE, QUEUE_DEPTH_CAP, ServerMetrics, TimedStore, render
 from agl_lab.server.seeding import SeededCallsRewriter
 from agl_lab.server.storable import INT64_MAX, INT64_MIN, NotStorable, check_storable
 from agl_lab.server.store import InvalidTransition, RolloutNotFound, StaleAttempt, Store, StoreUnavailable
@@ -97,6 +98,7 @@ from agl_lab.server.upstream import open_upstream_client
 
 logger = logging.getLogger("agl_lab.server")
 
+METRICS_PATH = "/metrics"
 NO_KEY_WARNING = "AGL_KEY not set — authentication disabled. Do not use in production."
 MAX_LIST_LIMIT = 10_000  # listings and terminal pages answer at most this many items per request
 MAX_CLAIM_WAIT_SECONDS = 30.0  # longest long poll of POST /api/rollouts/claim
@@ -230,6 +232,8 @@ def create_app(
         rewriters.insert(0, SeededCallsRewriter(cfg.call_seed))  # before any rewriter copies the body
     if cfg.token_preserving and not any(hasattr(r, "set_tokenizer") for r in rewriters):
         rewriters.append(TokenPreservingRewriter())  # tokenizers: EmbeddedServer.set_tokenizer / --tokenizer-path
+    metrics, raw_store = ServerMetrics(), store
+    store = TimedStore(store, metrics)  # type: ignore[assignment]  # GET /metrics: store latency, claims, expiries
     gateway = Gateway(cfg, store, rewriters=rewriters)
     queued = QueueSignal()
     if not cfg.key:
@@ -238,7 +242,7 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         gateway.client = open_upstream_client(
-            cfg.upstream_client, cfg.upstream_timeout_seconds, cfg.max_upstream_answer_bytes
+            cfg.upstream_client, cfg.upstream_timeout_seconds, cfg.max_upstream_answer_bytes, cfg.upstream_key
         )
         sweeper = (
             asyncio.ensure_future(_expire_leases_forever(store, cfg.lease_seconds, cfg.max_attempts, queued))
@@ -254,7 +258,8 @@ def create_app(
             await client.aclose()
 
     app = AglApp(title="Agent Lightning", version="1.0.0", lifespan=lifespan)
-    app.state.config, app.state.store, app.state.gateway = cfg, store, gateway
+    app.state.config, app.state.store, app.state.gateway = cfg, raw_store, gateway
+    app.state.metrics = metrics
     _install_error_handlers(app)
     app.add_middleware(JsonServerErrors)
     open_paths = (HEALTH_PATH,) if cfg.docs_auth else (HEALTH_PATH, *DOCS_PATHS)
@@ -262,8 +267,9 @@ def create_app(
         "key": cfg.key,
         "max_body_bytes": cfg.max_body_bytes,
         "open_paths": open_paths,
-        "token_check": rollout_token_checker(cfg.key, store),
+        "token_check": rollout_token_checker(cfg.key, store, cfg.runner_key),
         "allowed_hosts": tuple(cfg.allowed_hosts),
+        "runner_key": cfg.runner_key,
     }
     app.add_middleware(RequestGuard, **guard)  # auth lives here, before the body is read
     # the hot path as a plain Starlette route (no dependency solving), which AglApp's fast path
@@ -278,6 +284,17 @@ def create_app(
         this route; other ASGI servers (and test clients) reach it."""
         return {"status": "ok"}
 
+    @app.get(METRICS_PATH, include_in_schema=False)
+    async def prometheus() -> Response:
+        """The Prometheus text format (agl_lab/server/metrics.py; needs a key like any route)."""
+        samples = metrics.samples() + [("agl_inflight_calls", {}, float(gateway.gate.inflight))]
+        try:
+            queuing = await run_in_threadpool(store.list_rollouts, ["queuing"], QUEUE_DEPTH_CAP)
+            samples.append(("agl_queue_depth", {}, float(len(queuing))))
+        except Exception as exc:  # the store is down: the counters still answer (the error is counted)
+            logger.warning("GET /metrics: queue depth unavailable: %r", exc)
+        return Response(render(samples), media_type=CONTENT_TYPE)
+
     app.include_router(_rollout_router(store, cfg.max_batch_items, cfg.lease_seconds, queued), prefix="/api")
     app.include_router(_event_router(store), prefix="/api")
     app.include_router(_model_router(store, cfg.max_batch_items), prefix="/api")
@@ -289,13 +306,14 @@ def _no_check(_: Request) -> None:
     """The proxy route's own check: none, RequestGuard authorised the request already."""
 
 
-def rollout_token_checker(key: str, store: Store) -> Callable[[str, str, str], bool]:
+def rollout_token_checker(key: str, store: Store, runner_key: str = "") -> Callable[[str, str, str], bool]:
     """`check(token, method, path)`: a per-rollout token (`rollout_token`) opens only POSTs to
     its rollout's proxy route and event route, and only for the rollout's live attempt: the
     rollout exists with the `created_at` the token was made for (not a re-created one), is
     running (or queuing and never claimed), the path names its live attempt (`last_attempt_id`,
     default "0") and the token was made for that attempt: an agent of a re-queued or released
-    attempt is refused."""
+    attempt is refused. Tokens made from the runner key (a runner holding only that) count too."""
+    keys = (key, runner_key) if runner_key else (key,)
 
     def check(token: str, method: str, path: str) -> bool:
         if method != "POST" or not token.startswith(ROLLOUT_TOKEN_PREFIX):
@@ -321,8 +339,8 @@ def rollout_token_checker(key: str, store: Store) -> Callable[[str, str, str], b
             return False
         if attempt_id != (status.last_attempt_id or DEFAULT_ATTEMPT_ID):
             return False
-        expected = rollout_token(key, rollout_id, rollout.status.created_at, attempt_id)
-        return secrets.compare_digest(token.encode(), expected.encode())
+        made = [rollout_token(k, rollout_id, rollout.status.created_at, attempt_id).encode() for k in keys]
+        return any(secrets.compare_digest(token.encode(), expected) for expected in made)
 
     return check
 
@@ -558,8 +576,10 @@ def _model_router(store: Store, max_batch_items: int) -> APIRouter:
         return await run_in_threadpool(store.upsert_models, body)
 
     @router.delete("/models")
-    async def clear_models() -> dict[str, str]:
-        await run_in_threadpool(store.clear_models)
+    async def clear_models(model: str | None = None) -> dict[str, str]:
+        """Forget the registered endpoints of `?model=NAME` (a trainer's own, on a shared store),
+        or of every model without it (AGL's behaviour)."""
+        await run_in_threadpool(store.clear_models, model)
         return {"status": "ok"}
 
     return router

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from agl_lab.server.store import DEFAULT_TERMINAL_LOG_LIMIT
 
@@ -44,6 +44,7 @@ class ServerConfig(_Strict):
     host: str = "127.0.0.1"  # AGL binds 0.0.0.0; loopback is the safe default
     port: int = Field(8080, ge=0, le=65535)
     key: str = ""
+    runner_key: str = ""  # a key scoped to what runners do (server/guard.py RUNNER_SCOPE); needs `key`
     default_proxy: DefaultProxyConfig = Field(default_factory=DefaultProxyConfig)
     store: str = "memory"  # or "sqlite:///path/to/store.db", "postgresql://user:pass@host:5432/db" (shared)
     terminal_log_limit: int = Field(DEFAULT_TERMINAL_LOG_LIMIT, ge=1)
@@ -54,6 +55,8 @@ class ServerConfig(_Strict):
     upstream_backoff_max_seconds: float = Field(8.0, ge=0)
     upstream_breaker_seconds: float = Field(5.0, ge=0)  # an endpoint that refused connections fails fast
     #                                                     this long (503 + Retry-After); 0: retry instead
+    upstream_key: str = ""  # sent upstream as a Bearer token: the engine's key (AGL_ENGINE_KEY), which
+    #                        its OpenAI server requires when bound beyond loopback
     upstream_client: Literal["auto", "raw", "aiohttp", "httpx"] = "auto"  # auto: the raw client (least CPU per call)
     max_body_bytes: int = Field(32 * 2**20, ge=1)  # larger request bodies answer 413 (checked before reading)
     max_header_bytes: int = Field(64 * 2**10, ge=1024)  # a request head (line + headers) beyond this: 431
@@ -71,6 +74,14 @@ class ServerConfig(_Strict):
     docs_auth: bool = True  # /docs, /redoc and /openapi.json need the key too (false: open like /healthz)
     token_preserving: bool = False  # flag only; the mode plugs in as a gateway request rewriter
     call_seed: int | None = None  # seed calls that carry none from their position (server/seeding.py)
+
+    @model_validator(mode="after")
+    def _runner_key_beside_a_key(self) -> ServerConfig:
+        if self.runner_key and not self.key:
+            raise ValueError("runner_key needs key (the admin key) set too: without a key, auth is off")
+        if self.runner_key and self.runner_key == self.key:
+            raise ValueError("runner_key must differ from key: the runner key is the one with less power")
+        return self
 
 
 def load_server_config(config: ServerConfig | Mapping[str, Any] | None) -> ServerConfig:

@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 import uvicorn
 
-from agl_lab.addresses import advertised_host, is_loopback, url_host
+from agl_lab.addresses import ENGINE_KEY_ENV, advertised_host, is_loopback, url_host
 from agl_lab.client import server_key
 from agl_lab.server.app import create_app
 from agl_lab.server.asgi import HTTP_PROTOCOL, http_protocol, read_limits
@@ -38,6 +38,7 @@ from agl_lab.server.config import ServerConfig, load_server_config
 from agl_lab.server.store import Store, StoreError
 
 logger = logging.getLogger("agl_lab.server")
+RUNNER_KEY_ENV = "AGL_RUNNER_KEY"  # agl-lab serve's runner_key (a runner host holds it as its AGL_KEY)
 
 
 class ThreadedUvicorn:
@@ -250,6 +251,20 @@ def _parser() -> argparse.ArgumentParser:
         help="API key; prefer AGL_KEY or --key-file (ps shows arguments). None: auth off, loopback only",
     )
     p.add_argument("--key-file", default=None, metavar="PATH", help="read the API key from this file")
+    p.add_argument(
+        "--runner-key-file",
+        default=None,
+        metavar="PATH",
+        help="runner_key: a key for runner hosts (default: AGL_RUNNER_KEY) that opens only claims, heartbeats, "
+        "releases, PATCHes, events and agent tokens: no deletes, no model registration",
+    )
+    p.add_argument(
+        "--engine-key-file",
+        default=None,
+        metavar="PATH",
+        help="upstream_key: the key sent to the engines' OpenAI servers (default: AGL_ENGINE_KEY); "
+        "an engine bound beyond loopback requires it",
+    )
     p.add_argument("--model-name", default=None, help="default_proxy.model_name: the model engines register")
     p.add_argument(
         "--store",
@@ -280,8 +295,32 @@ def _parser() -> argparse.ArgumentParser:
         help="allowed_hosts: without a key, also answer requests whose Host header is NAME "
         "(repeatable; '*' for any; default only localhost, 127.0.0.1, ::1)",
     )
-    p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--ssl-certfile",
+        default=None,
+        metavar="PEM",
+        help="serve HTTPS with this certificate (chain); clients verify it with SSL_CERT_FILE=CA.pem",
+    )
+    p.add_argument("--ssl-keyfile", default=None, metavar="PEM", help="the private key of --ssl-certfile")
+    p.add_argument("--log-level", default="info", help="info (default): start-up, warnings, errors; debug: per request")
+    p.add_argument("--access-log", action="store_true", help="log one line per request (default: only at debug)")
     return p
+
+
+def tls_files(args: argparse.Namespace) -> dict[str, str]:
+    """uvicorn's `ssl_certfile`/`ssl_keyfile` from --ssl-certfile/--ssl-keyfile ({}: plain HTTP).
+    Both or neither; each must be a readable file (SystemExit naming the flag otherwise)."""
+    import os
+
+    cert, key = getattr(args, "ssl_certfile", None), getattr(args, "ssl_keyfile", None)
+    if (cert is None) != (key is None):
+        raise SystemExit("agl-lab serve: give --ssl-certfile and --ssl-keyfile together (the certificate and its key)")
+    if cert is None:
+        return {}
+    for flag, path in (("--ssl-certfile", cert), ("--ssl-keyfile", key)):
+        if not os.access(path, os.R_OK):
+            raise SystemExit(f"agl-lab serve: {flag} {path} is not a readable file")
+    return {"ssl_certfile": cert, "ssl_keyfile": key}
 
 
 # `agl-lab serve` flags of the ServerConfig keys set only when given: flag -> (key, type, metavar, help)
@@ -360,10 +399,21 @@ def serve_config(args: argparse.Namespace, environ: Mapping[str, str] | None = N
         proxy["train"] = {"temperature": args.train_temperature}
     if args.val_temperature is not None:
         proxy["val"] = {"temperature": args.val_temperature}
+    env = os.environ if environ is None else environ
+    upstream_key = env.get(ENGINE_KEY_ENV, "")
+    if getattr(args, "engine_key_file", None):
+        upstream_key = _read_key_file(args.engine_key_file, "--engine-key-file")
+    runner_key = env.get(RUNNER_KEY_ENV, "")
+    if getattr(args, "runner_key_file", None):
+        runner_key = _read_key_file(args.runner_key_file, "--runner-key-file")
+    if runner_key and not key:
+        raise SystemExit("agl-lab serve: a runner key needs the admin key too: set AGL_KEY (or --key-file)")
     raw: dict[str, Any] = {
         "host": args.host,
         "port": args.port,
         "key": key,
+        "upstream_key": upstream_key,
+        "runner_key": runner_key,
         "store": args.store,
         "default_proxy": proxy,
         "token_preserving": args.token_preserving,
@@ -375,10 +425,21 @@ def serve_config(args: argparse.Namespace, environ: Mapping[str, str] | None = N
     return load_server_config(raw)
 
 
+def _read_key_file(path: str, flag: str) -> str:
+    try:
+        key = open(path, encoding="utf-8").read().strip()  # noqa: SIM115
+    except OSError as exc:
+        raise SystemExit(f"agl-lab serve: {flag} {path}: {exc.strerror}") from None
+    if not key:
+        raise SystemExit(f"agl-lab serve: {flag} {path} is empty: write the key into it")
+    return key
+
+
 def serve_main(argv: list[str]) -> int:
     """`agl-lab serve ...`: run the server in the foreground until interrupted."""
     args = _parser().parse_args(argv)
     config = serve_config(args)
+    tls = tls_files(args)
     if args.tokenizer_path and not config.token_preserving:
         raise SystemExit("agl-lab serve: --tokenizer-path is only used with --token-preserving")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -398,8 +459,9 @@ def serve_main(argv: list[str]) -> int:
                 config.default_proxy.model_name,
                 AutoTokenizer.from_pretrained(args.tokenizer_path, local_files_only=True),
             )
-        # uvicorn formats each access-log line before its logger filters it: only when shown
-        access_log = args.log_level.lower() in ("trace", "debug", "info")
+        # one access-log line per request only when asked (--access-log) or at debug: at "info"
+        # a busy gateway would log every agent call; uvicorn formats a line before filtering it
+        access_log = args.access_log or args.log_level.lower() in ("trace", "debug")
         uvicorn.run(
             app,
             host=config.host,
@@ -409,6 +471,7 @@ def serve_main(argv: list[str]) -> int:
             log_level=args.log_level,
             http=http_protocol(read_limits(config)),
             access_log=access_log,
+            **tls,
         )
     finally:
         store.close()

@@ -1,6 +1,7 @@
 """The server's front door: auth before the body is read, body size limit, no cross-site bodies.
 
-    RequestGuard(app, key=..., max_body_bytes=..., open_paths=..., token_check=..., allowed_hosts=...)
+    RequestGuard(app, key=..., max_body_bytes=..., open_paths=..., token_check=..., allowed_hosts=...,
+                 runner_key=...)
     await guard.admit(scope, receive, send)   the checks alone (the proxy's fast path calls them)
 
 Per HTTP request, before any route (and so before FastAPI reads or parses the body):
@@ -18,12 +19,19 @@ Per HTTP request, before any route (and so before FastAPI reads or parses the bo
    `docs_auth` is off), the request needs `Authorization: Bearer <key>` or `x-api-key: <key>`
    — or a per-rollout token that `token_check(token, method, path)` accepts (the token covers
    only its rollout's proxy route and event posts). 401 otherwise, with the body unread.
+   **The runner key** (server setting `runner_key`, `agl-lab serve --runner-key-file`) opens
+   only what a runner does (`RUNNER_SCOPE`): claim, heartbeat and release rollouts, PATCH a
+   rollout, post an attempt's events, read rollouts and `/metrics` — and its agents' tokens are
+   made from it.
+   Any other route (creating or deleting rollouts, `/api/models`, pausing the gateway) answers
+   403 naming the scope: a compromised runner host cannot delete rollouts or re-register models.
 4. **Size.** A `Content-Length` above `max_body_bytes` answers 413 at once; a body without
    one (chunked) is read up to the limit and refused past it.
 """
 
 from __future__ import annotations
 
+import re
 import secrets
 from collections.abc import Callable
 from typing import Any
@@ -35,6 +43,23 @@ DOCS_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 
 TokenCheck = Callable[[str, str, str], bool]
+
+# what the runner key opens: (method, path pattern)
+RUNNER_SCOPE = (
+    ("POST", re.compile(r"/api/rollouts/(claim|heartbeat|release)")),
+    ("PATCH", re.compile(r"/api/rollouts/[^/]+")),
+    ("POST", re.compile(r"/api/rollouts/[^/]+/attempt/[^/]+/events")),
+    ("GET", re.compile(r"/api/rollouts(/[^/]+)?")),
+    ("GET", re.compile(r"/metrics")),
+)
+RUNNER_SCOPE_TEXT = (
+    "claim, heartbeat and release rollouts, PATCH a rollout, post an attempt's events, read rollouts, mint agent tokens"
+)
+
+
+def runner_may(method: str, path: str) -> bool:
+    """Whether the runner key opens `method path` (`RUNNER_SCOPE`)."""
+    return any(method == m and pattern.fullmatch(path) for m, pattern in RUNNER_SCOPE)
 
 
 def presented_key(headers: dict[bytes, bytes] | list[tuple[bytes, bytes]]) -> str | None:
@@ -75,8 +100,10 @@ class RequestGuard:
         open_paths: tuple[str, ...] = ("/healthz",),
         token_check: TokenCheck | None = None,
         allowed_hosts: tuple[str, ...] = LOOPBACK_HOSTS,
+        runner_key: str = "",
     ):
         self.app, self.key, self.max_body_bytes = app, key, max_body_bytes
+        self._runner_key = runner_key.encode() if runner_key else None
         self.open_paths, self.token_check = frozenset(open_paths), token_check
         hosts = frozenset(h.strip().lower().strip("[]").rstrip(".") for h in allowed_hosts)
         self.allowed_hosts = None if key or "*" in hosts else hosts  # None: any Host name
@@ -126,7 +153,14 @@ class RequestGuard:
                     f"{', '.join(sorted(self.allowed_hosts))}): connect by one of those names, add "
                     "yours to allowed_hosts, or set a key",
                 ), True
-        if not self._authorized(scope, headers):
+        authorized = self._authorized(scope, headers)
+        if authorized is None:
+            return (
+                403,
+                f"the runner key may not {scope['method']} {scope['path']}: its scope is {RUNNER_SCOPE_TEXT}; "
+                "this route needs the admin key (AGL_KEY)",
+            ), True
+        if not authorized:
             return (401, "Invalid or missing API key"), True
         if length is None:
             return None, False
@@ -136,7 +170,8 @@ class RequestGuard:
             return (400, "Invalid Content-Length header"), True
         return ((413, self._too_big_detail()) if too_big else None), True
 
-    def _authorized(self, scope: Any, headers: Any) -> bool:
+    def _authorized(self, scope: Any, headers: Any) -> bool | None:
+        """True: admitted; False: no valid key (401); None: the runner key, outside its scope (403)."""
         path = scope["path"]
         if not self.key or path in self.open_paths:
             return True
@@ -145,6 +180,8 @@ class RequestGuard:
             return False
         if secrets.compare_digest(presented.encode(), self._expected):
             return True
+        if self._runner_key is not None and secrets.compare_digest(presented.encode(), self._runner_key):
+            return True if runner_may(scope["method"], path) else None
         return self.token_check is not None and self.token_check(presented, scope["method"], path)
 
     def _too_big_detail(self) -> str:

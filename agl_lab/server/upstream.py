@@ -1,6 +1,6 @@
 """Upstream clients: how the gateway POSTs a call's JSON to the model server.
 
-    open_upstream_client(kind, timeout_seconds, max_answer_bytes) -> client   kind: "auto" | "raw" | "aiohttp" | "httpx"
+    open_upstream_client(kind, timeout_seconds, max_answer_bytes, key="") -> client   kind: "auto" | "raw" | "aiohttp" | "httpx"
     await client.post_json(url, payload) -> UpstreamResponse   (status, content type, body, Retry-After)
     await client.aclose()
 
@@ -9,7 +9,9 @@ exceptions the gateway's retry loop understands: UpstreamTimeout, UpstreamRefuse
 connection could be opened: the server is down) and UpstreamTransportError (anything else on
 the wire), and UpstreamTooLarge: an answer body beyond `max_answer_bytes` (the server setting
 `max_upstream_answer_bytes`) is not read further, its connection is closed, and it is not
-retried (the same request would get the same answer). "auto" is the raw client (asyncio + httptools, both dependencies of uvicorn's fast
+retried (the same request would get the same answer). `key` (the server setting `upstream_key`)
+is sent as `Authorization: Bearer <key>` on every call: the engine's OpenAI server requires it
+when bound beyond loopback (`agl_lab.addresses.ENGINE_KEY_ENV`). "auto" is the raw client (asyncio + httptools, both dependencies of uvicorn's fast
 path): measured on this project's 2-core machine it costs the gateway the least CPU per call
 (benchmarks/gateway.py); aiohttp and httpx stay as choices.
 """
@@ -25,6 +27,10 @@ import httptools
 import httpx
 
 _JSON_HEADERS = {"content-type": "application/json"}
+
+
+def _headers(key: str) -> dict[str, str]:
+    return {**_JSON_HEADERS, "authorization": f"Bearer {key}"} if key else dict(_JSON_HEADERS)
 
 
 class UpstreamTimeout(Exception):
@@ -64,14 +70,14 @@ class UpstreamResponse:
 class HttpxUpstream:
     """POSTs JSON through one shared httpx.AsyncClient (the portable choice)."""
 
-    def __init__(self, timeout_seconds: float, max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES):
+    def __init__(self, timeout_seconds: float, max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES, key: str = ""):
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
         self.client = httpx.AsyncClient(timeout=timeout_seconds, limits=limits, trust_env=False)
-        self.max_answer_bytes = max_answer_bytes
+        self.max_answer_bytes, self._headers = max_answer_bytes, _headers(key)
 
     async def post_json(self, url: str, payload: bytes) -> UpstreamResponse:
         try:
-            async with self.client.stream("POST", url, content=payload, headers=_JSON_HEADERS) as r:
+            async with self.client.stream("POST", url, content=payload, headers=self._headers) as r:
                 chunks, size = [], 0
                 async for chunk in r.aiter_bytes():
                     size += len(chunk)
@@ -100,10 +106,10 @@ class AiohttpUpstream:
     writes and runs more event-loop turns per request).
     """
 
-    def __init__(self, timeout_seconds: float, max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES):
+    def __init__(self, timeout_seconds: float, max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES, key: str = ""):
         import aiohttp
 
-        self.max_answer_bytes = max_answer_bytes
+        self.max_answer_bytes, self._headers = max_answer_bytes, _headers(key)
         self._aiohttp = aiohttp
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
         # like httpx's timeout: a bound on connecting and on each wait for bytes, not on the total
@@ -112,7 +118,7 @@ class AiohttpUpstream:
 
     async def post_json(self, url: str, payload: bytes) -> UpstreamResponse:
         try:
-            async with self.session.post(url, data=payload, headers=_JSON_HEADERS) as r:
+            async with self.session.post(url, data=payload, headers=self._headers) as r:
                 content = await r.content.read(self.max_answer_bytes + 1)
                 while len(content) <= self.max_answer_bytes and not r.content.at_eof():
                     content += await r.content.read(self.max_answer_bytes + 1 - len(content))
@@ -246,8 +252,11 @@ class RawUpstream:
     failed mid-answer closes its connection.
     """
 
-    def __init__(self, max_idle_per_endpoint: int = 512, max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES):
+    def __init__(
+        self, max_idle_per_endpoint: int = 512, max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES, key: str = ""
+    ):
         self.max_idle, self.max_answer_bytes = max_idle_per_endpoint, max_answer_bytes
+        self._auth = f"Authorization: Bearer {key}\r\n" if key else ""
         self._idle: dict[tuple[str, str, int], list[_Exchange]] = {}
         self._busy: set[_Exchange] = set()
         self._targets: dict[str, tuple[tuple[str, str, int], bytes]] = {}
@@ -295,9 +304,9 @@ class RawUpstream:
             raise UpstreamTransportError(f"ValueError: {exc} in model server URL {url!r}") from None
         path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         host = parts.netloc.rpartition("@")[2]
-        head = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: ").encode(
-            "latin-1"
-        )
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: {host}\r\n{self._auth}Content-Type: application/json\r\nContent-Length: "
+        ).encode("latin-1")
         if len(self._targets) < 4096:
             self._targets[url] = ((parts.scheme, parts.hostname, port), head)
         return (parts.scheme, parts.hostname, port), head
@@ -333,13 +342,13 @@ UpstreamClient = RawUpstream | HttpxUpstream | AiohttpUpstream
 
 
 def open_upstream_client(
-    kind: str, timeout_seconds: float, max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES
+    kind: str, timeout_seconds: float, max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES, key: str = ""
 ) -> UpstreamClient:
-    """`kind`: "raw", "aiohttp", "httpx", or "auto" (the raw client)."""
-    if kind in ("auto", "raw"):
-        return RawUpstream(max_answer_bytes=max_answer_bytes)  # bounded by the gateway's per-attempt asyncio.timeout
+    """`kind`: "raw", "aiohttp", "httpx", or "auto" (the raw client); `key`: sent as a Bearer token."""
+    if kind in ("auto", "raw"):  # bounded by the gateway's per-attempt asyncio.timeout
+        return RawUpstream(max_answer_bytes=max_answer_bytes, key=key)
     if kind == "aiohttp":
-        return AiohttpUpstream(timeout_seconds, max_answer_bytes)
+        return AiohttpUpstream(timeout_seconds, max_answer_bytes, key)
     if kind == "httpx":
-        return HttpxUpstream(timeout_seconds, max_answer_bytes)
+        return HttpxUpstream(timeout_seconds, max_answer_bytes, key)
     raise ValueError(f"upstream_client must be 'auto', 'raw', 'aiohttp' or 'httpx', got {kind!r}")

@@ -9,6 +9,8 @@ vLLM server with `return_token_ids` returns, so this server speaks the same dial
   `prompt_token_ids` and `token_ids` per choice; `logprobs: k` (or `true` = 1) →
   `{tokens, token_logprobs, top_logprobs, text_offset}`;
 * `GET /v1/models`, `GET /health`;
+* bound beyond loopback, every route but `/health` requires `Authorization: Bearer <key>`
+  (`$AGL_ENGINE_KEY`, or one made at start: `agl_lab.addresses.engine_key`), else 401;
 * errors as `{"error": {"message", "type", "param", "code"}}`: 400 for bad requests (naming
   the field and the fix), 503 "generation aborted" for requests ended by `abort()`.
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import secrets
 import threading
 import time
 import uuid
@@ -34,7 +37,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from agl_lab.addresses import advertised_host, url_host
+from agl_lab.addresses import ENGINE_KEY_ENV, advertised_host, engine_key, is_loopback, url_host
 from agl_lab.chat_format import parse_tool_calls
 from agl_lab.engines.serving.scheduler import BatchScheduler, GenerationAborted, GenerationResult, SamplingParams
 from agl_lab.rules import BATCH_WINDOW_MS, MAX_BATCH_SIZE, MAX_MODEL_LEN
@@ -336,10 +339,26 @@ def create_app(
     model_name: str,
     max_model_len: int,
     default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    api_key: str = "",
 ) -> FastAPI:
-    """The FastAPI app serving `scheduler` OpenAI-style."""
+    """The FastAPI app serving `scheduler` OpenAI-style (`api_key`: required on all but /health)."""
     handler = _Handler(scheduler, tokenizer, model_name, max_model_len, default_max_tokens)
     app = FastAPI(title="agl_lab engine")
+    if api_key:
+        expected = f"Bearer {api_key}".encode()
+
+        @app.middleware("http")
+        async def _require_key(request: Request, call_next: Any) -> Any:
+            presented = request.headers.get("authorization", "").encode("latin-1")
+            if request.url.path == "/health" or secrets.compare_digest(presented, expected):
+                return await call_next(request)
+            error = OpenAIError(
+                f"missing or wrong key: this engine is bound beyond loopback and needs "
+                f"'Authorization: Bearer ${ENGINE_KEY_ENV}' (the gateway sends its upstream_key)",
+                status=401,
+                type="AuthenticationError",
+            )
+            return JSONResponse(error.body(), status_code=401)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
@@ -411,7 +430,14 @@ class OpenAIServer:
         num_threads: int | None = 1,
         prefix_cache_mb: float = 256,
         advertise_host: str | None = None,
+        api_key: str | None = None,
     ):
+        # beyond loopback a key is required (None: $AGL_ENGINE_KEY, or a fresh one put there)
+        self.api_key = engine_key(host) if api_key is None else api_key
+        if not self.api_key and not is_loopback(host):
+            raise ValueError(
+                f"an engine's OpenAI server bound to {host} (beyond loopback) needs a key: set {ENGINE_KEY_ENV}"
+            )
         limit = getattr(model.config, "max_position_embeddings", None)
         if limit is not None and max_model_len > limit:
             raise ValueError(
@@ -437,6 +463,7 @@ class OpenAIServer:
             model_name=model_name,
             max_model_len=max_model_len,
             default_max_tokens=default_max_tokens,
+            api_key=self.api_key,
         )
         # ThreadedUvicorn binds the socket first (port known, TCP_NODELAY set) and waits for /health.
         try:
@@ -506,6 +533,13 @@ def engine_main(argv: list[str]) -> int:
     parser.add_argument("--prefix-cache-mb", type=float, default=256, help="K/V of recent prefixes (0 = off)")
     parser.add_argument("--seed", type=int, default=0, help="initialisation seed of the tiny model")
     args = parser.parse_args(argv)
+    import os
+
+    if not is_loopback(args.host) and not os.environ.get(ENGINE_KEY_ENV):
+        raise SystemExit(
+            f"agl-lab engine: refusing to bind {args.host} without a key: set {ENGINE_KEY_ENV} here and "
+            "on the gateway's host (agl-lab serve sends it upstream), or bind 127.0.0.1"
+        )
 
     model, tokenizer = load_model_and_tokenizer(args.model_path, device=args.device, seed=args.seed)
     name = args.model_name or (Path(args.model_path).resolve().name if args.model_path else DEFAULT_MODEL_NAME)

@@ -68,14 +68,18 @@ NODE_IP = "node_ip"  # the word for "this worker's Ray node IP" in either settin
 
 
 def serving_env(cfg: Any) -> dict[str, str]:
-    """The worker env that carries `agl_lab.serving.host` / `advertise_host` to the replicas."""
+    """The worker env that carries `agl_lab.serving.host` / `advertise_host` and the engine's key
+    (`AGL_ENGINE_KEY`, made here when unset: the replicas may bind a node IP) to the replicas."""
     from omegaconf import OmegaConf
+
+    from agl_lab.addresses import ENGINE_KEY_ENV, engine_key
 
     host = OmegaConf.select(cfg, "agl_lab.serving.host", default=None)
     advertise = OmegaConf.select(cfg, "agl_lab.serving.advertise_host", default=None)
     return {
         SERVING_HOST_ENV: "" if host is None else str(host),
         SERVING_ADVERTISE_ENV: "" if advertise is None else str(advertise),
+        ENGINE_KEY_ENV: engine_key("0.0.0.0" if host is None else str(host)),
     }
 
 

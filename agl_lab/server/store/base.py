@@ -487,11 +487,12 @@ class Store(ABC):
                 self._pools = {}
         return list(models)
 
-    def clear_models(self) -> None:
+    def clear_models(self, model_name: str | None = None) -> None:
+        """Forget the endpoints of `model_name` (None: of every model)."""
         with self._lock:
             try:
                 with self._transaction():
-                    self._clear_models()
+                    self._clear_models(model_name)
             finally:
                 self._pools = {}
 
@@ -606,7 +607,7 @@ class Store(ABC):
     def _put_model(self, model: Model) -> None: ...
 
     @abstractmethod
-    def _clear_models(self) -> None: ...
+    def _clear_models(self, model_name: str | None) -> None: ...
 
     @abstractmethod
     def _models(self, model_name: str) -> list[Model]: ...

@@ -130,8 +130,11 @@ class MemoryStore(Store):
     def _put_model(self, model: Model) -> None:
         self._model_map.setdefault(model.model, {})[model.endpoint] = model
 
-    def _clear_models(self) -> None:
-        self._model_map.clear()
+    def _clear_models(self, model_name: str | None) -> None:
+        if model_name is None:
+            self._model_map.clear()
+        else:
+            self._model_map.pop(model_name, None)
 
     def _models(self, model_name: str) -> list[Model]:
         return list(self._model_map.get(model_name, {}).values())

@@ -509,8 +509,11 @@ class PostgresStore(Store):
             (model.model, model.endpoint, model.version),
         )
 
-    def _clear_models(self) -> None:
-        self._db.execute("DELETE FROM agl_models")
+    def _clear_models(self, model_name: str | None) -> None:
+        if model_name is None:
+            self._db.execute("DELETE FROM agl_models")
+        elif "\x00" not in model_name:  # no stored name holds NUL (PostgreSQL text cannot)
+            self._db.execute("DELETE FROM agl_models WHERE model = %s", (model_name,))
 
     def _models(self, model_name: str) -> list[Model]:
         if "\x00" in model_name:  # no stored name holds NUL: the answer of memory and SQLite

@@ -304,8 +304,11 @@ class SqliteStore(Store):
             (model.model, model.endpoint, model.version),
         )
 
-    def _clear_models(self) -> None:
-        self._db.execute("DELETE FROM models")
+    def _clear_models(self, model_name: str | None) -> None:
+        if model_name is None:
+            self._db.execute("DELETE FROM models")
+        else:
+            self._db.execute("DELETE FROM models WHERE model = ?", (model_name,))
 
     def _models(self, model_name: str) -> list[Model]:
         sql = "SELECT model, endpoint, version FROM models WHERE model=?"
