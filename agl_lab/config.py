@@ -124,7 +124,18 @@ AGL_LAB_DEFAULTS: dict[str, Any] = {
             "max_model_len": rules.MAX_MODEL_LEN,
             "warm_start_steps": 0,  # supervised warm start on the task's transcripts (tiny model)
         },
-        "task": {"name": "lookup", "n_train": 256, "n_val": 32},  # name: built-in, registered or module:attr
+        # name: built-in, registered, module:attr, reasoning_gym:<dataset> or gem:<env id>
+        # (docs/environments.md: size = the generator's entries, null: n_train; seed null: agl_lab.seed;
+        # config = the dataset's or environment's own keys; max_turns: model calls per GEM episode)
+        "task": {
+            "name": "lookup",
+            "n_train": 256,
+            "n_val": 32,
+            "size": None,
+            "seed": None,
+            "config": {},
+            "max_turns": 8,
+        },
         "agent": None,  # "module:function" agent(task, ctx) → overrides the task's agent (CLI)
         "server": {
             "embedded": True,  # start store + gateway in process; false → use agl_base_url
