@@ -128,7 +128,7 @@ def test_agl_lab_train_runs_a_reasoning_gym_dataset_by_name(tmp_path, capsys):
     assert "task reasoning_gym:basic_arithmetic" in out
     line = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert line["step"] == 1
-    assert line["training/n_rollouts"] == 8 and line.get("training/n_rollouts_failed", 0) == 0
+    assert line["training/n_rollouts"] == 8 and line["training/n_failed_rollouts"] == 0
 
 
 # ------------------------------------------------------------------------------ GEM
