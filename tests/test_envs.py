@@ -13,6 +13,7 @@ import pytest
 
 from agl_lab import Trainer
 from agl_lab.cli import train_main
+from agl_lab.recording import load_recording
 from agl_lab.tasks import get_task, rgym
 from agl_lab.tasks.gem_games import gem_agent, play
 from tests.test_trainer import SMALL
@@ -176,3 +177,32 @@ def test_a_gem_game_through_the_real_gateway_gives_one_row_per_rollout_with_obse
     assert len(multi) > 0, "no episode took more than one turn"
     assert (multi["observation_tokens"] > 0).all() and (multi["loss_tokens"] > 0).all()
     assert len(batch.breaks) == 0
+
+
+@pytest.mark.timeout(900)
+def test_agl_lab_train_runs_a_gem_game_by_name_with_turn_credit_in_the_default_gateway_mode(tmp_path, capsys):
+    args = [
+        "configs/cpu_tiny.yaml",
+        "--run-dir",
+        str(tmp_path / "run"),
+        *SMALL,
+        *GEM_KEYS,
+        f"agl_lab.task.name=gem:{GAME}",
+        "trainer.total_training_steps=1",
+        "agentlightning.trace_aggregator.level=transition",
+        "data.max_prompt_length=1024",
+        "algorithm.enable_rollout_level_advantage=false",
+        "agl_lab.algorithm.turn_credit=return",
+        "agl_lab.algorithm.turn_gamma=0.9",
+    ]
+    assert train_main(args) == 0
+    assert f"task gem:{GAME}" in capsys.readouterr().out
+    line = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert line["training/n_rollouts"] == 8 and line["training/n_failed_rollouts"] == 0
+    assert line["training/turn_credit/n_rollouts_without_turn_rewards"] == 0
+    rec = load_recording(tmp_path / "run", 1)
+    for rollout in rec.rollouts:
+        turns = [t.turn_reward for t in rollout.triplets]
+        assert turns and all(r is not None for r in turns)  # one turn reward per call, on its call
+        assert rollout.final_reward == pytest.approx(sum(turns))  # the rollout's reward: their sum
+    assert any(len(r.triplets) > 1 for r in rec.rollouts), "no episode took more than one turn"
