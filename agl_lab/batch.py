@@ -47,10 +47,11 @@ import numpy as np
 import torch
 
 from agl_lab import padding
+from agl_lab.algorithms.credit import transition_rewards
 from agl_lab.diagnose import KINDS, MergeBreak, common_prefix_len, decode_ids, diagnose_break
 from agl_lab.padding import pad_rows  # noqa: F401  (part of this module's API: rows -> arrays)
 from agl_lab.records import CompletedRollout, Triplet, sort_rollouts
-from agl_lab.rules import LEVELS, check_level  # noqa: F401 (re-export)
+from agl_lab.rules import LEVELS, TURN_CREDITS, check_level  # noqa: F401 (re-export)
 
 MISMATCH_TABLE_ROWS = 100  # merge breaks AGL v1 puts in its W&B table per batch (a metric counts them)
 TRACE_TEXT_LIMIT = 4000  # characters of a decoded trace kept per merge break
@@ -276,25 +277,49 @@ def plan_rows(
     multi_segment: bool = False,
     tokenizer: Any = None,
     diagnose: bool = True,
+    turn_credit: str = "rollout",
+    turn_gamma: float = 1.0,
 ) -> BuiltBatch:
-    """Rows and merge breaks of the sorted rollouts (no padding, no tensors, no metrics)."""
+    """Rows and merge breaks of the sorted rollouts (no padding, no tensors, no metrics).
+
+    `turn_credit="return"` (transition level only): the row of call t carries its discounted
+    return of turn rewards G_t (`algorithms.credit`); a rollout without turn rewards keeps its
+    reward on every row (counted: `training/turn_credit/n_rollouts_without_turn_rewards`).
+    """
     check_level(level)
+    if turn_credit not in TURN_CREDITS:
+        raise ValueError(f"agl_lab.algorithm.turn_credit={turn_credit!r} is not one of {list(TURN_CREDITS)}")
+    if turn_credit == "return" and level != "transition":
+        raise ValueError("agl_lab.algorithm.turn_credit=return needs agentlightning.trace_aggregator.level=transition")
     rollouts = sort_rollouts(completed)
     rows: list[Row] = []
     breaks: list[BreakRecord] = []
+    without_turn_rewards = 0
     for rollout in rollouts:
         reward = rollout_reward(rollout, reward_fillna_value)
         triplets = rollout.triplets or []
+        credited = None
+        if turn_credit == "return" and triplets:
+            credited = transition_rewards([t.turn_reward for t in triplets], turn_gamma)
+            without_turn_rewards += credited is None
         if level == "transition":
             segments = [_Segment(i, t) for i, t in enumerate(triplets)]
         else:
             segments, raw_breaks = merge_triplets(triplets, multi_segment)
             breaks += [_break_record(rollout, b, tokenizer, diagnose) for b in raw_breaks]
-        rows += [_limit_row(s, rollout, reward, max_prompt_length, max_response_length) for s in segments]
+        rows += [
+            _limit_row(
+                s, rollout, reward if credited is None else credited[s.calls[0]], max_prompt_length, max_response_length
+            )
+            for s in segments
+        ]
     kept = [r for r in rows if not r.skipped_empty]
     for index, row in enumerate(kept):
         row.batch_index = index
-    return BuiltBatch(rollouts, rows, breaks, level)
+    plan = BuiltBatch(rollouts, rows, breaks, level)
+    if turn_credit == "return":
+        plan.metrics["training/turn_credit/n_rollouts_without_turn_rewards"] = without_turn_rewards
+    return plan
 
 
 def _break_record(rollout: CompletedRollout, raw: tuple, tokenizer: Any, diagnose: bool) -> BreakRecord:
@@ -423,6 +448,8 @@ def build_batch(
     multi_segment: bool = False,
     diagnose: bool = True,
     exclude_failed: bool = False,
+    turn_credit: str = "rollout",
+    turn_gamma: float = 1.0,
 ) -> BuiltBatch:
     """Completed rollouts → `BuiltBatch(rollouts, rows, breaks, level, data, metrics)`.
 
@@ -446,6 +473,8 @@ def build_batch(
         multi_segment=multi_segment,
         tokenizer=tokenizer,
         diagnose=diagnose,
+        turn_credit=turn_credit,
+        turn_gamma=turn_gamma,
     )
     kept = [r for r in plan.rows if not r.skipped_empty]
     if not kept:
@@ -466,6 +495,6 @@ def build_batch(
         )
     arrays = pad_rows(kept, max_prompt_length, max_response_length, pad_token_id)
     plan.data, n_without = to_dataproto(kept, arrays)
-    plan.metrics = train_metrics(plan, reward_fillna_value, n_without)
+    plan.metrics = {**train_metrics(plan, reward_fillna_value, n_without), **plan.metrics}
     plan.metrics["training/n_failed_rollouts_excluded"] = n_failed if exclude_failed else 0
     return plan

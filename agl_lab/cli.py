@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from typing import Any
 
 SUBCOMMANDS = {
     "serve": ("agl_lab.server.embedded", "serve_main", "run the rollout store + LLM gateway"),
@@ -120,7 +121,7 @@ def train_main(argv: list[str]) -> int:
         with built as trainer:
             print(
                 f"agl-lab train: run dir {trainer.run_dir} · engine {cfg.agl_lab.engine} · "
-                f"model {trainer.engine.model_name} · task {cfg.agl_lab.task.name}",
+                f"model {trainer.engine.model_name} · {_what_runs(trainer, cfg)}",
                 flush=True,
             )
             if trainer.execution.server is not None:  # runners on other hosts: agl-lab runner --server URL
@@ -150,6 +151,25 @@ def train_main(argv: list[str]) -> int:
     finally:
         _restore_sigterm(previous)
     return 0
+
+
+def _what_runs(trainer: Any, cfg: Any) -> str:
+    """The start line's account of what runs: the agent class or agent that replaced the task's
+    agent, the data files that replaced its tasks, else the task (`agl_lab.task.name`)."""
+    from agl_lab import config as config_mod
+
+    parts = []
+    agent_class = cfg.agentlightning.local.get("agent_class")
+    if agent_class:
+        parts.append(f"agent {agent_class}")
+    elif cfg.agl_lab.get("agent"):
+        parts.append(f"agent {cfg.agl_lab.agent}")
+    train_files, _ = config_mod.task_files(cfg)
+    if train_files is not None:
+        parts.append(f"data {train_files}")
+    if trainer.task is not None and (train_files is None or not parts[:1]):
+        parts.insert(0, f"task {cfg.agl_lab.task.name}")
+    return " · ".join(parts)
 
 
 def _one_line(e: BaseException) -> str:

@@ -31,10 +31,12 @@ from agl_lab.rules import (
     DROP_ORDERS,
     LEVELS,
     SMALL_BATCH_CHOICES,
+    TURN_CREDITS,
     check_divisor,
     check_estimator,
     check_level,
     check_selection_args,
+    check_turn_credit,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -124,7 +126,18 @@ AGL_LAB_DEFAULTS: dict[str, Any] = {
             "max_model_len": rules.MAX_MODEL_LEN,
             "warm_start_steps": 0,  # supervised warm start on the task's transcripts (tiny model)
         },
-        "task": {"name": "lookup", "n_train": 256, "n_val": 32},  # name: built-in, registered or module:attr
+        # name: built-in, registered, module:attr, reasoning_gym:<dataset> or gem:<env id>
+        # (docs/environments.md: size = the generator's entries, null: n_train; seed null: agl_lab.seed;
+        # config = the dataset's or environment's own keys; max_turns: model calls per GEM episode)
+        "task": {
+            "name": "lookup",
+            "n_train": 256,
+            "n_val": 32,
+            "size": None,
+            "seed": None,
+            "config": {},
+            "max_turns": 8,
+        },
         "agent": None,  # "module:function" agent(task, ctx) → overrides the task's agent (CLI)
         "server": {
             "embedded": True,  # start store + gateway in process; false → use agl_base_url
@@ -164,6 +177,10 @@ AGL_LAB_DEFAULTS: dict[str, Any] = {
             "small_batch": "train",  # train a batch smaller than one mini-batch | skip the step
             "exclude_failed_rollouts": False,  # true: FAILED rollouts get no rows (AGL: reward_fillna_value)
             "max_abs_reward": 1.0e6,  # a rollout with a larger |reward| fails alone (learnable.learning_problem)
+            # rollout: every row the rollout's reward | return: each transition its discounted return of
+            # turn rewards, G_t = r_t + turn_gamma·G_{t+1} (algorithms/credit.py, docs/environments.md)
+            "turn_credit": "rollout",
+            "turn_gamma": 1.0,
         },
         # Parity switches: reproduce AGL v1's numbers for side-by-side runs (the defaults are
         # agl_lab's deliberate improvements; agl_lab.algorithm.normalize_by=rows is the third)
@@ -340,6 +357,7 @@ CHOICES = {
     "agl_lab.wandb.mode": WANDB_MODES,
     "agl_lab.algorithm.normalize_by": DIVISORS,
     "agl_lab.algorithm.small_batch": SMALL_BATCH_CHOICES,
+    "agl_lab.algorithm.turn_credit": TURN_CREDITS,
     "agl_lab.parity.drop_order": DROP_ORDERS,
     "agentlightning.trace_aggregator.level": LEVELS,
 }
@@ -491,6 +509,12 @@ def _check_learning_rules(cfg: DictConfig) -> None:
     """The checks of the modules that apply the rules (their ValueError names the config key)."""
     check_level(cfg.agentlightning.trace_aggregator.level)
     check_divisor(cfg.agl_lab.algorithm.normalize_by)
+    check_turn_credit(
+        str(cfg.agl_lab.algorithm.turn_credit),
+        float(cfg.agl_lab.algorithm.turn_gamma),
+        str(cfg.agentlightning.trace_aggregator.level),
+        bool(cfg.algorithm.enable_rollout_level_advantage),
+    )
     check_estimator(cfg.algorithm.adv_estimator, rollout_level=bool(cfg.algorithm.enable_rollout_level_advantage))
     mini = cfg.actor_rollout_ref.actor.ppo_mini_batch_size
     n = cfg.actor_rollout_ref.rollout.n
@@ -627,6 +651,8 @@ def batch_options(cfg: DictConfig, level: str | None = None) -> dict[str, Any]:
         reward_fillna_value=float(agl.reward_fillna_value),
         multi_segment=bool(agl.trace_aggregator.multi_segment),
         exclude_failed=bool(cfg.agl_lab.algorithm.exclude_failed_rollouts),
+        turn_credit=str(cfg.agl_lab.algorithm.turn_credit),
+        turn_gamma=float(cfg.agl_lab.algorithm.turn_gamma),
     )
 
 

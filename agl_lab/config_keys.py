@@ -126,6 +126,7 @@ RANGES: tuple[tuple[str, float, bool], ...] = (
     ("agl_lab.runner.concurrency", 0, True),
     ("agl_lab.algorithm.max_abs_reward", 0, True),
     ("agl_lab.verl.placement_timeout_seconds", 0, True),
+    ("agl_lab.task.max_turns", 0, True),
 )
 
 
@@ -143,6 +144,8 @@ TYPED: dict[str, tuple[str, tuple[str, ...]]] = {
     "agl_lab.torch_threads": ("int", ("auto",)),
     "agl_lab.record.max_steps": ("int", ()),  # null: keep every step's recording
     "trainer.max_actor_ckpt_to_keep": ("int", ()),  # null or 0: keep every checkpoint (verl)
+    "agl_lab.task.size": ("int", ()),  # null: as many generator entries as tasks asked for
+    "agl_lab.task.seed": ("int", ()),  # null: agl_lab.seed
 }
 
 # verl's agg_loss modes (core_algos.agg_loss); the local engine accepts the same ones.
@@ -156,6 +159,7 @@ TYPED_POSITIVE = (
     "agl_lab.runner.agent_timeout_seconds",
     "agl_lab.torch_threads",
     "agl_lab.record.max_steps",
+    "agl_lab.task.size",
 )
 
 

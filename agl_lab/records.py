@@ -50,6 +50,7 @@ class Triplet:
     | logprobs     | list[float] (R,)  | sampling logprobs of `response_ids`, or None         |
     | reward       | float | None      | set on the last triplet of a rollout (final reward)  |
     | metadata     | dict              | `{"server": {"model", "version"}}` from the gateway  |
+    | turn_reward  | float | None      | the `turn_reward` events after this call, summed     |
     """
 
     prompt_ids: list[int]
@@ -57,6 +58,7 @@ class Triplet:
     logprobs: list[float] | None = None
     reward: float | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    turn_reward: float | None = None
 
 
 @dataclass
@@ -248,11 +250,18 @@ def triplets_from_events(triplet_events: Sequence[Mapping[str, Any]]) -> list[Tr
     """The rollout's usable model calls, in order (events in the server's `format=triplet`).
 
     Skipped: `status == "error"` or `http_status >= 400` (e.g. context overflow), and calls
-    without response tokens. Rewards are not set here.
+    without response tokens. The final reward is not set here; a `turn_reward` event
+    (`{"reward": float, ...}`, as agl_lab/tasks/gem_games.py emits one per environment step) is
+    added to the `turn_reward` of the last kept call before it (one before any call is ignored).
     """
-    triplets = []
+    triplets: list[Triplet] = []
     for event in triplet_events:
         data = event.get("data") or {}
+        if event.get("event_type") == "turn_reward":
+            value = data.get("reward")
+            if triplets and is_number(value) and math.isfinite(float(value)):
+                triplets[-1].turn_reward = (triplets[-1].turn_reward or 0.0) + float(value)
+            continue
         if event.get("event_type") != "model_request" or _is_error_call(data):
             continue
         response_ids = [int(t) for t in data.get("response_token_ids") or []]

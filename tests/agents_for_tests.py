@@ -188,3 +188,75 @@ def remote_agent(task: dict, ctx) -> float | None:
         ctx.cancelled.wait(120)
         return None
     return 1.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Agents of the shape of AGL v1's examples/gsm8k/gsm8k_agent.py (written here, not copied): the
+# task from env_map (QUESTION, ANSWER), the endpoint and key from AGL_OPENAI_BASE_URL / AGL_KEY,
+# the reward POSTed to AGL_EVENT_URL. They also POST what they saw, for the test to assert on.
+# ---------------------------------------------------------------------------------------------
+
+GSM_PROMPT = "Solve the problem and give the final answer after '### ANSWER:'.\n\n{question}"
+
+
+def gsm_final_answer(text: str) -> str:
+    """The final answer: after the last '### ANSWER:', else after '####', else the last number."""
+    import re
+
+    text = (text or "").replace(",", "")
+    for marker in ("### ANSWER:", "####"):
+        if marker in text:
+            return text.rsplit(marker, 1)[1].strip().strip("#").strip()
+    numbers = re.findall(r"-?\d+(?:\.\d+)?", text)
+    return numbers[-1] if numbers else ""
+
+
+def _gsm_client():
+    import openai
+
+    return openai.AsyncOpenAI(
+        base_url=os.environ["AGL_OPENAI_BASE_URL"], api_key=os.environ["AGL_KEY"] or "EMPTY", max_retries=6
+    )
+
+
+class GsmChatAgent:
+    """gsm8k's ChatAgent shape: one async chat call on the question, reward 1.0 for the right answer."""
+
+    async def run(self) -> None:
+        question, answer = os.environ["QUESTION"], os.environ["ANSWER"]
+        resp = await _gsm_client().chat.completions.create(
+            model="auto",
+            messages=[{"role": "user", "content": GSM_PROMPT.format(question=question)}],
+            temperature=1.0,
+            max_tokens=16,
+        )
+        text = resp.choices[0].message.content or ""
+        reward = 1.0 if gsm_final_answer(text) == gsm_final_answer(answer) else 0.0
+        _post_event("agent_saw", {"question": question, "answer": answer, "reply": text})
+        _post_event("reward", {"value": reward})
+
+
+class GsmCompletionAgent:
+    """gsm8k's CompletionAgent shape: the prompt tokenized here with the HF tokenizer at
+    `GSM8K_MODEL` (an env_map literal), sent as token ids to /v1/completions, the reply read
+    from `choices[0].token_ids` and decoded here."""
+
+    async def run(self) -> None:
+        from transformers import AutoTokenizer
+
+        question, answer = os.environ["QUESTION"], os.environ["ANSWER"]
+        tokenizer = AutoTokenizer.from_pretrained(os.environ["GSM8K_MODEL"])
+        prompt_ids = tokenizer.encode(GSM_PROMPT.format(question=question), add_special_tokens=False)
+        resp = await _gsm_client().completions.create(model="auto", prompt=prompt_ids, temperature=1.0, max_tokens=16)
+        choice = resp.choices[0]
+        token_ids = getattr(choice, "token_ids", None)
+        if token_ids is None:
+            token_ids = (choice.model_extra or {}).get("token_ids")
+        if token_ids is None:
+            raise RuntimeError("OpenAI response choice did not include token_ids")
+        text = tokenizer.decode(token_ids, skip_special_tokens=True)
+        reward = 1.0 if gsm_final_answer(text) == gsm_final_answer(answer) else 0.0
+        _post_event(
+            "agent_saw", {"question": question, "answer": answer, "reply": text, "n_prompt_ids": len(prompt_ids)}
+        )
+        _post_event("reward", {"value": reward})

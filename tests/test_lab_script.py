@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _fake_checkout(tmp_path: Path) -> Path:
     tmp_path.mkdir(exist_ok=True)
-    for name in ("lab", "pyproject.toml", "requirements-weights.txt"):
+    for name in ("lab", "pyproject.toml", "requirements-weights.txt", "requirements-envs.txt"):
         shutil.copy(ROOT / name, tmp_path / name)
     bin_dir = tmp_path / ".venv" / "bin"
     bin_dir.mkdir(parents=True)
@@ -29,7 +29,9 @@ def _fake_checkout(tmp_path: Path) -> Path:
         (bin_dir / exe).write_text(f'#!/bin/sh\nif [ "$1" = "-c" ]; then echo "{purelib}"; else echo "ARGS $*"; fi\n')
         (bin_dir / exe).chmod(0o755)
     digest = hashlib.sha256(
-        (tmp_path / "pyproject.toml").read_bytes() + (tmp_path / "requirements-weights.txt").read_bytes()
+        (tmp_path / "pyproject.toml").read_bytes()
+        + (tmp_path / "requirements-weights.txt").read_bytes()
+        + (tmp_path / "requirements-envs.txt").read_bytes()
     ).hexdigest()[:16]
     (tmp_path / ".venv" / ".agl_lab_installed").write_text(f"{digest} dev\n")
     return tmp_path

@@ -184,15 +184,36 @@ def _import_task(spec: str) -> Task:
     return register_task(obj)
 
 
-def get_task(name: Any) -> Task:
-    """The task registered under `name` (or `name` itself when it is a `Task`, or the `Task`
-    that `"module:attr"` names); KeyError naming the known tasks otherwise."""
+FIELD_PREFIXES = ("reasoning_gym:", "gem:")
+
+
+def _field_task(name: str, options: Any) -> Task:
+    """A task from reasoning-gym or GEM by name (agl_lab/tasks/rgym.py, gem_games.py)."""
+    prefix, _, rest = name.partition(":")
+    if not rest:
+        raise KeyError(f"agl_lab.task.name={name!r} names no {prefix} environment: write {prefix}:<name>")
+    if prefix == "reasoning_gym":
+        from agl_lab.tasks.rgym import reasoning_gym_task
+
+        return reasoning_gym_task(rest, options)
+    from agl_lab.tasks.gem_games import gem_task
+
+    return gem_task(rest, options)
+
+
+def get_task(name: Any, options: Any = None) -> Task:
+    """The task registered under `name` (or `name` itself when it is a `Task`, the task from the
+    field that `"reasoning_gym:<dataset>"` or `"gem:<env id>"` names, or the `Task` that
+    `"module:attr"` names); KeyError naming the known tasks otherwise. `options` (`agl_lab.task`:
+    size, seed, config, max_turns) shape the tasks from the field (docs/environments.md)."""
     if isinstance(name, Task):
         return name
     if name in _REGISTRY:
         return _REGISTRY[name]
     if name in _BUILTIN:
         return _BUILTIN[name]()
+    if isinstance(name, str) and name.startswith(FIELD_PREFIXES):
+        return _field_task(name, options)
     if isinstance(name, str) and ":" in name:
         return _import_task(name)
     raise KeyError(
@@ -219,7 +240,7 @@ def agent_and_task(cfg: Any, agent: Any, task: Any, *, has_tasks: bool) -> tuple
     if isinstance(agent, type):
         agent = agl_agent_class_spec(agent)  # an AGL agent class: Class().run() in a subprocess
     if task is not None or (not agent_class and (agent is None or not has_tasks)):
-        task = get_task(task if task is not None else str(lab.task.name))
+        task = get_task(task if task is not None else str(lab.task.name), lab.task)
     if agent is None and task is not None and not agent_class:
         agent = task.agent
     return agent, task
