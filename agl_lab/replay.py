@@ -113,8 +113,9 @@ def replay_step(
 
     `overrides` (`key=value`) change the run's config first: with none, the replay must
     reproduce the recorded engine-independent metrics exactly; with some, it answers "what if".
-    `tokenizer` (default: the run's, loaded from its model directory — no model weights) decodes
-    the tokens around a merge break, which its classification needs (retokenization vs other).
+    `tokenizer` (default: the run's, decode-only — `engines.tiny.load_decoder`, no model weights and
+    no transformers import) decodes the tokens around a merge break, which its classification
+    needs (retokenization vs other), and `batch.rows`' text columns.
     `container`: the batch's type (`agl_lab.batch.build_batch`): `"agl"` (default) imports neither
     verl nor Ray (for GRPO and RLOO: any other estimator is verl's); `"verl"` builds the `DataProto`
     an engine trains on.
@@ -126,10 +127,10 @@ def replay_step(
     rec = load_recording(run_dir, step)
     cfg = load_saved_config(Path(run_dir) / "config.yaml", overrides)
     if tokenizer is None:
-        from agl_lab.engines.tiny import load_tokenizer
+        from agl_lab.engines.tiny import load_decoder
         from agl_lab.models import resolve_model_path
 
-        tokenizer = load_tokenizer(model_path=resolve_model_path(cfg.agl_lab.model))
+        tokenizer = load_decoder(model_path=resolve_model_path(cfg.agl_lab.model))
     built = build_batch(
         rec.rollouts, **batch_options(cfg), pad_token_id=rec.pad_token_id, tokenizer=tokenizer, container=container
     )
