@@ -1,4 +1,5 @@
-"""Batch building: completed rollouts → training rows → a verl `DataProto`, metrics and tables.
+"""Batch building: completed rollouts → training rows → a verl `DataProto` (or agl_lab's
+`BatchData`, `container="agl"`), metrics and tables.
 
 One pass, as small pure steps:
 
@@ -48,10 +49,14 @@ import torch
 
 from agl_lab import padding
 from agl_lab.algorithms.credit import transition_rewards
+from agl_lab.batch_data import BatchData
 from agl_lab.diagnose import KINDS, MergeBreak, common_prefix_len, decode_ids, diagnose_break
 from agl_lab.padding import pad_rows  # noqa: F401  (part of this module's API: rows -> arrays)
 from agl_lab.records import CompletedRollout, Triplet, sort_rollouts
 from agl_lab.rules import LEVELS, TURN_CREDITS, check_level  # noqa: F401 (re-export)
+
+#: what `build_batch` can emit: verl's `DataProto` (the engines') or agl_lab's verl-free `BatchData`
+CONTAINERS = ("verl", "agl")
 
 MISMATCH_TABLE_ROWS = 100  # merge breaks AGL v1 puts in its W&B table per batch (a metric counts them)
 TRACE_TEXT_LIMIT = 4000  # characters of a decoded trace kept per merge break
@@ -352,8 +357,9 @@ def _trace_text(ids: Sequence[int], tokenizer: Any) -> str:
 # =========================================================================== tensors (padding: agl_lab.padding)
 
 
-def to_dataproto(rows: Sequence[Row], arrays: dict[str, np.ndarray]) -> tuple[Any, int]:
-    """Build the verl DataProto; returns it and the number of rows lacking logprobs.
+def to_dataproto(rows: Sequence[Row], arrays: dict[str, np.ndarray], *, container: str = "verl") -> tuple[Any, int]:
+    """Build the verl DataProto (`container="agl"`: a `BatchData`, no verl import); returns it and
+    the number of rows lacking logprobs.
 
     Tensors ([N, P+R] for the full sequence): input_ids, attention_mask, position_ids =
     clamp(cumsum(attention_mask) − 1, 0), prompts, responses, response_mask (transition: the
@@ -362,8 +368,8 @@ def to_dataproto(rows: Sequence[Row], arrays: dict[str, np.ndarray]) -> tuple[An
     rollout_log_probs [N, R] float32 only when every row has logprobs. Non-tensors:
     data_id_list, rollout_id_list, turn_index_list (first call of the row), uid (= data_id).
     """
-    from verl import DataProto  # lazy: importing verl costs seconds
-
+    if container not in CONTAINERS:
+        raise ValueError(f"build_batch: container={container!r} is not one of {list(CONTAINERS)}")
     n = len(rows)
     attention = np.concatenate([arrays["prompt_mask"], arrays["response_attention"]], axis=1)
     p, r = arrays["prompts"].shape[1], arrays["responses"].shape[1]
@@ -393,8 +399,8 @@ def to_dataproto(rows: Sequence[Row], arrays: dict[str, np.ndarray]) -> tuple[An
         "turn_index_list": np.array([r.calls[0] for r in rows], dtype=object),  # AGL's key name
         "uid": data_ids.copy(),
     }
-    data = DataProto.from_dict({k: torch.from_numpy(v) for k, v in tensors.items()}, non_tensors)
-    return data, n_without
+    data = BatchData.from_dict({k: torch.from_numpy(v) for k, v in tensors.items()}, non_tensors)
+    return (data.to_dataproto() if container == "verl" else data), n_without
 
 
 # =========================================================================== metrics
@@ -450,12 +456,15 @@ def build_batch(
     exclude_failed: bool = False,
     turn_credit: str = "rollout",
     turn_gamma: float = 1.0,
+    container: str = "verl",
 ) -> BuiltBatch:
     """Completed rollouts → `BuiltBatch(rollouts, rows, breaks, level, data, metrics)`.
 
     `tokenizer` (optional) only serves the diagnostics: merge-break classes and decoded texts.
     FAILED rollouts train with `reward_fillna_value` (AGL v1) unless `exclude_failed`, which
     leaves them out of the batch (`plan.rollouts` too); both are counted in the metrics.
+    `container`: `"verl"` (a `DataProto`, what the engines take) or `"agl"` (an
+    `agl_lab.batch_data.BatchData`: the same tensors without importing verl or Ray; replay's).
     Raises RuntimeError when no row has a trainable token.
     """
     n_failed = sum(r.state == "failed" for r in completed)
@@ -494,7 +503,7 @@ def build_batch(
             "call returned an empty response (check the agent's max_tokens and the response limits)."
         )
     arrays = pad_rows(kept, max_prompt_length, max_response_length, pad_token_id)
-    plan.data, n_without = to_dataproto(kept, arrays)
+    plan.data, n_without = to_dataproto(kept, arrays, container=container)
     plan.metrics = {**train_metrics(plan, reward_fillna_value, n_without), **plan.metrics}
     plan.metrics["training/n_failed_rollouts_excluded"] = n_failed if exclude_failed else 0
     return plan

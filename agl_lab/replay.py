@@ -5,7 +5,9 @@ The recordings are written by `agl_lab.recording` (its docstring gives the forma
 Replay: `replay_step(run_dir, step)` (also `Trainer.replay` and `agl-lab replay RUN_DIR --step N`)
 rebuilds the step's batch, advantages, selection and loss weights from the recording with the
 run's own `config.yaml`, and compares every recomputed metric with the recorded one: the
-engine-independent part (batch building and the algorithms) must agree exactly. What the
+engine-independent part (batch building and the algorithms) must agree exactly. It imports
+neither verl nor Ray (the batch is agl_lab's `BatchData`, the GRPO/RLOO estimators and the data
+metrics are computed as verl does, `algorithms.estimators`), so it answers in seconds. What the
 engine computed (old logprobs, the actor update, KL-in-reward when it is on) is not recomputed.
 `what_if(run_dir, step, overrides)` replays the same step under other settings (aggregation
 level, loss divisor, drop order, advantage estimator, clip ratios, ...) and returns the
@@ -104,13 +106,19 @@ class Replay:
         return self.comparison[~self.comparison["equal"]]
 
 
-def replay_step(run_dir: str | Path, step: int, overrides: Sequence[str] = (), *, tokenizer: Any = None) -> Replay:
+def replay_step(
+    run_dir: str | Path, step: int, overrides: Sequence[str] = (), *, tokenizer: Any = None, container: str = "agl"
+) -> Replay:
     """Rebuild step `step` of the run in `run_dir` from its recording (no engine, server or agent).
 
     `overrides` (`key=value`) change the run's config first: with none, the replay must
     reproduce the recorded engine-independent metrics exactly; with some, it answers "what if".
-    `tokenizer` (default: the run's, loaded from its model directory — no model weights) decodes
-    the tokens around a merge break, which its classification needs (retokenization vs other).
+    `tokenizer` (default: the run's, decode-only — `engines.tiny.load_decoder`, no model weights and
+    no transformers import) decodes the tokens around a merge break, which its classification
+    needs (retokenization vs other), and `batch.rows`' text columns.
+    `container`: the batch's type (`agl_lab.batch.build_batch`): `"agl"` (default) imports neither
+    verl nor Ray (for GRPO and RLOO: any other estimator is verl's); `"verl"` builds the `DataProto`
+    an engine trains on.
     """
     from agl_lab.batch import build_batch
     from agl_lab.config import batch_options, load_saved_config
@@ -119,11 +127,13 @@ def replay_step(run_dir: str | Path, step: int, overrides: Sequence[str] = (), *
     rec = load_recording(run_dir, step)
     cfg = load_saved_config(Path(run_dir) / "config.yaml", overrides)
     if tokenizer is None:
-        from agl_lab.engines.tiny import load_tokenizer
+        from agl_lab.engines.tiny import load_decoder
         from agl_lab.models import resolve_model_path
 
-        tokenizer = load_tokenizer(model_path=resolve_model_path(cfg.agl_lab.model))
-    built = build_batch(rec.rollouts, **batch_options(cfg), pad_token_id=rec.pad_token_id, tokenizer=tokenizer)
+        tokenizer = load_decoder(model_path=resolve_model_path(cfg.agl_lab.model))
+    built = build_batch(
+        rec.rollouts, **batch_options(cfg), pad_token_id=rec.pad_token_id, tokenizer=tokenizer, container=container
+    )
     batch = BatchResult(built, step=rec.batch_step, tokenizer=tokenizer)
     with _quiet_update_log():  # the run already warned about this step (alignment, skips)
         update = run_update(cfg, _NoEngine(rec.policy_version), batch, step=rec.batch_step)
@@ -211,7 +221,7 @@ def replay_update(run_dir: str | Path, step: int, *, checkpoint_root: str | Path
     from agl_lab.tasks import agent_and_task
     from agl_lab.update import run_update
 
-    base = replay_step(run_dir, step)
+    base = replay_step(run_dir, step, container="verl")  # the engine trains on verl's DataProto
     rec, cfg = base.recording, load_saved_config(Path(run_dir) / "config.yaml")
     root = Path(checkpoint_root) if checkpoint_root is not None else checkpoints.checkpoint_root(cfg)
     before_dir, after_dir = root / f"global_step_{step - 1}", root / f"global_step_{step}"

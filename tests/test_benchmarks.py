@@ -145,3 +145,12 @@ def test_runner_start_benchmark_prints_every_case_and_no_server_stack_in_a_runne
         assert len(cells) == 7 and all(cells) and float(cells[3]) > 0, cells
     assert all(rows[f"{case}@0"][6] == "0" for case in cases[:4])  # a runner loads neither
     assert int(rows["server stack+numpy@0"][6]) > 0  # the column counts what it names
+
+
+def test_replay_start_benchmark_prints_every_case_and_ray_only_where_verl_is_imported():
+    out = _run("benchmarks/replay_start.py", "--repeats", "1", "--load", "0", timeout=600)
+    rows = _rows(out, "case")
+    assert set(rows) == {"python -c pass@0", "replay@0", "replay + verl imports@0"}
+    for cells in rows.values():
+        assert len(cells) == 8 and all(cells) and float(cells[3]) > 0, cells
+    assert rows["replay@0"][7] == "no" and rows["replay + verl imports@0"][7] == "yes"

@@ -73,6 +73,8 @@ def test_replay_builds_batches_with_the_trainers_options(path, tmp_path, monkeyp
     with pytest.raises(_Stop):
         replay.replay_step(tmp_path, 1, tokenizer=tokenizer)
 
+    # the same options; only the container differs: replay's batch is agl_lab's (no verl, no Ray)
+    assert seen[1].pop("container") == "agl" and seen[0].get("container", "verl") == "verl"
     assert seen[0] == seen[1]
     assert {k: v for k, v in seen[0].items() if k not in ("tokenizer", "pad_token_id")} == batch_options(cfg)
 

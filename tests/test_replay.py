@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import random
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +26,7 @@ from agl_lab.config import ConfigError
 from agl_lab.recording import Recorder, load_recording, recorded_steps, rng_from_json, step_path
 from agl_lab.replay import replay_main, replay_step, what_if
 
+ROOT = Path(__file__).resolve().parents[1]
 CASSETTE = Path(__file__).parent / "fixtures" / "cassette"
 SMALL = [
     "data.train_batch_size=4",
@@ -253,3 +257,33 @@ def test_cli_replays_and_names_what_is_recorded(capsys):
     assert "no recording of step 7" in out and "recorded steps are 1, 2" in out
     assert replay_main([str(CASSETTE), "agentlightning.trace_aggregator.level=transition"]) == 0
     assert "training/n_sample" in capsys.readouterr().out
+
+
+def test_replay_imports_neither_verl_nor_ray():
+    """`replay_step`, `what_if` and `agl-lab replay` on a recorded run, in a fresh interpreter: the
+    batch is agl_lab's BatchData and the estimator agl_lab's, so verl (whose package imports Ray),
+    its ray_trainer and Ray stay out of sys.modules — and the replay still equals the recording."""
+    code = (
+        "import json, sys\n"
+        "from agl_lab.cli import main\n"
+        "from agl_lab.replay import replay_step, what_if\n"
+        f"r = replay_step({str(CASSETTE)!r}, 2)\n"
+        f"w = what_if({str(CASSETTE)!r}, 1, ['agentlightning.trace_aggregator.level=transition'])\n"
+        f"rc = main(['replay', {str(CASSETTE)!r}, '--step', '1'])\n"
+        "mods = ('ray', 'verl', 'verl.protocol', 'verl.trainer.ppo.ray_trainer')\n"
+        "print(json.dumps([r.equal, len(w.metrics) > 0, rc, type(r.batch.data).__name__,"
+        " [m for m in mods if m in sys.modules]]))"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [True, True, 0, "BatchData", []]
+
+
+def test_replay_can_build_verls_dataproto():
+    """`container="verl"` (replay_update's, for an engine): the same numbers on a DataProto."""
+    from verl import DataProto
+
+    r = replay_step(CASSETTE, 2, container="verl")
+    assert isinstance(r.batch.data, DataProto) and r.equal

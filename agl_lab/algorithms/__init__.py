@@ -4,8 +4,9 @@ An agent rollout becomes one training row (trajectory level, merged) or several
 (transition level, or after a merge break). GRPO compares *rollouts* of a task, so the
 learning side must make every rollout count once, however many rows it produced:
 
-1. **Rollout-level advantage** (`advantage.py`) — run the advantage estimator (verl's own
-   `compute_advantage`) on one representative row per rollout, then broadcast the scalar
+1. **Rollout-level advantage** (`advantage.py`) — run the advantage estimator (verl's
+   `compute_advantage` numbers; GRPO and RLOO computed in `estimators.py` without importing verl
+   or Ray) on one representative row per rollout, then broadcast the scalar
    advantage to every row of the rollout. A rollout with five rows weighs as much in its
    group's mean/std as a rollout with one.
 2. **Selection for the update** (`selection.py`) — drop rows marked by the batch builder,
@@ -19,8 +20,8 @@ learning side must make every rollout count once, however many rows it produced:
    batch (tech report Eq. 16, our default) or the number of *rows* (AGL v1, kept for
    parity). `rollout_weights_table` shows who carries the loss.
 
-`prepare_update_batch` (`pipeline.py`) chains them in that order. Every function is pure: DataProto /
-tensors in, `(result, metrics)` out (the tensor-valued `normalize_advantages_by_rollout`
+`prepare_update_batch` (`pipeline.py`) chains them in that order. Every function is pure: a batch
+(verl's `DataProto` or agl_lab's verl-free `BatchData`) / tensors in, `(result, metrics)` out (the tensor-valued `normalize_advantages_by_rollout`
 returns just the tensor, like upstream). `register_loss()` puts `per_rollout_mean` in verl's
 policy-loss registry (the engines call it when they are built; a Ray worker through the setup
 hook `agl_lab.algorithms.register_in_worker`). The accepted values and checks of the learning

@@ -12,8 +12,9 @@ Also here, the row ↔ rollout ↔ group bookkeeping the other stages share
 estimator runs on float64 rewards and equal-reward groups are zeroed, `run_estimator`;
 `agl_lab.parity.grpo_float32` keeps verl's float32 numbers, docs/research.md).
 
-Pure: DataProto in, `(DataProto, metrics)` out; verl's `compute_advantage` is imported
-only when no estimator is injected (its module pulls in Ray's worker stack).
+Pure: a batch (`agl_lab.batch_data.BatchData` or verl's `DataProto`) in, `(batch, metrics)`
+out. The estimator is `estimators.compute_advantage` (verl's signature and numbers; GRPO and RLOO
+without importing verl or Ray) unless one is injected.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from agl_lab.algorithms.estimators import compute_advantage
 from agl_lab.rules import OUTCOME_HINT, TOKEN_LEVEL_ESTIMATORS, check_estimator  # noqa: F401 (re-export)
 
 # =============================================================================================
@@ -152,13 +154,6 @@ def group_metrics(data: Any, suffix: str = "") -> dict[str, int | float]:
 # =============================================================================================
 
 
-def _verl_compute_advantage() -> Callable[..., Any]:
-    # Lazy: ray_trainer pulls in Ray and the worker stack (~9 s); only needed here.
-    from verl.trainer.ppo.ray_trainer import compute_advantage
-
-    return compute_advantage
-
-
 def _equal_reward_rows(scores: torch.Tensor, keys: Sequence[Any] | None) -> torch.Tensor:
     """Rows [N] bool in groups of two or more whose float64 rewards are all bitwise equal."""
     out = torch.zeros(len(scores), dtype=torch.bool)
@@ -231,7 +226,7 @@ def compute_advantages(
             "algorithm.adv_estimator=gae needs critic values and agl_lab trains without a critic: "
             f"use an outcome estimator ({OUTCOME_HINT})"
         )
-    return run_estimator(compute_advantage_fn or _verl_compute_advantage(), data, exact_zero=exact_zero, **kwargs), {}
+    return run_estimator(compute_advantage_fn or compute_advantage, data, exact_zero=exact_zero, **kwargs), {}
 
 
 # =============================================================================================
@@ -314,7 +309,7 @@ def compute_rollout_level_advantage(
 ) -> tuple[Any, dict[str, int]]:
     """Advantages once per rollout, broadcast to all its rows (writes `advantages`, `returns`).
 
-    The estimator (verl's `compute_advantage` unless injected) sees one representative row
+    The estimator (`estimators.compute_advantage`, verl's numbers, unless injected) sees one representative row
     per rollout (its first row), so for GRPO each rollout counts once in its group's mean
     and std. Then `advantages[i] = A[rollout(i)] × response_mask[i]` for every row i.
     `exact_zero` (default): float64 group statistics, equal-reward groups exactly 0 (`run_estimator`).
@@ -326,7 +321,7 @@ def compute_rollout_level_advantage(
     _check_rollout_level_keys(data)
     rollouts, pos = rollout_index(data.non_tensor_batch["rollout_id_list"])
     reps = _check_rollouts_consistent(data, rollouts, pos)
-    estimator = compute_advantage_fn or _verl_compute_advantage()
+    estimator = compute_advantage_fn or compute_advantage
     sub = run_estimator(
         estimator,
         data.select_idxs(np.asarray(reps, dtype=np.int64)),

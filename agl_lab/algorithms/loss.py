@@ -22,8 +22,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, register_policy_loss
-from verl.utils.torch_functional import masked_mean, masked_sum
 
 from agl_lab.algorithms.advantage import rollout_ids, rollout_index, row_scores
 from agl_lab.rules import DIVISORS, LOSS_NAME, check_divisor  # noqa: F401 (re-export)
@@ -142,6 +140,8 @@ def compute_policy_loss_per_rollout_mean(
     pg_loss = Σ_tokens L × dp_size, where dp_size undoes data-parallel gradient averaging.
     Call it with advantages from `normalize_advantages_by_rollout`.
     """
+    from verl.utils.torch_functional import masked_mean, masked_sum  # lazy: verl imports Ray
+
     assert config is not None, "per_rollout_mean loss requires the actor config"
     clip_low, clip_high, clip_c = _clip_ranges(config)
     neg_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
@@ -174,6 +174,8 @@ def register_loss() -> None:
     """Register `per_rollout_mean` in verl's `POLICY_LOSS_REGISTRY`, where verl's actor and the
     local PPO loop look `loss_mode` up. Explicit, not an import side effect: engines call it when
     they are built, Ray workers through `register_in_worker`. Calling it again is harmless."""
+    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, register_policy_loss  # lazy: verl imports Ray
+
     existing = POLICY_LOSS_REGISTRY.get(LOSS_NAME)
     if existing is compute_policy_loss_per_rollout_mean:
         return

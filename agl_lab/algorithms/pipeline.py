@@ -3,7 +3,7 @@
     marked rows dropped (row by row, AGL v1)          selection.drop_marked_rows
     → advantages on the whole batch                    advantage.compute_advantages
     → whole mini-batches (zero-advantage groups first) selection.select_for_update
-    → group and data metrics of the trained rows       advantage.group_metrics, verl's compute_data_metrics
+    → group and data metrics of the trained rows       advantage.group_metrics, estimators.compute_data_metrics
     → per-rollout loss weights                         loss.normalize_batch
 
 With `drop_order="agl"` the alignment cut runs before the advantages, by row
@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from agl_lab.algorithms.advantage import check_estimator, compute_advantages, fill_reward_defaults, group_metrics
+from agl_lab.algorithms.estimators import compute_data_metrics
 from agl_lab.algorithms.loss import LOSS_NAME, normalize_batch
 from agl_lab.algorithms.selection import agl_alignment, check_selection_args, drop_marked_rows, select_for_update
 from agl_lab.rules import DROP_ORDERS  # noqa: F401 (re-export)
@@ -25,7 +26,8 @@ logger = logging.getLogger(__name__)
 
 
 def _data_metrics(data: Any) -> dict[str, Any]:
-    """verl's `compute_data_metrics` (critic/*, response_length/*) when the batch has its keys."""
+    """verl's `compute_data_metrics` numbers (critic/*, response_length/*), computed without verl
+    (`estimators.compute_data_metrics`), when the batch has its keys."""
     needed = (
         "token_level_scores",
         "token_level_rewards",
@@ -38,9 +40,7 @@ def _data_metrics(data: Any) -> dict[str, Any]:
     )
     if not all(k in data.batch.keys() for k in needed):
         return {}
-    from verl.trainer.ppo.metric_utils import compute_data_metrics
-
-    return {k: float(v) for k, v in compute_data_metrics(data, use_critic=False).items()}
+    return {k: float(v) for k, v in compute_data_metrics(data).items()}
 
 
 def prepare_update_batch(

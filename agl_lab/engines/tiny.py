@@ -273,6 +273,43 @@ def load_tokenizer(cache_dir: str | None = None, *, model_path: str | os.PathLik
     return AutoTokenizer.from_pretrained(path, padding_side="left", local_files_only=True)
 
 
+class Decoder:
+    """A decode-only tokenizer read from a model directory's `tokenizer.json` with the `tokenizers`
+    library: no transformers import (seconds saved where only text is needed: replay, diagnostics).
+
+    `decode(ids, skip_special_tokens=False)` gives what transformers' fast tokenizer gives for a
+    directory whose `clean_up_tokenization_spaces` is off (`load_decoder` checks it);
+    `vocab_size`, `path`."""
+
+    def __init__(self, path: Path):
+        from tokenizers import Tokenizer
+
+        self.path = path
+        self._tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def decode(self, ids: Any, skip_special_tokens: bool = False, **_: Any) -> str:
+        """Text of `ids` (a list of ints, or one int)."""
+        ids = [ids] if isinstance(ids, int) else [int(i) for i in ids]
+        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def __repr__(self) -> str:
+        return f"Decoder({str(self.path)!r})"
+
+
+def load_decoder(cache_dir: str | None = None, *, model_path: str | os.PathLike | None = None) -> Any:
+    """A `Decoder` for the model at `model_path` (default: the tiny model), or — when its directory
+    has no `tokenizer.json` or asks transformers to clean up spaces — `load_tokenizer`'s tokenizer."""
+    path = Path(model_path).expanduser() if model_path is not None else tiny_model_dir(cache_dir=cache_dir)
+    try:
+        config = json.loads((path / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    if (path / "tokenizer.json").exists() and not config.get("clean_up_tokenization_spaces", False):
+        return Decoder(path)
+    return load_tokenizer(cache_dir, model_path=path)
+
+
 def load_model_and_tokenizer(
     model_path: str | os.PathLike | None = None,
     *,

@@ -164,6 +164,27 @@ _ROWS: tuple[VerlSymbol, ...] = (
     _row("verl.utils.checkpoint.checkpoint_manager:find_latest_ckpt_path", "path"),
     _row("verl.trainer.ppo.core_algos:POLICY_LOSS_REGISTRY"),  # per_rollout_mean lands here, per worker
     _row("verl.trainer.ppo.core_algos:get_policy_loss_fn", "name"),  # how the actor resolves loss_mode
+    # --- what agl_lab.algorithms.estimators mirrors (GRPO, RLOO, data metrics) or looks up -----
+    _row(
+        "verl.trainer.ppo.core_algos:compute_grpo_outcome_advantage",
+        "token_level_rewards",
+        "response_mask",
+        "index",
+        "epsilon",
+        "norm_adv_by_std_in_grpo",
+        returns="torch.std",
+    ),
+    _row("verl.trainer.ppo.core_algos:compute_rloo_outcome_advantage", "token_level_rewards", "response_mask", "index"),
+    _row("verl.trainer.ppo.core_algos:get_adv_estimator_fn", "name_or_enum"),
+    _row(
+        "verl.trainer.ppo.core_algos:compute_gae_advantage_return",
+        "token_level_rewards",
+        "values",
+        "response_mask",
+        "gamma",
+        "lam",
+    ),
+    _row("verl.trainer.ppo.metric_utils:compute_data_metrics", "batch", "use_critic", returns="response/aborted_ratio"),
     # --- the actor model as verl's FSDP worker loads it (model_load.py) and its attention -----
     _row("verl.workers.engine:EngineRegistry.get_engine_cls", "model_type", "backend"),
     _row(
