@@ -163,6 +163,9 @@ AGL_LAB_DEFAULTS: dict[str, Any] = {
             "small_batch": "train",  # train a batch smaller than one mini-batch | skip the step
             "exclude_failed_rollouts": False,  # true: FAILED rollouts get no rows (AGL: reward_fillna_value)
             "max_abs_reward": 1.0e6,  # a rollout with a larger |reward| fails alone (learnable.learning_problem)
+            # local engine: micro-batches of zero-advantage rows are not forwarded, exactly (the
+            # optimiser step still runs); applied only where exact: no entropy/KL term, a row-separable loss
+            "skip_zero_advantage": True,
         },
         # Parity switches: reproduce AGL v1's numbers for side-by-side runs (the defaults are
         # agl_lab's deliberate improvements; agl_lab.algorithm.normalize_by=rows is the third)

@@ -142,7 +142,11 @@ class LocalEngine(Engine):
         from agl_lab.engines.local_ppo import ActorUpdateConfig
 
         lab, rollout = cfg.agl_lab, cfg.actor_rollout_ref.rollout
-        actor = ActorUpdateConfig.from_verl_actor_config(cfg.actor_rollout_ref.actor, rollout_n=int(rollout.n))
+        actor = ActorUpdateConfig.from_verl_actor_config(
+            cfg.actor_rollout_ref.actor,
+            rollout_n=int(rollout.n),
+            skip_zero_advantage=bool(lab.algorithm.get("skip_zero_advantage", True)),
+        )
         opts = lab.get("engine_options", {}) or {}
         serving = lab.get("serving", {}) or {}  # agl_lab.serving.host / advertise_host (agl_lab/addresses.py)
         _check_model_dir(cfg)

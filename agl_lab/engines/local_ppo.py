@@ -11,6 +11,19 @@ or any other registered one), entropy and KL terms go through verl's `agg_loss` 
         for micro-batch (rows):         forward + backward, gradients accumulate
         clip grad norm → AdamW step
 
+**Zero-advantage micro-batches are skipped, exactly** (`skip_zero_advantage`, on by default):
+a row whose advantages are 0 on every loss token adds exactly 0 to every gradient when the
+loss has no other term for it (no entropy bonus, no KL loss) and the loss is row-separable
+(`per_rollout_mean`, verl's `vanilla`: `ZERO_SKIP_EXACT_LOSSES`). Within a mini-batch the rows
+with a non-zero advantage go first (a stable order, with the skip on or off, so zero rows fall
+together in whole micro-batches); a micro-batch of only zero rows is not forwarded. The
+normalisers (mini-batch tokens and rows in `global_batch_info`, the per-rollout divisor in the
+advantages) are those of the whole mini-batch either way, and the optimiser step always runs —
+with zero-filled gradients when nothing was forwarded (AdamW's moments and weight decay move
+the weights with a zero gradient). Gradients and weights are then bit-identical with and
+without the skip (tests/test_local_ppo.py); the diagnostics (`actor/entropy`, clip fractions,
+`actor/ppo_kl`) average over the forwarded rows only (`actor/diagnostic_rows`).
+
 **Gradient accumulation ≡ one big batch.** Like verl 0.9.1's engine path, every micro-batch
 loss is normalised by the *mini-batch* totals (`config.global_batch_info`: token count,
 row count, dp_size = 1), so the summed micro-batch gradients equal the gradient of one
@@ -47,6 +60,11 @@ from agl_lab.rules import LOSS_NAME, mini_batch_rows
 logger = logging.getLogger(__name__)
 
 _PREFIX = "actor_rollout_ref.actor."
+
+# Losses that are a sum of per-row terms, each a multiple of the row's advantage: a row with
+# advantage 0 adds exactly 0 to the loss and its gradient (verl 0.9.1's compute_policy_loss_vanilla
+# and agl_lab's per_rollout_mean, the global-batch normalisers fixed per mini-batch).
+ZERO_SKIP_EXACT_LOSSES = (LOSS_NAME, "vanilla")
 
 
 # =============================================================================================
@@ -85,6 +103,7 @@ class ActorUpdateConfig:
     weight_decay: float = 0.01
     betas: tuple[float, float] = (0.9, 0.999)
     policy_loss_options: dict[str, Any] = field(default_factory=dict)
+    skip_zero_advantage: bool = True
 
     def __post_init__(self) -> None:
         for key in ("ppo_epochs", "ppo_mini_batch_size"):
@@ -102,6 +121,21 @@ class ActorUpdateConfig:
     @property
     def micro_batch_rows(self) -> int:
         return self.ppo_micro_batch_size_per_gpu or self.ppo_mini_batch_size
+
+    def zero_skip_blocker(self) -> str | None:
+        """Why skipping zero-advantage micro-batches would not be exact here, or None when it is."""
+        if self.entropy_coeff != 0:
+            return f"{_PREFIX}entropy_coeff={self.entropy_coeff} (the entropy bonus is non-zero for every row)"
+        if self.use_kl_loss:
+            return f"{_PREFIX}use_kl_loss=true (the KL loss is non-zero for every row)"
+        if self.loss_mode not in ZERO_SKIP_EXACT_LOSSES:
+            return f"{_PREFIX}policy_loss.loss_mode={self.loss_mode} (not one of {list(ZERO_SKIP_EXACT_LOSSES)})"
+        return None
+
+    @property
+    def zero_skip_active(self) -> bool:
+        """`skip_zero_advantage` is on and exact for this loss (`zero_skip_blocker` is None)."""
+        return self.skip_zero_advantage and self.zero_skip_blocker() is None
 
     @classmethod
     def from_verl_actor_config(cls, actor: Any, *, rollout_n: int = 1, **overrides: Any) -> ActorUpdateConfig:
@@ -433,6 +467,22 @@ def _micro_loss(
     return loss, stats
 
 
+def trained_row_mask(advantages: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """[N] bool: rows with a non-zero advantage on at least one loss token (the others carry no
+    policy gradient)."""
+    return ((advantages != 0) & response_mask.bool()).any(-1)
+
+
+def _zero_rows_last(mb: dict[str, torch.Tensor], micro_rows: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The mini-batch with its signal rows first, zero-advantage rows last (stable), and the
+    signal mask [n] in that order. Unchanged with one micro-batch per mini-batch."""
+    signal = trained_row_mask(mb["advantages"], mb["response_mask"])
+    if mb["input_ids"].shape[0] <= micro_rows:
+        return mb, signal
+    order = torch.cat([torch.nonzero(signal).flatten(), torch.nonzero(~signal).flatten()])
+    return {k: v[order] for k, v in mb.items()}, signal[order]
+
+
 def _mini_batch_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -442,22 +492,41 @@ def _mini_batch_step(
     verl_cfg: Any,
     loss_fn: Any,
 ) -> dict[str, float]:
-    """Micro-batches → accumulated gradient → clip → optimiser step; the mini-batch's metrics."""
+    """Micro-batches → accumulated gradient → clip → optimiser step; the mini-batch's metrics.
+
+    With `cfg.zero_skip_active`, micro-batches of zero-advantage rows only are not forwarded
+    (module docstring); the step still runs, on zero-filled gradients if nothing was forwarded."""
     rows, mask = mb["input_ids"].shape[0], mb["response_mask"]
     tokens = max(int(mask.sum()), 1)
-    # Critical: every micro-batch is normalised by the mini-batch totals → accumulation is exact.
+    # Critical: every micro-batch is normalised by the mini-batch totals → accumulation is exact,
+    # and a skipped micro-batch leaves them unchanged (they count every row, forwarded or not).
     verl_cfg.global_batch_info.update(
         dp_size=1, batch_num_tokens=tokens, global_batch_size=rows, loss_scale_factor=cfg.loss_scale_factor
     )
+    mb, signal = _zero_rows_last(mb, cfg.micro_batch_rows)
+    skip = cfg.zero_skip_active
     optimizer.zero_grad(set_to_none=True)
     totals: dict[str, float] = {}
+    skipped_micro = skipped_rows = forwarded_rows = forwarded_tokens = 0
     for s in range(0, rows, cfg.micro_batch_rows):
         micro = {k: v[s : s + cfg.micro_batch_rows] for k, v in mb.items()}
+        n_micro = micro["input_ids"].shape[0]
+        if skip and not bool(signal[s : s + n_micro].any()):
+            skipped_micro, skipped_rows = skipped_micro + 1, skipped_rows + n_micro
+            continue
         loss, stats = _micro_loss(model, micro, cfg, temperature, verl_cfg, loss_fn)
         loss.backward()
+        forwarded_rows += n_micro
+        forwarded_tokens += int(micro["response_mask"].sum())
         for k, v in stats.items():
             totals[k] = totals.get(k, 0.0) + v
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    if forwarded_rows == 0:
+        # Critical: AdamW skips a parameter whose grad is None; a zero gradient still moves it
+        # (moments decay, weight decay) exactly as the forwarded all-zero micro-batches would.
+        for p in params:
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
     max_norm = cfg.grad_clip if cfg.grad_clip and cfg.grad_clip > 0 else math.inf
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm))
     nonfinite = not math.isfinite(grad_norm)
@@ -466,12 +535,19 @@ def _mini_batch_step(
         optimizer.zero_grad(set_to_none=True)
     else:
         optimizer.step()
-    # `*tokens` accumulators are token-weighted sums (internal): only their means are metrics
+    # `*tokens` accumulators are token-weighted sums (internal): only their means are metrics,
+    # over the forwarded rows' tokens (the diagnostics of skipped rows are not computed)
+    per = max(forwarded_tokens, 1)
     out = {k: v for k, v in totals.items() if k.startswith("actor/") and not k.endswith("*tokens")}
-    out.update({k[: -len("*tokens")]: v / tokens for k, v in totals.items() if k.endswith("*tokens")})
-    out["actor/entropy"] = totals["entropy_sum"] / tokens
+    out.update({k[: -len("*tokens")]: v / per for k, v in totals.items() if k.endswith("*tokens")})
+    if forwarded_rows:
+        out["actor/entropy"] = totals["entropy_sum"] / per
+    out.setdefault("actor/pg_loss", 0.0)  # every row skipped: the loss is exactly 0
     out["actor/grad_norm"] = grad_norm
     out["actor/nonfinite_grad_steps"] = float(nonfinite)
+    out["actor/skipped_zero_adv_micro_batches"] = float(skipped_micro)
+    out["actor/skipped_zero_adv_rows"] = float(skipped_rows)
+    out["actor/diagnostic_rows"] = float(forwarded_rows)
     return out
 
 
@@ -479,6 +555,15 @@ def _row_order(n: int, cfg: ActorUpdateConfig, epoch: int) -> torch.Tensor:
     if not cfg.shuffle:
         return torch.arange(n)
     return torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + epoch))
+
+
+# Step metrics that are counts over the whole update (the rest are means over optimiser steps).
+_SUMMED = (
+    "actor/nonfinite_grad_steps",
+    "actor/skipped_zero_adv_micro_batches",
+    "actor/skipped_zero_adv_rows",
+    "actor/diagnostic_rows",
+)
 
 
 def ppo_update(
@@ -496,7 +581,10 @@ def ppo_update(
     Metrics (averaged over optimiser steps): actor/{pg_loss, pg_clipfrac, ppo_kl,
     pg_clipfrac_lower, entropy, grad_norm, [entropy_loss], [kl_loss, kl_coef]}, actor/lr,
     actor/n_updates, actor/nonfinite_grad_steps, and the rollout/trainer logprob mismatch
-    (`rollout_mismatch_metrics`, measured before the first step).
+    (`rollout_mismatch_metrics`, measured before the first step). The zero-advantage skip
+    (summed over the update): actor/skipped_zero_adv_micro_batches, actor/skipped_zero_adv_rows,
+    actor/diagnostic_rows (the rows the entropy, clip-fraction and ppo_kl means are over), and
+    actor/zero_adv_skip_active (1 when the skip is on and exact for this loss).
     """
     tensors, temperature = _update_tensors(model, data, cfg, ref_model)
     metrics: dict[str, float] = rollout_mismatch_metrics(data)
@@ -514,7 +602,8 @@ def ppo_update(
             steps.append(_mini_batch_step(model, optimizer, mb, cfg, temperature, verl_cfg, loss_fn))
     for key in dict.fromkeys(k for step in steps for k in step):
         values = [step[key] for step in steps if key in step]
-        metrics[key] = float(np.mean(values)) if key != "actor/nonfinite_grad_steps" else float(sum(values))
+        metrics[key] = float(sum(values)) if key in _SUMMED else float(np.mean(values))
+    metrics["actor/zero_adv_skip_active"] = float(cfg.zero_skip_active)
     if cfg.use_kl_loss:
         metrics["actor/kl_coef"] = cfg.kl_loss_coef
     metrics["actor/lr"] = float(optimizer.param_groups[0]["lr"])
