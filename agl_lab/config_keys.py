@@ -85,6 +85,7 @@ LOCAL_HONOURED = (
     "actor_rollout_ref.actor.loss_agg_mode",
     "actor_rollout_ref.actor.loss_scale_factor",
     "actor_rollout_ref.actor.shuffle",
+    "actor_rollout_ref.actor.use_prefix_grouper",
     "trainer.project_name",
     "trainer.experiment_name",
     "trainer.total_training_steps",
@@ -397,7 +398,7 @@ def _zero_skip_inexact(cfg: DictConfig, keys: list[str]) -> list[str]:
     if key not in keys or not cfg.agl_lab.algorithm.get("skip_zero_advantage") or str(cfg.agl_lab.engine) != "local":
         return []
     actor = cfg.actor_rollout_ref.actor
-    exact = (LOSS_NAME, "vanilla")  # local_ppo.ZERO_SKIP_EXACT_LOSSES (this module imports no torch)
+    exact = (LOSS_NAME, "vanilla")  # engines.zero_skip.EXACT_LOSSES (this module imports no torch)
     if float(actor.entropy_coeff) != 0:
         why = f"actor_rollout_ref.actor.entropy_coeff={actor.entropy_coeff} is non-zero for every row"
     elif bool(actor.use_kl_loss):
