@@ -187,6 +187,15 @@ class LocalEngine(Engine):
     def endpoints(self) -> list[str]:
         return [self.server.base_url]
 
+    def serving_counters(self) -> dict[str, float]:
+        """The scheduler's running totals (`BatchScheduler.stats`) under the `Engine` names."""
+        stats = self.server.scheduler.stats
+        return {
+            "prefill_tokens": float(stats["prefill_tokens"]),
+            "cached_tokens": float(stats["cached_tokens"]),
+            "decode_steps": float(stats["steps"]),
+        }
+
     def pause(self, timeout: float | None = 300.0) -> None:
         """Admit no new generation and wait (at most `timeout` s) until the running ones have finished."""
         self.server.pause(wait=True, timeout=timeout)
