@@ -145,3 +145,31 @@ def test_runner_start_benchmark_prints_every_case_and_no_server_stack_in_a_runne
         assert len(cells) == 7 and all(cells) and float(cells[3]) > 0, cells
     assert all(rows[f"{case}@0"][6] == "0" for case in cases[:4])  # a runner loads neither
     assert int(rows["server stack+numpy@0"][6]) > 0  # the column counts what it names
+
+
+def test_step_cost_work_comparison_prints_every_variant_and_its_exactness():
+    """`step_cost.py --compare work` on the tiny model: the four variants, the zero-skip one
+    bit-equal to padded, the shared-prefix ones sending fewer tokens through the body."""
+    out = _run(
+        "benchmarks/step_cost.py",
+        "--preset=tiny",
+        "--compare=work",
+        "--repeat=1",
+        "--rollouts=8",
+        "--micro=2",
+        "--max-model-len=1024",
+        "--max-prompt-length=400",
+        "--max-response-length=200",
+        timeout=600,
+    )
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[:2] == ["update", "s"])
+    assert "body tokens" in lines[start] and "grad bit-equal" in lines[start]
+    rows = {}
+    for name in ("padded", "+ zero-skip", "+ shared prefix", "both"):
+        line = next(line for line in lines[start:] if line.startswith(name + " "))
+        rows[name] = line[len(name) :].split()  # update s, vs padded, rows fwd, body tokens, …, grad bit-equal (8th)
+    body, equal = 3, 7
+    assert rows["padded"][equal] == "True" and rows["+ zero-skip"][equal] == "True"
+    assert int(rows["+ shared prefix"][body]) < int(rows["padded"][body])
+    assert int(rows["both"][body]) < int(rows["+ zero-skip"][body]) < int(rows["padded"][body])
