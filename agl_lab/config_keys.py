@@ -287,6 +287,12 @@ def warn_ineffective(cfg: DictConfig, defaults: DictConfig, keys: Iterable[str])
             for prefix in VERL_IGNORED
             if (p == prefix or p.startswith(prefix + ".")) and _changed(cfg, defaults, p)
         ]
+    if str(cfg.agl_lab.engine) == "verl" and bool(cfg.actor_rollout_ref.actor.get("use_prefix_grouper", False)):
+        messages.append(
+            "actor_rollout_ref.actor.use_prefix_grouper=true does not compute the shared prefix once on the "
+            "verl engine: verl 0.9.1's workers never call its prefix-grouper forward (the trainer only balances "
+            "whole groups with it); the local engine (agl_lab.engine=local) does (docs/engines.md)"
+        )
     if not cfg.agl_lab.server.embedded:  # every other agl_lab.server key configures the embedded server
         messages += [
             f"{p} has no effect with agl_lab.server.embedded=false: the server at "
