@@ -26,7 +26,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from agl_lab.rules import LOSS_NAME
+from agl_lab.rules import ZERO_SKIP_LOSSES
 
 
 class ConfigWarning(UserWarning):
@@ -404,7 +404,7 @@ def _zero_skip_inexact(cfg: DictConfig, keys: list[str]) -> list[str]:
     if key not in keys or not cfg.agl_lab.algorithm.get("skip_zero_advantage") or str(cfg.agl_lab.engine) != "local":
         return []
     actor = cfg.actor_rollout_ref.actor
-    exact = (LOSS_NAME, "vanilla")  # engines.zero_skip.EXACT_LOSSES (this module imports no torch)
+    exact = ZERO_SKIP_LOSSES
     if float(actor.entropy_coeff) != 0:
         why = f"actor_rollout_ref.actor.entropy_coeff={actor.entropy_coeff} is non-zero for every row"
     elif bool(actor.use_kl_loss):

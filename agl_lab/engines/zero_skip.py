@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import torch
 
-from agl_lab.rules import LOSS_NAME
+from agl_lab.rules import ZERO_SKIP_LOSSES
 
 _PREFIX = "actor_rollout_ref.actor."
 
 # Losses that are a sum of per-row terms, each a multiple of the row's advantage (verl 0.9.1's
 # compute_policy_loss_vanilla, agl_lab's per_rollout_mean; normalisers fixed per mini-batch).
-EXACT_LOSSES = (LOSS_NAME, "vanilla")
+EXACT_LOSSES = ZERO_SKIP_LOSSES
 
 
 def blocker(loss_mode: str, entropy_coeff: float, use_kl_loss: bool) -> str | None:
