@@ -145,7 +145,7 @@ class LocalEngine(Engine):
         actor = ActorUpdateConfig.from_verl_actor_config(
             cfg.actor_rollout_ref.actor,
             rollout_n=int(rollout.n),
-            skip_zero_advantage=bool(lab.algorithm.get("skip_zero_advantage", True)),
+            skip_zero_advantage=bool((lab.get("algorithm") or {}).get("skip_zero_advantage", True)),
         )
         opts = lab.get("engine_options", {}) or {}
         serving = lab.get("serving", {}) or {}  # agl_lab.serving.host / advertise_host (agl_lab/addresses.py)
