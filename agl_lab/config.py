@@ -181,6 +181,9 @@ AGL_LAB_DEFAULTS: dict[str, Any] = {
             # turn rewards, G_t = r_t + turn_gamma·G_{t+1} (algorithms/credit.py, docs/environments.md)
             "turn_credit": "rollout",
             "turn_gamma": 1.0,
+            # local engine: micro-batches of zero-advantage rows are not forwarded, exactly (the
+            # optimiser step still runs); applied only where exact: no entropy/KL term, a row-separable loss
+            "skip_zero_advantage": True,
         },
         # Parity switches: reproduce AGL v1's numbers for side-by-side runs (the defaults are
         # agl_lab's deliberate improvements; agl_lab.algorithm.normalize_by=rows is the third)

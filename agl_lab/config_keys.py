@@ -26,6 +26,8 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from agl_lab.rules import ZERO_SKIP_LOSSES
+
 
 class ConfigWarning(UserWarning):
     """A key the user set has no effect here, or a legal setting that defeats its purpose."""
@@ -83,6 +85,7 @@ LOCAL_HONOURED = (
     "actor_rollout_ref.actor.loss_agg_mode",
     "actor_rollout_ref.actor.loss_scale_factor",
     "actor_rollout_ref.actor.shuffle",
+    "actor_rollout_ref.actor.use_prefix_grouper",
     "trainer.project_name",
     "trainer.experiment_name",
     "trainer.total_training_steps",
@@ -104,6 +107,7 @@ VERL_IGNORED = {
     "(actor_rollout_ref.rollout.max_num_seqs, max_num_batched_tokens)",
     "agl_lab.model.max_model_len": "set actor_rollout_ref.rollout.max_model_len",
     "agl_lab.model.device": "verl places its workers on GPUs, or on CPU with agl_lab.verl.device=cpu",
+    "agl_lab.algorithm.skip_zero_advantage": "verl's actor forwards every micro-batch (its loss loop is verl's own)",
 }
 
 # (key, lower bound, strict?) for numbers; None values pass (the key's own check decides).
@@ -287,6 +291,12 @@ def warn_ineffective(cfg: DictConfig, defaults: DictConfig, keys: Iterable[str])
             for prefix in VERL_IGNORED
             if (p == prefix or p.startswith(prefix + ".")) and _changed(cfg, defaults, p)
         ]
+    if str(cfg.agl_lab.engine) == "verl" and bool(cfg.actor_rollout_ref.actor.get("use_prefix_grouper", False)):
+        messages.append(
+            "actor_rollout_ref.actor.use_prefix_grouper=true does not compute the shared prefix once on the "
+            "verl engine: verl 0.9.1's workers never call its prefix-grouper forward (the trainer only balances "
+            "whole groups with it); the local engine (agl_lab.engine=local) does (docs/engines.md)"
+        )
     if not cfg.agl_lab.server.embedded:  # every other agl_lab.server key configures the embedded server
         messages += [
             f"{p} has no effect with agl_lab.server.embedded=false: the server at "
@@ -300,6 +310,7 @@ def warn_ineffective(cfg: DictConfig, defaults: DictConfig, keys: Iterable[str])
             "limit); set N > 0 to keep the newest N"
         )
     messages += contradictions(cfg)
+    messages += _zero_skip_inexact(cfg, keys)
     messages += mini_batch_clamped(cfg)
     messages += _loss_agg_unused(cfg, keys)  # both engines: per_rollout_mean is the same loss in verl's registry
     n, est = int(cfg.actor_rollout_ref.rollout.n), str(cfg.algorithm.adv_estimator).lower()
@@ -387,4 +398,26 @@ def _loss_agg_unused(cfg: DictConfig, keys: list[str]) -> list[str]:
         "actor_rollout_ref.actor.policy_loss.loss_mode=per_rollout_mean (a token sum normalised per rollout "
         "in the advantages; the mode aggregates only the entropy and KL terms, and entropy_coeff=0, "
         "use_kl_loss=false): set policy_loss.loss_mode=vanilla for verl's aggregation"
+    ]
+
+
+def _zero_skip_inexact(cfg: DictConfig, keys: list[str]) -> list[str]:
+    """`agl_lab.algorithm.skip_zero_advantage=true` set where the skip would not be exact: the local
+    engine does not apply it (`ActorUpdateConfig.zero_skip_blocker`, metric actor/zero_adv_skip_active=0)."""
+    key = "agl_lab.algorithm.skip_zero_advantage"
+    if key not in keys or not cfg.agl_lab.algorithm.get("skip_zero_advantage") or str(cfg.agl_lab.engine) != "local":
+        return []
+    actor = cfg.actor_rollout_ref.actor
+    exact = ZERO_SKIP_LOSSES
+    if float(actor.entropy_coeff) != 0:
+        why = f"actor_rollout_ref.actor.entropy_coeff={actor.entropy_coeff} is non-zero for every row"
+    elif bool(actor.use_kl_loss):
+        why = "actor_rollout_ref.actor.use_kl_loss=true is non-zero for every row"
+    elif str(actor.policy_loss.loss_mode) not in exact:
+        why = f"actor_rollout_ref.actor.policy_loss.loss_mode={actor.policy_loss.loss_mode} is not one of {list(exact)}"
+    else:
+        return []
+    return [
+        f"{key}=true has no effect: {why}, so skipping zero-advantage rows would change the gradient; "
+        "every micro-batch is forwarded (set entropy_coeff=0 and use_kl_loss=false for the skip)"
     ]

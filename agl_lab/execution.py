@@ -125,7 +125,9 @@ class Execution:
         """One rollout phase (`phases.rollout_phase`) with the engine's endpoints registered first.
 
         Yields the phase's metrics dict; after a phase that ended normally it holds
-        `training/n_aborted_generations` (sync) or the gateway's drain figures (async). A
+        `training/n_aborted_generations` (sync) or the gateway's drain figures (async), and the
+        engine's serving work over the phase (`Engine.serving_counters`: `rollout/prefill_tokens`,
+        `rollout/cached_tokens`, `rollout/decode_steps`). A
         collection that raises still aborts or drains, and leaves the engine serving.
         """
         from agl_lab.protocol import Model
@@ -136,6 +138,7 @@ class Execution:
         self.client.register_models(
             [Model(model=engine.model_name, endpoint=ep, version=engine.policy_version) for ep in engine.endpoints()]
         )
+        before = engine.serving_counters() if hasattr(engine, "serving_counters") else {}
         with rollout_phase(
             engine,
             self.client,
@@ -144,6 +147,9 @@ class Execution:
             drain_timeout=float(self.cfg.agl_lab.rollout.drain_timeout_seconds),
         ) as metrics:
             yield metrics
+        after = engine.serving_counters() if before else {}
+        # the engine's own server over this phase: rollout/prefill_tokens, cached_tokens, decode_steps
+        metrics.update({f"rollout/{k}": after[k] - v for k, v in before.items() if k in after})
 
     def close(self) -> None:
         """Stop runner, client and server (reverse start order). Idempotent; never raises."""

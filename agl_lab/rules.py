@@ -16,6 +16,9 @@ from typing import Any
 
 #: the policy loss agl_lab registers in verl's POLICY_LOSS_REGISTRY (actor.policy_loss.loss_mode)
 LOSS_NAME = "per_rollout_mean"
+#: policy losses under which a zero-advantage row adds exactly 0 (row-separable, a multiple of the
+#: advantage): agl_lab.algorithm.skip_zero_advantage applies only with these (engines/zero_skip.py)
+ZERO_SKIP_LOSSES = (LOSS_NAME, "vanilla")
 #: tokens of prompt + response a served model accepts (agl_lab.model.max_model_len)
 MAX_MODEL_LEN = 1024
 #: the serving scheduler: how long a first request waits for company, and the most it decodes at once

@@ -154,3 +154,31 @@ def test_replay_start_benchmark_prints_every_case_and_ray_only_where_verl_is_imp
     for cells in rows.values():
         assert len(cells) == 8 and all(cells) and float(cells[3]) > 0, cells
     assert rows["replay@0"][7] == "no" and rows["replay + verl imports@0"][7] == "yes"
+
+
+def test_step_cost_work_comparison_prints_every_variant_and_its_exactness():
+    """`step_cost.py --compare work` on the tiny model: the four variants, the zero-skip one
+    bit-equal to padded, the shared-prefix ones sending fewer tokens through the body."""
+    out = _run(
+        "benchmarks/step_cost.py",
+        "--preset=tiny",
+        "--compare=work",
+        "--repeat=1",
+        "--rollouts=8",
+        "--micro=2",
+        "--max-model-len=1024",
+        "--max-prompt-length=400",
+        "--max-response-length=200",
+        timeout=600,
+    )
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[:2] == ["update", "s"])
+    assert "body tokens" in lines[start] and "grad bit-equal" in lines[start]
+    rows = {}
+    for name in ("padded", "+ zero-skip", "+ shared prefix", "both"):
+        line = next(line for line in lines[start:] if line.startswith(name + " "))
+        rows[name] = line[len(name) :].split()  # update s, vs padded, rows fwd, body tokens, …, grad bit-equal (8th)
+    body, equal = 3, 7
+    assert rows["padded"][equal] == "True" and rows["+ zero-skip"][equal] == "True"
+    assert int(rows["+ shared prefix"][body]) < int(rows["padded"][body])
+    assert int(rows["both"][body]) < int(rows["+ zero-skip"][body]) < int(rows["padded"][body])

@@ -324,3 +324,24 @@ def test_every_shipped_config_loads_without_a_warning(path, recwarn):
     assert not [w for w in recwarn if "agl_lab" in w.filename or issubclass(w.category, ConfigWarning)], [
         str(w.message) for w in recwarn
     ]
+
+
+def test_zero_advantage_skip_set_where_it_is_not_exact_warns():
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_config(None, ["agl_lab.algorithm.skip_zero_advantage=true", "actor_rollout_ref.actor.entropy_coeff=0.01"])
+        load_config(None, ["agl_lab.engine=verl", "agl_lab.algorithm.skip_zero_advantage=false"])
+        load_config(None, ["agl_lab.engine=verl", "actor_rollout_ref.actor.use_prefix_grouper=true"])
+        load_config(None, ["actor_rollout_ref.actor.use_prefix_grouper=true"])  # the local engine honours it
+        load_config(None, ["agl_lab.algorithm.skip_zero_advantage=true"])  # exact here: silent
+    messages = [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)]
+    skip = [m for m in messages if m.startswith("agl_lab.algorithm.skip_zero_advantage")]
+    assert len(skip) == 2
+    assert "entropy_coeff=0.01 is non-zero for every row" in skip[0] and "has no effect" in skip[0]
+    assert "has no effect on the verl engine" in skip[1]
+    grouper = [m for m in messages if "use_prefix_grouper" in m]
+    assert len(grouper) == 1 and "verl engine" in grouper[0] and "agl_lab.engine=local" in grouper[0]
+    with pytest.raises(ConfigError, match="agl_lab.algorithm.skip_zero_advantage must be true or false"):
+        load_config(None, ["agl_lab.algorithm.skip_zero_advantage=maybe"])

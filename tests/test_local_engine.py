@@ -196,7 +196,21 @@ def test_from_config():
         assert eng.actor_cfg.ppo_mini_batch_size == 16 and not hasattr(eng.actor_cfg, "temperature")  # meta_info's
         assert eng.actor_cfg.lr == 3e-3 and eng.optimizer.param_groups[0]["lr"] == 3e-3
         assert eng.ref_model is not None and not any(p.requires_grad for p in eng.ref_model.parameters())
+        # the zero-advantage skip is on by default but not exact with the KL loss: not applied
+        assert eng.actor_cfg.skip_zero_advantage and not eng.actor_cfg.zero_skip_active
         assert eng.server.max_model_len == 512 and eng.server.scheduler.max_batch_size == 8
+
+
+def test_from_config_reads_the_less_work_keys():
+    from agl_lab.config import load_config
+
+    cfg = load_config(
+        "configs/cpu_tiny.yaml",
+        ["agl_lab.algorithm.skip_zero_advantage=false", "actor_rollout_ref.actor.use_prefix_grouper=true"],
+    )
+    cfg.agl_lab.model.warm_start_steps = 0
+    with LocalEngine.from_config(cfg) as eng:
+        assert not eng.actor_cfg.skip_zero_advantage and eng.actor_cfg.use_prefix_grouper
 
 
 @pytest.mark.parametrize("rollout_is", ["token", "sequence"])

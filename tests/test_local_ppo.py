@@ -237,6 +237,76 @@ def test_grad_accumulation_equals_one_big_batch(base, loss_mode, agg, entropy_co
     assert m4["actor/pg_clipfrac"] > 0
 
 
+def four_groups(data: DataProto, order: list[str]) -> DataProto:
+    """16 rows, 4 groups: g0, g1 as sampled (non-zero advantages), g2 all reward 1 and g3 all
+    reward 0 (advantage exactly 0), the groups in `order`."""
+    twin = copy.deepcopy(data)
+    twin.non_tensor_batch["rollout_id_list"] = np.array([f"{r}b" for r in ROLLOUTS], dtype=object)
+    twin.non_tensor_batch["data_id_list"] = np.array(["g2"] * 4 + ["g3"] * 4, dtype=object)
+    scores = twin.batch["token_level_scores"]
+    for i, length in enumerate(RESPONSE_LEN):
+        scores[i, length - 1] = 1.0 if i < 4 else 0.0
+    both = DataProto.concat([copy.deepcopy(data), twin])
+    rows = {g: [i for i, d in enumerate(both.non_tensor_batch["data_id_list"]) if d == g] for g in order}
+    return both.select_idxs(np.array([i for g in order for i in rows[g]]))
+
+
+@pytest.mark.parametrize(
+    "order,mini,micro,skipped,skipped_micro",
+    [
+        (["g2", "g0", "g3", "g1"], 16, 2, 8, 4),  # zero groups interleaved: regrouped, 4 micro-batches skipped
+        (["g2", "g3", "g0", "g1"], 8, 4, 8, 2),  # the first mini-batch all zero: zero-filled AdamW step
+        (["g0", "g2", "g1", "g3"], 16, 3, 7, 3),  # micro-batches of 3: rows 6-8 mix signal and zero
+    ],
+)
+def test_zero_advantage_skip_is_exact(base, order, mini, micro, skipped, skipped_micro):
+    """Skipping micro-batches of zero-advantage rows changes no gradient and no weight, bit for
+    bit, with the per-rollout normalisation (D counts every rollout, zero groups too)."""
+    data, _, _ = alg.prepare_update_batch(four_groups(base[1], order), mini_batch_rows=4, num_repeat=4)
+    assert len(data) == 16  # nothing dropped: the zero groups stay in the batch and its divisor
+    zero = (data.batch["advantages"] == 0).all(-1)
+    assert int(zero.sum()) == 8 and not (data.batch["advantages"][~zero] == 0).all()
+    data.batch["old_log_probs"] = batch_log_probs(base[0], data, T)
+    g = torch.Generator().manual_seed(3)
+    data.batch["old_log_probs"] += 0.3 * torch.randn(16, R, generator=g)  # ratios off 1: clipping too
+    data.meta_info["temperature"] = T
+    runs = {}
+    for skip in (False, True):
+        model = copy.deepcopy(base[0])
+        cfg = ActorUpdateConfig(
+            ppo_mini_batch_size=mini, ppo_micro_batch_size_per_gpu=micro, lr=1e-2, skip_zero_advantage=skip
+        )
+        metrics = ppo_update(model, build_optimizer(model, cfg), data, cfg)
+        grads = torch.cat([p.grad.flatten() for p in model.parameters()])  # the last mini-batch's
+        runs[skip] = (params(model), grads, metrics)
+    (p_off, g_off, m_off), (p_on, g_on, m_on) = runs[False], runs[True]
+    assert torch.equal(g_on, g_off) and torch.equal(p_on, p_off)
+    assert not torch.equal(p_on, params(base[0]))
+    assert m_on["actor/pg_loss"] == m_off["actor/pg_loss"] and m_on["actor/grad_norm"] == m_off["actor/grad_norm"]
+    assert m_on["actor/skipped_zero_adv_rows"] == skipped and m_off["actor/skipped_zero_adv_rows"] == 0
+    assert m_on["actor/diagnostic_rows"] == 16 - skipped and m_off["actor/diagnostic_rows"] == 16
+    assert m_on["actor/skipped_zero_adv_micro_batches"] == skipped_micro
+    assert (m_on["actor/zero_adv_skip_active"], m_off["actor/zero_adv_skip_active"]) == (1.0, 0.0)
+    assert np.isfinite(m_on["actor/entropy"]) and np.isfinite(m_on["actor/pg_clipfrac"])
+
+
+def test_zero_advantage_skip_only_where_exact(base):
+    """An entropy bonus or a KL loss is non-zero for zero-advantage rows: the skip stays off."""
+    data = prepared(base[0], base[1])
+    data.batch["advantages"][:4] = 0.0
+    for kwargs, blocker in (
+        (dict(entropy_coeff=0.01), "entropy_coeff"),
+        (dict(use_kl_loss=True), "use_kl_loss"),
+        (dict(loss_mode="gspo"), "loss_mode=gspo"),
+    ):
+        cfg = ActorUpdateConfig(ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=2, **kwargs)
+        assert not cfg.zero_skip_active and blocker in cfg.zero_skip_blocker()
+    model = copy.deepcopy(base[0])
+    cfg = ActorUpdateConfig(ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=2, entropy_coeff=0.01)
+    metrics = ppo_update(model, build_optimizer(model, cfg), data, cfg)
+    assert metrics["actor/skipped_zero_adv_rows"] == 0 and metrics["actor/zero_adv_skip_active"] == 0
+
+
 def test_kl_loss_against_a_frozen_reference(base):
     model = copy.deepcopy(base[0])
     ref = copy.deepcopy(base[0])

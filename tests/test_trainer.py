@@ -38,6 +38,10 @@ def test_one_step_changes_weights_and_bumps_policy_version(trainer):
     ro = trainer.rollout()
     assert len(ro.rollouts) == 8 and len(ro.groups) == 4
     assert (ro.triplets["server_version"] == 0).all()  # every call served by policy version 0
+    # the engine's server over the phase: every call's prompt was computed or served from the cache
+    m = ro.metrics
+    assert m["rollout/prefill_tokens"] + m["rollout/cached_tokens"] == ro.triplets["prompt_tokens"].sum()
+    assert m["rollout/prefill_tokens"] > 0 and m["rollout/decode_steps"] > 0
     b = trainer.build_batch()
     assert b.metrics["training/n_rollouts"] == 8
     assert set(b.rows["rollout_id"]) <= {r.rollout_id for r in ro.rollouts}

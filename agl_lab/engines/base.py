@@ -41,6 +41,13 @@ class Engine(abc.ABC):
         rollout with other ids fails alone (`learnable.learning_problem`)."""
         return len(self.tokenizer) if self.tokenizer is not None else None
 
+    def serving_counters(self) -> dict[str, float]:
+        """Running totals of the engine's own server, for the per-phase `rollout/*` metrics
+        (`Execution.serving` logs their change over a rollout phase): `prefill_tokens` (prompt
+        tokens computed), `cached_tokens` (prompt tokens the prefix cache served), `decode_steps`
+        (batched decode forwards). `{}` for an engine whose server counts nothing (verl's replicas)."""
+        return {}
+
     @property
     @abc.abstractmethod
     def policy_version(self) -> int:

@@ -142,7 +142,11 @@ class LocalEngine(Engine):
         from agl_lab.engines.local_ppo import ActorUpdateConfig
 
         lab, rollout = cfg.agl_lab, cfg.actor_rollout_ref.rollout
-        actor = ActorUpdateConfig.from_verl_actor_config(cfg.actor_rollout_ref.actor, rollout_n=int(rollout.n))
+        actor = ActorUpdateConfig.from_verl_actor_config(
+            cfg.actor_rollout_ref.actor,
+            rollout_n=int(rollout.n),
+            skip_zero_advantage=bool((lab.get("algorithm") or {}).get("skip_zero_advantage", True)),
+        )
         opts = lab.get("engine_options", {}) or {}
         serving = lab.get("serving", {}) or {}  # agl_lab.serving.host / advertise_host (agl_lab/addresses.py)
         _check_model_dir(cfg)
@@ -182,6 +186,15 @@ class LocalEngine(Engine):
 
     def endpoints(self) -> list[str]:
         return [self.server.base_url]
+
+    def serving_counters(self) -> dict[str, float]:
+        """The scheduler's running totals (`BatchScheduler.stats`) under the `Engine` names."""
+        stats = self.server.scheduler.stats
+        return {
+            "prefill_tokens": float(stats["prefill_tokens"]),
+            "cached_tokens": float(stats["cached_tokens"]),
+            "decode_steps": float(stats["steps"]),
+        }
 
     def pause(self, timeout: float | None = 300.0) -> None:
         """Admit no new generation and wait (at most `timeout` s) until the running ones have finished."""

@@ -11,6 +11,11 @@ or any other registered one), entropy and KL terms go through verl's `agg_loss` 
         for micro-batch (rows):         forward + backward, gradients accumulate
         clip grad norm → AdamW step
 
+**Less work, the same gradient.** Micro-batches of zero-advantage rows are not forwarded
+(`agl_lab.engines.zero_skip`, `skip_zero_advantage`: bit-identical gradients), and with
+`use_prefix_grouper` the rows' shared prompt is forwarded and back-propagated once per
+mini-batch (`agl_lab.engines.shared_prefix`: equal to fp32 rounding).
+
 **Gradient accumulation ≡ one big batch.** Like verl 0.9.1's engine path, every micro-batch
 loss is normalised by the *mini-batch* totals (`config.global_batch_info`: token count,
 row count, dp_size = 1), so the summed micro-batch gradients equal the gradient of one
@@ -29,8 +34,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -41,171 +44,13 @@ from verl.trainer.ppo.core_algos import agg_loss, get_policy_loss_fn, kl_penalty
 from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
 
 from agl_lab.algorithms.loss import register_loss
-from agl_lab.config_keys import LOSS_AGG_MODES
-from agl_lab.rules import LOSS_NAME, mini_batch_rows
+from agl_lab.engines import zero_skip
+from agl_lab.engines.actor_config import ActorUpdateConfig, build_optimizer  # noqa: F401 (re-export)
+from agl_lab.engines.shared_prefix import SharedPrefix, padded_body_tokens, shared_prefix_of
 
 logger = logging.getLogger(__name__)
 
 _PREFIX = "actor_rollout_ref.actor."
-
-
-# =============================================================================================
-# Config: the actor keys of verl's ppo_trainer, in rows
-# =============================================================================================
-
-
-@dataclass
-class ActorUpdateConfig:
-    """What one policy update needs. Sizes are in **rows** (verl's mini-batch is in tasks).
-
-    `ppo_micro_batch_size_per_gpu=None` means one micro-batch per mini-batch; `grad_clip`
-    None or ≤ 0 disables clipping (the norm is still reported). `lr`, `weight_decay` and
-    `betas` are for `build_optimizer`; `policy_loss_options` are extra fields of verl's
-    `PolicyLossConfig` (e.g. `clip_cov_ratio` for loss_mode=clip_cov).
-    """
-
-    ppo_epochs: int = 1
-    ppo_mini_batch_size: int = 256
-    ppo_micro_batch_size_per_gpu: int | None = None
-    loss_mode: str = LOSS_NAME
-    clip_ratio: float = 0.2
-    clip_ratio_low: float | None = None
-    clip_ratio_high: float | None = None
-    clip_ratio_c: float = 3.0
-    entropy_coeff: float = 0.0
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"
-    grad_clip: float | None = 1.0
-    loss_agg_mode: str = "token-mean"
-    loss_scale_factor: int | None = None
-    shuffle: bool = False
-    seed: int = 42
-    lr: float = 1e-6
-    weight_decay: float = 0.01
-    betas: tuple[float, float] = (0.9, 0.999)
-    policy_loss_options: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        for key in ("ppo_epochs", "ppo_mini_batch_size"):
-            if int(getattr(self, key)) <= 0:
-                raise ValueError(f"{_PREFIX}{key} must be a positive integer, got {getattr(self, key)}")
-        micro = self.ppo_micro_batch_size_per_gpu
-        if micro is not None and micro <= 0:
-            raise ValueError(f"{_PREFIX}ppo_micro_batch_size_per_gpu must be positive or null, got {micro}")
-        if self.loss_agg_mode not in LOSS_AGG_MODES:
-            raise ValueError(f"{_PREFIX}loss_agg_mode={self.loss_agg_mode!r} is not one of {list(LOSS_AGG_MODES)}")
-        if self.clip_ratio_c <= 1.0:
-            raise ValueError(f"{_PREFIX}clip_ratio_c must be greater than 1.0, got {self.clip_ratio_c}")
-        self.betas = tuple(self.betas)  # type: ignore[assignment]
-
-    @property
-    def micro_batch_rows(self) -> int:
-        return self.ppo_micro_batch_size_per_gpu or self.ppo_mini_batch_size
-
-    @classmethod
-    def from_verl_actor_config(cls, actor: Any, *, rollout_n: int = 1, **overrides: Any) -> ActorUpdateConfig:
-        """Map `actor_rollout_ref.actor.*` (dict, DictConfig or verl dataclass) to this config.
-
-        verl's `ppo_mini_batch_size` counts tasks: rows = it × `rollout_n`
-        (`actor_rollout_ref.rollout.n`). Unknown keys are ignored. The sampling temperature is
-        not part of it: it travels with the batch, in `data.meta_info["temperature"]`, as in verl.
-        """
-        micro = _get(actor, "ppo_micro_batch_size_per_gpu")
-        if micro is None:
-            micro = _get(actor, "ppo_micro_batch_size")  # deprecated verl key
-        grad_clip = _get(actor, "grad_clip")
-        if grad_clip is None:
-            grad_clip = _get(actor, "optim.clip_grad", 1.0)
-        loss_options = _plain(_get(actor, "policy_loss", {}) or {})
-        loss_options = {k: v for k, v in loss_options.items() if not k.startswith("_") and k != "rollout_correction"}
-        kwargs: dict[str, Any] = dict(
-            ppo_epochs=int(_get(actor, "ppo_epochs", 1)),
-            ppo_mini_batch_size=mini_batch_rows(_get(actor, "ppo_mini_batch_size", 256), rollout_n),
-            ppo_micro_batch_size_per_gpu=None if micro is None else int(micro),
-            loss_mode=str(loss_options.pop("loss_mode", LOSS_NAME)),
-            grad_clip=grad_clip,
-            seed=int(_get(actor, "data_loader_seed", 42)),
-            lr=float(_get(actor, "optim.lr", 1e-6)),
-            weight_decay=float(_get(actor, "optim.weight_decay", 0.01)),
-            betas=tuple(_get(actor, "optim.betas", (0.9, 0.999))),
-            policy_loss_options=loss_options,
-        )
-        for key in (
-            "clip_ratio",
-            "clip_ratio_low",
-            "clip_ratio_high",
-            "clip_ratio_c",
-            "entropy_coeff",
-            "use_kl_loss",
-            "kl_loss_coef",
-            "kl_loss_type",
-            "loss_agg_mode",
-            "loss_scale_factor",
-            "shuffle",
-        ):
-            value = _get(actor, key)
-            if value is not None:
-                kwargs[key] = value
-        kwargs.update(overrides)
-        return cls(**kwargs)
-
-    def to_verl_actor_config(self) -> Any:
-        """The verl `FSDPActorConfig` verl's policy losses read (clip ratios, global_batch_info)."""
-        from verl.workers.config import FSDPActorConfig, PolicyLossConfig
-
-        known = {f.name for f in fields(PolicyLossConfig)} - {"loss_mode"}
-        unknown = sorted(set(self.policy_loss_options) - known)
-        if unknown:
-            raise ValueError(
-                f"{_PREFIX}policy_loss has unknown keys {unknown}; verl's PolicyLossConfig accepts {sorted(known)}"
-            )
-        return FSDPActorConfig(
-            strategy="fsdp",
-            rollout_n=1,
-            ppo_epochs=self.ppo_epochs,
-            shuffle=self.shuffle,
-            ppo_mini_batch_size=self.ppo_mini_batch_size,
-            ppo_micro_batch_size_per_gpu=self.micro_batch_rows,
-            clip_ratio=self.clip_ratio,
-            clip_ratio_low=self.clip_ratio_low,
-            clip_ratio_high=self.clip_ratio_high,
-            clip_ratio_c=self.clip_ratio_c,
-            loss_agg_mode=self.loss_agg_mode,
-            loss_scale_factor=self.loss_scale_factor,
-            entropy_coeff=self.entropy_coeff,
-            use_kl_loss=self.use_kl_loss,
-            kl_loss_coef=self.kl_loss_coef,
-            kl_loss_type=self.kl_loss_type,
-            grad_clip=self.grad_clip,
-            data_loader_seed=self.seed,
-            policy_loss=PolicyLossConfig(loss_mode=self.loss_mode, **self.policy_loss_options),
-        )
-
-
-def _get(cfg: Any, dotted: str, default: Any = None) -> Any:
-    """`cfg.a.b` for dicts, DictConfigs and dataclasses; `default` when a part is missing."""
-    node = cfg
-    for part in dotted.split("."):
-        if isinstance(node, Mapping):
-            node = node.get(part, None)
-        else:
-            node = getattr(node, part, None)
-        if node is None:
-            return default
-    return node
-
-
-def _plain(node: Any) -> dict[str, Any]:
-    if isinstance(node, Mapping):
-        return {k: node[k] for k in node}
-    return {f.name: getattr(node, f.name) for f in fields(node) if not f.name.startswith("_")}
-
-
-def build_optimizer(model: torch.nn.Module, cfg: ActorUpdateConfig) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters with `cfg.lr`, `weight_decay`, `betas`."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas)
 
 
 # =============================================================================================
@@ -393,18 +238,20 @@ def _micro_loss(
     temperature: float,
     verl_cfg: Any,
     loss_fn: Any,
+    prefix: SharedPrefix | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Loss of one micro-batch, normalised by the mini-batch totals in `verl_cfg.global_batch_info`."""
+    """Loss of one micro-batch, normalised by the mini-batch totals in `verl_cfg.global_batch_info`;
+    with `prefix`, the rows' shared prefix comes from its cache (`agl_lab.engines.shared_prefix`)."""
     response_length = mb["responses"].shape[-1]
-    logp, ent = _response_forward(
-        model,
-        mb["input_ids"],
-        mb["attention_mask"],
-        mb["position_ids"],
-        response_length,
-        temperature,
-        "grad" if cfg.entropy_coeff != 0 else "detached",
-    )
+    entropy = "grad" if cfg.entropy_coeff != 0 else "detached"
+    if prefix is not None:
+        logp, ent = prefix.response_forward(
+            mb["input_ids"], mb["attention_mask"], response_length, temperature, entropy
+        )
+    else:
+        logp, ent = _response_forward(
+            model, mb["input_ids"], mb["attention_mask"], mb["position_ids"], response_length, temperature, entropy
+        )
     device = logp.device
     mask = mb["response_mask"].to(device).bool()
     pg_loss, pg_metrics = loss_fn(
@@ -442,22 +289,43 @@ def _mini_batch_step(
     verl_cfg: Any,
     loss_fn: Any,
 ) -> dict[str, float]:
-    """Micro-batches → accumulated gradient → clip → optimiser step; the mini-batch's metrics."""
+    """Micro-batches → accumulated gradient → clip → optimiser step; the mini-batch's metrics.
+
+    With `cfg.zero_skip_active`, micro-batches of zero-advantage rows only are not forwarded
+    (module docstring); the step still runs, on zero-filled gradients if nothing was forwarded."""
     rows, mask = mb["input_ids"].shape[0], mb["response_mask"]
     tokens = max(int(mask.sum()), 1)
-    # Critical: every micro-batch is normalised by the mini-batch totals → accumulation is exact.
+    # Critical: every micro-batch is normalised by the mini-batch totals → accumulation is exact,
+    # and a skipped micro-batch leaves them unchanged (they count every row, forwarded or not).
     verl_cfg.global_batch_info.update(
         dp_size=1, batch_num_tokens=tokens, global_batch_size=rows, loss_scale_factor=cfg.loss_scale_factor
     )
+    mb, signal = zero_skip.zero_rows_last(mb, cfg.micro_batch_rows)
+    starts = list(range(0, rows, cfg.micro_batch_rows))
+    forwarded = zero_skip.forwarded_starts(signal, cfg.micro_batch_rows) if cfg.zero_skip_active else starts
+    prefix, fallback = (None, 0)
+    if cfg.use_prefix_grouper:
+        prefix, fallback = shared_prefix_of(model, mb, forwarded, cfg.micro_batch_rows)
     optimizer.zero_grad(set_to_none=True)
     totals: dict[str, float] = {}
-    for s in range(0, rows, cfg.micro_batch_rows):
+    forwarded_rows = forwarded_tokens = body_tokens = 0
+    for s in forwarded:
         micro = {k: v[s : s + cfg.micro_batch_rows] for k, v in mb.items()}
-        loss, stats = _micro_loss(model, micro, cfg, temperature, verl_cfg, loss_fn)
+        loss, stats = _micro_loss(model, micro, cfg, temperature, verl_cfg, loss_fn, prefix)
         loss.backward()
+        forwarded_rows += micro["input_ids"].shape[0]
+        forwarded_tokens += int(micro["response_mask"].sum())
+        if prefix is None:
+            body_tokens += padded_body_tokens(micro["attention_mask"], micro["responses"].shape[-1])
         for k, v in stats.items():
             totals[k] = totals.get(k, 0.0) + v
+    if prefix is not None:
+        prefix.backward()  # the shared prefix's gradient, summed over every row, in one pass
+        body_tokens = prefix.body_tokens
+    skipped_micro, skipped_rows = len(starts) - len(forwarded), rows - forwarded_rows
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    if forwarded_rows == 0:
+        zero_skip.zero_fill_grads(params)  # AdamW skips a None grad; a zero one still moves weights
     max_norm = cfg.grad_clip if cfg.grad_clip and cfg.grad_clip > 0 else math.inf
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm))
     nonfinite = not math.isfinite(grad_norm)
@@ -466,12 +334,23 @@ def _mini_batch_step(
         optimizer.zero_grad(set_to_none=True)
     else:
         optimizer.step()
-    # `*tokens` accumulators are token-weighted sums (internal): only their means are metrics
+    # `*tokens` accumulators are token-weighted sums (internal): only their means are metrics,
+    # over the forwarded rows' tokens (the diagnostics of skipped rows are not computed)
+    per = max(forwarded_tokens, 1)
     out = {k: v for k, v in totals.items() if k.startswith("actor/") and not k.endswith("*tokens")}
-    out.update({k[: -len("*tokens")]: v / tokens for k, v in totals.items() if k.endswith("*tokens")})
-    out["actor/entropy"] = totals["entropy_sum"] / tokens
+    out.update({k[: -len("*tokens")]: v / per for k, v in totals.items() if k.endswith("*tokens")})
+    if forwarded_rows:
+        out["actor/entropy"] = totals["entropy_sum"] / per
+    out.setdefault("actor/pg_loss", 0.0)  # every row skipped: the loss is exactly 0
     out["actor/grad_norm"] = grad_norm
     out["actor/nonfinite_grad_steps"] = float(nonfinite)
+    out["actor/skipped_zero_adv_micro_batches"] = float(skipped_micro)
+    out["actor/skipped_zero_adv_rows"] = float(skipped_rows)
+    out["actor/diagnostic_rows"] = float(forwarded_rows)
+    out["actor/body_tokens"] = float(body_tokens)
+    if cfg.use_prefix_grouper:
+        out["actor/shared_prefix_tokens"] = float(prefix.length if prefix is not None else 0)
+        out["actor/shared_prefix_fallbacks"] = float(fallback)
     return out
 
 
@@ -479,6 +358,17 @@ def _row_order(n: int, cfg: ActorUpdateConfig, epoch: int) -> torch.Tensor:
     if not cfg.shuffle:
         return torch.arange(n)
     return torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + epoch))
+
+
+# Step metrics that are counts over the whole update (the rest are means over optimiser steps).
+_SUMMED = (
+    "actor/nonfinite_grad_steps",
+    "actor/body_tokens",
+    "actor/shared_prefix_fallbacks",
+    "actor/skipped_zero_adv_micro_batches",
+    "actor/skipped_zero_adv_rows",
+    "actor/diagnostic_rows",
+)
 
 
 def ppo_update(
@@ -496,7 +386,10 @@ def ppo_update(
     Metrics (averaged over optimiser steps): actor/{pg_loss, pg_clipfrac, ppo_kl,
     pg_clipfrac_lower, entropy, grad_norm, [entropy_loss], [kl_loss, kl_coef]}, actor/lr,
     actor/n_updates, actor/nonfinite_grad_steps, and the rollout/trainer logprob mismatch
-    (`rollout_mismatch_metrics`, measured before the first step).
+    (`rollout_mismatch_metrics`, measured before the first step). The zero-advantage skip
+    (summed over the update): actor/skipped_zero_adv_micro_batches, actor/skipped_zero_adv_rows,
+    actor/diagnostic_rows (the rows the entropy, clip-fraction and ppo_kl means are over), and
+    actor/zero_adv_skip_active (1 when the skip is on and exact for this loss).
     """
     tensors, temperature = _update_tensors(model, data, cfg, ref_model)
     metrics: dict[str, float] = rollout_mismatch_metrics(data)
@@ -514,7 +407,8 @@ def ppo_update(
             steps.append(_mini_batch_step(model, optimizer, mb, cfg, temperature, verl_cfg, loss_fn))
     for key in dict.fromkeys(k for step in steps for k in step):
         values = [step[key] for step in steps if key in step]
-        metrics[key] = float(np.mean(values)) if key != "actor/nonfinite_grad_steps" else float(sum(values))
+        metrics[key] = float(sum(values)) if key in _SUMMED else float(np.mean(values))
+    metrics["actor/zero_adv_skip_active"] = float(cfg.zero_skip_active)
     if cfg.use_kl_loss:
         metrics["actor/kl_coef"] = cfg.kl_loss_coef
     metrics["actor/lr"] = float(optimizer.param_groups[0]["lr"])

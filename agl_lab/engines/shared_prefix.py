@@ -1,0 +1,176 @@
+"""The shared prompt computed once: a mini-batch's common token prefix forwarded and back-propagated
+one time for all its rows (`actor_rollout_ref.actor.use_prefix_grouper` on the local engine).
+
+The rows of a GRPO mini-batch repeat the same prompt (system text, tool list, worked examples:
+303 of ~315 prompt tokens in every calc row). The padded path forwards and back-propagates it
+once per row. Here:
+
+    P = common_prefix(rows)                  longest token prefix every row starts with
+    prefix forward [1, P], use_cache=True    → per layer K, V [1, kv_heads, P, head_dim] (with grad)
+    K, V detached into leaves                (their gradients accumulate over the micro-batches)
+    for micro-batch:                         suffix [n, S] = each row's tokens after P, right-padded,
+        forward(suffix, past=K,V expanded)   positions P.., mask [n, P + S]; loss.backward()
+    prefix backward once                     autograd.backward(K, V ← the leaves' summed gradients)
+
+In a decoder-only model a later token sees an earlier one only through its keys and values,
+so the suffix's logits are those of the padded path, and the gradient that reaches the prefix is
+the sum over rows — the same gradient, in another summation order (fp32 rounding;
+tests/test_shared_prefix.py checks logprobs to 1e-5, gradients to 1e-5 of their max, the loss to
+1e-6 relative, full model and LoRA). P stops one token before the shortest prompt, so every
+response logit comes from the suffix. A row layout this does not cover (attended tokens not one
+contiguous run, position ids not 0, 1, 2, … over them) or a prefix under `MIN_SHARED` tokens
+falls back to the padded path (metric `actor/shared_prefix_fallbacks`).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
+
+MIN_SHARED = 8  # tokens: below this the prefix forward saves less than its own overhead
+
+
+def _runs(attention_mask: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(start [n], length [n]) of each row's attended tokens, or None when a row's attended
+    tokens are not one contiguous run with positions 0, 1, 2, …"""
+    mask = attention_mask.bool()
+    length = mask.sum(-1)
+    if bool((length == 0).any()):
+        return None
+    start = mask.long().argmax(-1)
+    cols = torch.arange(mask.shape[1]).unsqueeze(0)
+    inside = (cols >= start.unsqueeze(1)) & (cols < (start + length).unsqueeze(1))
+    if not torch.equal(inside, mask):
+        return None
+    expected = (cols - start.unsqueeze(1)).clamp(min=0)
+    if not torch.equal(position_ids.long()[mask], expected[mask]):
+        return None
+    return start, length
+
+
+def common_prefix(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, response_length: int
+) -> int:
+    """P: the longest token prefix shared by the attended sequence of every row of [n, L] (the
+    response in the last R columns), at most the shortest prompt − 1; 0 when the layout is not
+    covered (`_runs`)."""
+    runs = _runs(attention_mask, position_ids)
+    if runs is None:
+        return 0
+    start, _ = runs
+    prompt = attention_mask[:, : input_ids.shape[1] - response_length].sum(-1)
+    m = int(prompt.min()) - 1
+    if m <= 0:
+        return 0
+    cols = start.unsqueeze(1) + torch.arange(m).unsqueeze(0)  # [n, m]
+    heads = input_ids.gather(1, cols)
+    same = (heads == heads[:1]).all(0)
+    return m if bool(same.all()) else int((~same).nonzero()[0])
+
+
+class SharedPrefix:
+    """One mini-batch's prefix, forwarded once (`__init__`), its K/V reused by every micro-batch
+    (`response_forward`), back-propagated once (`backward`). `body_tokens` counts the tokens
+    through the transformer body (prefix once + every suffix cell, padding included)."""
+
+    def __init__(self, model: torch.nn.Module, prefix_ids: torch.Tensor):
+        """`prefix_ids` [P]: forwarded as [1, P] with the cache on, under the caller's grad mode."""
+        device = next(model.parameters()).device
+        self.model, self.length = model, int(prefix_ids.shape[0])
+        out = model(input_ids=prefix_ids.view(1, -1).to(device), use_cache=True, logits_to_keep=1)
+        self._kv = [t for layer in out.past_key_values.layers for t in (layer.keys, layer.values)]
+        self._leaves = [t.detach().requires_grad_(t.requires_grad) for t in self._kv]
+        self.body_tokens = self.length
+
+    def _cache(self, n: int) -> DynamicCache:
+        pairs = [
+            (self._leaves[i].expand(n, -1, -1, -1), self._leaves[i + 1].expand(n, -1, -1, -1))
+            for i in range(0, len(self._leaves), 2)
+        ]
+        return DynamicCache(ddp_cache_data=pairs)
+
+    def response_forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        response_length: int,
+        temperature: float,
+        entropy: str,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rows [n, L] (prompt then R response columns; every row starts with the prefix) →
+        (logprobs [n, R], entropy [n, R] | None) as `local_ppo._response_forward` returns them."""
+        device = self._leaves[0].device
+        n, width = input_ids.shape
+        prompt_width = width - response_length
+        mask = attention_mask.bool()
+        start, length = mask.long().argmax(-1), mask.sum(-1)
+        prompt_len = mask[:, :prompt_width].sum(-1)
+        p = self.length
+        s_len = length - p  # suffix tokens per row (≥ 2: P < shortest prompt)
+        width_s = int(s_len.max())
+        cols = torch.arange(width_s).unsqueeze(0)
+        src = (start + p).unsqueeze(1) + cols  # [n, S] columns of the suffix in the padded row
+        valid = cols < s_len.unsqueeze(1)
+        suffix = torch.where(valid, input_ids.gather(1, src.clamp(max=width - 1)), 0)
+        full_mask = torch.cat([torch.ones(n, p, dtype=torch.long), valid.long()], 1)
+        positions = (p + cols).expand(n, -1)
+        # response token j of row i sits at suffix index prompt_len_i − P + j; its logit at one before
+        first = int(prompt_len.min()) - p - 1
+        out = self.model(
+            input_ids=suffix.to(device),
+            attention_mask=full_mask.to(device),
+            position_ids=positions.to(device),
+            past_key_values=self._cache(n),
+            use_cache=True,
+            logits_to_keep=width_s - first,
+        )
+        self.body_tokens += n * width_s
+        j = torch.arange(response_length).unsqueeze(0)
+        at = (prompt_len - p - 1 - first).unsqueeze(1) + j  # [n, R] into the kept logits
+        logits = out.logits.float()
+        picked = logits.gather(
+            1, at.clamp(max=logits.shape[1] - 1).to(device).unsqueeze(-1).expand(-1, -1, logits.shape[-1])
+        )
+        picked = picked / temperature
+        responses = input_ids[:, prompt_width:].to(device)
+        attended = attention_mask[:, prompt_width:].to(device, picked.dtype)
+        logprobs = logprobs_from_logits(picked, responses) * attended
+        if entropy == "none":
+            return logprobs, None
+        return logprobs, entropy_from_logits(picked if entropy == "grad" else picked.detach()) * attended
+
+    def backward(self) -> None:
+        """Push the gradients the micro-batches left on the K/V leaves through the prefix, once."""
+        pairs = [(kv, leaf.grad) for kv, leaf in zip(self._kv, self._leaves) if leaf.grad is not None]
+        if pairs:
+            torch.autograd.backward([kv for kv, _ in pairs], grad_tensors=[g for _, g in pairs])
+
+
+def shared_prefix_of(
+    model: torch.nn.Module, mb: dict[str, torch.Tensor], starts: list[int], micro_rows: int
+) -> tuple[SharedPrefix | None, int]:
+    """The prefix the forwarded micro-batches (`starts`, `micro_rows` rows each) of a mini-batch
+    `mb` share, forwarded once; (None, 1) when it is under `MIN_SHARED` tokens or the layout is not
+    covered (the caller takes the padded path: one fallback); (None, 0) when nothing is forwarded."""
+    if not starts:
+        return None, 0
+    n = mb["input_ids"].shape[0]
+    idx = torch.cat([torch.arange(s, min(s + micro_rows, n)) for s in starts])
+    ids, mask, pos = mb["input_ids"][idx], mb["attention_mask"][idx], mb["position_ids"][idx]
+    length = common_prefix(ids, mask, pos, mb["responses"].shape[-1])
+    if length < MIN_SHARED:
+        return None, 1
+    begin = int(mask[0].long().argmax())
+    return SharedPrefix(model, ids[0, begin : begin + length]), 0
+
+
+def padded_body_tokens(attention_mask: torch.Tensor, response_length: int) -> int:
+    """Tokens the padded path sends through the body for rows [n, L]: n × the trimmed width."""
+    attended = attention_mask.bool().any(0).nonzero()
+    if not attended.numel():
+        return int(attention_mask.numel())
+    prompt_width = attention_mask.shape[1] - response_length
+    first = min(int(attended[0]), prompt_width)
+    last = max(int(attended[-1]) + 1, prompt_width + 1)
+    return int(attention_mask.shape[0] * (last - first))

@@ -1,0 +1,67 @@
+"""Zero-advantage micro-batches not forwarded, exactly (`agl_lab.algorithm.skip_zero_advantage`).
+
+A row whose advantages are 0 on every loss token adds exactly 0 to every gradient when the loss
+has no other term for it (no entropy bonus, no KL loss) and is row-separable (`per_rollout_mean`,
+verl's `vanilla`: `EXACT_LOSSES`). The local update (`local_ppo._mini_batch_step`):
+
+    zero_rows_last(mini-batch)     rows with a signal first, zero rows last (stable; skip on or off)
+    forwarded_starts(signal)       the micro-batches with at least one signal row
+    zero_fill_grads(params)        when none is forwarded: the optimiser step still runs
+
+The normalisers are those of the whole mini-batch either way (`global_batch_info` counts every
+row and token; the per-rollout divisor is in the advantages already), and AdamW moves weights with
+a zero gradient (moment decay, weight decay), so gradients and weights are bit-identical with and
+without the skip (tests/test_local_ppo.py). The diagnostics (`actor/entropy`, clip fractions,
+`actor/ppo_kl`) are then means over the forwarded rows (`actor/diagnostic_rows`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from agl_lab.rules import ZERO_SKIP_LOSSES
+
+_PREFIX = "actor_rollout_ref.actor."
+
+# Losses that are a sum of per-row terms, each a multiple of the row's advantage (verl 0.9.1's
+# compute_policy_loss_vanilla, agl_lab's per_rollout_mean; normalisers fixed per mini-batch).
+EXACT_LOSSES = ZERO_SKIP_LOSSES
+
+
+def blocker(loss_mode: str, entropy_coeff: float, use_kl_loss: bool) -> str | None:
+    """Why the skip would not be exact for this loss, or None when it is."""
+    if entropy_coeff != 0:
+        return f"{_PREFIX}entropy_coeff={entropy_coeff} (the entropy bonus is non-zero for every row)"
+    if use_kl_loss:
+        return f"{_PREFIX}use_kl_loss=true (the KL loss is non-zero for every row)"
+    if loss_mode not in EXACT_LOSSES:
+        return f"{_PREFIX}policy_loss.loss_mode={loss_mode} (not one of {list(EXACT_LOSSES)})"
+    return None
+
+
+def trained_row_mask(advantages: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """[N] bool: rows with a non-zero advantage on at least one loss token ([N, R] inputs)."""
+    return ((advantages != 0) & response_mask.bool()).any(-1)
+
+
+def zero_rows_last(mb: dict[str, torch.Tensor], micro_rows: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The mini-batch with its signal rows first, zero-advantage rows last (stable), and the
+    signal mask [n] in that order. Unchanged with one micro-batch per mini-batch."""
+    signal = trained_row_mask(mb["advantages"], mb["response_mask"])
+    if mb["input_ids"].shape[0] <= micro_rows:
+        return mb, signal
+    order = torch.cat([torch.nonzero(signal).flatten(), torch.nonzero(~signal).flatten()])
+    return {k: v[order] for k, v in mb.items()}, signal[order]
+
+
+def forwarded_starts(signal: torch.Tensor, micro_rows: int) -> list[int]:
+    """First rows of the micro-batches that hold at least one signal row."""
+    return [s for s in range(0, signal.shape[0], micro_rows) if bool(signal[s : s + micro_rows].any())]
+
+
+def zero_fill_grads(params: list[torch.Tensor]) -> None:
+    """A zero gradient for every trainable parameter without one: AdamW skips a None gradient, but
+    the forwarded all-zero micro-batches would have given exactly 0 and moved the weights."""
+    for p in params:
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)

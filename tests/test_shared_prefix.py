@@ -1,0 +1,138 @@
+"""agl_lab.engines.shared_prefix: the shared prompt forwarded once gives the padded path's numbers.
+
+A real tiny Qwen2 (tests/test_local_ppo.tiny_qwen2) and a batch laid out as the batch builder
+lays it out (left-padded prompts, right-padded responses): 8 rows that start with the same 20
+tokens, then 1–5 tokens of their own, then responses of 2–8 tokens. Both paths run on the same
+batch and weights (`use_prefix_grouper` off and on): logprobs to 1e-5, gradients to 1e-5 of their
+max, the loss to 1e-6 relative — full model and LoRA.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from verl import DataProto
+
+from agl_lab.engines.local_ppo import ActorUpdateConfig, _response_forward, ppo_update
+from agl_lab.engines.lora import LoraSpec, add_lora
+from agl_lab.engines.shared_prefix import SharedPrefix, common_prefix, padded_body_tokens
+from tests.test_local_ppo import tiny_qwen2
+
+N, P, R, SHARED, T = 8, 26, 8, 20, 0.7
+TAILS = [1, 3, 5, 2, 4, 1, 5, 3]  # prompt tokens after the shared ones
+RESPONSES = [8, 5, 2, 7, 6, 8, 3, 4]
+
+
+def shared_batch() -> DataProto:
+    g = torch.Generator().manual_seed(7)
+    shared = torch.randint(3, 300, (SHARED,), generator=g)
+    prompts, pmask = torch.zeros(N, P, dtype=torch.long), torch.zeros(N, P, dtype=torch.long)
+    for i, tail in enumerate(TAILS):
+        row = torch.cat([shared, torch.randint(3, 300, (tail,), generator=g)])
+        prompts[i, P - len(row) :], pmask[i, P - len(row) :] = row, 1
+    responses, rmask = torch.randint(3, 300, (N, R), generator=g), torch.zeros(N, R, dtype=torch.long)
+    for i, length in enumerate(RESPONSES):
+        rmask[i, :length] = 1
+    responses[rmask == 0] = 0
+    attention = torch.cat([pmask, rmask], 1)
+    loss_mask = rmask.float()
+    loss_mask[0, 2] = 0.0  # an observation token: attended, not trained
+    adv = torch.randn(N, 1, generator=g).expand(N, R) * loss_mask / 10
+    tensors = {
+        "input_ids": torch.cat([prompts, responses], 1),
+        "attention_mask": attention,
+        "position_ids": torch.clamp(attention.cumsum(-1) - 1, min=0),
+        "responses": responses,
+        "response_mask": loss_mask,
+        "advantages": adv.contiguous(),
+        "old_log_probs": -5.0 + 0.5 * torch.randn(N, R, generator=g),  # ratios off 1: clipping too
+    }
+    return DataProto.from_dict(tensors=tensors, meta_info={"temperature": T})
+
+
+def lora_model() -> torch.nn.Module:
+    model = tiny_qwen2()
+    add_lora(model, LoraSpec(rank=4, alpha=8))
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)  # B = 0 at init would leave A without gradient
+    return model
+
+
+def test_common_prefix_finds_the_shared_tokens_and_refuses_other_layouts():
+    b = shared_batch().batch
+    ids, mask, pos = b["input_ids"], b["attention_mask"], b["position_ids"]
+    # the shortest prompt is SHARED + 1 tokens: P stops one before it
+    assert common_prefix(ids, mask, pos, R) == SHARED
+    assert common_prefix(ids[[0, 5]], mask[[0, 5]], pos[[0, 5]], R) == SHARED  # both have one tail token
+    other = ids.clone()
+    other[3, P - SHARED - TAILS[3] + 4] += 1  # row 3 differs at its 5th token
+    assert common_prefix(other, mask, pos, R) == 4
+    holed = mask.clone()
+    holed[1, P + 1] = 0  # a hole inside a row: not covered
+    assert common_prefix(ids, holed, pos, R) == 0
+    assert padded_body_tokens(mask, R) == N * (SHARED + 5 + 8)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_logprobs_match_the_padded_path(lora):
+    model = (lora_model() if lora else tiny_qwen2()).eval()
+    b = shared_batch().batch
+    with torch.no_grad():
+        padded, ent_p = _response_forward(
+            model, b["input_ids"], b["attention_mask"], b["position_ids"], R, T, "detached"
+        )
+        start = int(b["attention_mask"][0].argmax())
+        prefix = SharedPrefix(model, b["input_ids"][0, start : start + SHARED])
+        shared, ent_s = prefix.response_forward(b["input_ids"], b["attention_mask"], R, T, "detached")
+    assert shared.shape == padded.shape == (N, R)
+    on = b["attention_mask"][:, P:].bool()
+    assert (padded[on] < 0).all() and (shared[~on] == 0).all()
+    assert (shared - padded).abs().max() < 1e-5 and (ent_s - ent_p).abs().max() < 1e-5
+    # the suffix: each row's tail + response, padded to the longest (10 tokens)
+    assert prefix.body_tokens == SHARED + N * max(t + r for t, r in zip(TAILS, RESPONSES))
+
+
+@pytest.mark.parametrize("lora,entropy_coeff", [(False, 0.0), (False, 0.01), (True, 0.0)])
+def test_update_gradients_and_loss_match_the_padded_path(lora, entropy_coeff):
+    data = shared_batch()
+    base = lora_model() if lora else tiny_qwen2()
+    runs = {}
+    for on in (False, True):
+        model = copy.deepcopy(base)
+        cfg = ActorUpdateConfig(
+            ppo_mini_batch_size=N,
+            ppo_micro_batch_size_per_gpu=3,
+            grad_clip=None,
+            entropy_coeff=entropy_coeff,
+            use_prefix_grouper=on,
+        )
+        params = [p for p in model.parameters() if p.requires_grad]
+        metrics = ppo_update(model, torch.optim.SGD(params, lr=0.0), data, cfg)  # lr 0: grads kept, weights not moved
+        runs[on] = (torch.cat([p.grad.flatten() for p in params]), metrics)
+    (g_pad, m_pad), (g_sh, m_sh) = runs[False], runs[True]
+    assert g_pad.abs().max() > 0
+    assert (g_sh - g_pad).abs().max() <= 1e-5 * g_pad.abs().max()
+    assert m_sh["actor/pg_loss"] == pytest.approx(m_pad["actor/pg_loss"], rel=1e-6)
+    assert m_sh["actor/entropy"] == pytest.approx(m_pad["actor/entropy"], rel=1e-5)
+    assert m_sh["actor/shared_prefix_tokens"] == SHARED and m_sh["actor/shared_prefix_fallbacks"] == 0
+    # 3 micro-batches of 3, 3, 2 rows: the padded path sends every row's prompt through the body
+    assert m_sh["actor/body_tokens"] < m_pad["actor/body_tokens"]
+    assert m_pad["actor/body_tokens"] == sum(
+        padded_body_tokens(data.batch["attention_mask"][s : s + 3], R) for s in (0, 3, 6)
+    )
+
+
+def test_a_short_prefix_falls_back_to_the_padded_path():
+    data = shared_batch()
+    data.batch["input_ids"][1, P - SHARED - TAILS[1] + 2] += 1  # row 1 differs at token 3
+    model = tiny_qwen2()
+    cfg = ActorUpdateConfig(ppo_mini_batch_size=N, use_prefix_grouper=True)
+    metrics = ppo_update(model, torch.optim.SGD(model.parameters(), lr=0.0), data, cfg)
+    assert metrics["actor/shared_prefix_fallbacks"] == 1 and metrics["actor/shared_prefix_tokens"] == 0
+    assert np.isfinite(metrics["actor/pg_loss"])
