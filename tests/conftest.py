@@ -6,6 +6,8 @@
 - `postgres`        one real PostgreSQL server for the session (tests/postgres.py), skipped where not installed
 - `embedded_server` factory: `embedded_server(**ServerConfig overrides) -> EmbeddedServer`, stopped at teardown
 - `fake_upstream`   a FakeOpenAI (tests/fakes.py) on a loopback port, reset before each test
+- `scaled(seconds)` a test's wait, lease or limit times AGL_LAB_TEST_TIME_SCALE (a float, default 1):
+                    set it above 1 on a slow or busy machine (docs/setup.md)
 """
 
 from __future__ import annotations
@@ -27,6 +29,26 @@ def _store_url(request: pytest.FixtureRequest, tmp_path: Any) -> str:
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path}/store.db"
     return request.getfixturevalue("postgres_database")
+
+
+def _time_scale() -> float:
+    raw = os.environ.get("AGL_LAB_TEST_TIME_SCALE", "1")
+    try:
+        scale = float(raw)
+    except ValueError:
+        raise ValueError(f"AGL_LAB_TEST_TIME_SCALE={raw!r} is not a number: set a float such as 1 or 3") from None
+    if not scale > 0:
+        raise ValueError(f"AGL_LAB_TEST_TIME_SCALE={raw!r} must be above 0 (1 = as written, 3 = three times longer)")
+    return scale
+
+
+TIME_SCALE = _time_scale()
+
+
+def scaled(seconds: float) -> float:
+    """`seconds` times AGL_LAB_TEST_TIME_SCALE: for start-up waits, leases, windows and limits that a
+    busy machine could outrun. Scale a lease and its heartbeat together: their ratio is what matters."""
+    return seconds * TIME_SCALE
 
 
 # the backends of `store_url` (AGL_LAB_TEST_STORES=memory,sqlite,postgresql runs the server, gateway
