@@ -43,7 +43,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module_name, func_name, _ = SUBCOMMANDS[name]
     func = getattr(importlib.import_module(module_name), func_name)
-    return int(func(rest) or 0)
+    try:
+        return int(func(rest) or 0)
+    except SystemExit as exc:  # `raise SystemExit("agl-lab X: what to fix")`: a user's error, exit 2
+        if not isinstance(exc.code, str):
+            raise
+        print(exc.code, file=sys.stderr)
+        return 2
 
 
 def train_main(argv: list[str]) -> int:

@@ -378,7 +378,10 @@ def serve_config(args: argparse.Namespace, environ: Mapping[str, str] | None = N
 def serve_main(argv: list[str]) -> int:
     """`agl-lab serve ...`: run the server in the foreground until interrupted."""
     args = _parser().parse_args(argv)
-    config = serve_config(args)
+    try:
+        config = serve_config(args)
+    except ValueError as exc:  # a flag's value the config refuses: the message names the key
+        raise SystemExit(f"agl-lab serve: {exc}") from None
     if args.tokenizer_path and not config.token_preserving:
         raise SystemExit("agl-lab serve: --tokenizer-path is only used with --token-preserving")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -393,11 +396,14 @@ def serve_main(argv: list[str]) -> int:
         if args.tokenizer_path:
             from transformers import AutoTokenizer
 
-            set_tokenizer(
-                app.state.gateway,
-                config.default_proxy.model_name,
-                AutoTokenizer.from_pretrained(args.tokenizer_path, local_files_only=True),
-            )
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path, local_files_only=True)
+            except (OSError, ValueError) as exc:
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise SystemExit(
+                    f"agl-lab serve: --tokenizer-path {args.tokenizer_path}: no tokenizer loads from it ({first})"
+                ) from None
+            set_tokenizer(app.state.gateway, config.default_proxy.model_name, tokenizer)
         # uvicorn formats each access-log line before its logger filters it: only when shown
         access_log = args.log_level.lower() in ("trace", "debug", "info")
         uvicorn.run(

@@ -564,6 +564,11 @@ class OpenAIServer:
 # ---------------------------------------------------------------------------------------
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def engine_main(argv: list[str]) -> int:
     """`agl-lab engine --host 127.0.0.1 --port 8001 [--model-path DIR]`: serve until Ctrl-C."""
     from pathlib import Path
@@ -583,21 +588,41 @@ def engine_main(argv: list[str]) -> int:
     parser.add_argument("--prefix-cache-mb", type=float, default=256, help="K/V of recent prefixes (0 = off)")
     parser.add_argument("--seed", type=int, default=0, help="initialisation seed of the tiny model")
     args = parser.parse_args(argv)
+    for flag in ("max_model_len", "max_batch_size", "num_threads"):
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"agl-lab engine: --{flag.replace('_', '-')} must be ≥ 1, got {getattr(args, flag)}")
+    for flag in ("batch_window_ms", "prefix_cache_mb"):
+        if not getattr(args, flag) >= 0:
+            raise SystemExit(f"agl-lab engine: --{flag.replace('_', '-')} must be ≥ 0, got {getattr(args, flag)}")
+    if args.device is not None and args.device.split(":")[0] not in ("cpu", "cuda"):
+        raise SystemExit(f"agl-lab engine: --device {args.device!r}: use cpu or cuda")
+    if args.device is not None and args.device.startswith("cuda"):
+        import torch
 
-    model, tokenizer = load_model_and_tokenizer(args.model_path, device=args.device, seed=args.seed)
+        if not torch.cuda.is_available():
+            raise SystemExit("agl-lab engine: --device cuda: no CUDA device is available here; use --device cpu")
+    try:
+        model, tokenizer = load_model_and_tokenizer(args.model_path, device=args.device, seed=args.seed)
+    except (OSError, ValueError) as exc:  # no such directory, not a model directory, a damaged one
+        raise SystemExit(f"agl-lab engine: --model-path: {_first_line(exc)}") from None
     name = args.model_name or (Path(args.model_path).resolve().name if args.model_path else DEFAULT_MODEL_NAME)
-    server = OpenAIServer(
-        model,
-        tokenizer,
-        model_name=name,
-        host=args.host,
-        port=args.port,
-        max_model_len=args.max_model_len,
-        batch_window_ms=args.batch_window_ms,
-        max_batch_size=args.max_batch_size,
-        num_threads=args.num_threads,
-        prefix_cache_mb=args.prefix_cache_mb,
-    )
+    try:
+        server = OpenAIServer(
+            model,
+            tokenizer,
+            model_name=name,
+            host=args.host,
+            port=args.port,
+            max_model_len=args.max_model_len,
+            batch_window_ms=args.batch_window_ms,
+            max_batch_size=args.max_batch_size,
+            num_threads=args.num_threads,
+            prefix_cache_mb=args.prefix_cache_mb,
+        )
+    except ValueError as exc:  # --max-model-len beyond the model's positions
+        raise SystemExit(f"agl-lab engine: {_first_line(exc)}") from None
+    except OSError as exc:  # the port is taken, the host is not this machine's
+        raise SystemExit(f"agl-lab engine: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
     print(f"agl-lab engine: serving {name!r} at {server.base_url} (Ctrl-C to stop)", flush=True)
     try:
         while server.running:
