@@ -68,6 +68,7 @@ def train_main(argv: list[str]) -> int:
     import time
 
     from agl_lab import config as config_mod
+    from agl_lab.checkpoints import CheckpointDiskFull
     from agl_lab.trainer import Trainer
 
     parser = argparse.ArgumentParser(prog="agl-lab train", description="Train from a YAML config.")
@@ -151,6 +152,9 @@ def train_main(argv: list[str]) -> int:
     except KeyboardInterrupt as e:
         _interrupted(trainer, argv, args.resume, time.time() - t0, terminated=isinstance(e, Terminated))
         return 143 if isinstance(e, Terminated) else 130
+    except CheckpointDiskFull as e:  # names the disk, the free space, the fix and the latest checkpoint
+        print(f"agl-lab train: {e.strerror}", flush=True)
+        return 1
     finally:
         _restore_sigterm(previous)
     return 0
