@@ -38,8 +38,8 @@ def strict(embedded_server):
     return embedded_server(
         key=KEY,
         default_proxy={"model_name": "m"},
-        header_timeout_seconds=0.5,
-        body_timeout_seconds=0.5,
+        header_timeout_seconds=scaled(0.5),
+        body_timeout_seconds=scaled(0.5),
         max_header_bytes=8192,
     )
 
