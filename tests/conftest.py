@@ -21,6 +21,7 @@ import pytest
 from agl_lab.server.embedded import EmbeddedServer
 from tests.fakes import FakeOpenAI
 from tests.postgres import PostgresCluster
+from tests.timescale import TIME_SCALE, scale_timeouts, scaled  # noqa: F401 (tests import scaled from here)
 
 
 def _store_url(request: pytest.FixtureRequest, tmp_path: Any) -> str:
@@ -31,24 +32,8 @@ def _store_url(request: pytest.FixtureRequest, tmp_path: Any) -> str:
     return request.getfixturevalue("postgres_database")
 
 
-def _time_scale() -> float:
-    raw = os.environ.get("AGL_LAB_TEST_TIME_SCALE", "1")
-    try:
-        scale = float(raw)
-    except ValueError:
-        raise ValueError(f"AGL_LAB_TEST_TIME_SCALE={raw!r} is not a number: set a float such as 1 or 3") from None
-    if not scale > 0:
-        raise ValueError(f"AGL_LAB_TEST_TIME_SCALE={raw!r} must be above 0 (1 = as written, 3 = three times longer)")
-    return scale
-
-
-TIME_SCALE = _time_scale()
-
-
-def scaled(seconds: float) -> float:
-    """`seconds` times AGL_LAB_TEST_TIME_SCALE: for start-up waits, leases, windows and limits that a
-    busy machine could outrun. Scale a lease and its heartbeat together: their ratio is what matters."""
-    return seconds * TIME_SCALE
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    scale_timeouts(config, items)
 
 
 # the backends of `store_url` (AGL_LAB_TEST_STORES=memory,sqlite,postgresql runs the server, gateway
