@@ -51,15 +51,19 @@ class CheckpointDiskFull(OSError):
         )
 
 
+# how writers that keep no errno say it: torch's zip writer (a short write), safetensors (Rust's io error)
+_DISK_FULL_SIGNS = ("unexpected pos", "file write failed", "No space left on device", "Disk quota exceeded")
+
+
 def _disk_full(exc: BaseException | None) -> bool:
-    """Whether `exc` (or what caused it) says the disk is full: ENOSPC/EDQUOT, or torch's writer's
-    `unexpected pos` / `file write failed` (a short write: torch does not keep the errno)."""
+    """Whether `exc` (or what caused it) says the disk is full: ENOSPC/EDQUOT, or one of
+    `_DISK_FULL_SIGNS` in its message (torch's and safetensors' writers raise RuntimeErrors)."""
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
         if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
-        if "unexpected pos" in str(exc) or "file write failed" in str(exc):
+        if any(sign in str(exc) for sign in _DISK_FULL_SIGNS):
             return True
         exc = exc.__cause__ or exc.__context__
     return False
