@@ -14,6 +14,7 @@ process-wide generator a step draws from; the Trainer is their one owner.
 
 from __future__ import annotations
 
+import errno
 import random
 import shutil
 from collections.abc import Callable, Mapping
@@ -34,14 +35,78 @@ def checkpoint_root(cfg: Any) -> Path:
     return Path(str(cfg.trainer.default_local_dir)).expanduser()
 
 
+class CheckpointDiskFull(OSError):
+    """A checkpoint could not be written because its disk is full; its partial copy is removed."""
+
+    def __init__(self, step: int, root: Path, free: int | None, cause: BaseException):
+        free_text = "" if free is None else f", {free / 2**20:.1f} MiB free"
+        latest = root / LATEST
+        before = f"global_step_{latest.read_text().strip()}" if latest.exists() else "none"
+        super().__init__(
+            errno.ENOSPC,
+            f"checkpoint of step {step} not written: no space left on the disk holding {root}{free_text} "
+            f"({type(cause).__name__}: {' '.join(str(cause).split())[:200]}). Free space there or set "
+            f"trainer.default_local_dir to a larger disk; the partial .global_step_{step}.tmp was removed, "
+            f"the latest checkpoint is still {before}",
+        )
+
+
+# how writers that keep no errno say it: torch's zip writer (a short write), safetensors (Rust's io error)
+_DISK_FULL_SIGNS = ("unexpected pos", "file write failed", "No space left on device", "Disk quota exceeded")
+
+
+def _disk_full(exc: BaseException | None) -> bool:
+    """Whether `exc` (or what caused it) says the disk is full: ENOSPC/EDQUOT, or one of
+    `_DISK_FULL_SIGNS` in its message (torch's and safetensors' writers raise RuntimeErrors)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(sign in str(exc) for sign in _DISK_FULL_SIGNS):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _drop_tracebacks(exc: BaseException | None) -> None:
+    """Free the frames of `exc` and of what caused it (their locals may hold files open)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        exc.__traceback__ = None
+        exc = exc.__cause__ or exc.__context__
+
+
+def _free_bytes(path: Path) -> int | None:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
 def save_atomically(
     root: Path, step: int, save: Callable[[Path], Any], *, saved: list[Path] | None = None, keep: int | None = None
 ) -> Path:
     """`save(tmp)`, rename tmp → `root/global_step_{step}`, then mark it the latest; with
-    `saved` (the checkpoints this run saved, oldest first), register it there and `prune`."""
+    `saved` (the checkpoints this run saved, oldest first), register it there and `prune`.
+    A save that fails removes tmp; one that fails for lack of disk space raises
+    CheckpointDiskFull naming the disk, the free space and the fix."""
     final, tmp = root / f"global_step_{step}", root / f".global_step_{step}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    save(tmp)
+    try:
+        save(tmp)
+    except BaseException as exc:
+        full = _disk_full(exc)
+        free = _free_bytes(root)  # before the partial checkpoint's space is given back
+        shutil.rmtree(tmp, ignore_errors=True)  # a partial checkpoint must not keep holding the space
+        if full:
+            error = CheckpointDiskFull(step, root, free, exc)
+            # torch's writer, alive in the failed save's frames, holds the deleted file open: drop
+            # them, so its space is given back now and not when the traceback goes
+            _drop_tracebacks(exc)
+            raise error from None
+        raise
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)  # Critical: a killed save never leaves a half checkpoint under the real name
     (root / LATEST).write_text(str(step))

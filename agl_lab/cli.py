@@ -44,7 +44,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module_name, func_name, _ = SUBCOMMANDS[name]
     func = getattr(importlib.import_module(module_name), func_name)
-    return int(func(rest) or 0)
+    try:
+        return int(func(rest) or 0)
+    except SystemExit as exc:  # `raise SystemExit("agl-lab X: what to fix")`: a user's error, exit 2
+        if not isinstance(exc.code, str):
+            raise
+        print(exc.code, file=sys.stderr)
+        return 2
 
 
 def train_main(argv: list[str]) -> int:
@@ -63,6 +69,7 @@ def train_main(argv: list[str]) -> int:
     import time
 
     from agl_lab import config as config_mod
+    from agl_lab.checkpoints import CheckpointDiskFull
     from agl_lab.trainer import Trainer
 
     parser = argparse.ArgumentParser(prog="agl-lab train", description="Train from a YAML config.")
@@ -148,6 +155,9 @@ def train_main(argv: list[str]) -> int:
     except KeyboardInterrupt as e:
         _interrupted(trainer, argv, args.resume, time.time() - t0, terminated=isinstance(e, Terminated))
         return 143 if isinstance(e, Terminated) else 130
+    except CheckpointDiskFull as e:  # names the disk, the free space, the fix and the latest checkpoint
+        print(f"agl-lab train: {e.strerror}", flush=True)
+        return 1
     finally:
         _restore_sigterm(previous)
     return 0

@@ -45,8 +45,8 @@ Design decisions
   (`POST /api/rollouts/release`; an AGL server has none: they are failed "runner shutdown").
 - Unlike AGL's local controller, a `running` rollout the runner does not know is left alone
   (several runners may share one server). The runner renews the server-side lease of each
-  rollout it runs (`POST /api/rollouts/heartbeat`, a third of `lease_seconds`, at most every
-  10 s); a runner that died without `stop()` stops renewing, and the server re-queues its
+  rollout it runs (`POST /api/rollouts/heartbeat`, a tenth of `lease_seconds`, at most every
+  10 s: a runner stalled for most of a lease keeps its rollouts); a runner that died without `stop()` stops renewing, and the server re-queues its
   rollouts as new attempts when their lease runs out (up to the server's `max_attempts`).
 """
 
@@ -80,7 +80,8 @@ KILL_WAIT_SECONDS = 5.0
 AUTH_FAILURES_TO_GIVE_UP = 5  # consecutive polls answered 401: the key is wrong, stop polling
 TERM_GRACE_SECONDS = 2.0  # stop(): agents' process groups get SIGTERM, then SIGKILL after this
 RECONCILE_INTERVAL_SECONDS = 1.0
-HEARTBEAT_MAX_INTERVAL_SECONDS = 10.0  # renew leases at least this often (a third of the server's lease if shorter)
+HEARTBEAT_MAX_INTERVAL_SECONDS = 10.0  # renew leases at least this often (a tenth of the server's lease if shorter)
+BEATS_PER_LEASE = 10  # heartbeats per lease: a lease survives a runner stalled for 9 beats (a loaded machine)
 SHUTDOWN_MESSAGE = "runner shutdown"
 _CLAIM_UNSUPPORTED = (404, 405)  # an AGL server: no claim / release route
 # An idle runner's claim waits this long on the server for a rollout (a long poll): idle runners
@@ -450,7 +451,7 @@ class Runner:
                 self._finish(ex, None, None)
 
     def _heartbeat(self) -> None:
-        """Renew the server-side leases of the rollouts this runner runs (a third of the lease)."""
+        """Renew the server-side leases of the rollouts this runner runs (every tenth of the lease)."""
         assert self._client is not None
         live = self._live_snapshot()
         try:
@@ -471,7 +472,7 @@ class Runner:
         lease = float(answer.get("lease_seconds") or 0.0)
         self._heartbeat_every = HEARTBEAT_MAX_INTERVAL_SECONDS
         if lease:
-            self._heartbeat_every = min(HEARTBEAT_MAX_INTERVAL_SECONDS, lease / 3)
+            self._heartbeat_every = min(HEARTBEAT_MAX_INTERVAL_SECONDS, lease / BEATS_PER_LEASE)
 
     def _live_snapshot(self) -> list[_Execution]:
         with self._lock:

@@ -248,6 +248,36 @@ def _say(verbose: bool, line: str) -> None:
         print(line, flush=True)
 
 
+def _flag_problem(args: Any) -> str | None:
+    """What is wrong with sweep_main's flags (one line naming the flag), None when nothing is."""
+    seeds = [s.strip() for s in args.seeds.split(",") if s.strip()]
+    if not seeds or not all(s.lstrip("-").isdigit() for s in seeds):
+        return f"--seeds {args.seeds!r}: give comma-separated integers, e.g. --seeds 0,1,2"
+    if args.parallel < 1:
+        return f"--parallel must be >= 1, got {args.parallel}"
+    if args.steps is not None and args.steps < 0:
+        return f"--steps must be >= 0, got {args.steps}"
+    if args.last < 1:
+        return f"--last must be >= 1, got {args.last}"
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        return f"--out {args.out} is a file: name a directory (default runs/sweep)"
+    return None
+
+
+def _config_problem(config: str, named: Mapping[str, list[str]], fixed: Sequence[str]) -> str | None:
+    """The first setting whose config does not load (before any run starts), as one line."""
+    from agl_lab import config as config_mod
+
+    for name, overrides in named.items():
+        try:
+            config_mod.load_config(config, [*fixed, *overrides])
+        except Exception as e:  # ConfigError names the key; YAML errors and missing files their cause
+            text = " ".join(str(e).split()) or type(e).__name__
+            where = "" if name == "default" else f"setting {name}: "
+            return f"{where}{text}"
+    return None
+
+
 def sweep_main(argv: list[str]) -> int:
     """`agl-lab sweep CONFIG key=v1,v2 ... [--zip] --seeds 0,1,2 [--parallel N] [--out DIR] [--steps N] [--last K]`."""
     import argparse
@@ -265,20 +295,29 @@ def sweep_main(argv: list[str]) -> int:
     try:
         axes, fixed = parse_axes(args.args)
         settings = grid_settings(axes, args.zip) if axes else None
-        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     except ValueError as e:
         print(f"agl-lab sweep: {e}")
         return 2
-    result = sweep(
-        args.config,
-        settings,
-        seeds=seeds,
-        overrides=fixed,
-        out=args.out,
-        parallel=args.parallel,
-        steps=args.steps,
-        last=args.last,
-    )
+    problem = _flag_problem(args)
+    if problem is None:
+        problem = _config_problem(args.config, _normalise(settings), fixed)
+    if problem is not None:
+        print(f"agl-lab sweep: {problem}")
+        return 2
+    try:
+        result = sweep(
+            args.config,
+            settings,
+            seeds=[int(s) for s in args.seeds.split(",") if s.strip()],
+            overrides=fixed,
+            out=args.out,
+            parallel=args.parallel,
+            steps=args.steps,
+            last=args.last,
+        )
+    except (ValueError, OSError) as e:  # two settings in one directory, an --out that cannot be made
+        print(f"agl-lab sweep: {e}")
+        return 2
     failed = result.runs[result.runs["returncode"] != 0]
     for _, row in failed.iterrows():
         print(

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.timescale import scale_timeouts
+
 RUN_DIRS = "agl-nb0*"  # the notebooks' tempfile.mkdtemp prefixes
 _BEFORE = pytest.StashKey[set]()
 
@@ -29,6 +31,7 @@ _MISSING_ENVS = [m for m in ("reasoning_gym", "gem") if importlib.util.find_spec
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    scale_timeouts(config, items)  # a cell's pytest-timeout: ≥ 20 min, × AGL_LAB_TEST_TIME_SCALE
     if _MISSING_ENVS:
         skip_envs = pytest.mark.skip(
             reason=f"{_MISSING_ENVS} not installed: pip install --no-deps -r requirements-envs.txt "

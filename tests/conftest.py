@@ -6,6 +6,8 @@
 - `postgres`        one real PostgreSQL server for the session (tests/postgres.py), skipped where not installed
 - `embedded_server` factory: `embedded_server(**ServerConfig overrides) -> EmbeddedServer`, stopped at teardown
 - `fake_upstream`   a FakeOpenAI (tests/fakes.py) on a loopback port, reset before each test
+- `scaled(seconds)` a test's wait, lease or limit times AGL_LAB_TEST_TIME_SCALE (a float, default 1):
+                    set it above 1 on a slow or busy machine (docs/setup.md)
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import pytest
 from agl_lab.server.embedded import EmbeddedServer
 from tests.fakes import FakeOpenAI
 from tests.postgres import PostgresCluster
+from tests.timescale import TIME_SCALE, scale_timeouts, scaled  # noqa: F401 (tests import scaled from here)
 
 
 def _store_url(request: pytest.FixtureRequest, tmp_path: Any) -> str:
@@ -27,6 +30,10 @@ def _store_url(request: pytest.FixtureRequest, tmp_path: Any) -> str:
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path}/store.db"
     return request.getfixturevalue("postgres_database")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    scale_timeouts(config, items)
 
 
 # the backends of `store_url` (AGL_LAB_TEST_STORES=memory,sqlite,postgresql runs the server, gateway

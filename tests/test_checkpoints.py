@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 
 import pytest
@@ -93,3 +94,62 @@ def test_max_actor_ckpt_to_keep_0_says_it_keeps_every_checkpoint_and_2_is_honour
         warnings.simplefilter("always")
         load_config("configs/cpu_tiny.yaml", ["trainer.max_actor_ckpt_to_keep=2"])
     assert not [w for w in caught if "max_actor_ckpt_to_keep" in str(w.message)]  # read on the local engine
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 256 KiB tmpfs (a disk that fills), mounted where this process may mount (root)."""
+    import subprocess
+
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()[:200]}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=True)  # lazy: a failed test may hold a file open
+
+
+def _save_tensor(numel: int):
+    import torch
+
+    def save(path: Path) -> None:
+        path.mkdir(parents=True)
+        checkpoints.save_state({"global_step": 1, "w": torch.zeros(numel)}, path / checkpoints.STATE_FILE)
+
+    return save
+
+
+def test_a_checkpoint_that_fills_the_disk_says_so_and_gives_the_space_back(small_disk):
+    """torch's writer on a full disk says only `unexpected pos …`: the error names the disk, the
+    free space and the fix; the partial checkpoint is removed; the latest one is untouched."""
+    checkpoints.save_atomically(small_disk, 1, _save_tensor(1000))
+    with pytest.raises(checkpoints.CheckpointDiskFull) as caught:
+        checkpoints.save_atomically(small_disk, 2, _save_tensor(1_000_000))  # 4 MB on 256 KiB
+    message = caught.value.strerror
+    assert f"checkpoint of step 2 not written: no space left on the disk holding {small_disk}" in message
+    assert "trainer.default_local_dir" in message and "the latest checkpoint is still global_step_1" in message
+    assert sorted(p.name for p in small_disk.iterdir()) == ["global_step_1", checkpoints.LATEST]
+    assert (small_disk / checkpoints.LATEST).read_text() == "1"
+    checkpoints.save_atomically(small_disk, 3, _save_tensor(1000))  # the space came back
+
+
+def test_a_save_that_fails_with_enospc_removes_its_partial_checkpoint(tmp_path):
+    def save(path: Path) -> None:
+        path.mkdir(parents=True)
+        (path / "engine.bin").write_bytes(b"x" * 4096)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(checkpoints.CheckpointDiskFull, match="no space left on the disk holding"):
+        checkpoints.save_atomically(tmp_path, 4, save)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_save_that_fails_otherwise_keeps_its_error_and_removes_its_partial_checkpoint(tmp_path):
+    def save(path: Path) -> None:
+        path.mkdir(parents=True)
+        raise ValueError("a tensor that cannot be saved")
+
+    with pytest.raises(ValueError, match="cannot be saved"):
+        checkpoints.save_atomically(tmp_path, 4, save)
+    assert list(tmp_path.iterdir()) == []

@@ -15,6 +15,7 @@ import time
 import pytest
 
 from agl_lab.cli import train_main
+from tests.conftest import scaled
 from tests.test_trainer import SMALL
 from tests.test_trainer_config_keys import _env
 
@@ -52,7 +53,7 @@ def test_ctrl_c_prints_the_last_checkpoint_and_the_resume_command_without_a_trac
         assert time.time() < deadline
         time.sleep(0.2)
     proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
-    out, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=scaled(300))  # the step in progress ends first: loaded, > 120 s
     assert proc.returncode == 130, err[-3000:]
     assert "Traceback" not in out + err and "KeyboardInterrupt" not in out + err
     at = int((tmp_path / "ck" / "latest_checkpointed_iteration.txt").read_text())

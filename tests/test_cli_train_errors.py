@@ -78,3 +78,24 @@ def test_an_external_server_that_does_not_match_the_engine_is_one_line(tmp_path,
         )
     assert rc == 2 and len(lines) == 1, lines
     assert "does not match this engine: its default_proxy.model_name is 'served-elsewhere'" in lines[0]
+
+
+@pytest.mark.timeout(600)
+def test_a_checkpoint_that_fills_the_disk_is_one_line_naming_the_disk(tmp_path, capsys):
+    """Finding 11 through `agl-lab train`: checkpoints on a 256 KiB tmpfs (mounted where this
+    process may mount one): one line saying the disk is full, exit 1, no `.global_step_N.tmp` left."""
+    import subprocess
+
+    small = tmp_path / "small"
+    small.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(small)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()[:200]}")
+    try:
+        rc, lines = _train(tmp_path, capsys, f"trainer.default_local_dir={small}", "trainer.save_freq=1")
+        left = sorted(p.name for p in small.iterdir())
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=True)
+    assert rc == 1 and len(lines) == 1, lines
+    assert f"checkpoint of step 1 not written: no space left on the disk holding {small}" in lines[0], lines
+    assert left == [], left

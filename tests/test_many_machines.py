@@ -28,12 +28,13 @@ import httpx
 import pytest
 
 from agl_lab.client import AglClient
+from tests.conftest import scaled
 from tests.test_trainer import SMALL
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "many-machines-key"
 STEPS = 3
-LEASE_SECONDS = 3  # short, so the killed runner's rollouts run again within the step
+LEASE_SECONDS = scaled(3)  # short, so the killed runner's rollouts run again within the step (runners beat every 0.3 s)
 ROLLOUTS_PER_STEP = 4 * 2  # data.train_batch_size=4 × actor_rollout_ref.rollout.n=2 (SMALL)
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONHASHSEED": "0"}
 

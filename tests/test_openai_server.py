@@ -7,6 +7,7 @@ independent of batching, OpenAI-style 400s, and abort/pause semantics.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -472,3 +473,53 @@ def test_engine_cli_serves_standalone(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/chat/completions", {"messages": [{"role": "user", "content": "word " * 600_000}]}, "messages"),
+        ("/completions", {"prompt": "word " * 600_000}, "prompt"),
+    ],
+)
+def test_a_prompt_too_long_in_bytes_is_refused_untokenized(http, server, path, body, param):
+    """3 MB cannot fit 1,024 tokens of a byte-level vocabulary: refused from its length in bytes
+    (tokenizing it would take seconds), with the context-length error the gateway recognises."""
+    resp = http.post(path, json={"max_tokens": 1, **body})
+    assert resp.status_code == 400, resp.text[:300]
+    error = resp.json()["error"]
+    assert error["param"] == param
+    assert "maximum context length is 1024 tokens" in error["message"] and "not tokenized" in error["message"]
+    floor = int(error["message"].split("at least ")[1].split()[0])
+    assert 3_000_000 // 13 <= floor * 13 and floor < 3_000_000  # bytes / the longest token's bytes
+    short = {"messages": _MSG} if "chat" in path else {"prompt": "word"}
+    assert http.post(path, json={"max_tokens": 1, **short}).status_code == 200  # a short one still passes
+
+
+def test_a_huge_prompt_does_not_hold_up_another_rollouts_call(server):
+    """While the engine renders one agent's huge prompt (500,000 messages), another agent's short
+    call is answered: rendering and tokenizing run off the event loop. Asserted by order, not time:
+    the short call's answer comes while the huge request's connection has no answer yet."""
+    huge = {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "a"}] * 500_000}
+    payload = json.dumps(huge).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {server.host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
+    ).encode()
+    with socket.create_connection((server.host, server.port)) as sock:
+        sock.settimeout(300)
+        sock.sendall(head + payload)  # returns once the server has read all but a socket buffer of it
+        with httpx.Client(base_url=server.base_url, timeout=300) as client:
+            small = client.post("/chat/completions", json={"messages": _MSG, "max_tokens": 2})
+        assert small.status_code == 200, small.text
+        sock.setblocking(False)
+        try:
+            early = sock.recv(1, socket.MSG_PEEK)
+        except BlockingIOError:
+            early = b""
+        assert early == b"", "the huge prompt was answered before the short call: it held the event loop"
+        sock.setblocking(True)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 400") and b"maximum context length is 1024 tokens" in answer, answer[:300]

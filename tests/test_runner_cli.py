@@ -20,6 +20,7 @@ from agl_lab.client import AglClient
 from agl_lab.hooks import RolloutHooks
 from agl_lab.protocol import RolloutCreate
 from agl_lab.rollout import SyncRolloutManager
+from tests.conftest import scaled
 
 KEY = "runner-cli-key"
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,12 +69,16 @@ def test_runner_runs_rollouts_prints_summaries_and_releases_on_sigterm(embedded_
             quick = [RolloutCreate(rollout_id=f"q{i}", input={}) for i in range(8)]
             held = [RolloutCreate(rollout_id=f"h{i}", input={"hold": True}) for i in range(3)]
             client.create_rollouts(quick)
-            wait_for(lambda: all(client.get_rollout(r.rollout_id)[0].is_terminal for r in quick), 60, "quick rollouts")
+            wait_for(
+                lambda: all(client.get_rollout(r.rollout_id)[0].is_terminal for r in quick),
+                scaled(300),
+                "quick rollouts",
+            )
             time.sleep(0.5)  # the runner checks for a summary every 0.1 s
             client.create_rollouts(held)
             wait_for(lambda: running_ids(client) == {"h0", "h1", "h2"}, 30, "the runner to hold 3 rollouts")
             proc.send_signal(signal.SIGTERM)
-            out, _ = proc.communicate(timeout=30)
+            out, _ = proc.communicate(timeout=scaled(120))
             assert proc.returncode == 0, out
             for r in quick:
                 rollout, attempts = client.get_rollout(r.rollout_id)
@@ -96,7 +101,7 @@ def test_runner_runs_rollouts_prints_summaries_and_releases_on_sigterm(embedded_
 def test_a_wrong_key_fails_at_once_naming_the_flag(embedded_server):
     server = embedded_server(key=KEY, default_proxy={"model_name": "m"})
     proc = start_runner(server.url, key="wrong")
-    out, _ = proc.communicate(timeout=60)
+    out, _ = proc.communicate(timeout=scaled(300))
     assert proc.returncode == 2 and "rejected the key (401)" in out and "--key" in out
 
 
@@ -133,7 +138,7 @@ def test_bad_arguments_fail_naming_the_flag():
             cwd=ROOT,
             capture_output=True,
             text=True,
-            timeout=60,
+            timeout=scaled(300),
             env={k: v for k, v in os.environ.items() if k != "AGL_SERVER_URL"},
         )
         assert proc.returncode == 2 and message in proc.stderr, (argv, proc.stderr)
@@ -158,7 +163,10 @@ def test_sigkilled_runner_loses_nothing_its_rollouts_rerun_as_attempt_1_and_fini
     embedded_server, tmp_path, store_kind
 ):
     store = "memory" if store_kind == "memory" else f"sqlite:///{tmp_path}/store.db"
-    server = embedded_server(key=KEY, default_proxy={"model_name": "m"}, store=store, lease_seconds=1.0, max_attempts=2)
+    # the runners beat every tenth of the lease: a 2 s lease (scaled) survives a loaded machine's stalls
+    server = embedded_server(
+        key=KEY, default_proxy={"model_name": "m"}, store=store, lease_seconds=scaled(2.0), max_attempts=2
+    )
     doomed = start_runner(server.url, "--concurrency", "4")
     rescuer: list[subprocess.Popen] = []
     hooks = CountingHooks()
@@ -166,7 +174,7 @@ def test_sigkilled_runner_loses_nothing_its_rollouts_rerun_as_attempt_1_and_fini
         with AglClient(server.url, key=KEY) as client:
 
             def kill_then_rescue() -> None:  # the doomed runner holds 4 rollouts; kill -9 it; start another
-                wait_for(lambda: len(running_ids(client)) == 4, 60, "the doomed runner to hold 4 rollouts")
+                wait_for(lambda: len(running_ids(client)) == 4, scaled(300), "the doomed runner to hold 4 rollouts")
                 doomed.send_signal(signal.SIGKILL)
                 doomed.wait()
                 rescuer.append(start_runner(server.url, "--concurrency", "8", env={"AGL_TEST_NO_HOLD": "1"}))
@@ -174,7 +182,7 @@ def test_sigkilled_runner_loses_nothing_its_rollouts_rerun_as_attempt_1_and_fini
             killer = threading.Thread(target=kill_then_rescue)
             killer.start()
             manager = SyncRolloutManager(
-                client, n=2, step=0, rollout_config={}, hooks=hooks, timeout_seconds=120, poll_interval=0.05
+                client, n=2, step=0, rollout_config={}, hooks=hooks, timeout_seconds=scaled(300), poll_interval=0.05
             )
             completed = manager.run([{"hold": True, "i": i} for i in range(3)], is_train=True)
             killer.join()
@@ -182,7 +190,7 @@ def test_sigkilled_runner_loses_nothing_its_rollouts_rerun_as_attempt_1_and_fini
         for proc in [doomed, *rescuer]:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-                proc.communicate(timeout=30)
+                proc.communicate(timeout=scaled(120))
     ids = [c.rollout_id for c in completed]
     assert len(ids) == len(set(ids)) == 6 and all(c.state == "succeeded" for c in completed)
     assert sorted(hooks.succeeded) == sorted(ids) and hooks.failed == []  # each hook exactly once
@@ -233,7 +241,7 @@ def test_runner_on_agent_lightnings_own_server_claims_by_list_then_patch(tmp_pat
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_for(lambda: _healthy(httpx, url), 60, "AGL's server")
+        wait_for(lambda: _healthy(httpx, url), scaled(300), "AGL's server")
         with AglClient(url, key=KEY) as client:
             client.create_rollouts(
                 [RolloutCreate(rollout_id=f"a{i}", input={}) for i in range(6)]
@@ -244,7 +252,9 @@ def test_runner_on_agent_lightnings_own_server_claims_by_list_then_patch(tmp_pat
             runners = [
                 Runner(url, key=KEY, agent=remote_agent, concurrency=4, poll_interval=0.01).start() for _ in range(2)
             ]
-            wait_for(lambda: all(client.get_rollout(f"a{i}")[0].is_terminal for i in range(6)), 60, "the rollouts")
+            wait_for(
+                lambda: all(client.get_rollout(f"a{i}")[0].is_terminal for i in range(6)), scaled(300), "the rollouts"
+            )
             wait_for(lambda: running_ids(client) == {"held"}, 30, "the held rollout to run")
             for runner in runners:
                 runner.stop()
@@ -287,10 +297,12 @@ def test_the_trainers_config_gives_the_runner_its_server_key_agent_and_concurren
     try:
         with AglClient(server.url, key=KEY) as client:
             client.create_rollouts([RolloutCreate(rollout_id=f"c{i}", input={}) for i in range(4)])
-            wait_for(lambda: all(client.get_rollout(f"c{i}")[0].is_terminal for i in range(4)), 60, "the rollouts")
+            wait_for(  # the runner process starts (imports, agent) before it claims: 11 s alone, > 60 s loaded
+                lambda: all(client.get_rollout(f"c{i}")[0].is_terminal for i in range(4)), scaled(300), "the rollouts"
+            )
             assert all(client.get_rollout(f"c{i}")[0].status.state == "succeeded" for i in range(4))
         proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=30)
+        out, _ = proc.communicate(timeout=scaled(120))
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -367,7 +379,7 @@ def test_a_runner_runs_a_rollout_without_the_server_stack_or_numpy(embedded_serv
             assert client.get_rollout("light")[0].status.state == "succeeded"
             assert client.get_events("light", event_type="reward")[0]["data"] == {"value": 1.0}
         proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=30)
+        out, _ = proc.communicate(timeout=scaled(120))
     finally:
         if proc.poll() is None:
             proc.kill()

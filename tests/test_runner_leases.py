@@ -12,6 +12,7 @@ from agl_lab.protocol import RolloutCreate, RolloutState, RolloutStatusPatch
 from agl_lab.rollout import SyncRolloutManager
 from agl_lab.runner import Runner
 from agl_lab.server.backends import open_store
+from tests.conftest import scaled
 
 KEY = "lease-key"
 
@@ -21,7 +22,7 @@ def _state(client, rid):
 
 
 def _wait_state(client, rid, state, bound=30.0):
-    end = time.monotonic() + bound
+    end = time.monotonic() + scaled(bound)
     while time.monotonic() < end:
         status = _state(client, rid)
         if status.state == state:
@@ -50,27 +51,30 @@ def test_running_rollout_without_a_runner_is_requeued_then_fails_after_max_attem
 
 
 def test_heartbeats_and_events_keep_a_rollout_alive(embedded_server, store_url):
-    # a lease 15 times the beat: a loaded CI machine once stalled this loop past a 0.6 s lease
-    server = embedded_server(key=KEY, default_proxy={"model_name": "m"}, store=store_url, lease_seconds=1.5)
+    # a lease 15 times the beat (scaled): a loaded CI machine once stalled this loop past a 0.6 s lease
+    lease = scaled(1.5)
+    server = embedded_server(key=KEY, default_proxy={"model_name": "m"}, store=store_url, lease_seconds=lease)
     with AglClient(server.url, key=KEY) as client:
         client.create_rollouts([RolloutCreate(input={}, rollout_id=r) for r in ("hb", "ev")])
         for rid in ("hb", "ev"):
             client.patch_status(rid, state="running", last_attempt_id="0")
-        end = time.monotonic() + 4.6  # > 3 leases
+        end = time.monotonic() + 3.1 * lease  # > 3 leases
         while time.monotonic() < end:
             answer = client.heartbeat(["hb", "nope"])
-            assert answer == {"not_running": ["nope"], "lease_seconds": 1.5}
+            assert answer == {"not_running": ["nope"], "lease_seconds": lease}
             client.add_event("ev", "0", "tick", {})
-            time.sleep(0.1)
+            time.sleep(lease / 15)
         assert _state(client, "hb").state == "running" and _state(client, "ev").state == "running"
 
 
 def test_runner_heartbeats_keep_long_quiet_agents_running(embedded_server):
-    # 1.5 s leases (the runner beats every 0.5 s): at 0.5 s a loaded CI machine once missed three in a row
-    server = embedded_server(key=KEY, default_proxy={"model_name": "m"}, lease_seconds=1.5)
+    # 2 s leases, scaled (the runner beats every tenth of a lease): at 0.5 s leases beaten every third
+    # a loaded CI machine once missed three beats in a row
+    lease = scaled(2.0)
+    server = embedded_server(key=KEY, default_proxy={"model_name": "m"}, lease_seconds=lease)
 
     def quiet_agent(task, ctx):
-        time.sleep(5.0)  # over three leases without an event or a model call
+        time.sleep(3.3 * lease)  # over three leases without an event or a model call
         return 1.0
 
     with AglClient(server.url, key=KEY) as client, Runner(server.url, key=KEY, agent=quiet_agent, poll_interval=0.02):
@@ -143,8 +147,8 @@ def test_async_carry_over_and_hooks_see_a_requeued_rollout_finish_once(embedded_
         def on_succeeded(self, rollout, events_by_attempt, writer):
             self.seen.append((rollout.rollout_id, tuple(sorted(events_by_attempt))))
 
-    server = embedded_server(
-        key=KEY, default_proxy={"model_name": "m"}, store=store_url, lease_seconds=0.6, max_attempts=2
+    server = embedded_server(  # the live runner beats every tenth of the lease: it keeps its claims
+        key=KEY, default_proxy={"model_name": "m"}, store=store_url, lease_seconds=scaled(1.0), max_attempts=2
     )
     hooks = Hooks()
 

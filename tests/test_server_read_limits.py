@@ -4,10 +4,13 @@ and how large a model answer may be — each a ServerConfig key, each on a real 
 from __future__ import annotations
 
 import socket
+import threading
+import time
 
 import httpx
 import pytest
 
+from tests.conftest import scaled
 from tests.fakes import FakeOpenAI
 
 KEY = "limits-key"
@@ -35,8 +38,8 @@ def strict(embedded_server):
     return embedded_server(
         key=KEY,
         default_proxy={"model_name": "m"},
-        header_timeout_seconds=0.5,
-        body_timeout_seconds=0.5,
+        header_timeout_seconds=scaled(0.5),
+        body_timeout_seconds=scaled(0.5),
         max_header_bytes=8192,
     )
 
@@ -133,3 +136,52 @@ def test_an_oversized_model_answer_is_refused_not_stored(embedded_server, fake_u
         assert len(fake_upstream.requests) == 1  # not retried: the same request gets the same answer
         fake_upstream.reply = "small"
         assert c.post(PROXY, json=CHAT).status_code == 200
+
+
+def _stall_loop_after_connect(server, seconds: float) -> None:
+    """Once the server has taken a connection (its head timer armed), block the server's event
+    loop for `seconds` inside an I/O callback, and return when the block has begun.
+
+    The block sits where a starved thread or a slow callback of another socket stalls a server:
+    after the loop polled its sockets, before it runs its due timers. Bytes that arrive meanwhile
+    wait in the kernel while the head timer is due."""
+    connections = server._uvicorn._server.server_state.connections
+    deadline = time.monotonic() + SAFETY_NET
+    while not connections:
+        assert time.monotonic() < deadline, "the server never took the connection"
+        time.sleep(0.005)
+    (protocol,) = tuple(connections)
+    loop, (mine, theirs) = protocol.loop, socket.socketpair()
+    stalled = threading.Event()
+
+    def stall() -> None:
+        loop.remove_reader(mine.fileno())
+        stalled.set()
+        time.sleep(seconds)
+
+    loop.call_soon_threadsafe(loop.add_reader, mine.fileno(), stall)
+    theirs.send(b"x")  # the reader runs in the loop's poll phase
+    assert stalled.wait(SAFETY_NET)
+    mine.close(), theirs.close()  # closing is safe: the reader is removed
+
+
+def test_a_stalled_server_reads_what_arrived_before_it_times_a_head_out(embedded_server):
+    """The head's bytes arrive while the loop is blocked past header_timeout_seconds: when it runs
+    again its timer is due and the bytes unread; the server reads them first and answers."""
+    header_timeout = scaled(0.5)
+    server = embedded_server(key=KEY, header_timeout_seconds=header_timeout)
+    with _connect(server) as sock:
+        _stall_loop_after_connect(server, 3 * header_timeout)
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+        answer = _until_closed(sock)
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+
+
+def test_a_stalled_server_still_times_out_a_head_the_waiting_bytes_leave_incomplete(embedded_server):
+    header_timeout = scaled(0.5)
+    server = embedded_server(key=KEY, header_timeout_seconds=header_timeout)
+    with _connect(server) as sock:
+        _stall_loop_after_connect(server, 3 * header_timeout)
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Part")
+        answer = _until_closed(sock)
+    assert answer.startswith(b"HTTP/1.1 408") and b"header_timeout_seconds" in answer

@@ -30,6 +30,7 @@ from agl_lab.protocol import RolloutCreate, RolloutState, RolloutStatusPatch
 from agl_lab.server.backends import open_store
 from agl_lab.server.store import StoreUnavailable
 from agl_lab.server.store.postgresql import PostgresStore, SchemaMismatch
+from tests.conftest import scaled
 
 KEY = "pg-key"
 RUNNING = RolloutStatusPatch(state=RolloutState.RUNNING)
@@ -333,7 +334,8 @@ def test_racing_claims_through_two_servers_are_won_once(serve):
 def test_models_and_leases_are_shared_not_cached_per_server(serve, fake_upstream):
     """A model registered through server A is served by server B's gateway (B's pool is not a
     stale per-process cache), and heartbeats sent to A keep B's lease sweeper off the rollout."""
-    a, b = serve("--lease-seconds", "1"), serve("--lease-seconds", "1")
+    lease = scaled(2.0)  # beaten every tenth of it below: a loaded machine's stalls do not expire it
+    a, b = serve("--lease-seconds", str(lease)), serve("--lease-seconds", str(lease))
     body = {"model": "auto", "messages": [{"role": "user", "content": "hi"}]}
     with a.client() as ca, b.client() as cb:
         _create(ca, ["r"])
@@ -344,11 +346,11 @@ def test_models_and_leases_are_shared_not_cached_per_server(serve, fake_upstream
         assert cb.post(chat, json=body).status_code == 200
         assert len(ca.get("/api/rollouts/r/events").json()) == 1  # B's event, read through A
 
-        for _ in range(12):  # 2.4 s, more than twice the lease: alive while A hears heartbeats
+        for _ in range(25):  # 2.5 leases: alive while A hears heartbeats
             assert ca.post("/api/rollouts/heartbeat", json={"rollout_ids": ["r"]}).json()["not_running"] == []
-            time.sleep(0.2)
+            time.sleep(lease / 10)
         assert cb.get("/api/rollouts/r").json()["rollout"]["status"]["state"] == "running"
-        deadline = time.monotonic() + 10  # then silence: one of the sweepers re-queues it as attempt 1
+        deadline = time.monotonic() + scaled(10) + lease  # then silence: one of the sweepers re-queues it as attempt 1
         while (status := cb.get("/api/rollouts/r").json()["rollout"]["status"])["state"] == "running":
             assert time.monotonic() < deadline
             time.sleep(0.1)

@@ -39,6 +39,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import socket
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -247,6 +248,20 @@ def _close_with(transport: Any, status: int, reason: bytes, detail: str) -> None
     transport.close()
 
 
+def _bytes_waiting(transport: Any) -> bool:
+    """Whether the connection's socket holds bytes the event loop has not read yet (a peek: nothing
+    is consumed). A stalled loop runs its due timers before it polls the sockets (uvloop), so a
+    timer can fire while the bytes that would have satisfied it wait in the kernel's buffer."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return False
+    try:  # a duplicate of the descriptor: uvloop's socket object does not offer recv
+        with socket.fromfd(sock.fileno(), socket.AF_INET, socket.SOCK_STREAM) as dup:
+            return bool(dup.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+    except OSError:  # nothing waiting (BlockingIOError), or the connection is gone
+        return False
+
+
 # what the classes below rely on in uvicorn's httptools protocol (checked at import: see _fits)
 _CYCLE_FIELDS = ("scope", "transport", "flow", "message_event", "keep_alive", "on_response")
 _PROTOCOL_HOOKS = (
@@ -315,6 +330,7 @@ else:
         def connection_made(self, transport: Any) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self._head_open, self._head_bytes, self._tail = True, 0, b""  # reading a request head?
+            self._head_late = False  # its deadline passed with bytes unread: what they complete decides
             self._read_timer: Any = None
             self._arm(self.limits.header_timeout_seconds, self._head_timed_out)
 
@@ -338,6 +354,9 @@ else:
                     )
                     return
             super().data_received(data)
+            if self._head_open and self._head_late and not self.transport.is_closing():
+                self._head_late = False
+                self._answer_head_timeout()  # the bytes waiting at the deadline did not complete the head
 
         def _head_too_big(self, data: bytes) -> bool:
             """Count the head's bytes before the parser buffers them (it would hold a 40 MiB header)."""
@@ -363,6 +382,7 @@ else:
             super().on_message_complete()
             self._disarm()
             self._head_open, self._head_bytes, self._tail = True, 0, b""  # what follows is the next head
+            self._head_late = False
 
         def _arm(self, seconds: float, handler: Callable[[], None]) -> None:
             self._disarm()
@@ -383,6 +403,16 @@ else:
             if self._answering():  # a pipelined head behind a request in progress: wait for it
                 self._arm(self.limits.header_timeout_seconds, self._head_timed_out)
                 return
+            if not self._head_late and _bytes_waiting(self.transport):
+                # bytes that arrived in time but were not read (a stalled loop): read them first;
+                # data_received answers 408 if they leave the head incomplete, else this timer does
+                self._head_late = True
+                self._arm(min(1.0, self.limits.header_timeout_seconds), self._head_timed_out)
+                return
+            self._answer_head_timeout()
+
+        def _answer_head_timeout(self) -> None:
+            self._disarm()
             _close_with(
                 self.transport,
                 408,
@@ -396,7 +426,9 @@ else:
             cycle = self.cycle
             if self.transport.is_closing() or cycle is None or not cycle.more_body:
                 return
-            if self.flow.read_paused:  # the app has not taken what was sent yet: not the client's pause
+            if self.flow.read_paused or _bytes_waiting(self.transport):
+                # the app has not taken what was sent yet, or the loop (stalled) has not read it: not
+                # the client's pause
                 self._arm(self.limits.body_timeout_seconds, self._body_timed_out)
                 return
             if cycle.response_started:

@@ -66,7 +66,7 @@ class ServerConfig(_Strict):
     max_batch_items: int = Field(10_000, ge=1)  # items per POST /api/rollouts or /api/models (413 beyond)
     lease_seconds: float = Field(60.0, ge=0)  # a running rollout without heartbeat/event/status change this
     #     long is re-queued as a new attempt (its runner died); 0 disables leases. Runners renew every
-    #     min(10 s, lease/3); well below the trainer's wait (agentlightning.rollout_timeout_seconds + 60 s)
+    #     min(10 s, lease/10); well below the trainer's wait (agentlightning.rollout_timeout_seconds + 60 s)
     max_attempts: int = Field(3, ge=1)  # attempts per rollout: a lease expiry re-queues until this many ran,
     #                                     then fails the rollout with the reason (releases count too)
     allowed_hosts: list[str] = Field(default_factory=lambda: ["localhost", "127.0.0.1", "::1"])  # Host names a

@@ -438,7 +438,10 @@ def _read_key_file(path: str, flag: str) -> str:
 def serve_main(argv: list[str]) -> int:
     """`agl-lab serve ...`: run the server in the foreground until interrupted."""
     args = _parser().parse_args(argv)
-    config = serve_config(args)
+    try:
+        config = serve_config(args)
+    except ValueError as exc:  # a flag's value the config refuses: the message names the key
+        raise SystemExit(f"agl-lab serve: {exc}") from None
     tls = tls_files(args)
     if args.tokenizer_path and not config.token_preserving:
         raise SystemExit("agl-lab serve: --tokenizer-path is only used with --token-preserving")
@@ -454,11 +457,14 @@ def serve_main(argv: list[str]) -> int:
         if args.tokenizer_path:
             from transformers import AutoTokenizer
 
-            set_tokenizer(
-                app.state.gateway,
-                config.default_proxy.model_name,
-                AutoTokenizer.from_pretrained(args.tokenizer_path, local_files_only=True),
-            )
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path, local_files_only=True)
+            except (OSError, ValueError) as exc:
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise SystemExit(
+                    f"agl-lab serve: --tokenizer-path {args.tokenizer_path}: no tokenizer loads from it ({first})"
+                ) from None
+            set_tokenizer(app.state.gateway, config.default_proxy.model_name, tokenizer)
         # one access-log line per request only when asked (--access-log) or at debug: at "info"
         # a busy gateway would log every agent call; uvicorn formats a line before filtering it
         access_log = args.access_log or args.log_level.lower() in ("trace", "debug")

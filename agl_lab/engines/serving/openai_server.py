@@ -15,7 +15,10 @@ vLLM server with `return_token_ids` returns, so this server speaks the same dial
   the field and the fix), 503 "generation aborted" for requests ended by `abort()`.
 
 Sampling, batching and the logprob definition live in `scheduler.py`; this module only
-validates, renders (chat template → token ids), and shapes responses. `OpenAIServer` runs
+validates, renders (chat template → token ids), and shapes responses. Rendering and
+tokenizing run in a thread pool, off the event loop, and a prompt whose length in bytes
+already proves it longer than the context is refused untokenized (`_TokenFloor`): one agent's
+huge prompt holds up no other agent's call. `OpenAIServer` runs
 uvicorn on a background thread so a notebook or a test owns a live endpoint in one line:
 
     server = OpenAIServer(model, tokenizer)          # port=0 → a free port
@@ -28,10 +31,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import json
 import secrets
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -43,6 +48,7 @@ from agl_lab.engines.serving.scheduler import BatchScheduler, GenerationAborted,
 from agl_lab.rules import BATCH_WINDOW_MS, MAX_BATCH_SIZE, MAX_MODEL_LEN
 from agl_lab.server.embedded import ThreadedUvicorn
 
+PROMPT_WORKERS = 4  # threads that render and tokenize prompts, off the event loop
 DEFAULT_MAX_TOKENS = 256  # completion budget when the request names none (capped by the context)
 MAX_TOP_LOGPROBS = 20
 
@@ -134,6 +140,51 @@ def _max_tokens(body: dict, prompt_len: int, max_model_len: int, default_max_tok
             param="max_tokens" if asked is not None else "messages",
         )
     return max_tokens
+
+
+class _TokenFloor:
+    """A cheap lower bound on a text's token count, so that an oversize prompt is refused without
+    being tokenized (tokenizing 3 MB takes seconds).
+
+    A byte-level BPE tokenizer covers every byte of the (normalized) text with exactly one token,
+    and no token covers more bytes than its vocabulary string's UTF-8 length (a byte-level
+    vocabulary string has one character per byte, each 1–2 bytes in UTF-8: an over-estimate, so
+    the bound stays safe). Hence tokens ≥ ceil(bytes / max_token_bytes). Tokenizers that are not
+    byte-level (an unknown token can cover a whole word) get no bound: `floor` returns 0.
+    """
+
+    def __init__(self, tokenizer: Any):
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.max_token_bytes = 0
+        self._normalizer = None
+        try:
+            byte_level = backend is not None and '"ByteLevel"' in json.dumps(
+                json.loads(backend.to_str()).get("pre_tokenizer")
+            )
+        except Exception:  # a backend that cannot describe itself: no bound
+            byte_level = False
+        if byte_level:
+            self.max_token_bytes = max(len(piece.encode("utf-8")) for piece in tokenizer.get_vocab())
+            self._normalizer = backend.normalizer  # NFC can shrink a text: bound the normalized text
+
+    def floor(self, text: str) -> int:
+        """At least this many tokens encode `text` (0 when the tokenizer gives no bound)."""
+        if not self.max_token_bytes:
+            return 0
+        if self._normalizer is not None:
+            text = self._normalizer.normalize_str(text)
+        return -(-len(text.encode("utf-8", "surrogatepass")) // self.max_token_bytes)
+
+
+def _check_floor(floor: int, max_model_len: int, param: str, what: str) -> None:
+    """Refuse a prompt whose token floor already exceeds the context (before tokenizing it)."""
+    if floor >= max_model_len:  # the completion needs at least one token more
+        raise OpenAIError(
+            f"This model's maximum context length is {max_model_len} tokens. However, {what} at least "
+            f"{floor} tokens (counted from its length in bytes, not tokenized). "
+            "Please reduce the length of the messages or completion.",
+            param=param,
+        )
 
 
 def _check_messages(messages: Any) -> list[dict]:
@@ -250,6 +301,13 @@ class _Handler:
         self.model_name, self.max_model_len, self.default_max_tokens = model_name, max_model_len, default_max_tokens
         self.vocab_size = len(tokenizer)
         self.token_text = _TokenText(tokenizer)
+        self.token_floor = _TokenFloor(tokenizer)
+        # rendering and tokenizing run here, not on the event loop: one rollout's huge prompt must
+        # not hold up every other rollout's call (tokenizers release the GIL while they encode)
+        self.prompt_pool = ThreadPoolExecutor(PROMPT_WORKERS, thread_name_prefix="agl-engine-prompt")
+
+    async def _off_loop(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.prompt_pool, fn, *args)
 
     async def _generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
         try:
@@ -257,7 +315,10 @@ class _Handler:
         except GenerationAborted as exc:
             raise OpenAIError(str(exc), status=503, type="ServiceUnavailableError") from exc
 
-    async def chat(self, body: dict) -> dict[str, Any]:
+    def _chat_prompt(self, body: dict) -> tuple[list[int], SamplingParams, Any, bool]:
+        """Validate, render and tokenize a chat request (in `prompt_pool`): prompt ids, sampling,
+        tools, whether logprobs were asked for. A rendered prompt longer than the context can
+        hold in bytes is refused before it is tokenized."""
         messages = _check_messages(body.get("messages"))
         tools = _field(body, "tools", (list,), None, "a list of tool definitions")
         want_logprobs = _field(body, "logprobs", (bool,), False, "a boolean")
@@ -277,8 +338,21 @@ class _Handler:
             )
         except Exception as exc:  # template errors are the request's fault (bad message shape)
             raise OpenAIError(f"could not render 'messages' with the chat template: {exc}", param="messages") from exc
+        _check_floor(self.token_floor.floor(text), self.max_model_len, "messages", "the rendered messages are")
         prompt_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         params = _sampling(body, len(prompt_ids), self.max_model_len, self.default_max_tokens, k)
+        return prompt_ids, params, tools, want_logprobs
+
+    def _completion_prompt(self, body: dict) -> list[int]:
+        """The completions prompt's ids (in `prompt_pool`; a text too long in bytes refused untokenized)."""
+        prompt = body.get("prompt")
+        text = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 else prompt
+        if isinstance(text, str):
+            _check_floor(self.token_floor.floor(text), self.max_model_len, "prompt", "the prompt is")
+        return _prompt_ids(prompt, self.tokenizer, self.vocab_size)
+
+    async def chat(self, body: dict) -> dict[str, Any]:
+        prompt_ids, params, tools, want_logprobs = await self._off_loop(self._chat_prompt, body)
         result = await self._generate(prompt_ids, params)
         content, tool_calls = parse_tool_calls(result.text) if tools else (result.text, [])
         finish = "tool_calls" if tool_calls and result.finish_reason == "stop" else result.finish_reason
@@ -303,7 +377,7 @@ class _Handler:
         }
 
     async def completions(self, body: dict) -> dict[str, Any]:
-        prompt_ids = _prompt_ids(body.get("prompt"), self.tokenizer, self.vocab_size)
+        prompt_ids = await self._off_loop(self._completion_prompt, body)
         logprobs = body.get("logprobs")
         if isinstance(logprobs, bool):  # the gateway sends `true` to both APIs; vLLM reads it as 1
             logprobs = 1 if logprobs else None
@@ -359,6 +433,8 @@ def create_app(
                 type="AuthenticationError",
             )
             return JSONResponse(error.body(), status_code=401)
+
+    app.state.prompt_pool = handler.prompt_pool  # OpenAIServer.stop shuts it down
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
@@ -465,6 +541,7 @@ class OpenAIServer:
             default_max_tokens=default_max_tokens,
             api_key=self.api_key,
         )
+        self._prompt_pool = app.state.prompt_pool
         # ThreadedUvicorn binds the socket first (port known, TCP_NODELAY set) and waits for /health.
         try:
             self._http = ThreadedUvicorn(app, host=host, port=port, health_path="/health")
@@ -501,6 +578,7 @@ class OpenAIServer:
         """Stop the scheduler (in-flight requests fail with 503) and uvicorn. Idempotent."""
         self.scheduler.close()
         self._http.stop()
+        self._prompt_pool.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> OpenAIServer:
         return self
@@ -512,6 +590,11 @@ class OpenAIServer:
 # ---------------------------------------------------------------------------------------
 # `agl-lab engine`
 # ---------------------------------------------------------------------------------------
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def engine_main(argv: list[str]) -> int:
@@ -540,21 +623,41 @@ def engine_main(argv: list[str]) -> int:
             f"agl-lab engine: refusing to bind {args.host} without a key: set {ENGINE_KEY_ENV} here and "
             "on the gateway's host (agl-lab serve sends it upstream), or bind 127.0.0.1"
         )
+    for flag in ("max_model_len", "max_batch_size", "num_threads"):
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"agl-lab engine: --{flag.replace('_', '-')} must be ≥ 1, got {getattr(args, flag)}")
+    for flag in ("batch_window_ms", "prefix_cache_mb"):
+        if not getattr(args, flag) >= 0:
+            raise SystemExit(f"agl-lab engine: --{flag.replace('_', '-')} must be ≥ 0, got {getattr(args, flag)}")
+    if args.device is not None and args.device.split(":")[0] not in ("cpu", "cuda"):
+        raise SystemExit(f"agl-lab engine: --device {args.device!r}: use cpu or cuda")
+    if args.device is not None and args.device.startswith("cuda"):
+        import torch
 
-    model, tokenizer = load_model_and_tokenizer(args.model_path, device=args.device, seed=args.seed)
+        if not torch.cuda.is_available():
+            raise SystemExit("agl-lab engine: --device cuda: no CUDA device is available here; use --device cpu")
+    try:
+        model, tokenizer = load_model_and_tokenizer(args.model_path, device=args.device, seed=args.seed)
+    except (OSError, ValueError) as exc:  # no such directory, not a model directory, a damaged one
+        raise SystemExit(f"agl-lab engine: --model-path: {_first_line(exc)}") from None
     name = args.model_name or (Path(args.model_path).resolve().name if args.model_path else DEFAULT_MODEL_NAME)
-    server = OpenAIServer(
-        model,
-        tokenizer,
-        model_name=name,
-        host=args.host,
-        port=args.port,
-        max_model_len=args.max_model_len,
-        batch_window_ms=args.batch_window_ms,
-        max_batch_size=args.max_batch_size,
-        num_threads=args.num_threads,
-        prefix_cache_mb=args.prefix_cache_mb,
-    )
+    try:
+        server = OpenAIServer(
+            model,
+            tokenizer,
+            model_name=name,
+            host=args.host,
+            port=args.port,
+            max_model_len=args.max_model_len,
+            batch_window_ms=args.batch_window_ms,
+            max_batch_size=args.max_batch_size,
+            num_threads=args.num_threads,
+            prefix_cache_mb=args.prefix_cache_mb,
+        )
+    except ValueError as exc:  # --max-model-len beyond the model's positions
+        raise SystemExit(f"agl-lab engine: {_first_line(exc)}") from None
+    except OSError as exc:  # the port is taken, the host is not this machine's
+        raise SystemExit(f"agl-lab engine: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
     print(f"agl-lab engine: serving {name!r} at {server.base_url} (Ctrl-C to stop)", flush=True)
     try:
         while server.running:

@@ -17,7 +17,7 @@ from typing import Any
 
 from agl_lab.protocol import Event, Model, Rollout, RolloutState
 from agl_lab.server.storable import dump_storable
-from agl_lab.server.store.base import DEFAULT_TERMINAL_LOG_LIMIT, Store, StoreLocked, _Activity, load_stored
+from agl_lab.server.store.base import DEFAULT_TERMINAL_LOG_LIMIT, Store, StoreError, StoreLocked, _Activity, load_stored
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS rollouts (
@@ -72,16 +72,34 @@ class SqliteStore(Store):
         self.path = path
         self._lock_file: _FileLock | None = None
         if path != ":memory:":
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self._lock_file = _lock_exclusively(path)
+            folder = os.path.dirname(os.path.abspath(path))
+            try:
+                os.makedirs(folder, exist_ok=True)
+            except OSError as exc:
+                raise StoreError(
+                    f"cannot create the folder {folder} of the SQLite store {path}: {exc.strerror or exc} "
+                    "(name a path under a writable folder)"
+                ) from None
+            if os.path.isdir(path):
+                raise StoreError(
+                    f"the SQLite store {path} is a directory: name a file, e.g. sqlite:///{path.rstrip('/')}/store.db"
+                )
+            try:
+                self._lock_file = _lock_exclusively(path)
+            except OSError as exc:
+                raise StoreError(f"cannot open the SQLite store {path}: {exc.strerror or exc}") from None
         try:
             self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")  # durable across process crashes
             self._db.executescript(_SCHEMA)
-        except BaseException:
+        except BaseException as exc:
             if self._lock_file is not None:
                 self._lock_file.close()
+            if isinstance(exc, sqlite3.DatabaseError):  # not a database, a damaged one, a read-only folder
+                raise StoreError(
+                    f"cannot use {path} as a SQLite store: {exc} (name a new file or an agl_lab store database)"
+                ) from None
             raise
         self._cache: dict[str, Rollout] = {}  # rollout_id -> Rollout as stored (see _load)
         self._activity = _Activity()  # in memory: this process is the file's only one
