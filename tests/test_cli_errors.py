@@ -61,6 +61,10 @@ CASES = {
         ["engine", "--device", "cpu", "--max-model-len", "999999"],
         "exceeds the model's max_position_embeddings",
     ),
+    "engine: beyond loopback without a key": (
+        ["engine", "--device", "cpu", "--host", "192.0.2.1"],
+        "refusing to bind 192.0.2.1 without a key",
+    ),
     "engine: a host that is not this machine's": (
         ["engine", "--device", "cpu", "--host", "192.0.2.1"],
         "cannot listen on 192.0.2.1:8001",
@@ -94,6 +98,9 @@ def test_a_users_error_is_one_line_and_exit_2(files, case):
     args, fragment = CASES[case]
     env = {k: v for k, v in os.environ.items() if k not in ("AGL_KEY", "AGL_SERVER_URL")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.pop("AGL_ENGINE_KEY", None)
+    if case == "engine: a host that is not this machine's":
+        env["AGL_ENGINE_KEY"] = "a-key-for-this-test"  # past the key check, to the bind
     done = subprocess.run(
         [*AGL_LAB, *(a.format(**files) for a in args)],
         cwd=ROOT,
