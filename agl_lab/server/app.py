@@ -53,11 +53,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import secrets
 import sqlite3
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 from urllib.parse import unquote
 
@@ -87,7 +88,7 @@ from agl_lab.records import triplet_events
 from agl_lab.server.asgi import HEALTH_PATH, AglApp, JsonServerErrors, ProxyFastPath
 from agl_lab.server.backends import open_store
 from agl_lab.server.config import ServerConfig, load_server_config
-from agl_lab.server.gateway import Gateway, RequestRewriter, gateway_router, proxy_route
+from agl_lab.server.gateway import Gateway, RequestRewriter, gateway_router, proxy_route, store_call
 from agl_lab.server.guard import DOCS_PATHS, RequestGuard
 from agl_lab.server.seeding import SeededCallsRewriter
 from agl_lab.server.storable import INT64_MAX, INT64_MIN, NotStorable, check_storable
@@ -154,8 +155,9 @@ class ClaimRequest(BaseModel):
 
 class QueueSignal:
     """Wakes waiting claims when rollouts are queued (created, re-queued or released) in this
-    server. Rollouts queued by another server process on a shared store are seen by the
-    waiters' re-check every CLAIM_RECHECK_SECONDS. Used on the event loop only."""
+    server, and (PostgreSQL: `PostgresStore.listen_queued`, LISTEN/NOTIFY) through any other server
+    of the store. The waiters also re-check every CLAIM_RECHECK_SECONDS (a notification lost while
+    the database was away). Used on the event loop only."""
 
     def __init__(self) -> None:
         self._event = asyncio.Event()
@@ -224,12 +226,17 @@ def create_app(
     The app exposes `app.state.config`, `app.state.store` and `app.state.gateway`.
     """
     cfg = load_server_config(config)
-    store = store if store is not None else open_store(cfg.store, terminal_log_limit=cfg.terminal_log_limit)
+    store = (
+        store
+        if store is not None
+        else open_store(cfg.store, terminal_log_limit=cfg.terminal_log_limit, timeout_seconds=cfg.store_timeout_seconds)
+    )
     rewriters = list(rewriters)
     if cfg.call_seed is not None:
         rewriters.insert(0, SeededCallsRewriter(cfg.call_seed))  # before any rewriter copies the body
     if cfg.token_preserving and not any(hasattr(r, "set_tokenizer") for r in rewriters):
         rewriters.append(TokenPreservingRewriter())  # tokenizers: EmbeddedServer.set_tokenizer / --tokenizer-path
+    _warn_on_clock_skew(store, cfg.lease_seconds)
     gateway = Gateway(cfg, store, rewriters=rewriters)
     queued = QueueSignal()
     if not cfg.key:
@@ -245,11 +252,16 @@ def create_app(
             if cfg.lease_seconds
             else None
         )
+        listen = getattr(store, "listen_queued", None)  # PostgreSQL: rollouts queued through other servers
+        loop = asyncio.get_running_loop()
+        stop_listening = listen(lambda: loop.call_soon_threadsafe(queued.notify)) if listen is not None else None
         try:
             yield
         finally:
             if sweeper is not None:
                 sweeper.cancel()
+            if stop_listening is not None:
+                await run_in_threadpool(stop_listening)
             client, gateway.client = gateway.client, None
             await client.aclose()
 
@@ -285,11 +297,31 @@ def create_app(
     return app
 
 
+CLOCK_SKEW_WARN_FRACTION = 0.1  # warn at start when this host's clock is off the database's by this much of a lease
+
+
+def _warn_on_clock_skew(store: Store, lease_seconds: float) -> None:
+    """Warn when this host's clock differs from a shared store's (PostgreSQL) by more than a tenth of
+    the lease. Leases are stamped and swept on the database's clock, so they stay right; the warning
+    is for what this host's clock still stamps (its logs, its runners' view of time)."""
+    skew = getattr(store, "clock_skew_seconds", None)
+    if skew is not None and lease_seconds and abs(skew) > CLOCK_SKEW_WARN_FRACTION * lease_seconds:
+        logger.warning(
+            "this host's clock is %.1f s %s the database's (more than %g of lease_seconds=%g): leases use the "
+            "database's clock, so they are unaffected, but sync this host's clock (NTP: chrony or "
+            "systemd-timesyncd)",
+            abs(skew),
+            "behind" if skew > 0 else "ahead of",
+            CLOCK_SKEW_WARN_FRACTION,
+            lease_seconds,
+        )
+
+
 def _no_check(_: Request) -> None:
     """The proxy route's own check: none, RequestGuard authorised the request already."""
 
 
-def rollout_token_checker(key: str, store: Store) -> Callable[[str, str, str], bool]:
+def rollout_token_checker(key: str, store: Store) -> Callable[[str, str, str], Awaitable[bool]]:
     """`check(token, method, path)`: a per-rollout token (`rollout_token`) opens only POSTs to
     its rollout's proxy route and event route, and only for the rollout's live attempt: the
     rollout exists with the `created_at` the token was made for (not a re-created one), is
@@ -297,7 +329,7 @@ def rollout_token_checker(key: str, store: Store) -> Callable[[str, str, str], b
     default "0") and the token was made for that attempt: an agent of a re-queued or released
     attempt is refused."""
 
-    def check(token: str, method: str, path: str) -> bool:
+    async def check(token: str, method: str, path: str) -> bool:
         if method != "POST" or not token.startswith(ROLLOUT_TOKEN_PREFIX):
             return False
         rollout_id = token[len(ROLLOUT_TOKEN_PREFIX) :].rpartition(".")[0]
@@ -309,7 +341,7 @@ def rollout_token_checker(key: str, store: Store) -> Callable[[str, str, str], b
             parts[1] == "api" and parts[2] == "rollouts" and len(parts) == 7 and parts[6] == "events"
         ):
             return False
-        rollout = store.get_rollout(rollout_id)
+        rollout = await store_call(store, store.get_rollout, rollout_id)  # off the loop (a database read)
         if rollout is None:
             return False
         attempt_id, status = unquote(parts[5]), rollout.status
@@ -532,7 +564,13 @@ def _event_router(store: Store) -> APIRouter:
     async def post_event(rollout_id: str, attempt_id: str, body: EventCreate) -> Event:
         # strict (NaN, int64) on the API; the gateway's bodies are orjson's; NUL may stand in event data
         check_storable(body.data, "data", nul_ok=True)
-        return await run_in_threadpool(store.append_event, rollout_id, attempt_id, body.event_type, body.data)
+        return await run_in_threadpool(
+            functools.partial(store.append_event, event_id=body.event_id),
+            rollout_id,
+            attempt_id,
+            body.event_type,
+            body.data,
+        )  # a repeated event_id stores nothing (a client's resend)
 
     @router.get("/rollouts/{rollout_id}/events", response_model=list[Event], responses=_errors(404))
     async def query_events(

@@ -14,8 +14,9 @@ implements its primitives in SQL and replaces the two things the base class keep
   for the first's COMMIT, then reads `running` and gets InvalidTransition (409).
   (`NO KEY UPDATE`, not `UPDATE`: an event insert's foreign-key check takes `KEY SHARE` on the
   rollout row, which `NO KEY UPDATE` lets through, so a PATCH never queues behind model calls.)
-- **Per-process memory.** `models_for` answers from the table on every call (the base class's
-  cache would serve one process's stale pool after another process registered endpoints), and
+- **Per-process memory.** `models_for` keeps a pool `models_ttl_seconds` (1 s; the base class's
+  cache, kept until this process's next model write, would serve a stale pool after another process
+  registered endpoints for ever), and
   lease activity is stored, not kept in a dict: a heartbeat writes `active_at`, an event is its
   own timestamp (the newest event row), so a server that never saw a runner's heartbeat still
   knows its lease is alive.
@@ -43,9 +44,12 @@ Durability: every write is committed before the call returns, with the server's
 `synchronous_commit` (default on: the WAL is flushed), so an acknowledged write survives kill -9 of
 any agl_lab server process, and of a PostgreSQL process (crash recovery replays the WAL).
 
+Timeouts: a call waits at most `pool_timeout` (the server's `store_timeout_seconds`, 2 s) for a
+connection, then raises StoreUnavailable (503); the app runs every store call in a worker thread, so
+a database outage stalls no event loop and concurrent calls wait side by side, not in turn.
+
 Driver: **psycopg 3** (`psycopg[binary]`, `psycopg-pool`). The store's API is synchronous and
-called from the app's worker threads (and, for the gateway's per-call reads, from its event loop
-thread); psycopg 3 is a maintained, synchronous-first driver with a thread-safe connection pool,
+called from the app's worker threads; psycopg 3 is a maintained, synchronous-first driver with a thread-safe connection pool,
 binary wheels and server-side prepared statements. asyncpg is async-only: each call would hop to a
 private event loop thread and back (`run_coroutine_threadsafe`), adding a thread switch and a
 second loop to every store call for no gain here.
@@ -65,8 +69,9 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import urllib.parse
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import orjson
@@ -78,6 +83,7 @@ import psycopg_pool
 from agl_lab.protocol import Event, Model, Rollout, RolloutState, TerminalPage
 from agl_lab.server.storable import dump_storable
 from agl_lab.server.store.base import (
+    CLAIMER_WINDOW_SECONDS,
     DEFAULT_TERMINAL_LOG_LIMIT,
     Store,
     StoreError,
@@ -116,6 +122,19 @@ INSERT INTO agl_terminal_head (total) VALUES (0);
 CREATE TABLE agl_terminal_log (idx BIGINT PRIMARY KEY, rollout_id TEXT NOT NULL);
 CREATE INDEX agl_terminal_log_rollout ON agl_terminal_log (rollout_id, idx);
 """
+
+# Tables added after schema version 1 was released, created where missing (IF NOT EXISTS) on open
+_ADDED = """
+CREATE TABLE IF NOT EXISTS agl_event_ids (  -- client-made event ids: a resent event is stored once
+    rollout_id TEXT NOT NULL REFERENCES agl_rollouts (rollout_id) ON DELETE CASCADE,
+    attempt_id TEXT NOT NULL, event_id TEXT NOT NULL,
+    PRIMARY KEY (rollout_id, attempt_id, event_id)
+);
+CREATE TABLE IF NOT EXISTS agl_claimers (  -- runners that claimed lately, through any server (fair shares)
+    runner_id TEXT PRIMARY KEY, at DOUBLE PRECISION NOT NULL
+);
+"""
+QUEUED_CHANNEL = "agl_queued"  # NOTIFY'd at the commit of a write that queued rollouts
 
 # The newest activity of a running rollout: its last status change, heartbeat or event.
 # the newest event *of the running attempt* counts (a late event of an old attempt renews nothing)
@@ -226,8 +245,15 @@ class PostgresStore(Store):
         *,
         pool_size: int = 16,
         connect_timeout: float = 10.0,
+        pool_timeout: float = 2.0,
+        models_ttl_seconds: float = 1.0,
+        wall_clock: Callable[[], float] = time.time,
     ):
         super().__init__(terminal_log_limit)
+        if pool_timeout <= 0:
+            raise ValueError(f"pool_timeout must be > 0, got {pool_timeout}: set store_timeout_seconds (e.g. 2)")
+        self.models_ttl_seconds = float(models_ttl_seconds)
+        self._pools_at: dict[str, float] = {}  # model name -> monotonic time its cached pool was read
         self.url = url
         self._where = redact(url)
         try:
@@ -249,13 +275,20 @@ class PostgresStore(Store):
             conninfo,
             min_size=1,
             max_size=pool_size,
-            timeout=connect_timeout,
+            timeout=pool_timeout,  # a call waits this long for a connection, then 503: well below the lease
             open=True,
             kwargs={"autocommit": True},
             name=f"agl-store-{id(self):x}",
         )
         self._lock = _Checkout(self._pool, self._where)  # type: ignore[assignment]  # see _Checkout
         self._activity = _Discard()
+        self._conninfo = conninfo
+        self._claimers_seen: dict[str, float] = {}  # runner id -> when this process last wrote its row
+        self._claimer_count: tuple[float, int] = (-1e18, 0)  # (when read, recent claimers) of agl_claimers
+        self._wall_clock = wall_clock
+        self.clock_skew_seconds = 0.0  # the database's clock minus this host's (`_db_now`)
+        with self._lock:
+            self._db_now()
         with self._lock, self._transaction():
             self._terminal_trim()  # a smaller limit on open applies at once
 
@@ -318,15 +351,111 @@ class PostgresStore(Store):
             return super().terminal_page(after, limit)
 
     def models_for(self, model_name: str) -> list[Model]:
-        """The endpoints registered for `model_name`, sorted by endpoint string, read from the table
-        on every call (another server process may have registered some since)."""
+        """The endpoints registered for `model_name`, sorted by endpoint string.
+
+        A non-empty answer is kept `models_ttl_seconds` (another server process may register or clear
+        endpoints: it is seen that much later; this process's own writes drop the cache at once); an
+        empty one is not kept (the first registration is served at once)."""
+        now = time.monotonic()
+        pool = self._pools.get(model_name)
+        if pool is not None and now - self._pools_at.get(model_name, -1e18) < self.models_ttl_seconds:
+            return list(pool)
         with self._lock:
-            return sorted(self._models(model_name), key=lambda m: m.endpoint)
+            pool = tuple(sorted(self._models(model_name), key=lambda m: m.endpoint))
+        if pool:
+            self._pools[model_name], self._pools_at[model_name] = pool, now
+        else:
+            self._pools.pop(model_name, None)
+        return list(pool)
+
+    # --- the clock: the database's, one for every host --------------------------------------------
+
+    def _clock(self) -> float:
+        """The database's clock, as this host's clock plus the offset `_db_now` last measured (at open,
+        then at every lease sweep): servers on hosts whose clocks differ stamp one time scale."""
+        return self._wall_clock() + self.clock_skew_seconds
+
+    def _db_now(self) -> float:
+        """The database's clock_timestamp() (seconds since the epoch); refreshes `clock_skew_seconds`
+        (the database's clock minus this host's, measured at the query's midpoint). Under `_lock`."""
+        before = self._wall_clock()
+        (db_now,) = self._db.execute("SELECT extract(epoch FROM clock_timestamp())::float8").fetchone()  # type: ignore[misc]
+        self.clock_skew_seconds = float(db_now) - (before + self._wall_clock()) / 2
+        return float(db_now)
+
+    def expire_leases(self, lease_seconds: float, max_attempts: int = 1, now: float | None = None) -> dict[str, str]:
+        """The base class's sweep, against the database's clock (read now, not this host's)."""
+        if now is None:
+            with self._lock:
+                now = self._db_now()
+        return super().expire_leases(lease_seconds, max_attempts, now)
+
+    # --- claims across servers: fair shares, wake-ups ------------------------------------------------
+
+    def _recent_claimers(self, runner_id: str, now: float) -> int:
+        """Runners that claimed within CLAIMER_WINDOW_SECONDS through any server of this database.
+
+        Cheap for idle pollers: a runner's row is written at most every quarter window by this
+        process, and the count is read at most once a second."""
+        if runner_id and self._claimers_seen.get(runner_id, -1e18) < now - CLAIMER_WINDOW_SECONDS / 4:
+            self._db.execute(
+                "INSERT INTO agl_claimers (runner_id, at) VALUES (%s, %s) "
+                "ON CONFLICT (runner_id) DO UPDATE SET at = GREATEST(agl_claimers.at, EXCLUDED.at)",
+                (runner_id, now),
+            )
+            self._claimers_seen[runner_id] = now
+            self._claimer_count = (-1e18, 0)  # a new claimer: count again
+            if len(self._claimers_seen) > 4096:
+                self._claimers_seen = {r: at for r, at in self._claimers_seen.items() if at > now - 60}
+        read_at, count = self._claimer_count
+        if now - read_at > 1.0:
+            (count,) = self._db.execute(  # type: ignore[misc]
+                "SELECT count(*) FROM agl_claimers WHERE at > %s", (now - CLAIMER_WINDOW_SECONDS,)
+            ).fetchone()
+            self._claimer_count = (now, int(count))
+            if count > 4 * len(self._claimers_seen) + 64:  # old rows: forget them (any server may)
+                self._db.execute("DELETE FROM agl_claimers WHERE at < %s", (now - 10 * CLAIMER_WINDOW_SECONDS,))
+        return max(1, int(count)) + (0 if runner_id else 1)
+
+    def _count_queued(self) -> int:
+        (n,) = self._db.execute("SELECT count(*) FROM agl_rollouts WHERE state = 'queuing'").fetchone()  # type: ignore[misc]
+        return int(n)
+
+    def _notify_queued(self) -> None:
+        self._db.execute("SELECT pg_notify(%s, '')", (QUEUED_CHANNEL,))  # delivered at COMMIT, to every server
+
+    def listen_queued(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call `callback()` (in a thread of its own) whenever any server of this database queued
+        rollouts (LISTEN on QUEUED_CHANNEL; also once after each (re)connect: notifications sent
+        while it was away are lost). Returns `stop()`. The app wakes its waiting claims with it."""
+        stop = threading.Event()
+
+        def listen() -> None:
+            while not stop.is_set():
+                try:
+                    with psycopg.connect(self._conninfo, autocommit=True) as conn:
+                        conn.execute(f"LISTEN {QUEUED_CHANNEL}")
+                        callback()
+                        while not stop.is_set():
+                            for _ in conn.notifies(timeout=1.0, stop_after=1):
+                                callback()
+                except psycopg.Error:
+                    stop.wait(1.0)  # PostgreSQL away: the claims' periodic re-check covers it meanwhile
+
+        thread = threading.Thread(target=listen, name="agl-store-listen", daemon=True)
+        thread.start()
+
+        def stop_listening() -> None:
+            stop.set()
+            thread.join(10)
+
+        return stop_listening
 
     # --- lease and claim primitives -----------------------------------------------------------------
 
     def _touch(self, rollout_ids: Sequence[str], now: float) -> set[str]:
-        """Record activity at `now` for those of `rollout_ids` that are running; returns them.
+        """Record activity for those of `rollout_ids` that are running, at the database's clock
+        (`clock_timestamp()`, whichever host asks; `now` is not used); returns them.
 
         Rows are locked in id order (two heartbeats over overlapping ids cannot deadlock);
         `active_at` only moves forward.
@@ -334,9 +463,9 @@ class PostgresStore(Store):
         rows = self._db.execute(
             "WITH locked AS (SELECT rollout_id FROM agl_rollouts WHERE rollout_id = ANY(%s) AND state = 'running' "
             "ORDER BY rollout_id FOR NO KEY UPDATE) "
-            "UPDATE agl_rollouts r SET active_at = GREATEST(r.active_at, %s) FROM locked "
-            "WHERE r.rollout_id = locked.rollout_id RETURNING r.rollout_id",
-            (list(rollout_ids), now),
+            "UPDATE agl_rollouts r SET active_at = GREATEST(r.active_at, extract(epoch FROM clock_timestamp())) "
+            "FROM locked WHERE r.rollout_id = locked.rollout_id RETURNING r.rollout_id",
+            (list(rollout_ids),),
         )
         return {rid for (rid,) in rows}
 
@@ -431,17 +560,30 @@ class PostgresStore(Store):
     def _check_event_data(self, data: dict[str, Any] | None) -> None:
         pass  # `_append_event` encodes with dump_storable, which is the check
 
-    def _append_event(self, event: Event) -> bool:
+    def _append_event(self, event: Event, event_id: str | None = None) -> bool:
         data = dump_storable(event.data, "data")
+        row = (event.rollout_id, event.attempt_id, event.event_type, event.timestamp, data, event.rollout_id)
         try:
+            if event_id is None:
+                cur = self._db.execute(
+                    "INSERT INTO agl_events (rollout_id, attempt_id, event_type, timestamp, data) "
+                    "SELECT %s, %s, %s, %s, %s WHERE EXISTS (SELECT 1 FROM agl_rollouts WHERE rollout_id = %s)",
+                    row,
+                )
+                return cur.rowcount == 1
+            # one statement: the id row and the event row both or neither (a concurrent post of the
+            # same id waits on the key and then inserts nothing)
             cur = self._db.execute(
+                "WITH id AS (INSERT INTO agl_event_ids (rollout_id, attempt_id, event_id) "
+                "SELECT %s, %s, %s WHERE EXISTS (SELECT 1 FROM agl_rollouts WHERE rollout_id = %s) "
+                "ON CONFLICT DO NOTHING RETURNING 1) "
                 "INSERT INTO agl_events (rollout_id, attempt_id, event_type, timestamp, data) "
-                "SELECT %s, %s, %s, %s, %s WHERE EXISTS (SELECT 1 FROM agl_rollouts WHERE rollout_id = %s)",
-                (event.rollout_id, event.attempt_id, event.event_type, event.timestamp, data, event.rollout_id),
+                "SELECT %s, %s, %s, %s, %s WHERE EXISTS (SELECT 1 FROM id)",
+                (event.rollout_id, event.attempt_id, event_id, event.rollout_id, *row[:5]),
             )
         except psycopg.errors.ForeignKeyViolation:  # deleted between the check and the insert
             return False
-        return cur.rowcount == 1
+        return cur.rowcount == 1 or self._exists(event.rollout_id)  # 0 rows: a repeated id, or no rollout
 
     def _events(self, rollout_id: str, attempt_id: str) -> list[Event]:
         if "\x00" in rollout_id + attempt_id:
@@ -527,10 +669,13 @@ def _create_or_check_schema(conn: psycopg.Connection[Any], where: str) -> None:
         (found,) = conn.execute("SELECT to_regclass('agl_meta') IS NOT NULL").fetchone()  # type: ignore[misc]
         if not found:
             conn.execute(_SCHEMA)
+            conn.execute(_ADDED)
             conn.execute("INSERT INTO agl_meta (key, value) VALUES ('schema_version', %s)", (str(SCHEMA_VERSION),))
             return
         row = conn.execute("SELECT value FROM agl_meta WHERE key = 'schema_version'").fetchone()
-    version = None if row is None else row[0]
+        version = None if row is None else row[0]
+        if version == str(SCHEMA_VERSION):
+            conn.execute(_ADDED)
     if version != str(SCHEMA_VERSION):
         raise SchemaMismatch(
             f"PostgreSQL store {where} holds agl_lab tables of schema version {version}, this agl_lab reads "
