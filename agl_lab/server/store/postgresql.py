@@ -71,6 +71,7 @@ import contextlib
 import threading
 import time
 import urllib.parse
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -283,6 +284,7 @@ class PostgresStore(Store):
         self._lock = _Checkout(self._pool, self._where)  # type: ignore[assignment]  # see _Checkout
         self._activity = _Discard()
         self._conninfo = conninfo
+        self._instance = uuid.uuid4().hex  # names this store's NOTIFYs (`listen_queued` skips its own)
         self._claimers_seen: dict[str, float] = {}  # runner id -> when this process last wrote its row
         self._claimer_count: tuple[float, int] = (-1e18, 0)  # (when read, recent claimers) of agl_claimers
         self._wall_clock = wall_clock
@@ -422,12 +424,14 @@ class PostgresStore(Store):
         return int(n)
 
     def _notify_queued(self) -> None:
-        self._db.execute("SELECT pg_notify(%s, '')", (QUEUED_CHANNEL,))  # delivered at COMMIT, to every server
+        # delivered at COMMIT to every listener; the payload names this store, whose own listener skips it
+        self._db.execute("SELECT pg_notify(%s, %s)", (QUEUED_CHANNEL, self._instance))
 
     def listen_queued(self, callback: Callable[[], None]) -> Callable[[], None]:
-        """Call `callback()` (in a thread of its own) whenever any server of this database queued
-        rollouts (LISTEN on QUEUED_CHANNEL; also once after each (re)connect: notifications sent
-        while it was away are lost). Returns `stop()`. The app wakes its waiting claims with it."""
+        """Call `callback()` (in a thread of its own) whenever another store instance (another server)
+        of this database queued rollouts (LISTEN on QUEUED_CHANNEL; also once after each (re)connect:
+        notifications sent while it was away are lost). This instance's own writes are skipped: the
+        app's QueueSignal woke its claims already. Returns `stop()`."""
         stop = threading.Event()
 
         def listen() -> None:
@@ -437,8 +441,9 @@ class PostgresStore(Store):
                         conn.execute(f"LISTEN {QUEUED_CHANNEL}")
                         callback()
                         while not stop.is_set():
-                            for _ in conn.notifies(timeout=1.0, stop_after=1):
-                                callback()
+                            for note in conn.notifies(timeout=1.0, stop_after=1):
+                                if note.payload != self._instance:
+                                    callback()
                 except psycopg.Error:
                     stop.wait(1.0)  # PostgreSQL away: the claims' periodic re-check covers it meanwhile
 
