@@ -87,3 +87,37 @@ def test_rollouts_queued_through_one_store_wake_the_listeners_of_another(postgre
         stop()
         writer.close()
         reader.close()
+
+
+class CountingStore(PostgresStore):
+    """A PostgresStore that counts the claim transactions it runs."""
+
+    claims = 0
+
+    def claim_rollouts(self, limit: int, runner_id: str = ""):  # type: ignore[override]
+        CountingStore.claims += 1
+        return super().claim_rollouts(limit, runner_id)
+
+
+def test_idle_claims_skip_the_database_until_rollouts_are_queued(embedded_server, postgres_database):
+    """With the listener running, a queue seen empty stays known empty until a notification (or
+    EMPTY_TRUST_SECONDS): idle polls cost no claim transaction each; a rollout queued through
+    another store instance (another server) is still claimed at once."""
+    store, other = CountingStore(postgres_database), PostgresStore(postgres_database)
+    try:
+        server = embedded_server(key=KEY, store=store)
+        with AglClient(server.url, key=KEY) as client:
+            CountingStore.claims = 0
+            for _ in range(40):
+                assert client.claim_rollouts(4, runner_id="idle") == []
+            assert 1 <= CountingStore.claims <= 20, CountingStore.claims  # not one transaction per poll
+            got: list[str] = []
+            waiter = threading.Thread(
+                target=lambda: got.extend(r.rollout_id for r in client.claim_rollouts(4, "idle", wait_seconds=30))
+            )
+            waiter.start()
+            other.create_rollouts([RolloutCreate(rollout_id="new", input={})])  # through "another server"
+            waiter.join(60)
+            assert got == ["new"]
+    finally:
+        other.close()

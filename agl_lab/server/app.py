@@ -102,6 +102,7 @@ NO_KEY_WARNING = "AGL_KEY not set — authentication disabled. Do not use in pro
 MAX_LIST_LIMIT = 10_000  # listings and terminal pages answer at most this many items per request
 MAX_CLAIM_WAIT_SECONDS = 30.0  # longest long poll of POST /api/rollouts/claim
 CLAIM_RECHECK_SECONDS = 0.5  # a waiting claim re-checks the queue this often (other server processes)
+EMPTY_TRUST_SECONDS = 2.0  # with LISTEN/NOTIFY: a queue seen empty is taken as empty this long unless notified
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,14 +158,32 @@ class QueueSignal:
     """Wakes waiting claims when rollouts are queued (created, re-queued or released) in this
     server, and (PostgreSQL: `PostgresStore.listen_queued`, LISTEN/NOTIFY) through any other server
     of the store. The waiters also re-check every CLAIM_RECHECK_SECONDS (a notification lost while
-    the database was away). Used on the event loop only."""
+    the database was away). Used on the event loop only.
+
+    Idle claims cheap: where every queueing is announced after its commit (`reliable`: the
+    PostgreSQL listener runs), a claim that found the queue empty marks it (`mark_empty`), and
+    claims that arrive before the next notification, within EMPTY_TRUST_SECONDS, skip the database
+    (`known_empty`) and just wait: hundreds of idle runners cost a few queries a second, not one
+    transaction per poll each."""
 
     def __init__(self) -> None:
         self._event = asyncio.Event()
+        self.reliable = False  # set by the app when the store's listener announces every queueing
+        self._empty: tuple[asyncio.Event, float] | None = None  # (generation, loop time) seen empty
+        self.skipped = 0  # claims answered without a store call (known empty)
 
     def notify(self) -> None:
         self._event.set()  # every waiter holds this generation's event and wakes
         self._event = asyncio.Event()
+
+    def mark_empty(self, generation: asyncio.Event, now: float) -> None:
+        """A claim taken at `generation` found nothing: the queue is empty until the next notify."""
+        if self.reliable and generation is self._event:
+            self._empty = (generation, now)
+
+    def known_empty(self, now: float) -> bool:
+        empty = self._empty
+        return empty is not None and empty[0] is self._event and now - empty[1] < EMPTY_TRUST_SECONDS
 
     def generation(self) -> asyncio.Event:
         """Take this before looking at the queue: a notify after the look sets it."""
@@ -255,6 +274,7 @@ def create_app(
         listen = getattr(store, "listen_queued", None)  # PostgreSQL: rollouts queued through other servers
         loop = asyncio.get_running_loop()
         stop_listening = listen(lambda: loop.call_soon_threadsafe(queued.notify)) if listen is not None else None
+        queued.reliable = stop_listening is not None
         try:
             yield
         finally:
@@ -464,7 +484,12 @@ def _rollout_router(store: Store, max_batch_items: int, lease_seconds: float, qu
         deadline = loop.time() + body.wait_seconds
         while True:
             generation = queued.generation()  # Critical: before the look, or a create in between is missed
-            claimed = await run_in_threadpool(store.claim_rollouts, limit, body.runner_id)
+            if queued.known_empty(loop.time()):
+                claimed, queued.skipped = [], queued.skipped + 1
+            else:
+                claimed = await run_in_threadpool(store.claim_rollouts, limit, body.runner_id)
+                if not claimed:
+                    queued.mark_empty(generation, loop.time())
             left = deadline - loop.time()
             if claimed or left <= 0:
                 return Response(_ROLLOUTS.dump_json(claimed), media_type="application/json")

@@ -424,14 +424,14 @@ class PostgresStore(Store):
         return int(n)
 
     def _notify_queued(self) -> None:
-        # delivered at COMMIT to every listener; the payload names this store, whose own listener skips it
+        # delivered at COMMIT to every listener (one per transaction: PostgreSQL folds repeats)
         self._db.execute("SELECT pg_notify(%s, %s)", (QUEUED_CHANNEL, self._instance))
 
     def listen_queued(self, callback: Callable[[], None]) -> Callable[[], None]:
-        """Call `callback()` (in a thread of its own) whenever another store instance (another server)
-        of this database queued rollouts (LISTEN on QUEUED_CHANNEL; also once after each (re)connect:
-        notifications sent while it was away are lost). This instance's own writes are skipped: the
-        app's QueueSignal woke its claims already. Returns `stop()`."""
+        """Call `callback()` (in a thread of its own) whenever any store instance (any server, this one
+        too: a trainer may write through the store object, not the app) of this database queued
+        rollouts, after the write's commit (LISTEN on QUEUED_CHANNEL; also once after each
+        (re)connect: notifications sent while it was away are lost). Returns `stop()`."""
         stop = threading.Event()
 
         def listen() -> None:
@@ -441,9 +441,8 @@ class PostgresStore(Store):
                         conn.execute(f"LISTEN {QUEUED_CHANNEL}")
                         callback()
                         while not stop.is_set():
-                            for note in conn.notifies(timeout=1.0, stop_after=1):
-                                if note.payload != self._instance:
-                                    callback()
+                            for _ in conn.notifies(timeout=1.0, stop_after=1):
+                                callback()
                 except psycopg.Error:
                     stop.wait(1.0)  # PostgreSQL away: the claims' periodic re-check covers it meanwhile
 
