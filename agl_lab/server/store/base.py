@@ -169,8 +169,7 @@ class Store(ABC):
     # Does an event of the running attempt `_touch` its rollout? False for a backend whose
     # `_idle_running` reads the newest event row itself (PostgreSQL: no extra write per model call).
     TOUCH_ON_EVENT = True
-    # May a call wait on I/O (a file, a database)? Then the server's event loop never calls it
-    # directly but in a worker thread (agl_lab.server.gateway.store_call). False: in-memory, microseconds.
+    # May a call wait on I/O? Then the event loop calls it in a worker thread (gateway.store_call).
     BLOCKING = True
 
     def __init__(self, terminal_log_limit: int = DEFAULT_TERMINAL_LOG_LIMIT):
@@ -277,19 +276,12 @@ class Store(ABC):
     # --- events -----------------------------------------------------------------------------
 
     def append_event(
-        self,
-        rollout_id: str,
-        attempt_id: str,
-        event_type: str,
-        data: dict[str, Any] | None = None,
-        *,
-        event_id: str | None = None,
+        self, rollout_id: str, attempt_id: str, event_type: str, data: dict[str, Any] | None = None, *, event_id=None
     ) -> Event:
         """Append one event (timestamped now) under (rollout, attempt); RolloutNotFound if unknown.
 
-        `event_id` (a client-made id) makes the append idempotent: an id already stored under
-        (rollout, attempt) stores nothing and answers as if it had (a resend after a lost answer
-        or a 503 cannot record an event twice). Ids are kept as long as the rollout."""
+        `event_id` (client-made, str) makes it idempotent: an id already stored under (rollout, attempt)
+        stores nothing, so a resend after a lost answer or a 503 is recorded once (ids live as long as the rollout)."""
         if data is not None and not isinstance(data, dict):
             raise TypeError(f"event data must be a dict, got {type(data).__name__}")
         check_storable([rollout_id, attempt_id, event_type, event_id or ""], "event ids")
@@ -341,9 +333,8 @@ class Store(ABC):
         caller in the server's log. Returns the claimed rollouts (fewer, or none, when fewer
         are queued).
 
-        Fair share: while several runners claim (ids that claimed within CLAIMER_WINDOW_SECONDS,
-        through any server of the store), one claim takes at most ceil(queued / claimers), at least
-        1, so a runner with many free slots cannot take the whole queue from the others.
+        Fair share: while several runners claim (`_recent_claimers`, across servers), one claim takes
+        at most ceil(queued / claimers), at least 1: no runner takes the whole queue from the others.
         """
         if limit < 1:
             return []
@@ -537,9 +528,8 @@ class Store(ABC):
         return list(pool)
 
     def _recent_claimers(self, runner_id: str, now: float) -> int:
-        """How many runners claim now: the ids that claimed within CLAIMER_WINDOW_SECONDS, this
-        one counted (an anonymous caller counts as one more). Kept in this process (memory and
-        SQLite have one server); PostgreSQL counts across its servers."""
+        """Runners that claimed within CLAIMER_WINDOW_SECONDS, this one counted (anonymous: one more);
+        in-process here (one server per store), across servers on PostgreSQL (`pg_servers.py`)."""
         if runner_id:
             self._claimers[runner_id] = now
         if len(self._claimers) > 1:
@@ -551,12 +541,10 @@ class Store(ABC):
         return len(self._list([RolloutState.QUEUING], 2**62))
 
     def _notify_queued(self) -> None:  # noqa: B027 (optional: one process per store has QueueSignal)
-        """Rollouts became claimable (created, released, re-queued): tell the waiting claimers of other
-        server processes (PostgreSQL: NOTIFY at commit). Called inside the write's transaction."""
+        """Rollouts became claimable: wake other servers' claims (PostgreSQL: NOTIFY). In the write's transaction."""
 
     def _clock(self) -> float:
-        """Now, in seconds since the epoch: what status changes, events and leases are stamped with.
-        This host's clock; PostgreSQL's store (shared by hosts) answers the database's clock."""
+        """Now (epoch seconds) for status changes, events, leases: this host's (PostgreSQL: the database's)."""
         return time.time()
 
     def close(self) -> None:  # noqa: B027 (optional: the in-memory store holds nothing)

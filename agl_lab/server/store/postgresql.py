@@ -55,14 +55,9 @@ private event loop thread and back (`run_coroutine_threadsafe`), adding a thread
 second loop to every store call for no gain here.
 
 Tables (`agl_` prefixed, in the connection's first `search_path` schema, so one database can hold
-several stores: add `?options=-csearch_path%3Drun7` to the URL for a schema of its own):
-
-    agl_meta           schema_version
-    agl_rollouts       seq, rollout_id UNIQUE, state, updated_at, active_at, body (Rollout JSON)
-    agl_events         seq, rollout_id -> agl_rollouts ON DELETE CASCADE, attempt_id, event_type,
-                       timestamp, data (JSON bytes)
-    agl_models         (model, endpoint) -> version
-    agl_terminal_log   idx (absolute), rollout_id;   agl_terminal_head: total
+several stores: add `?options=-csearch_path%3Drun7` to the URL for a schema of its own): see
+`pg_schema.py`. What servers on several hosts coordinate through the database (one clock, fair
+claims, wake-ups) is `pg_servers.py`, a mixin of `PostgresStore`.
 """
 
 from __future__ import annotations
@@ -84,58 +79,14 @@ import psycopg_pool
 from agl_lab.protocol import Event, Model, Rollout, RolloutState, TerminalPage
 from agl_lab.server.storable import dump_storable
 from agl_lab.server.store.base import (
-    CLAIMER_WINDOW_SECONDS,
     DEFAULT_TERMINAL_LOG_LIMIT,
     Store,
-    StoreError,
     StoreUnavailable,
 )
+from agl_lab.server.store.pg_schema import SchemaMismatch, create_or_check_schema
+from agl_lab.server.store.pg_servers import ServersOfOneDatabase
 
-SCHEMA_VERSION = 1
-_SCHEMA_LOCK = 0x61676C5F  # advisory lock key ("agl_"): two servers starting at once create the tables once
-
-_SCHEMA = """
-CREATE TABLE agl_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE agl_rollouts (
-    seq BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,  -- creation order (a re-created id goes last)
-    rollout_id TEXT NOT NULL UNIQUE,
-    state TEXT NOT NULL,
-    updated_at DOUBLE PRECISION NOT NULL,                  -- status.updated_at (a lease runs from it)
-    active_at DOUBLE PRECISION NOT NULL DEFAULT 0,         -- last heartbeat
-    body TEXT NOT NULL                                     -- Rollout as JSON
-);
-CREATE INDEX agl_rollouts_state ON agl_rollouts (state, seq);
-CREATE TABLE agl_events (
-    seq BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,  -- insertion order
-    rollout_id TEXT NOT NULL REFERENCES agl_rollouts (rollout_id) ON DELETE CASCADE,
-    attempt_id TEXT NOT NULL,
-    event_type TEXT NOT NULL,
-    timestamp DOUBLE PRECISION NOT NULL,
-    data BYTEA NOT NULL                                    -- JSON
-);
-CREATE INDEX agl_events_rollout ON agl_events (rollout_id, seq);
-CREATE TABLE agl_models (
-    model TEXT NOT NULL, endpoint TEXT NOT NULL, version BIGINT NOT NULL,
-    PRIMARY KEY (model, endpoint)
-);
-CREATE TABLE agl_terminal_head (one BOOLEAN PRIMARY KEY DEFAULT TRUE CHECK (one), total BIGINT NOT NULL);
-INSERT INTO agl_terminal_head (total) VALUES (0);
-CREATE TABLE agl_terminal_log (idx BIGINT PRIMARY KEY, rollout_id TEXT NOT NULL);
-CREATE INDEX agl_terminal_log_rollout ON agl_terminal_log (rollout_id, idx);
-"""
-
-# Tables added after schema version 1 was released, created where missing (IF NOT EXISTS) on open
-_ADDED = """
-CREATE TABLE IF NOT EXISTS agl_event_ids (  -- client-made event ids: a resent event is stored once
-    rollout_id TEXT NOT NULL REFERENCES agl_rollouts (rollout_id) ON DELETE CASCADE,
-    attempt_id TEXT NOT NULL, event_id TEXT NOT NULL,
-    PRIMARY KEY (rollout_id, attempt_id, event_id)
-);
-CREATE TABLE IF NOT EXISTS agl_claimers (  -- runners that claimed lately, through any server (fair shares)
-    runner_id TEXT PRIMARY KEY, at DOUBLE PRECISION NOT NULL
-);
-"""
-QUEUED_CHANNEL = "agl_queued"  # NOTIFY'd at the commit of a write that queued rollouts
+__all__ = ["PostgresStore", "SchemaMismatch", "redact"]
 
 # The newest activity of a running rollout: its last status change, heartbeat or event.
 # the newest event *of the running attempt* counts (a late event of an old attempt renews nothing)
@@ -143,10 +94,6 @@ _LAST_ACTIVITY = """GREATEST(r.updated_at, r.active_at, COALESCE(
     (SELECT e.timestamp FROM agl_events e WHERE e.rollout_id = r.rollout_id
        AND e.attempt_id = COALESCE(r.body::json->'status'->>'last_attempt_id', '0')
      ORDER BY e.seq DESC LIMIT 1), 0))"""
-
-
-class SchemaMismatch(StoreError, RuntimeError):
-    """The database holds agl_lab tables of another schema version."""
 
 
 def redact(url: str) -> str:
@@ -229,7 +176,7 @@ class _Checkout:
         )
 
 
-class PostgresStore(Store):
+class PostgresStore(ServersOfOneDatabase, Store):
     TOUCH_ON_EVENT = False  # an event row is its own activity (_LAST_ACTIVITY): no UPDATE per model call
     """A `Store` in a PostgreSQL database; any number of server processes may open the same one.
 
@@ -266,7 +213,7 @@ class PostgresStore(Store):
             ) from None
         try:
             with psycopg.connect(conninfo, autocommit=True) as conn:
-                _create_or_check_schema(conn, self._where)
+                create_or_check_schema(conn, self._where)
         except psycopg.OperationalError as exc:
             raise StoreUnavailable(
                 f"cannot connect to the PostgreSQL store {self._where}: {_one_line(exc)}; start PostgreSQL or "
@@ -369,91 +316,6 @@ class PostgresStore(Store):
         else:
             self._pools.pop(model_name, None)
         return list(pool)
-
-    # --- the clock: the database's, one for every host --------------------------------------------
-
-    def _clock(self) -> float:
-        """The database's clock, as this host's clock plus the offset `_db_now` last measured (at open,
-        then at every lease sweep): servers on hosts whose clocks differ stamp one time scale."""
-        return self._wall_clock() + self.clock_skew_seconds
-
-    def _db_now(self) -> float:
-        """The database's clock_timestamp() (seconds since the epoch); refreshes `clock_skew_seconds`
-        (the database's clock minus this host's, measured at the query's midpoint). Under `_lock`."""
-        before = self._wall_clock()
-        (db_now,) = self._db.execute("SELECT extract(epoch FROM clock_timestamp())::float8").fetchone()  # type: ignore[misc]
-        self.clock_skew_seconds = float(db_now) - (before + self._wall_clock()) / 2
-        return float(db_now)
-
-    def expire_leases(self, lease_seconds: float, max_attempts: int = 1, now: float | None = None) -> dict[str, str]:
-        """The base class's sweep, against the database's clock (read now, not this host's)."""
-        if now is None:
-            with self._lock:
-                now = self._db_now()
-        return super().expire_leases(lease_seconds, max_attempts, now)
-
-    # --- claims across servers: fair shares, wake-ups ------------------------------------------------
-
-    def _recent_claimers(self, runner_id: str, now: float) -> int:
-        """Runners that claimed within CLAIMER_WINDOW_SECONDS through any server of this database.
-
-        Cheap for idle pollers: a runner's row is written at most every quarter window by this
-        process, and the count is read at most once a second."""
-        if runner_id and self._claimers_seen.get(runner_id, -1e18) < now - CLAIMER_WINDOW_SECONDS / 4:
-            self._db.execute(
-                "INSERT INTO agl_claimers (runner_id, at) VALUES (%s, %s) "
-                "ON CONFLICT (runner_id) DO UPDATE SET at = GREATEST(agl_claimers.at, EXCLUDED.at)",
-                (runner_id, now),
-            )
-            self._claimers_seen[runner_id] = now
-            self._claimer_count = (-1e18, 0)  # a new claimer: count again
-            if len(self._claimers_seen) > 4096:
-                self._claimers_seen = {r: at for r, at in self._claimers_seen.items() if at > now - 60}
-        read_at, count = self._claimer_count
-        if now - read_at > 1.0:
-            (count,) = self._db.execute(  # type: ignore[misc]
-                "SELECT count(*) FROM agl_claimers WHERE at > %s", (now - CLAIMER_WINDOW_SECONDS,)
-            ).fetchone()
-            self._claimer_count = (now, int(count))
-            if count > 4 * len(self._claimers_seen) + 64:  # old rows: forget them (any server may)
-                self._db.execute("DELETE FROM agl_claimers WHERE at < %s", (now - 10 * CLAIMER_WINDOW_SECONDS,))
-        return max(1, int(count)) + (0 if runner_id else 1)
-
-    def _count_queued(self) -> int:
-        (n,) = self._db.execute("SELECT count(*) FROM agl_rollouts WHERE state = 'queuing'").fetchone()  # type: ignore[misc]
-        return int(n)
-
-    def _notify_queued(self) -> None:
-        # delivered at COMMIT to every listener (one per transaction: PostgreSQL folds repeats)
-        self._db.execute("SELECT pg_notify(%s, %s)", (QUEUED_CHANNEL, self._instance))
-
-    def listen_queued(self, callback: Callable[[], None]) -> Callable[[], None]:
-        """Call `callback()` (in a thread of its own) whenever any store instance (any server, this one
-        too: a trainer may write through the store object, not the app) of this database queued
-        rollouts, after the write's commit (LISTEN on QUEUED_CHANNEL; also once after each
-        (re)connect: notifications sent while it was away are lost). Returns `stop()`."""
-        stop = threading.Event()
-
-        def listen() -> None:
-            while not stop.is_set():
-                try:
-                    with psycopg.connect(self._conninfo, autocommit=True) as conn:
-                        conn.execute(f"LISTEN {QUEUED_CHANNEL}")
-                        callback()
-                        while not stop.is_set():
-                            for _ in conn.notifies(timeout=1.0, stop_after=1):
-                                callback()
-                except psycopg.Error:
-                    stop.wait(1.0)  # PostgreSQL away: the claims' periodic re-check covers it meanwhile
-
-        thread = threading.Thread(target=listen, name="agl-store-listen", daemon=True)
-        thread.start()
-
-        def stop_listening() -> None:
-            stop.set()
-            thread.join(10)
-
-        return stop_listening
 
     # --- lease and claim primitives -----------------------------------------------------------------
 
@@ -663,26 +525,3 @@ class PostgresStore(Store):
             return []
         rows = self._db.execute("SELECT model, endpoint, version FROM agl_models WHERE model = %s", (model_name,))
         return [Model(model=m, endpoint=e, version=v) for m, e, v in rows]
-
-
-def _create_or_check_schema(conn: psycopg.Connection[Any], where: str) -> None:
-    """Create the tables in an empty database (once, under an advisory lock, however many servers
-    start at once), or check the version of the ones there."""
-    with conn.transaction():
-        conn.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
-        (found,) = conn.execute("SELECT to_regclass('agl_meta') IS NOT NULL").fetchone()  # type: ignore[misc]
-        if not found:
-            conn.execute(_SCHEMA)
-            conn.execute(_ADDED)
-            conn.execute("INSERT INTO agl_meta (key, value) VALUES ('schema_version', %s)", (str(SCHEMA_VERSION),))
-            return
-        row = conn.execute("SELECT value FROM agl_meta WHERE key = 'schema_version'").fetchone()
-        version = None if row is None else row[0]
-        if version == str(SCHEMA_VERSION):
-            conn.execute(_ADDED)
-    if version != str(SCHEMA_VERSION):
-        raise SchemaMismatch(
-            f"PostgreSQL store {where} holds agl_lab tables of schema version {version}, this agl_lab reads "
-            f"version {SCHEMA_VERSION}: point the `store` setting at another database (or schema: "
-            f"?options=-csearch_path%3Dname), or drop the agl_* tables of the old one"
-        )
