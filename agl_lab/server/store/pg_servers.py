@@ -83,7 +83,7 @@ class ServersOfOneDatabase:
             self._claimer_count = (now, int(count))
             if count > 4 * len(self._claimers_seen) + 64:  # old rows: forget them (any server may)
                 self._db.execute("DELETE FROM agl_claimers WHERE at < %s", (now - 10 * CLAIMER_WINDOW_SECONDS,))
-        return max(1, int(count)) + (0 if runner_id else 1)
+        return max(1, int(count) + (0 if runner_id else 1))
 
     def _count_queued(self) -> int:
         (n,) = self._db.execute("SELECT count(*) FROM agl_rollouts WHERE state = 'queuing'").fetchone()  # type: ignore[misc]
