@@ -31,7 +31,8 @@ Bearer <key>` or `x-api-key: <key>` when a key is configured, checked before the
 content types). Agents get a per-rollout token instead (`protocol.rollout_token`): it opens
 only their rollout's proxy route and event posts. API handlers run store calls in the thread
 pool so a large create or listing never stalls the event loop; the gateway's per-call store
-calls stay on the loop (short, and its hot path). Values are checked at write time
+calls and the token check do too for a store that may block (`gateway.store_call`: SQLite,
+PostgreSQL; the in-memory store is called inline), so a database outage stalls no loop. Values are checked at write time
 (`agl_lab.server.storable`): what is stored reads back, else 422 naming the field.
 
 Claims and attempts (agl_lab): `POST /api/rollouts/claim` hands up to `limit` queued rollouts
