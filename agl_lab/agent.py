@@ -203,14 +203,16 @@ class AgentContext:
     def emit(self, event_type: str, data: dict[str, Any] | None = None) -> dict[str, Any]:
         """POST one event of this rollout (e.g. `emit("reward", {"value": 1.0})`); returns it.
 
-        Sent through the runner's `AglClient` (without one: a client of `event_url`'s server).
+        Sent through the runner's `AglClient` (without one: a client of `event_url`'s server), and
+        resent on the store's "503, nothing was stored" and on lost connections: the event carries a
+        client-made id, so a resend is stored once.
         """
         if self.client is not None:
-            event = self.client.add_event(self.rollout_id, self.attempt_id, event_type, dict(data or {}))
+            event = self.client.add_event(self.rollout_id, self.attempt_id, event_type, dict(data or {}), retry=True)
         else:
             server = self.event_url.partition("/api/rollouts/")[0]
             with AglClient(server, key=self.api_key, timeout=30) as client:
-                event = client.add_event(self.rollout_id, self.attempt_id, event_type, dict(data or {}))
+                event = client.add_event(self.rollout_id, self.attempt_id, event_type, dict(data or {}), retry=True)
         return event.model_dump(mode="json")
 
     def openai_client(self, max_retries: int = 6, timeout: float = 300.0, **kwargs: Any) -> Any:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -169,7 +170,12 @@ def _events_call(rollout_id: str, event_type: str | None, fmt: str | None) -> _C
 
 
 def _add_event_call(rollout_id: str, attempt_id: str, event_type: str, data: dict, retry: bool = False) -> _Call:
-    body = EventCreate(event_type=event_type, data=dict(data or {})).model_dump(mode="json")
+    """A retried event carries a fresh client-made `event_id`: the server stores a resend of it
+    once (a 503 after which the store had nothing, or an answer lost after it stored the event)."""
+    event_id = uuid.uuid4().hex if retry else None
+    body = EventCreate(event_type=event_type, data=dict(data or {}), event_id=event_id).model_dump(
+        mode="json", exclude_none=True
+    )
     return _Call("POST", f"/api/rollouts/{_q(rollout_id)}/attempt/{_q(attempt_id)}/events", json=body, retry=retry)
 
 
@@ -450,7 +456,9 @@ class AglClient:
     # -- events --------------------------------------------------------------------------
 
     def add_event(self, rollout_id: str, attempt_id: str, event_type: str, data: dict, *, retry: bool = False) -> Event:
-        """POST one event; sent once unless `retry` (a resend may record the event twice)."""
+        """POST one event; sent once unless `retry`: then resent on 503s and lost connections under one
+        client-made `event_id`, which an agl_lab server stores once (an AGL v1 server ignores the id:
+        a resend there may record the event twice)."""
         return Event.model_validate(self._send(_add_event_call(rollout_id, attempt_id, event_type, data, retry)))
 
     def get_events(

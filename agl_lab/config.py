@@ -81,6 +81,7 @@ SERVER_PASSTHROUGH = (
     "max_body_bytes",
     "max_batch_items",
     "terminal_log_limit",
+    "store_timeout_seconds",
     "upstream_client",
     "upstream_timeout_seconds",
     "upstream_call_deadline_seconds",

@@ -199,6 +199,9 @@ def data_id_of(rollout_input: Any) -> str:
 class EventCreate(BaseModel):
     event_type: str
     data: dict[str, Any] = Field(default_factory=dict)
+    # agl_lab: a client-made id (e.g. a uuid4); a second post of one id under one (rollout, attempt)
+    # stores nothing, so a client may resend an event whose answer it did not get
+    event_id: str | None = Field(None, min_length=1, max_length=200)
 
 
 class Event(BaseModel):

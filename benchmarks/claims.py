@@ -29,7 +29,7 @@ AGL runs when `--agl-python PATH` names a Python with
 "n/a". Without it the AGL columns say why they are empty.
 
     python benchmarks/claims.py [--rollouts 400] [--runners 1 16 64] [--postgres auto|URL|none]
-                                [--agl-python PATH] [--no-agl]
+                                [--agl-python PATH] [--no-agl] [--paths claim list+PATCH]
 """
 
 from __future__ import annotations
@@ -293,6 +293,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--agl-python", default=None)
     p.add_argument("--no-agl", action="store_true")
+    p.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS), help="claim paths to run")
     args = p.parse_args(argv)
     agl_python, agl_why = agl_python_of(args)
     with postgres(args.postgres) as pg_why:
@@ -332,7 +333,7 @@ def measure_and_print(
 ) -> None:
     cells: dict[tuple[str, int, str], dict[str, float] | None] = {}
     for n_runners in args.runners:  # backends take turns per runner count: load drifts hit all alike
-        for path in PATHS:
+        for path in args.paths:
             for backend in backends:
                 if BACKENDS[backend][0] == "agl" and path == "claim":
                     cells[(path, n_runners, backend)] = None  # AGL has no claim route
@@ -348,7 +349,7 @@ def measure_and_print(
     print(header)
     print("-" * len(header))
     for n_runners in args.runners:
-        for path in PATHS:
+        for path in args.paths:
             row = f"{path:<11}| {n_runners:>7} |"
             for backend in backends:
                 cell = cells[(path, n_runners, backend)]

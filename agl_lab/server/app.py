@@ -31,7 +31,8 @@ Bearer <key>` or `x-api-key: <key>` when a key is configured, checked before the
 content types). Agents get a per-rollout token instead (`protocol.rollout_token`): it opens
 only their rollout's proxy route and event posts. API handlers run store calls in the thread
 pool so a large create or listing never stalls the event loop; the gateway's per-call store
-calls stay on the loop (short, and its hot path). Values are checked at write time
+calls and the token check do too for a store that may block (`gateway.store_call`: SQLite,
+PostgreSQL; the in-memory store is called inline), so a database outage stalls no loop. Values are checked at write time
 (`agl_lab.server.storable`): what is stored reads back, else 422 naming the field.
 
 Claims and attempts (agl_lab): `POST /api/rollouts/claim` hands up to `limit` queued rollouts
@@ -53,11 +54,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import secrets
 import sqlite3
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 from urllib.parse import unquote
 
@@ -87,7 +89,7 @@ from agl_lab.records import triplet_events
 from agl_lab.server.asgi import HEALTH_PATH, AglApp, JsonServerErrors, ProxyFastPath
 from agl_lab.server.backends import open_store
 from agl_lab.server.config import ServerConfig, load_server_config
-from agl_lab.server.gateway import Gateway, RequestRewriter, gateway_router, proxy_route
+from agl_lab.server.gateway import Gateway, RequestRewriter, gateway_router, proxy_route, store_call
 from agl_lab.server.guard import DOCS_PATHS, RequestGuard
 from agl_lab.server.metrics import CONTENT_TYPE, QUEUE_DEPTH_CAP, ServerMetrics, TimedStore, render
 from agl_lab.server.seeding import SeededCallsRewriter
@@ -103,6 +105,7 @@ NO_KEY_WARNING = "AGL_KEY not set — authentication disabled. Do not use in pro
 MAX_LIST_LIMIT = 10_000  # listings and terminal pages answer at most this many items per request
 MAX_CLAIM_WAIT_SECONDS = 30.0  # longest long poll of POST /api/rollouts/claim
 CLAIM_RECHECK_SECONDS = 0.5  # a waiting claim re-checks the queue this often (other server processes)
+EMPTY_TRUST_SECONDS = 2.0  # with LISTEN/NOTIFY: a queue seen empty is taken as empty this long unless notified
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,15 +159,34 @@ class ClaimRequest(BaseModel):
 
 class QueueSignal:
     """Wakes waiting claims when rollouts are queued (created, re-queued or released) in this
-    server. Rollouts queued by another server process on a shared store are seen by the
-    waiters' re-check every CLAIM_RECHECK_SECONDS. Used on the event loop only."""
+    server, and (PostgreSQL: `PostgresStore.listen_queued`, LISTEN/NOTIFY) through any other server
+    of the store. The waiters also re-check every CLAIM_RECHECK_SECONDS (a notification lost while
+    the database was away). Used on the event loop only.
+
+    Idle claims cheap: where every queueing is announced after its commit (`reliable`: the
+    PostgreSQL listener runs), a claim that found the queue empty marks it (`mark_empty`), and
+    claims that arrive before the next notification, within EMPTY_TRUST_SECONDS, skip the database
+    (`known_empty`) and just wait: hundreds of idle runners cost a few queries a second, not one
+    transaction per poll each."""
 
     def __init__(self) -> None:
         self._event = asyncio.Event()
+        self.reliable = False  # set by the app when the store's listener announces every queueing
+        self._empty: tuple[asyncio.Event, float] | None = None  # (generation, loop time) seen empty
+        self.skipped = 0  # claims answered without a store call (known empty)
 
     def notify(self) -> None:
         self._event.set()  # every waiter holds this generation's event and wakes
         self._event = asyncio.Event()
+
+    def mark_empty(self, generation: asyncio.Event, now: float) -> None:
+        """A claim taken at `generation` found nothing: the queue is empty until the next notify."""
+        if self.reliable and generation is self._event:
+            self._empty = (generation, now)
+
+    def known_empty(self, now: float) -> bool:
+        empty = self._empty
+        return empty is not None and empty[0] is self._event and now - empty[1] < EMPTY_TRUST_SECONDS
 
     def generation(self) -> asyncio.Event:
         """Take this before looking at the queue: a notify after the look sets it."""
@@ -226,12 +248,17 @@ def create_app(
     The app exposes `app.state.config`, `app.state.store` and `app.state.gateway`.
     """
     cfg = load_server_config(config)
-    store = store if store is not None else open_store(cfg.store, terminal_log_limit=cfg.terminal_log_limit)
+    store = (
+        store
+        if store is not None
+        else open_store(cfg.store, terminal_log_limit=cfg.terminal_log_limit, timeout_seconds=cfg.store_timeout_seconds)
+    )
     rewriters = list(rewriters)
     if cfg.call_seed is not None:
         rewriters.insert(0, SeededCallsRewriter(cfg.call_seed))  # before any rewriter copies the body
     if cfg.token_preserving and not any(hasattr(r, "set_tokenizer") for r in rewriters):
         rewriters.append(TokenPreservingRewriter())  # tokenizers: EmbeddedServer.set_tokenizer / --tokenizer-path
+    _warn_on_clock_skew(store, cfg.lease_seconds)
     metrics, raw_store = ServerMetrics(), store
     store = TimedStore(store, metrics)  # type: ignore[assignment]  # GET /metrics: store latency, claims, expiries
     gateway = Gateway(cfg, store, rewriters=rewriters)
@@ -249,11 +276,17 @@ def create_app(
             if cfg.lease_seconds
             else None
         )
+        listen = getattr(store, "listen_queued", None)  # PostgreSQL: rollouts queued through other servers
+        loop = asyncio.get_running_loop()
+        stop_listening = listen(lambda: loop.call_soon_threadsafe(queued.notify)) if listen is not None else None
+        queued.reliable = stop_listening is not None
         try:
             yield
         finally:
             if sweeper is not None:
                 sweeper.cancel()
+            if stop_listening is not None:
+                await run_in_threadpool(stop_listening)
             client, gateway.client = gateway.client, None
             await client.aclose()
 
@@ -302,11 +335,31 @@ def create_app(
     return app
 
 
+CLOCK_SKEW_WARN_FRACTION = 0.1  # warn at start when this host's clock is off the database's by this much of a lease
+
+
+def _warn_on_clock_skew(store: Store, lease_seconds: float) -> None:
+    """Warn when this host's clock differs from a shared store's (PostgreSQL) by more than a tenth of
+    the lease. Leases are stamped and swept on the database's clock, so they stay right; the warning
+    is for what this host's clock still stamps (its logs, its runners' view of time)."""
+    skew = getattr(store, "clock_skew_seconds", None)
+    if skew is not None and lease_seconds and abs(skew) > CLOCK_SKEW_WARN_FRACTION * lease_seconds:
+        logger.warning(
+            "this host's clock is %.1f s %s the database's (more than %g of lease_seconds=%g): leases use the "
+            "database's clock, so they are unaffected, but sync this host's clock (NTP: chrony or "
+            "systemd-timesyncd)",
+            abs(skew),
+            "behind" if skew > 0 else "ahead of",
+            CLOCK_SKEW_WARN_FRACTION,
+            lease_seconds,
+        )
+
+
 def _no_check(_: Request) -> None:
     """The proxy route's own check: none, RequestGuard authorised the request already."""
 
 
-def rollout_token_checker(key: str, store: Store, runner_key: str = "") -> Callable[[str, str, str], bool]:
+def rollout_token_checker(key: str, store: Store, runner_key: str = "") -> Callable[[str, str, str], Awaitable[bool]]:
     """`check(token, method, path)`: a per-rollout token (`rollout_token`) opens only POSTs to
     its rollout's proxy route and event route, and only for the rollout's live attempt: the
     rollout exists with the `created_at` the token was made for (not a re-created one), is
@@ -315,7 +368,7 @@ def rollout_token_checker(key: str, store: Store, runner_key: str = "") -> Calla
     attempt is refused. Tokens made from the runner key (a runner holding only that) count too."""
     keys = (key, runner_key) if runner_key else (key,)
 
-    def check(token: str, method: str, path: str) -> bool:
+    async def check(token: str, method: str, path: str) -> bool:
         if method != "POST" or not token.startswith(ROLLOUT_TOKEN_PREFIX):
             return False
         rollout_id = token[len(ROLLOUT_TOKEN_PREFIX) :].rpartition(".")[0]
@@ -327,7 +380,7 @@ def rollout_token_checker(key: str, store: Store, runner_key: str = "") -> Calla
             parts[1] == "api" and parts[2] == "rollouts" and len(parts) == 7 and parts[6] == "events"
         ):
             return False
-        rollout = store.get_rollout(rollout_id)
+        rollout = await store_call(store, store.get_rollout, rollout_id)  # off the loop (a database read)
         if rollout is None:
             return False
         attempt_id, status = unquote(parts[5]), rollout.status
@@ -450,7 +503,12 @@ def _rollout_router(store: Store, max_batch_items: int, lease_seconds: float, qu
         deadline = loop.time() + body.wait_seconds
         while True:
             generation = queued.generation()  # Critical: before the look, or a create in between is missed
-            claimed = await run_in_threadpool(store.claim_rollouts, limit, body.runner_id)
+            if queued.known_empty(loop.time()):
+                claimed, queued.skipped = [], queued.skipped + 1
+            else:
+                claimed = await run_in_threadpool(store.claim_rollouts, limit, body.runner_id)
+                if not claimed:
+                    queued.mark_empty(generation, loop.time())
             left = deadline - loop.time()
             if claimed or left <= 0:
                 return Response(_ROLLOUTS.dump_json(claimed), media_type="application/json")
@@ -550,7 +608,13 @@ def _event_router(store: Store) -> APIRouter:
     async def post_event(rollout_id: str, attempt_id: str, body: EventCreate) -> Event:
         # strict (NaN, int64) on the API; the gateway's bodies are orjson's; NUL may stand in event data
         check_storable(body.data, "data", nul_ok=True)
-        return await run_in_threadpool(store.append_event, rollout_id, attempt_id, body.event_type, body.data)
+        return await run_in_threadpool(
+            functools.partial(store.append_event, event_id=body.event_id),
+            rollout_id,
+            attempt_id,
+            body.event_type,
+            body.data,
+        )  # a repeated event_id stores nothing (a client's resend)
 
     @router.get("/rollouts/{rollout_id}/events", response_model=list[Event], responses=_errors(404))
     async def query_events(

@@ -18,8 +18,11 @@ from agl_lab.server.store.postgresql import PostgresStore
 STORE_URLS = "'memory' (default), 'sqlite:///path/to/store.db' or 'postgresql://user:password@host:5432/database'"
 
 
-def open_store(url: str | None = None, *, terminal_log_limit: int = DEFAULT_TERMINAL_LOG_LIMIT) -> Store:
-    """The store `url` names (the `store` setting); ValueError naming the accepted forms otherwise."""
+def open_store(
+    url: str | None = None, *, terminal_log_limit: int = DEFAULT_TERMINAL_LOG_LIMIT, timeout_seconds: float = 2.0
+) -> Store:
+    """The store `url` names (the `store` setting); ValueError naming the accepted forms otherwise.
+    `timeout_seconds` (PostgreSQL: the `store_timeout_seconds` setting) bounds a call's wait for a connection."""
     if url is None or url in ("memory", "memory://", ""):
         return MemoryStore(terminal_log_limit)
     if url.startswith("sqlite:///"):
@@ -28,5 +31,5 @@ def open_store(url: str | None = None, *, terminal_log_limit: int = DEFAULT_TERM
             raise ValueError(f"store url {url!r} names no file: use 'sqlite:///path/to/store.db'")
         return SqliteStore(path, terminal_log_limit)
     if url.startswith(("postgresql://", "postgres://")):
-        return PostgresStore(url, terminal_log_limit)
+        return PostgresStore(url, terminal_log_limit, pool_timeout=timeout_seconds)
     raise ValueError(f"unknown store url {url!r}: use {STORE_URLS}")

@@ -48,6 +48,8 @@ class ServerConfig(_Strict):
     default_proxy: DefaultProxyConfig = Field(default_factory=DefaultProxyConfig)
     store: str = "memory"  # or "sqlite:///path/to/store.db", "postgresql://user:pass@host:5432/db" (shared)
     terminal_log_limit: int = Field(DEFAULT_TERMINAL_LOG_LIMIT, ge=1)
+    store_timeout_seconds: float = Field(2.0, gt=0)  # PostgreSQL: a store call waits at most this long for a
+    #     connection, then answers 503 (nothing stored; retry); keep it well below lease_seconds
     upstream_timeout_seconds: float = Field(300.0, gt=0)  # bounds each upstream attempt, start to end
     upstream_call_deadline_seconds: float = Field(600.0, gt=0)  # bounds a whole call: attempts + backoff
     upstream_max_attempts: int = Field(6, ge=1)

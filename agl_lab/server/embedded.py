@@ -153,7 +153,11 @@ class EmbeddedServer:
         self.store: Store = (
             store
             if store is not None
-            else open_store(self.config.store, terminal_log_limit=self.config.terminal_log_limit)
+            else open_store(
+                self.config.store,
+                terminal_log_limit=self.config.terminal_log_limit,
+                timeout_seconds=self.config.store_timeout_seconds,
+            )
         )
         self.app = create_app(self.config, store=self.store, rewriters=rewriters)
         try:
@@ -358,6 +362,12 @@ LIMIT_FLAGS: dict[str, tuple[str, type, str, str]] = {
         "S",
         "re-queue a running rollout with no heartbeat, event or status change this long (default 60; 0: off)",
     ),
+    "--store-timeout": (
+        "store_timeout_seconds",
+        float,
+        "S",
+        "a store call waits this long for a PostgreSQL connection, then answers 503 (default 2)",
+    ),
     "--max-attempts": ("max_attempts", int, "N", "attempts per rollout before an expired lease fails it (default 3)"),
     "--max-body-bytes": ("max_body_bytes", int, "N", "larger request bodies answer 413 (default 32 MiB)"),
     "--max-batch-items": (
@@ -447,7 +457,9 @@ def serve_main(argv: list[str]) -> int:
         raise SystemExit("agl-lab serve: --tokenizer-path is only used with --token-preserving")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        store = open_store(config.store, terminal_log_limit=config.terminal_log_limit)
+        store = open_store(
+            config.store, terminal_log_limit=config.terminal_log_limit, timeout_seconds=config.store_timeout_seconds
+        )
     except (StoreError, ValueError) as exc:  # locked file, unreachable database, bad URL: say which
         raise SystemExit(f"agl-lab serve: --store: {exc}") from None
     try:

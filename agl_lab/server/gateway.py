@@ -44,11 +44,14 @@ import logging
 import random
 import threading
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import quote
 
+import anyio
+import anyio.to_thread
 from fastapi import APIRouter, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
 from starlette.routing import Route
@@ -79,6 +82,7 @@ except ImportError:  # pragma: no cover - orjson is optional
     _loads = json.loads
 
 logger = logging.getLogger("agl_lab.server.gateway")
+T = TypeVar("T")
 
 MODES = ("train", "val")
 UPSTREAM_PATHS = ("chat/completions", "completions")
@@ -299,7 +303,8 @@ class Gateway:
             raise HTTPException(404, f"Unsupported proxy mode: {mode}")
         if upstream_path not in UPSTREAM_PATHS:
             raise HTTPException(404, f"Unsupported upstream path: {upstream_path}")
-        rollout = self.store.get_rollout(rollout_id)
+        model_name = self.config.default_proxy.model_name
+        rollout, pool = await store_call(self.store, self._lookup, rollout_id, model_name)
         if rollout is None:
             raise HTTPException(404, f"Rollout not found: {rollout_id}")
         if rollout.is_terminal:
@@ -312,8 +317,6 @@ class Gateway:
         if self.client is None:
             raise HTTPException(503, "Proxy not configured")
         body = _parse_body(await read_body())
-        model_name = self.config.default_proxy.model_name
-        pool = self.store.models_for(model_name)
         if not pool:
             raise HTTPException(503, f"No servers available for model '{model_name}'")
         server = select_server(pool, rollout_id)
@@ -346,6 +349,11 @@ class Gateway:
                 await result
         return await self._forward_until_disconnect(call, receive)
 
+    def _lookup(self, rollout_id: str, model_name: str) -> tuple[Rollout | None, list[Model]]:
+        """The rollout and the model's pool, in one worker-thread hop (`store_call`)."""
+        rollout = self.store.get_rollout(rollout_id)
+        return rollout, ([] if rollout is None or rollout.is_terminal else self.store.models_for(model_name))
+
     async def _forward_until_disconnect(self, call: ProxyCall, receive: Callable[[], Awaitable[Any]]) -> Response:
         """`_forward`, cancelled (upstream call, retries and backoff) if the agent hangs up.
 
@@ -364,7 +372,7 @@ class Gateway:
                 raise  # cancelled from outside (server shutdown): not the agent's hang-up
             cause = "the agent disconnected before the model server answered; the upstream call was cancelled"
             logger.warning("Rollout %s: %s", call.rollout.rollout_id, cause)
-            self._record_failure(call, UpstreamFailure(499, "Client disconnected", cause), 0)
+            await self._record_failure(call, UpstreamFailure(499, "Client disconnected", cause), 0)
             return Response(status_code=499)
         finally:
             watch.cancel()
@@ -396,7 +404,7 @@ class Gateway:
                     if inspect.isawaitable(payload):
                         payload = await payload
                 content = _dumps(payload)
-            unrecordable = self._record(call, payload, upstream.status_code, latency_ms, retry_count)
+            unrecordable = await self._record(call, payload, upstream.status_code, latency_ms, retry_count)
             if unrecordable is not None and upstream.status_code < 400:
                 return UpstreamFailure(502, "The model server's answer cannot be recorded", unrecordable).response()
             headers = (
@@ -407,7 +415,7 @@ class Gateway:
             )
         except UpstreamFailure as failure:
             logger.warning("Rollout %s: %s", call.rollout.rollout_id, failure)
-            self._record_failure(call, failure, (time.perf_counter() - started) * 1000.0)
+            await self._record_failure(call, failure, (time.perf_counter() - started) * 1000.0)
             return failure.response()
         finally:
             self.gate.leave()
@@ -504,12 +512,18 @@ class Gateway:
             retry_after=until - now,
         )
 
-    def _record_failure(self, call: ProxyCall, failure: UpstreamFailure, latency_ms: float) -> None:
+    async def _record_failure(self, call: ProxyCall, failure: UpstreamFailure, latency_ms: float) -> None:
         """The error event of a call the gateway answered itself (no upstream payload)."""
         error = {"error": {"message": failure.detail, "cause": failure.cause, "type": "gateway_error"}}
-        self._record(call, error, failure.status, latency_ms, 0)
+        await self._record(call, error, failure.status, latency_ms, 0)
 
-    def _record(
+    async def _record(
+        self, call: ProxyCall, response: Any, http_status: int, latency_ms: float, retry_count: int
+    ) -> str | None:
+        """`_record_now` off the event loop (`store_call`)."""
+        return await store_call(self.store, self._record_now, call, response, http_status, latency_ms, retry_count)
+
+    def _record_now(
         self, call: ProxyCall, response: Any, http_status: int, latency_ms: float, retry_count: int
     ) -> str | None:
         """Append the model_request event (AGL's data dict + rewriter annotations).
@@ -561,6 +575,24 @@ class Gateway:
                 call.rollout.rollout_id,
             )
         return None
+
+
+_STORE_THREADS = 32  # worker threads the gateway's store calls may hold at once (per event loop)
+_limiters: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, anyio.CapacityLimiter] = weakref.WeakKeyDictionary()
+
+
+async def store_call(store: Store, fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)`, a call into `store`, run in a worker thread when the store may block
+    (`Store.BLOCKING`: SQLite, PostgreSQL), so that a slow or unreachable database stalls no
+    event loop (no other agent's call, no /healthz) and concurrent calls wait side by side.
+    At most `_STORE_THREADS` such calls run at once per loop; the rest queue for a thread."""
+    if not store.BLOCKING:
+        return fn(*args)
+    loop = asyncio.get_running_loop()
+    limiter = _limiters.get(loop)
+    if limiter is None:
+        limiter = _limiters[loop] = anyio.CapacityLimiter(_STORE_THREADS)
+    return await anyio.to_thread.run_sync(functools.partial(fn, *args), limiter=limiter)
 
 
 def _parse_body(raw: bytes) -> dict[str, Any]:

@@ -18,7 +18,8 @@ Per HTTP request, before any route (and so before FastAPI reads or parses the bo
 3. **Auth.** Unless the path is open (`/healthz`; `/docs`, `/redoc`, `/openapi.json` when
    `docs_auth` is off), the request needs `Authorization: Bearer <key>` or `x-api-key: <key>`
    — or a per-rollout token that `token_check(token, method, path)` accepts (the token covers
-   only its rollout's proxy route and event posts). 401 otherwise, with the body unread.
+   only its rollout's proxy route and event posts; it reads the store in a worker thread, and a
+   store it cannot reach answers 503). 401 otherwise, with the body unread.
    **The runner key** (server setting `runner_key`, `agl-lab serve --runner-key-file`) opens
    only what a runner does (`RUNNER_SCOPE`): claim, heartbeat and release rollouts, PATCH a
    rollout, post an attempt's events, read rollouts and `/metrics` — and its agents' tokens are
@@ -33,7 +34,7 @@ from __future__ import annotations
 
 import re
 import secrets
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.responses import JSONResponse
@@ -42,7 +43,7 @@ CROSS_SITE_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipar
 DOCS_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 
-TokenCheck = Callable[[str, str, str], bool]
+TokenCheck = Callable[[str, str, str], Awaitable[bool]]  # (token, method, path) -> accepted?
 
 # what the runner key opens: (method, path pattern)
 RUNNER_SCOPE = (
@@ -120,7 +121,12 @@ class RequestGuard:
     async def admit(self, scope: Any, receive: Any, send: Any) -> Any:
         """Apply the checks: the `receive` the app must read the body from (a chunked body was
         read up to the limit and is replayed), or None when the request was refused (answered)."""
-        refusal, length_known = self._screen(scope)
+        try:
+            token_ok = await self._token_ok(scope)
+        except ConnectionError as exc:  # the store (StoreUnavailable): nothing was checked, nothing stored
+            await _refuse(scope, receive, send, 503, f"cannot check the rollout token: {exc}")
+            return None
+        refusal, length_known = self._screen(scope, token_ok)
         if refusal is not None:
             await _refuse(scope, receive, send, *refusal)
             return None
@@ -132,9 +138,23 @@ class RequestGuard:
             return None
         return _replay(body, receive)
 
-    def _screen(self, scope: Any) -> tuple[tuple[int, str] | None, bool]:
+    async def _token_ok(self, scope: Any) -> bool:
+        """Whether the request presents a rollout token `token_check` accepts (awaited: it reads the
+        store in a worker thread). False without asking when no token check applies."""
+        path = scope["path"]
+        if self.token_check is None or not self.key or path in self.open_paths:
+            return False
+        presented = presented_key(scope["headers"])
+        if presented is None or secrets.compare_digest(presented.encode(), self._expected):
+            return False
+        if self._runner_key is not None and secrets.compare_digest(presented.encode(), self._runner_key):
+            return False  # the runner key itself: its scope is `_authorized`'s
+        return await self.token_check(presented, scope["method"], path)
+
+    def _screen(self, scope: Any, token_ok: bool = False) -> tuple[tuple[int, str] | None, bool]:
         """Checks 1-3 on the headers: ((status, detail) to refuse with, or None; whether the
-        body has a Content-Length — without one, `_read_bounded` must read it)."""
+        body has a Content-Length — without one, `_read_bounded` must read it). `token_ok`:
+        `_token_ok`'s answer, awaited before."""
         headers = scope["headers"]
         content_type = length = None
         for name, value in headers:
@@ -153,7 +173,7 @@ class RequestGuard:
                     f"{', '.join(sorted(self.allowed_hosts))}): connect by one of those names, add "
                     "yours to allowed_hosts, or set a key",
                 ), True
-        authorized = self._authorized(scope, headers)
+        authorized = True if token_ok else self._authorized(scope, headers)
         if authorized is None:
             return (
                 403,
@@ -182,7 +202,7 @@ class RequestGuard:
             return True
         if self._runner_key is not None and secrets.compare_digest(presented.encode(), self._runner_key):
             return True if runner_may(scope["method"], path) else None
-        return self.token_check is not None and self.token_check(presented, scope["method"], path)
+        return False  # a rollout token: `_token_ok`, awaited before
 
     def _too_big_detail(self) -> str:
         return (

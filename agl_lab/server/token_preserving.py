@@ -52,8 +52,11 @@ request-rewriter plug-in point.
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import functools
 import json
+import logging
 import threading
 import time
 import uuid
@@ -63,6 +66,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agl_lab.chat_format import parse_tool_calls
+
+logger = logging.getLogger("agl_lab.server.token_preserving")
 
 # ---------------------------------------------------------------------------------------------
 # Request keys
@@ -553,7 +558,7 @@ class TokenPreservingRewriter:
         """Rewrite one `ProxyCall` in place (upstream path, upstream request, response hook)."""
         self._calls += 1
         if self._calls % self.prune_every == 0:
-            self.memory.prune(lambda rid: _alive(call.store, rid))
+            self._prune(call.store)
         if call.upstream_path != "chat/completions":
             call.annotations[ANNOTATION_KEY] = _fallback(
                 "not_chat", "completions call: its prompt is already explicit"
@@ -577,6 +582,20 @@ class TokenPreservingRewriter:
             call.upstream_request = completions_request(chat_body, plan.prompt_ids or [])
         call.response_hooks.append(lambda payload, status: self._on_response(key, chat_body, plan, payload, status))
 
+    def _prune(self, store: Any) -> None:
+        """Forget the turns of rollouts that are gone: one store read per remembered rollout, so
+        for a store that may block (Store.BLOCKING) in a worker thread, off the gateway's loop."""
+        prune = functools.partial(self.memory.prune, lambda rid: _alive(store, rid))
+        if not getattr(store, "BLOCKING", False):
+            prune()
+            return
+        try:
+            future = asyncio.get_running_loop().run_in_executor(None, prune)
+        except RuntimeError:  # no loop: called outside the gateway
+            prune()
+            return
+        future.add_done_callback(_log_prune_failure)
+
     def _on_response(self, key: tuple[str, str], body: dict[str, Any], plan: Plan, payload: Any, status: int) -> Any:
         if status >= 400 or not isinstance(payload, Mapping) or not payload.get("choices"):
             return payload  # errors pass through untouched; the memory keeps the last good turn
@@ -587,6 +606,11 @@ class TokenPreservingRewriter:
         else:
             self.memory.put(key, turn)
         return response
+
+
+def _log_prune_failure(future: Any) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        logger.warning("token-preserving memory: prune skipped (%s); the next one retries", future.exception())
 
 
 def _alive(store: Any, rollout_id: str) -> bool:

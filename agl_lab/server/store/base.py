@@ -79,6 +79,7 @@ except ImportError:  # pragma: no cover - orjson is optional
     load_stored = json.loads
 
 DEFAULT_TERMINAL_LOG_LIMIT = 100_000
+CLAIMER_WINDOW_SECONDS = 30.0  # a runner that claimed (or polled) this recently shares the queue
 log = logging.getLogger("agl_lab.server.store")
 
 
@@ -168,6 +169,8 @@ class Store(ABC):
     # Does an event of the running attempt `_touch` its rollout? False for a backend whose
     # `_idle_running` reads the newest event row itself (PostgreSQL: no extra write per model call).
     TOUCH_ON_EVENT = True
+    # May a call wait on I/O? Then the event loop calls it in a worker thread (gateway.store_call).
+    BLOCKING = True
 
     def __init__(self, terminal_log_limit: int = DEFAULT_TERMINAL_LOG_LIMIT):
         if int(terminal_log_limit) < 1:
@@ -179,6 +182,7 @@ class Store(ABC):
         self.terminal_log_limit = int(terminal_log_limit)
         self._lock = threading.RLock()
         self._pools: dict[str, tuple[Model, ...]] = {}  # models_for's answers, dropped on any model write
+        self._claimers: dict[str, float] = {}  # runner id -> when it last claimed (`_recent_claimers`)
 
     # --- rollouts ---------------------------------------------------------------------------
 
@@ -193,7 +197,7 @@ class Store(ABC):
         rule (`agl_lab.server.storable`) or names an invalid rollout id.
         """
         _check_creates(creates)
-        now = time.time()
+        now = self._clock()
         built = [create.to_rollout(now) for create in creates]
         client_ids = [create.rollout_id for create in creates if create.rollout_id]
         with self._lock, self._transaction():
@@ -208,6 +212,8 @@ class Store(ABC):
                 new.append(rollout)
                 out.append(rollout)
             self._insert_many(new)
+            if new:
+                self._notify_queued()
         return out
 
     def get_rollout(self, rollout_id: str) -> Rollout | None:
@@ -251,7 +257,7 @@ class Store(ABC):
                 wanted = updates.get("last_attempt_id") or DEFAULT_ATTEMPT_ID  # re-queued: a new attempt only
                 if _attempts_used(wanted) <= _attempts_used(rollout.status.last_attempt_id):
                     raise ReusedAttempt(rollout, wanted)
-            now = time.time()
+            now = self._clock()
             rollout = _with_status(rollout, now, **updates)
             self._replace(rollout)
             # exactly once per rollout life: terminal states have no transitions out
@@ -270,22 +276,25 @@ class Store(ABC):
     # --- events -----------------------------------------------------------------------------
 
     def append_event(
-        self, rollout_id: str, attempt_id: str, event_type: str, data: dict[str, Any] | None = None
+        self, rollout_id: str, attempt_id: str, event_type: str, data: dict[str, Any] | None = None, *, event_id=None
     ) -> Event:
-        """Append one event (timestamped now) under (rollout, attempt); RolloutNotFound if unknown."""
+        """Append one event (timestamped now) under (rollout, attempt); RolloutNotFound if unknown.
+
+        `event_id` (client-made, str) makes it idempotent: an id already stored under (rollout, attempt)
+        stores nothing, so a resend after a lost answer or a 503 is recorded once (ids live as long as the rollout)."""
         if data is not None and not isinstance(data, dict):
             raise TypeError(f"event data must be a dict, got {type(data).__name__}")
-        check_storable([rollout_id, attempt_id, event_type], "event ids")
+        check_storable([rollout_id, attempt_id, event_type, event_id or ""], "event ids")
         self._check_event_data(data)
         with self._lock:
             event = Event.model_construct(
                 event_type=event_type,
                 rollout_id=rollout_id,
                 attempt_id=attempt_id,
-                timestamp=time.time(),
+                timestamp=self._clock(),
                 data={} if data is None else data,
             )
-            if not self._append_event(event):
+            if not self._append_event(event, event_id):
                 raise RolloutNotFound(rollout_id)
             rollout = self._load(rollout_id) if self.TOUCH_ON_EVENT else None  # an event of the running
             if rollout is not None and _runs_attempt(rollout, attempt_id):  # attempt renews its lease, a late
@@ -323,11 +332,17 @@ class Store(ABC):
         with version + 1, updated_at = now and its lease starting now. `runner_id` names the
         caller in the server's log. Returns the claimed rollouts (fewer, or none, when fewer
         are queued).
+
+        Fair share: while several runners claim (`_recent_claimers`, across servers), one claim takes
+        at most ceil(queued / claimers), at least 1: no runner takes the whole queue from the others.
         """
         if limit < 1:
             return []
-        now = time.time()
+        now = self._clock()
         with self._lock, self._transaction():
+            claimers = self._recent_claimers(runner_id, now)
+            if claimers > 1 and limit > 1:
+                limit = min(limit, max(1, -(-self._count_queued() // claimers)))
             claimed = []
             for rollout in self._lock_queued(limit):
                 rollout = _with_status(
@@ -353,7 +368,7 @@ class Store(ABC):
         of the released one are kept but not read. A release never fails a rollout (the agent
         did nothing wrong) but its attempt counts toward `max_attempts` of `expire_leases`.
         """
-        now = time.time()
+        now = self._clock()
         released = []
         with self._lock, self._transaction():
             rollouts = self._load_many(list(attempts))
@@ -368,6 +383,8 @@ class Store(ABC):
                     )
                 )  # the next claim: attempt + 1
                 released.append(rid)
+            if released:
+                self._notify_queued()
         return released
 
     def heartbeat(self, rollout_ids: Sequence[str], attempt_ids: Sequence[str] | None = None) -> list[str]:
@@ -382,7 +399,7 @@ class Store(ABC):
                 f"attempt_ids has {len(attempt_ids)} items for {len(rollout_ids)} rollout_ids: "
                 "give one attempt id per rollout id, or none"
             )
-        now = time.time()
+        now = self._clock()
         with self._lock:
             rollouts = self._load_many(list(rollout_ids))
             live, not_running = [], []
@@ -409,7 +426,7 @@ class Store(ABC):
         the reason. One transaction: `_idle_running` locks the rows it returns, so a heartbeat
         or claim cannot interleave. Returns {rollout id: "requeued" | "failed"}.
         """
-        now = time.time() if now is None else now
+        now = self._clock() if now is None else now
         outcome: dict[str, str] = {}
         with self._lock, self._transaction():
             idle = self._idle_running(now - lease_seconds)
@@ -440,6 +457,8 @@ class Store(ABC):
                     self._terminal_append(rid)
                     self._terminal_trim()
                     outcome[rid] = "failed"
+            if "requeued" in outcome.values():
+                self._notify_queued()
         return outcome
 
     # --- terminal-order log -----------------------------------------------------------------
@@ -508,6 +527,26 @@ class Store(ABC):
                 pool = tuple(sorted(self._models(model_name), key=lambda m: m.endpoint))
                 self._pools[model_name] = pool
         return list(pool)
+
+    def _recent_claimers(self, runner_id: str, now: float) -> int:
+        """Runners that claimed within CLAIMER_WINDOW_SECONDS, this one counted (anonymous: one more);
+        in-process here (one server per store), across servers on PostgreSQL (`pg_servers.py`)."""
+        if runner_id:
+            self._claimers[runner_id] = now
+        if len(self._claimers) > 1:
+            self._claimers = {r: at for r, at in self._claimers.items() if at > now - CLAIMER_WINDOW_SECONDS}
+        return len(self._claimers) + (0 if runner_id else 1)
+
+    def _count_queued(self) -> int:
+        """The number of queuing rollouts (a claim's fair share); called in the claim's transaction."""
+        return len(self._list([RolloutState.QUEUING], 2**62))
+
+    def _notify_queued(self) -> None:  # noqa: B027 (optional: one process per store has QueueSignal)
+        """Rollouts became claimable: wake other servers' claims (PostgreSQL: NOTIFY). In the write's transaction."""
+
+    def _clock(self) -> float:
+        """Now (epoch seconds) for status changes, events, leases: this host's (PostgreSQL: the database's)."""
+        return time.time()
 
     def close(self) -> None:  # noqa: B027 (optional: the in-memory store holds nothing)
         """Release resources (SQLite connection); the in-memory store has none."""
@@ -578,8 +617,10 @@ class Store(ABC):
         or fails each in the same transaction."""
 
     @abstractmethod
-    def _append_event(self, event: Event) -> bool:
-        """Append if the rollout exists (atomically); False if it does not."""
+    def _append_event(self, event: Event, event_id: str | None = None) -> bool:
+        """Append if the rollout exists (atomically); False if it does not. With `event_id`: append
+        and remember the id unless (rollout, attempt, id) is remembered already (then append
+        nothing and return True), atomically with respect to a concurrent append of the same id."""
 
     @abstractmethod
     def _events(self, rollout_id: str, attempt_id: str) -> list[Event]: ...

@@ -31,6 +31,8 @@ def _unpack(stored: bytes) -> Any:
 class MemoryStore(Store):
     """Plain dicts; the terminal log is a bounded deque plus an absolute count."""
 
+    BLOCKING = False  # no I/O: the gateway calls it on its event loop (no thread hop per model call)
+
     def __init__(self, terminal_log_limit: int = DEFAULT_TERMINAL_LOG_LIMIT):
         super().__init__(terminal_log_limit)
         self._rollouts: dict[str, Rollout] = {}
@@ -38,6 +40,7 @@ class MemoryStore(Store):
         # 100k stored calls do not make each full collection (which stops the server's event loop)
         # walk millions of dicts; reads decode a fresh copy
         self._event_log: dict[str, dict[str, list[tuple[str, float, Any]]]] = {}
+        self._event_ids: dict[str, set[tuple[str, str]]] = {}  # rollout id -> {(attempt id, event id)}
         self._model_map: dict[str, dict[str, Model]] = {}
         self._terminal: collections.deque[str] = collections.deque(maxlen=self.terminal_log_limit)
         self._terminal_count = 0
@@ -66,6 +69,7 @@ class MemoryStore(Store):
     def _remove(self, rollout_id: str) -> None:
         self._rollouts.pop(rollout_id, None)
         self._event_log.pop(rollout_id, None)
+        self._event_ids.pop(rollout_id, None)
 
     def _list(self, states: list[RolloutState], limit: int) -> list[Rollout]:
         matching = (r for r in self._rollouts.values() if r.status.state in states)
@@ -83,10 +87,15 @@ class MemoryStore(Store):
     def _check_event_data(self, data: dict[str, Any] | None) -> None:
         pass  # `_append_event` encodes with dump_storable (`_pack`), which is the check
 
-    def _append_event(self, event: Event) -> bool:
+    def _append_event(self, event: Event, event_id: str | None = None) -> bool:
         attempts = self._event_log.get(event.rollout_id)
         if attempts is None or event.rollout_id not in self._rollouts:
             return False
+        if event_id is not None:  # under the store's lock: one of two concurrent posts of an id appends
+            seen = self._event_ids.setdefault(event.rollout_id, set())
+            if (event.attempt_id, event_id) in seen:
+                return True
+            seen.add((event.attempt_id, event_id))
         attempts.setdefault(event.attempt_id, []).append((event.event_type, event.timestamp, _pack(event.data)))
         return True
 

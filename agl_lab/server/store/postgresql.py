@@ -14,8 +14,9 @@ implements its primitives in SQL and replaces the two things the base class keep
   for the first's COMMIT, then reads `running` and gets InvalidTransition (409).
   (`NO KEY UPDATE`, not `UPDATE`: an event insert's foreign-key check takes `KEY SHARE` on the
   rollout row, which `NO KEY UPDATE` lets through, so a PATCH never queues behind model calls.)
-- **Per-process memory.** `models_for` answers from the table on every call (the base class's
-  cache would serve one process's stale pool after another process registered endpoints), and
+- **Per-process memory.** `models_for` keeps a pool `models_ttl_seconds` (1 s; the base class's
+  cache, kept until this process's next model write, would serve a stale pool after another process
+  registered endpoints for ever), and
   lease activity is stored, not kept in a dict: a heartbeat writes `active_at`, an event is its
   own timestamp (the newest event row), so a server that never saw a runner's heartbeat still
   knows its lease is alive.
@@ -43,30 +44,30 @@ Durability: every write is committed before the call returns, with the server's
 `synchronous_commit` (default on: the WAL is flushed), so an acknowledged write survives kill -9 of
 any agl_lab server process, and of a PostgreSQL process (crash recovery replays the WAL).
 
+Timeouts: a call waits at most `pool_timeout` (the server's `store_timeout_seconds`, 2 s) for a
+connection, then raises StoreUnavailable (503); the app runs every store call in a worker thread, so
+a database outage stalls no event loop and concurrent calls wait side by side, not in turn.
+
 Driver: **psycopg 3** (`psycopg[binary]`, `psycopg-pool`). The store's API is synchronous and
-called from the app's worker threads (and, for the gateway's per-call reads, from its event loop
-thread); psycopg 3 is a maintained, synchronous-first driver with a thread-safe connection pool,
+called from the app's worker threads; psycopg 3 is a maintained, synchronous-first driver with a thread-safe connection pool,
 binary wheels and server-side prepared statements. asyncpg is async-only: each call would hop to a
 private event loop thread and back (`run_coroutine_threadsafe`), adding a thread switch and a
 second loop to every store call for no gain here.
 
 Tables (`agl_` prefixed, in the connection's first `search_path` schema, so one database can hold
-several stores: add `?options=-csearch_path%3Drun7` to the URL for a schema of its own):
-
-    agl_meta           schema_version
-    agl_rollouts       seq, rollout_id UNIQUE, state, updated_at, active_at, body (Rollout JSON)
-    agl_events         seq, rollout_id -> agl_rollouts ON DELETE CASCADE, attempt_id, event_type,
-                       timestamp, data (JSON bytes)
-    agl_models         (model, endpoint) -> version
-    agl_terminal_log   idx (absolute), rollout_id;   agl_terminal_head: total
+several stores: add `?options=-csearch_path%3Drun7` to the URL for a schema of its own): see
+`pg_schema.py`. What servers on several hosts coordinate through the database (one clock, fair
+claims, wake-ups) is `pg_servers.py`, a mixin of `PostgresStore`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import urllib.parse
-from collections.abc import Iterator, Sequence
+import uuid
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import orjson
@@ -80,42 +81,12 @@ from agl_lab.server.storable import dump_storable
 from agl_lab.server.store.base import (
     DEFAULT_TERMINAL_LOG_LIMIT,
     Store,
-    StoreError,
     StoreUnavailable,
 )
+from agl_lab.server.store.pg_schema import SchemaMismatch, create_or_check_schema
+from agl_lab.server.store.pg_servers import ServersOfOneDatabase
 
-SCHEMA_VERSION = 1
-_SCHEMA_LOCK = 0x61676C5F  # advisory lock key ("agl_"): two servers starting at once create the tables once
-
-_SCHEMA = """
-CREATE TABLE agl_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE agl_rollouts (
-    seq BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,  -- creation order (a re-created id goes last)
-    rollout_id TEXT NOT NULL UNIQUE,
-    state TEXT NOT NULL,
-    updated_at DOUBLE PRECISION NOT NULL,                  -- status.updated_at (a lease runs from it)
-    active_at DOUBLE PRECISION NOT NULL DEFAULT 0,         -- last heartbeat
-    body TEXT NOT NULL                                     -- Rollout as JSON
-);
-CREATE INDEX agl_rollouts_state ON agl_rollouts (state, seq);
-CREATE TABLE agl_events (
-    seq BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,  -- insertion order
-    rollout_id TEXT NOT NULL REFERENCES agl_rollouts (rollout_id) ON DELETE CASCADE,
-    attempt_id TEXT NOT NULL,
-    event_type TEXT NOT NULL,
-    timestamp DOUBLE PRECISION NOT NULL,
-    data BYTEA NOT NULL                                    -- JSON
-);
-CREATE INDEX agl_events_rollout ON agl_events (rollout_id, seq);
-CREATE TABLE agl_models (
-    model TEXT NOT NULL, endpoint TEXT NOT NULL, version BIGINT NOT NULL,
-    PRIMARY KEY (model, endpoint)
-);
-CREATE TABLE agl_terminal_head (one BOOLEAN PRIMARY KEY DEFAULT TRUE CHECK (one), total BIGINT NOT NULL);
-INSERT INTO agl_terminal_head (total) VALUES (0);
-CREATE TABLE agl_terminal_log (idx BIGINT PRIMARY KEY, rollout_id TEXT NOT NULL);
-CREATE INDEX agl_terminal_log_rollout ON agl_terminal_log (rollout_id, idx);
-"""
+__all__ = ["PostgresStore", "SchemaMismatch", "redact"]
 
 # The newest activity of a running rollout: its last status change, heartbeat or event.
 # the newest event *of the running attempt* counts (a late event of an old attempt renews nothing)
@@ -123,10 +94,6 @@ _LAST_ACTIVITY = """GREATEST(r.updated_at, r.active_at, COALESCE(
     (SELECT e.timestamp FROM agl_events e WHERE e.rollout_id = r.rollout_id
        AND e.attempt_id = COALESCE(r.body::json->'status'->>'last_attempt_id', '0')
      ORDER BY e.seq DESC LIMIT 1), 0))"""
-
-
-class SchemaMismatch(StoreError, RuntimeError):
-    """The database holds agl_lab tables of another schema version."""
 
 
 def redact(url: str) -> str:
@@ -209,7 +176,7 @@ class _Checkout:
         )
 
 
-class PostgresStore(Store):
+class PostgresStore(ServersOfOneDatabase, Store):
     TOUCH_ON_EVENT = False  # an event row is its own activity (_LAST_ACTIVITY): no UPDATE per model call
     """A `Store` in a PostgreSQL database; any number of server processes may open the same one.
 
@@ -226,8 +193,15 @@ class PostgresStore(Store):
         *,
         pool_size: int = 16,
         connect_timeout: float = 10.0,
+        pool_timeout: float = 2.0,
+        models_ttl_seconds: float = 1.0,
+        wall_clock: Callable[[], float] = time.time,
     ):
         super().__init__(terminal_log_limit)
+        if pool_timeout <= 0:
+            raise ValueError(f"pool_timeout must be > 0, got {pool_timeout}: set store_timeout_seconds (e.g. 2)")
+        self.models_ttl_seconds = float(models_ttl_seconds)
+        self._pools_at: dict[str, float] = {}  # model name -> monotonic time its cached pool was read
         self.url = url
         self._where = redact(url)
         try:
@@ -239,7 +213,7 @@ class PostgresStore(Store):
             ) from None
         try:
             with psycopg.connect(conninfo, autocommit=True) as conn:
-                _create_or_check_schema(conn, self._where)
+                create_or_check_schema(conn, self._where)
         except psycopg.OperationalError as exc:
             raise StoreUnavailable(
                 f"cannot connect to the PostgreSQL store {self._where}: {_one_line(exc)}; start PostgreSQL or "
@@ -249,13 +223,21 @@ class PostgresStore(Store):
             conninfo,
             min_size=1,
             max_size=pool_size,
-            timeout=connect_timeout,
+            timeout=pool_timeout,  # a call waits this long for a connection, then 503: well below the lease
             open=True,
             kwargs={"autocommit": True},
             name=f"agl-store-{id(self):x}",
         )
         self._lock = _Checkout(self._pool, self._where)  # type: ignore[assignment]  # see _Checkout
         self._activity = _Discard()
+        self._conninfo = conninfo
+        self._instance = uuid.uuid4().hex  # names this store's NOTIFYs (`listen_queued` skips its own)
+        self._claimers_seen: dict[str, float] = {}  # runner id -> when this process last wrote its row
+        self._claimer_count: tuple[float, int] = (-1e18, 0)  # (when read, recent claimers) of agl_claimers
+        self._wall_clock = wall_clock
+        self.clock_skew_seconds = 0.0  # the database's clock minus this host's (`_db_now`)
+        with self._lock:
+            self._db_now()
         with self._lock, self._transaction():
             self._terminal_trim()  # a smaller limit on open applies at once
 
@@ -318,15 +300,28 @@ class PostgresStore(Store):
             return super().terminal_page(after, limit)
 
     def models_for(self, model_name: str) -> list[Model]:
-        """The endpoints registered for `model_name`, sorted by endpoint string, read from the table
-        on every call (another server process may have registered some since)."""
+        """The endpoints registered for `model_name`, sorted by endpoint string.
+
+        A non-empty answer is kept `models_ttl_seconds` (another server process may register or clear
+        endpoints: it is seen that much later; this process's own writes drop the cache at once); an
+        empty one is not kept (the first registration is served at once)."""
+        now = time.monotonic()
+        pool = self._pools.get(model_name)
+        if pool is not None and now - self._pools_at.get(model_name, -1e18) < self.models_ttl_seconds:
+            return list(pool)
         with self._lock:
-            return sorted(self._models(model_name), key=lambda m: m.endpoint)
+            pool = tuple(sorted(self._models(model_name), key=lambda m: m.endpoint))
+        if pool:
+            self._pools[model_name], self._pools_at[model_name] = pool, now
+        else:
+            self._pools.pop(model_name, None)
+        return list(pool)
 
     # --- lease and claim primitives -----------------------------------------------------------------
 
     def _touch(self, rollout_ids: Sequence[str], now: float) -> set[str]:
-        """Record activity at `now` for those of `rollout_ids` that are running; returns them.
+        """Record activity for those of `rollout_ids` that are running, at the database's clock
+        (`clock_timestamp()`, whichever host asks; `now` is not used); returns them.
 
         Rows are locked in id order (two heartbeats over overlapping ids cannot deadlock);
         `active_at` only moves forward.
@@ -334,9 +329,9 @@ class PostgresStore(Store):
         rows = self._db.execute(
             "WITH locked AS (SELECT rollout_id FROM agl_rollouts WHERE rollout_id = ANY(%s) AND state = 'running' "
             "ORDER BY rollout_id FOR NO KEY UPDATE) "
-            "UPDATE agl_rollouts r SET active_at = GREATEST(r.active_at, %s) FROM locked "
-            "WHERE r.rollout_id = locked.rollout_id RETURNING r.rollout_id",
-            (list(rollout_ids), now),
+            "UPDATE agl_rollouts r SET active_at = GREATEST(r.active_at, extract(epoch FROM clock_timestamp())) "
+            "FROM locked WHERE r.rollout_id = locked.rollout_id RETURNING r.rollout_id",
+            (list(rollout_ids),),
         )
         return {rid for (rid,) in rows}
 
@@ -431,17 +426,30 @@ class PostgresStore(Store):
     def _check_event_data(self, data: dict[str, Any] | None) -> None:
         pass  # `_append_event` encodes with dump_storable, which is the check
 
-    def _append_event(self, event: Event) -> bool:
+    def _append_event(self, event: Event, event_id: str | None = None) -> bool:
         data = dump_storable(event.data, "data")
+        row = (event.rollout_id, event.attempt_id, event.event_type, event.timestamp, data, event.rollout_id)
         try:
+            if event_id is None:
+                cur = self._db.execute(
+                    "INSERT INTO agl_events (rollout_id, attempt_id, event_type, timestamp, data) "
+                    "SELECT %s, %s, %s, %s, %s WHERE EXISTS (SELECT 1 FROM agl_rollouts WHERE rollout_id = %s)",
+                    row,
+                )
+                return cur.rowcount == 1
+            # one statement: the id row and the event row both or neither (a concurrent post of the
+            # same id waits on the key and then inserts nothing)
             cur = self._db.execute(
+                "WITH id AS (INSERT INTO agl_event_ids (rollout_id, attempt_id, event_id) "
+                "SELECT %s, %s, %s WHERE EXISTS (SELECT 1 FROM agl_rollouts WHERE rollout_id = %s) "
+                "ON CONFLICT DO NOTHING RETURNING 1) "
                 "INSERT INTO agl_events (rollout_id, attempt_id, event_type, timestamp, data) "
-                "SELECT %s, %s, %s, %s, %s WHERE EXISTS (SELECT 1 FROM agl_rollouts WHERE rollout_id = %s)",
-                (event.rollout_id, event.attempt_id, event.event_type, event.timestamp, data, event.rollout_id),
+                "SELECT %s, %s, %s, %s, %s WHERE EXISTS (SELECT 1 FROM id)",
+                (event.rollout_id, event.attempt_id, event_id, event.rollout_id, *row[:5]),
             )
         except psycopg.errors.ForeignKeyViolation:  # deleted between the check and the insert
             return False
-        return cur.rowcount == 1
+        return cur.rowcount == 1 or self._exists(event.rollout_id)  # 0 rows: a repeated id, or no rollout
 
     def _events(self, rollout_id: str, attempt_id: str) -> list[Event]:
         if "\x00" in rollout_id + attempt_id:
@@ -520,23 +528,3 @@ class PostgresStore(Store):
             return []
         rows = self._db.execute("SELECT model, endpoint, version FROM agl_models WHERE model = %s", (model_name,))
         return [Model(model=m, endpoint=e, version=v) for m, e, v in rows]
-
-
-def _create_or_check_schema(conn: psycopg.Connection[Any], where: str) -> None:
-    """Create the tables in an empty database (once, under an advisory lock, however many servers
-    start at once), or check the version of the ones there."""
-    with conn.transaction():
-        conn.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
-        (found,) = conn.execute("SELECT to_regclass('agl_meta') IS NOT NULL").fetchone()  # type: ignore[misc]
-        if not found:
-            conn.execute(_SCHEMA)
-            conn.execute("INSERT INTO agl_meta (key, value) VALUES ('schema_version', %s)", (str(SCHEMA_VERSION),))
-            return
-        row = conn.execute("SELECT value FROM agl_meta WHERE key = 'schema_version'").fetchone()
-    version = None if row is None else row[0]
-    if version != str(SCHEMA_VERSION):
-        raise SchemaMismatch(
-            f"PostgreSQL store {where} holds agl_lab tables of schema version {version}, this agl_lab reads "
-            f"version {SCHEMA_VERSION}: point the `store` setting at another database (or schema: "
-            f"?options=-csearch_path%3Dname), or drop the agl_* tables of the old one"
-        )

@@ -36,6 +36,10 @@ CREATE TABLE IF NOT EXISTS events (
     data BLOB NOT NULL                       -- JSON (TEXT in files written before 2026-12)
 );
 CREATE INDEX IF NOT EXISTS events_rollout ON events (rollout_id, attempt_id, seq);
+CREATE TABLE IF NOT EXISTS event_ids (        -- client-made event ids (idempotent posts)
+    rollout_id TEXT NOT NULL, attempt_id TEXT NOT NULL, event_id TEXT NOT NULL,
+    PRIMARY KEY (rollout_id, attempt_id, event_id)
+);
 CREATE TABLE IF NOT EXISTS models (
     model TEXT NOT NULL, endpoint TEXT NOT NULL, version INTEGER NOT NULL,
     PRIMARY KEY (model, endpoint)
@@ -241,12 +245,17 @@ class SqliteStore(Store):
         self._cache.pop(rollout_id, None)
         self._db.execute("DELETE FROM rollouts WHERE rollout_id=?", (rollout_id,))
         self._db.execute("DELETE FROM events WHERE rollout_id=?", (rollout_id,))
+        self._db.execute("DELETE FROM event_ids WHERE rollout_id=?", (rollout_id,))
 
     def _list(self, states: list[RolloutState], limit: int) -> list[Rollout]:
         marks = ",".join("?" * len(states))
         sql = f"SELECT body FROM rollouts WHERE state IN ({marks}) ORDER BY seq LIMIT ?"
         rows = self._db.execute(sql, [s.value for s in states] + [limit])
         return [Rollout.model_validate_json(body) for (body,) in rows]
+
+    def _count_queued(self) -> int:
+        (n,) = self._db.execute("SELECT count(*) FROM rollouts WHERE state = 'queuing'").fetchone()
+        return int(n)
 
     def _lock_queued(self, limit: int) -> list[Rollout]:
         # the store's lock plus the file's flock: no other connection can write these rows
@@ -261,15 +270,23 @@ class SqliteStore(Store):
     def _check_event_data(self, data: dict[str, Any] | None) -> None:
         pass  # `_append_event` encodes with dump_storable, which is the check
 
-    def _append_event(self, event: Event) -> bool:
+    def _append_event(self, event: Event, event_id: str | None = None) -> bool:
         # the hot path of every model call: one autocommitted INSERT (the rollout check hits the
         # cache); dump_storable is also the write-time check that the data can be read back
         if not self._exists(event.rollout_id):
             return False
-        self._db.execute(
-            "INSERT INTO events (rollout_id, attempt_id, event_type, timestamp, data) VALUES (?, ?, ?, ?, ?)",
-            (event.rollout_id, event.attempt_id, event.event_type, event.timestamp, dump_storable(event.data, "data")),
-        )  # a BLOB: no decode to str and re-encode by sqlite3
+        row = (event.rollout_id, event.attempt_id, event.event_type, event.timestamp, dump_storable(event.data, "data"))
+        insert = "INSERT INTO events (rollout_id, attempt_id, event_type, timestamp, data) VALUES (?, ?, ?, ?, ?)"
+        if event_id is None:
+            self._db.execute(insert, row)  # a BLOB: no decode to str and re-encode by sqlite3
+            return True
+        with self._transaction():  # the id and the event: both or neither
+            seen = self._db.execute(
+                "INSERT OR IGNORE INTO event_ids (rollout_id, attempt_id, event_id) VALUES (?, ?, ?)",
+                (event.rollout_id, event.attempt_id, event_id),
+            )
+            if seen.rowcount == 1:
+                self._db.execute(insert, row)
         return True
 
     def _events(self, rollout_id: str, attempt_id: str) -> list[Event]:
