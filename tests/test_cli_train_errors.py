@@ -27,7 +27,13 @@ def _train(tmp_path, capsys, *overrides: str, config: str = "configs/cpu_tiny.ya
         ]
     )
     out = capsys.readouterr().out
-    return rc, [line for line in out.splitlines() if line.startswith("agl-lab train: ") and "run dir" not in line]
+    return rc, [
+        line
+        for line in out.splitlines()
+        if line.startswith("agl-lab train: ")
+        and "run dir" not in line
+        and not line.startswith("agl-lab train: server ")
+    ]
 
 
 CASES = {

@@ -130,7 +130,7 @@ def test_open_errors_name_the_url_and_the_fix(postgres, postgres_database, tmp_p
     done = subprocess.run(
         [sys.executable, "-m", "agl_lab.cli", "serve", "--store", nowhere], capture_output=True, text=True, timeout=120
     )
-    assert done.returncode == 1 and done.stderr.startswith("agl-lab serve: --store: cannot connect"), done.stderr
+    assert done.returncode == 2 and done.stderr.startswith("agl-lab serve: --store: cannot connect"), done.stderr
 
     open_store(postgres_database).close()  # creates the tables
     with psycopg.connect(postgres_database, autocommit=True) as conn:
