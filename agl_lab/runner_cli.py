@@ -26,6 +26,9 @@ events and agent tokens only) as well as the admin key; `--ssl-ca-file CA.pem` v
 https:// server (it sets SSL_CERT_FILE for the runner and its agents); `--metrics-port N` serves
 the runner's counters as Prometheus text (`agl_runner_*`, docs/many-machines.md).
 
+`--ray [ADDRESS]` runs each agent as a Ray task spread over a cluster's nodes (`agl_lab.ray_runner`;
+Ray is imported only then); the claims, heartbeats and attempts stay in this process.
+
 The trainer whose rollouts these runners execute starts no runner of its own:
 `agl_lab.runner.enabled=false` (and, with an external server, `agl_lab.server.embedded=false`
 with `agentlightning.agl_base_url` naming it). docs/robustness.md describes leases and attempts.
