@@ -89,8 +89,11 @@ class Execution:
                 self.server.set_tokenizer(engine.model_name, engine.tokenizer)
             self.base_url = self.server.url
         else:
-            self.base_url = str(agl.agl_base_url).rstrip("/")
-        self.client = AglClient(self.base_url, key=self.key)
+            from agl_lab.client import server_urls
+
+            urls = server_urls(agl.agl_base_url if isinstance(agl.agl_base_url, str) else list(agl.agl_base_url))
+            self.base_url = urls[0]  # several servers of one ledger: the client fails over to the next
+        self.client = AglClient(self.base_url if lab.server.embedded else urls, key=self.key)
         self._closers.append(self.client.close)
         if not lab.server.embedded:
             check_external_server(
