@@ -102,3 +102,4 @@ def test_the_trainer_fails_over_to_the_second_server_when_its_first_is_killed(po
         assert len(doc["rollouts"]) == ROLLOUTS_PER_STEP and {c["step"] for c in doc["rollouts"]} == {step - 1}
         assert all(c["state"] == "succeeded" for c in doc["rollouts"])
     assert "Traceback" not in train_log, train_log[-4000:]
+    assert f"failing over to {urls[1]}" in train_log, train_log[-4000:]  # agl_lab.client's warning
