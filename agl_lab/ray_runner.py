@@ -166,6 +166,7 @@ class RayRunner(Runner):
         ]
         self.runtime_env = env
         self._counts["node_lost"] = 0
+        self._refs: dict[str, Any] = {}  # rollout id -> its agent's Ray task (ObjectRef), while it runs
         self._task: Any = None
         self._connected = False
 
@@ -191,9 +192,6 @@ class RayRunner(Runner):
             self._connected = False
             ray.shutdown()
 
-    def _supervisor(self) -> Any:
-        return self._supervise_ray
-
     def _supervise_ray(self, ex: _Execution) -> None:
         """Submit the agent's task, wait for it (or the timeout, or an outside decision), judge it."""
         import ray
@@ -212,9 +210,9 @@ class RayRunner(Runner):
             self._finish(ex, "failed", f"could not submit the agent's Ray task: {exc}")
             return
         with ex.lock:
-            ex.cancel, decided = (lambda: ray.cancel(ref, force=True)), ex.finished
+            self._refs[ex.rollout_id], decided = ref, ex.finished
         if decided:  # shutdown raced the submission
-            ray.cancel(ref, force=True)
+            self._cancel(ex.rollout_id)
             return
         remaining = ex.timeout
         while not ex.finished and remaining > 0:
@@ -251,6 +249,25 @@ class RayRunner(Runner):
                 self._finish(ex, "failed", message + (f"; stderr tail:\n{tail}" if tail else ""))
             return
         self._finish(ex, *self._judge_callable(ex, {"value": result.get("value")}))
+
+    # the Runner starts a supervisor thread on one of these per claimed rollout: both are the Ray one
+    _supervise_callable = _supervise_subprocess = _supervise_ray
+
+    def _finish(self, ex: _Execution, state: str | None, message: str | None, count: str | None = None) -> bool:
+        """`Runner._finish`, and the agent's Ray task cancelled (timeout, shutdown, lost attempt)."""
+        decided = super()._finish(ex, state, message, count)
+        self._cancel(ex.rollout_id)
+        return decided
+
+    def _cancel(self, rollout_id: str) -> None:
+        ref = self._refs.pop(rollout_id, None)
+        if ref is not None:
+            import ray
+
+            try:
+                ray.cancel(ref, force=True)  # a finished task: nothing happens
+            except Exception as exc:  # the node is gone already
+                log.info("rollout %s: cancelling its Ray task failed: %r", rollout_id, exc)
 
     def _node_lost(self, ex: _Execution, exc: BaseException) -> None:
         """The task died with its node or worker: give the attempt back to the queue (the next

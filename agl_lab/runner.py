@@ -110,7 +110,6 @@ class _Execution:
     wake: threading.Event = field(default_factory=threading.Event)  # set by the outcome decision
     finished: bool = False
     stopping: bool = False  # stop() terminates the agent: its exit is stop()'s to report, not a failure
-    cancel: Any = None  # a remote execution's stop (`agl_lab.ray_runner`): called once by `_finish`
 
     @property
     def rollout_id(self) -> str:
@@ -506,13 +505,9 @@ class Runner:
                 count="released" if released else None,
             )
             return
-        target = self._supervisor()
+        target = self._supervise_callable if callable(self.agent) else self._supervise_subprocess
         ex.thread = threading.Thread(target=target, args=(ex,), daemon=True, name=f"agl-rollout-{ex.rollout_id[:8]}")
         ex.thread.start()
-
-    def _supervisor(self) -> Any:
-        """The function a rollout's supervisor thread runs (`agl_lab.ray_runner` overrides it)."""
-        return self._supervise_callable if callable(self.agent) else self._supervise_subprocess
 
     def _supervise_callable(self, ex: _Execution) -> None:
         """Run the callable in an abandonable daemon thread; decide on its outcome."""
@@ -626,11 +621,6 @@ class Runner:
             ex.ctx.cancelled.set()
         ex.wake.set()
         try:
-            if ex.cancel is not None:
-                try:
-                    ex.cancel()
-                except Exception as exc:  # the remote agent may be gone already
-                    log.info("rollout %s: stopping its remote agent failed: %r", ex.rollout_id, exc)
             if proc is not None:
                 _kill_group(proc)  # the leader has exited or must; its tool processes go too
             if state is not None:
