@@ -9,6 +9,7 @@ attempt "0"."""
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -145,3 +146,31 @@ def test_ray_flags_are_checked_before_any_cluster_is_joined():
     )
     assert done.returncode == 2 and "--ray-cpus-per-agent must be >= 0, got -1.0" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_agl_agent_classes_run_in_a_subprocess_on_the_node_with_the_rollouts_token_only(embedded_server):
+    from agl_lab.ray_runner import RayRunner
+
+    if ray.is_initialized():
+        ray.shutdown()
+    with isolated_ray_env("aglc"), ray_nodes(1, num_cpus=1, num_gpus=0) as address:
+        server = embedded_server(key=KEY, default_proxy={"model_name": "m"})
+        with AglClient(server.url, key=KEY) as client:
+            for agent, rid in (("EnvReportAgent", "env"), ("CrashAgent", "crash")):
+                with RayRunner(
+                    server.url, key=KEY, agent=f"tests.agents_for_tests:{agent}", address=address, cpus_per_agent=0.5
+                ):
+                    client.create_rollouts([RolloutCreate(rollout_id=rid, input={})])
+                    wait_for(lambda: client.get_rollout(rid)[0].is_terminal, 300, f"rollout {rid}")  # noqa: B023
+                assert not ray.is_initialized()  # stop() left the cluster it joined
+        with AglClient(server.url, key=KEY) as client:
+            env_rollout, _ = client.get_rollout("env")
+            env = client.get_events("env", event_type="env")[0]["data"]
+            node = client.get_events("env", event_type=NODE_EVENT)[0]["data"]
+            client_rollout, _ = client.get_rollout("crash")
+    assert env_rollout.status.state == "succeeded"
+    assert env["AGL_KEY"] and env["AGL_KEY"] != KEY and "AGL_RUNNER_KEY" not in env  # its token, not the key
+    assert env["AGL_EVENT_URL"].startswith(server.url) and node["node_id"] and node["pid"] != os.getpid()
+    assert client_rollout.status.state == "failed"
+    message = client_rollout.status.error_message
+    assert message.startswith("subprocess exited with code 1 on Ray node ") and "agent crashed on purpose" in message
