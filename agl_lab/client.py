@@ -383,6 +383,11 @@ class AglClient:
             time.sleep(value)
         raise AssertionError("unreachable")  # pragma: no cover
 
+    @property
+    def urls(self) -> list[str]:
+        """The servers this client may use, in fail-over order."""
+        return list(self._urls)
+
     def _fail_over(self, exc: Exception) -> None:
         """Use the next server of `base_url`'s list (the connection to this one was refused)."""
         failed = self.base_url

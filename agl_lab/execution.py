@@ -147,6 +147,8 @@ class Execution:
             drain_timeout=float(self.cfg.agl_lab.rollout.drain_timeout_seconds),
         ) as metrics:
             yield metrics
+            if len(self.client.urls) > 1:  # agentlightning.agl_base_url lists several servers of one ledger
+                metrics["execution/server_failovers"] = self.client.failovers  # since the start
 
     def close(self) -> None:
         """Stop runner, client and server (reverse start order). Idempotent; never raises."""

@@ -29,7 +29,7 @@ def test_the_client_fails_over_to_the_next_server_when_the_first_is_stopped(embe
     s1 = embedded_server(key=KEY, store=postgres_database, default_proxy={"model_name": "m"})
     with AglClient(f"{s0.url},{s1.url}", key=KEY, backoff_base=0.05) as client:
         client.create_rollouts([RolloutCreate(rollout_id=f"a{i}", input={}) for i in range(3)])
-        assert client.base_url == s0.url and client.failovers == 0
+        assert client.base_url == s0.url and client.failovers == 0 and client.urls == [s0.url, s1.url]
         s0.stop()  # its port now refuses connections
         client.create_rollouts([RolloutCreate(rollout_id=f"b{i}", input={}) for i in range(3)])
         assert client.base_url == s1.url and client.failovers == 1

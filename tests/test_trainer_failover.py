@@ -95,6 +95,7 @@ def test_the_trainer_fails_over_to_the_second_server_when_its_first_is_killed(po
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train_records = {m["step"]: m for m in metrics if "training/n_rerun_rollouts" in m}
     assert sorted(train_records) == list(range(1, STEPS + 1)), metrics
+    assert [train_records[s]["execution/server_failovers"] for s in (1, STEPS)] == [0, 1]  # a metric
     recording = _recording(run_dir)
     ids = [c["rollout_id"] for doc in recording.values() for c in doc["rollouts"]]
     assert len(ids) == len(set(ids)) == STEPS * ROLLOUTS_PER_STEP
