@@ -17,6 +17,11 @@ wire protocol (`agl_lab.protocol`). Three choices differ from AGL v1's client, e
    rollout managers' timeout error (`RolloutWaitTimeout`) names the unfinished rollouts with
    their current states (`states_of`).
 
+4. **Fail-over across servers of one ledger.** `AglClient("http://s0:8080,http://s1:8080")` (or a
+   list) talks to the first server and, when one refuses the connection (`httpx.ConnectError`:
+   the request never reached it, so any call may be resent), moves on to the next at once,
+   counted in `failovers`; the retry policy's backoff starts only after every server refused.
+
 The request/response shapes live in small pure helpers (`_Call` builders and parsers) and the
 retry decisions in one `_RetryPolicy.outcome`, so there is one request/retry path.
 """
@@ -316,11 +321,22 @@ def server_key(key: str | None, key_file: str | None, environ: Mapping[str, str]
     return environ.get("AGL_KEY", "")
 
 
+def server_urls(base_url: str | Sequence[str]) -> list[str]:
+    """The servers of `agentlightning.agl_base_url`: one URL, several comma-separated, or a list."""
+    parts = base_url.split(",") if isinstance(base_url, str) else [str(u) for u in base_url]
+    urls = [u.strip().rstrip("/") for u in parts if u.strip()]
+    if not urls:
+        raise ValueError(f"agentlightning.agl_base_url={base_url!r} names no server: give http://host:port[,…]")
+    return urls
+
+
 class AglClient:
-    """Blocking client of one agl server (or an AGL v1 server).
+    """Blocking client of one agl server (or an AGL v1 server), or of several servers of one ledger.
 
     Args:
-        base_url: server root, e.g. `http://127.0.0.1:8080` (no `/api`).
+        base_url: server root, e.g. `http://127.0.0.1:8080` (no `/api`); several servers of one
+            ledger comma-separated (or a list): on a refused connection the next one is used
+            (`base_url` is then the one in use, `failovers` counts the moves).
         key: bearer key; empty sends no Authorization header.
         timeout: per-request timeout in seconds.
         max_retries: extra attempts for idempotent calls (11 attempts in all by default).
@@ -341,30 +357,50 @@ class AglClient:
         transport: httpx.BaseTransport | None = None,
         event_hooks: dict[str, list] | None = None,
     ):
-        self.base_url = base_url.rstrip("/")
+        self._urls = server_urls(base_url)
+        self.base_url = self._urls[0]
+        self.failovers = 0
         self._policy = _RetryPolicy(max_retries, backoff_base, backoff_cap)
-        self.http = httpx.Client(
-            base_url=self.base_url,
-            headers=_auth_headers(key),
-            timeout=timeout,
-            transport=transport,
-            event_hooks=event_hooks,
-        )
+        self._clients = [
+            httpx.Client(
+                base_url=url, headers=_auth_headers(key), timeout=timeout, transport=transport, event_hooks=event_hooks
+            )
+            for url in self._urls
+        ]
+        self._current = 0
+        self.http = self._clients[0]
 
     # -- plumbing ------------------------------------------------------------------------
 
     def _send(self, call: _Call) -> Any:
         """Send `call` with the retry policy; return the decoded JSON body (None if empty)."""
         for attempt in itertools.count():
-            try:
-                answer: httpx.Response | Exception = self.http.request(**_request_args(call))
-            except httpx.TransportError as exc:
-                answer = exc
+            for _hop in range(len(self._urls)):  # a refused connection: the next server, at once
+                try:
+                    answer: httpx.Response | Exception = self.http.request(**_request_args(call))
+                except httpx.TransportError as exc:
+                    answer = exc
+                if not isinstance(answer, httpx.ConnectError) or len(self._urls) == 1:
+                    break
+                self._fail_over(answer)
             done, value = self._policy.outcome(self.base_url, call, attempt, answer)
             if done:
                 return value
             time.sleep(value)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    @property
+    def urls(self) -> list[str]:
+        """The servers this client may use, in fail-over order."""
+        return list(self._urls)
+
+    def _fail_over(self, exc: Exception) -> None:
+        """Use the next server of `base_url`'s list (the connection to this one was refused)."""
+        failed = self.base_url
+        self._current = (self._current + 1) % len(self._urls)
+        self.http, self.base_url = self._clients[self._current], self._urls[self._current]
+        self.failovers += 1
+        logger.warning("server %s refused the connection (%r); failing over to %s", failed, exc, self.base_url)
 
     def _best_effort(self, call: _Call) -> bool:
         try:
@@ -377,7 +413,8 @@ class AglClient:
             return False
 
     def close(self) -> None:
-        self.http.close()
+        for client in self._clients:
+            client.close()
 
     def __enter__(self) -> AglClient:
         return self

@@ -89,8 +89,11 @@ class Execution:
                 self.server.set_tokenizer(engine.model_name, engine.tokenizer)
             self.base_url = self.server.url
         else:
-            self.base_url = str(agl.agl_base_url).rstrip("/")
-        self.client = AglClient(self.base_url, key=self.key)
+            from agl_lab.client import server_urls
+
+            urls = server_urls(agl.agl_base_url if isinstance(agl.agl_base_url, str) else list(agl.agl_base_url))
+            self.base_url = urls[0]  # several servers of one ledger: the client fails over to the next
+        self.client = AglClient(self.base_url if lab.server.embedded else urls, key=self.key)
         self._closers.append(self.client.close)
         if not lab.server.embedded:
             check_external_server(
@@ -147,6 +150,8 @@ class Execution:
             drain_timeout=float(self.cfg.agl_lab.rollout.drain_timeout_seconds),
         ) as metrics:
             yield metrics
+            if len(self.client.urls) > 1:  # agentlightning.agl_base_url lists several servers of one ledger
+                metrics["execution/server_failovers"] = self.client.failovers  # since the start
         after = engine.serving_counters() if before else {}
         # the engine's own server over this phase: rollout/prefill_tokens, cached_tokens, decode_steps
         metrics.update({f"rollout/{k}": after[k] - v for k, v in before.items() if k in after})

@@ -26,6 +26,9 @@ events and agent tokens only) as well as the admin key; `--ssl-ca-file CA.pem` v
 https:// server (it sets SSL_CERT_FILE for the runner and its agents); `--metrics-port N` serves
 the runner's counters as Prometheus text (`agl_runner_*`, docs/many-machines.md).
 
+`--ray [ADDRESS]` runs each agent as a Ray task spread over a cluster's nodes (`agl_lab.ray_runner`;
+Ray is imported only then); the claims, heartbeats and attempts stay in this process.
+
 The trainer whose rollouts these runners execute starts no runner of its own:
 `agl_lab.runner.enabled=false` (and, with an external server, `agl_lab.server.embedded=false`
 with `agentlightning.agl_base_url` naming it). docs/robustness.md describes leases and attempts.
@@ -120,6 +123,22 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PEM",
         help="verify an https:// server with this CA file (sets SSL_CERT_FILE for the runner and its agents)",
     )
+    p.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="ADDRESS",
+        help="run each agent as a Ray task spread over the cluster's nodes (ADDRESS: HOST:PORT of its head; "
+        "bare: $RAY_ADDRESS, else the cluster on this host); claims and leases stay in this process",
+    )
+    p.add_argument(
+        "--ray-cpus-per-agent",
+        type=float,
+        default=1.0,
+        metavar="N",
+        help="Ray CPUs each agent task reserves with --ray (default 1; 0.25: four agents per CPU)",
+    )
     p.add_argument("--log-level", default="warning", help="log level of the runner's messages (default warning)")
     return p
 
@@ -135,7 +154,9 @@ def summary_line(stats: Mapping[str, int], wall: float, prefix: str = "agl-lab r
     """One line of what the runner did: finished rollouts, their outcomes, rate, what it holds."""
     done = stats["succeeded"] + stats["failed"]
     rate = done / wall if wall > 0 else 0.0
-    extra = "".join(f" · {name} {stats[name]}" for name in ("released", "abandoned", "conflicts") if stats.get(name))
+    extra = "".join(
+        f" · {name} {stats[name]}" for name in ("released", "abandoned", "conflicts", "node_lost") if stats.get(name)
+    )
     return (
         f"{prefix}: {done} done ({stats['succeeded']} succeeded, {stats['failed']} failed) in {wall:.1f} s "
         f"· {rate:.2f} rollouts/s · claimed {stats['claimed']} · running {stats['running']}{extra}"
@@ -161,10 +182,14 @@ def runner_main(argv: list[str]) -> int:
         stop.set()
         signal.signal(signum, signal.SIG_DFL)  # a second signal ends the process at once
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
     t0 = time.monotonic()
-    runner.start()
+    try:
+        runner.start()
+    except (ConnectionError, RuntimeError, ValueError) as exc:  # --ray: no cluster at that address
+        print(f"agl-lab runner: could not start: {exc}", file=sys.stderr)
+        return 2
+    for sig in (signal.SIGTERM, signal.SIGINT):  # after start(): ray.init (--ray) installs its own
+        signal.signal(sig, on_signal)
     metrics_server = None
     if args.metrics_port is not None:
         metrics_server = serve_metrics(runner, args.metrics_host, args.metrics_port)
@@ -178,7 +203,8 @@ def runner_main(argv: list[str]) -> int:
     )
     print(
         f"agl-lab runner {runner.runner_id}: claiming from {runner.server_url} · agent {agent} · "
-        f"concurrency {runner.concurrency}",
+        f"concurrency {runner.concurrency}"
+        + (f" · agents as Ray tasks on {runner.address}" if getattr(runner, "address", None) else ""),
         flush=True,
     )
     printed = 0
@@ -276,8 +302,19 @@ def _build_runner(args: argparse.Namespace):
         sys.path.insert(0, os.getcwd())
     agent = load_agent(args.agent) if args.agent is not None else getattr(args, "agent_object", None)
     concurrency = 16 if args.concurrency is None else args.concurrency
-    return Runner(
+    runner_class, ray_args = Runner, {}
+    if args.ray is not None:  # Ray is imported only by RayRunner.start(): the plain runner stays light
+        from agl_lab.ray_runner import RayRunner
+
+        runner_class = RayRunner
+
+        if not args.ray_cpus_per_agent >= 0:
+            raise ValueError(f"--ray-cpus-per-agent must be >= 0, got {args.ray_cpus_per_agent}")
+        address = args.ray or os.environ.get("RAY_ADDRESS") or "auto"
+        ray_args = {"address": address, "cpus_per_agent": args.ray_cpus_per_agent}
+    return runner_class(
         args.server,
+        **ray_args,
         key=runner_key(args, os.environ),
         agent=agent,
         concurrency=concurrency,

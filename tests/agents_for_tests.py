@@ -260,3 +260,13 @@ class GsmCompletionAgent:
             "agent_saw", {"question": question, "answer": answer, "reply": text, "n_prompt_ids": len(prompt_ids)}
         )
         _post_event("reward", {"value": reward})
+
+
+def ray_hold_agent(task: dict, ctx) -> float:
+    """The `--ray` runner tests' agent: holds its rollout while the file `task["hold_file"]`
+    (when given) does not exist yet (at most 300 s), then returns reward 1.0."""
+    path = task.get("hold_file")
+    end = time.monotonic() + 300
+    while path and not os.path.exists(path) and time.monotonic() < end:
+        time.sleep(0.2)
+    return 1.0

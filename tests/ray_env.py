@@ -38,7 +38,9 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def ray_nodes(count: int, *, num_cpus: int = 4, num_gpus: int = 1, object_store_mb: int = 100) -> Iterator[str]:
+def ray_nodes(
+    count: int, *, num_cpus: int = 4, num_gpus: int = 1, object_store_mb: int = 100, dirs_out: list | None = None
+) -> Iterator[str]:
     """`count` Ray nodes on this machine started with `ray start` (a head, then `count - 1` joining
     it), each with its own temp dir and free ports; yields the head's address (`ip:port`).
     Measured: ~5-10 s per node on the 2-core machine.
@@ -56,6 +58,8 @@ def ray_nodes(count: int, *, num_cpus: int = 4, num_gpus: int = 1, object_store_
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RAY_ADDRESS", "RAY_TMPDIR")}
     env.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
     dirs = [tempfile.mkdtemp(prefix=f"agln{i}", dir="/tmp") for i in range(count)]
+    if dirs_out is not None:  # node i's processes have dirs_out[i] in their command line (to kill one)
+        dirs_out.extend(dirs)
     address = None
     try:
         for i, path in enumerate(dirs):
