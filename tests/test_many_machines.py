@@ -13,7 +13,6 @@ Real processes, real HTTP on loopback, a real PostgreSQL (tests/postgres.py), th
 
 from __future__ import annotations
 
-import contextlib
 import gzip
 import json
 import os
@@ -29,6 +28,7 @@ import pytest
 
 from agl_lab.client import AglClient
 from tests.conftest import scaled
+from tests.processes import stop_groups
 from tests.test_trainer import SMALL
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -201,17 +201,7 @@ def test_two_servers_on_postgresql_three_runners_one_killed_and_train_lose_nothi
             left = client.list_rollouts(["queuing", "running", "succeeded", "failed"])
             n_terminal = client.terminal_page(0).total_terminal
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_groups(procs, 30)
 
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train_records = {m["step"]: m for m in metrics if "training/n_rerun_rollouts" in m}

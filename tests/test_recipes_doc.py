@@ -17,12 +17,10 @@ database comes from tests/postgres.py.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import shlex
-import signal
 import socket
 import subprocess
 import sys
@@ -32,6 +30,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.processes import stop_groups
 from tests.test_metrics import parse, value
 from tests.test_trainer import SMALL
 
@@ -100,17 +99,7 @@ def shell(tmp_path):
 
     run.home = home  # type: ignore[attr-defined]
     yield run
-    for proc in procs:
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-    for proc in procs:
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    stop_groups(procs, 60)
 
 
 def _wait(predicate, bound: float, what: str, watch=()) -> None:

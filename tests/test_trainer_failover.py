@@ -8,7 +8,6 @@ Real processes, real HTTP on loopback, a real PostgreSQL (tests/postgres.py), th
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.processes import stop_groups
 from tests.test_many_machines import _free_port, _healthy, _recording, _spawn, _wait_for
 from tests.test_trainer import SMALL
 
@@ -80,17 +80,7 @@ def test_the_trainer_fails_over_to_the_second_server_when_its_first_is_killed(po
         train_log = logs[3].read_text()
         assert trainer.returncode == 0, train_log[-4000:]
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_groups(procs, 30)
 
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train_records = {m["step"]: m for m in metrics if "training/n_rerun_rollouts" in m}
