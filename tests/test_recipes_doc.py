@@ -12,7 +12,12 @@ database comes from tests/postgres.py.
    runner key on server 2: the run trains its steps, and server 2's `/metrics` (read with the
    runner key) counts the claims of every rollout;
 2. the smaller layout: the trainer's embedded server on `agl_lab.server.port` prints its URL,
-   and a runner given that URL (and the runner key) runs the rollouts.
+   and a runner given that URL (and the runner key) runs the rollouts;
+3. "Runners on a Ray cluster": its own settings block (`RAY_HEAD`, the address of a head the test
+   starts with `ray start --head` beside a second `ray start --address` node, one CPU each) and its
+   runner block run verbatim against the keys block and one server-1 block (SQLite store), the
+   section's `my_agents:solve` written as a module on PYTHONPATH: every rollout succeeds as attempt
+   "0", and the agents ran on both nodes.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -33,24 +39,28 @@ import pytest
 from tests.processes import stop_groups
 from tests.test_metrics import parse, value
 from tests.test_trainer import SMALL
+from tests.timescale import scaled
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "many-machines.md"
 SETTINGS = {"BIND", "PORT", "SERVER", "TRAINER_HOST", "STORE", "KEYS"}
+COMMANDS = "## The commands, on real hosts"
+RAY = "## Runners on a Ray cluster"
+RAY_SETTINGS = {"RAY_HEAD"}
 STEPS = 2
 
 
-def doc_blocks() -> dict[str, str]:
+def doc_blocks(heading: str = COMMANDS) -> dict[str, str]:
     """The section's bash blocks by their first line (a comment naming where they run)."""
     text = DOC.read_text()
-    section = text[text.index("## The commands, on real hosts") :]
+    section = text[text.index(heading) :]
     section = section[: section.index("\n## ", 1)]
     blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
     return {block.splitlines()[0]: block for block in blocks}
 
 
-def block(prefix: str) -> str:
-    (found,) = [b for first, b in doc_blocks().items() if first.startswith(prefix)]
+def block(prefix: str, heading: str = COMMANDS) -> str:
+    (found,) = [b for first, b in doc_blocks(heading).items() if first.startswith(prefix)]
     return found
 
 
@@ -187,3 +197,84 @@ def test_the_smaller_layout_prints_the_url_runners_are_given(shell, tmp_path):
     assert trainer.returncode == 0, trainer.log.read_text()[-4000:]
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps[-1] == STEPS  # the trainer has no runner: the one given the printed URL ran every rollout
+
+
+# The Ray section's agent, as an operator's my_agents.py: it holds its rollout until the file
+# `task["hold_file"]` exists (at most 300 s), so the test sees every agent running at once.
+MY_AGENTS = """import os
+import time
+
+
+def solve(task, ctx):
+    path = task.get("hold_file")
+    end = time.monotonic() + 300
+    while path and not os.path.exists(path) and time.monotonic() < end:
+        time.sleep(0.2)
+    return 1.0
+"""
+RAY_ROLLOUTS = 5  # > 4: at 0.25 Ray CPUs per agent a one-CPU node runs at most 4 at once
+
+
+def test_the_ray_section_reads_only_settings():
+    settings = block("# settings", RAY)
+    assert set(re.findall(r"^export (\w+)=", settings, re.M)) == RAY_SETTINGS
+    runner = block("# runner", RAY)
+    assert set(re.findall(r"\$\{?(\w+)", runner)) == {"SERVER", "KEYS", "RAY_HEAD"}
+    assert "--key " not in runner and "--key-file" in runner
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_ray_runner_command_runs_as_written(shell, tmp_path):
+    """The Ray section's runner block, verbatim, against the keys block, a server-1 block (SQLite
+    store) and two Ray nodes (`ray start --head`, `ray start --address`, one CPU each; tests/ray_env.py
+    stops only their processes). `my_agents.py` is written to a directory on PYTHONPATH, as an
+    operator's module would be; the runner ships it to the nodes."""
+    ray = pytest.importorskip("ray")
+    from agl_lab.client import AglClient
+    from agl_lab.protocol import RolloutCreate
+    from tests.ray_env import isolated_ray_env, ray_nodes
+    from tests.test_ray_runner import node_index, node_of
+
+    keys = shell(block("# keys"), "keys")
+    assert keys.wait(60) == 0, keys.log.read_text()
+    key_dir = shell.home / "agl"
+    url = f"http://127.0.0.1:{_free_port()}"
+    store = f"sqlite:///{tmp_path / 'store.db'}"
+    server = shell(block("# server-1"), "server", PORT=url.rsplit(":", 1)[1], STORE=store, SERVER=url)
+    _wait(lambda: _healthy(url), scaled(120), "the server", [server])
+
+    agents = tmp_path / "agents"
+    agents.mkdir()
+    (agents / "my_agents.py").write_text(MY_AGENTS)
+    hold = tmp_path / "release"
+    rollouts = [f"r{i}" for i in range(RAY_ROLLOUTS)]
+    if ray.is_initialized():
+        ray.shutdown()
+    dirs: list[str] = []
+    with isolated_ray_env("aglq"), ray_nodes(2, num_cpus=1, num_gpus=0, dirs_out=dirs) as address:
+        nodes = node_index(address, dirs)
+        assert sorted(nodes.values()) == [0, 1], nodes
+        runner = shell(block("# runner", RAY), "runner", SERVER=url, RAY_HEAD=address, PYTHONPATH=f"{agents}:{ROOT}")
+        try:
+            with AglClient(url, key=(key_dir / "admin.key").read_text().strip()) as client:
+                client.create_rollouts([RolloutCreate(rollout_id=r, input={"hold_file": str(hold)}) for r in rollouts])
+                _wait(  # all held at once: more than one node can run
+                    lambda: all(node_of(client, r) for r in rollouts), scaled(300), "every agent to start", [runner]
+                )
+                assert {node_of(client, r) for r in rollouts} == set(nodes)  # agents ran on both nodes
+                hold.touch()
+                _wait(lambda: all(client.get_rollout(r)[0].is_terminal for r in rollouts), scaled(300), "the rollouts")
+                for r in rollouts:
+                    rollout, attempts = client.get_rollout(r)
+                    assert rollout.status.state == "succeeded" and attempts == ["0"], rollout.status
+                    assert client.get_events(r, event_type="reward")[0]["data"] == {"value": 1.0}
+            os.killpg(runner.pid, signal.SIGTERM)
+            assert runner.wait(scaled(120)) == 0, runner.log.read_text()[-4000:]
+        finally:
+            if runner.poll() is None:
+                os.killpg(runner.pid, signal.SIGKILL)
+                runner.wait()
+    out = runner.log.read_text()
+    assert f"agents as Ray tasks on {address}" in out, out[-4000:]
+    assert f"{RAY_ROLLOUTS} done ({RAY_ROLLOUTS} succeeded, 0 failed)" in out.strip().splitlines()[-1], out[-4000:]
