@@ -175,6 +175,8 @@ class RayRunner(Runner):
         import ray
 
         if not ray.is_initialized():
+            if self.address is None:  # a local cluster: its agents at nice 0, not Ray's 15 (engine.init_ray)
+                os.environ.setdefault("RAY_worker_niceness", "0")
             ray.init(address=self.address, runtime_env=self.runtime_env, logging_level=logging.WARNING)
             self._connected = True
         self._task = ray.remote(run_on_node).options(

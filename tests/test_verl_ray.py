@@ -34,6 +34,7 @@ def _make_worker_view():
             "algorithms_imported": "agl_lab.algorithms" in _sys.modules,
             "probe": _os.environ.get("AGL_LAB_RAY_PROBE"),
             "tokenizers_parallelism": _os.environ.get("TOKENIZERS_PARALLELISM"),
+            "niceness": _os.nice(0),
         }
 
     return worker_view
@@ -46,6 +47,7 @@ def ray_tmpdir(monkeypatch):
     monkeypatch.setenv("RAY_TMPDIR", path)
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)  # let verl's default env apply
+    monkeypatch.delenv("RAY_worker_niceness", raising=False)  # init_ray's default applies
     yield path
     shutil.rmtree(path, ignore_errors=True)
 
@@ -84,6 +86,7 @@ def test_init_ray_registers_the_loss_in_every_worker(ray_tmpdir):
     assert view["algorithms_imported"] is True
     assert view["probe"] == "overlay-ok"  # ray_kwargs.ray_init.runtime_env overlay
     assert view["tokenizers_parallelism"] == "true"  # verl's default PPO runtime env
+    assert view["niceness"] == 0  # not Ray's 15: beside a busy process a niced worker starves
 
 
 def test_joining_a_cluster_drops_the_keys_ray_init_refuses_and_says_so_once(monkeypatch):

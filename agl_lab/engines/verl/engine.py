@@ -131,6 +131,11 @@ def init_ray(config: Any, env_vars: Mapping[str, str] | None = None) -> bool:
     kwargs = ray_init_kwargs({k: v for k, v in kwargs.items() if v is not None})
     if os.environ.get("RAY_TMPDIR") and "_temp_dir" not in kwargs and joining_address(kwargs) is None:
         kwargs["_temp_dir"] = os.environ["RAY_TMPDIR"]
+    if joining_address(kwargs) is None:
+        # Ray runs its workers at nice 15 (RAY_worker_niceness): beside any other busy process (a
+        # shared machine, a notebook kernel spinning) the training workers got a few % of a core
+        # and verl's start-up ran past 15 minutes. They are the job here; a user's setting wins.
+        os.environ.setdefault("RAY_worker_niceness", "0")
     ray.init(runtime_env=runtime_env, **kwargs)
     return True
 
