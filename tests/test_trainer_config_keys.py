@@ -246,7 +246,11 @@ def test_killed_cli_run_resumes_and_continues_like_an_uninterrupted_run(tmp_path
     assert sorted(got) == list(range(at + 1, 5)) and got  # only the steps after the checkpoint
     for step, record in got.items():
         for key in RESUME_KEYS:
-            assert record[key] == pytest.approx(expected[step][key], rel=1e-5, abs=1e-7), (step, key)
+            # a step whose rows all have advantage 0 forwards none (the zero-advantage skip) and
+            # logs no actor/entropy: the resumed run must lack it on the same steps
+            assert (key in record) == (key in expected[step]), (step, key)
+            if key in record:
+                assert record[key] == pytest.approx(expected[step][key], rel=1e-5, abs=1e-7), (step, key)
 
 
 # ---------------------------------------------------------------------------------------------
