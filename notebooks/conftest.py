@@ -32,23 +32,26 @@ _MISSING_ENVS = [m for m in ("reasoning_gym", "gem") if importlib.util.find_spec
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     scale_timeouts(config, items)  # a cell's pytest-timeout: ≥ 20 min, × AGL_LAB_TEST_TIME_SCALE
-    if _MISSING_ENVS:
-        skip_envs = pytest.mark.skip(
-            reason=f"{_MISSING_ENVS} not installed: pip install --no-deps -r requirements-envs.txt "
-            "(docs/environments.md) to run the environments notebook"
-        )
-        for item in items:
-            if item.path.name in ENVS_NOTEBOOKS:
-                item.add_marker(skip_envs)
-    if not _MISSING:
-        return
-    skip = pytest.mark.skip(
-        reason=f"{_MISSING} not installed: ./lab real-model (or pip install "
-        "'agl_lab[real-model]') to run the real-model notebooks"
+    # notebooks that need an extra: skipped, naming how to install it, where its modules are missing
+    needs = (
+        (
+            REAL_MODEL_NOTEBOOKS,
+            _MISSING,
+            "./lab real-model (or pip install 'agl_lab[real-model]') to run the real-model notebooks",
+        ),
+        (
+            ENVS_NOTEBOOKS,
+            _MISSING_ENVS,
+            "pip install --no-deps -r requirements-envs.txt (docs/environments.md) to run the environments notebook",
+        ),
     )
-    for item in items:
-        if item.path.name in REAL_MODEL_NOTEBOOKS:
-            item.add_marker(skip)
+    for notebooks, missing, install in needs:
+        if not missing:
+            continue
+        skip = pytest.mark.skip(reason=f"{missing} not installed: {install}")
+        for item in items:
+            if item.path.name in notebooks:
+                item.add_marker(skip)
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
