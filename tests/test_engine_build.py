@@ -47,8 +47,10 @@ def test_the_trainer_sets_torch_threads_when_it_builds_its_engine(tmp_path, sett
             overrides=[*SMALL, f"agl_lab.torch_threads={setting}"],
             run_dir=tmp_path,
             console=False,
-        ):
+        ) as trainer:
             assert torch.get_num_threads() == expected
+            # the decode loop follows: it runs only while no update does (the weights lock)
+            assert trainer.engine.server.scheduler.num_threads == expected
     finally:
         torch.set_num_threads(before)
 

@@ -62,3 +62,34 @@ def test_weight_update_empties_the_cache():
         model.weight.add_(1.0)  # an optimizer step is an in-place update
     cache.check_weights(model)
     assert len(cache) == 0 and cache.generation > generation
+
+
+def test_requests_admitted_together_compute_their_common_prefix_once():
+    """A GRPO group's prompts admitted in one batch: the shared blocks run once, every row stays exact."""
+    from agl_lab.engines.serving.scheduler import BatchScheduler, SamplingParams
+    from agl_lab.engines.tiny import load_model_and_tokenizer
+
+    model, tok = load_model_and_tokenizer(device="cpu")
+    shared = [5 + i % 50 for i in range(3 * BLOCK + 7)]  # 3 whole blocks + 7 tokens in common
+    prompts = [shared + [60, 61], shared + [60, 62, 63], shared + [64], shared + [60, 61]]
+    sched = BatchScheduler(model, tok, batch_window_ms=0)
+    try:
+        sched.pause(wait=True)  # queue all four, then admit them in one prefill
+        params = SamplingParams(max_tokens=4, seed=3, ignore_eos=True)
+        futures = [sched.submit(p, params) for p in prompts]
+        sched.resume()
+        results = [f.result(timeout=120) for f in futures]
+    finally:
+        sched.close()
+    stats = sched.stats
+    assert stats["prefills"] == 1 and stats["shared_prefills"] == 1
+    # the shared blocks once, then each row only its own tail: 7 common tokens + its suffix
+    assert stats["prefill_tokens"] == 3 * BLOCK + sum(len(p) - 3 * BLOCK for p in prompts)
+    # what was computed or served adds up to the prompts (the shared blocks count once as computed)
+    assert stats["prefill_tokens"] + stats["cached_tokens"] == sum(len(p) for p in prompts)
+    for prompt, res in zip(prompts, results):  # logprobs as one fresh forward computes them
+        ids = torch.tensor([prompt + res.token_ids])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+        fresh = torch.log_softmax(logits, -1).gather(1, torch.tensor(res.token_ids)[:, None])[:, 0]
+        assert (fresh - torch.tensor(res.logprobs)).abs().max().item() < 1e-4

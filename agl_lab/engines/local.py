@@ -194,6 +194,7 @@ class LocalEngine(Engine):
             "prefill_tokens": float(stats["prefill_tokens"]),
             "cached_tokens": float(stats["cached_tokens"]),
             "decode_steps": float(stats["steps"]),
+            "shared_prefills": float(stats["shared_prefills"]),
         }
 
     def pause(self, timeout: float | None = 300.0) -> None:
