@@ -25,6 +25,7 @@ falls back to the padded path (metric `actor/shared_prefix_fallbacks`).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache
 from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
 
@@ -126,19 +127,24 @@ class SharedPrefix:
             logits_to_keep=width_s - first,
         )
         self.body_tokens += n * width_s
-        j = torch.arange(response_length).unsqueeze(0)
-        at = (prompt_len - p - 1 - first).unsqueeze(1) + j  # [n, R] into the kept logits
+        # Only the R' response columns some row attends to reach the vocabulary-sized ops (as
+        # `local_ppo._trim` does for the padded path): [n, R', V] is the update's largest tensor.
+        seen = attention_mask[:, prompt_width:].bool().any(0).nonzero()
+        kept = int(seen[-1]) + 1 if seen.numel() else 1
+        j = torch.arange(kept).unsqueeze(0)
+        at = (prompt_len - p - 1 - first).unsqueeze(1) + j  # [n, R'] into the kept logits
         logits = out.logits.float()
         picked = logits.gather(
             1, at.clamp(max=logits.shape[1] - 1).to(device).unsqueeze(-1).expand(-1, -1, logits.shape[-1])
         )
         picked = picked / temperature
-        responses = input_ids[:, prompt_width:].to(device)
-        attended = attention_mask[:, prompt_width:].to(device, picked.dtype)
-        logprobs = logprobs_from_logits(picked, responses) * attended
+        responses = input_ids[:, prompt_width : prompt_width + kept].to(device)
+        attended = attention_mask[:, prompt_width : prompt_width + kept].to(device, picked.dtype)
+        widen = lambda t: F.pad(t * attended, (0, response_length - kept))  # noqa: E731  [n, R'] → [n, R]
+        logprobs = widen(logprobs_from_logits(picked, responses))
         if entropy == "none":
             return logprobs, None
-        return logprobs, entropy_from_logits(picked if entropy == "grad" else picked.detach()) * attended
+        return logprobs, widen(entropy_from_logits(picked if entropy == "grad" else picked.detach()))
 
     def backward(self) -> None:
         """Push the gradients the micro-batches left on the K/V leaves through the prefix, once."""
