@@ -12,15 +12,18 @@
 #     agl-lab train configs/cpu_smollm2_learn.yaml --run-dir RUN agl_lab.seed=S    # S = 0, 1, 2
 #
 # on this project's 2-core CPU machine (LoRA rank 16 through verl's keys, the old-logprob pass
-# skipped by verl's `bypass_mode`; docs/real-model.md has the settings and what they cost). Each
-# run wrote `config.yaml`, `metrics.jsonl` and its validation rollouts
-# (`recording/validation_*.json.gz`); those files are in `notebooks/recorded/smollm2_learn/`, and
-# this notebook reads them — it runs in seconds, trains nothing, and shows:
+# skipped by verl's `bypass_mode`, zero-advantage micro-batches not forwarded and the shared prompt
+# forwarded once per mini-batch through verl's `use_prefix_grouper`; docs/real-model.md has the
+# settings and what they cost). Each run wrote `config.yaml`, `metrics.jsonl` and its validation
+# rollouts (`recording/validation_*.json.gz`); those files are in
+# `notebooks/recorded/smollm2_learn_fast/`, beside three earlier runs of the same config without
+# the two update savings (`notebooks/recorded/smollm2_learn/`, 2026-12-01). This notebook reads
+# them — it runs in seconds, trains nothing, and shows:
 #
 # 1. the reward and validation curves of the three seeds, and the numbers the claim rests on;
 # 2. what changed in the model's behaviour: tool calls and right answers per validation;
 # 3. transcripts of the same validation task before and after training;
-# 4. where the time of a step went.
+# 4. where the time of a step went, and what the update no longer computes (against the earlier runs).
 #
 # The transcripts need SmolLM2's tokenizer (`./lab real-model`); without it the test suite skips
 # this notebook, as it does 04.
@@ -38,8 +41,9 @@ pd.set_option("display.max_columns", 20)
 pd.set_option("display.max_colwidth", 90)
 pd.set_option("display.precision", 3)
 ROOT = Path.cwd().parent if Path.cwd().name == "notebooks" else Path.cwd()
-RECORDED = ROOT / "notebooks" / "recorded" / "smollm2_learn"
+RECORDED = ROOT / "notebooks" / "recorded" / "smollm2_learn_fast"
 RUNS = sorted(RECORDED.glob("seed*"))
+EARLIER = sorted((ROOT / "notebooks" / "recorded" / "smollm2_learn").glob("seed*"))  # padded update, 2026-12-01
 print([run.name for run in RUNS])
 
 # %% [markdown]
@@ -56,6 +60,7 @@ def load_metrics(run: Path) -> pd.DataFrame:
 
 
 metrics = {run.name: load_metrics(run) for run in RUNS}
+earlier = {run.name: load_metrics(run) for run in EARLIER}
 
 import matplotlib.pyplot as plt  # noqa: E402
 
@@ -66,6 +71,10 @@ for (name, m), colour in zip(metrics.items(), ["C0", "C1", "C2"]):
     left.plot(train.index, train.rolling(5, min_periods=1).mean(), color=colour, lw=2, label=f"{name} (mean of 5)")
     val = m["val/reward"].dropna()
     right.plot(val.index, val, "o-", color=colour, label=name)
+for m in earlier.values():  # the earlier runs' validation, for comparison
+    val = m["val/reward"].dropna()
+    right.plot(val.index, val, "--", color="grey", alpha=0.6, lw=1)
+right.plot([], [], "--", color="grey", label="earlier runs")
 left.set(title="training reward per step", xlabel="step", ylabel="reward", ylim=(0, 1.02))
 right.set(title="validation reward (32 held-out questions)", xlabel="step", ylim=(0, 1.02))
 left.legend(), right.legend()
@@ -160,15 +169,38 @@ print("AFTER TRAINING ·", format_transcript(a, tokenizer, width=300))
 
 # %%
 STAGES = ["timing_s/gen", "timing_s/old_log_prob", "timing_s/adv", "timing_s/update_actor", "timing_s/step"]
-timing = pd.DataFrame({name: m[STAGES].mean() for name, m in metrics.items()}).T
-timing.columns = [c.removeprefix("timing_s/") for c in STAGES]
-timing["validate (per validation)"] = [m["timing_s/validate"].mean() for m in metrics.values()]
+
+
+def stage_means(runs: dict, label: str) -> pd.DataFrame:
+    out = pd.DataFrame({f"{label} {name}": m[STAGES].mean() for name, m in runs.items()}).T
+    out.columns = [c.removeprefix("timing_s/") for c in STAGES]
+    out["validate (per validation)"] = [m["timing_s/validate"].mean() for m in runs.values()]
+    out["minutes"] = [(m["timing_s/step"].sum() + m["timing_s/validate"].sum()) / 60 for m in runs.values()]
+    return out
+
+
+timing = pd.concat([stage_means(metrics, "now"), stage_means(earlier, "earlier")])
 timing
 
 # %%
-ax = timing[["gen", "adv", "update_actor"]].plot.barh(stacked=True, figsize=(8, 2.2))
-ax.set(xlabel="seconds per step", title="a training step, by stage")
+ax = timing[["gen", "adv", "update_actor"]].plot.barh(stacked=True, figsize=(8, 3.2))
+ax.set(xlabel="seconds per step", title="a training step, by stage: now and in the earlier runs")
 ax.figure.tight_layout()
+
+# %% [markdown]
+# What the update computes, per step (the local engine's `actor/*` metrics): rows and tokens
+# through the model body, the shared prefix's length, and the zero-advantage rows and
+# micro-batches it did not forward (their gradient is exactly 0; the optimiser step still runs);
+# and what the rollout phase computed (`rollout/*`). The earlier runs forwarded every row with
+# its whole prompt: ~5,700 body tokens a step.
+
+# %%
+WORK = ["actor/diagnostic_rows", "actor/body_tokens", "actor/shared_prefix_tokens", "actor/skipped_zero_adv_rows",
+        "actor/skipped_zero_adv_micro_batches", "rollout/prefill_tokens", "rollout/cached_tokens",
+        "rollout/shared_prefills"]
+work = pd.DataFrame({name: m[WORK].mean() for name, m in metrics.items()}).T
+work.columns = [c.split("/", 1)[1] for c in WORK]
+work
 
 # %% [markdown]
 # ## Run it yourself
