@@ -136,3 +136,51 @@ def test_a_short_prefix_falls_back_to_the_padded_path():
     metrics = ppo_update(model, torch.optim.SGD(model.parameters(), lr=0.0), data, cfg)
     assert metrics["actor/shared_prefix_fallbacks"] == 1 and metrics["actor/shared_prefix_tokens"] == 0
     assert np.isfinite(metrics["actor/pg_loss"])
+
+
+def grouped_batch(header: int = 3, own: int = 17) -> DataProto:
+    """Two GRPO groups of 4 rows: a `header`-token start common to all, then each group's own
+    `own` tokens (a reasoning-gym question, say) — the prompt identical within a group."""
+    g = torch.Generator().manual_seed(11)
+    head = torch.randint(3, 300, (header,), generator=g)
+    width = header + own
+    prompts = torch.stack(
+        [torch.cat([head, q]) for q in torch.randint(3, 300, (2, own), generator=g) for _ in range(4)]
+    )
+    responses, rmask = torch.randint(3, 300, (N, R), generator=g), torch.zeros(N, R, dtype=torch.long)
+    for i, length in enumerate(RESPONSES):
+        rmask[i, :length] = 1
+    responses[rmask == 0] = 0
+    attention = torch.cat([torch.ones(N, width, dtype=torch.long), rmask], 1)
+    tensors = {
+        "input_ids": torch.cat([prompts, responses], 1),
+        "attention_mask": attention,
+        "position_ids": torch.clamp(attention.cumsum(-1) - 1, min=0),
+        "responses": responses,
+        "response_mask": rmask.float(),
+        "advantages": (torch.randn(N, 1, generator=g).expand(N, R) * rmask / 10).contiguous(),
+        "old_log_probs": -5.0 + 0.5 * torch.randn(N, R, generator=g),
+    }
+    return DataProto.from_dict(tensors=tensors, meta_info={"temperature": T})
+
+
+def test_groups_that_differ_early_share_their_own_prompt_per_group():
+    data = grouped_batch()
+    runs = {}
+    for on in (False, True):
+        model = tiny_qwen2()
+        cfg = ActorUpdateConfig(
+            ppo_mini_batch_size=N, ppo_micro_batch_size_per_gpu=2, grad_clip=None, use_prefix_grouper=on
+        )
+        metrics = ppo_update(model, torch.optim.SGD(model.parameters(), lr=0.0), data, cfg)
+        runs[on] = (torch.cat([p.grad.flatten() for p in model.parameters()]), metrics)
+    (g_pad, m_pad), (g_sh, m_sh) = runs[False], runs[True]
+    # the 3-token header alone is under MIN_SHARED; each group's 20-token prompt (to one before its end)
+    assert m_sh["actor/shared_prefixes"] == 2 and m_sh["actor/shared_prefix_fallbacks"] == 0
+    assert m_sh["actor/shared_prefix_tokens"] == 19
+    assert m_sh["actor/body_tokens"] == 2 * 19 + sum(
+        2 * (1 + max(RESPONSES[s : s + 2])) for s in range(0, N, 2)
+    )  # each prefix once, then each micro-batch's last prompt token + responses
+    assert m_sh["actor/body_tokens"] < m_pad["actor/body_tokens"] / 2
+    assert (g_sh - g_pad).abs().max() <= 1e-5 * g_pad.abs().max()
+    assert m_sh["actor/pg_loss"] == pytest.approx(m_pad["actor/pg_loss"], rel=1e-6)

@@ -13,8 +13,9 @@ or any other registered one), entropy and KL terms go through verl's `agg_loss` 
 
 **Less work, the same gradient.** Micro-batches of zero-advantage rows are not forwarded
 (`agl_lab.engines.zero_skip`, `skip_zero_advantage`: bit-identical gradients), and with
-`use_prefix_grouper` the rows' shared prompt is forwarded and back-propagated once per
-mini-batch (`agl_lab.engines.shared_prefix`: equal to fp32 rounding).
+`use_prefix_grouper` the rows' shared prompt is forwarded and back-propagated once per cluster of
+micro-batches that share it — the mini-batch, or each GRPO group (`agl_lab.engines.shared_prefix`:
+equal to fp32 rounding).
 
 **Gradient accumulation ≡ one big batch.** Like verl 0.9.1's engine path, every micro-batch
 loss is normalised by the *mini-batch* totals (`config.global_batch_info`: token count,
@@ -46,7 +47,7 @@ from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logit
 from agl_lab.algorithms.loss import register_loss
 from agl_lab.engines import zero_skip
 from agl_lab.engines.actor_config import ActorUpdateConfig, build_optimizer  # noqa: F401 (re-export)
-from agl_lab.engines.shared_prefix import SharedPrefix, padded_body_tokens, shared_prefix_of
+from agl_lab.engines.shared_prefix import MIN_SHARED, SharedPrefix, padded_body_tokens, plan_prefixes
 
 logger = logging.getLogger(__name__)
 
@@ -303,25 +304,38 @@ def _mini_batch_step(
     mb, signal = zero_skip.zero_rows_last(mb, cfg.micro_batch_rows)
     starts = list(range(0, rows, cfg.micro_batch_rows))
     forwarded = zero_skip.forwarded_starts(signal, cfg.micro_batch_rows) if cfg.zero_skip_active else starts
-    prefix, fallback = (None, 0)
-    if cfg.use_prefix_grouper:
-        prefix, fallback = shared_prefix_of(model, mb, forwarded, cfg.micro_batch_rows)
+    plan = plan_prefixes(mb, forwarded, cfg.micro_batch_rows) if cfg.use_prefix_grouper else None
+    cluster_of = {s: i for i, c in enumerate(plan.clusters) for s in c} if plan else {}
     optimizer.zero_grad(set_to_none=True)
     totals: dict[str, float] = {}
-    forwarded_rows = forwarded_tokens = body_tokens = 0
+    forwarded_rows = forwarded_tokens = body_tokens = prefixed_tokens = 0
+    prefix, prefix_cluster = None, None
     for s in forwarded:
         micro = {k: v[s : s + cfg.micro_batch_rows] for k, v in mb.items()}
+        c = cluster_of.get(s)
+        if c != prefix_cluster:  # a new cluster: the previous prefix's gradient goes through it once
+            if prefix is not None:
+                prefix.backward()
+                body_tokens += prefix.body_tokens
+            prefix_cluster, length = c, plan.lengths[c] if c is not None else 0
+            prefix = None
+            if length >= MIN_SHARED:
+                begin = plan.begins[c]
+                prefix = SharedPrefix(model, mb["input_ids"][plan.clusters[c][0], begin : begin + length])
         loss, stats = _micro_loss(model, micro, cfg, temperature, verl_cfg, loss_fn, prefix)
         loss.backward()
-        forwarded_rows += micro["input_ids"].shape[0]
+        n_micro = micro["input_ids"].shape[0]
+        forwarded_rows += n_micro
         forwarded_tokens += int(micro["response_mask"].sum())
         if prefix is None:
             body_tokens += padded_body_tokens(micro["attention_mask"], micro["responses"].shape[-1])
+        else:
+            prefixed_tokens += n_micro * prefix.length
         for k, v in stats.items():
             totals[k] = totals.get(k, 0.0) + v
     if prefix is not None:
-        prefix.backward()  # the shared prefix's gradient, summed over every row, in one pass
-        body_tokens = prefix.body_tokens
+        prefix.backward()  # the last cluster's shared prefix, summed over its rows, in one pass
+        body_tokens += prefix.body_tokens
     skipped_micro, skipped_rows = len(starts) - len(forwarded), rows - forwarded_rows
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if forwarded_rows == 0:
@@ -349,8 +363,10 @@ def _mini_batch_step(
     out["actor/diagnostic_rows"] = float(forwarded_rows)
     out["actor/body_tokens"] = float(body_tokens)
     if cfg.use_prefix_grouper:
-        out["actor/shared_prefix_tokens"] = float(prefix.length if prefix is not None else 0)
-        out["actor/shared_prefix_fallbacks"] = float(fallback)
+        # per forwarded row, the prompt tokens computed once for its cluster (0 on the padded path)
+        out["actor/shared_prefix_tokens"] = prefixed_tokens / max(forwarded_rows, 1)
+        out["actor/shared_prefixes"] = float(sum(1 for length in plan.lengths if length >= MIN_SHARED))
+        out["actor/shared_prefix_fallbacks"] = float(plan.fallbacks)
     return out
 
 
@@ -365,6 +381,7 @@ _SUMMED = (
     "actor/nonfinite_grad_steps",
     "actor/body_tokens",
     "actor/shared_prefix_fallbacks",
+    "actor/shared_prefixes",
     "actor/skipped_zero_adv_micro_batches",
     "actor/skipped_zero_adv_rows",
     "actor/diagnostic_rows",
