@@ -45,6 +45,10 @@ def test_ctrl_c_prints_the_last_checkpoint_and_the_resume_command_without_a_trac
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # Critical: a suite started in the background (`cmd &`, nohup, some CI runners) inherits
+        # SIGINT ignored, and Python then installs no KeyboardInterrupt handler: the Ctrl-C below
+        # would be ignored and the run would train to the end. A terminal's child has it default.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.time() + 400
