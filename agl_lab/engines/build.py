@@ -45,7 +45,7 @@ def build_engine(
 
     register_loss()
     lab = cfg.agl_lab
-    apply_torch_threads(lab.get("torch_threads", "auto"))
+    threads = apply_torch_threads(lab.get("torch_threads", "auto"))
     steps = int(lab.model.warm_start_steps) if task is not None else 0
     if lab.engine == "verl":
         from agl_lab.engines.verl.engine import VerlEngine
@@ -69,11 +69,11 @@ def build_engine(
     with quiet_hf(), _stage(f"model: {label}"):
         engine = LocalEngine.from_config(cfg)
     if lab.get("torch_threads", "auto") == "auto":  # now that the model's size is known
-        apply_torch_threads("auto", n_params=sum(p.numel() for p in engine.model.parameters()))
+        threads = apply_torch_threads("auto", n_params=sum(p.numel() for p in engine.model.parameters()))
     # The decode loop runs while no update does (they share the weights lock): it gets the same cores.
     scheduler = getattr(getattr(engine, "server", None), "scheduler", None)
     if scheduler is not None:
-        scheduler.num_threads = torch_threads_in_force()
+        scheduler.num_threads = threads
     if steps > 0 and lab.model.path is None and preset is None:
         try:
             _warm_start(engine, task, steps, int(lab.seed))
@@ -119,12 +119,6 @@ def apply_torch_threads(value: Any, n_params: int | None = None) -> int:
     if n is not None and torch.get_num_threads() != n:
         torch.set_num_threads(n)
         logger.info("torch uses %d intra-op thread(s) (agl_lab.torch_threads=%s)", n, value)
-    return torch.get_num_threads()
-
-
-def torch_threads_in_force() -> int:
-    import torch
-
     return torch.get_num_threads()
 
 

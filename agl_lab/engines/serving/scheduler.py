@@ -289,11 +289,12 @@ class BatchScheduler:
         if cache is None or len(new) < 2 or not self.share_prefix:
             return
         prompts = [s.prompt_ids for s in new]
-        first, common = prompts[0], min(len(p) for p in prompts)
+        first, shortest = prompts[0], min(len(p) for p in prompts)
+        common = shortest
         for p in prompts[1:]:
             common = next((i for i in range(common) if p[i] != first[i]), common)
         # a match stays below its prompt's length (the last token runs in the row's own prefill)
-        usable = min(common, min(len(p) for p in prompts) - 1) // BLOCK * BLOCK
+        usable = min(common, shortest - 1) // BLOCK * BLOCK
         if usable < BLOCK:
             return
         m, entry = cache.match(first[: usable + 1])
