@@ -39,15 +39,20 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from verl import DataProto
 from verl.trainer.ppo.core_algos import agg_loss, get_policy_loss_fn, kl_penalty
-from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
 
 from agl_lab.algorithms.loss import register_loss
 from agl_lab.engines import zero_skip
 from agl_lab.engines.actor_config import ActorUpdateConfig, build_optimizer  # noqa: F401 (re-export)
-from agl_lab.engines.shared_prefix import MIN_SHARED, SharedPrefix, padded_body_tokens, plan_prefixes
+from agl_lab.engines.shared_prefix import (
+    MIN_SHARED,
+    SharedPrefix,
+    kept_response_width,
+    padded_body_tokens,
+    plan_prefixes,
+    score_responses,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +80,7 @@ def _trim(
     if not attended.numel():
         return input_ids, attention_mask, position_ids, response_length
     prompt_width = input_ids.shape[1] - response_length
-    kept = max(int(attended[-1]) + 1 - prompt_width, 1)
+    kept = kept_response_width(attention_mask, response_length)
     cols = slice(min(int(attended[0]), prompt_width), prompt_width + kept)
     return input_ids[:, cols], attention_mask[:, cols], position_ids[:, cols], kept
 
@@ -103,12 +108,7 @@ def _response_forward(
     # Critical: position t predicts token t+1, so the R' logits before the last one score the
     # R' response tokens; the last position predicts past the end and is dropped.
     logits = out.logits[:, -(kept + 1) : -1, :].float() / temperature
-    attended = attention_mask[:, -kept:].to(device, logits.dtype)  # padding → 0.0, cut off or not
-    widen = lambda t: F.pad(t * attended, (0, response_length - kept))  # noqa: E731  [n, R'] → [n, R]
-    logprobs = widen(logprobs_from_logits(logits, input_ids[:, -kept:].to(device)))
-    if entropy == "none":
-        return logprobs, None
-    return logprobs, widen(entropy_from_logits(logits if entropy == "grad" else logits.detach()))
+    return score_responses(logits, input_ids[:, -kept:], attention_mask[:, -kept:], response_length, entropy)
 
 
 def sequence_log_probs(

@@ -36,6 +36,28 @@ from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logit
 MIN_SHARED = 8  # tokens: below this the prefix forward saves less than its own overhead
 
 
+def kept_response_width(attention_mask: torch.Tensor, response_length: int) -> int:
+    """R' ≤ R: the response columns of [n, prompt + R] rows up to the last one some row attends
+    to (at least 1). Only these reach the vocabulary-sized ops: [n, R', V] is an update's largest
+    tensor."""
+    seen = attention_mask[:, attention_mask.shape[1] - response_length :].bool().any(0).nonzero()
+    return int(seen[-1]) + 1 if seen.numel() else 1
+
+
+def score_responses(
+    logits: torch.Tensor, responses: torch.Tensor, attended: torch.Tensor, response_length: int, entropy: str
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logits [n, R', V] (already divided by the temperature) scoring responses [n, R'] →
+    (logprobs [n, R], entropy [n, R] | None), zero where `attended` [n, R'] is 0 and past R';
+    entropy: none | grad | detached. Both forward paths (padded and shared-prefix) end here."""
+    attended = attended.to(logits.device, logits.dtype)
+    widen = lambda t: F.pad(t * attended, (0, response_length - t.shape[1]))  # noqa: E731  [n, R'] → [n, R]
+    logprobs = widen(logprobs_from_logits(logits, responses.to(logits.device)))
+    if entropy == "none":
+        return logprobs, None
+    return logprobs, widen(entropy_from_logits(logits if entropy == "grad" else logits.detach()))
+
+
 def _runs(attention_mask: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(start [n], length [n]) of each row's attended tokens, or None when a row's attended
     tokens are not one contiguous run with positions 0, 1, 2, …"""
@@ -131,24 +153,17 @@ class SharedPrefix:
             logits_to_keep=width_s - first,
         )
         self.body_tokens += n * width_s
-        # Only the R' response columns some row attends to reach the vocabulary-sized ops (as
-        # `local_ppo._trim` does for the padded path): [n, R', V] is the update's largest tensor.
-        seen = attention_mask[:, prompt_width:].bool().any(0).nonzero()
-        kept = int(seen[-1]) + 1 if seen.numel() else 1
+        kept = kept_response_width(attention_mask, response_length)
         j = torch.arange(kept).unsqueeze(0)
         at = (prompt_len - p - 1 - first).unsqueeze(1) + j  # [n, R'] into the kept logits
         logits = out.logits.float()
         picked = logits.gather(
             1, at.clamp(max=logits.shape[1] - 1).to(device).unsqueeze(-1).expand(-1, -1, logits.shape[-1])
         )
-        picked = picked / temperature
-        responses = input_ids[:, prompt_width : prompt_width + kept].to(device)
-        attended = attention_mask[:, prompt_width : prompt_width + kept].to(device, picked.dtype)
-        widen = lambda t: F.pad(t * attended, (0, response_length - kept))  # noqa: E731  [n, R'] → [n, R]
-        logprobs = widen(logprobs_from_logits(picked, responses))
-        if entropy == "none":
-            return logprobs, None
-        return logprobs, widen(entropy_from_logits(picked if entropy == "grad" else picked.detach()))
+        cols = slice(prompt_width, prompt_width + kept)
+        return score_responses(
+            picked / temperature, input_ids[:, cols], attention_mask[:, cols], response_length, entropy
+        )
 
     def backward(self) -> None:
         """Push the gradients the micro-batches left on the K/V leaves through the prefix, once."""
