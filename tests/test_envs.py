@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -153,6 +155,17 @@ def test_a_gem_episode_records_each_turn_reward_and_sums_them():
         assert after[: len(before)] == before and after[-1]["role"] == "user"
     again = play(task, Ctx(ScriptedClient(["\\boxed{1}", "\\boxed{2}", "\\boxed{3}", "\\boxed{4}"])))
     assert again["rewards"] == [t["reward"] for t in turns]  # reset(seed): the same game
+
+
+def test_importing_gem_leaves_the_root_logger_as_it_was():
+    # gem's __init__ calls logging.basicConfig(level=INFO): httpx's INFO line per request would print
+    code = (
+        "import logging; from agl_lab.tasks.gem_games import import_gem; import_gem(); "
+        "root = logging.getLogger(); print(len(root.handlers), logging.getLevelName(root.level))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["0", "WARNING"]
 
 
 def test_a_bad_gem_id_lists_the_games():

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import random
 import threading
 from collections.abc import Iterator
@@ -51,7 +52,8 @@ def import_gem() -> Any:
 
     import_reasoning_gym()  # gem imports reasoning_gym (its rg: environments) at import
     try:
-        import gem
+        with _root_logging_kept():
+            import gem
     except ImportError as e:
         raise ModuleNotFoundError(
             f"agl_lab.task.name=gem:... needs gem-llm and its pure-Python dependencies ({e}): `./lab test` "
@@ -76,6 +78,21 @@ def make_env(task: dict[str, Any]) -> tuple[Any, str, dict[str, Any]]:
     with _global_rng_kept():
         observation, info = env.reset(seed=int(task["seed"]))
     return env, str(observation), dict(info or {})
+
+
+@contextlib.contextmanager
+def _root_logging_kept() -> Iterator[None]:
+    """The root logger as it was: gem's `__init__` calls `logging.basicConfig(level=INFO)`, after
+    which every library's INFO records print (httpx's, one per request: hundreds a step in a
+    notebook). A handler or level the user set is kept; only what the import added is undone."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        yield
+    finally:
+        for handler in [h for h in root.handlers if h not in handlers]:
+            root.removeHandler(handler)
+        root.setLevel(level)
 
 
 @contextlib.contextmanager
