@@ -6,6 +6,7 @@
 | "No supported accelerator detected …"         | verl's platform manager (logging)   | a logging filter on that one logger        |
 | "Platform 'nvidia' … is registered but not available" | verl's platform manager     | the same filter                            |
 | "Loading weights: 100% …" bars                | Hugging Face `from_pretrained`     | `quiet_hf()` around agl_lab's own loads    |
+| every library's INFO records (httpx: one a request) | gem's `__init__`: `logging.basicConfig(level=INFO)` | `root_logging_kept()` around agl_lab's import of gem |
 
 `install()` runs when `agl_lab` is imported; it imports nothing heavy (neither verl nor
 transformers) and touches only these messages: any other warning of verl, of Hugging Face
@@ -75,3 +76,19 @@ def quiet_hf() -> Iterator[None]:
     finally:
         if was_enabled:
             hf_logging.enable_progress_bar()
+
+
+@contextlib.contextmanager
+def root_logging_kept() -> Iterator[None]:
+    """The root logger as it was before the block: for imports that configure logging as a side
+    effect (gem's `__init__` calls `logging.basicConfig(level=INFO)`, after which httpx prints a
+    line per request: hundreds a step in a notebook). A handler or level the user set is kept;
+    only what the block added is undone."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        yield
+    finally:
+        for handler in [h for h in root.handlers if h not in handlers]:
+            root.removeHandler(handler)
+        root.setLevel(level)

@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import random
 import threading
 from collections.abc import Iterator
 from typing import Any
+
+from agl_lab.quiet import root_logging_kept
 
 PREFIX = "gem:"
 DEFAULT_MAX_TURNS = 8
@@ -52,7 +53,7 @@ def import_gem() -> Any:
 
     import_reasoning_gym()  # gem imports reasoning_gym (its rg: environments) at import
     try:
-        with _root_logging_kept():
+        with root_logging_kept():  # gem's __init__ calls logging.basicConfig(level=INFO)
             import gem
     except ImportError as e:
         raise ModuleNotFoundError(
@@ -78,21 +79,6 @@ def make_env(task: dict[str, Any]) -> tuple[Any, str, dict[str, Any]]:
     with _global_rng_kept():
         observation, info = env.reset(seed=int(task["seed"]))
     return env, str(observation), dict(info or {})
-
-
-@contextlib.contextmanager
-def _root_logging_kept() -> Iterator[None]:
-    """The root logger as it was: gem's `__init__` calls `logging.basicConfig(level=INFO)`, after
-    which every library's INFO records print (httpx's, one per request: hundreds a step in a
-    notebook). A handler or level the user set is kept; only what the import added is undone."""
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    try:
-        yield
-    finally:
-        for handler in [h for h in root.handlers if h not in handlers]:
-            root.removeHandler(handler)
-        root.setLevel(level)
 
 
 @contextlib.contextmanager
