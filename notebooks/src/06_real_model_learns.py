@@ -29,11 +29,11 @@
 # this notebook, as it does 04.
 
 # %%
-import json
 from pathlib import Path
 
 import pandas as pd
 
+from agl_lab.logger import read_metrics
 from agl_lab.replay import load_validation, validated_steps
 
 pd.set_option("display.width", 160)
@@ -55,8 +55,8 @@ print([run.name for run in RUNS])
 
 # %%
 def load_metrics(run: Path) -> pd.DataFrame:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").open()]
-    return pd.DataFrame(rows).groupby("step").first()  # a validation before training shares step 0
+    # one row per step: a validation before training shares step 0
+    return pd.DataFrame(read_metrics(run / "metrics.jsonl")).groupby("step").first()
 
 
 metrics = {run.name: load_metrics(run) for run in RUNS}

@@ -140,18 +140,17 @@ trainer.close()
 # and trains nothing.
 
 # %%
-import json  # noqa: E402
-
 import matplotlib.pyplot as plt  # noqa: E402
 
+from agl_lab.logger import read_metrics  # noqa: E402
 from agl_lab.replay import load_validation, validated_steps  # noqa: E402
 
 FIELD = sorted((ROOT / "notebooks" / "recorded" / "field_course_schedule").glob("seed*"))
 
 
 def load_metrics(run: Path) -> pd.DataFrame:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").open()]
-    return pd.DataFrame(rows).groupby("step").first()  # a validation before training shares step 0
+    # one row per step: a validation before training shares step 0
+    return pd.DataFrame(read_metrics(run / "metrics.jsonl")).groupby("step").first()
 
 
 field = {run.name: load_metrics(run) for run in FIELD}
