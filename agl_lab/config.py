@@ -32,7 +32,9 @@ from agl_lab.rules import (
     LEVELS,
     SMALL_BATCH_CHOICES,
     TURN_CREDITS,
+    check_async_sizes,
     check_divisor,
+    check_drop_order,
     check_estimator,
     check_level,
     check_selection_args,
@@ -351,8 +353,9 @@ def _adopt_model_path(cfg: DictConfig, keys: list[str]) -> None:
 # Validation: contradictions, with the fix
 # ---------------------------------------------------------------------------------------------
 
-# Allowed values. The learning rules' tuples and checks live in the pure modules that apply
-# them (batch, algorithms); `validate` calls those checks, so each rule has one message.
+# Allowed values. The learning rules' tuples and checks live in the pure `agl_lab.rules`; the
+# modules that apply a rule (batch, algorithms, rollout, update) and `validate` call the same
+# check, so each rule has one message.
 ENGINES = ("local", "verl")
 WANDB_MODES = (None, "disabled", "offline", "online")
 CHOICES = {
@@ -383,7 +386,7 @@ def load_saved_config(path: str | os.PathLike, overrides: Iterable[str] = ()) ->
 
 
 def validate(cfg: DictConfig) -> None:
-    for key in ("agl_lab.engine", "agl_lab.verl.device", "agl_lab.wandb.mode", "agl_lab.parity.drop_order"):
+    for key in ("agl_lab.engine", "agl_lab.verl.device", "agl_lab.wandb.mode"):
         value = OmegaConf.select(cfg, key)
         if value not in CHOICES[key]:
             raise ConfigError(f"{key}={value!r} is not one of {list(CHOICES[key])}")
@@ -406,13 +409,6 @@ def validate(cfg: DictConfig) -> None:
     except (ValueError, NotImplementedError) as e:
         raise ConfigError(str(e)) from None
     agl = cfg.agentlightning
-    if agl.async_rollout.enabled:
-        from agl_lab.rollout import check_async_sizes
-
-        try:
-            check_async_sizes(cfg.data.train_batch_size, agl.async_rollout.async_train_batch_size)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
     wait = cfg.agl_lab.rollout.wait_timeout_seconds
     if (
         wait is not None
@@ -510,8 +506,10 @@ def _check_server_overrides(cfg: DictConfig) -> None:
 
 
 def _check_learning_rules(cfg: DictConfig) -> None:
-    """The checks of the modules that apply the rules (their ValueError names the config key)."""
+    """The rules of `agl_lab.rules`, which the modules that apply them call too (their ValueError
+    names the config key)."""
     check_level(cfg.agentlightning.trace_aggregator.level)
+    check_drop_order(cfg.agl_lab.parity.drop_order)
     check_divisor(cfg.agl_lab.algorithm.normalize_by)
     check_turn_credit(
         str(cfg.agl_lab.algorithm.turn_credit),
@@ -528,6 +526,8 @@ def _check_learning_rules(cfg: DictConfig) -> None:
         None if max_updates is None else int(max_updates),
         small_batch=str(cfg.agl_lab.algorithm.small_batch),
     )
+    if cfg.agentlightning.async_rollout.enabled:
+        check_async_sizes(cfg.data.train_batch_size, cfg.agentlightning.async_rollout.async_train_batch_size)
 
 
 def check_validation_tasks(cfg: DictConfig, n_val_tasks: int) -> None:

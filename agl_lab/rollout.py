@@ -39,6 +39,7 @@ from agl_lab.records import (
     events_to_completed_rollout,
 )
 from agl_lab.records import triplet_events as records_triplet_events
+from agl_lab.rules import check_async_sizes
 
 if TYPE_CHECKING:
     from agl_lab.client import AglClient
@@ -470,23 +471,6 @@ class _Group:
 
     def members(self) -> list[CompletedRollout]:
         return [self.finished[rid] for rid in self.rollout_ids]
-
-
-def check_async_sizes(train_batch_size: int, async_train_batch_size: int | None) -> None:
-    """The async rule, in one place (config validation and the manager both call it): more
-    groups in flight than a step trains on, or nothing is ever carried over."""
-    if not isinstance(train_batch_size, int) or train_batch_size < 1:
-        raise ValueError(f"data.train_batch_size must be an int >= 1, got {train_batch_size!r}")
-    if (
-        not isinstance(async_train_batch_size, int)
-        or isinstance(async_train_batch_size, bool)
-        or async_train_batch_size <= train_batch_size
-    ):
-        raise ValueError(
-            f"agentlightning.async_rollout.async_train_batch_size ({async_train_batch_size!r}) must be an int > "
-            f"data.train_batch_size ({train_batch_size}) when async rollout is on; set it to e.g. "
-            f"{2 * train_batch_size} (2 × train_batch_size, as AGL recommends)"
-        )
 
 
 class AsyncRolloutManager:

@@ -73,8 +73,11 @@ def check_divisor(divisor: str) -> str:
     return divisor
 
 
-def check_turn_credit(turn_credit: str, turn_gamma: float, level: str, rollout_level: bool) -> str:
-    """`turn_credit` if it is one of `TURN_CREDITS` and the rest of the config can apply it."""
+def check_turn_credit(turn_credit: str, turn_gamma: float, level: str, rollout_level: bool = False) -> str:
+    """`turn_credit` if it is one of `TURN_CREDITS` and the rest of the config can apply it.
+
+    `rollout_level` is `algorithm.enable_rollout_level_advantage`: `config.validate` passes it; the
+    batch builder, which does not know it, checks the rest."""
     if turn_credit not in TURN_CREDITS:
         raise ValueError(f"agl_lab.algorithm.turn_credit={turn_credit!r} is not one of {list(TURN_CREDITS)}")
     if not 0.0 <= float(turn_gamma) <= 1.0:
@@ -90,6 +93,33 @@ def check_turn_credit(turn_credit: str, turn_gamma: float, level: str, rollout_l
             "rollout-level advantage cannot broadcast: set algorithm.enable_rollout_level_advantage=false"
         )
     return turn_credit
+
+
+def check_drop_order(drop_order: str) -> str:
+    """`drop_order` if it is one of `DROP_ORDERS`."""
+    if drop_order not in DROP_ORDERS:
+        raise ValueError(
+            f"agl_lab.parity.drop_order={drop_order!r} is not one of {list(DROP_ORDERS)}: 'after_advantage' "
+            "drops whole rollouts after the advantages (agl_lab), 'agl' drops rows before them (AGL v1)"
+        )
+    return drop_order
+
+
+def check_async_sizes(train_batch_size: int, async_train_batch_size: int | None) -> None:
+    """The async size rule (config validation and `rollout.AsyncRolloutManager` both call it):
+    more groups in flight than a step trains on, or nothing is ever carried over."""
+    if not isinstance(train_batch_size, int) or train_batch_size < 1:
+        raise ValueError(f"data.train_batch_size must be an int >= 1, got {train_batch_size!r}")
+    if (
+        not isinstance(async_train_batch_size, int)
+        or isinstance(async_train_batch_size, bool)
+        or async_train_batch_size <= train_batch_size
+    ):
+        raise ValueError(
+            f"agentlightning.async_rollout.async_train_batch_size ({async_train_batch_size!r}) must be an int > "
+            f"data.train_batch_size ({train_batch_size}) when async rollout is on; set it to e.g. "
+            f"{2 * train_batch_size} (2 × train_batch_size, as AGL recommends)"
+        )
 
 
 def check_estimator(adv_estimator: Any, *, rollout_level: bool = True) -> str:
@@ -133,6 +163,14 @@ def check_selection_args(
 # ---------------------------------------------------------------------------------------------
 # Derived quantities
 # ---------------------------------------------------------------------------------------------
+
+
+def small_batch_under(drop_order: str, small_batch: str) -> str:
+    """What a batch smaller than one mini-batch does: `small_batch`, except under AGL v1's drop
+    order (`agl_lab.parity.drop_order=agl`), which skips the step whatever `small_batch` says, as
+    AGL v1 does (`selection.agl_alignment` keeps no row of such a batch). The update decides
+    whether a step trains with this, so the decision and the selection agree."""
+    return "skip" if check_drop_order(drop_order) == "agl" else small_batch
 
 
 def mini_batch_rows(ppo_mini_batch_size: int, rollout_n: int) -> int:
