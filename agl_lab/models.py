@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from agl_lab.cache import build_cached_dir, cache_root
 from agl_lab.chat_format import TOOL_CALLS_JINJA
-from agl_lab.engines.tiny import build_cached_dir, cache_root
 
 
 @dataclass(frozen=True)

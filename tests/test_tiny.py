@@ -47,13 +47,6 @@ def test_build_is_deterministic_and_cached(tmp_path):
     assert tiny_model_dir(cache_dir=tmp_path) == fresh  # second call: cache hit
 
 
-def test_cache_root_follows_env(tmp_path, monkeypatch):
-    monkeypatch.setenv("AGL_LAB_CACHE", str(tmp_path / "c"))
-    from agl_lab.engines.tiny import cache_root
-
-    assert cache_root() == tmp_path / "c"
-
-
 def test_model_shape_and_dtype(tiny):
     model, tok = tiny
     cfg = model.config

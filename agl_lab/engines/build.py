@@ -137,7 +137,7 @@ def _warm_start(engine: Any, task: Any, steps: int, seed: int) -> None:
 
 
 def _cache_hint() -> str:
-    from agl_lab.engines.tiny import cache_root
+    from agl_lab.cache import cache_root
 
     return str(cache_root()).replace(str(Path.home()), "~")
 

@@ -27,12 +27,10 @@ import hashlib
 import json
 import os
 import random
-import shutil
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from agl_lab.cache import build_cached_dir, cache_root
 from agl_lab.chat_format import TOOL_CALLS_JINJA
 from agl_lab.quiet import quiet_hf
 
@@ -165,12 +163,6 @@ def _recipe_hash(seed: int) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
-def cache_root() -> Path:
-    """`$AGL_LAB_CACHE` if set, else `~/.cache/agl_lab`."""
-    env = os.environ.get("AGL_LAB_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "agl_lab"
-
-
 def build_tokenizer() -> Any:
     """Train the byte-level BPE on the built-in corpus and wrap it as a HF fast tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -215,30 +207,6 @@ def build_model(tokenizer: Any, seed: int = 0) -> Any:
     model.generation_config.eos_token_id = [tokenizer.eos_token_id]
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model.eval()
-
-
-def build_cached_dir(target: Path, build: Callable[[Path], None]) -> Path:
-    """`target` (a model directory in the cache), made by `build(tmp_dir)` on first use.
-
-    The build writes into a private temporary directory beside `target` that is renamed into
-    place, so readers never see a half-written directory and concurrent builders race safely
-    (the loser's copy is dropped). A directory counts as built when it holds `config.json`.
-    """
-    if (target / "config.json").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        build(tmp)
-        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared by the user's processes
-        try:
-            tmp.rename(target)  # atomic: readers see no half-written directory
-        except OSError:
-            if not (target / "config.json").exists():  # lost a race to a complete build: fine
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def tiny_model_dir(seed: int = 0, cache_dir: str | os.PathLike | None = None) -> Path:

@@ -132,7 +132,7 @@ def warm_start_key(model: Any, tokenizer: Any, task_name: str, steps: int, seed:
 def _cache_dir(cache_dir: str | os.PathLike | None) -> Path:
     if cache_dir is not None:
         return Path(cache_dir).expanduser()
-    from agl_lab.engines.tiny import cache_root
+    from agl_lab.cache import cache_root
 
     return cache_root()
 
@@ -313,7 +313,8 @@ def warm_started_model_dir(task: Any, steps: int, seed: int = 0, cache_dir: str 
     For engines that load weights from disk (the verl engine's workers and replica): the same
     weights `warm_start` gives the local engine in process. Cached next to the warm-start state.
     """
-    from agl_lab.engines.tiny import build_cached_dir, load_model_and_tokenizer, tiny_model_dir
+    from agl_lab.cache import build_cached_dir
+    from agl_lab.engines.tiny import load_model_and_tokenizer, tiny_model_dir
 
     base = tiny_model_dir(seed=seed)
     if steps == 0:
