@@ -53,7 +53,7 @@ from agl_lab.batch_data import BatchData
 from agl_lab.diagnose import KINDS, MergeBreak, common_prefix_len, decode_ids, diagnose_break
 from agl_lab.padding import pad_rows  # noqa: F401  (part of this module's API: rows -> arrays)
 from agl_lab.records import CompletedRollout, Triplet, sort_rollouts
-from agl_lab.rules import LEVELS, TURN_CREDITS, check_level  # noqa: F401 (re-export)
+from agl_lab.rules import LEVELS, TURN_CREDITS, check_level, check_turn_credit  # noqa: F401 (re-export)
 
 #: what `build_batch` can emit: verl's `DataProto` (the engines') or agl_lab's verl-free `BatchData`
 CONTAINERS = ("verl", "agl")
@@ -291,11 +291,7 @@ def plan_rows(
     return of turn rewards G_t (`algorithms.credit`); a rollout without turn rewards keeps its
     reward on every row (counted: `training/turn_credit/n_rollouts_without_turn_rewards`).
     """
-    check_level(level)
-    if turn_credit not in TURN_CREDITS:
-        raise ValueError(f"agl_lab.algorithm.turn_credit={turn_credit!r} is not one of {list(TURN_CREDITS)}")
-    if turn_credit == "return" and level != "transition":
-        raise ValueError("agl_lab.algorithm.turn_credit=return needs agentlightning.trace_aggregator.level=transition")
+    check_turn_credit(turn_credit, turn_gamma, check_level(level))
     rollouts = sort_rollouts(completed)
     rows: list[Row] = []
     breaks: list[BreakRecord] = []

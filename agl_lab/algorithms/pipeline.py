@@ -12,6 +12,7 @@ With `drop_order="agl"` the alignment cut runs before the advantages, by row
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -20,7 +21,7 @@ from agl_lab.algorithms.advantage import check_estimator, compute_advantages, fi
 from agl_lab.algorithms.estimators import compute_data_metrics
 from agl_lab.algorithms.loss import LOSS_NAME, normalize_batch
 from agl_lab.algorithms.selection import agl_alignment, check_selection_args, drop_marked_rows, select_for_update
-from agl_lab.rules import DROP_ORDERS  # noqa: F401 (re-export)
+from agl_lab.rules import DROP_ORDERS, check_drop_order  # noqa: F401 (re-export)
 
 logger = logging.getLogger(__name__)
 
@@ -78,18 +79,14 @@ def prepare_update_batch(
     equal rewards can get ±0.007 instead of 0) — by default statistics are float64 and equal-reward
     groups get exactly 0 (`advantage.run_estimator`).
     """
-    if drop_order not in DROP_ORDERS:
-        raise ValueError(f"agl_lab.parity.drop_order={drop_order!r} is not one of {list(DROP_ORDERS)}")
-    if bf16_rewards:
-        import torch
-
-        for key in ("token_level_scores", "token_level_rewards"):
-            if key in data.batch.keys():
-                data.batch[key] = data.batch[key].to(torch.bfloat16)
+    check_drop_order(drop_order)
     check_selection_args(mini_batch_rows, max_ppo_update_times, selection_policy, small_batch)
     check_estimator(adv_estimator, rollout_level=rollout_level_advantage)
+    if bf16_rewards:
+        _rewards_in_bf16(data)
     fill_reward_defaults(data)
-    advantage_args = dict(
+    advantages = functools.partial(
+        compute_advantages,
         rollout_level=rollout_level_advantage,
         compute_advantage_fn=compute_advantage_fn,
         adv_estimator=adv_estimator,
@@ -102,49 +99,72 @@ def prepare_update_batch(
     )
     # 0. rows the batch builder marked go first, row by row (AGL v1)
     kept, records, metrics = drop_marked_rows(data)
-    collected = {k: metrics[k] for k in ("training/n_sample_collected", "training/n_sample_dropped/marked")}
+    counted = dict(metrics)  # n_sample_collected, n_sample_dropped/marked: of the batch as built
     data = data.select_idxs(kept)
     if len(data) == 0:
         logger.warning("skipping this training step: every row was marked for dropping")
         return None, records, {**metrics, "training/n_sample_trained": 0, "training/skipped_steps": 1}
-
+    # 1-2. advantages and the alignment drops, in the order drop_order says
+    align = dict(mini_batch_rows=mini_batch_rows, max_ppo_update_times=max_ppo_update_times, seed=seed)
     if drop_order == "agl":
-        # AGL v1: align rows first, advantages on what is left
-        kept, sel_records, sel_metrics = agl_alignment(
-            data, mini_batch_rows=mini_batch_rows, max_ppo_update_times=max_ppo_update_times, seed=seed
-        )
-        records += sel_records  # marked rows are gone already: these are alignment drops only
-        metrics.update(sel_metrics)
-        if sel_metrics["training/skipped_steps"]:
-            logger.warning("skipping this training step: no trainable batch after drop+floor (AGL v1 drop order)")
-            return None, records, metrics
-        data, adv_metrics = compute_advantages(data.select_idxs(kept), **advantage_args)
-        metrics.update(adv_metrics)
+        data, step_records, step_metrics = _alignment_then_advantages(data, advantages, **align)
     else:
-        # 1. advantages on the whole batch, before any alignment drop
-        data, adv_metrics = compute_advantages(data, **advantage_args)
-        metrics.update(adv_metrics)
-        metrics.update(group_metrics(data, "_collected"))  # before the alignment drops (agl_lab's own)
-        # 2. whole mini-batches: zero-advantage groups first, then whole rollouts, seeded
-        kept, sel_records, sel_metrics = select_for_update(
-            data,
-            mini_batch_rows=mini_batch_rows,
-            max_ppo_update_times=max_ppo_update_times,
-            seed=seed,
-            policy=selection_policy,
-            small_batch=small_batch,
+        data, step_records, step_metrics = _advantages_then_selection(
+            data, advantages, policy=selection_policy, small_batch=small_batch, **align
         )
-        records += sel_records
-        metrics.update({**sel_metrics, **collected})
-        if sel_metrics["training/skipped_steps"]:
-            return None, records, metrics
-        data = data.select_idxs(kept)
-
-    # 3. the trained rows: their metrics (AGL v1 counts the groups of the trained batch), then
-    #    every rollout carries the same loss weight
-    metrics["critic/n_transition_after_dropping"] = len(data)
-    metrics.update(group_metrics(data))
-    metrics.update(_data_metrics(data))
+        step_metrics.update(counted)  # selection recounts the rows it was given: keep the built batch's
+    records += step_records
+    metrics.update(step_metrics)
+    if data is None:
+        return None, records, metrics
+    # 3. the trained rows: their metrics, then every rollout carries the same loss weight
+    metrics.update(_trained_metrics(data))
     if loss_mode == LOSS_NAME:
         normalize_batch(data, divisor)
     return data, records, metrics
+
+
+def _rewards_in_bf16(data: Any) -> None:
+    """`token_level_scores` and `token_level_rewards` stored in bfloat16, as AGL v1 stores them."""
+    import torch
+
+    for key in ("token_level_scores", "token_level_rewards"):
+        if key in data.batch.keys():
+            data.batch[key] = data.batch[key].to(torch.bfloat16)
+
+
+def _alignment_then_advantages(
+    data: Any, advantages: Callable[[Any], tuple[Any, dict[str, Any]]], **alignment: Any
+) -> tuple[Any | None, list[dict[str, Any]], dict[str, Any]]:
+    """AGL v1's order: align rows first (`agl_alignment`), advantages on what is left.
+
+    Returns `(the aligned batch with advantages, or None when the step is skipped, records, metrics)`;
+    the batch's marked rows are gone already, so the records are alignment drops only."""
+    kept, records, metrics = agl_alignment(data, **alignment)
+    if metrics["training/skipped_steps"]:
+        logger.warning("skipping this training step: no trainable batch after drop+floor (AGL v1 drop order)")
+        return None, records, metrics
+    data, adv_metrics = advantages(data.select_idxs(kept))
+    return data, records, {**metrics, **adv_metrics}
+
+
+def _advantages_then_selection(
+    data: Any, advantages: Callable[[Any], tuple[Any, dict[str, Any]]], **selection: Any
+) -> tuple[Any | None, list[dict[str, Any]], dict[str, Any]]:
+    """agl_lab's order: advantages on the whole batch, then whole mini-batches (`select_for_update`:
+    zero-advantage groups first, then whole rollouts, seeded).
+
+    Returns `(the selected rows, or None when the step is skipped, records, metrics)`."""
+    data, adv_metrics = advantages(data)
+    metrics = {**adv_metrics, **group_metrics(data, "_collected")}  # before the alignment drops (agl_lab's own)
+    kept, records, sel_metrics = select_for_update(data, **selection)
+    metrics.update(sel_metrics)
+    if sel_metrics["training/skipped_steps"]:
+        return None, records, metrics
+    return data.select_idxs(kept), records, metrics
+
+
+def _trained_metrics(data: Any) -> dict[str, Any]:
+    """The trained rows' metrics: their count, their groups (AGL v1 counts the groups of the
+    trained batch) and verl's data metrics."""
+    return {"critic/n_transition_after_dropping": len(data), **group_metrics(data), **_data_metrics(data)}
