@@ -37,6 +37,7 @@ from agl_lab.config import update_options
 from agl_lab.engines.base import Engine, check_batch, logprob_gap
 from agl_lab.phases import update_phase
 from agl_lab.results import BatchResult, UpdateResult
+from agl_lab.rules import small_batch_under
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ def run_update(cfg, engine: Engine, batch: BatchResult, *, step: int) -> UpdateR
     check_batch(batch.data)  # the keys, dtypes and shapes of BATCH_SCHEMA; consumers rely on them
     data = batch.data.select_idxs(list(range(len(batch.data))))  # never mutate the caller's batch
     data.meta_info["temperature"] = float(cfg.actor_rollout_ref.rollout.temperature)
-    small_batch = "skip" if opts["drop_order"] == "agl" else opts["small_batch"]  # AGL skips a small batch
+    small_batch = small_batch_under(opts["drop_order"], opts["small_batch"])  # drop_order=agl: AGL v1 skips
     reason = skip_reason(int((~marked_rows(data)).sum()), opts["mini_batch_rows"], small_batch)
     metrics: dict[str, Any] = {}
     # the engine serves again after this block: with the new weights, or the old ones after a skip or an error
