@@ -151,7 +151,7 @@ def test_a_restarted_postgres_answers_503_once_then_serves(postgres, postgres_da
         together = threading.Barrier(4, timeout=10)
 
         def hold() -> None:
-            with store._lock:  # four threads at once: four pooled connections
+            with store._session():  # four threads at once: four pooled connections
                 together.wait()
 
         threads = [threading.Thread(target=hold) for _ in range(4)]
@@ -220,7 +220,7 @@ def test_concurrent_batch_claims_lock_disjoint_rollouts(postgres_database):
         claimed: dict[str, list[str]] = {}
 
         def claim(store: PostgresStore, name: str) -> None:
-            with store._lock, store._transaction():
+            with store._session(), store._transaction():
                 rollouts = store._lock_queued(5)
                 both_hold_locks.wait()  # the other claimer locks while these rows are locked
                 for rollout in rollouts:
@@ -234,7 +234,7 @@ def test_concurrent_batch_claims_lock_disjoint_rollouts(postgres_database):
             t.join(30)
         assert sorted(claimed["a"] + claimed["b"]) == [f"r{i:02}" for i in range(10)]  # the oldest 10, once each
         assert [r.rollout_id for r in b.list_rollouts(["queuing"])] == ["r10", "r11"]
-        with pytest.raises(RuntimeError, match="inside _transaction"), a._lock:
+        with pytest.raises(RuntimeError, match="inside _transaction"), a._session():
             a._lock_queued(1)
     finally:
         a.close()

@@ -266,6 +266,24 @@ def create_app(
     if not cfg.key:
         logger.warning(NO_KEY_WARNING)
 
+    app = AglApp(title="Agent Lightning", version="1.0.0", lifespan=_lifespan(cfg, store, gateway, queued))
+    app.state.config, app.state.store, app.state.gateway = cfg, raw_store, gateway
+    app.state.metrics = metrics
+    _install_error_handlers(app)
+    app.add_middleware(JsonServerErrors)
+    _install_guard(app, cfg, store, gateway)
+    _add_health_routes(app, store, gateway, metrics)
+    app.include_router(_rollout_router(store, cfg.max_batch_items, cfg.lease_seconds, queued), prefix="/api")
+    app.include_router(_event_router(store), prefix="/api")
+    app.include_router(_model_router(store, cfg.max_batch_items), prefix="/api")
+    app.include_router(gateway_router(gateway), prefix="/proxy")
+    return app
+
+
+def _lifespan(cfg: ServerConfig, store: Store, gateway: Gateway, queued: QueueSignal) -> Any:
+    """What runs while the app serves: the upstream client, the lease sweeper and (PostgreSQL)
+    the listener for rollouts queued through other servers; each stopped when the app stops."""
+
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         gateway.client = open_upstream_client(
@@ -290,11 +308,12 @@ def create_app(
             client, gateway.client = gateway.client, None
             await client.aclose()
 
-    app = AglApp(title="Agent Lightning", version="1.0.0", lifespan=lifespan)
-    app.state.config, app.state.store, app.state.gateway = cfg, raw_store, gateway
-    app.state.metrics = metrics
-    _install_error_handlers(app)
-    app.add_middleware(JsonServerErrors)
+    return lifespan
+
+
+def _install_guard(app: AglApp, cfg: ServerConfig, store: Store, gateway: Gateway) -> None:
+    """Auth and limits (server/guard.py) before any body is read, on the middleware stack and on
+    the proxy's fast path alike."""
     open_paths = (HEALTH_PATH,) if cfg.docs_auth else (HEALTH_PATH, *DOCS_PATHS)
     guard = {
         "key": cfg.key,
@@ -310,6 +329,10 @@ def create_app(
     route = proxy_route(gateway, _no_check)
     app.router.routes.append(route)
     app.proxy_fast_path = ProxyFastPath(gateway, RequestGuard(None, **guard), route, app.exception_handlers)
+
+
+def _add_health_routes(app: AglApp, store: Store, gateway: Gateway, metrics: ServerMetrics) -> None:
+    """`GET /healthz` and `GET /metrics`."""
 
     @app.get(HEALTH_PATH, tags=["health"])
     async def healthz() -> dict[str, str]:
@@ -327,12 +350,6 @@ def create_app(
         except Exception as exc:  # the store is down: the counters still answer (the error is counted)
             logger.warning("GET /metrics: queue depth unavailable: %r", exc)
         return Response(render(samples), media_type=CONTENT_TYPE)
-
-    app.include_router(_rollout_router(store, cfg.max_batch_items, cfg.lease_seconds, queued), prefix="/api")
-    app.include_router(_event_router(store), prefix="/api")
-    app.include_router(_model_router(store, cfg.max_batch_items), prefix="/api")
-    app.include_router(gateway_router(gateway), prefix="/proxy")
-    return app
 
 
 CLOCK_SKEW_WARN_FRACTION = 0.1  # warn at start when this host's clock is off the database's by this much of a lease
@@ -424,7 +441,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StoreUnavailable)
     async def store_unavailable(_: Request, exc: StoreUnavailable) -> JSONResponse:
-        # the PostgreSQL store lost its database (store.postgresql._Checkout): the transaction rolled back
+        # the PostgreSQL store lost its database (store.postgresql._ConnectionSession): the transaction rolled back
         return JSONResponse({"detail": str(exc)}, status_code=503, headers={"Retry-After": "1"})
 
     @app.exception_handler(RequestValidationError)

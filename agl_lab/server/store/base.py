@@ -19,9 +19,11 @@ tests run the same suite on each.
     terminal   [rollout_id]                          (appended on each terminal transition)
 
 Design decisions:
-- Thread-safe: every public method holds one re-entrant lock (`_lock`), because the embedded server's
-  event loop and a notebook thread may use the same store at once. Each call is short. (PostgreSQL
-  replaces the lock with a connection checkout and excludes with transactions and row locks.)
+- Thread-safe: every public method runs in one session (`with self._session()`), the backend's unit
+  of work, because the embedded server's event loop and a notebook thread may use the same store at
+  once. Each call is short. A store one process owns (`OneProcessStore`: memory, SQLite) makes the
+  session a re-entrant mutex; PostgreSQL's session binds a pooled connection to the thread and
+  excludes nothing: its transactions and row locks do (`postgresql.py`).
 - The terminal log is bounded (`terminal_log_limit`): cursor indices stay absolute, entries
   older than the retained window are gone, and a cursor behind the window restarts at the
   oldest retained entry. `total_terminal` is the absolute count of terminal transitions.
@@ -180,7 +182,6 @@ class Store(ABC):
                 f"{DEFAULT_TERMINAL_LOG_LIMIT})"
             )
         self.terminal_log_limit = int(terminal_log_limit)
-        self._lock = threading.RLock()
         self._pools: dict[str, tuple[Model, ...]] = {}  # models_for's answers, dropped on any model write
         self._claimers: dict[str, float] = {}  # runner id -> when it last claimed (`_recent_claimers`)
 
@@ -190,8 +191,8 @@ class Store(ABC):
         """Create rollouts in order; a client id that exists returns the existing rollout.
 
         All or nothing: the batch is one transaction, so a refused write (a full disk) or a
-        killed server stores none of it. The rollouts are built before the lock is taken; the
-        lock is held only for the id lookup and the inserts.
+        killed server stores none of it. The rollouts are built before the session opens; it is
+        held only for the id lookup and the inserts.
 
         Raises NotStorable (and stores none of them) when any request breaks the storable
         rule (`agl_lab.server.storable`) or names an invalid rollout id.
@@ -200,7 +201,7 @@ class Store(ABC):
         now = self._clock()
         built = [create.to_rollout(now) for create in creates]
         client_ids = [create.rollout_id for create in creates if create.rollout_id]
-        with self._lock, self._transaction():
+        with self._session(), self._transaction():
             known = self._load_many(client_ids) if client_ids else {}
             out: list[Rollout] = []
             new: list[Rollout] = []
@@ -217,7 +218,7 @@ class Store(ABC):
         return out
 
     def get_rollout(self, rollout_id: str) -> Rollout | None:
-        with self._lock:
+        with self._session():
             return self._load(rollout_id)
 
     def list_rollouts(self, states: Iterable[RolloutState | str], limit: int = 500) -> list[Rollout]:
@@ -225,7 +226,7 @@ class Store(ABC):
         wanted = [RolloutState(s) for s in states]
         if limit <= 0 or not wanted:
             return []
-        with self._lock:
+        with self._session():
             return self._list(wanted, limit)
 
     def patch_status(self, rollout_id: str, patch: RolloutStatusPatch, *, attempt_id: str | None = None) -> Rollout:
@@ -242,7 +243,7 @@ class Store(ABC):
         """
         updates = patch.model_dump(exclude_unset=True)
         check_storable({k: v for k, v in updates.items() if k != "state"}, "status")
-        with self._lock, self._transaction():
+        with self._session(), self._transaction():
             rollout = self._load(rollout_id)
             if rollout is None:
                 raise RolloutNotFound(rollout_id)
@@ -270,7 +271,7 @@ class Store(ABC):
 
     def delete_rollout(self, rollout_id: str) -> None:
         """Remove a rollout and all its events (idempotent); the terminal log keeps its id."""
-        with self._lock, self._transaction():
+        with self._session(), self._transaction():
             self._remove(rollout_id)
 
     # --- events -----------------------------------------------------------------------------
@@ -286,7 +287,7 @@ class Store(ABC):
             raise TypeError(f"event data must be a dict, got {type(data).__name__}")
         check_storable([rollout_id, attempt_id, event_type, event_id or ""], "event ids")
         self._check_event_data(data)
-        with self._lock:
+        with self._session():
             event = Event.model_construct(
                 event_type=event_type,
                 rollout_id=rollout_id,
@@ -303,7 +304,7 @@ class Store(ABC):
 
     def events(self, rollout_id: str, *, event_type: str | None = None, attempt_id: str | None = None) -> list[Event]:
         """Events of one attempt in insertion order (default: `last_attempt_id or "0"`)."""
-        with self._lock:
+        with self._session():
             rollout = self._load(rollout_id)
             if rollout is None:
                 raise RolloutNotFound(rollout_id)
@@ -316,7 +317,7 @@ class Store(ABC):
 
     def attempts(self, rollout_id: str) -> list[str]:
         """Attempt ids with >= 1 event, ordered by their first event; RolloutNotFound if unknown."""
-        with self._lock:
+        with self._session():
             if not self._exists(rollout_id):
                 raise RolloutNotFound(rollout_id)
             return self._attempts(rollout_id)
@@ -339,7 +340,7 @@ class Store(ABC):
         if limit < 1:
             return []
         now = self._clock()
-        with self._lock, self._transaction():
+        with self._session(), self._transaction():
             claimers = self._recent_claimers(runner_id, now)
             if claimers > 1 and limit > 1:
                 limit = min(limit, max(1, -(-self._count_queued() // claimers)))
@@ -370,7 +371,7 @@ class Store(ABC):
         """
         now = self._clock()
         released = []
-        with self._lock, self._transaction():
+        with self._session(), self._transaction():
             rollouts = self._load_many(list(attempts))
             for rid, attempt_id in attempts.items():
                 rollout = rollouts.get(rid)
@@ -400,7 +401,7 @@ class Store(ABC):
                 "give one attempt id per rollout id, or none"
             )
         now = self._clock()
-        with self._lock:
+        with self._session():
             rollouts = self._load_many(list(rollout_ids))
             live, not_running = [], []
             for i, rid in enumerate(rollout_ids):
@@ -428,7 +429,7 @@ class Store(ABC):
         """
         now = self._clock() if now is None else now
         outcome: dict[str, str] = {}
-        with self._lock, self._transaction():
+        with self._session(), self._transaction():
             idle = self._idle_running(now - lease_seconds)
             rollouts = self._load_many(idle)  # in the transaction: the rows are locked from here on
             if idle:  # asked again under the locks: a heartbeat that committed meanwhile keeps its rollout
@@ -472,7 +473,7 @@ class Store(ABC):
         deleted and re-created appears once, at its latest terminal transition).
         """
         after, limit = max(0, int(after)), max(1, int(limit))
-        with self._lock:
+        with self._session():
             total = self._terminal_total()
             start = max(after, total - self._terminal_len())
             ids = self._terminal_slice(start, start + limit) if start < total else []
@@ -497,7 +498,7 @@ class Store(ABC):
     def upsert_models(self, models: Sequence[Model]) -> list[Model]:
         for i, model in enumerate(models):
             check_storable(model.model_dump(), f"[{i}]")
-        with self._lock:
+        with self._session():
             try:
                 with self._transaction():
                     for model in models:
@@ -508,7 +509,7 @@ class Store(ABC):
 
     def clear_models(self, model_name: str | None = None) -> None:
         """Forget the endpoints of `model_name` (None: of every model)."""
-        with self._lock:
+        with self._session():
             try:
                 with self._transaction():
                     self._clear_models(model_name)
@@ -519,11 +520,11 @@ class Store(ABC):
         """The endpoints registered for `model_name`, sorted by endpoint string.
 
         Every proxied call asks, so the answer is kept until the next model write (a plain
-        dict read: the gateway's loop does not take the lock on a hit).
+        dict read: the gateway's loop opens no session on a hit).
         """
         pool = self._pools.get(model_name)
         if pool is None:
-            with self._lock:
+            with self._session():
                 pool = tuple(sorted(self._models(model_name), key=lambda m: m.endpoint))
                 self._pools[model_name] = pool
         return list(pool)
@@ -558,9 +559,16 @@ class Store(ABC):
         if data:
             dump_storable(data, "data")
 
-    # --- backend primitives (called with the lock held) -------------------------------------
+    # --- backend primitives (called inside the session) -------------------------------------
+
+    @abstractmethod
+    def _session(self) -> contextlib.AbstractContextManager[Any]:
+        """The unit of work a public method runs its primitives in (re-entrant: a method may call
+        another). A store one process owns excludes here (`OneProcessStore`: a mutex); a store
+        several processes share cannot, and excludes in `_transaction` instead (PostgreSQL)."""
 
     def _transaction(self) -> contextlib.AbstractContextManager[Any]:
+        """One write transaction inside the session: all of its writes or none (default: none needed)."""
         return contextlib.nullcontext()
 
     @abstractmethod
@@ -592,10 +600,10 @@ class Store(ABC):
     def _lock_queued(self, limit: int) -> list[Rollout]:
         """The oldest `limit` queuing rollouts (creation order), locked for the open transaction.
 
-        Called inside `self._transaction()` (under the store's lock); the caller then
+        Called inside `self._transaction()` (in the session); the caller then
         `_replace`s each with its running status in the same transaction. Locked means no
         concurrent transaction can return or change the same rows until this one ends:
-        another thread (the store's lock does that), or another process sharing the
+        another thread (`OneProcessStore`'s session, a mutex, does that), or another process sharing the
         database (PostgreSQL: `SELECT ... WHERE state='queuing' ORDER BY seq LIMIT $1 FOR
         UPDATE SKIP LOCKED`, so concurrent claimers get disjoint sets and never wait on each
         other). Memory and SQLite have one process per store (the SQLite file is flocked).
@@ -604,17 +612,17 @@ class Store(ABC):
     @abstractmethod
     def _touch(self, rollout_ids: Sequence[str], now: float) -> None:
         """Record activity at `now` (a heartbeat, an event of the running attempt, a claim or
-        status change) for each id; unknown ids are ignored. Called under the store's lock,
-        inside or outside a transaction."""
+        status change) for each id; unknown ids are ignored. Called in the session, inside or
+        outside a transaction."""
 
     @abstractmethod
     def _idle_running(self, before: float) -> list[str]:
         """Ids of running rollouts whose last activity (the latest `_touch`, else
         `status.updated_at`) is older than `before`, in creation order.
 
-        Called inside `self._transaction()`; the rows returned are locked like
-        `_lock_queued`'s (PostgreSQL: `FOR UPDATE SKIP LOCKED`), because the caller re-queues
-        or fails each in the same transaction."""
+        Called inside `self._transaction()`, because the caller re-queues or fails each in the
+        same transaction: `expire_leases` then locks them (`_load_many`) and asks again, so a
+        backend shared by several processes may answer from a plain read (PostgreSQL does)."""
 
     @abstractmethod
     def _append_event(self, event: Event, event_id: str | None = None) -> bool:
@@ -654,8 +662,38 @@ class Store(ABC):
     def _models(self, model_name: str) -> list[Model]: ...
 
 
+# ---------------------------------------------------------------------------------------------
+# Stores one process owns: a mutex for a session, lease activity in memory
+# ---------------------------------------------------------------------------------------------
+
+
+class OneProcessStore(Store):
+    """A `Store` that one process owns (MemoryStore; SqliteStore, whose file is flocked), so what
+    other processes would need to see can stay in this one.
+
+    - The session is a re-entrant mutex: no two threads of the process (the embedded server's
+      event loop, a notebook thread) run primitives at once, which is what makes `_lock_queued`'s
+      rows and every read-modify-write exclusive.
+    - Lease activity is kept in memory (`_Activity`), not stored: no write per heartbeat or event.
+    """
+
+    def __init__(self, terminal_log_limit: int = DEFAULT_TERMINAL_LOG_LIMIT):
+        super().__init__(terminal_log_limit)
+        self._mutex = threading.RLock()
+        self._activity = _Activity()
+
+    def _session(self) -> threading.RLock:
+        return self._mutex
+
+    def _touch(self, rollout_ids: Sequence[str], now: float) -> None:
+        self._activity.touch(rollout_ids, now)
+
+    def _idle_running(self, before: float) -> list[str]:
+        return self._activity.idle(self._list([RolloutState.RUNNING], 2**62), before)
+
+
 class _Activity:
-    """Lease activity kept in this process (MemoryStore; SqliteStore, whose file has one process).
+    """Lease activity kept in this process (`OneProcessStore`).
 
     Not persisted: after a restart a running rollout's lease runs from its last status change
     (`status.updated_at`, which SQLite persists), so a restarted server re-queues the rollouts

@@ -15,7 +15,7 @@ from typing import Any
 
 from agl_lab.protocol import Event, Model, Rollout, RolloutState
 from agl_lab.server.storable import dump_storable
-from agl_lab.server.store.base import DEFAULT_TERMINAL_LOG_LIMIT, Store, _Activity, load_stored
+from agl_lab.server.store.base import DEFAULT_TERMINAL_LOG_LIMIT, OneProcessStore, load_stored
 
 
 def _pack(data: Any) -> bytes:
@@ -28,7 +28,7 @@ def _unpack(stored: bytes) -> Any:
     return load_stored(stored)
 
 
-class MemoryStore(Store):
+class MemoryStore(OneProcessStore):
     """Plain dicts; the terminal log is a bounded deque plus an absolute count."""
 
     BLOCKING = False  # no I/O: the gateway calls it on its event loop (no thread hop per model call)
@@ -45,7 +45,6 @@ class MemoryStore(Store):
         self._terminal: collections.deque[str] = collections.deque(maxlen=self.terminal_log_limit)
         self._terminal_count = 0
         self._terminal_latest: dict[str, int] = {}  # rollout id -> absolute index of its latest entry
-        self._activity = _Activity()
 
     def __repr__(self) -> str:
         return f"MemoryStore(rollouts={len(self._rollouts)}, terminal={self._terminal_count})"
@@ -76,13 +75,7 @@ class MemoryStore(Store):
         return list(itertools.islice(matching, limit))
 
     def _lock_queued(self, limit: int) -> list[Rollout]:
-        return self._list([RolloutState.QUEUING], limit)  # the store's lock is the row lock
-
-    def _touch(self, rollout_ids: Sequence[str], now: float) -> None:
-        self._activity.touch(rollout_ids, now)
-
-    def _idle_running(self, before: float) -> list[str]:
-        return self._activity.idle(self._list([RolloutState.RUNNING], len(self._rollouts)), before)
+        return self._list([RolloutState.QUEUING], limit)  # the session (a mutex) is the row lock
 
     def _check_event_data(self, data: dict[str, Any] | None) -> None:
         pass  # `_append_event` encodes with dump_storable (`_pack`), which is the check

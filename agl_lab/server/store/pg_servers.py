@@ -24,11 +24,11 @@ QUEUED_CHANNEL = "agl_queued"  # NOTIFY'd at the commit of a write that queued r
 
 
 class ServersOfOneDatabase:
-    """Mixin of `PostgresStore` (which provides `_db`, `_lock`, `_conninfo`, `_instance`,
+    """Mixin of `PostgresStore` (which provides `_db`, `_session`, `_conninfo`, `_instance`,
     `_wall_clock` and the claimer caches)."""
 
     _db: Any
-    _lock: Any
+    _session: Callable[[], Any]
     _conninfo: str
     _instance: str
     _wall_clock: Callable[[], float]
@@ -45,7 +45,7 @@ class ServersOfOneDatabase:
 
     def _db_now(self) -> float:
         """The database's clock_timestamp() (seconds since the epoch); refreshes `clock_skew_seconds`
-        (the database's clock minus this host's, measured at the query's midpoint). Under `_lock`."""
+        (the database's clock minus this host's, measured at the query's midpoint). In the session."""
         before = self._wall_clock()
         (db_now,) = self._db.execute("SELECT extract(epoch FROM clock_timestamp())::float8").fetchone()  # type: ignore[misc]
         self.clock_skew_seconds = float(db_now) - (before + self._wall_clock()) / 2
@@ -54,7 +54,7 @@ class ServersOfOneDatabase:
     def expire_leases(self, lease_seconds: float, max_attempts: int = 1, now: float | None = None) -> dict[str, str]:
         """The base class's sweep, against the database's clock (read now, not this host's)."""
         if now is None:
-            with self._lock:
+            with self._session():
                 now = self._db_now()
         return super().expire_leases(lease_seconds, max_attempts, now)
 

@@ -3,23 +3,24 @@
     open_store("postgresql://user:pass@host:5432/db")  -> PostgresStore   (agl_lab.server.backends)
 
 The semantics are the base class's (`agl_lab.server.store.base.Store`), unchanged; this module only
-implements its primitives in SQL and replaces the two things the base class keeps per process:
+implements its primitives in SQL and replaces the two things a store one process owns keeps in that
+process (`base.OneProcessStore`):
 
-- **The lock.** The base class wraps every public method in `with self._lock` and does
-  read-modify-write (`_load`, then `_replace`). A process-local lock says nothing about another
-  server process, so here `_lock` is `_Checkout`: entering it binds one pooled connection to the
-  calling thread (re-entrant), and serialises nothing. What makes a transition exactly-once is the
-  database: `_transaction()` is a real transaction, and inside one `_load` reads the row
-  `FOR NO KEY UPDATE`, so of two processes moving one rollout queuing -> running the second waits
-  for the first's COMMIT, then reads `running` and gets InvalidTransition (409).
+- **The session.** The base class runs every public method in `with self._session()` and does
+  read-modify-write (`_load`, then `_replace`). A process-local mutex says nothing about another
+  server process, so here the session is `_ConnectionSession`: entering it binds one pooled
+  connection to the calling thread (re-entrant), and excludes nothing. What makes a transition
+  exactly-once is the database: `_transaction()` is a real transaction, and inside one `_load` reads
+  the row `FOR NO KEY UPDATE`, so of two processes moving one rollout queuing -> running the second
+  waits for the first's COMMIT, then reads `running` and gets InvalidTransition (409).
   (`NO KEY UPDATE`, not `UPDATE`: an event insert's foreign-key check takes `KEY SHARE` on the
   rollout row, which `NO KEY UPDATE` lets through, so a PATCH never queues behind model calls.)
 - **Per-process memory.** `models_for` keeps a pool `models_ttl_seconds` (1 s; the base class's
   cache, kept until this process's next model write, would serve a stale pool after another process
   registered endpoints for ever), and
-  lease activity is stored, not kept in a dict: a heartbeat writes `active_at`, an event is its
+  lease activity is stored, not kept in memory: a heartbeat writes `active_at`, an event is its
   own timestamp (the newest event row), so a server that never saw a runner's heartbeat still
-  knows its lease is alive.
+  knows its lease is alive (`_touch`, `_idle_running`).
 
 How each primitive is done:
 
@@ -113,16 +114,9 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())  # libpq's messages span lines
 
 
-class _Discard(dict):  # type: ignore[type-arg]
-    """The base class's in-memory lease map, as a sink: lease activity lives in the database here."""
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        pass
-
-
-class _Checkout:
-    """The base class's `_lock` under PostgreSQL: entering binds a pooled connection to the calling
-    thread (re-entrant: nested entries reuse it), leaving the outermost entry returns it.
+class _ConnectionSession:
+    """`PostgresStore`'s session: entering binds a pooled connection to the calling thread
+    (re-entrant: nested entries reuse it), leaving the outermost entry returns it to the pool.
 
     It excludes nothing: threads and processes run concurrently, and the database's transactions and
     row locks do the excluding. A connection failure (PostgreSQL down or restarted, pool exhausted)
@@ -146,7 +140,7 @@ class _Checkout:
     def txn(self, value: str | None) -> None:
         self._local.txn = value
 
-    def __enter__(self) -> _Checkout:
+    def __enter__(self) -> _ConnectionSession:
         local = self._local
         depth = getattr(local, "depth", 0)
         if depth == 0:
@@ -177,14 +171,34 @@ class _Checkout:
 
 
 class PostgresStore(ServersOfOneDatabase, Store):
-    TOUCH_ON_EVENT = False  # an event row is its own activity (_LAST_ACTIVITY): no UPDATE per model call
-    """A `Store` in a PostgreSQL database; any number of server processes may open the same one.
+    """A `Store` in a PostgreSQL database that any number of server processes, on any hosts, share.
 
     `url` is a libpq URI (`postgresql://user:pass@host:port/db?sslmode=...`). Opening connects once
     (errors name the URL, without its password, and the fix), creates the tables if the database
     has none, and refuses tables of another schema version. `pool_size` bounds this process's
     connections (each concurrent store call holds one).
+
+    Shared: every server process opens its own `PostgresStore` on the same URL and keeps nothing
+    the others need in its memory. Rollouts, events, the terminal log, the model registry, lease
+    activity and the runners claiming are all rows; the clock is the database's and wake-ups go
+    through NOTIFY (`pg_servers.py`).
+
+    Concurrency, as the code does it:
+    - `_session()` (`_ConnectionSession`) hands the calling thread a pooled connection and
+      excludes nothing: threads of this process and other processes run side by side.
+    - `_transaction()` is a database transaction (READ COMMITTED); inside one, `_load` row-locks
+      the rollout it reads (`FOR NO KEY UPDATE`: a second PATCH waits, then sees the first's
+      state), `_load_many` takes an advisory lock per id (in sorted order: no deadlock), so two
+      creators of one client id or two lease sweeps run one after the other, `_lock_queued` skips
+      the rows another claim holds (`SKIP LOCKED`), and the terminal log's head row serialises
+      appends in commit order.
+    - `_touch` (a heartbeat) row-locks its rollouts in id order; event appends are single
+      autocommitted statements (their foreign key closes the race with a DELETE).
+    - Reads outside a transaction are autocommitted statements; `terminal_page` reads in one
+      REPEATABLE READ snapshot (`_snapshot`).
     """
+
+    TOUCH_ON_EVENT = False  # an event row is its own activity (_LAST_ACTIVITY): no UPDATE per model call
 
     def __init__(
         self,
@@ -228,17 +242,16 @@ class PostgresStore(ServersOfOneDatabase, Store):
             kwargs={"autocommit": True},
             name=f"agl-store-{id(self):x}",
         )
-        self._lock = _Checkout(self._pool, self._where)  # type: ignore[assignment]  # see _Checkout
-        self._activity = _Discard()
+        self._connections = _ConnectionSession(self._pool, self._where)
         self._conninfo = conninfo
         self._instance = uuid.uuid4().hex  # names this store's NOTIFYs (`listen_queued` skips its own)
         self._claimers_seen: dict[str, float] = {}  # runner id -> when this process last wrote its row
         self._claimer_count: tuple[float, int] = (-1e18, 0)  # (when read, recent claimers) of agl_claimers
         self._wall_clock = wall_clock
         self.clock_skew_seconds = 0.0  # the database's clock minus this host's (`_db_now`)
-        with self._lock:
+        with self._session():
             self._db_now()
-        with self._lock, self._transaction():
+        with self._session(), self._transaction():
             self._terminal_trim()  # a smaller limit on open applies at once
 
     def __repr__(self) -> str:
@@ -249,47 +262,51 @@ class PostgresStore(ServersOfOneDatabase, Store):
 
     # --- transactions -------------------------------------------------------------------------
 
+    def _session(self) -> _ConnectionSession:
+        return self._connections
+
     @property
     def _db(self) -> psycopg.Connection[Any]:
-        return self._lock.conn  # type: ignore[attr-defined]
+        """The connection this thread's session holds."""
+        return self._connections.conn
 
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[None]:
         """One write transaction on this thread's connection (re-entrant: the outer one commits);
         rolled back and the error raised on any failure."""
-        lock: _Checkout = self._lock  # type: ignore[assignment]
-        if lock.txn is not None:
+        session = self._connections
+        if session.txn is not None:
             yield
             return
-        lock.txn = "write"
+        session.txn = "write"
         try:
-            with lock.conn.transaction():
+            with session.conn.transaction():
                 yield
         finally:
-            lock.txn = None
+            session.txn = None
 
     @contextlib.contextmanager
     def _snapshot(self) -> Iterator[None]:
         """A read-only REPEATABLE READ transaction: every read inside sees one committed state."""
-        lock: _Checkout = self._lock  # type: ignore[assignment]
-        with lock:
-            if lock.txn is not None:
+        session = self._connections
+        with session:
+            if session.txn is not None:
                 yield
                 return
-            lock.txn = "read"
+            session.txn = "read"
             try:
-                lock.conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+                session.conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
                 yield
-                lock.conn.execute("COMMIT")
+                session.conn.execute("COMMIT")
             except BaseException:
                 with contextlib.suppress(psycopg.Error):
-                    lock.conn.execute("ROLLBACK")
+                    session.conn.execute("ROLLBACK")
                 raise
             finally:
-                lock.txn = None
+                session.txn = None
 
     def _writing(self) -> bool:
-        return self._lock.txn == "write"  # type: ignore[attr-defined]
+        return self._connections.txn == "write"
 
     # --- public methods that differ: cross-process state -----------------------------------------
 
@@ -309,7 +326,7 @@ class PostgresStore(ServersOfOneDatabase, Store):
         pool = self._pools.get(model_name)
         if pool is not None and now - self._pools_at.get(model_name, -1e18) < self.models_ttl_seconds:
             return list(pool)
-        with self._lock:
+        with self._session():
             pool = tuple(sorted(self._models(model_name), key=lambda m: m.endpoint))
         if pool:
             self._pools[model_name], self._pools_at[model_name] = pool, now

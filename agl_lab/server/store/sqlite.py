@@ -17,7 +17,13 @@ from typing import Any
 
 from agl_lab.protocol import Event, Model, Rollout, RolloutState
 from agl_lab.server.storable import dump_storable
-from agl_lab.server.store.base import DEFAULT_TERMINAL_LOG_LIMIT, Store, StoreError, StoreLocked, _Activity, load_stored
+from agl_lab.server.store.base import (
+    DEFAULT_TERMINAL_LOG_LIMIT,
+    OneProcessStore,
+    StoreError,
+    StoreLocked,
+    load_stored,
+)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS rollouts (
@@ -52,8 +58,8 @@ CREATE INDEX IF NOT EXISTS terminal_log_rollout ON terminal_log (rollout_id, idx
 """
 
 
-class SqliteStore(Store):
-    """One SQLite file (WAL mode); one connection shared under the store's lock.
+class SqliteStore(OneProcessStore):
+    """One SQLite file (WAL mode); one connection, shared by the threads in turn (the session is a mutex).
 
     Durability: `synchronous=NORMAL` in WAL mode. Every write, event appends included, is
     committed before the call returns, so an acknowledged write survives a crash of the process
@@ -106,8 +112,7 @@ class SqliteStore(Store):
                 ) from None
             raise
         self._cache: dict[str, Rollout] = {}  # rollout_id -> Rollout as stored (see _load)
-        self._activity = _Activity()  # in memory: this process is the file's only one
-        self._depth = 0  # nesting of _transaction (re-entrant under the RLock)
+        self._depth = 0  # nesting of _transaction (re-entrant: one thread at a time holds the session)
         self._closed = threading.Event()
         self._checkpointer: threading.Thread | None = None
         if path != ":memory:":  # an in-memory database has no WAL to checkpoint
@@ -119,20 +124,20 @@ class SqliteStore(Store):
                 daemon=True,
             )
             self._checkpointer.start()
-        with self._lock:
+        with self._session():
             self._terminal_trim()  # a smaller limit on reopen applies at once
 
     def __repr__(self) -> str:
         return f"SqliteStore({self.path!r})"
 
     def close(self) -> None:
-        with self._lock:
+        with self._session():
             if self._closed.is_set():
                 return
             self._closed.set()
         if self._checkpointer is not None and threading.current_thread() is not self._checkpointer:
             self._checkpointer.join(5)
-        with self._lock:
+        with self._session():
             self._db.close()
             if self._lock_file is not None:
                 self._lock_file.close()  # closing the descriptor releases the flock
@@ -165,7 +170,7 @@ class SqliteStore(Store):
         left open). COMMIT is inside the error handling: on a full disk (SQLITE_FULL) it is
         the statement that fails, and what the cache holds from the transaction is then not
         on disk, so the cache is dropped too."""
-        if self._depth:  # re-entrant use under the RLock: the outer call commits
+        if self._depth:  # re-entrant use in the session: the outer call commits
             yield
             return
         if self._db.in_transaction:  # pragma: no cover - only after a failed ROLLBACK
@@ -258,14 +263,8 @@ class SqliteStore(Store):
         return int(n)
 
     def _lock_queued(self, limit: int) -> list[Rollout]:
-        # the store's lock plus the file's flock: no other connection can write these rows
+        # the session (a mutex) plus the file's flock: no other connection can write these rows
         return self._list([RolloutState.QUEUING], limit)
-
-    def _touch(self, rollout_ids: Sequence[str], now: float) -> None:
-        self._activity.touch(rollout_ids, now)
-
-    def _idle_running(self, before: float) -> list[str]:
-        return self._activity.idle(self._list([RolloutState.RUNNING], 2**62), before)
 
     def _check_event_data(self, data: dict[str, Any] | None) -> None:
         pass  # `_append_event` encodes with dump_storable, which is the check
