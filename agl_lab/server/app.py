@@ -266,24 +266,6 @@ def create_app(
     if not cfg.key:
         logger.warning(NO_KEY_WARNING)
 
-    app = AglApp(title="Agent Lightning", version="1.0.0", lifespan=_lifespan(cfg, store, gateway, queued))
-    app.state.config, app.state.store, app.state.gateway = cfg, raw_store, gateway
-    app.state.metrics = metrics
-    _install_error_handlers(app)
-    app.add_middleware(JsonServerErrors)
-    _install_guard(app, cfg, store, gateway)
-    _add_health_routes(app, store, gateway, metrics)
-    app.include_router(_rollout_router(store, cfg.max_batch_items, cfg.lease_seconds, queued), prefix="/api")
-    app.include_router(_event_router(store), prefix="/api")
-    app.include_router(_model_router(store, cfg.max_batch_items), prefix="/api")
-    app.include_router(gateway_router(gateway), prefix="/proxy")
-    return app
-
-
-def _lifespan(cfg: ServerConfig, store: Store, gateway: Gateway, queued: QueueSignal) -> Any:
-    """What runs while the app serves: the upstream client, the lease sweeper and (PostgreSQL)
-    the listener for rollouts queued through other servers; each stopped when the app stops."""
-
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         gateway.client = open_upstream_client(
@@ -308,12 +290,11 @@ def _lifespan(cfg: ServerConfig, store: Store, gateway: Gateway, queued: QueueSi
             client, gateway.client = gateway.client, None
             await client.aclose()
 
-    return lifespan
-
-
-def _install_guard(app: AglApp, cfg: ServerConfig, store: Store, gateway: Gateway) -> None:
-    """Auth and limits (server/guard.py) before any body is read, on the middleware stack and on
-    the proxy's fast path alike."""
+    app = AglApp(title="Agent Lightning", version="1.0.0", lifespan=lifespan)
+    app.state.config, app.state.store, app.state.gateway = cfg, raw_store, gateway
+    app.state.metrics = metrics
+    _install_error_handlers(app)
+    app.add_middleware(JsonServerErrors)
     open_paths = (HEALTH_PATH,) if cfg.docs_auth else (HEALTH_PATH, *DOCS_PATHS)
     guard = {
         "key": cfg.key,
@@ -329,10 +310,6 @@ def _install_guard(app: AglApp, cfg: ServerConfig, store: Store, gateway: Gatewa
     route = proxy_route(gateway, _no_check)
     app.router.routes.append(route)
     app.proxy_fast_path = ProxyFastPath(gateway, RequestGuard(None, **guard), route, app.exception_handlers)
-
-
-def _add_health_routes(app: AglApp, store: Store, gateway: Gateway, metrics: ServerMetrics) -> None:
-    """`GET /healthz` and `GET /metrics`."""
 
     @app.get(HEALTH_PATH, tags=["health"])
     async def healthz() -> dict[str, str]:
@@ -350,6 +327,12 @@ def _add_health_routes(app: AglApp, store: Store, gateway: Gateway, metrics: Ser
         except Exception as exc:  # the store is down: the counters still answer (the error is counted)
             logger.warning("GET /metrics: queue depth unavailable: %r", exc)
         return Response(render(samples), media_type=CONTENT_TYPE)
+
+    app.include_router(_rollout_router(store, cfg.max_batch_items, cfg.lease_seconds, queued), prefix="/api")
+    app.include_router(_event_router(store), prefix="/api")
+    app.include_router(_model_router(store, cfg.max_batch_items), prefix="/api")
+    app.include_router(gateway_router(gateway), prefix="/proxy")
+    return app
 
 
 CLOCK_SKEW_WARN_FRACTION = 0.1  # warn at start when this host's clock is off the database's by this much of a lease
