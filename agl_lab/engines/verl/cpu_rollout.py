@@ -114,6 +114,12 @@ def _rollout_world_size(config: Any) -> int:
 
 
 def _adapter_class() -> type:
+    """verl's rollout adapter for the CPU replicas: the policy served by agl_lab's OpenAI server.
+
+    One piece: the class is defined inside a function only so that verl's `BaseRollout` is imported
+    when verl builds the adapter, not when this module is; its methods are short, one per verl call.
+    """
+
     class CpuServerAdapter(verl_import("BaseRollout")):
         """Serves the worker's copy of the policy through agl_lab's OpenAI server."""
 
