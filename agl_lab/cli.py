@@ -65,12 +65,54 @@ def train_main(argv: list[str]) -> int:
     same clean stop: agents' process groups are terminated (killed after a grace period), the
     same lines are printed, exit status 143.
     """
-    import argparse
     import time
 
     from agl_lab import config as config_mod
     from agl_lab.checkpoints import CheckpointDiskFull
+    from agl_lab.engines.verl.api import StartupProblem  # stdlib imports only
     from agl_lab.trainer import Trainer
+
+    args = _train_parser().parse_intermixed_args(_bare_resume(argv))  # overrides may come before or after options
+    cfg = _train_config(args)
+    if cfg is None:
+        return 2
+    t0 = time.time()
+    trainer = None
+    previous = _stop_on_sigterm()
+    try:
+        try:
+            built = Trainer(cfg, run_dir=args.run_dir)
+        except (config_mod.ConfigError, ValueError, KeyError, ModuleNotFoundError) as e:  # what the config names
+            print(f"agl-lab train: {_one_line(e)}")
+            return 2
+        except StartupProblem as e:  # the verl engine's start-up check (before Ray): what is missing here
+            print(f"agl-lab train: {_one_line(e)}")
+            return 2
+        with built as trainer:
+            _say_what_runs(trainer, cfg)
+            try:
+                resumed = trainer.resume()  # also checks trainer.resume_mode, found after the engine is built
+            except config_mod.ConfigError as e:
+                print(f"agl-lab train: {_one_line(e)}", flush=True)
+                return 2
+            steps = args.steps if args.until is None else max(args.until - trainer.global_step, 0)
+            _say_span(trainer, resumed, steps)
+            history = trainer.fit(steps, progress=False)
+            _summarise(trainer.run_dir, history, time.time() - t0)
+    except KeyboardInterrupt as e:
+        _interrupted(trainer, argv, args.resume, time.time() - t0, terminated=isinstance(e, Terminated))
+        return 143 if isinstance(e, Terminated) else 130
+    except CheckpointDiskFull as e:  # names the disk, the free space, the fix and the latest checkpoint
+        print(f"agl-lab train: {e.strerror}", flush=True)
+        return 1
+    finally:
+        _restore_sigterm(previous)
+    return 0
+
+
+def _train_parser() -> Any:
+    """`agl-lab train`'s arguments."""
+    import argparse
 
     parser = argparse.ArgumentParser(prog="agl-lab train", description="Train from a YAML config.")
     parser.add_argument("config", help="YAML config, e.g. configs/cpu_tiny.yaml")
@@ -99,68 +141,53 @@ def train_main(argv: list[str]) -> int:
         "or from CHECKPOINT (…/global_step_N)",
     )
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
-    args = parser.parse_intermixed_args(_bare_resume(argv))  # overrides may come before or after options
-    overrides = list(args.overrides)
+    return parser
+
+
+def _train_config(args: Any) -> Any:
+    """The run's config from `agl-lab train`'s arguments; None after printing what is wrong (exit 2)."""
+    from agl_lab import config as config_mod
+
     for name in ("steps", "until"):
         if getattr(args, name) is not None and getattr(args, name) < 0:
             print(f"agl-lab train: --{name} must be >= 0, got {getattr(args, name)}")
-            return 2
+            return None
     try:
-        overrides += resume_overrides(args.resume)
-        cfg = config_mod.load_config(args.config, overrides)
+        return config_mod.load_config(args.config, list(args.overrides) + resume_overrides(args.resume))
     except config_mod.ConfigError as e:
         print(f"agl-lab train: {e}")
-        return 2
+        return None
     except Exception as e:
         if (problem := _yaml_problem(e)) is None:
             raise
         print(f"agl-lab train: {args.config} (or an override) is not valid YAML: {problem}")
-        return 2
-    t0 = time.time()
-    trainer = None
-    previous = _stop_on_sigterm()
-    try:
-        try:
-            built = Trainer(cfg, run_dir=args.run_dir)
-        except (config_mod.ConfigError, ValueError, KeyError, ModuleNotFoundError) as e:  # what the config names
-            print(f"agl-lab train: {_one_line(e)}")
-            return 2
-        with built as trainer:
-            print(
-                f"agl-lab train: run dir {trainer.run_dir} · engine {cfg.agl_lab.engine} · "
-                f"model {trainer.engine.model_name} · {_what_runs(trainer, cfg)}",
-                flush=True,
-            )
-            if trainer.execution.server is not None:  # runners on other hosts: agl-lab runner --server URL
-                print(f"agl-lab train: server {trainer.base_url}", flush=True)
-            try:
-                resumed = trainer.resume()  # also checks trainer.resume_mode, found after the engine is built
-            except config_mod.ConfigError as e:
-                print(f"agl-lab train: {_one_line(e)}", flush=True)
-                return 2
-            start = trainer.global_step
-            if resumed is not None:
-                print(f"agl-lab train: resumed from {resumed} at step {start}", flush=True)
-            steps = args.steps if args.until is None else max(args.until - start, 0)
-            if steps is not None or resumed is not None:
-                end = start + steps if steps is not None else trainer._default_total_steps()
-                print(
-                    f"agl-lab train: steps {start + 1}–{end}"
-                    if end > start
-                    else f"agl-lab train: already at step {start} (≥ {end}): nothing to train",
-                    flush=True,
-                )
-            history = trainer.fit(steps, progress=False)
-            _summarise(trainer.run_dir, history, time.time() - t0)
-    except KeyboardInterrupt as e:
-        _interrupted(trainer, argv, args.resume, time.time() - t0, terminated=isinstance(e, Terminated))
-        return 143 if isinstance(e, Terminated) else 130
-    except CheckpointDiskFull as e:  # names the disk, the free space, the fix and the latest checkpoint
-        print(f"agl-lab train: {e.strerror}", flush=True)
-        return 1
-    finally:
-        _restore_sigterm(previous)
-    return 0
+        return None
+
+
+def _say_what_runs(trainer: Any, cfg: Any) -> None:
+    """The start line: run dir, engine, model, what runs; the server's URL when runners can reach it."""
+    print(
+        f"agl-lab train: run dir {trainer.run_dir} · engine {cfg.agl_lab.engine} · "
+        f"model {trainer.engine.model_name} · {_what_runs(trainer, cfg)}",
+        flush=True,
+    )
+    if trainer.execution.server is not None:  # runners on other hosts: agl-lab runner --server URL
+        print(f"agl-lab train: server {trainer.base_url}", flush=True)
+
+
+def _say_span(trainer: Any, resumed: Any, steps: int | None) -> None:
+    """Where a resumed run starts, and the steps it will train (or that there is nothing to train)."""
+    start = trainer.global_step
+    if resumed is not None:
+        print(f"agl-lab train: resumed from {resumed} at step {start}", flush=True)
+    if steps is not None or resumed is not None:
+        end = start + steps if steps is not None else trainer.total_steps
+        print(
+            f"agl-lab train: steps {start + 1}–{end}"
+            if end > start
+            else f"agl-lab train: already at step {start} (≥ {end}): nothing to train",
+            flush=True,
+        )
 
 
 def _what_runs(trainer: Any, cfg: Any) -> str:

@@ -177,3 +177,100 @@ def test_rng_state_creates_no_cuda_context_on_a_driver_that_never_used_cuda(monk
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # the local engine on a GPU
     monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: ["state"])
     assert checkpoints.rng_state()["cuda"] == ["state"]
+
+
+# ------------------------------------------------------------------------------------------
+# Issue #48: what the GPU environment lacks, named before Ray starts
+# ------------------------------------------------------------------------------------------
+
+BLOCK_PSYCOPG = "import sys\nsys.modules['psycopg'] = sys.modules['psycopg_pool'] = None  # 'not installed'\n"
+
+
+def _python(code: str, tmp_path, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env, cwd=str(tmp_path)
+    )
+
+
+def test_a_run_with_the_default_store_imports_no_psycopg(tmp_path):
+    """The store package's docstring promises psycopg "on first use": requirements-gpu.txt once
+    lacked it, and `agl-lab train` died after Ray, the workers and vLLM had started."""
+    out = _python(
+        BLOCK_PSYCOPG
+        + textwrap.dedent("""
+        import agl_lab.cli, agl_lab.trainer, agl_lab.execution, agl_lab.server.embedded, agl_lab.server.app
+        from agl_lab.server.backends import open_store
+        print("loaded:", sorted(m for m in sys.modules if m.startswith("agl_lab.server.store.p")))
+        try:
+            open_store("postgresql://u:p@127.0.0.1:1/db")
+        except ImportError as exc:
+            print("postgres:", exc.name)
+    """),
+        tmp_path,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "loaded: []" in out.stdout  # neither postgresql.py, pg_schema.py nor pg_servers.py
+    assert "postgres: psycopg" in out.stdout  # the PostgreSQL store still needs it, when named
+
+
+def test_the_start_up_check_names_missing_psycopg_for_a_postgres_store_before_ray_starts(tmp_path, tiny_model_dir):
+    code = BLOCK_PSYCOPG + textwrap.dedent(f"""
+        import ray
+        from agl_lab.config import load_config
+        from agl_lab.engines.verl.api import StartupProblem, check_dependencies
+        from agl_lab.engines.verl.engine import VerlEngine
+        cfg = load_config({GPU_CONFIG!r}, ["agl_lab.model.path={tiny_model_dir}"])
+        print("memory store:", check_dependencies(cfg))
+        pg = load_config({GPU_CONFIG!r}, ["agl_lab.model.path={tiny_model_dir}",
+                                          "agl_lab.server.store=postgresql://u:p@db:5432/agl"])
+        try:
+            VerlEngine(pg, train_dataset=[{{"question": "q"}}])
+        except StartupProblem as exc:
+            print("problem:", " ".join(str(exc).split()))
+        print("ray started:", ray.is_initialized())
+    """)
+    out = _python(code, tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "memory store: []" in out.stdout
+    problem = next(line for line in out.stdout.splitlines() if line.startswith("problem:"))
+    assert "agl_lab.server.store=postgresql://... needs the psycopg module, which is not installed" in problem
+    assert "pip install -r requirements-gpu.txt (or pip install 'psycopg[binary]')" in problem
+    assert "psycopg_pool module" in problem
+    assert "ray started: False" in out.stdout
+
+
+def test_the_server_packages_the_start_up_check_names_are_those_the_server_imports(tmp_path):
+    """Every module of a requirements-gpu.txt distribution that the server and gateway import,
+    beyond what `agl-lab train` imports before the engine starts, is in `SERVER_PACKAGES`."""
+    from agl_lab.engines.verl.api import SERVER_PACKAGES, check_dependencies
+
+    code = textwrap.dedent("""
+        import importlib.metadata as md, json, re, sys
+        import agl_lab.cli, agl_lab.config, agl_lab.trainer
+        before = {m.split(".")[0] for m in sys.modules}
+        import agl_lab.agent, agl_lab.execution, agl_lab.server.app, agl_lab.server.embedded, agl_lab.server.upstream
+        dists = md.packages_distributions()
+        lines = [l.split("#")[0].strip() for l in open(sys.argv[1])]
+        gpu = {re.match(r"[A-Za-z0-9_.-]+", l).group(0).lower() for l in lines if l}
+        late = {m.split(".")[0] for m in sys.modules} - before
+        print(json.dumps(sorted(m for m in late if any(d.lower() in gpu for d in dists.get(m, ())))))
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run(
+        [sys.executable, "-c", code, os.path.join(ROOT, "requirements-gpu.txt")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=str(tmp_path),
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    late = json.loads(out.stdout.splitlines()[-1])
+    assert {"fastapi", "uvicorn", "httptools"} <= set(late)  # the comparison below is not empty
+    assert set(late) <= set(SERVER_PACKAGES), set(late) - set(SERVER_PACKAGES)  # each one named before Ray
+    missing = check_dependencies(load_config(GPU_CONFIG), find_spec=lambda name: name != "httptools")
+    assert missing == [
+        "agl_lab's server needs the httptools module, which is not installed: pip install -r requirements-gpu.txt "
+        "(or pip install 'httptools')"
+    ]

@@ -7,13 +7,13 @@
     (or "postgres://...")                                      (agl_lab.server.store.postgresql)
 
 It lives apart from the `store` package so that importing the package does not import the
-PostgreSQL driver: only this factory imports every backend.
+PostgreSQL driver; this factory imports `PostgresStore` (and psycopg) only when a URL names
+PostgreSQL, so a process with the default store runs without psycopg installed.
 """
 
 from __future__ import annotations
 
 from agl_lab.server.store import DEFAULT_TERMINAL_LOG_LIMIT, MemoryStore, SqliteStore, Store
-from agl_lab.server.store.postgresql import PostgresStore
 
 STORE_URLS = "'memory' (default), 'sqlite:///path/to/store.db' or 'postgresql://user:password@host:5432/database'"
 
@@ -30,6 +30,13 @@ def open_store(
         if not path:
             raise ValueError(f"store url {url!r} names no file: use 'sqlite:///path/to/store.db'")
         return SqliteStore(path, terminal_log_limit)
-    if url.startswith(("postgresql://", "postgres://")):
+    if is_postgres_url(url):
+        from agl_lab.server.store.postgresql import PostgresStore  # psycopg: only where PostgreSQL is used
+
         return PostgresStore(url, terminal_log_limit, pool_timeout=timeout_seconds)
     raise ValueError(f"unknown store url {url!r}: use {STORE_URLS}")
+
+
+def is_postgres_url(url: str | None) -> bool:
+    """The store `url` names PostgreSQL (and so needs psycopg and psycopg-pool)."""
+    return bool(url) and str(url).startswith(("postgresql://", "postgres://"))

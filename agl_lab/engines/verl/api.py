@@ -14,8 +14,9 @@ The helpers that call through the table live here too: `verl_import(key)` resolv
 coroutine row on every replica (`run_coroutine` also works inside Jupyter's running loop),
 and `check_symbol` / `check_verl_api` compare rows with the installed packages (any import
 failure is listed, and the environment an import edits is put back). The start-up check of
-`VerlEngine` is `check_verl_api()` plus `check_attention(config)` (the package the configured
-attention implementation needs); `check_symbol_record` applies `check_symbol`'s rules to a
+`VerlEngine` is `check_verl_api()`, `check_attention(config)` (the package the configured
+attention implementation needs) and `check_dependencies(config)` (agl_lab's server modules,
+psycopg for a PostgreSQL store), each problem a line of one `StartupProblem`; `check_symbol_record` applies `check_symbol`'s rules to a
 static recording of vLLM's GPU wheel (`GPU_VLLM_VERSION`, tests/fixtures/vllm_gpu_api.json).
 
 This module imports neither verl, torch, Ray nor vLLM at import time (rows resolve lazily).
@@ -328,6 +329,15 @@ _ROWS: tuple[VerlSymbol, ...] = (
     ),
     _row("vllm.platforms:current_platform", needs_vllm=True),
     _row("vllm.platforms.interface:Platform.is_cpu", needs_vllm=True),
+    # --- LoRA on verl's vLLM replicas (vllm_lora.py): the served name → verl's adapter request ---
+    _row(_VSV + "vLLMHttpServer.lora_as_adapter.fget", returns="merge", needs_vllm=True),
+    _row(_VSV + "vLLMHttpServer.run_server", "args", attrs=("_server_task",), returns="run_uvicorn", needs_vllm=True),
+    _row(_VSV + "LoRARequest", "lora_name", "lora_int_id", "lora_path", needs_vllm=True),
+    _row(_VU + "VLLM_LORA_NAME", needs_vllm=True),
+    _row(_VU + "VLLM_LORA_INT_ID", needs_vllm=True),
+    _row(_VU + "VLLM_LORA_PATH", needs_vllm=True),
+    # verl's adapter loader calls the mapper method vLLM 0.25-0.29 named so (vllm_cpu.py aliases it on 0.30)
+    _row("verl.utils.vllm.utils:VLLMHijack.hijack", returns="get_unstacked_mapper", needs_vllm=True),
 )
 
 #: the table, keyed by qualified name ("RayPPOTrainer._update_actor", "collate_fn", …)
@@ -548,6 +558,48 @@ def check_attention(config: Any, find_spec: Any = None) -> list[str]:
         f"{' (verl default, not set)' if default else ''} needs the {module} package, which is not "
         f"installed{'' if find_spec is None else ' on every Ray node'}: set it to sdpa (configs/gpu_verl.yaml "
         f"does), or install {package} (`pip install flash-attn --no-build-isolation`, a CUDA build; see docs/gpu.md)"
+    ]
+
+
+class StartupProblem(RuntimeError):
+    """What the verl engine's start-up check found, before Ray started (`agl-lab train`: one line, exit 2)."""
+
+
+#: module -> pip requirement, for what a run imports only once the engine has started (the embedded
+#: store and gateway; openai: the built-in tasks' agents): requirements-gpu.txt installs them, and the
+#: start-up check names a missing one before Ray starts instead of an ImportError after the workers
+#: and the first weight sync (tests/test_gpu_path.py checks the table against the server's imports)
+SERVER_PACKAGES = {
+    "fastapi": "fastapi",
+    "uvicorn": "uvicorn",
+    "httptools": "httptools",
+    "httpx": "httpx",
+    "orjson": "orjson",
+    "openai": "openai",
+}
+#: what `agl_lab.server.store: postgresql://...` needs besides (agl_lab.server.store.postgresql)
+POSTGRES_PACKAGES = {"psycopg": "psycopg[binary]", "psycopg_pool": "psycopg-pool"}
+
+
+def check_dependencies(config: Any, find_spec: Any = None) -> list[str]:
+    """The modules of agl_lab's server that this process cannot import (`find_spec`: where to look,
+    default here: the server runs in the driver). psycopg counts only when the store is PostgreSQL."""
+    from omegaconf import OmegaConf
+
+    from agl_lab.server.backends import is_postgres_url
+
+    store = OmegaConf.select(config, "agl_lab.server.store", default=None)
+    needed = [(module, package, "agl_lab's server") for module, package in SERVER_PACKAGES.items()]
+    if is_postgres_url(store):
+        needed += [
+            (module, package, "agl_lab.server.store=postgresql://...") for module, package in POSTGRES_PACKAGES.items()
+        ]
+    find_spec = find_spec or importlib.util.find_spec
+    return [
+        f"{user} needs the {module} module, which is not installed: pip install -r requirements-gpu.txt "
+        f"(or pip install '{package}')"
+        for module, package, user in needed
+        if not find_spec(module)
     ]
 
 

@@ -79,7 +79,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from agl_lab.engines.base import Engine
-from agl_lab.engines.verl.api import GPU_VLLM_VERSION, check_attention, check_verl_api, verl_import
+from agl_lab.engines.verl.api import (
+    GPU_VLLM_VERSION,
+    StartupProblem,
+    check_attention,
+    check_dependencies,
+    check_verl_api,
+    verl_import,
+)
 
 #: Ray runs this in every worker process; importing agl_lab.algorithms registers the loss
 WORKER_SETUP_HOOK = "agl_lab.algorithms.register_in_worker"
@@ -259,7 +266,9 @@ def _vllm_engine_failure(actor: Any) -> str | None:
 
 def _raise_startup_problems(problems: Sequence[str]) -> None:
     if problems:
-        raise RuntimeError("the verl engine cannot start with this config and environment:\n  " + "\n  ".join(problems))
+        raise StartupProblem(
+            "the verl engine cannot start with this config and environment:\n  " + "\n  ".join(problems)
+        )
 
 
 class VerlWorkerDied(RuntimeError):
@@ -334,6 +343,7 @@ class VerlEngine(Engine):
             )
         if not joined:  # the workers run from this machine's Python: look here, before Ray starts
             _raise_startup_problems(check_attention(config))
+        _raise_startup_problems(check_dependencies(config))  # the server runs here, after the engine
         if not train_dataset:
             raise ValueError("train_dataset must be non-empty: the verl engine's dataloader needs task rows")
         env_before = {key: os.environ.get(key) for key in WORKER_ENV_KEYS}
