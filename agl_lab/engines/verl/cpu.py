@@ -34,7 +34,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from agl_lab.engines.verl.api import VERL_API, verl_import, verl_module
+from agl_lab.engines.verl.api import VERL_API, StartupProblem, verl_import, verl_module
 
 PLATFORM_NAME = "agl_lab_cpu"  # VERL_PLATFORM; the rollout has the same name (cpu_rollout.ROLLOUT_NAME)
 MODULE = __name__  # "agl_lab.engines.verl.cpu"
@@ -52,7 +52,8 @@ def cpu_platform_wanted(cfg: Any, joining: str | None = None) -> bool:
     """`agl_lab.verl.device`: `cpu` → yes; `cuda` → no; `auto` (default) → no when this process sees
     a CUDA device; else, joining the Ray cluster at `joining`, no when one of its nodes has NVIDIA
     GPUs (`cluster.nvidia_gpus_on_cluster`: a driver without a GPU, e.g. a Jupyter login node);
-    else yes."""
+    else yes — unless this torch is a CUDA build: then `StartupProblem` naming the driver and the
+    driver that build needs (agl_lab/engines/verl/driver.py)."""
     from omegaconf import OmegaConf
 
     device = str(OmegaConf.select(cfg, "agl_lab.verl.device", default="auto") or "auto").lower()
@@ -64,6 +65,10 @@ def cpu_platform_wanted(cfg: Any, joining: str | None = None) -> bool:
         if torch.cuda.is_available():
             return False
         if joining is None:
+            from agl_lab.engines.verl.driver import check_cuda_build
+
+            if problem := check_cuda_build():  # a CUDA torch without a device: never the CPU platform silently
+                raise StartupProblem(problem)
             return True
         from agl_lab.engines.verl.cluster import nvidia_gpus_on_cluster
 
