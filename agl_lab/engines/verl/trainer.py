@@ -193,8 +193,23 @@ class AglRayPPOTrainer(RayPPOTrainer):
         return self.config.actor_rollout_ref.rollout.checkpoint_engine.backend == "naive"
 
     def push_weights(self) -> dict[str, Any]:
-        """Trained weights → replicas, tagged with `global_steps`; wakes sleeping replicas."""
-        return self.checkpoint_manager.update_weights(global_steps=self.global_steps) or {}
+        """Trained weights → replicas, tagged with `global_steps`; wakes sleeping replicas. A LoRA
+        adapter verl loaded into vLLM replicas then serves the calls that name the served model."""
+        result = self.checkpoint_manager.update_weights(global_steps=self.global_steps) or {}
+        if self.config.actor_rollout_ref.rollout.name == "vllm":
+            self.route_calls_to_adapter()
+        return result
+
+    def route_calls_to_adapter(self) -> list[str | None]:
+        """On each vLLM replica's OpenAI server, the served model name → verl's LoRA request
+        (agl_lab/engines/verl/vllm_lora.py); per replica, the routed name or None (no adapter served)."""
+        import ray
+
+        from agl_lab.engines.verl.vllm_lora import route_to_adapter
+
+        # servers[0]: the replica's OpenAI server (the others, on further nodes, run headless)
+        servers = [replica.servers[0] for replica in self.rollout_replicas()]
+        return ray.get([server.__ray_call__.remote(route_to_adapter) for server in servers])
 
     # --- learning --------------------------------------------------------------------------
 

@@ -43,7 +43,13 @@ shared-memory buckets of `BucketedWeightReceiver`) and its per-bucket loading ru
    (`vllm.model_executor.model_loader.utils`, imported inside verl's function at call time)
    becomes `finalize_layerwise_reload(model, model_config)`.
 
-LoRA, QAT, ModelOpt and quantised models take verl's own path unchanged (none runs on CPU).
+QAT, ModelOpt and quantised models take verl's own path unchanged (none runs on CPU). LoRA
+(`lora.merge` off) takes it too, with one name supplied: verl 0.9.1's adapter loader calls
+`WeightsMapper.get_unstacked_mapper()` on vLLM >= 0.25, which vLLM 0.30 calls
+`get_rename_mapper()` (`AttributeError: 'WeightsMapper' object has no attribute
+'get_unstacked_mapper'` at the first adapter sync without it); `_alias_unstacked_mapper` gives
+the model's mapper class verl's name before each adapter sync. The base weights of a LoRA run
+(its first sync) take the layerwise-reload path like any full-weight sync.
 A harmless `RotaryEmbedding: Failed to load weights` warning appears during the reload (the
 layer has buffers, no checkpoint weights).
 """
@@ -201,6 +207,17 @@ def _plain_weights_sync(worker: Any, peft_config: Any, base_sync_done: bool) -> 
     return not is_quantized_model(worker.model_runner.vllm_config)
 
 
+def _alias_unstacked_mapper(worker: Any) -> None:
+    """verl 0.9.1's adapter loader (`VLLMHijack`) calls `hf_to_vllm_mapper.get_unstacked_mapper()`
+    on vLLM >= 0.25; vLLM 0.30 names that method `get_rename_mapper` (the renames only, stacking
+    and deletions dropped: what LoRA name parsing needs — its own `_load_adapter` calls it). Give
+    each model's mapper class the name verl calls (vLLM 0.24, the GPU pin, takes neither branch)."""
+    for model, _ in worker._iter_all_models_with_config():
+        mapper_cls = type(getattr(model, "hf_to_vllm_mapper", None))
+        if hasattr(mapper_cls, "get_rename_mapper") and not hasattr(mapper_cls, "get_unstacked_mapper"):
+            mapper_cls.get_unstacked_mapper = mapper_cls.get_rename_mapper
+
+
 def wrap_update_weights_from_ipc(original: Any) -> Any:
     """verl's `vLLMColocateWorkerExtension.update_weights_from_ipc` inside vLLM's layerwise reload."""
     if getattr(original, "_agl_lab_layerwise", False):
@@ -210,7 +227,11 @@ def wrap_update_weights_from_ipc(original: Any) -> Any:
     def update_weights_from_ipc(
         self: Any, peft_config: dict | None = None, base_sync_done: bool = False, use_shm: bool = False
     ) -> Any:
-        if not _vllm_on_cpu() or not _plain_weights_sync(self, peft_config, base_sync_done):
+        if not _vllm_on_cpu():
+            return original(self, peft_config=peft_config, base_sync_done=base_sync_done, use_shm=use_shm)
+        if peft_config and base_sync_done:  # the adapter alone (LoRA, lora.merge off)
+            _alias_unstacked_mapper(self)
+        if not _plain_weights_sync(self, peft_config, base_sync_done):
             return original(self, peft_config=peft_config, base_sync_done=base_sync_done, use_shm=use_shm)
         initialize, finalize_reload = (
             verl_import("initialize_layerwise_reload"),
