@@ -37,6 +37,7 @@ from agl_lab.records import (
     completed_rollout_from_dict,
     completed_rollout_to_dict,
     events_to_completed_rollout,
+    lifecycle_metrics,
 )
 from agl_lab.records import triplet_events as records_triplet_events
 from agl_lab.rules import check_async_sizes
@@ -168,11 +169,16 @@ class _Collector:
         self,
         client: AglClient,
         hooks: RolloutHooks | None,
+        *,
+        label: str,
+        timeout: float | None,
         poll_interval: float,
         track_running: bool,
         keep_repeated_prompts: bool = False,
     ):
         self.client, self.hooks = client, hooks
+        self.label = label  # the manager's name, in logs and errors
+        self.timeout = timeout  # bound on one `wait` (None: unbounded)
         self.keep_repeated_prompts = keep_repeated_prompts  # else the server's triplet view (AGL: last per prompt)
         self.poll_interval, self.track_running = poll_interval, track_running
         self.cursor: int | None = None
@@ -224,17 +230,18 @@ class _Collector:
         self,
         done: Callable[[], bool],
         on_collected: Callable[[CompletedRollout], None],
-        timeout: float | None,
-        waiting_for: Callable[[], set[str]],
-        n_total: int,
-        label: str,
+        *,
         n_collected: Callable[[], int],
+        n_total: int,
     ) -> dict[str, str]:
-        """Poll until `done()`; returns {} then. After `timeout` s the unfinished rollouts
-        (`waiting_for()`) are dropped: deleted from the store (their runners stop their agents,
-        the gateway refuses their calls) and returned as {rollout id: state it had}, so the
-        step trains what finished. `RolloutWaitTimeout` naming them only when nothing
-        finished (`n_collected() == 0`): there is nothing to train."""
+        """Poll, handing each collected rollout to `on_collected`, until `done()`; returns {} then.
+
+        After `self.timeout` s the rollouts still pending are dropped: deleted from the store
+        (their runners stop their agents, the gateway refuses their calls) and returned as
+        {rollout id: state it had}, so the step trains what finished. `RolloutWaitTimeout`
+        naming them (of `n_total` the step waits on) only when the step holds nothing
+        (`n_collected() == 0`): there is nothing to train."""
+        timeout, label = self.timeout, self.label
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             for completed in self.poll():
@@ -242,7 +249,7 @@ class _Collector:
             if done():
                 return {}
             if deadline is not None and time.monotonic() >= deadline:
-                unfinished = waiting_for()
+                unfinished = set(self.pending)
                 states = self.client.states_of(unfinished)
                 if n_collected() == 0:
                     # fail them so no runner starts them for nobody; collected as FAILED by a later poll
@@ -402,8 +409,19 @@ class SyncRolloutManager:
     ):
         self.n, self.step = _check_n(n), step
         self.rollout_config = _as_rollout_config(rollout_config)
-        self.timeout_seconds = timeout_seconds
-        self._collector = _Collector(client, hooks, poll_interval, track_running, keep_repeated_prompts)
+        self._collector = _Collector(
+            client,
+            hooks,
+            label=self.label,
+            timeout=timeout_seconds,
+            poll_interval=poll_interval,
+            track_running=track_running,
+            keep_repeated_prompts=keep_repeated_prompts,
+        )
+
+    @property
+    def timeout_seconds(self) -> float | None:
+        return self._collector.timeout
 
     @property
     def n_hook_errors(self) -> int:
@@ -434,13 +452,7 @@ class SyncRolloutManager:
             _progress(self.label, collected, len(pairs))
 
         dropped = collector.wait(
-            done=lambda: not collector.pending,
-            on_collected=on_collected,
-            timeout=self.timeout_seconds,
-            waiting_for=lambda: set(collector.pending),
-            n_total=len(pairs),
-            label=self.label,
-            n_collected=lambda: len(collected),
+            lambda: not collector.pending, on_collected, n_collected=lambda: len(collected), n_total=len(pairs)
         )
         wait_metrics = report_wait_timeout(self.label, dropped, len(collected), self.timeout_seconds, is_train)
         if metrics is not None:
@@ -506,9 +518,20 @@ class AsyncRolloutManager:
         self.n = _check_n(n)
         self.train_batch_size, self.async_train_batch_size = train_batch_size, async_train_batch_size
         self.rollout_config = _as_rollout_config(rollout_config)
-        self.timeout_seconds = timeout_seconds
-        self._collector = _Collector(client, hooks, poll_interval, track_running, keep_repeated_prompts)
+        self._collector = _Collector(
+            client,
+            hooks,
+            label=self.label,
+            timeout=timeout_seconds,
+            poll_interval=poll_interval,
+            track_running=track_running,
+            keep_repeated_prompts=keep_repeated_prompts,
+        )
         self._groups: dict[str, _Group] = {}  # insertion order = enqueue order (oldest first)
+
+    @property
+    def timeout_seconds(self) -> float | None:
+        return self._collector.timeout
 
     @property
     def n_hook_errors(self) -> int:
@@ -556,13 +579,10 @@ class AsyncRolloutManager:
         carried = list(self._groups.values())
         self._enqueue(tasks, step, policy_version)
         dropped = self._collector.wait(
-            done=lambda: self._n_complete() >= self.train_batch_size,
-            on_collected=self._on_collected,
-            timeout=self.timeout_seconds,
-            waiting_for=lambda: set(self._collector.pending),
-            n_total=sum(len(g.rollout_ids) for g in self._groups.values()),
-            label=self.label,
+            lambda: self._n_complete() >= self.train_batch_size,
+            self._on_collected,
             n_collected=lambda: sum(len(g.finished) for g in self._groups.values()),
+            n_total=sum(len(g.rollout_ids) for g in self._groups.values()),
         )
         self._drop_members(dropped)
         taken = [g for g in self._groups.values() if g.complete][: self.train_batch_size]
@@ -678,6 +698,28 @@ class AsyncRolloutManager:
             pending.update({e["rollout_id"]: _Entry(**e) for e in g["pending"]})
         self._collector.pending = pending
         self._collector.cursor = state.get("cursor")
+
+
+# ---------------------------------------------------------------------------------------------
+# After collection: the rollout stage's passes over what it collected
+# ---------------------------------------------------------------------------------------------
+
+
+def finish_collected(
+    completed: Sequence[CompletedRollout], *, vocab_size: int | None, max_abs_reward: float, step: int, is_train: bool
+) -> dict[str, Any]:
+    """The rollout stage's passes over the rollouts it collected, in this order; returns their metrics.
+
+    1. `fail_unlearnable_rollouts`: a rollout the policy cannot learn from fails alone, so the
+       passes below count it failed;
+    2. training only: `records.lifecycle_metrics` (queue wait, run and total times);
+    3. `report_failures`: the failed and re-run rollouts, counted and warned about.
+    """
+    metrics = fail_unlearnable_rollouts(completed, vocab_size, max_abs_reward, step, is_train)
+    if is_train:
+        metrics.update(lifecycle_metrics(completed))
+    metrics.update(report_failures(completed, step, is_train))
+    return metrics
 
 
 def report_failures(completed, step: int, is_train: bool) -> dict[str, Any]:

@@ -202,8 +202,7 @@ class Trainer:
         Sync mode waits for every rollout, then aborts stray generations; async mode
         completes when `train_batch_size` whole groups are done and carries the rest over.
         """
-        from agl_lab.records import lifecycle_metrics
-        from agl_lab.rollout import fail_unlearnable_rollouts, report_failures
+        from agl_lab.rollout import finish_collected
 
         self._check_open("rollout()")
         t0 = time.time()
@@ -216,17 +215,14 @@ class Trainer:
             else:
                 completed, carry = self._collect_sync(tasks, is_train, metrics), []
         metrics.update(
-            fail_unlearnable_rollouts(
+            finish_collected(
                 completed,
-                self.engine.vocab_size,
-                float(self.cfg.agl_lab.algorithm.max_abs_reward),
-                self.global_step,
-                is_train,
+                vocab_size=self.engine.vocab_size,
+                max_abs_reward=float(self.cfg.agl_lab.algorithm.max_abs_reward),
+                step=self.global_step,
+                is_train=is_train,
             )
         )
-        if is_train:
-            metrics.update(lifecycle_metrics(completed))
-        metrics.update(report_failures(completed, self.global_step, is_train))
         metrics["timing/rollout_phase_end_wall"] = time.time()
         metrics["timing_s/gen"] = time.time() - t0
         result = RolloutResult(
