@@ -13,7 +13,12 @@ Answers (any path prefix works, so several "replicas" are `/{name}/v1`):
   `choices[0].logprobs.token_logprobs` when asked.
 Token ids are UTF-8 bytes (of a ChatML rendering for chat), logprob of token k is
 -0.01*(k+1); token ids are only returned when `return_token_ids` is true, like vLLM.
-Every received request is kept in `requests` as {"path", "json", "headers"}.
+Every received request is kept in `requests` as {"path", "json", "headers"}. `reply_for` is a
+reply that names the turn (`fake.reply = reply_for`).
+
+The other fakes: tests/fake_runner.py (a runner + agent in a thread), tests/fake_wandb.py (W&B's
+module and run), tests/verl_fakes.py (what the verl engine needs GPUs for); hand-built rollouts
+and a tiny model are in tests/hand_built.py.
 """
 
 from __future__ import annotations
@@ -39,6 +44,11 @@ def chatml_ids(messages: list[dict[str, Any]]) -> list[int]:
 
 def fake_logprobs(n: int) -> list[float]:
     return [round(-0.01 * (k + 1), 6) for k in range(n)]
+
+
+def reply_for(body: dict) -> str:
+    """A reply that tells the turns apart: "reply-2" to a first chat call, "reply-4" to the second."""
+    return f"reply-{len(body['messages'])}"
 
 
 class FakeOpenAI:

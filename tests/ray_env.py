@@ -2,6 +2,10 @@
 
 Ray's socket paths must stay short (a short prefix under /tmp), and RAY_AUTH_MODE is off for
 tests; both variables are put back as they were, and the directory removed, afterwards.
+
+    with isolated_ray_env("aglr"), ray_nodes(2, num_cpus=1, num_gpus=0, dirs_out=dirs) as address:
+        node_index(address, dirs)     # {Ray node id: index of the `ray start` that started it}
+        node_of(client, rollout_id)   # the node id the rollout's last attempt ran on (RayRunner)
 """
 
 from __future__ import annotations
@@ -11,6 +15,10 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the module stays light: the vLLM suite imports it too
+    from agl_lab.client import AglClient
 
 
 @contextlib.contextmanager
@@ -121,3 +129,24 @@ def ray_nodes(
         for path in dirs:
             if not os.environ.get("AGL_LAB_KEEP_RAY_DIRS"):  # debugging: keep the nodes' logs
                 shutil.rmtree(path, ignore_errors=True)
+
+
+def node_index(address: str, dirs: list[str]) -> dict[str, int]:
+    """Ray node id -> index of the `ray start` that started it (its temp dir is in its socket path)."""
+    import ray
+
+    ray.init(address=address, logging_level="WARNING")
+    try:
+        return {
+            n["NodeID"]: i for n in ray.nodes() for i, d in enumerate(dirs) if n["Alive"] and d in n["RayletSocketName"]
+        }
+    finally:
+        ray.shutdown()
+
+
+def node_of(client: AglClient, rollout_id: str) -> str | None:
+    """The node id of the rollout's last attempt (its `ray_node` event), None before the agent started."""
+    from agl_lab.ray_runner import NODE_EVENT
+
+    events = client.get_events(rollout_id, event_type=NODE_EVENT)
+    return events[-1]["data"]["node_id"] if events else None

@@ -14,7 +14,7 @@ import pytest
 from agl_lab.cli import train_main
 from agl_lab.engines.tiny import tiny_model_dir
 from agl_lab.recording import load_recording
-from tests.test_trainer_config_keys import write_jsonl
+from tests.trainer_runs import write_jsonl
 
 QUESTIONS = [
     {"question": f"Tom has {a} apples and buys {b} more. How many apples does he have?", "answer": str(a + b)}

@@ -16,34 +16,13 @@ import pytest
 import torch
 
 from agl_lab import batch
-from agl_lab.records import CompletedRollout, Triplet
 from agl_lab.results import BatchResult
+from tests.hand_built import R, SpaceTokenizer, T, mixed_rollouts
 
 
 def build_batch(*args, **kwargs) -> BatchResult:
     """`agl_lab.batch.build_batch` with its record wrapped for the `.rows` / `.breaks` frames."""
     return BatchResult(batch.build_batch(*args, **kwargs))
-
-
-class SpaceTokenizer:
-    """The upstream tests' fake tokenizer: decode = space-joined ids."""
-
-    def decode(self, ids, skip_special_tokens=False):
-        return " ".join(str(i) for i in ids)
-
-
-def lp(n: int) -> list[float]:
-    return [-0.1] * n
-
-
-def T(prompt, response, logprobs="auto") -> Triplet:
-    return Triplet(list(prompt), list(response), lp(len(response)) if logprobs == "auto" else logprobs)
-
-
-def R(rid, triplets, reward=1.0, data_id="d", step=0, sample_idx=0) -> CompletedRollout:
-    return CompletedRollout(
-        rollout_id=rid, data_id=data_id, step=step, sample_idx=sample_idx, triplets=triplets, final_reward=reward
-    )
 
 
 def rows_of(result, key):
@@ -259,18 +238,8 @@ def _snapshot(res):
     return tensors, non, res.metrics, res.rows.to_dict("list"), res.breaks.to_dict("list")
 
 
-def _mixed_rollouts():
-    out = []
-    for k in range(6):
-        calls = [T([k, 1], [2]), T([k, 1, 2, 3], [4, 5])]
-        if k % 2:
-            calls.append(T([99, k], [7]))  # a break
-        out.append(R(f"r{k}", calls, reward=float(k), data_id=f"g{k // 3}", step=k % 2, sample_idx=k // 3))
-    return out
-
-
 def test_reordering_rollouts_does_not_change_the_batch():
-    rollouts = _mixed_rollouts()
+    rollouts = mixed_rollouts()
     reference = _snapshot(
         build_batch(rollouts, "trajectory", max_prompt_length=3, max_response_length=5, tokenizer=SpaceTokenizer())
     )
@@ -288,7 +257,7 @@ def test_reordering_rollouts_does_not_change_the_batch():
 
 
 def test_build_batch_does_not_mutate_inputs():
-    rollouts = _mixed_rollouts()
+    rollouts = mixed_rollouts()
     before = copy.deepcopy(rollouts)
     first = _snapshot(build_batch(rollouts, "trajectory", max_prompt_length=3, max_response_length=5))
     assert rollouts == before  # AGL v1 extended the first triplet's logprob list in place

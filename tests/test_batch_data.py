@@ -10,7 +10,7 @@ from verl import DataProto
 
 from agl_lab import batch
 from agl_lab.batch_data import BatchData
-from tests.test_batch import SpaceTokenizer, _mixed_rollouts
+from tests.hand_built import SpaceTokenizer, mixed_rollouts
 
 
 def _small() -> BatchData:
@@ -70,8 +70,8 @@ def test_concat_and_dataproto_round_trip():
 @pytest.mark.parametrize("level", ["transition", "trajectory"])
 def test_the_builder_emits_the_same_batch_in_either_container(level):
     args = dict(max_prompt_length=6, max_response_length=4, tokenizer=SpaceTokenizer())
-    verl_b = batch.build_batch(_mixed_rollouts(), level, **args)
-    agl_b = batch.build_batch(_mixed_rollouts(), level, container="agl", **args)
+    verl_b = batch.build_batch(mixed_rollouts(), level, **args)
+    agl_b = batch.build_batch(mixed_rollouts(), level, container="agl", **args)
     assert isinstance(verl_b.data, DataProto) and isinstance(agl_b.data, BatchData)
     assert set(agl_b.data.batch) == set(verl_b.data.batch.keys())
     for key in agl_b.data.batch:
@@ -81,4 +81,4 @@ def test_the_builder_emits_the_same_batch_in_either_container(level):
         assert agl_b.data.non_tensor_batch[key].tolist() == values.tolist(), key
     assert agl_b.metrics == verl_b.metrics
     with pytest.raises(ValueError, match="container='numpy' is not one of"):
-        batch.build_batch(_mixed_rollouts(), level, container="numpy", **args)
+        batch.build_batch(mixed_rollouts(), level, container="numpy", **args)

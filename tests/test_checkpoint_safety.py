@@ -17,7 +17,7 @@ import torch
 
 from agl_lab import checkpoints
 from agl_lab.trainer import Trainer
-from tests.test_trainer import SMALL
+from tests.trainer_runs import SMALL
 
 
 class _RunsCode:

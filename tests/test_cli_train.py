@@ -16,8 +16,8 @@ import pytest
 
 from agl_lab.cli import train_main
 from tests.conftest import scaled
-from tests.test_trainer import SMALL
-from tests.test_trainer_config_keys import _env
+from tests.processes import cli_env
+from tests.trainer_runs import SMALL
 
 
 def _args(tmp_path, run: str, *extra: str) -> list[str]:
@@ -41,7 +41,7 @@ def test_ctrl_c_prints_the_last_checkpoint_and_the_resume_command_without_a_trac
     args = _args(tmp_path, "run", "trainer.total_training_steps=200")
     proc = subprocess.Popen(
         [sys.executable, "-m", "agl_lab.cli", "train", *args],
-        env=_env(),
+        env=cli_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -82,7 +82,7 @@ def test_sigterm_stops_like_ctrl_c_and_leaves_no_agent_subprocess_alive(tmp_path
     """SIGTERM (Slurm, Kubernetes, docker stop, systemd) to `agl-lab train`: the agents' process
     groups (each agent leads its own session) are terminated, the resume line printed, exit 143."""
     from agl_lab.engines.tiny import tiny_model_dir
-    from tests.test_trainer_config_keys import lookup_tasks, write_parquet
+    from tests.trainer_runs import lookup_tasks, write_parquet
 
     pids = tmp_path / "pids"
     pids.mkdir()
@@ -98,7 +98,7 @@ def test_sigterm_stops_like_ctrl_c_and_leaves_no_agent_subprocess_alive(tmp_path
     with log_out.open("w") as fo, log_err.open("w") as fe:
         proc = subprocess.Popen(
             [sys.executable, "-m", "agl_lab.cli", "train", *args],
-            env={**_env(), "T_PID_DIR": str(pids)},
+            env={**cli_env(), "T_PID_DIR": str(pids)},
             stdout=fo,
             stderr=fe,
             text=True,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from agl_lab.cli import train_main
-from tests.test_trainer import SMALL
+from tests.trainer_runs import SMALL
 
 
 def _train(tmp_path, capsys, *overrides: str, config: str = "configs/cpu_tiny.yaml") -> tuple[int, str]:

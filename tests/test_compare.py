@@ -9,7 +9,7 @@ import pytest
 
 import agl_lab
 from agl_lab.trainer import Trainer
-from tests.test_trainer import SMALL
+from tests.trainer_runs import SMALL
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import pytest
 
 from agl_lab.config import ConfigError, ConfigWarning, load_config
 from agl_lab.trainer import Trainer
-from tests.test_trainer import SMALL
+from tests.trainer_runs import SMALL
 
 
 def _warnings_of(overrides: list[str]) -> list[str]:

@@ -13,15 +13,11 @@ import pytest
 
 from agl_lab.runner import Runner
 from tests.agents_for_tests import OBSERVATION, multi_turn_agent
-from tests.fakes import chatml_ids, fake_logprobs
-from tests.test_runner import wait_terminal
+from tests.fakes import chatml_ids, fake_logprobs, reply_for
+from tests.servers import wait_terminal
 
 KEY = "e2e-key"
 MODEL = "fake/tiny-chat"
-
-
-def reply_for(body: dict) -> str:
-    return f"reply-{len(body['messages'])}"  # the first call sees 2 messages, the second 4
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import torch
 from agl_lab.config import ConfigError, load_config
 from agl_lab.engines.build import torch_threads
 from agl_lab.trainer import Trainer
-from tests.test_trainer import SMALL
+from tests.trainer_runs import SMALL
 
 
 def test_auto_is_one_thread_on_small_machines_and_half_the_cores_on_big_ones():

@@ -18,7 +18,7 @@ from agl_lab.cli import train_main
 from agl_lab.recording import load_recording
 from agl_lab.tasks import get_task, rgym
 from agl_lab.tasks.gem_games import gem_agent, play
-from tests.test_trainer import SMALL
+from tests.trainer_runs import SMALL
 
 if importlib.util.find_spec("reasoning_gym") is None or importlib.util.find_spec("gem") is None:
     pytest.skip("the envs extra (requirements-envs.txt) is not installed", allow_module_level=True)

@@ -16,7 +16,7 @@ import pytest
 from agl_lab.client import AglClient
 from agl_lab.protocol import RolloutCreate
 from agl_lab.server.store.postgresql import PostgresStore
-from tests.test_store_pg import KEY, Serve
+from tests.servers import KEY, Serve
 
 N = 96
 

@@ -10,7 +10,7 @@ import pytest
 from agl_lab.logger import read_metrics
 from agl_lab.trainer import Trainer
 from agl_lab.viz import plot_run_metrics
-from tests.test_trainer import SMALL
+from tests.trainer_runs import SMALL
 
 
 def _scalars(tb_dir):

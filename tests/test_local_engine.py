@@ -7,16 +7,14 @@ The key property: the logprobs the server returned while sampling equal the logp
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import httpx
 import pytest
 import torch
 from omegaconf import OmegaConf
-from verl import DataProto
 
 from agl_lab.engines.local import LocalEngine
 from agl_lab.engines.local_ppo import ActorUpdateConfig
+from tests.replica_probe import calls_to_batch, sample_calls
 
 
 @pytest.fixture(scope="module")
@@ -24,63 +22,6 @@ def engine():
     eng = LocalEngine(device="cpu", actor={"ppo_mini_batch_size": 64, "loss_mode": "vanilla", "lr": 1e-2})
     yield eng
     eng.close()
-
-
-def _chat(base_url: str, content: str, seed: int, temperature: float, max_tokens: int) -> dict:
-    body = {
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": max_tokens,
-        "seed": seed,
-        "temperature": temperature,
-        "logprobs": True,
-        "return_token_ids": True,
-    }
-    resp = httpx.post(base_url + "/chat/completions", json=body, timeout=60)
-    assert resp.status_code == 200, resp.text
-    data = resp.json()
-    choice = data["choices"][0]
-    return {
-        "prompt": data["prompt_token_ids"],
-        "response": choice["token_ids"],
-        "logprobs": [c["logprob"] for c in choice["logprobs"]["content"]],
-    }
-
-
-def _sample_calls(engine: LocalEngine, temperature: float, n: int = 4) -> list[dict]:
-    """`n` concurrent chat calls of different lengths (the server batches them)."""
-    url = engine.endpoints()[0]
-    with ThreadPoolExecutor(n) as pool:
-        futures = [pool.submit(_chat, url, "lookup key " * (1 + 3 * i), i, temperature, 6 + 5 * i) for i in range(n)]
-        return [f.result() for f in futures]
-
-
-def _to_batch(calls: list[dict], pad_id: int, temperature: float = 1.0) -> DataProto:
-    """Left-padded prompts + right-padded responses, verl layout; `rollout_log_probs` from the server;
-    the sampling temperature in `meta_info`, as `run_update` puts it there."""
-    p_len = max(len(c["prompt"]) for c in calls)
-    r_len = max(len(c["response"]) for c in calls)
-    n = len(calls)
-    prompts = torch.full((n, p_len), pad_id)
-    responses = torch.full((n, r_len), pad_id)
-    p_mask, r_mask = torch.zeros(n, p_len, dtype=torch.long), torch.zeros(n, r_len, dtype=torch.long)
-    served = torch.zeros(n, r_len)
-    for i, c in enumerate(calls):
-        lp, lr = len(c["prompt"]), len(c["response"])
-        prompts[i, p_len - lp :], p_mask[i, p_len - lp :] = torch.tensor(c["prompt"]), 1
-        responses[i, :lr], r_mask[i, :lr] = torch.tensor(c["response"]), 1
-        served[i, :lr] = torch.tensor(c["logprobs"])
-    mask = torch.cat([p_mask, r_mask], dim=1)
-    return DataProto.from_dict(
-        tensors={
-            "input_ids": torch.cat([prompts, responses], dim=1),
-            "attention_mask": mask,
-            "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
-            "responses": responses,
-            "response_mask": r_mask,
-            "rollout_log_probs": served,
-        },
-        meta_info={"temperature": temperature},
-    )
 
 
 def test_a_flat_actor_dict_with_unknown_keys_is_refused_naming_them():
@@ -102,8 +43,8 @@ def test_engine_contract_basics(engine):
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_compute_log_probs_equals_served_logprobs(engine, temperature):
-    calls = _sample_calls(engine, temperature)
-    data = _to_batch(calls, engine.tokenizer.pad_token_id, temperature)
+    calls = sample_calls(engine, temperature)
+    data = calls_to_batch(calls, engine.tokenizer.pad_token_id, temperature)
     logp = engine.compute_log_probs(data, temperature=temperature)
     mask = data.batch["response_mask"].bool()
     assert logp.shape == data.batch["responses"].shape and logp.dtype == torch.float32
@@ -115,8 +56,8 @@ def test_compute_log_probs_equals_served_logprobs(engine, temperature):
 
 
 def test_update_trains_the_served_module(engine):
-    calls = _sample_calls(engine, 1.0)
-    data = _to_batch(calls, engine.tokenizer.pad_token_id)
+    calls = sample_calls(engine, 1.0)
+    data = calls_to_batch(calls, engine.tokenizer.pad_token_id)
     data.batch["old_log_probs"] = engine.compute_log_probs(data, 1.0)
     sign = torch.tensor([1.0, -1.0, 1.0, -1.0])[:, None]
     data.batch["advantages"] = sign * data.batch["response_mask"].float()
@@ -130,8 +71,8 @@ def test_update_trains_the_served_module(engine):
     gain = ((after - data.batch["old_log_probs"]) * mask).sum(-1) / mask.sum(-1)
     assert (gain * sign[:, 0]).sum() > 0  # the surrogate improved: advantage-weighted logprobs rose
     # the server now samples from the updated weights: its logprobs match the recomputation
-    fresh = _sample_calls(engine, 1.0, n=2)
-    fresh_batch = _to_batch(fresh, engine.tokenizer.pad_token_id)
+    fresh = sample_calls(engine, 1.0, n=2)
+    fresh_batch = calls_to_batch(fresh, engine.tokenizer.pad_token_id)
     recomputed = engine.compute_log_probs(fresh_batch, 1.0)
     fmask = fresh_batch.batch["response_mask"].bool()
     assert (recomputed - fresh_batch.batch["rollout_log_probs"]).abs()[fmask].max().item() < 1e-4
@@ -147,8 +88,8 @@ def test_abort_and_pause(engine):
 
 def test_save_load_round_trip(tmp_path):
     with LocalEngine(device="cpu", actor={"ppo_mini_batch_size": 64, "lr": 1e-2, "loss_mode": "vanilla"}) as eng:
-        calls = _sample_calls(eng, 1.0, n=2)
-        data = _to_batch(calls, eng.tokenizer.pad_token_id)
+        calls = sample_calls(eng, 1.0, n=2)
+        data = calls_to_batch(calls, eng.tokenizer.pad_token_id)
         data.batch["old_log_probs"] = eng.compute_log_probs(data)
         data.batch["advantages"] = data.batch["response_mask"].float()
         eng.update(data)
@@ -234,12 +175,12 @@ def test_kl_in_reward_and_rollout_correction_with_verls_functions_and_names(roll
         device="cpu", actor={"ppo_mini_batch_size": 64, "loss_mode": "vanilla", "lr": 5e-2}, algorithm=algorithm
     ) as eng:
         assert eng.ref_model is not None  # the KL reference: the initial weights
-        data = _to_batch(_sample_calls(eng, 1.0), eng.tokenizer.pad_token_id)
+        data = calls_to_batch(sample_calls(eng, 1.0), eng.tokenizer.pad_token_id)
         # move the policy once, so old ≠ rollout (IS weights ≠ 1) and old ≠ ref (KL ≠ 0)
         data.batch["old_log_probs"] = eng.compute_log_probs(data, 1.0)
         data.batch["advantages"] = torch.tensor([1.0, -1.0, 1.0, -1.0])[:, None] * data.batch["response_mask"].float()
         eng.update(data)
-        batch = _to_batch(_sample_calls(eng, 1.0), eng.tokenizer.pad_token_id)
+        batch = calls_to_batch(sample_calls(eng, 1.0), eng.tokenizer.pad_token_id)
         # a sampler slightly off the trainer (as after an async step): IS weights ≠ 1
         batch.batch["rollout_log_probs"] = batch.batch["rollout_log_probs"] - 0.05 * batch.batch["response_mask"]
         scores = torch.zeros_like(batch.batch["response_mask"], dtype=torch.float32)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 from verl import DataProto
 
 import agl_lab.algorithms as alg
@@ -26,28 +26,13 @@ from agl_lab.engines.local_ppo import (
     rollout_mismatch_metrics,
     sequence_log_probs,
 )
+from tests.hand_built import tiny_qwen2
 
 P, R, T = 6, 8, 0.7
 ROLLOUTS = ["r0", "r0", "r1", "r2", "r3", "r3", "r4", "r5"]  # r0 and r3 have two rows each
 GROUPS = ["g0"] * 4 + ["g1"] * 4
 REWARD = {"r0": 1.0, "r1": 0.0, "r2": 1.0, "r3": 0.0, "r4": 1.0, "r5": 0.0}
 RESPONSE_LEN = [8, 5, 8, 3, 6, 8, 2, 7]  # right padding after these many response tokens
-
-
-def tiny_qwen2() -> Qwen2ForCausalLM:
-    config = Qwen2Config(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        tie_word_embeddings=True,
-        max_position_embeddings=128,
-    )
-    torch.manual_seed(0)
-    return Qwen2ForCausalLM(config).eval()
 
 
 def sample_batch(model: Qwen2ForCausalLM) -> DataProto:

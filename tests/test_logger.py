@@ -1,7 +1,7 @@
 """The metrics logger: console line, metrics.jsonl, and AGL v1's W&B side tables.
 
 The W&B tables (AGL v1's tests/verl/test_rollout_adapter.py) run against a
-fake W&B module and run (`FakeWandb`, `FakeRun`, also used by test_trainer.py); one test
+fake W&B module and run (`FakeWandb`, `FakeRun`: tests/fake_wandb.py); one test
 checks that the real `wandb.Table` / `wandb.Artifact` accept what we pass.
 """
 
@@ -17,44 +17,8 @@ from agl_lab.batch import build_batch
 from agl_lab.logger import MISMATCH_COLUMNS, MetricsLogger, log_batch_tables, read_metrics
 from agl_lab.results import BatchResult
 from agl_lab.validation import build_validation
-from tests.test_batch import R, SpaceTokenizer, T  # the hand-built fixtures of the batch tests
-
-
-class FakeTable:
-    def __init__(self, columns, data):
-        self.columns, self.data = columns, data
-
-
-class FakeArtifact:
-    def __init__(self, name, type, metadata):
-        self.name, self.type, self.metadata, self.files = name, type, metadata, {}
-
-    def add_file(self, local_path, name):
-        with open(local_path, "rb") as fh:
-            self.files[name] = fh.read()
-
-
-class FakeWandb:
-    Table, Artifact = FakeTable, FakeArtifact
-
-
-class FakeRun:
-    id = "fake-run"
-
-    def __init__(self):
-        self.logged, self.artifacts, self.finished = [], [], False
-
-    def log(self, data, step):
-        self.logged.append((step, data))
-
-    def log_artifact(self, artifact):
-        self.artifacts.append(artifact)
-
-    def finish(self):
-        self.finished = True
-
-    def tables(self, key):
-        return [(step, d[key]) for step, d in self.logged if key in d]
+from tests.fake_wandb import FakeArtifact, FakeRun, FakeTable, FakeWandb
+from tests.hand_built import R, SpaceTokenizer, T
 
 
 def _adapter(rollouts) -> BatchResult:

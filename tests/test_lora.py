@@ -19,7 +19,7 @@ from agl_lab.config import ConfigError
 from agl_lab.engines.local import LocalEngine
 from agl_lab.engines.lora import LoraSpec, effective_weight, merged_state_dict
 from agl_lab.engines.serving import fast_decode
-from tests.test_local_engine import _sample_calls, _to_batch
+from tests.replica_probe import calls_to_batch, sample_calls
 
 ACTOR = {"ppo_mini_batch_size": 64, "loss_mode": "vanilla", "lr": 5e-2}
 
@@ -32,8 +32,8 @@ def engine():
 
 
 def _update(engine: LocalEngine) -> tuple:
-    calls = _sample_calls(engine, 1.0)
-    data = _to_batch(calls, engine.tokenizer.pad_token_id)
+    calls = sample_calls(engine, 1.0)
+    data = calls_to_batch(calls, engine.tokenizer.pad_token_id)
     data.batch["old_log_probs"] = engine.compute_log_probs(data, 1.0)
     data.batch["advantages"] = torch.tensor([1.0, -1.0, 1.0, -1.0])[:, None] * data.batch["response_mask"].float()
     metrics = engine.update(data)
@@ -63,8 +63,8 @@ def test_the_server_samples_from_base_plus_adapter_after_an_update(engine):
     _update(engine)  # B is no longer zero: the adapter changes the function
     proj = engine.model.model.layers[0].self_attn.q_proj
     assert not torch.equal(effective_weight(proj), proj.base_layer.weight)
-    fresh = _sample_calls(engine, 1.0, n=3)
-    batch = _to_batch(fresh, engine.tokenizer.pad_token_id)
+    fresh = sample_calls(engine, 1.0, n=3)
+    batch = calls_to_batch(fresh, engine.tokenizer.pad_token_id)
     recomputed = engine.compute_log_probs(batch, 1.0)  # HF's forward through PEFT's layers
     mask = batch.batch["response_mask"].bool()
     gap = (recomputed - batch.batch["rollout_log_probs"]).abs()[mask].max().item()

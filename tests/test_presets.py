@@ -40,7 +40,7 @@ def test_presets_resolve_from_any_working_directory(tmp_path, monkeypatch):
 
 def test_trainer_from_config_by_preset_name_in_a_copied_notebooks_directory(tmp_path, monkeypatch):
     from agl_lab.trainer import Trainer
-    from tests.test_trainer import SMALL
+    from tests.trainer_runs import SMALL
 
     monkeypatch.chdir(tmp_path)
     for given in ("cpu_tiny", "configs/cpu_tiny.yaml"):

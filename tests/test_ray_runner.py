@@ -23,7 +23,7 @@ ray = pytest.importorskip("ray")
 from agl_lab.client import AglClient  # noqa: E402
 from agl_lab.protocol import RolloutCreate  # noqa: E402
 from agl_lab.ray_runner import NODE_EVENT  # noqa: E402
-from tests.ray_env import isolated_ray_env, ray_nodes  # noqa: E402
+from tests.ray_env import isolated_ray_env, node_index, node_of, ray_nodes  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # two Ray nodes started with `ray start`
 
@@ -41,17 +41,6 @@ def wait_for(predicate, bound: float, what: str) -> None:
     raise AssertionError(f"timed out after {bound} s waiting for {what}")
 
 
-def node_index(address: str, dirs: list[str]) -> dict[str, int]:
-    """Ray node id -> index of the `ray start` that started it (its temp dir is in its socket path)."""
-    ray.init(address=address, logging_level="WARNING")
-    try:
-        return {
-            n["NodeID"]: i for n in ray.nodes() for i, d in enumerate(dirs) if n["Alive"] and d in n["RayletSocketName"]
-        }
-    finally:
-        ray.shutdown()
-
-
 def kill_node(path: str) -> int:
     """SIGKILL every process of the Ray node started under `path` (its raylet, workers, agents)."""
     import psutil
@@ -65,12 +54,6 @@ def kill_node(path: str) -> int:
             p.kill()
     psutil.wait_procs(list(procs.values()), timeout=30)
     return len(procs)
-
-
-def node_of(client: AglClient, rollout_id: str) -> str | None:
-    """The node id of the rollout's last attempt (its `ray_node` event), None before the agent started."""
-    events = client.get_events(rollout_id, event_type=NODE_EVENT)
-    return events[-1]["data"]["node_id"] if events else None
 
 
 def test_agents_run_on_both_nodes_and_a_killed_nodes_rollout_reruns_as_attempt_1(embedded_server, tmp_path):

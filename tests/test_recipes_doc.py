@@ -37,9 +37,9 @@ import httpx
 import pytest
 
 from tests.processes import stop_groups
-from tests.test_metrics import parse, value
-from tests.test_trainer import SMALL
+from tests.prometheus import parse, value
 from tests.timescale import scaled
+from tests.trainer_runs import SMALL
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "many-machines.md"
@@ -233,8 +233,7 @@ def test_the_ray_runner_command_runs_as_written(shell, tmp_path):
     ray = pytest.importorskip("ray")
     from agl_lab.client import AglClient
     from agl_lab.protocol import RolloutCreate
-    from tests.ray_env import isolated_ray_env, ray_nodes
-    from tests.test_ray_runner import node_index, node_of
+    from tests.ray_env import isolated_ray_env, node_index, node_of, ray_nodes
 
     keys = shell(block("# keys"), "keys")
     assert keys.wait(60) == 0, keys.log.read_text()

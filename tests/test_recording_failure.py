@@ -15,7 +15,7 @@ import pytest
 
 from agl_lab.recording import DIRNAME, recorded_steps, step_path
 from agl_lab.trainer import Trainer
-from tests.test_trainer import SMALL
+from tests.trainer_runs import SMALL
 
 
 def _logged(run) -> list[dict]:

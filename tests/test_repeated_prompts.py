@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from agl_lab.trainer import Trainer
-from tests.test_trainer import SMALL
+from tests.trainer_runs import SMALL
 
 ASKS = 4  # the agent sends the very same prompt this many times
 

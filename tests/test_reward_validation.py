@@ -16,7 +16,7 @@ from agl_lab.logger import format_console_line
 from agl_lab.protocol import FLOAT32_MAX, Rollout, is_number, reward_problem
 from agl_lab.records import CompletedRollout, Triplet
 from agl_lab.rollout import SyncRolloutManager
-from tests.test_rollout import KEY, FakeRunner, post_call
+from tests.fake_runner import KEY, FakeRunner, post_call
 
 FAST = dict(poll_interval=0.01, timeout_seconds=30)
 

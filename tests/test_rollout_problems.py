@@ -12,7 +12,7 @@ import threading
 from agl_lab.logger import format_console_line
 from agl_lab.tasks.lookup import lookup_agent
 from agl_lab.trainer import Trainer
-from tests.test_trainer import SMALL
+from tests.trainer_runs import SMALL
 
 
 def _agent(mode: str):

@@ -15,6 +15,7 @@ from agl_lab.agent import AgentContext, agent_urls, resolve_env_map
 from agl_lab.protocol import Rollout, rollout_token
 from agl_lab.runner import Runner
 from agl_lab.server.embedded import EmbeddedServer
+from tests.servers import status, wait_terminal, wait_until
 
 KEY = "runner-key"
 AGENTS = "tests.agents_for_tests"
@@ -58,35 +59,6 @@ def subprocess_rollout(
         "is_train": is_train,
         "config": {"timeout_seconds": timeout_seconds, "local": local},
     }
-
-
-def status(api: httpx.Client, rid: str) -> dict[str, Any]:
-    resp = api.get(f"/api/rollouts/{rid}")
-    resp.raise_for_status()
-    return resp.json()["rollout"]["status"]
-
-
-def wait_until(predicate, timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
-
-
-def wait_terminal(api: httpx.Client, ids: list[str], timeout: float = 30.0) -> dict[str, dict]:
-    done: dict[str, dict] = {}
-
-    def all_terminal() -> bool:
-        for rid in ids:
-            if rid not in done:
-                st = status(api, rid)
-                if st["state"] in ("succeeded", "failed"):
-                    done[rid] = st
-        return len(done) == len(ids)
-
-    wait_until(all_terminal, timeout, f"{len(ids)} rollouts to end")
-    return done
 
 
 def events(api: httpx.Client, rid: str, **params: str) -> list[dict]:

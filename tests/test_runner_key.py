@@ -15,8 +15,8 @@ from agl_lab.runner import Runner
 from agl_lab.server.config import load_server_config
 from agl_lab.server.embedded import RUNNER_KEY_ENV, _parser, serve_config
 from tests.agents_for_tests import multi_turn_agent
-from tests.test_e2e_rollouts import reply_for
-from tests.test_runner import wait_terminal
+from tests.fakes import reply_for
+from tests.servers import wait_terminal
 
 ADMIN, RUNNER = "admin-key", "runner-key"
 MODEL = "fake/tiny-chat"

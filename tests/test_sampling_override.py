@@ -8,7 +8,7 @@ import logging
 
 from agl_lab.server.gateway import overridden_params
 from agl_lab.trainer import Trainer
-from tests.test_trainer import SMALL
+from tests.trainer_runs import SMALL
 
 
 def cool_agent(task: dict, ctx) -> float:

@@ -194,7 +194,7 @@ def test_fuzz_events_never_crash_a_training_step(tmp_path):
 
     from agl_lab.tasks.lookup import lookup_agent
     from agl_lab.trainer import Trainer
-    from tests.test_trainer import SMALL
+    from tests.trainer_runs import SMALL
 
     current: dict = {"batch": []}
     counter, lock = itertools.count(), threading.Lock()

@@ -19,7 +19,7 @@ from verl import DataProto
 from agl_lab.engines.local_ppo import ActorUpdateConfig, _response_forward, ppo_update
 from agl_lab.engines.lora import LoraSpec, add_lora
 from agl_lab.engines.shared_prefix import SharedPrefix, common_prefix, padded_body_tokens
-from tests.test_local_ppo import tiny_qwen2
+from tests.hand_built import tiny_qwen2
 
 N, P, R, SHARED, T = 8, 26, 8, 20, 0.7
 TAILS = [1, 3, 5, 2, 4, 1, 5, 3]  # prompt tokens after the shared ones

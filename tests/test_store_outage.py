@@ -19,7 +19,7 @@ import pytest
 
 from agl_lab.protocol import rollout_token
 from tests.postgres import PostgresCluster
-from tests.test_store_pg import KEY, Serve, _create
+from tests.servers import KEY, Serve, create_rollouts
 
 CALLS = 10  # concurrent proxied calls during the outage
 STORE_TIMEOUT = 2.0  # the server's store_timeout_seconds (its default)
@@ -45,7 +45,7 @@ def test_a_database_outage_answers_503_at_once_and_stalls_no_loop(own_cluster, f
     body = {"model": "auto", "messages": [{"role": "user", "content": "hi"}]}
     try:
         with server.client(timeout=60) as c:
-            _create(c, ["r"])
+            create_rollouts(c, ["r"])
             claimed = c.post("/api/rollouts/claim", json={"limit": 1}).json()
             assert [r["rollout_id"] for r in claimed] == ["r"]
             assert c.post("/api/models", json=[{"model": "m", "endpoint": fake_upstream.base_url}]).status_code == 201

@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -31,65 +30,9 @@ from agl_lab.server.backends import open_store
 from agl_lab.server.store import StoreUnavailable
 from agl_lab.server.store.postgresql import PostgresStore, SchemaMismatch
 from tests.conftest import scaled
+from tests.servers import Serve, create_rollouts
 
-KEY = "pg-key"
 RUNNING = RolloutStatusPatch(state=RolloutState.RUNNING)
-
-
-class Serve:
-    """One `agl-lab serve --store <url>` process on a free loopback port."""
-
-    def __init__(self, store_url: str, *flags: str):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "agl_lab.cli",
-                "serve",
-                "--port",
-                str(port),
-                "--model-name",
-                "m",
-                "--store",
-                store_url,
-                "--log-level",
-                "warning",
-                *flags,
-            ],
-            env={**os.environ, "AGL_KEY": KEY},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(self.url + "/healthz", trust_env=False).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert self.proc.poll() is None and time.monotonic() < deadline, self.proc.stdout.read().decode()
-            time.sleep(0.05)
-
-    def client(self, timeout: float = 30) -> httpx.Client:
-        return httpx.Client(base_url=self.url, headers={"x-api-key": KEY}, trust_env=False, timeout=timeout)
-
-    def kill(self) -> None:
-        os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(30)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.proc.stdout.close()
 
 
 @pytest.fixture
@@ -104,11 +47,6 @@ def serve(postgres_database) -> Iterator:
     yield start
     for server in started:
         server.stop()
-
-
-def _create(client: httpx.Client, ids: list[str]) -> None:
-    r = client.post("/api/rollouts", json=[{"rollout_id": rid, "input": {"data_id": rid}} for rid in ids])
-    assert r.status_code == 201, r.text
 
 
 # ---------------------------------------------------------------------------------------------
@@ -309,7 +247,7 @@ def test_racing_claims_through_two_servers_are_won_once(serve):
     servers = [serve(), serve()]  # a second serve on one PostgreSQL store is allowed
     ids = [f"race-{i}" for i in range(150)]
     with servers[0].client() as c:
-        _create(c, ids)
+        create_rollouts(c, ids)
     start = threading.Barrier(2, timeout=30)
     codes: dict[str, list[int]] = {rid: [] for rid in ids}
 
@@ -338,7 +276,7 @@ def test_models_and_leases_are_shared_not_cached_per_server(serve, fake_upstream
     a, b = serve("--lease-seconds", str(lease)), serve("--lease-seconds", str(lease))
     body = {"model": "auto", "messages": [{"role": "user", "content": "hi"}]}
     with a.client() as ca, b.client() as cb:
-        _create(ca, ["r"])
+        create_rollouts(ca, ["r"])
         assert ca.patch("/api/rollouts/r", json={"status": {"state": "running"}}).status_code == 200
         chat = "/proxy/rollout/r/attempt/0/mode/train/openai/v1/chat/completions"
         assert cb.post(chat, json=body).status_code == 503  # nothing registered yet (and B has asked once)
@@ -358,7 +296,7 @@ def test_models_and_leases_are_shared_not_cached_per_server(serve, fake_upstream
         assert "re-queued as attempt 1" in status["error_message"]
 
         assert ca.delete("/api/models").status_code == 200
-        _create(ca, ["r2"])
+        create_rollouts(ca, ["r2"])
         ca.patch("/api/rollouts/r2", json={"status": {"state": "running"}})
         assert cb.post(chat.replace("/r/", "/r2/"), json=body).status_code == 503  # the clear, seen by B
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from agl_lab.sweep import grid_settings, parse_axes, setting_dir, sweep, sweep_main
-from tests.test_trainer import SMALL
+from tests.trainer_runs import SMALL
 
 
 def test_axes_fixed_overrides_and_the_setting_names():

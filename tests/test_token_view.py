@@ -14,7 +14,7 @@ import torch
 
 from agl_lab.token_view import TOKEN_COLUMNS
 from agl_lab.trainer import Trainer
-from tests.test_trainer import SMALL
+from tests.trainer_runs import SMALL
 
 WARM = [o for o in SMALL if not o.startswith("agl_lab.model.warm_start_steps")]  # the cached 200-step warm start
 

@@ -13,7 +13,7 @@ import pytest
 from agl_lab.cli import _bare_resume, resume_overrides
 from agl_lab.config import ConfigError
 from agl_lab.logger import read_metrics
-from tests.test_trainer import SMALL
+from tests.trainer_runs import SMALL
 
 SECRET = "admin-key-that-must-not-be-written"
 KILL_AT = "AGL_TEST_KILL_AT_ROLLOUT"

@@ -8,16 +8,7 @@ import pytest
 import torch
 
 from agl_lab.trainer import Trainer
-
-SMALL = [
-    "data.train_batch_size=4",
-    "actor_rollout_ref.rollout.n=2",
-    "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-    "agl_lab.task.n_train=16",
-    "agl_lab.task.n_val=4",
-    "agl_lab.runner.concurrency=8",
-    "agl_lab.model.warm_start_steps=0",
-]
+from tests.trainer_runs import SMALL
 
 
 @pytest.fixture
@@ -74,7 +65,7 @@ def test_with_wandb_on_the_step_and_validation_upload_agl_side_tables(trainer, m
     import sys
     import types
 
-    from tests.test_logger import FakeArtifact, FakeRun, FakeTable
+    from tests.fake_wandb import FakeArtifact, FakeRun, FakeTable
 
     monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(Table=FakeTable, Artifact=FakeArtifact))
     run = FakeRun()

@@ -17,7 +17,7 @@ import torch
 
 from agl_lab.tasks.lookup import lookup_agent
 from agl_lab.trainer import Trainer
-from tests.test_trainer import SMALL
+from tests.trainer_runs import SMALL
 
 POISONS = ("token id outside the vocabulary", "empty prompt", "huge reward")
 

@@ -7,31 +7,14 @@ from __future__ import annotations
 
 import json
 
-import pandas as pd
 import pytest
 
 from agl_lab.config import ConfigError
 from agl_lab.data import load_task_files
 from agl_lab.engines.tiny import tiny_model_dir
-from agl_lab.tasks import get_task
 from agl_lab.trainer import Trainer
-from tests.test_trainer import SMALL  # the small, warm-start-free Trainer settings
-
-
-def lookup_tasks(n: int, seed: int = 0) -> list[dict]:
-    # each task carries its own `data_id` (a dataset row id), which must reach the agent intact
-    return [{**t, "data_id": f"row-{i}"} for i, t in enumerate(get_task("lookup").train_tasks(n, seed=seed))]
-
-
-def write_parquet(path, rows) -> str:
-    pd.DataFrame(rows).to_parquet(path)
-    return str(path)
-
-
-def write_jsonl(path, rows) -> str:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
-
+from tests.processes import cli_env
+from tests.trainer_runs import SMALL, lookup_tasks, write_jsonl, write_parquet
 
 # ---------------------------------------------------------------------------------------------
 # data.train_files / val_files
@@ -185,13 +168,6 @@ def _train_cmd(tmp_path, name: str, *extra: str) -> list[str]:
     ]
 
 
-def _env():
-    import os
-    from pathlib import Path
-
-    return {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "PYTHONHASHSEED": "0"}
-
-
 def _records(path) -> dict[int, dict]:
     return {r["step"]: r for r in (json.loads(x) for x in path.read_text().splitlines())}  # last per step wins
 
@@ -204,7 +180,7 @@ def test_killed_cli_run_resumes_and_continues_like_an_uninterrupted_run(tmp_path
 
     straight = subprocess.run(
         _train_cmd(tmp_path, "a", f"trainer.default_local_dir={tmp_path / 'ck_a'}"),
-        env=_env(),
+        env=cli_env(),
         capture_output=True,
         text=True,
         timeout=900,
@@ -219,7 +195,7 @@ def test_killed_cli_run_resumes_and_continues_like_an_uninterrupted_run(tmp_path
     ck = tmp_path / "ck_b"
     proc = subprocess.Popen(
         _train_cmd(tmp_path, "b", f"trainer.default_local_dir={ck}"),
-        env=_env(),
+        env=cli_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -235,7 +211,7 @@ def test_killed_cli_run_resumes_and_continues_like_an_uninterrupted_run(tmp_path
 
     resumed = subprocess.run(
         _train_cmd(tmp_path, "c", f"trainer.default_local_dir={ck}", "--resume"),
-        env=_env(),
+        env=cli_env(),
         capture_output=True,
         text=True,
         timeout=900,

@@ -16,9 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.processes import stop_groups
-from tests.test_many_machines import _free_port, _healthy, _recording, _spawn, _wait_for
-from tests.test_trainer import SMALL
+from tests.processes import free_port, healthy, spawn_cli, stop_groups, wait_for
+from tests.trainer_runs import SMALL, read_recording
 
 KEY = "failover-trainer-key"
 STEPS = 3
@@ -35,14 +34,14 @@ def _steps_trained(run_dir: Path) -> int:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_trainer_fails_over_to_the_second_server_when_its_first_is_killed(postgres_database, tmp_path):
-    urls = [f"http://127.0.0.1:{_free_port()}" for _ in range(2)]
+    urls = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
     run_dir = tmp_path / "run"
     procs: list[subprocess.Popen] = []
     logs: list[Path] = []
 
     def spawn(name: str, argv: list[str]) -> subprocess.Popen:
         logs.append(tmp_path / f"{name}.log")
-        procs.append(_spawn(argv, logs[-1]))
+        procs.append(spawn_cli(argv, logs[-1]))
         return procs[-1]
 
     try:
@@ -54,7 +53,7 @@ def test_the_trainer_fails_over_to_the_second_server_when_its_first_is_killed(po
             )
             for i, url in enumerate(urls)
         ]
-        _wait_for(lambda: all(_healthy(u) for u in urls), 120, "both servers", procs, logs)
+        wait_for(lambda: all(healthy(u) for u in urls), 120, "both servers", procs, logs)
         runner = spawn(
             "runner", ["runner", "configs/cpu_tiny.yaml", "--server", urls[1], "--key", KEY, "--concurrency", "4"]
         )
@@ -73,10 +72,10 @@ def test_the_trainer_fails_over_to_the_second_server_when_its_first_is_killed(po
                 "agl_lab.runner.enabled=false",
             ],
         )
-        _wait_for(lambda: _steps_trained(run_dir) >= 1, 300, "the first step", [trainer, runner], [logs[3], logs[2]])
+        wait_for(lambda: _steps_trained(run_dir) >= 1, 300, "the first step", [trainer, runner], [logs[3], logs[2]])
         os.killpg(servers[0].pid, signal.SIGKILL)  # the trainer's server, while it starts step 2
         servers[0].wait()
-        _wait_for(lambda: trainer.poll() is not None, 420, "the training to finish", [runner, servers[1]], logs[1:3])
+        wait_for(lambda: trainer.poll() is not None, 420, "the training to finish", [runner, servers[1]], logs[1:3])
         train_log = logs[3].read_text()
         assert trainer.returncode == 0, train_log[-4000:]
     finally:
@@ -86,7 +85,7 @@ def test_the_trainer_fails_over_to_the_second_server_when_its_first_is_killed(po
     train_records = {m["step"]: m for m in metrics if "training/n_rerun_rollouts" in m}
     assert sorted(train_records) == list(range(1, STEPS + 1)), metrics
     assert [train_records[s]["execution/server_failovers"] for s in (1, STEPS)] == [0, 1]  # a metric
-    recording = _recording(run_dir)
+    recording = read_recording(run_dir)
     ids = [c["rollout_id"] for doc in recording.values() for c in doc["rollouts"]]
     assert len(ids) == len(set(ids)) == STEPS * ROLLOUTS_PER_STEP
     for step, doc in recording.items():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from agl_lab.validation import build_validation, validation_metrics
-from tests.test_batch import R, SpaceTokenizer, T  # the hand-built fixtures of the batch tests
+from tests.hand_built import R, SpaceTokenizer, T
 
 
 def test_validation_metrics_names_and_values():

@@ -145,7 +145,7 @@ def test_groups_df_a_group_of_one_has_advantage_unless_its_reward_is_zero():
 
 def test_trainer_results_decode_the_text_of_every_call_and_row(tmp_path):
     from agl_lab.trainer import Trainer
-    from tests.test_trainer import SMALL
+    from tests.trainer_runs import SMALL
 
     with Trainer.from_config("configs/cpu_tiny.yaml", overrides=SMALL, run_dir=tmp_path, console=False) as t:
         ro = t.rollout()

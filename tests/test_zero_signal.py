@@ -8,7 +8,7 @@ import numpy as np
 from agl_lab.replay import load_recording
 from agl_lab.trainer import Trainer
 from agl_lab.views import groups_df
-from tests.test_trainer import SMALL
+from tests.trainer_runs import SMALL
 
 
 def test_metric_groups_view_recording_and_trained_advantages_agree(tmp_path):

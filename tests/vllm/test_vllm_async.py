@@ -24,7 +24,7 @@ if importlib.util.find_spec("vllm") is None:
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 
 from tests.ray_env import isolated_ray_env  # noqa: E402
-from tests.vllm.test_vllm_engine import _fixed_sequence, _served_logprobs_of  # noqa: E402
+from tests.replica_probe import fixed_sequence, served_logprobs_of  # noqa: E402
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "cpu_vllm.yaml")
 
@@ -72,8 +72,8 @@ def test_async_steps_drain_the_gateway_then_sleep_sync_and_wake_the_replicas(tra
         assert metrics["training/async/proxy_inflight_at_pause"] >= 0
         if k == 0:  # later batches mix in groups carried over from the previous policy: off-policy by design
             assert metrics["training/rollout_logprobs_diff_max"] <= 1e-4
-        probe, _ = _fixed_sequence(engine)
-        served = _served_logprobs_of(engine, probe)
+        probe, _ = fixed_sequence(engine)
+        served = served_logprobs_of(engine, probe)
         assert (served - engine.compute_log_probs(probe)[0].float()).abs().max().item() <= 1e-5
         step_calls = calls[before:]
         assert "abort" not in step_calls, step_calls

@@ -45,11 +45,15 @@ import torch  # noqa: E402
 
 from agl_lab.engines.verl.engine import WORKER_ENV_KEYS  # noqa: E402
 from tests.ray_env import isolated_ray_env  # noqa: E402
-from tests.replica_probe import give_rollouts_distinct_rewards, sample_fixed  # noqa: E402
+from tests.replica_probe import (  # noqa: E402
+    FIXED_PROMPT,
+    fixed_sequence,
+    give_rollouts_distinct_rewards,
+    served_logprobs_of,
+)
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "cpu_vllm.yaml")
 ENV_BEFORE: dict[str, str | None] = {}
-FIXED_PROMPT = "Look up the capital of"
 
 
 @pytest.fixture(scope="module")
@@ -84,25 +88,6 @@ def trainer(ray_env):
 def _replica(engine):
     (replica,) = engine.trainer.rollout_replicas()
     return replica
-
-
-def _fixed_sequence(engine, max_tokens: int = 12):
-    """A sampled continuation of FIXED_PROMPT from the replica: (DataProto, served logprobs [R])."""
-    return sample_fixed(
-        engine.endpoints()[0], FIXED_PROMPT, max_tokens=max_tokens, model=engine.model_name, timeout=120
-    )
-
-
-def _served_logprobs_of(engine, data):
-    """What the replica serves for `data`'s prompt + response (prompt logprobs of the whole sequence)."""
-    ids = data.batch["input_ids"][0].tolist()
-    n_resp = data.batch["responses"].shape[1]
-    body = {"model": engine.model_name, "prompt": ids, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
-    answer = httpx.post(engine.endpoints()[0] + "/completions", json=body, timeout=120)
-    assert answer.status_code == 200, answer.text
-    per_token = answer.json()["choices"][0]["prompt_logprobs"]
-    # prompt_logprobs[i] maps token ids to {"logprob": …}; the sequence's own token is always included
-    return torch.tensor([per_token[i][str(ids[i])]["logprob"] for i in range(len(ids) - n_resp, len(ids))])
 
 
 def test_replicas_are_verl_vllm_and_the_gateway_registers_their_bound_address(trainer):
@@ -155,7 +140,7 @@ def test_local_and_vllm_engines_make_the_same_update(trainer):
     assert [m.endpoint for m in trainer.server.store.models_for(engine.model_name)] == engine.endpoints()
     give_rollouts_distinct_rewards(batch.data)
     engine.resume()  # the rollout ended with abort(): vLLM holds new requests until resume
-    probe, served_before = _fixed_sequence(engine)
+    probe, served_before = fixed_sequence(engine)
     local = LocalEngine.from_config(trainer.cfg)
     try:
         local_before = local.compute_log_probs(probe)[0]
@@ -165,7 +150,7 @@ def test_local_and_vllm_engines_make_the_same_update(trainer):
     finally:
         local.close()
     vllm_result = trainer.update(batch)
-    served_after = _served_logprobs_of(engine, probe)
+    served_after = served_logprobs_of(engine, probe)
     lm, vm = local_result.metrics, vllm_result.metrics
     assert lm["actor/pg_loss"] == pytest.approx(vm["actor/pg_loss"], rel=1e-5, abs=1e-7)
     assert lm["actor/grad_norm"] == pytest.approx(vm["actor/grad_norm"], rel=1e-5)
@@ -183,14 +168,14 @@ def test_local_and_vllm_engines_make_the_same_update(trainer):
 
 def test_two_trainer_steps_serve_the_actors_weights_after_each_sync(trainer):
     engine = trainer.engine
-    probe, _ = _fixed_sequence(engine)
-    previous = _served_logprobs_of(engine, probe)
+    probe, _ = fixed_sequence(engine)
+    previous = served_logprobs_of(engine, probe)
     v0 = engine.policy_version
     for k in range(2):
         metrics = trainer.step()
         assert engine.policy_version == v0 + k + 1
         assert metrics["training/rollout_logprobs_diff_max"] <= 1e-4, metrics["training/rollout_logprobs_diff_max"]
-        served = _served_logprobs_of(engine, probe)
+        served = served_logprobs_of(engine, probe)
         actor = engine.compute_log_probs(probe, temperature=1.0)[0].float()
         gap = (served - actor).abs().max().item()
         print(
@@ -199,7 +184,7 @@ def test_two_trainer_steps_serve_the_actors_weights_after_each_sync(trainer):
         )
         assert gap <= 1e-5
         previous = served
-    fresh, served_fresh = _fixed_sequence(engine)  # sampled logprobs (the chat/completion route) too
+    fresh, served_fresh = fixed_sequence(engine)  # sampled logprobs (the chat/completion route) too
     assert torch.allclose(served_fresh, engine.compute_log_probs(fresh)[0].float(), atol=1e-5)
 
 
