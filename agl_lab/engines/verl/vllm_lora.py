@@ -43,11 +43,11 @@ def _serving_models(server: Any) -> Any:
     verl keeps no reference to the FastAPI app it serves; it keeps the task running uvicorn
     (`_server_task`, from `run_uvicorn`), whose coroutine is the `uvicorn.Server.serve` of that app.
     """
-    task = server._server_task  # VERL_API: vLLMHttpServer (attrs)
+    task = server._server_task  # VERL_API: vLLMHttpServer.run_server (attrs)
     frame = task.get_coro().cr_frame if task is not None and not task.done() else None
     uvicorn_server = frame.f_locals.get("self") if frame is not None else None
     state = getattr(getattr(getattr(uvicorn_server, "config", None), "app", None), "state", None)
-    models = getattr(state, "openai_serving_models", None)  # VERL_API: init_app_state (returns)
+    models = getattr(state, "openai_serving_models", None)  # set by vLLM's init_app_state
     if models is None:
         raise RuntimeError(
             "LoRA on verl's vLLM replicas: the replica's OpenAI server (vLLMHttpServer._server_task) is not "
