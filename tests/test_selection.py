@@ -194,6 +194,21 @@ def test_prepare_update_batch_with_agl_order_computes_advantages_after_the_drops
         alg.prepare_update_batch(data, mini_batch_rows=4, drop_order="later", **_grpo_opts())
 
 
+@pytest.mark.parametrize("drop_order", alg.DROP_ORDERS)
+def test_the_marked_drop_is_counted_on_the_built_batch_under_either_drop_order(drop_order):
+    # 6 rows, 2 marked: both orders report the batch as built (AGL v1's order once reported 4 and 0)
+    data = make_batch(
+        [[1, 1]] * 6,
+        [1, 1, 0, 1, 0, 1],
+        ["r0", "r0", "r1", "r2", "r3", "r4"],
+        ["g"] * 3 + ["h"] * 3,
+        is_drop=[False, True, False, False, True, False],
+    )
+    _, records, metrics = alg.prepare_update_batch(data, mini_batch_rows=2, num_repeat=3, drop_order=drop_order)
+    assert [r["reason"] for r in records if r["reason"] == "marked"] == ["marked", "marked"]
+    assert metrics["training/n_sample_collected"] == 6 and metrics["training/n_sample_dropped/marked"] == 2
+
+
 def test_bf16_rewards_reproduce_agls_precision():
     data = one_row_rollouts({"a": [0.1, 0.3]})
     prepared, _, _ = alg.prepare_update_batch(

@@ -112,7 +112,7 @@ def prepare_update_batch(
         data, step_records, step_metrics = _advantages_then_selection(
             data, advantages, policy=selection_policy, small_batch=small_batch, **align
         )
-        step_metrics.update(counted)  # selection recounts the rows it was given: keep the built batch's
+    step_metrics.update(counted)  # both recount the marked drop on the rows they were given: keep the batch's
     records += step_records
     metrics.update(step_metrics)
     if data is None:
