@@ -40,6 +40,7 @@ from agl_lab.rules import (
     check_selection_args,
     check_turn_credit,
 )
+from agl_lab.server.config import LIMITS
 
 # ---------------------------------------------------------------------------------------------
 # Defaults
@@ -76,26 +77,9 @@ AGL_DEFAULTS: dict[str, Any] = {
     },
 }
 
-# agl_lab.server keys handed to the embedded server's ServerConfig as they are (when not null).
-SERVER_PASSTHROUGH = (
-    "lease_seconds",
-    "max_attempts",
-    "max_body_bytes",
-    "max_batch_items",
-    "terminal_log_limit",
-    "store_timeout_seconds",
-    "upstream_client",
-    "upstream_timeout_seconds",
-    "upstream_call_deadline_seconds",
-    "upstream_max_attempts",
-    "upstream_backoff_base_seconds",
-    "upstream_backoff_max_seconds",
-    "upstream_breaker_seconds",
-    "max_header_bytes",
-    "header_timeout_seconds",
-    "body_timeout_seconds",
-    "max_upstream_answer_bytes",
-)
+# agl_lab.server keys handed to the embedded server's ServerConfig as they are (when not null):
+# its limits (listed once, in server/config.py) and the upstream client.
+SERVER_PASSTHROUGH = (*LIMITS, "upstream_client")
 
 
 def server_overrides(cfg: DictConfig) -> dict[str, Any]:

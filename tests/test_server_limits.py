@@ -279,3 +279,21 @@ def test_openapi_lists_error_responses(client):
     assert spec["paths"]["/api/rollouts/{rollout_id}"]["patch"]["responses"]["409"]["description"].startswith(
         "transition"
     )
+
+
+def test_each_limit_is_a_serve_flag_and_a_config_key():
+    """The limits are listed once (server/config.py LIMITS): `agl-lab serve`'s flag and a training
+    config's `agl_lab.server.<key>` both reach the ServerConfig field, and the help names the default."""
+    from agl_lab.config import load_config, server_overrides
+    from agl_lab.server.config import LIMITS
+
+    assert {"lease_seconds", "max_body_bytes", "upstream_max_attempts", "terminal_log_limit"} <= set(LIMITS)
+    changed = {key: field.default + 1 for key, field in LIMITS.items()}  # valid, and not the default
+    argv = [arg for key, value in changed.items() for arg in (LIMITS[key].json_schema_extra["flag"], str(value))]
+    served = serve_config(_parser().parse_args(argv), environ={})
+    assert {key: getattr(served, key) for key in LIMITS} == changed
+    cfg = load_config("cpu_tiny", [f"agl_lab.server.{key}={value}" for key, value in changed.items()])
+    assert {key: value for key, value in server_overrides(cfg).items() if key in LIMITS} == changed
+    help_text = " ".join(_parser().format_help().split())
+    assert "larger request bodies answer 413 (default 32 MiB)" in help_text
+    assert "tries per call on timeouts, 408/409/429/5xx (default 6)" in help_text

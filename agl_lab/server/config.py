@@ -1,6 +1,7 @@
 """Server settings: the AGL `server.yaml` keys plus agl_lab's additions (a leaf of `server/`).
 
     ServerConfig            host, port, key, store, terminal log, upstream retry policy, modes
+      LIMITS                its limits, each with its `agl-lab serve` flag and help: the one list
       default_proxy         DefaultProxyConfig: model name, logprobs, train/val temperatures
     load_server_config(x)   ServerConfig | dict | OmegaConf -> ServerConfig (errors name the key)
 
@@ -15,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.fields import FieldInfo
 
 from agl_lab.server.store import DEFAULT_TERMINAL_LOG_LIMIT
 
@@ -38,6 +40,11 @@ class DefaultProxyConfig(_Strict):
     val: ValProxyConfig = Field(default_factory=ValProxyConfig)
 
 
+def _limit(default: Any, flag: str, text: str, **bounds: Any) -> Any:
+    """A limit of the server: a field with its `agl-lab serve` flag and help text (see LIMITS)."""
+    return Field(default, description=text, json_schema_extra={"flag": flag}, **bounds)
+
+
 class ServerConfig(_Strict):
     """Server settings. `default_proxy.model_name` must equal the model the engine registers."""
 
@@ -47,30 +54,59 @@ class ServerConfig(_Strict):
     runner_key: str = ""  # a key scoped to what runners do (server/guard.py RUNNER_SCOPE); needs `key`
     default_proxy: DefaultProxyConfig = Field(default_factory=DefaultProxyConfig)
     store: str = "memory"  # or "sqlite:///path/to/store.db", "postgresql://user:pass@host:5432/db" (shared)
-    terminal_log_limit: int = Field(DEFAULT_TERMINAL_LOG_LIMIT, ge=1)
-    store_timeout_seconds: float = Field(2.0, gt=0)  # PostgreSQL: a store call waits at most this long for a
-    #     connection, then answers 503 (nothing stored; retry); keep it well below lease_seconds
-    upstream_timeout_seconds: float = Field(300.0, gt=0)  # bounds each upstream attempt, start to end
-    upstream_call_deadline_seconds: float = Field(600.0, gt=0)  # bounds a whole call: attempts + backoff
-    upstream_max_attempts: int = Field(6, ge=1)
-    upstream_backoff_base_seconds: float = Field(0.5, ge=0)  # retry i sleeps min(base*2^i, max)*U(.75,1.25)
-    upstream_backoff_max_seconds: float = Field(8.0, ge=0)
-    upstream_breaker_seconds: float = Field(5.0, ge=0)  # an endpoint that refused connections fails fast
-    #                                                     this long (503 + Retry-After); 0: retry instead
+    # The limits: each is an `agl-lab serve` flag and an `agl_lab.server.<key>` of a training config
+    # (LIMITS below); `text` is the flag's help, which ends with the default.
+    terminal_log_limit: int = _limit(
+        DEFAULT_TERMINAL_LOG_LIMIT, "--terminal-log-limit", "terminal rollouts kept for the managers' polls", ge=1
+    )
+    store_timeout_seconds: float = _limit(  # keep it well below lease_seconds
+        2.0, "--store-timeout", "a store call waits this long for a PostgreSQL connection, then answers 503", gt=0
+    )
+    upstream_timeout_seconds: float = _limit(300.0, "--upstream-timeout", "bound on each upstream attempt", gt=0)
+    upstream_call_deadline_seconds: float = _limit(
+        600.0, "--upstream-call-deadline", "bound on a whole call, retries included", gt=0
+    )
+    upstream_max_attempts: int = _limit(
+        6, "--upstream-max-attempts", "tries per call on timeouts, 408/409/429/5xx", ge=1
+    )
+    # retry i sleeps min(base*2^i, max)*U(.75,1.25)
+    upstream_backoff_base_seconds: float = _limit(0.5, "--upstream-backoff-base", "first retry's backoff", ge=0)
+    upstream_backoff_max_seconds: float = _limit(8.0, "--upstream-backoff-max", "longest backoff", ge=0)
+    upstream_breaker_seconds: float = _limit(  # 503 + Retry-After meanwhile
+        5.0,
+        "--upstream-breaker-seconds",
+        "fail fast this long after the model server refused a connection; 0: retry",
+        ge=0,
+    )
     upstream_key: str = ""  # sent upstream as a Bearer token: the engine's key (AGL_ENGINE_KEY), which
     #                        its OpenAI server requires when bound beyond loopback
     upstream_client: Literal["auto", "raw", "aiohttp", "httpx"] = "auto"  # auto: the raw client (least CPU per call)
-    max_body_bytes: int = Field(32 * 2**20, ge=1)  # larger request bodies answer 413 (checked before reading)
-    max_header_bytes: int = Field(64 * 2**10, ge=1024)  # a request head (line + headers) beyond this: 431
-    header_timeout_seconds: float = Field(30.0, gt=0)  # a request head not complete this long after it began: 408
-    body_timeout_seconds: float = Field(60.0, gt=0)  # no body data this long while the app reads it: 408
-    max_upstream_answer_bytes: int = Field(32 * 2**20, ge=1)  # a larger model answer is refused (502), not stored
-    max_batch_items: int = Field(10_000, ge=1)  # items per POST /api/rollouts or /api/models (413 beyond)
-    lease_seconds: float = Field(60.0, ge=0)  # a running rollout without heartbeat/event/status change this
-    #     long is re-queued as a new attempt (its runner died); 0 disables leases. Runners renew every
-    #     min(10 s, lease/10); well below the trainer's wait (agentlightning.rollout_timeout_seconds + 60 s)
-    max_attempts: int = Field(3, ge=1)  # attempts per rollout: a lease expiry re-queues until this many ran,
-    #                                     then fails the rollout with the reason (releases count too)
+    max_body_bytes: int = _limit(  # checked before reading
+        32 * 2**20, "--max-body-bytes", "larger request bodies answer 413", ge=1
+    )
+    max_header_bytes: int = _limit(64 * 2**10, "--max-header-bytes", "a larger request head answers 431", ge=1024)
+    header_timeout_seconds: float = _limit(  # counted from the head's first byte; 408
+        30.0, "--header-timeout", "a request head must arrive within this", gt=0
+    )
+    body_timeout_seconds: float = _limit(  # while the app reads it; 408
+        60.0, "--body-timeout", "longest pause within a request body", gt=0
+    )
+    max_upstream_answer_bytes: int = _limit(  # refused, not stored
+        32 * 2**20, "--max-upstream-answer-bytes", "a larger model answer is refused with 502", ge=1
+    )
+    max_batch_items: int = _limit(10_000, "--max-batch-items", "items per POST of rollouts or models, 413 beyond", ge=1)
+    # Runners renew every min(10 s, lease/10); keep it well below the trainer's wait
+    # (agentlightning.rollout_timeout_seconds + 60 s)
+    lease_seconds: float = _limit(
+        60.0,
+        "--lease-seconds",
+        "re-queue a running rollout (as a new attempt: its runner died) with no heartbeat, event or "
+        "status change this long; 0: off",
+        ge=0,
+    )
+    max_attempts: int = _limit(  # releases count too
+        3, "--max-attempts", "attempts per rollout before an expired lease fails it, with the reason", ge=1
+    )
     allowed_hosts: list[str] = Field(default_factory=lambda: ["localhost", "127.0.0.1", "::1"])  # Host names a
     #                      server without a key answers (403 otherwise: DNS rebinding); "*": any; unused with a key
     docs_auth: bool = True  # /docs, /redoc and /openapi.json need the key too (false: open like /healthz)
@@ -84,6 +120,28 @@ class ServerConfig(_Strict):
         if self.runner_key and self.runner_key == self.key:
             raise ValueError("runner_key must differ from key: the runner key is the one with less power")
         return self
+
+
+# The server's limits, listed once (the fields made by `_limit`): `agl-lab serve`'s flags
+# (server/embedded.py) and the `agl_lab.server` keys of a training config (config.py) derive from it.
+LIMITS: dict[str, FieldInfo] = {
+    key: field
+    for key, field in ServerConfig.model_fields.items()
+    if isinstance(field.json_schema_extra, dict) and "flag" in field.json_schema_extra
+}
+
+
+def limit_help(key: str) -> str:
+    """The help of limit `key`'s flag: its text, then its default (sizes in KiB/MiB)."""
+    field = LIMITS[key]
+    default = field.default
+    if key.endswith("_bytes") and default % 2**20 == 0:
+        shown = f"{default // 2**20} MiB"
+    elif key.endswith("_bytes") and default % 2**10 == 0:
+        shown = f"{default // 2**10} KiB"
+    else:
+        shown = f"{default:g}"
+    return f"{field.description} (default {shown})"
 
 
 def load_server_config(config: ServerConfig | Mapping[str, Any] | None) -> ServerConfig:

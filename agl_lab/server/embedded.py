@@ -34,7 +34,7 @@ from agl_lab.client import server_key
 from agl_lab.server.app import create_app
 from agl_lab.server.asgi import HTTP_PROTOCOL, http_protocol, read_limits
 from agl_lab.server.backends import open_store
-from agl_lab.server.config import ServerConfig, load_server_config
+from agl_lab.server.config import LIMITS, ServerConfig, limit_help, load_server_config
 from agl_lab.server.store import Store, StoreError
 
 logger = logging.getLogger("agl_lab.server")
@@ -327,64 +327,11 @@ def tls_files(args: argparse.Namespace) -> dict[str, str]:
     return {"ssl_certfile": cert, "ssl_keyfile": key}
 
 
-# `agl-lab serve` flags of the ServerConfig keys set only when given: flag -> (key, type, metavar, help)
+# `agl-lab serve` flags of the server's limits (server/config.py LIMITS), set only when given:
+# flag -> (key, type, metavar, help)
 LIMIT_FLAGS: dict[str, tuple[str, type, str, str]] = {
-    "--terminal-log-limit": (
-        "terminal_log_limit",
-        int,
-        "N",
-        "terminal rollouts kept for the managers' polls (default 100000)",
-    ),
-    "--upstream-timeout": ("upstream_timeout_seconds", float, "S", "bound on each upstream attempt (default 300)"),
-    "--upstream-max-attempts": (
-        "upstream_max_attempts",
-        int,
-        "N",
-        "tries per call on timeouts, 408/409/429/5xx (default 6)",
-    ),
-    "--upstream-call-deadline": (
-        "upstream_call_deadline_seconds",
-        float,
-        "S",
-        "bound on a whole call, retries included (default 600)",
-    ),
-    "--upstream-backoff-base": ("upstream_backoff_base_seconds", float, "S", "(default 0.5)"),
-    "--upstream-backoff-max": ("upstream_backoff_max_seconds", float, "S", "(default 8)"),
-    "--upstream-breaker-seconds": (
-        "upstream_breaker_seconds",
-        float,
-        "S",
-        "fail fast this long after the model server refused a connection (default 5; 0: retry)",
-    ),
-    "--lease-seconds": (
-        "lease_seconds",
-        float,
-        "S",
-        "re-queue a running rollout with no heartbeat, event or status change this long (default 60; 0: off)",
-    ),
-    "--store-timeout": (
-        "store_timeout_seconds",
-        float,
-        "S",
-        "a store call waits this long for a PostgreSQL connection, then answers 503 (default 2)",
-    ),
-    "--max-attempts": ("max_attempts", int, "N", "attempts per rollout before an expired lease fails it (default 3)"),
-    "--max-body-bytes": ("max_body_bytes", int, "N", "larger request bodies answer 413 (default 32 MiB)"),
-    "--max-batch-items": (
-        "max_batch_items",
-        int,
-        "N",
-        "items per POST of rollouts or models, 413 beyond (default 10000)",
-    ),
-    "--max-header-bytes": ("max_header_bytes", int, "N", "a larger request head answers 431 (default 64 KiB)"),
-    "--header-timeout": ("header_timeout_seconds", float, "S", "a request head must arrive within this (default 30)"),
-    "--body-timeout": ("body_timeout_seconds", float, "S", "longest pause within a request body (default 60)"),
-    "--max-upstream-answer-bytes": (
-        "max_upstream_answer_bytes",
-        int,
-        "N",
-        "a larger model answer is refused with 502 (default 32 MiB)",
-    ),
+    field.json_schema_extra["flag"]: (key, field.annotation, "N" if field.annotation is int else "S", limit_help(key))
+    for key, field in LIMITS.items()
 }
 
 
