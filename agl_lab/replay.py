@@ -2,7 +2,7 @@
 
 The recordings are written by `agl_lab.recording` (its docstring gives the format).
 
-Replay: `replay_step(run_dir, step)` (also `Trainer.replay` and `agl-lab replay RUN_DIR --step N`)
+Replay: `replay_step(run_dir, step)` (also `agl-lab replay RUN_DIR --step N`)
 rebuilds the step's batch, advantages, selection and loss weights from the recording with the
 run's own `config.yaml`, and compares every recomputed metric with the recorded one: the
 engine-independent part (batch building and the algorithms) must agree exactly. It imports

@@ -386,7 +386,7 @@ class Trainer:
 
         self._check_open("fit()")
         self.resume()
-        total = self.global_step + steps if steps is not None else self._default_total_steps()
+        total = self.global_step + steps if steps is not None else self.total_steps
         self._last_step = total
         history: list[dict[str, Any]] = []
         if (self.cfg.trainer.val_before_train or self.cfg.trainer.val_only) and self.val_dataset:
@@ -415,7 +415,10 @@ class Trainer:
         first step. `fit` writes `run_dir/reward_curve.png` at each validation and at its end."""
         return self.metrics_logger.write_curve(path)
 
-    def _default_total_steps(self) -> int:
+    @property
+    def total_steps(self) -> int:
+        """The global step `fit()` trains until when not given `steps`: `trainer.total_training_steps`,
+        else `trainer.total_epochs` epochs of `data.train_batch_size` tasks each."""
         if self.cfg.trainer.total_training_steps:
             return int(self.cfg.trainer.total_training_steps)
         per_epoch = max(len(self.train_dataset) // int(self.cfg.data.train_batch_size), 1)
@@ -467,13 +470,6 @@ class Trainer:
         if show:
             print(format_transcript(rollout, self.tokenizer), flush=True)
         return rollout
-
-    @staticmethod
-    def replay(run_dir: str | os.PathLike, step: int, overrides: Sequence[str] = ()):
-        """Step `step` of `run_dir` rebuilt from its recording, no engine needed (`replay.replay_step`)."""
-        from agl_lab.replay import replay_step
-
-        return replay_step(run_dir, step, overrides)
 
     # ------------------------------------------------------------------ checkpoints
 
