@@ -157,68 +157,12 @@ def sweep(
         raise ValueError(f"parallel={parallel} must be >= 1")
     named = _normalise(settings)
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    jobs = [(name, int(seed), out / setting_dir(name) / f"seed{seed}") for name in named for seed in seeds]
-    dirs = [d for _, _, d in jobs]
-    if len(set(dirs)) != len(dirs):
-        raise ValueError(f"two settings map to one directory under {out}: name them apart ({list(named)})")
-    (out / "sweep.json").write_text(
-        json.dumps(
-            {
-                "config": str(config),
-                "overrides": list(overrides),
-                "settings": named,
-                "seeds": [int(s) for s in seeds],
-                "runs": [{"setting": n, "seed": s, "run_dir": str(d)} for n, s, d in jobs],
-            },
-            indent=2,
-        )
-    )
-    records: dict[Path, dict[str, Any]] = {}
-    pending = list(jobs)
-    running: list[tuple[str, int, Path, subprocess.Popen, float, Any, list[str]]] = []
-    while pending or running:
-        while pending and len(running) < parallel:
-            name, seed, run_dir = pending.pop(0)
-            cmd = _command(str(config), run_dir, [*overrides, *named[name], f"agl_lab.seed={seed}"], steps)
-            if _finished(run_dir, cmd):
-                records[run_dir] = {
-                    "setting": name,
-                    "seed": seed,
-                    "run_dir": str(run_dir),
-                    "returncode": 0,
-                    "wall_s": json.loads((run_dir / DONE_FILE).read_text()).get("wall_s"),
-                    "log": "already done",
-                }
-                _say(verbose, f"sweep: {name} seed {seed}: already done ({run_dir})")
-                continue
-            run_dir.mkdir(parents=True, exist_ok=True)
-            log = open(run_dir / "train.log", "w")
-            _say(verbose, f"sweep: {name} seed {seed} → {run_dir}")
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_child_env())
-            running.append((name, seed, run_dir, proc, time.time(), log, cmd))
-        for item in list(running):
-            name, seed, run_dir, proc, t0, log, cmd = item
-            if proc.poll() is None:
-                continue
-            log.close()
-            running.remove(item)
-            wall = time.time() - t0
-            last_line = _last_line(run_dir / "train.log")
-            (run_dir / DONE_FILE).write_text(
-                json.dumps({"returncode": proc.returncode, "wall_s": wall, "args": cmd[3:]})
-            )
-            records[run_dir] = {
-                "setting": name,
-                "seed": seed,
-                "run_dir": str(run_dir),
-                "returncode": proc.returncode,
-                "wall_s": wall,
-                "log": last_line,
-            }
-            _say(verbose, f"sweep: {name} seed {seed} ended ({proc.returncode}) in {wall / 60:.1f} min: {last_line}")
-        if running:
-            time.sleep(0.5)
+    jobs = _plan(str(config), named, seeds, overrides, out)
+    commands = {
+        run_dir: _command(str(config), run_dir, [*overrides, *named[name], f"agl_lab.seed={seed}"], steps)
+        for name, seed, run_dir in jobs
+    }
+    records = _run_all(jobs, commands, parallel, verbose)
     runs = pd.DataFrame([records[d] for _, _, d in jobs], columns=RUN_COLUMNS)
     ok = runs[runs["returncode"] == 0]
     table = pd.DataFrame()
@@ -228,6 +172,83 @@ def sweep(
         table = compare({name: list(group["run_dir"]) for name, group in ok.groupby("setting", sort=False)}, last=last)
         _say(verbose, table.to_string())
     return SweepResult(table=table, runs=runs, out=out, settings=named)
+
+
+_Job = tuple[str, int, Path]  # setting name, seed, run directory
+
+
+def _plan(
+    config: str, named: dict[str, list[str]], seeds: Sequence[int], overrides: Sequence[str], out: Path
+) -> list[_Job]:
+    """Every setting × seed with its run directory, written to `out/sweep.json`."""
+    out.mkdir(parents=True, exist_ok=True)
+    jobs = [(name, int(seed), out / setting_dir(name) / f"seed{seed}") for name in named for seed in seeds]
+    dirs = [d for _, _, d in jobs]
+    if len(set(dirs)) != len(dirs):
+        raise ValueError(f"two settings map to one directory under {out}: name them apart ({list(named)})")
+    (out / "sweep.json").write_text(
+        json.dumps(
+            {
+                "config": config,
+                "overrides": list(overrides),
+                "settings": named,
+                "seeds": [int(s) for s in seeds],
+                "runs": [{"setting": n, "seed": s, "run_dir": str(d)} for n, s, d in jobs],
+            },
+            indent=2,
+        )
+    )
+    return jobs
+
+
+def _run_all(jobs: list[_Job], commands: dict[Path, list[str]], parallel: int, verbose: bool) -> dict[Path, dict]:
+    """Run the jobs' commands, `parallel` at a time; a run already finished by the same command is
+    not run again. Returns each run's record (RUN_COLUMNS) by its directory."""
+    records: dict[Path, dict[str, Any]] = {}
+    pending = list(jobs)
+    running: list[tuple[_Job, subprocess.Popen, float, Any]] = []
+    while pending or running:
+        while pending and len(running) < parallel:
+            name, seed, run_dir = job = pending.pop(0)
+            if _finished(run_dir, commands[run_dir]):
+                wall = json.loads((run_dir / DONE_FILE).read_text()).get("wall_s")
+                records[run_dir] = _record(job, 0, wall, "already done")
+                _say(verbose, f"sweep: {name} seed {seed}: already done ({run_dir})")
+                continue
+            run_dir.mkdir(parents=True, exist_ok=True)
+            log = open(run_dir / "train.log", "w")
+            _say(verbose, f"sweep: {name} seed {seed} → {run_dir}")
+            proc = subprocess.Popen(commands[run_dir], stdout=log, stderr=subprocess.STDOUT, env=_child_env())
+            running.append((job, proc, time.time(), log))
+        for item in list(running):
+            job, proc, t0, log = item
+            name, seed, run_dir = job
+            if proc.poll() is None:
+                continue
+            log.close()
+            running.remove(item)
+            wall = time.time() - t0
+            last_line = _last_line(run_dir / "train.log")
+            (run_dir / DONE_FILE).write_text(
+                json.dumps({"returncode": proc.returncode, "wall_s": wall, "args": commands[run_dir][3:]})
+            )
+            records[run_dir] = _record(job, proc.returncode, wall, last_line)
+            _say(verbose, f"sweep: {name} seed {seed} ended ({proc.returncode}) in {wall / 60:.1f} min: {last_line}")
+        if running:
+            time.sleep(0.5)
+    return records
+
+
+def _record(job: _Job, returncode: int, wall_s: float | None, log: str) -> dict[str, Any]:
+    name, seed, run_dir = job
+    return {
+        "setting": name,
+        "seed": seed,
+        "run_dir": str(run_dir),
+        "returncode": returncode,
+        "wall_s": wall_s,
+        "log": log,
+    }
 
 
 def _child_env() -> dict[str, str]:
