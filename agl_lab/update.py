@@ -51,7 +51,10 @@ def run_update(cfg, engine: Engine, batch: BatchResult, *, step: int) -> UpdateR
     data = batch.data.select_idxs(list(range(len(batch.data))))  # never mutate the caller's batch
     data.meta_info["temperature"] = float(cfg.actor_rollout_ref.rollout.temperature)
     small_batch = small_batch_under(opts["drop_order"], opts["small_batch"])  # drop_order=agl: AGL v1 skips
-    reason = skip_reason(int((~marked_rows(data)).sum()), opts["mini_batch_rows"], small_batch)
+    by_parity = small_batch != opts["small_batch"]
+    skipped_by = "agl_lab.parity.drop_order='agl' (AGL v1 skips such a step)" if by_parity else None
+    n_trainable = int((~marked_rows(data)).sum())
+    reason = skip_reason(n_trainable, opts["mini_batch_rows"], small_batch, skipped_by=skipped_by)
     metrics: dict[str, Any] = {}
     # the engine serves again after this block: with the new weights, or the old ones after a skip or an error
     with update_phase(engine, timeout=float(cfg.agl_lab.rollout.drain_timeout_seconds), pause=reason is None):

@@ -122,6 +122,23 @@ def test_a_training_step_is_one_straight_line(selections):
     assert "old_log_probs" not in data.batch.keys()  # the caller's batch is not mutated
 
 
+@pytest.mark.parametrize(
+    "overrides, setting",
+    [
+        ({"agl_lab.algorithm.small_batch": "skip"}, "agl_lab.algorithm.small_batch='skip'"),
+        ({"agl_lab.parity.drop_order": "agl"}, "agl_lab.parity.drop_order='agl'"),  # small_batch stays 'train'
+    ],
+)
+def test_a_small_batch_skip_names_the_setting_that_made_it(overrides, setting, selections, caplog):
+    # 3 rows < one mini-batch of 8: the warning names the key the user set, not the rule's internal value
+    data = one_row_rollouts({"a": [1, 0, 1]})
+    with caplog.at_level(logging.WARNING):
+        result = run_update(config(**overrides), RecordingEngine(), SimpleNamespace(data=data, step=2), step=2)
+    assert result.skipped
+    (line,) = [r.getMessage() for r in caplog.records if "is skipped" in r.getMessage()]
+    assert setting in line and ("small_batch='skip'" in line) == ("small_batch" in setting)
+
+
 @pytest.mark.parametrize("case", ["small_batch_skip", "all_marked"])
 def test_a_skipped_step_makes_no_training_call_and_is_reported_once(case, selections, caplog, capsys):
     if case == "small_batch_skip":  # 3 rows < one mini-batch of 8 rows, small_batch=skip

@@ -48,15 +48,17 @@ def marked_rows(data: Any) -> np.ndarray:
     return np.zeros(len(data), dtype=bool)
 
 
-def skip_reason(n_trainable: int, mini_batch_rows: int, small_batch: str) -> str | None:
-    """Why a step with `n_trainable` unmarked rows trains nothing, or None when it trains."""
+def skip_reason(
+    n_trainable: int, mini_batch_rows: int, small_batch: str, *, skipped_by: str | None = None
+) -> str | None:
+    """Why a step with `n_trainable` unmarked rows trains nothing, or None when it trains.
+    `skipped_by` names the setting that makes a small batch skip when it is not
+    `agl_lab.algorithm.small_batch='skip'` (the parity drop order)."""
     if n_trainable == 0:
         return "no trainable rows left after the marked drop"
     if target_rows(n_trainable, mini_batch_rows, None, small_batch) == 0:
-        return (
-            f"{n_trainable} trainable rows is fewer than one mini-batch ({mini_batch_rows} rows) "
-            "and agl_lab.algorithm.small_batch='skip'"
-        )
+        setting = skipped_by or "agl_lab.algorithm.small_batch='skip'"
+        return f"{n_trainable} trainable rows is fewer than one mini-batch ({mini_batch_rows} rows) and {setting}"
     return None
 
 
