@@ -143,7 +143,7 @@ def test_fuzz_api_never_5xx_and_reads_back(embedded_server, tmp_path, store_kind
 # ---------------------------------------------------------------------------------------------
 
 LEARNING_EXAMPLES = 25
-VOCAB = 1024  # the built-in tiny model's (tests/test_trainer.py's SMALL settings)
+VOCAB = 1024  # the built-in tiny model's (tests/trainer_runs.py's SMALL settings)
 _id = st.integers(min_value=0, max_value=VOCAB - 1)
 _ids = (
     st.lists(_id, min_size=1, max_size=12)  # mostly learnable: the fuzzed rollouts must also train
