@@ -6,10 +6,11 @@ in verl's registry by `loss_mode` (`per_rollout_mean` from `agl_lab.algorithms`,
 or any other registered one), entropy and KL terms go through verl's `agg_loss` and
 `kl_penalty`. What this module adds is only the loop verl's actor would run:
 
-    for epoch:                          ppo_epochs
-      for mini-batch (rows):            one optimiser step each
-        for micro-batch (rows):         forward + backward, gradients accumulate
-        clip grad norm → AdamW step
+    ppo_update
+      for epoch:                        ppo_epochs
+        for mini-batch (rows):          ppo_step, the PPO step: one optimiser step each
+          for micro-batch (rows):       forward → ratio → clipped loss → backward (gradients add up)
+          clip grad norm → AdamW step
 
 **Less work, the same gradient.** Micro-batches of zero-advantage rows are not forwarded
 (`agl_lab.engines.zero_skip`, `skip_zero_advantage`: bit-identical gradients), and with
@@ -35,6 +36,8 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -46,10 +49,11 @@ from agl_lab.algorithms.loss import register_loss
 from agl_lab.engines import zero_skip
 from agl_lab.engines.actor_config import ActorUpdateConfig, build_optimizer  # noqa: F401 (re-export)
 from agl_lab.engines.shared_prefix import (
-    MIN_SHARED,
+    ForwardCost,
+    PrefixPlan,
     SharedPrefix,
     kept_response_width,
-    padded_body_tokens,
+    micro_batches,
     plan_prefixes,
     score_responses,
 )
@@ -186,8 +190,69 @@ def rollout_mismatch_metrics(data: DataProto) -> dict[str, float]:
 
 
 # =============================================================================================
-# The update loop
+# The update: PPO epochs over mini-batches
 # =============================================================================================
+
+
+def ppo_update(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data: DataProto,
+    cfg: ActorUpdateConfig,
+    ref_model: torch.nn.Module | None = None,
+) -> dict[str, float]:
+    """PPO epochs over mini-batches (one `ppo_step` each) of `data`; returns metrics.
+
+    Needs `old_log_probs` and `advantages` in the batch and the sampling temperature in
+    `data.meta_info["temperature"]` (`agl_lab.update.run_update` prepares them). The last
+    mini-batch may be smaller than `ppo_mini_batch_size` (after whole-rollout drops).
+    Metrics (averaged over optimiser steps): actor/{pg_loss, pg_clipfrac, ppo_kl,
+    pg_clipfrac_lower, entropy, grad_norm, [entropy_loss], [kl_loss, kl_coef]}, actor/lr,
+    actor/n_updates, actor/nonfinite_grad_steps, and the rollout/trainer logprob mismatch
+    (`rollout_mismatch_metrics`, measured before the first step). The zero-advantage skip
+    (summed over the update): actor/skipped_zero_adv_micro_batches, actor/skipped_zero_adv_rows,
+    actor/diagnostic_rows (the rows the entropy, clip-fraction and ppo_kl means are over), and
+    actor/zero_adv_skip_active (1 when the skip is on and exact for this loss).
+    """
+    tensors, temperature = _update_tensors(model, data, cfg, ref_model)
+    metrics: dict[str, float] = rollout_mismatch_metrics(data)
+    register_loss()  # per_rollout_mean, where get_policy_loss_fn looks it up
+    setup = StepSetup(cfg, temperature, cfg.to_verl_actor_config(), get_policy_loss_fn(cfg.loss_mode))
+    n = len(data)
+    steps: list[dict[str, float]] = []
+    model.train()
+    for epoch in range(cfg.ppo_epochs):
+        order = _row_order(n, cfg, epoch)
+        for s in range(0, n, cfg.ppo_mini_batch_size):
+            idx = order[s : s + cfg.ppo_mini_batch_size]
+            steps.append(ppo_step(model, optimizer, {k: v[idx] for k, v in tensors.items()}, setup))
+    for key in dict.fromkeys(k for step in steps for k in step):
+        values = [step[key] for step in steps if key in step]
+        metrics[key] = float(sum(values)) if key in _SUMMED else float(np.mean(values))
+    metrics["actor/zero_adv_skip_active"] = float(cfg.zero_skip_active)
+    if cfg.use_kl_loss:
+        metrics["actor/kl_coef"] = cfg.kl_loss_coef
+    metrics["actor/lr"] = float(optimizer.param_groups[0]["lr"])
+    metrics["actor/n_updates"] = len(steps)
+    return metrics
+
+
+def _row_order(n: int, cfg: ActorUpdateConfig, epoch: int) -> torch.Tensor:
+    if not cfg.shuffle:
+        return torch.arange(n)
+    return torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + epoch))
+
+
+# Step metrics that are counts over the whole update (the rest are means over optimiser steps).
+_SUMMED = (
+    "actor/nonfinite_grad_steps",
+    "actor/body_tokens",
+    "actor/shared_prefix_fallbacks",
+    "actor/shared_prefixes",
+    "actor/skipped_zero_adv_micro_batches",
+    "actor/skipped_zero_adv_rows",
+    "actor/diagnostic_rows",
+)
 
 _NEEDED = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask", "old_log_probs", "advantages")
 
@@ -232,202 +297,221 @@ def _update_tensors(
     return t, temperature
 
 
-def _micro_loss(
-    model: torch.nn.Module,
-    mb: dict[str, torch.Tensor],
-    cfg: ActorUpdateConfig,
-    temperature: float,
-    verl_cfg: Any,
-    loss_fn: Any,
-    prefix: SharedPrefix | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Loss of one micro-batch, normalised by the mini-batch totals in `verl_cfg.global_batch_info`;
-    with `prefix`, the rows' shared prefix comes from its cache (`agl_lab.engines.shared_prefix`)."""
-    response_length = mb["responses"].shape[-1]
-    entropy = "grad" if cfg.entropy_coeff != 0 else "detached"
-    if prefix is not None:
-        logp, ent = prefix.response_forward(
-            mb["input_ids"], mb["attention_mask"], response_length, temperature, entropy
-        )
-    else:
-        logp, ent = _response_forward(
-            model, mb["input_ids"], mb["attention_mask"], mb["position_ids"], response_length, temperature, entropy
-        )
-    device = logp.device
-    mask = mb["response_mask"].to(device).bool()
-    pg_loss, pg_metrics = loss_fn(
-        old_log_prob=mb["old_log_probs"].to(device),
-        log_prob=logp,
-        advantages=mb["advantages"].to(device),
-        response_mask=mask,
-        loss_agg_mode=cfg.loss_agg_mode,
-        config=verl_cfg,
-        rollout_is_weights=mb["rollout_is_weights"].to(device) if "rollout_is_weights" in mb else None,
+# =============================================================================================
+# The PPO step: one optimiser step on one mini-batch
+# =============================================================================================
+
+
+@dataclass(frozen=True)
+class StepSetup:
+    """What every step of one update shares (`ppo_update` makes it once)."""
+
+    cfg: ActorUpdateConfig
+    temperature: float  # the sampling temperature: logits are divided by it before log-softmax
+    verl_cfg: Any  # verl's actor config: the clip ratios, and `global_batch_info`, set per step
+    policy_loss: Callable[..., tuple[torch.Tensor, dict[str, Any]]]  # verl's registry entry for cfg.loss_mode
+
+
+def ppo_step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, mb: dict[str, torch.Tensor], setup: StepSetup
+) -> dict[str, float]:
+    """One PPO step on the mini-batch `mb`: for each micro-batch forward → ratio → clipped loss →
+    backward (the gradients accumulate), then clip the gradient norm and step; the step's metrics.
+
+    | symbol    | shape  | meaning                                                                      |
+    |-----------|--------|------------------------------------------------------------------------------|
+    | B, b      |        | rows of the mini-batch `mb`, of one micro-batch (`cfg.micro_batch_rows`)     |
+    | T         |        | response columns R: a row is prompt then response, L = prompt width + T      |
+    | input_ids | [B, L] | the tokens (with attention_mask, position_ids [B, L])                        |
+    | mask      | [B, T] | response_mask: 1 on the tokens the loss trains (0: padding, observations)    |
+    | logp_old  | [B, T] | old_log_probs: log π_old of each response token (weights before the update)  |
+    | adv       | [B, T] | advantages Â: the rollout's advantage on each of its loss tokens, divided    |
+    |           |        | by its tokens × rollouts (`algorithms.loss.normalize_advantages_by_rollout`) |
+    | logp, ent | [b, T] | log π_θ of each response token and π_θ's entropy there, with gradient        |
+    | ρ         | [b, T] | exp(logp − logp_old), the probability ratio (inside the policy loss)         |
+    | loss      | []     | policy loss − entropy_coeff · H + kl_loss_coef · KL, normalised by the       |
+    |           |        | mini-batch totals: the micro-batches' gradients sum to the mini-batch's      |
+
+    Micro-batches of zero-advantage rows are not forwarded when the skip is exact
+    (`zero_skip.plan_forwards`); with `use_prefix_grouper` a cluster of micro-batches shares one
+    prefix forward and backward (`shared_prefix.micro_batches`); the metrics: `step_metrics`.
+    """
+    cfg, rows = setup.cfg, mb["input_ids"].shape[0]
+    # Critical: every micro-batch is normalised by the mini-batch totals → accumulation is exact,
+    # and a skipped micro-batch leaves them unchanged (they count every row, forwarded or not).
+    setup.verl_cfg.global_batch_info.update(
+        dp_size=1,
+        batch_num_tokens=max(int(mb["response_mask"].sum()), 1),
+        global_batch_size=rows,
+        loss_scale_factor=cfg.loss_scale_factor,
     )
-    info = verl_cfg.global_batch_info
-    tokens = float(mask.sum())
-    stats = {f"{k}*tokens": float(v) * tokens for k, v in pg_metrics.items()}
-    stats.update({"actor/pg_loss": pg_loss.item(), "entropy_sum": float((ent.detach() * mask).sum())})
-    loss = pg_loss
+    mb, starts = zero_skip.plan_forwards(mb, cfg.micro_batch_rows, cfg.zero_skip_active)
+    plan = plan_prefixes(mb, starts, cfg.micro_batch_rows) if cfg.use_prefix_grouper else PrefixPlan.padded(starts)
+    entropy = "grad" if cfg.entropy_coeff != 0 else "detached"
+    tally, cost = _Tally(rows), ForwardCost()
+    optimizer.zero_grad(set_to_none=True)
+    for micro, prefix in micro_batches(model, mb, plan, cfg.micro_batch_rows, cost):
+        logp, ent = _log_probs(model, micro, prefix, setup.temperature, entropy)  # forward: [b, T] each
+        logp_old, adv, mask, is_weights = _loss_inputs(micro, logp.device)
+        # ρ = exp(logp − logp_old) and the clipped surrogate max(−Â·ρ, −Â·clip(ρ, 1 − ε, 1 + ε)),
+        # aggregated as the loss_mode says (`algorithms.loss.compute_policy_loss_per_rollout_mean`)
+        pg_loss, pg_metrics = setup.policy_loss(
+            old_log_prob=logp_old,
+            log_prob=logp,
+            advantages=adv,
+            response_mask=mask,
+            loss_agg_mode=cfg.loss_agg_mode,
+            config=setup.verl_cfg,
+            rollout_is_weights=is_weights,
+        )
+        loss, terms = _entropy_and_kl(pg_loss, logp, ent, mask, micro, setup)
+        loss.backward()  # the micro-batches' gradients add up; one optimiser step below
+        tally.add(micro, mask, ent, pg_loss, pg_metrics, terms)
+    grad_norm = _clip_grad_norm(optimizer, cfg, zero_fill=tally.forwarded_rows == 0)  # before clipping
+    if math.isfinite(grad_norm):
+        optimizer.step()
+    else:
+        logger.warning("skipping an optimiser step: gradient norm is %s", grad_norm)
+        optimizer.zero_grad(set_to_none=True)
+    return step_metrics(tally, cost, plan, grad_norm, cfg)
+
+
+# =============================================================================================
+# The step's parts
+# =============================================================================================
+
+
+def _log_probs(
+    model: torch.nn.Module,
+    micro: dict[str, torch.Tensor],
+    prefix: SharedPrefix | None,
+    temperature: float,
+    entropy: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logp [b, T], ent [b, T]) of a micro-batch's responses: through its cluster's shared prefix,
+    or one padded forward (`_response_forward`); entropy: grad | detached."""
+    response_length = micro["responses"].shape[-1]
+    if prefix is not None:
+        return prefix.response_forward(
+            micro["input_ids"], micro["attention_mask"], response_length, temperature, entropy
+        )
+    return _response_forward(
+        model,
+        micro["input_ids"],
+        micro["attention_mask"],
+        micro["position_ids"],
+        response_length,
+        temperature,
+        entropy,
+    )
+
+
+def _loss_inputs(
+    micro: dict[str, torch.Tensor], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(logp_old, adv, mask as bool, rollout_is_weights or None) of a micro-batch, on `device`."""
+    weights = micro["rollout_is_weights"].to(device) if "rollout_is_weights" in micro else None
+    return (
+        micro["old_log_probs"].to(device),
+        micro["advantages"].to(device),
+        micro["response_mask"].to(device).bool(),
+        weights,
+    )
+
+
+def _entropy_and_kl(
+    pg_loss: torch.Tensor,
+    logp: torch.Tensor,
+    ent: torch.Tensor,
+    mask: torch.Tensor,
+    micro: dict[str, torch.Tensor],
+    setup: StepSetup,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The micro-batch loss: `pg_loss` − entropy_coeff · H + kl_loss_coef · KL(π_θ ‖ π_ref), each
+    term aggregated by verl's `agg_loss` over the mini-batch totals; and the terms' values."""
+    cfg, info = setup.cfg, setup.verl_cfg.global_batch_info
+    loss, terms = pg_loss, {}
     if cfg.entropy_coeff != 0:
         entropy_loss = agg_loss(loss_mat=ent, loss_mask=mask, loss_agg_mode=cfg.loss_agg_mode, **info)
         loss = loss - cfg.entropy_coeff * entropy_loss
-        stats["actor/entropy_loss"] = entropy_loss.item()
+        terms["actor/entropy_loss"] = entropy_loss.item()
     if cfg.use_kl_loss:
-        kld = kl_penalty(logprob=logp, ref_logprob=mb["ref_log_prob"].to(device), kl_penalty=cfg.kl_loss_type)
+        ref = micro["ref_log_prob"].to(logp.device)
+        kld = kl_penalty(logprob=logp, ref_logprob=ref, kl_penalty=cfg.kl_loss_type)
         kl_loss = agg_loss(loss_mat=kld, loss_mask=mask, loss_agg_mode=cfg.loss_agg_mode, **info)
         loss = loss + cfg.kl_loss_coef * kl_loss
-        stats["actor/kl_loss"] = kl_loss.item()
-    return loss, stats
+        terms["actor/kl_loss"] = kl_loss.item()
+    return loss, terms
 
 
-def _mini_batch_step(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    mb: dict[str, torch.Tensor],
-    cfg: ActorUpdateConfig,
-    temperature: float,
-    verl_cfg: Any,
-    loss_fn: Any,
-) -> dict[str, float]:
-    """Micro-batches → accumulated gradient → clip → optimiser step; the mini-batch's metrics.
-
-    With `cfg.zero_skip_active`, micro-batches of zero-advantage rows only are not forwarded
-    (module docstring); the step still runs, on zero-filled gradients if nothing was forwarded."""
-    rows, mask = mb["input_ids"].shape[0], mb["response_mask"]
-    tokens = max(int(mask.sum()), 1)
-    # Critical: every micro-batch is normalised by the mini-batch totals → accumulation is exact,
-    # and a skipped micro-batch leaves them unchanged (they count every row, forwarded or not).
-    verl_cfg.global_batch_info.update(
-        dp_size=1, batch_num_tokens=tokens, global_batch_size=rows, loss_scale_factor=cfg.loss_scale_factor
-    )
-    mb, signal = zero_skip.zero_rows_last(mb, cfg.micro_batch_rows)
-    starts = list(range(0, rows, cfg.micro_batch_rows))
-    forwarded = zero_skip.forwarded_starts(signal, cfg.micro_batch_rows) if cfg.zero_skip_active else starts
-    plan = plan_prefixes(mb, forwarded, cfg.micro_batch_rows) if cfg.use_prefix_grouper else None
-    cluster_of = {s: i for i, c in enumerate(plan.clusters) for s in c} if plan else {}
-    optimizer.zero_grad(set_to_none=True)
-    totals: dict[str, float] = {}
-    forwarded_rows = forwarded_tokens = body_tokens = prefixed_tokens = 0
-    prefix, prefix_cluster = None, None
-    for s in forwarded:
-        micro = {k: v[s : s + cfg.micro_batch_rows] for k, v in mb.items()}
-        c = cluster_of.get(s)
-        if c != prefix_cluster:  # a new cluster: the previous prefix's gradient goes through it once
-            if prefix is not None:
-                prefix.backward()
-                body_tokens += prefix.body_tokens
-            prefix_cluster, length = c, plan.lengths[c] if c is not None else 0
-            prefix = None
-            if length >= MIN_SHARED:
-                begin = plan.begins[c]
-                prefix = SharedPrefix(model, mb["input_ids"][plan.clusters[c][0], begin : begin + length])
-        loss, stats = _micro_loss(model, micro, cfg, temperature, verl_cfg, loss_fn, prefix)
-        loss.backward()
-        n_micro = micro["input_ids"].shape[0]
-        forwarded_rows += n_micro
-        forwarded_tokens += int(micro["response_mask"].sum())
-        if prefix is None:
-            body_tokens += padded_body_tokens(micro["attention_mask"], micro["responses"].shape[-1])
-        else:
-            prefixed_tokens += n_micro * prefix.length
-        for k, v in stats.items():
-            totals[k] = totals.get(k, 0.0) + v
-    if prefix is not None:
-        prefix.backward()  # the last cluster's shared prefix, summed over its rows, in one pass
-        body_tokens += prefix.body_tokens
-    skipped_micro, skipped_rows = len(starts) - len(forwarded), rows - forwarded_rows
+def _clip_grad_norm(optimizer: torch.optim.Optimizer, cfg: ActorUpdateConfig, zero_fill: bool) -> float:
+    """Clip the accumulated gradient to `cfg.grad_clip` (none when None or ≤ 0) → its norm before
+    clipping. `zero_fill` when no micro-batch was forwarded: AdamW skips a None gradient, but a zero
+    one still moves the weights (moment decay, weight decay), as the skipped forwards would have."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    if forwarded_rows == 0:
-        zero_skip.zero_fill_grads(params)  # AdamW skips a None grad; a zero one still moves weights
+    if zero_fill:
+        zero_skip.zero_fill_grads(params)
     max_norm = cfg.grad_clip if cfg.grad_clip and cfg.grad_clip > 0 else math.inf
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm))
-    nonfinite = not math.isfinite(grad_norm)
-    if nonfinite:
-        logger.warning("skipping an optimiser step: gradient norm is %s", grad_norm)
-        optimizer.zero_grad(set_to_none=True)
-    else:
-        optimizer.step()
-    # `*tokens` accumulators are token-weighted sums (internal): only their means are metrics,
-    # over the forwarded rows' tokens (the diagnostics of skipped rows are not computed)
-    per = max(forwarded_tokens, 1)
-    out = {k: v for k, v in totals.items() if k.startswith("actor/") and not k.endswith("*tokens")}
-    out.update({k[: -len("*tokens")]: v / per for k, v in totals.items() if k.endswith("*tokens")})
-    if forwarded_rows:
-        out["actor/entropy"] = totals["entropy_sum"] / per
+    return float(torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm))
+
+
+@dataclass
+class _Tally:
+    """What one step's forwarded micro-batches add up: their rows, loss tokens and `sums`, the sum
+    of each metric (a `*tokens` key is token-weighted: `step_metrics` divides it by `tokens`)."""
+
+    rows: int  # of the mini-batch, forwarded or not
+    forwarded_micro: int = 0
+    forwarded_rows: int = 0
+    tokens: int = 0
+    sums: dict[str, float] = field(default_factory=dict)
+
+    def add(
+        self,
+        micro: dict[str, torch.Tensor],
+        mask: torch.Tensor,
+        ent: torch.Tensor,
+        pg_loss: torch.Tensor,
+        pg_metrics: dict[str, Any],
+        terms: dict[str, float],
+    ) -> None:
+        """A forwarded micro-batch: the policy loss's own metrics (pg_clipfrac, ppo_kl, …: means over
+        its tokens) weighted by its tokens, `pg_loss`, its entropy summed over its loss tokens, `terms`."""
+        self.forwarded_micro += 1
+        self.forwarded_rows += micro["input_ids"].shape[0]
+        self.tokens += int(micro["response_mask"].sum())
+        tokens = float(mask.sum())
+        stats = {f"{k}*tokens": float(v) * tokens for k, v in pg_metrics.items()}
+        stats.update({"actor/pg_loss": pg_loss.item(), "entropy_sum": float((ent.detach() * mask).sum())})
+        stats.update(terms)
+        for k, v in stats.items():
+            self.sums[k] = self.sums.get(k, 0.0) + v
+
+
+def step_metrics(
+    tally: _Tally, cost: ForwardCost, plan: PrefixPlan, grad_norm: float, cfg: ActorUpdateConfig
+) -> dict[str, float]:
+    """One step's metrics: the loss terms summed over its micro-batches (each normalised by the
+    mini-batch totals); clip fractions, ppo_kl and entropy as means over the forwarded rows' tokens
+    (the diagnostics of skipped rows are not computed); the gradient norm; what was skipped and
+    what the forwards cost. `ppo_update` averages them over steps, or sums them (`_SUMMED`)."""
+    per = max(tally.tokens, 1)
+    sums = tally.sums
+    out = {k: v for k, v in sums.items() if k.startswith("actor/") and not k.endswith("*tokens")}
+    out.update({k[: -len("*tokens")]: v / per for k, v in sums.items() if k.endswith("*tokens")})
+    if tally.forwarded_rows:
+        out["actor/entropy"] = sums["entropy_sum"] / per
     out.setdefault("actor/pg_loss", 0.0)  # every row skipped: the loss is exactly 0
     out["actor/grad_norm"] = grad_norm
-    out["actor/nonfinite_grad_steps"] = float(nonfinite)
-    out["actor/skipped_zero_adv_micro_batches"] = float(skipped_micro)
-    out["actor/skipped_zero_adv_rows"] = float(skipped_rows)
-    out["actor/diagnostic_rows"] = float(forwarded_rows)
-    out["actor/body_tokens"] = float(body_tokens)
+    out["actor/nonfinite_grad_steps"] = float(not math.isfinite(grad_norm))
+    micro_batches_in_all = len(range(0, tally.rows, cfg.micro_batch_rows))
+    out["actor/skipped_zero_adv_micro_batches"] = float(micro_batches_in_all - tally.forwarded_micro)
+    out["actor/skipped_zero_adv_rows"] = float(tally.rows - tally.forwarded_rows)
+    out["actor/diagnostic_rows"] = float(tally.forwarded_rows)
+    out["actor/body_tokens"] = float(cost.body_tokens)
     if cfg.use_prefix_grouper:
         # per forwarded row, the prompt tokens computed once for its cluster (0 on the padded path)
-        out["actor/shared_prefix_tokens"] = prefixed_tokens / max(forwarded_rows, 1)
-        out["actor/shared_prefixes"] = float(sum(1 for length in plan.lengths if length >= MIN_SHARED))
+        out["actor/shared_prefix_tokens"] = cost.prefixed_tokens / max(tally.forwarded_rows, 1)
+        out["actor/shared_prefixes"] = float(plan.shared)
         out["actor/shared_prefix_fallbacks"] = float(plan.fallbacks)
     return out
-
-
-def _row_order(n: int, cfg: ActorUpdateConfig, epoch: int) -> torch.Tensor:
-    if not cfg.shuffle:
-        return torch.arange(n)
-    return torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + epoch))
-
-
-# Step metrics that are counts over the whole update (the rest are means over optimiser steps).
-_SUMMED = (
-    "actor/nonfinite_grad_steps",
-    "actor/body_tokens",
-    "actor/shared_prefix_fallbacks",
-    "actor/shared_prefixes",
-    "actor/skipped_zero_adv_micro_batches",
-    "actor/skipped_zero_adv_rows",
-    "actor/diagnostic_rows",
-)
-
-
-def ppo_update(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    data: DataProto,
-    cfg: ActorUpdateConfig,
-    ref_model: torch.nn.Module | None = None,
-) -> dict[str, float]:
-    """PPO epochs over mini-batches (one optimiser step each) of `data`; returns metrics.
-
-    Needs `old_log_probs` and `advantages` in the batch and the sampling temperature in
-    `data.meta_info["temperature"]` (`agl_lab.update.run_update` prepares them). The last
-    mini-batch may be smaller than `ppo_mini_batch_size` (after whole-rollout drops).
-    Metrics (averaged over optimiser steps): actor/{pg_loss, pg_clipfrac, ppo_kl,
-    pg_clipfrac_lower, entropy, grad_norm, [entropy_loss], [kl_loss, kl_coef]}, actor/lr,
-    actor/n_updates, actor/nonfinite_grad_steps, and the rollout/trainer logprob mismatch
-    (`rollout_mismatch_metrics`, measured before the first step). The zero-advantage skip
-    (summed over the update): actor/skipped_zero_adv_micro_batches, actor/skipped_zero_adv_rows,
-    actor/diagnostic_rows (the rows the entropy, clip-fraction and ppo_kl means are over), and
-    actor/zero_adv_skip_active (1 when the skip is on and exact for this loss).
-    """
-    tensors, temperature = _update_tensors(model, data, cfg, ref_model)
-    metrics: dict[str, float] = rollout_mismatch_metrics(data)
-    verl_cfg = cfg.to_verl_actor_config()
-    register_loss()  # per_rollout_mean, where get_policy_loss_fn looks it up
-    loss_fn = get_policy_loss_fn(cfg.loss_mode)
-    n = len(data)
-    steps: list[dict[str, float]] = []
-    model.train()
-    for epoch in range(cfg.ppo_epochs):
-        order = _row_order(n, cfg, epoch)
-        for s in range(0, n, cfg.ppo_mini_batch_size):
-            idx = order[s : s + cfg.ppo_mini_batch_size]
-            mb = {k: v[idx] for k, v in tensors.items()}
-            steps.append(_mini_batch_step(model, optimizer, mb, cfg, temperature, verl_cfg, loss_fn))
-    for key in dict.fromkeys(k for step in steps for k in step):
-        values = [step[key] for step in steps if key in step]
-        metrics[key] = float(sum(values)) if key in _SUMMED else float(np.mean(values))
-    metrics["actor/zero_adv_skip_active"] = float(cfg.zero_skip_active)
-    if cfg.use_kl_loss:
-        metrics["actor/kl_coef"] = cfg.kl_loss_coef
-    metrics["actor/lr"] = float(optimizer.param_groups[0]["lr"])
-    metrics["actor/n_updates"] = len(steps)
-    return metrics

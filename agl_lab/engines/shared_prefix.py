@@ -14,6 +14,9 @@ once per row. Here:
         forward(suffix, past=K,V expanded)   positions P.., mask [n, P + S]; loss.backward()
     prefix backward once                     autograd.backward(K, V ← the leaves' summed gradients)
 
+`micro_batches` runs that lifecycle for the PPO step (`local_ppo.ppo_step`), one prefix per
+cluster of micro-batches (`plan_prefixes`), and counts the tokens through the body (`ForwardCost`).
+
 In a decoder-only model a later token sees an earlier one only through its keys and values,
 so the suffix's logits are those of the padded path, and the gradient that reaches the prefix is
 the sum over rows — the same gradient, in another summation order (fp32 rounding;
@@ -26,6 +29,7 @@ falls back to the padded path (metric `actor/shared_prefix_fallbacks`).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -176,11 +180,22 @@ class SharedPrefix:
 class PrefixPlan:
     """Which forwarded micro-batches share which prefix: `clusters` of consecutive micro-batch starts,
     each with the prefix length its rows share (`lengths`; 0: the padded path), and where it begins
-    in the first row of the cluster (`begins`). `SharedPrefix`es are built lazily, one per cluster."""
+    in the first row of the cluster (`begins`). `micro_batches` builds one `SharedPrefix` per cluster,
+    when its first micro-batch comes up."""
 
     clusters: list[list[int]]
     lengths: list[int]
     begins: list[int]
+
+    @classmethod
+    def padded(cls, starts: list[int]) -> PrefixPlan:
+        """Every micro-batch on the padded path (`use_prefix_grouper` off): one cluster, no prefix."""
+        return cls([list(starts)], [0], [0])
+
+    @property
+    def shared(self) -> int:
+        """Clusters whose rows get their prefix from one `SharedPrefix`."""
+        return sum(1 for length in self.lengths if length >= MIN_SHARED)
 
     @property
     def fallbacks(self) -> int:
@@ -223,6 +238,41 @@ def plan_prefixes(mb: dict[str, torch.Tensor], starts: list[int], micro_rows: in
         lengths.append(own)
     begins = [int(mask[c[0]].long().argmax()) for c in clusters]
     return PrefixPlan(clusters, lengths, begins)
+
+
+@dataclass
+class ForwardCost:
+    """What one mini-batch's forwards cost: `body_tokens` through the transformer body (each shared
+    prefix once, then every micro-batch's cells, padding included) and `prefixed_tokens`, the prompt
+    tokens the forwarded rows took from their cluster's prefix instead (summed over rows)."""
+
+    body_tokens: int = 0
+    prefixed_tokens: int = 0
+
+
+def micro_batches(
+    model: torch.nn.Module, mb: dict[str, torch.Tensor], plan: PrefixPlan, micro_rows: int, cost: ForwardCost
+) -> Iterator[tuple[dict[str, torch.Tensor], SharedPrefix | None]]:
+    """The forwarded micro-batches of a mini-batch `mb`, cluster by cluster, each with the prefix its
+    rows share (None: the padded path); `cost` counts the tokens through the body.
+
+    A cluster's `SharedPrefix` is forwarded before its first micro-batch is yielded and
+    back-propagated once after its last: the caller runs each micro-batch's `loss.backward()`
+    before it asks for the next one (the gradients the suffixes leave on K/V are then complete)."""
+    for cluster, length, begin in zip(plan.clusters, plan.lengths, plan.begins):
+        prefix = None
+        if length >= MIN_SHARED:
+            prefix = SharedPrefix(model, mb["input_ids"][cluster[0], begin : begin + length])
+        for s in cluster:
+            micro = {k: v[s : s + micro_rows] for k, v in mb.items()}
+            yield micro, prefix
+            if prefix is None:
+                cost.body_tokens += padded_body_tokens(micro["attention_mask"], micro["responses"].shape[-1])
+            else:
+                cost.prefixed_tokens += micro["input_ids"].shape[0] * prefix.length
+        if prefix is not None:
+            prefix.backward()  # the cluster's prefix, its gradient summed over its rows, in one pass
+            cost.body_tokens += prefix.body_tokens
 
 
 def padded_body_tokens(attention_mask: torch.Tensor, response_length: int) -> int:

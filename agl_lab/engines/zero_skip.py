@@ -2,10 +2,11 @@
 
 A row whose advantages are 0 on every loss token adds exactly 0 to every gradient when the loss
 has no other term for it (no entropy bonus, no KL loss) and is row-separable (`per_rollout_mean`,
-verl's `vanilla`: `EXACT_LOSSES`). The local update (`local_ppo._mini_batch_step`):
+verl's `vanilla`: `EXACT_LOSSES`). The local update's step (`local_ppo.ppo_step`):
 
-    zero_rows_last(mini-batch)     rows with a signal first, zero rows last (stable; skip on or off)
-    forwarded_starts(signal)       the micro-batches with at least one signal row
+    plan_forwards(mini-batch)      the two lines below, in one call
+      zero_rows_last(mini-batch)   rows with a signal first, zero rows last (stable; skip on or off)
+      forwarded_starts(signal)     the micro-batches with at least one signal row (skip on; else all)
     zero_fill_grads(params)        when none is forwarded: the optimiser step still runs
 
 The normalisers are those of the whole mini-batch either way (`global_batch_info` counts every
@@ -57,6 +58,17 @@ def zero_rows_last(mb: dict[str, torch.Tensor], micro_rows: int) -> tuple[dict[s
 def forwarded_starts(signal: torch.Tensor, micro_rows: int) -> list[int]:
     """First rows of the micro-batches that hold at least one signal row."""
     return [s for s in range(0, signal.shape[0], micro_rows) if bool(signal[s : s + micro_rows].any())]
+
+
+def plan_forwards(
+    mb: dict[str, torch.Tensor], micro_rows: int, skip: bool
+) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """The mini-batch with its zero-advantage rows last (`zero_rows_last`, skip on or off) and the
+    first rows of the micro-batches to forward: those holding a signal row when `skip`, else all."""
+    mb, signal = zero_rows_last(mb, micro_rows)
+    if not skip:
+        return mb, list(range(0, signal.shape[0], micro_rows))
+    return mb, forwarded_starts(signal, micro_rows)
 
 
 def zero_fill_grads(params: list[torch.Tensor]) -> None:
