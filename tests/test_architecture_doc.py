@@ -25,6 +25,7 @@ once the layout has landed: `test_landing_and_leaving_are_still_pending` says wh
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import re
 from pathlib import Path
@@ -170,6 +171,7 @@ TESTS = ROOT / "tests"
 TABLE_HEADING = "## Where each module is tested"
 
 
+@functools.cache
 def _module_files() -> dict[str, Path]:
     """Dotted name → file of every module of agl_lab (a package by its __init__.py)."""
     out = {}
@@ -186,8 +188,10 @@ def table_modules() -> list[str]:
     return sorted(p for p in paths if not p.endswith("/__init__.py") or p == "agl_lab/__init__.py")
 
 
-def _reexports(package: str, modules: dict[str, Path]) -> dict[str, str]:
+@functools.cache
+def _reexports(package: str) -> dict[str, str]:
     """Name → defining module of what a package's __init__.py imports at its top level."""
+    modules = _module_files()
     tree = ast.parse(modules[package].read_text())
     return {
         alias.asname or alias.name: node.module
@@ -197,7 +201,8 @@ def _reexports(package: str, modules: dict[str, Path]) -> dict[str, str]:
     }
 
 
-def imported_modules(path: Path) -> set[str]:
+@functools.cache
+def imported_modules(path: Path) -> frozenset[str]:
     """The agl_lab modules `path` imports (anywhere in it), as repo paths: `from pkg import mod`
     imports pkg/mod.py; a name a package re-exports (`from agl_lab.algorithms import
     compute_advantages`, or `alg.compute_advantages` after `import agl_lab.algorithms as alg`)
@@ -209,8 +214,8 @@ def imported_modules(path: Path) -> set[str]:
     def add(package: str, name: str) -> None:
         if f"{package}.{name}" in modules:
             found.add(f"{package}.{name}")
-        elif modules[package].name == "__init__.py" and name in _reexports(package, modules):
-            found.add(_reexports(package, modules)[name])
+        elif modules[package].name == "__init__.py" and name in _reexports(package):
+            found.add(_reexports(package)[name])
         else:
             found.add(package)
 
@@ -228,7 +233,7 @@ def imported_modules(path: Path) -> set[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
             add(aliases[node.value.id], node.attr)
-    return {modules[m].relative_to(ROOT).as_posix() for m in found}
+    return frozenset(modules[m].relative_to(ROOT).as_posix() for m in found)
 
 
 def _test_files() -> list[Path]:
