@@ -11,6 +11,9 @@
 - `agl-lab serve` never imports torch.
 - The rooms split by what they are (the store's backends, the runner and the agent-facing API)
   stay within caps that leave headroom.
+- No function in agl_lab/ runs past 80 lines unless its docstring says why it is one piece
+  ("One piece: …", e.g. an argparse table); the longest chain of module-level imports stays
+  short (`longest_import_chain`, also `python tests/test_layout.py`).
 """
 
 from __future__ import annotations
@@ -96,6 +99,7 @@ NOT_IN_TRAINER = [
     "agl_lab.engines.local",
     "agl_lab.engines.verl",
     "agl_lab.engines.warmstart",
+    "agl_lab.replay",  # a user calls agl_lab.replay directly; the loop does not sit above it
     "argparse",
 ]
 MAX_CORE_LINES = 560
@@ -265,3 +269,129 @@ def test_agl_lab_serve_never_imports_torch() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+# ---------------------------------------------------------------------------------------------
+# Long functions, and how deep the imports run
+# ---------------------------------------------------------------------------------------------
+
+MAX_FUNCTION_LINES = 80
+ONE_PIECE = "One piece:"  # a docstring that says why a longer function is not split
+
+
+def long_functions(source: str, limit: int = MAX_FUNCTION_LINES) -> list[tuple[str, int]]:
+    """(name, lines) of each function in `source` longer than `limit` lines (its `def` line to
+    its last) whose docstring does not say why it is one piece."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            lines = node.end_lineno - node.lineno + 1
+            if lines > limit and ONE_PIECE not in (ast.get_docstring(node) or ""):
+                found.append((node.name, lines))
+    return found
+
+
+def test_no_function_runs_long_unless_it_says_why() -> None:
+    long = [
+        f"{path.relative_to(PACKAGE.parent)}:{name} ({lines} lines)"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for name, lines in long_functions(path.read_text())
+    ]
+    assert not long, (
+        f"functions over {MAX_FUNCTION_LINES} lines: split them into named steps, or say why one is one piece "
+        f"in its docstring ({ONE_PIECE!r} …): " + "; ".join(long)
+    )
+
+
+def test_long_function_finder() -> None:
+    def source(body_lines: int, doc: str = "") -> str:
+        return "def f():\n" + doc + "".join(f"    x{i} = {i}\n" for i in range(body_lines))
+
+    assert long_functions(source(79)) == []  # the def line and 79 more: 80, at the limit
+    assert long_functions(source(80)) == [("f", 81)]
+    assert long_functions(source(80, '    """One piece: a table."""\n')) == []
+    method = "class A:\n    async def g(self):\n" + "".join(f"        x{i} = {i}\n" for i in range(90))
+    assert long_functions(method) == [("g", 91)]
+
+
+MAX_IMPORT_CHAIN = 11  # modules in the longest chain of module-level imports (#47)
+
+
+def _module_level_imports(path: Path, modules: set[str]) -> set[str]:
+    """agl_lab modules `path` imports when it is imported: its top-level imports (also under a
+    top-level if/try/with), not those inside functions or under `if TYPE_CHECKING:`. Importing
+    `a.b.c` runs `a` and `a.b` too."""
+    me = _module_name(path)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    found: set[str] = set()
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                visit(node.orelse)
+            elif isinstance(node, (ast.If, ast.Try, ast.With)):
+                visit(node.body)
+                visit(getattr(node, "orelse", []))
+                visit(getattr(node, "finalbody", []))
+                for handler in getattr(node, "handlers", []):
+                    visit(handler.body)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                for name in _names(node, package, modules):
+                    parts = name.split(".")
+                    found.update(
+                        m
+                        for m in (".".join(parts[:i]) for i in range(2, len(parts) + 1))
+                        if m in modules and m != me and not me.startswith(m + ".")
+                    )
+
+    visit(ast.parse(path.read_text()).body)
+    return found
+
+
+def _names(node: ast.Import | ast.ImportFrom, package: str, modules: set[str]) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    base = node.module or ""
+    if node.level:
+        anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+        base = ".".join(anchor + ([base] if base else []))
+    return [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+
+
+def longest_import_chain(graph: dict[str, set[str]] | None = None) -> list[str]:
+    """The longest chain of module-level imports among agl_lab's modules (acyclic: test_no_import_cycles)."""
+    if graph is None:
+        files = list(PACKAGE.rglob("*.py"))
+        modules = {_module_name(p) for p in files}
+        graph = {_module_name(p): _module_level_imports(p, modules) for p in files}
+    memo: dict[str, list[str]] = {}
+
+    def chain(module: str) -> list[str]:
+        if module not in memo:
+            below = [chain(dep) for dep in sorted(graph.get(module, ())) if not dep.startswith(module + ".")]
+            memo[module] = [module, *max(below, key=len, default=[])]
+        return memo[module]
+
+    return max((chain(m) for m in sorted(graph)), key=len)
+
+
+def test_the_import_chain_stays_short() -> None:
+    chain = longest_import_chain()
+    assert len(chain) <= MAX_IMPORT_CHAIN, (
+        f"the longest import chain is {len(chain)} modules (limit {MAX_IMPORT_CHAIN}): {' → '.join(chain)}; "
+        "cut the link that adds least (a lazy import where it is used, or a helper moved down)"
+    )
+
+
+def test_import_chain_finder() -> None:
+    assert longest_import_chain({"a": {"b", "c"}, "b": {"c"}, "c": set(), "d": {"a"}}) == ["d", "a", "b", "c"]
+    assert longest_import_chain({"p": {"p.x"}, "p.x": set()}) == ["p"]  # a package's own submodules: not a chain
+    files = list(PACKAGE.rglob("*.py"))
+    modules = {_module_name(p) for p in files}
+    assert "agl_lab.config_keys" in _module_level_imports(PACKAGE / "config.py", modules)
+    assert "agl_lab.engines.tiny" not in _module_level_imports(PACKAGE / "engines/build.py", modules)  # lazy
+
+
+if __name__ == "__main__":
+    chain = longest_import_chain()
+    print(f"{len(chain)} modules: {' → '.join(chain)}")

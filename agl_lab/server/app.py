@@ -266,6 +266,24 @@ def create_app(
     if not cfg.key:
         logger.warning(NO_KEY_WARNING)
 
+    app = AglApp(title="Agent Lightning", version="1.0.0", lifespan=_lifespan(cfg, store, gateway, queued))
+    app.state.config, app.state.store, app.state.gateway = cfg, raw_store, gateway
+    app.state.metrics = metrics
+    _install_error_handlers(app)
+    app.add_middleware(JsonServerErrors)
+    _install_guard(app, cfg, store, gateway)
+    _add_health_routes(app, store, gateway, metrics)
+    app.include_router(_rollout_router(store, cfg.max_batch_items, cfg.lease_seconds, queued), prefix="/api")
+    app.include_router(_event_router(store), prefix="/api")
+    app.include_router(_model_router(store, cfg.max_batch_items), prefix="/api")
+    app.include_router(gateway_router(gateway), prefix="/proxy")
+    return app
+
+
+def _lifespan(cfg: ServerConfig, store: Store, gateway: Gateway, queued: QueueSignal) -> Any:
+    """What runs while the app serves: the upstream client, the lease sweeper and (PostgreSQL)
+    the listener for rollouts queued through other servers; each stopped when the app stops."""
+
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         gateway.client = open_upstream_client(
@@ -290,11 +308,12 @@ def create_app(
             client, gateway.client = gateway.client, None
             await client.aclose()
 
-    app = AglApp(title="Agent Lightning", version="1.0.0", lifespan=lifespan)
-    app.state.config, app.state.store, app.state.gateway = cfg, raw_store, gateway
-    app.state.metrics = metrics
-    _install_error_handlers(app)
-    app.add_middleware(JsonServerErrors)
+    return lifespan
+
+
+def _install_guard(app: AglApp, cfg: ServerConfig, store: Store, gateway: Gateway) -> None:
+    """Auth and limits (server/guard.py) before any body is read, on the middleware stack and on
+    the proxy's fast path alike."""
     open_paths = (HEALTH_PATH,) if cfg.docs_auth else (HEALTH_PATH, *DOCS_PATHS)
     guard = {
         "key": cfg.key,
@@ -310,6 +329,10 @@ def create_app(
     route = proxy_route(gateway, _no_check)
     app.router.routes.append(route)
     app.proxy_fast_path = ProxyFastPath(gateway, RequestGuard(None, **guard), route, app.exception_handlers)
+
+
+def _add_health_routes(app: AglApp, store: Store, gateway: Gateway, metrics: ServerMetrics) -> None:
+    """`GET /healthz` and `GET /metrics`."""
 
     @app.get(HEALTH_PATH, tags=["health"])
     async def healthz() -> dict[str, str]:
@@ -327,12 +350,6 @@ def create_app(
         except Exception as exc:  # the store is down: the counters still answer (the error is counted)
             logger.warning("GET /metrics: queue depth unavailable: %r", exc)
         return Response(render(samples), media_type=CONTENT_TYPE)
-
-    app.include_router(_rollout_router(store, cfg.max_batch_items, cfg.lease_seconds, queued), prefix="/api")
-    app.include_router(_event_router(store), prefix="/api")
-    app.include_router(_model_router(store, cfg.max_batch_items), prefix="/api")
-    app.include_router(gateway_router(gateway), prefix="/proxy")
-    return app
 
 
 CLOCK_SKEW_WARN_FRACTION = 0.1  # warn at start when this host's clock is off the database's by this much of a lease
@@ -475,7 +492,18 @@ def _check_batch(items: Sequence[Any], limit: int) -> None:
 
 
 def _rollout_router(store: Store, max_batch_items: int, lease_seconds: float, queued: QueueSignal) -> APIRouter:
+    """The rollout routes: agl_lab's runner routes, then AGL v1's (in this order: the literal
+    paths before `/rollouts/{rollout_id}`)."""
     router = APIRouter(tags=["rollouts"], responses=_errors(*COMMON_ERRORS))
+    _add_runner_routes(router, store, max_batch_items, lease_seconds, queued)
+    _add_agl_rollout_routes(router, store, max_batch_items, queued)
+    return router
+
+
+def _add_runner_routes(
+    router: APIRouter, store: Store, max_batch_items: int, lease_seconds: float, queued: QueueSignal
+) -> None:
+    """What runners call (agl_lab; AGL v1 has none of these): heartbeat, claim, release."""
 
     @router.post("/rollouts/heartbeat", response_model=HeartbeatAnswer, responses=_errors(400, 422))
     async def heartbeat(body: HeartbeatRequest) -> HeartbeatAnswer:
@@ -522,6 +550,10 @@ def _rollout_router(store: Store, max_batch_items: int, lease_seconds: float, qu
         if released:
             queued.notify()
         return ReleaseAnswer(released=released)
+
+
+def _add_agl_rollout_routes(router: APIRouter, store: Store, max_batch_items: int, queued: QueueSignal) -> None:
+    """AGL v1's rollout routes: create (a batch), list, the terminal log, get, patch, delete."""
 
     @router.post(
         "/rollouts",
@@ -595,8 +627,6 @@ def _rollout_router(store: Store, max_batch_items: int, lease_seconds: float, qu
     async def delete_rollout(rollout_id: str) -> Response:
         await run_in_threadpool(store.delete_rollout, rollout_id)
         return Response(status_code=204)
-
-    return router
 
 
 def _event_router(store: Store) -> APIRouter:
