@@ -19,11 +19,10 @@ tests run the same suite on each.
     terminal   [rollout_id]                          (appended on each terminal transition)
 
 Design decisions:
-- Thread-safe: every public method runs in one session (`with self._session()`), the backend's unit
-  of work, because the embedded server's event loop and a notebook thread may use the same store at
-  once. Each call is short. A store one process owns (`OneProcessStore`: memory, SQLite) makes the
-  session a re-entrant mutex; PostgreSQL's session binds a pooled connection to the thread and
-  excludes nothing: its transactions and row locks do (`postgresql.py`).
+- Thread-safe: every public method runs in a session (`with self._session()`, the backend's unit of
+  work): the server's event loop and a notebook thread may use one store at once; each call is short.
+  `OneProcessStore` (memory, SQLite) makes the session a re-entrant mutex; PostgreSQL's binds a pooled
+  connection and excludes nothing: its transactions and row locks do (`postgresql.py`).
 - The terminal log is bounded (`terminal_log_limit`): cursor indices stay absolute, entries
   older than the retained window are gone, and a cursor behind the window restarts at the
   oldest retained entry. `total_terminal` is the absolute count of terminal transitions.
@@ -563,9 +562,8 @@ class Store(ABC):
 
     @abstractmethod
     def _session(self) -> contextlib.AbstractContextManager[Any]:
-        """The unit of work a public method runs its primitives in (re-entrant: a method may call
-        another). A store one process owns excludes here (`OneProcessStore`: a mutex); a store
-        several processes share cannot, and excludes in `_transaction` instead (PostgreSQL)."""
+        """The unit of work a public method runs its primitives in (re-entrant). A store one process
+        owns excludes here (a mutex); one that processes share excludes in `_transaction` (PostgreSQL)."""
 
     def _transaction(self) -> contextlib.AbstractContextManager[Any]:
         """One write transaction inside the session: all of its writes or none (default: none needed)."""
@@ -662,62 +660,30 @@ class Store(ABC):
     def _models(self, model_name: str) -> list[Model]: ...
 
 
-# ---------------------------------------------------------------------------------------------
-# Stores one process owns: a mutex for a session, lease activity in memory
-# ---------------------------------------------------------------------------------------------
-
-
 class OneProcessStore(Store):
-    """A `Store` that one process owns (MemoryStore; SqliteStore, whose file is flocked), so what
-    other processes would need to see can stay in this one.
-
-    - The session is a re-entrant mutex: no two threads of the process (the embedded server's
-      event loop, a notebook thread) run primitives at once, which is what makes `_lock_queued`'s
-      rows and every read-modify-write exclusive.
-    - Lease activity is kept in memory (`_Activity`), not stored: no write per heartbeat or event.
-    """
+    """A `Store` one process owns (MemoryStore; SqliteStore, whose file is flocked). Its session is a
+    re-entrant mutex: no two threads (the server's event loop, a notebook thread) run primitives at
+    once, which makes `_lock_queued`'s rows and every read-modify-write exclusive. Lease activity is
+    kept in memory (no write per heartbeat or event): after a restart a running rollout's lease runs
+    from its last status change (`status.updated_at`, which SQLite persists), so a restarted server
+    re-queues the rollouts of runners that died with it one lease later, never at once."""
 
     def __init__(self, terminal_log_limit: int = DEFAULT_TERMINAL_LOG_LIMIT):
         super().__init__(terminal_log_limit)
         self._mutex = threading.RLock()
-        self._activity = _Activity()
+        self._active_at: dict[str, float] = {}  # running rollout id -> last heartbeat / event / claim
 
     def _session(self) -> threading.RLock:
         return self._mutex
 
     def _touch(self, rollout_ids: Sequence[str], now: float) -> None:
-        self._activity.touch(rollout_ids, now)
+        for rid in rollout_ids:
+            self._active_at[rid] = now
 
     def _idle_running(self, before: float) -> list[str]:
-        return self._activity.idle(self._list([RolloutState.RUNNING], 2**62), before)
-
-
-class _Activity:
-    """Lease activity kept in this process (`OneProcessStore`).
-
-    Not persisted: after a restart a running rollout's lease runs from its last status change
-    (`status.updated_at`, which SQLite persists), so a restarted server re-queues the rollouts
-    of runners that died with it one lease later, never at once.
-    """
-
-    def __init__(self) -> None:
-        self._at: dict[str, float] = {}  # running rollout id -> last heartbeat / event / claim
-
-    def touch(self, rollout_ids: Sequence[str], now: float) -> None:
-        for rid in rollout_ids:
-            self._at[rid] = now
-
-    def idle(self, running: Iterable[Rollout], before: float) -> list[str]:
-        """Ids of `running` idle since before `before`; forgets ids no longer running."""
-        seen: set[str] = set()
-        idle = []
-        for rollout in running:
-            rid = rollout.rollout_id
-            seen.add(rid)
-            if max(rollout.status.updated_at, self._at.get(rid, 0.0)) < before:
-                idle.append(rid)
-        self._at = {rid: at for rid, at in self._at.items() if rid in seen}  # bounded by what runs
-        return idle
+        running, known = self._list([RolloutState.RUNNING], 2**62), self._active_at
+        self._active_at = {r.rollout_id: known[r.rollout_id] for r in running if r.rollout_id in known}  # what runs
+        return [r.rollout_id for r in running if max(r.status.updated_at, known.get(r.rollout_id, 0.0)) < before]
 
 
 def _check_creates(creates: Sequence[RolloutCreate]) -> None:
