@@ -17,6 +17,7 @@ from transformers import Qwen2ForCausalLM
 from verl import DataProto
 
 import agl_lab.algorithms as alg
+from agl_lab.engines import zero_skip
 from agl_lab.engines.base import logprob_gap, sampling_log_probs
 from agl_lab.engines.local_ppo import (
     ActorUpdateConfig,
@@ -326,6 +327,22 @@ def test_ppo_update_errors_name_the_fix(base):
             prepared(model, base[1]),
             ActorUpdateConfig(ppo_mini_batch_size=4, loss_mode="nope"),
         )
+
+
+def test_plan_forwards_puts_zero_rows_last_and_skips_only_their_micro_batches():
+    """6 rows, micro-batches of 2: rows 1 and 3 carry a signal (row 5's advantage sits on a masked
+    token: no signal), so the order is 1, 3, 0, 2, 4, 5 and only the first micro-batch is forwarded."""
+    adv = torch.zeros(6, 3)
+    adv[1, 0], adv[3, 2], adv[5, 1] = 0.5, -0.25, 1.0
+    mask = torch.ones(6, 3)
+    mask[5, 1] = 0.0
+    mb = {"advantages": adv, "response_mask": mask, "input_ids": torch.arange(6).unsqueeze(1)}
+    ordered, starts = zero_skip.plan_forwards(mb, 2, skip=True)
+    assert ordered["input_ids"].flatten().tolist() == [1, 3, 0, 2, 4, 5] and starts == [0]
+    ordered, starts = zero_skip.plan_forwards(mb, 2, skip=False)  # the same order, every micro-batch
+    assert ordered["input_ids"].flatten().tolist() == [1, 3, 0, 2, 4, 5] and starts == [0, 2, 4]
+    ordered, starts = zero_skip.plan_forwards(mb, 6, skip=True)  # one micro-batch: the order is kept
+    assert ordered["input_ids"].flatten().tolist() == list(range(6)) and starts == [0]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """agl_lab.engines.shared_prefix: the shared prompt forwarded once gives the padded path's numbers.
 
-A real tiny Qwen2 (tests/test_local_ppo.tiny_qwen2) and a batch laid out as the batch builder
+A real tiny Qwen2 (tests/hand_built.tiny_qwen2) and a batch laid out as the batch builder
 lays it out (left-padded prompts, right-padded responses): 8 rows that start with the same 20
 tokens, then 1–5 tokens of their own, then responses of 2–8 tokens. Both paths run on the same
 batch and weights (`use_prefix_grouper` off and on): logprobs to 1e-5, gradients to 1e-5 of their
@@ -18,7 +18,15 @@ from verl import DataProto
 
 from agl_lab.engines.local_ppo import ActorUpdateConfig, _response_forward, ppo_update
 from agl_lab.engines.lora import LoraSpec, add_lora
-from agl_lab.engines.shared_prefix import SharedPrefix, common_prefix, padded_body_tokens
+from agl_lab.engines.shared_prefix import (
+    ForwardCost,
+    PrefixPlan,
+    SharedPrefix,
+    common_prefix,
+    micro_batches,
+    padded_body_tokens,
+    plan_prefixes,
+)
 from tests.hand_built import tiny_qwen2
 
 N, P, R, SHARED, T = 8, 26, 8, 20, 0.7
@@ -184,3 +192,35 @@ def test_groups_that_differ_early_share_their_own_prompt_per_group():
     assert m_sh["actor/body_tokens"] < m_pad["actor/body_tokens"] / 2
     assert (g_sh - g_pad).abs().max() <= 1e-5 * g_pad.abs().max()
     assert m_sh["actor/pg_loss"] == pytest.approx(m_pad["actor/pg_loss"], rel=1e-6)
+
+
+def test_micro_batches_forward_each_cluster_prefix_once():
+    """The generator behind the PPO step: the micro-batches in order, one `SharedPrefix` per cluster
+    (the same object for its micro-batches), back-propagated once after the cluster's last backward —
+    so the gradient of Σ logp is the padded path's; the padded plan has no prefix at all."""
+    b = grouped_batch().batch
+    mb = {k: b[k] for k in ("input_ids", "attention_mask", "position_ids", "responses")}
+    starts = [0, 2, 4, 6]
+    plan = plan_prefixes(mb, starts, 2)
+    assert (plan.clusters, plan.lengths, plan.shared, plan.fallbacks) == ([[0, 2], [4, 6]], [19, 19], 2, 0)
+    model, padded = tiny_qwen2(), tiny_qwen2()
+    seen, cost = [], ForwardCost()
+    for micro, prefix in micro_batches(model, mb, plan, 2, cost):
+        logp, _ = prefix.response_forward(micro["input_ids"], micro["attention_mask"], R, T, "none")
+        logp.sum().backward()
+        seen.append((micro["input_ids"], prefix))
+    assert all(torch.equal(ids, mb["input_ids"][s : s + 2]) for (ids, _), s in zip(seen, starts))
+    prefixes = [prefix for _, prefix in seen]
+    assert prefixes[0] is prefixes[1] and prefixes[2] is prefixes[3] and prefixes[1] is not prefixes[2]
+    assert cost.prefixed_tokens == N * 19
+    assert cost.body_tokens == 2 * 19 + sum(2 * (1 + max(RESPONSES[s : s + 2])) for s in starts)
+    logp, _ = _response_forward(padded, b["input_ids"], b["attention_mask"], b["position_ids"], R, T, "none")
+    logp.sum().backward()
+    g_sh = torch.cat([p.grad.flatten() for p in model.parameters()])
+    g_pad = torch.cat([p.grad.flatten() for p in padded.parameters()])
+    assert (g_sh - g_pad).abs().max() <= 1e-5 * g_pad.abs().max()  # a prefix skipped or doubled: far off
+
+    cost = ForwardCost()
+    assert [prefix for _, prefix in micro_batches(model, mb, PrefixPlan.padded(starts), 2, cost)] == [None] * 4
+    assert cost.prefixed_tokens == 0
+    assert cost.body_tokens == sum(padded_body_tokens(mb["attention_mask"][s : s + 2], R) for s in starts)
