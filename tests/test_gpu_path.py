@@ -274,3 +274,17 @@ def test_the_server_packages_the_start_up_check_names_are_those_the_server_impor
         "agl_lab's server needs the httptools module, which is not installed: pip install -r requirements-gpu.txt "
         "(or pip install 'httptools')"
     ]
+
+
+def test_the_compile_escape_hatch_docs_gpu_md_gives_reaches_verls_configs():
+    """docs/gpu.md: without gcc or Python.h, turn compilation off with these keys."""
+    from agl_lab.engines.verl.api import verl_import
+
+    hatch = ["actor_rollout_ref.actor.use_torch_compile=false", "actor_rollout_ref.rollout.enforce_eager=true"]
+    cfg = load_config(GPU_CONFIG, hatch)
+    to_dataclass = verl_import("omega_conf_to_dataclass")
+    assert to_dataclass(cfg.actor_rollout_ref.rollout).enforce_eager is True
+    assert to_dataclass(cfg.actor_rollout_ref.actor).use_torch_compile is False
+    assert cfg.actor_rollout_ref.ref.use_torch_compile is False  # verl's ref follows the actor's key
+    default = load_config(GPU_CONFIG)
+    assert default.actor_rollout_ref.actor.use_torch_compile and not default.actor_rollout_ref.rollout.enforce_eager
