@@ -3,7 +3,7 @@
     scripts/gpu_smoke.sh --tier A            # a bare GPU machine: torch (CUDA build) + transformers
     scripts/gpu_smoke.sh --tier B            # the README's GPU environment (verl[vllm]==0.9.1 + agl_lab)
     python scripts/gpu_smoke.py --tier A --dry-run   # on any machine: says what each check would check
-    python scripts/gpu_smoke.py --cpu-rehearsal      # A1 and A4 on CPU: the script's code, not the GPU check
+    python scripts/gpu_smoke.py --cpu-rehearsal      # A1, A4, A5's gate, A6 on CPU: the script's code, not the GPU check
 
 **Tier A** needs only torch with CUDA and transformers (Python 3.11 or 3.12; no verl, no vLLM, no
 network: the tiny Qwen2 model is built in code from a config). It checks what the GPU path relies
@@ -11,11 +11,13 @@ on below verl:
 
 | check            | what it runs                                                              | PASS when |
 |------------------|---------------------------------------------------------------------------|-----------|
+| A0 driver        | the NVIDIA driver (`nvidia-smi`) against torch's CUDA build (agl_lab/engines/verl/driver.py; SKIP without the checkout) | driver >= the build's minimum (13.x: 580, 12.x: 525) |
 | A1 attention     | the tiny Qwen2 in bf16 with `sdpa` (and `flash_attention_2` when flash_attn is installed) against fp32 eager; packed rows (remove-padding) against padded | bf16 within 0.1 of fp32 (max abs logit), packed = padded to 1e-4 (fp32) |
 | A2 cuda_ipc      | a CUDA tensor shared from one process to another (`torch.multiprocessing` reductions, what verl/vLLM's IPC weight transfer uses) | the receiver reads the sender's values, writes back visibly |
-| A3 nccl          | an NCCL process group over min(2, GPUs) processes, all_reduce + broadcast | sums and copies exact |
+| A3 nccl          | an NCCL process group over min(2, GPUs) processes, all_reduce + broadcast | sums and copies exact (one GPU: one rank, said on the line) |
 | A4 fsdp2_offload | one FSDP2 (`fully_shard`) step, bf16 mixed precision, `CPUOffloadPolicy(pin_memory=True)`, AdamW | finite loss, every parameter moved, loss lower after the step |
-| A5 local_engine  | agl_lab's local engine: bf16 steps, served vs trained logprobs (needs the checkout + verl's learning core; SKIP without) | max |Δlogp| < 0.25, mean < 0.02 |
+| A5 local_engine  | agl_lab's local engine: bf16 steps, served vs trained logprobs (needs the checkout + verl's learning core; SKIP without; with them, FAIL when requirements-gpu.txt's modules — psycopg, fastapi, … — are missing) | max |Δlogp| < 0.25, mean < 0.02 |
+| A6 torch_compile | one `torch.compile`d op on the device (Triton on CUDA), after checking for a C compiler and `Python.h`: verl's `use_torch_compile` and vLLM's compile step need both | compiled = eager to 1e-5 |
 
 **Tier B** needs the README's GPU environment (`pip install 'verl[vllm]==0.9.1'`, agl_lab with
 requirements-gpu.txt, pytest) and this checkout:
@@ -27,7 +29,10 @@ requirements-gpu.txt, pytest) and this checkout:
 | B3 config_tests  | `pytest tests/test_gpu_path.py tests/test_vllm_gpu_api.py tests/vllm/test_vllm_config.py` |
 | B4 two_steps     | `agl-lab train configs/gpu_verl.yaml --steps 2` on the tiny model (verl FSDP2 workers + vLLM 0.24 replicas on Ray) |
 
-Exit codes: 0 every check PASS/SKIP · 1 a check FAILed · 2 bad arguments · 3 no CUDA device.
+Exit codes: 0 every check PASS/SKIP · 1 a check FAILed · 2 bad arguments · 3 no CUDA device (with a CUDA
+build of torch, the line names the driver and the driver the build needs). Each check that runs a
+subprocess has a timeout (`TIMEOUTS`); `gpu_smoke.sh` wraps a tier in `WRAPPER_TIMEOUT` seconds, more
+than the sum of the tier's (tier A under 10 minutes).
 Carry tier A to a bare machine as this checkout (~5 MiB without .git) or as this one file.
 """
 
@@ -198,14 +203,18 @@ def check_nccl() -> str:
     procs = [ctx.Process(target=_nccl_worker, args=(r, world, port, results)) for r in range(world)]
     for p in procs:
         p.start()
-    got = [results.get(timeout=180) for _ in procs]
+    got = [results.get(timeout=TIMEOUTS["A3"]) for _ in procs]
     for p in procs:
         p.join(timeout=60)
     want = float(sum(range(1, world + 1)))
     bad = [g for g in got if g[1] != want or g[2] != [float(i) for i in range(8)]]
     if bad or any(p.exitcode for p in procs):
         raise AssertionError(f"results {got}, exit codes {[p.exitcode for p in procs]}")
-    return f"NCCL {torch.cuda.nccl.version()} over {world} process(es): all_reduce and broadcast exact"
+    if world == 1:
+        return (
+            f"NCCL {torch.cuda.nccl.version()} with ONE rank (one GPU): the group starts, nothing crossed between GPUs"
+        )
+    return f"NCCL {torch.cuda.nccl.version()} over {world} ranks: all_reduce and broadcast exact"
 
 
 def check_fsdp2_offload() -> str:
@@ -252,6 +261,9 @@ def check_local_engine() -> str:
             f"agl_lab's local engine imports verl's learning core (DataProto, GRPO, the loss registry): "
             f"missing {missing} (tier B's environment has them)"
         )
+    present = _gpu_requirements_present()
+    if DEVICE != "cuda":  # the CPU rehearsal: the gate only, the bf16 steps need the GPU
+        return f"{present}; the 3 bf16 steps need a GPU (not run)"
     import torch
 
     with tempfile.TemporaryDirectory(prefix="agl_lab_gpu_smoke_") as tmp:
@@ -262,6 +274,71 @@ def check_local_engine() -> str:
     if worst >= 0.25 or mean >= 0.02:
         raise AssertionError(f"bf16 served vs trained logprobs: max {worst:.3g} (< 0.25), mean {mean:.3g} (< 0.02)")
     return f"3 bf16 steps: served vs trained logprobs max {worst:.3g}, mean {mean:.3g}"
+
+
+def _gpu_requirements_present() -> str:
+    """requirements-gpu.txt's modules that a run imports late (the start-up check's table), psycopg too."""
+    from agl_lab.engines.verl.api import POSTGRES_PACKAGES, SERVER_PACKAGES
+
+    wanted = {**SERVER_PACKAGES, **POSTGRES_PACKAGES}
+    absent = [package for module, package in wanted.items() if importlib.util.find_spec(module) is None]
+    if absent:
+        raise AssertionError(f"the GPU environment lacks {absent}: pip install -r requirements-gpu.txt")
+    return f"requirements-gpu.txt's {len(wanted)} late-imported modules present ({', '.join(wanted)})"
+
+
+def _checkout_driver() -> Any:
+    """agl_lab/engines/verl/driver.py (stdlib only), or None when this file was carried alone."""
+    path = ROOT / "agl_lab" / "engines" / "verl" / "driver.py"
+    if not path.exists():
+        return None
+    spec = importlib.util.spec_from_file_location("agl_lab_gpu_smoke_driver", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def check_driver() -> str:
+    import torch
+
+    driver = _checkout_driver()
+    if driver is None:
+        raise Skip("carried as one file: the driver rule lives in agl_lab/engines/verl/driver.py")
+    found, cuda = driver.driver_version(), torch.version.cuda
+    needed = driver.MIN_DRIVER.get(int(cuda.split(".")[0])) if cuda else None
+    if found is None or needed is None:
+        return f"torch {torch.__version__} (CUDA {cuda}); driver {found} (nothing to compare)"
+    if int(found.split(".")[0]) < needed:  # a device is visible all the same: NVIDIA's forward-compatibility package
+        return f"driver {found} < {needed} for CUDA {cuda}, yet a device is visible: forward compatibility in use?"
+    return f"driver {found} >= {needed}, what torch {torch.__version__}'s CUDA {cuda} build needs"
+
+
+def check_torch_compile() -> str:
+    import shutil
+    import sysconfig
+
+    import torch
+
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    header = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    missing = ([] if compiler else ["a C compiler (gcc)"]) + ([] if header.exists() else [f"{header} (python3.X-dev)"])
+    if missing:
+        raise AssertionError(
+            f"missing {' and '.join(missing)}: torch.compile (verl's use_torch_compile, vLLM's compile step) builds "
+            "C code at start-up; install them, or set actor_rollout_ref.actor.use_torch_compile=false and "
+            "actor_rollout_ref.rollout.enforce_eager=true (docs/gpu.md)"
+        )
+
+    def op(x: Any) -> Any:
+        return torch.nn.functional.gelu(x) * torch.sin(x) + x.square().mean(-1, keepdim=True)
+
+    x = torch.randn(64, 256, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(0))
+    compiled = torch.compile(op, fullgraph=True, dynamic=False)
+    diff = (compiled(x) - op(x)).abs().max().item()
+    if diff > 1e-5:
+        raise AssertionError(f"compiled vs eager {diff:.3g}")
+    backend = "Triton" if DEVICE == "cuda" else "C++"
+    return f"torch.compile (inductor, {backend}) of one op on {DEVICE}: compiled = eager to {diff:.2g}; cc {compiler}"
 
 
 def _local_trainer(device: str, dtype: Any, steps: int, warm_start: int, run_dir: Path) -> Any:
@@ -331,7 +408,7 @@ def check_model_load() -> str:
             str(ROOT / "configs" / "gpu_verl.yaml"),
             f"agl_lab.model.path={_tiny_model_dir()}",
         ],
-        timeout=300,
+        timeout=TIMEOUTS["B2"],
     )
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
     result = json.loads(lines[-1]) if lines else {"ok": False, "error": out.stderr[-2000:]}
@@ -358,7 +435,7 @@ def check_config_tests() -> str:
             "tests/test_vllm_gpu_api.py",
             "tests/vllm/test_vllm_config.py",
         ],
-        timeout=600,
+        timeout=TIMEOUTS["B3"],
     )
     tail = out.stdout.strip().splitlines()[-1:] or [out.stderr[-500:]]
     if out.returncode:
@@ -388,7 +465,7 @@ def check_two_steps() -> str:
                 "data.max_response_length=256",
                 "actor_rollout_ref.rollout.gpu_memory_utilization=0.3",
             ],
-            timeout=540,
+            timeout=TIMEOUTS["B4"],
         )
         metrics = Path(tmp) / "metrics.jsonl"
         steps = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
@@ -408,9 +485,26 @@ def check_two_steps() -> str:
 # Running the checks
 # ------------------------------------------------------------------------------------------
 
+#: seconds a check may run (its subprocesses' timeouts; in-process checks: what they are given by
+#: the wrapper): a tier's sum stays under WRAPPER_TIMEOUT, which gpu_smoke.sh applies to the whole run
+TIMEOUTS = {"A0": 30, "A1": 60, "A2": 60, "A3": 120, "A4": 60, "A5": 120, "A6": 60}
+TIMEOUTS |= {"B1": 120, "B2": 240, "B3": 420, "B4": 540}
+STARTUP_SECONDS = 60  # importing torch (and, in tier B, vLLM) before the first check
+WRAPPER_TIMEOUT = {"A": 590, "B": 1440}  # tier A: under 10 minutes (a 10-minute call)
+
+
+def wrapper_timeout(tiers: str) -> int:
+    return sum(WRAPPER_TIMEOUT[t] for t in tiers)
+
+
 Check = tuple[str, Callable[[], str], str]
 TIERS: dict[str, list[Check]] = {
     "A": [
+        (
+            "A0 driver",
+            check_driver,
+            "the NVIDIA driver (nvidia-smi) against torch's CUDA build: >= 580 for CUDA 13, >= 525 for CUDA 12",
+        ),
         (
             "A1 attention",
             check_attention,
@@ -422,7 +516,11 @@ TIERS: dict[str, list[Check]] = {
             check_cuda_ipc,
             "a CUDA tensor shared to a second process (torch reductions): values read, a write seen by the sender",
         ),
-        ("A3 nccl", check_nccl, "NCCL process group over min(2, GPUs) processes: all_reduce + broadcast exact"),
+        (
+            "A3 nccl",
+            check_nccl,
+            "NCCL process group over min(2, GPUs) processes: all_reduce + broadcast exact (one GPU: one rank, said)",
+        ),
         (
             "A4 fsdp2_offload",
             check_fsdp2_offload,
@@ -433,7 +531,12 @@ TIERS: dict[str, list[Check]] = {
             "A5 local_engine",
             check_local_engine,
             "agl_lab local engine, 3 bf16 steps: served vs trained logprobs "
-            "max < 0.25, mean < 0.02 (SKIP without agl_lab + verl)",
+            "max < 0.25, mean < 0.02 (SKIP without agl_lab + verl; FAIL without requirements-gpu.txt's psycopg, …)",
+        ),
+        (
+            "A6 torch_compile",
+            check_torch_compile,
+            "a C compiler and Python.h present; one torch.compile'd op on the device (Triton) = eager to 1e-5",
         ),
     ],
     "B": [
@@ -463,12 +566,18 @@ TIERS: dict[str, list[Check]] = {
 }
 
 
+REHEARSED = ("A1", "A4", "A5", "A6")  # --cpu-rehearsal: what runs on CPU (A5: its dependency gate only)
+
+
 def cuda_problem() -> str | None:
     if importlib.util.find_spec("torch") is None:
         return "torch is not installed: install the CUDA build of torch that matches the driver (pytorch.org)"
     import torch
 
     if not torch.cuda.is_available():
+        driver = _checkout_driver() if torch.version.cuda else None
+        if driver is not None:  # a CUDA build: name the driver and what the build needs
+            return driver.cuda_build_problem(torch.__version__, torch.version.cuda, driver.driver_version())
         built = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
         return f"no CUDA device visible to torch {torch.__version__} ({built})"
     return None
@@ -482,12 +591,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--cpu-rehearsal",
         action="store_true",
-        help="run A1 and A4 on CPU (the script's own code; NOT the GPU check: always exits 1 on success)",
+        help="run A1, A4, A5's dependency gate and A6 on CPU (the script's own code; NOT the GPU check: "
+        "always exits 1 on success)",
+    )
+    parser.add_argument(
+        "--wrapper-timeout", action="store_true", help="print the seconds gpu_smoke.sh gives the tier(s); run nothing"
     )
     args = parser.parse_args(argv)
     tiers = [t for t in args.tier.upper() if t in TIERS]
     if not tiers or len(tiers) != len(args.tier):
         parser.error(f"--tier {args.tier!r}: use A, B or AB")
+    if args.wrapper_timeout:
+        print(wrapper_timeout("".join(tiers)))
+        return 0
     only = {o.strip().upper() for o in args.only.split(",")} if args.only else None
     checks = [c for t in tiers for c in TIERS[t] if only is None or c[0].split()[0] in only]
     if args.dry_run:
@@ -498,7 +614,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cpu_rehearsal:
         global DEVICE
         DEVICE = "cpu"
-        checks = [c for c in checks if c[0].split()[0] in ("A1", "A4")]
+        checks = [c for c in checks if c[0].split()[0] in REHEARSED]
     problem = None if args.cpu_rehearsal else cuda_problem()
     if problem:
         print(f"FAIL gpu_smoke: {problem}", flush=True)

@@ -2,9 +2,12 @@
 
 No GPU here, so the checks themselves cannot run: `--dry-run` says what each would check (and
 exits 0), a copy of the single script file runs its dry mode in an isolated interpreter (tier A
-is carryable: no agl_lab import, no network), without a GPU a real run exits 3 with the reason,
-and `--cpu-rehearsal` runs the code of A1 (attention, packed vs padded) and A4 (FSDP2 step with
-offload) on CPU — it always exits 1: it is not the GPU check. ~30 s.
+is carryable: no agl_lab import, no network), without a GPU a real run exits 3 with the reason —
+with a CUDA build of torch (faked) naming the driver and the one the build needs — and
+`--cpu-rehearsal` runs the code of A1 (attention, packed vs padded), A4 (FSDP2 step with
+offload), A5's dependency gate (psycopg among requirements-gpu.txt's modules) and A6 (one
+torch.compile'd op) on CPU — it always exits 1: it is not the GPU check. Each tier's checks'
+timeouts add up to less than the wrapper's, tier A's under 10 minutes. ~2 min.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "gpu_smoke.py")
-CHECKS_A = ["A1 attention", "A2 cuda_ipc", "A3 nccl", "A4 fsdp2_offload", "A5 local_engine"]
+CHECKS_A = ["A0 driver", "A1 attention", "A2 cuda_ipc", "A3 nccl", "A4 fsdp2_offload", "A5 local_engine"]
+CHECKS_A += ["A6 torch_compile"]
 CHECKS_B = ["B1 startup_check", "B2 model_load", "B3 config_tests", "B4 two_steps"]
 
 
@@ -33,7 +37,8 @@ def test_the_dry_mode_says_what_each_check_of_both_tiers_would_check():
     lines = out.stdout.splitlines()
     assert [line.split(":")[0] for line in lines[:-1]] == [f"DRY  {c}" for c in CHECKS_A + CHECKS_B]
     assert all("would check" in line for line in lines[:-1]) and "none run" in lines[-1]
-    assert "bf16" in lines[0] and "CPUOffloadPolicy" in lines[3] and "gpu_verl.yaml" in lines[-2]
+    assert "580" in lines[0] and "bf16" in lines[1] and "CPUOffloadPolicy" in lines[4] and "gpu_verl.yaml" in lines[-2]
+    assert "one rank" in lines[3] and "psycopg" in lines[5] and "torch.compile" in lines[6]
 
 
 def test_tier_a_carries_as_one_file_and_needs_a_gpu_to_run(tmp_path):
@@ -41,7 +46,7 @@ def test_tier_a_carries_as_one_file_and_needs_a_gpu_to_run(tmp_path):
     shutil.copy(SCRIPT, copy)
     assert copy.stat().st_size < 60 * 2**20
     out = _run("--tier", "A", "--dry-run", script=str(copy), isolated=True)  # no PYTHONPATH, no checkout
-    assert out.returncode == 0 and out.stdout.count("DRY  A") == 5, out.stdout + out.stderr
+    assert out.returncode == 0 and out.stdout.count("DRY  A") == len(CHECKS_A), out.stdout + out.stderr
     import torch
 
     if torch.cuda.is_available():
@@ -52,10 +57,50 @@ def test_tier_a_carries_as_one_file_and_needs_a_gpu_to_run(tmp_path):
     assert bad.returncode == 2 and "use A, B or AB" in bad.stderr
 
 
-def test_the_cpu_rehearsal_runs_the_attention_and_fsdp2_checks_code():
+def test_the_cpu_rehearsal_runs_the_checks_a_cpu_can_run():
     out = _run("--cpu-rehearsal", timeout=600)
     assert out.returncode == 1, out.stdout + out.stderr  # never a PASS of the GPU check
     lines = out.stdout.splitlines()
     assert any(line.startswith("PASS A1 attention: sdpa: bf16 vs fp32") for line in lines), out.stdout + out.stderr
     assert any(line.startswith("PASS A4 fsdp2_offload:") and "parameters moved" in line for line in lines), out.stdout
+    assert any(line.startswith("PASS A5 local_engine:") and "psycopg_pool" in line for line in lines), out.stdout
+    assert any(line.startswith("PASS A6 torch_compile: torch.compile (inductor") for line in lines), out.stdout
     assert "not the GPU check" in lines[-1]
+
+
+def test_a_cuda_build_without_a_device_names_the_driver(tmp_path):
+    site, bin_dir = tmp_path / "site", tmp_path / "bin"
+    site.mkdir()
+    bin_dir.mkdir()
+    (site / "sitecustomize.py").write_text("import torch\ntorch.version.cuda = '13.0'  # a CUDA 13 build\n")
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 570.133.20\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    env = {**os.environ, "PYTHONPATH": str(site), "PATH": os.pathsep.join([str(bin_dir), os.environ["PATH"]])}
+    out = subprocess.run(
+        [sys.executable, SCRIPT, "--tier", "A"], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT
+    )
+    assert out.returncode == 3, out.stdout + out.stderr
+    assert (
+        out.stdout.startswith("FAIL gpu_smoke: NVIDIA driver 570.133.20, this torch (") and "needs >= 580" in out.stdout
+    )
+
+
+def test_each_tiers_timeouts_add_up_to_less_than_its_wrappers():
+    sys.path.insert(0, os.path.dirname(SCRIPT))
+    try:
+        import gpu_smoke
+    finally:
+        sys.path.remove(os.path.dirname(SCRIPT))
+    for tier, checks in gpu_smoke.TIERS.items():
+        ids = [name.split()[0] for name, _, _ in checks]
+        budget = sum(gpu_smoke.TIMEOUTS[i] for i in ids) + gpu_smoke.STARTUP_SECONDS
+        assert budget < gpu_smoke.wrapper_timeout(tier), (tier, budget)
+    assert gpu_smoke.wrapper_timeout("A") < 600  # tier A fits a 10-minute call
+    out = subprocess.run(
+        ["bash", os.path.join(ROOT, "scripts", "gpu_smoke.sh"), "--tier", "B", "--wrapper-timeout"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHON": sys.executable},
+    )
+    assert out.stdout.strip() == str(gpu_smoke.wrapper_timeout("B")), out.stdout + out.stderr
