@@ -80,7 +80,8 @@ class Trainer:
               zero-advantage groups dropped first (`algorithms.selection:select_for_update`),
               equal loss weight per rollout (`algorithms.loss:normalize_batch`);
            d. `engine.update(batch)` (PPO epochs with the `per_rollout_mean` loss; the local
-              engine's step is `engines.local_ppo:ppo_step`), `engine.sync_weights()` (policy_version + 1), `engine.resume()`.
+              engine's step is `engines.local_ppo:ppo_step`), `engine.sync_weights()`
+              (policy_version + 1), `engine.resume()`.
         4. `step()` adds validation (`trainer.test_freq`), checkpoints (`trainer.save_freq`)
            and one line in `metrics.jsonl` (`logger:MetricsLogger.log`).
     """
