@@ -104,3 +104,22 @@ def test_each_tiers_timeouts_add_up_to_less_than_its_wrappers():
         env={**os.environ, "PYTHON": sys.executable},
     )
     assert out.stdout.strip() == str(gpu_smoke.wrapper_timeout("B")), out.stdout + out.stderr
+
+
+@pytest.mark.parametrize(
+    ("found", "expected"), [("580.65.06", ">= 580, what torch"), ("550.54.15", "forward compatibility")]
+)
+def test_a0_compares_the_driver_with_the_cuda_build(tmp_path, monkeypatch, found, expected):
+    import torch
+
+    (tmp_path / "nvidia-smi").write_text(f"#!/bin/sh\necho {found}\n")
+    (tmp_path / "nvidia-smi").chmod(0o755)
+    monkeypatch.setenv("PATH", os.pathsep.join([str(tmp_path), os.environ["PATH"]]))
+    monkeypatch.setattr(torch.version, "cuda", "13.0")  # a GPU machine's build; the device itself is not needed
+    sys.path.insert(0, os.path.dirname(SCRIPT))
+    try:
+        import gpu_smoke
+    finally:
+        sys.path.remove(os.path.dirname(SCRIPT))
+    line = gpu_smoke.check_driver()
+    assert line.startswith(f"driver {found}") and expected in line, line
