@@ -111,11 +111,31 @@ def test_the_dataset_config_reaches_the_generator_and_bad_names_and_keys_say_wha
 def test_every_dataset_but_the_pycosat_ones_imports_and_the_placeholder_names_the_fix():
     names = rgym.dataset_names()
     assert len(names) > 90 and set(rgym.CHECKED_DATASETS) <= set(names)
-    import sys
-
-    if getattr(sys.modules.get("pycosat"), "__agl_lab_placeholder__", False):
-        with pytest.raises(ModuleNotFoundError, match="needs pycosat"):
+    if rgym.pycosat_missing():
+        with pytest.raises(ModuleNotFoundError, match="needs pycosat") as caught:
             rgym.import_reasoning_gym().create_dataset("zebra_puzzles", size=1, seed=0)[0]
+        assert caught.value.name == "pycosat"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("pycosat") is not None, reason="pycosat is installed here")
+def test_a_dataset_that_needs_the_missing_pycosat_is_refused_in_one_line_naming_the_fix(tmp_path, capsys):
+    """#53 item 9: `agl-lab train` printed "no module named None: … must name a module importable"."""
+    with pytest.raises(ValueError, match=r"reasoning_gym:zebra_puzzles: .*'zebra_puzzles' needs pycosat"):
+        get_task("reasoning_gym:zebra_puzzles")
+    mixed = {"config": {"datasets": [{"name": "basic_arithmetic", "weight": 1, "config": {}},
+                                     {"name": "zebra_puzzles", "weight": 1, "config": {}}]}}  # fmt: skip
+    with pytest.raises(ValueError, match="'zebra_puzzles' needs pycosat"):
+        get_task("reasoning_gym:composite", mixed)
+    args = [
+        "configs/cpu_tiny.yaml",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "agl_lab.task.name=reasoning_gym:zebra_puzzles",
+    ]
+    assert train_main(args) == 2
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("agl-lab train:")]
+    assert len(said) == 1 and "`pip install pycosat` with a C compiler" in said[0], said
+    assert "no module named" not in said[0]
 
 
 @pytest.mark.timeout(900)

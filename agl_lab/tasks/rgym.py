@@ -16,8 +16,9 @@ entry (`ds[i]` is deterministic in seed and index) so the verifier sees it whole
 
 reasoning-gym imports every generator at import time; one of them (zebra_puzzles) imports
 `pycosat`, which has no wheel for Python 3.11 and would compile. `import_reasoning_gym()` puts a
-placeholder module in its place when it is missing, so every other dataset works; the placeholder
-raises a one-line error naming the fix if a dataset ever calls it.
+placeholder module in its place when it is missing, so every other dataset works. A dataset that
+needs it (itself or inside `composite`) is refused when its task is made, with one line naming the
+fix; the placeholder raises the same line if a dataset ever calls it anyway.
 """
 
 from __future__ import annotations
@@ -43,16 +44,25 @@ _ANSWER = re.compile(r"answer\s*:\s*(.+)", re.IGNORECASE)
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 
 
+def _needs_pycosat(dataset: str) -> str:
+    return (
+        f"reasoning-gym's {dataset!r} needs pycosat, which is not installed (it has no wheel for this "
+        "Python and compiles): `pip install pycosat` with a C compiler, or pick another dataset"
+    )
+
+
+def pycosat_missing() -> bool:
+    """Whether `pycosat` is agl_lab's placeholder (after `import_reasoning_gym()`)."""
+    return bool(getattr(sys.modules.get("pycosat"), "__agl_lab_placeholder__", False))
+
+
 def _pycosat_placeholder() -> types.ModuleType:
     module = types.ModuleType("pycosat")
     module.__doc__ = "agl_lab's placeholder for pycosat (not installed: it has no wheel for this Python)"
     module.__agl_lab_placeholder__ = True
 
     def missing(*args: Any, **kwargs: Any) -> Any:
-        raise ModuleNotFoundError(
-            "this reasoning-gym dataset needs pycosat, which is not installed (it has no wheel for this "
-            "Python and compiles): `pip install pycosat` with a C compiler, or pick another dataset"
-        )
+        raise ModuleNotFoundError(_needs_pycosat("this dataset"), name="pycosat")
 
     module.itersolve = module.solve = missing
     return module
@@ -159,6 +169,17 @@ def _options(options: Any) -> tuple[int | None, int | None, dict[str, Any]]:
     return size, seed, dict(config)
 
 
+def _refuse_without_pycosat(dataset: str, config: dict[str, Any]) -> None:
+    """ValueError (a config problem: `agl-lab train` prints it as one line, exit 2) when `dataset`, or
+    a dataset `composite` mixes (`config.datasets[*].name`), needs the pycosat that is missing."""
+    if not pycosat_missing():
+        return
+    mixed = [spec.get("name") for spec in config.get("datasets") or [] if isinstance(spec, dict)]
+    needing = [name for name in (dataset, *mixed) if name in NEEDS_PYCOSAT]
+    if needing:
+        raise ValueError(f"agl_lab.task.name={PREFIX}{dataset}: {_needs_pycosat(needing[0])}")
+
+
 def reasoning_gym_task(dataset: str, options: Any = None) -> Any:
     """The `Task` for reasoning-gym's `dataset` (see the module docstring for `options`)."""
     from agl_lab.tasks import Task
@@ -171,6 +192,7 @@ def reasoning_gym_task(dataset: str, options: Any = None) -> Any:
             "(agl_lab.tasks.rgym.dataset_names() lists all)"
         )
     size, fixed_seed, config = _options(options)
+    _refuse_without_pycosat(dataset, config)
     try:
         _dataset(dataset, size or 1, 0, json.dumps(config, sort_keys=True))
     except Exception as e:
