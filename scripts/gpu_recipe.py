@@ -17,8 +17,8 @@ then, in that venv (`--check`): `pip check`; every agl_lab module imports; confi
 passes the verl engine's start-up check (VERL_API without vLLM's rows, the attention package, the
 server's modules, psycopg for a PostgreSQL store) and verl's own config classes; and gpu_smoke's
 tier A checks that run on CPU (`--cpu-rehearsal`). The venv is kept between runs, keyed by the
-hash of the recipe's lines, requirements-gpu.txt and pyproject.toml (`--rebuild` forces it).
-Its cost is in docs/gpu.md ("The recipe in CI").
+hash of the recipe's lines, requirements-gpu.txt, requirements-vllm.txt (the CPU torch pin) and
+pyproject.toml (`--rebuild` forces it). Its cost is in docs/benchmarks.md (linked from docs/gpu.md).
 
     python scripts/gpu_recipe.py [--venv DIR] [--rebuild]
 """
