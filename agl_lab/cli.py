@@ -64,10 +64,16 @@ def train_main(argv: list[str]) -> int:
     resumes from it (exit status 130). SIGTERM (Slurm, Kubernetes, `docker stop`, systemd) is the
     same clean stop: agents' process groups are terminated (killed after a grace period), the
     same lines are printed, exit status 143.
+
+    A run directory holds one run (`agl_lab.runs`): a directory that already holds one is
+    refused (exit 2) unless `--resume` continues it, and `finished.json` is written last, only
+    when the run ended normally. A resume starts the log over from the checkpoint's step (from
+    step 0 when there is none), so `metrics.jsonl` never logs a step twice.
     """
     import time
 
     from agl_lab import config as config_mod
+    from agl_lab import runs
     from agl_lab.checkpoints import CheckpointDiskFull
     from agl_lab.engines.verl.api import StartupProblem  # stdlib imports only
     from agl_lab.trainer import Trainer
@@ -75,6 +81,9 @@ def train_main(argv: list[str]) -> int:
     args = _train_parser().parse_intermixed_args(_bare_resume(argv))  # overrides may come before or after options
     cfg = _train_config(args)
     if cfg is None:
+        return 2
+    if (problem := _run_dir_problem(args.run_dir or cfg.agl_lab.run_dir, args.resume)) is not None:
+        print(f"agl-lab train: {problem}")
         return 2
     t0 = time.time()
     trainer = None
@@ -95,10 +104,13 @@ def train_main(argv: list[str]) -> int:
             except config_mod.ConfigError as e:
                 print(f"agl-lab train: {_one_line(e)}", flush=True)
                 return 2
+            _start_over_unless(trainer, resumed)
             steps = args.steps if args.until is None else max(args.until - trainer.global_step, 0)
             _say_span(trainer, resumed, steps)
             history = trainer.fit(steps, progress=False)
             _summarise(trainer.run_dir, history, time.time() - t0)
+        # Critical: written last, so a run stopped anywhere before this line reads as unfinished
+        runs.mark_finished(trainer.run_dir, {"step": trainer.global_step, "argv": argv, "wall_s": time.time() - t0})
     except KeyboardInterrupt as e:
         _interrupted(trainer, argv, args.resume, time.time() - t0, terminated=isinstance(e, Terminated))
         return 143 if isinstance(e, Terminated) else 130
@@ -108,6 +120,47 @@ def train_main(argv: list[str]) -> int:
     finally:
         _restore_sigterm(previous)
     return 0
+
+
+def _run_dir_problem(run_dir: Any, resume: str | None) -> str | None:
+    """Why `agl-lab train` must not write into `run_dir` (one line with the fix), None when it may:
+    a directory holding a run takes only `--resume`, which continues that run."""
+    from agl_lab import runs
+
+    if run_dir is None or resume is not None:
+        return None
+    state = runs.run_state(run_dir)
+    if state == "finished":
+        step = (runs.finished(run_dir) or {}).get("step", "?")
+        return (
+            f"{run_dir} holds a finished run (step {step}): resume it with --resume to extend it, "
+            "or pick another --run-dir"
+        )
+    if state == "unfinished":
+        return (
+            f"{run_dir} holds an unfinished run (steps up to {max(runs.logged_steps(run_dir))} logged): "
+            "continue it with --resume (from its latest checkpoint, else from step 0), or pick another --run-dir"
+        )
+    return None
+
+
+def _start_over_unless(trainer: Any, resumed: Any) -> None:
+    """The run trains again: not finished until it ends, and with no checkpoint resumed it starts
+    over at step 0 with an empty log (a resumed Trainer already dropped the steps after its
+    checkpoint), so no step is logged twice."""
+    from agl_lab import runs
+
+    runs.clear_finished(trainer.run_dir)
+    if resumed is not None or trainer.global_step > 0:
+        return
+    dropped = trainer.metrics_logger.drop_after(-1)
+    trainer.recorder.drop_after(-1)
+    if dropped:
+        print(
+            f"agl-lab train: no checkpoint to resume from: {trainer.run_dir}'s {dropped} logged "
+            "records are dropped and the run starts again at step 1",
+            flush=True,
+        )
 
 
 def _train_parser() -> Any:

@@ -49,8 +49,10 @@ def _leaves(node: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix: json.dumps(node) if isinstance(node, list) else node}
 
 
-def _load_run(run_dir: Path) -> tuple[dict[str, Any], pd.DataFrame]:
+def _load_run(run_dir: Path, repeated: str = "error") -> tuple[dict[str, Any], pd.DataFrame]:
     from omegaconf import OmegaConf
+
+    from agl_lab.runs import read_records
 
     cfg_path, metrics_path = run_dir / "config.yaml", run_dir / "metrics.jsonl"
     for path in (cfg_path, metrics_path):
@@ -59,8 +61,7 @@ def _load_run(run_dir: Path) -> tuple[dict[str, Any], pd.DataFrame]:
                 f"{path} not found: compare() reads run directories a Trainer wrote (config.yaml + metrics.jsonl)"
             )
     config = _leaves(OmegaConf.to_container(OmegaConf.load(cfg_path), resolve=False))
-    lines = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
-    return config, pd.DataFrame(lines)
+    return config, pd.DataFrame(read_records(metrics_path, repeated))  # steps that repeat: refused
 
 
 def _window(df: pd.DataFrame, last: int | None, first: int | None) -> tuple[pd.DataFrame, str]:
@@ -99,6 +100,7 @@ def runs_table(
     metrics: Sequence[str] = METRICS,
     last: int | None = None,
     first: int | None = None,
+    repeated: str = "error",
 ) -> tuple[pd.DataFrame, list[str]]:
     """One line per run and the differing config keys (see `compare` for the columns).
 
@@ -106,7 +108,7 @@ def runs_table(
     (the steps averaged), and per metric `<m>` (mean over the window's values), `<m> n` (how many
     values the window held: validations are every `trainer.test_freq` steps) and `<m> final`
     (the value at the last step that logged it)."""
-    loaded = [(name, run_dir, *_load_run(run_dir)) for name, run_dir in _as_named(run_dirs)]
+    loaded = [(name, run_dir, *_load_run(run_dir, repeated)) for name, run_dir in _as_named(run_dirs)]
     keys = sorted(set().union(*(c for _, _, c, _ in loaded)))
     differ = [
         k
@@ -170,6 +172,7 @@ def compare(
     last: int | None = None,
     first: int | None = None,
     baseline: str | None = None,
+    repeated: str = "error",
 ) -> pd.DataFrame:
     """One line per setting, mean ± s.e. over seeds of each metric in a window of **steps**.
 
@@ -186,8 +189,11 @@ def compare(
     the first) paired by seed — the mean over seeds run in both of (this − baseline), and its
     standard error — with `n_pairs`. `.attrs["runs"]` holds the per-run table, `.attrs["window"]`
     the window's description.
+
+    A run whose `metrics.jsonl` logs a step twice (a second run appended to it) is refused with
+    a ValueError naming it; `repeated="keep_last"` keeps each step's last copy, with a warning.
     """
-    runs, differ = runs_table(run_dirs, metrics, last, first)
+    runs, differ = runs_table(run_dirs, metrics, last, first, repeated)
     by = _setting_columns(runs, differ)
     groups = list(runs.groupby(by, dropna=False, sort=False)) if by else [((), runs)]
     keys = [k if isinstance(k, tuple) else (k,) for k, _ in groups]

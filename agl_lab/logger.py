@@ -262,10 +262,13 @@ def throughput_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
     }
 
 
-def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """The records of a `metrics.jsonl` file, in order."""
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+def read_metrics(path: str | os.PathLike, repeated: str = "error") -> list[dict[str, Any]]:
+    """The records of a `metrics.jsonl` file, in order. A log whose steps repeat (a run appended
+    to another) raises ValueError naming them; `repeated="keep_last"` keeps each step's last copy
+    and warns (`agl_lab.runs.read_records`)."""
+    from agl_lab.runs import read_records
+
+    return read_records(path, repeated)
 
 
 # =========================================================================== W&B side tables
