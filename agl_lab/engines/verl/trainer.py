@@ -196,9 +196,16 @@ class AglRayPPOTrainer(RayPPOTrainer):
         """Trained weights → replicas, tagged with `global_steps`; wakes sleeping replicas. A LoRA
         adapter verl loaded into vLLM replicas then serves the calls that name the served model."""
         result = self.checkpoint_manager.update_weights(global_steps=self.global_steps) or {}
-        if self.config.actor_rollout_ref.rollout.name == "vllm":
+        if self.config.actor_rollout_ref.rollout.name == "vllm" and self._lora_as_adapter():
             self.route_calls_to_adapter()
         return result
+
+    def _lora_as_adapter(self) -> bool:
+        """verl's own test (`vLLMHttpServer.lora_as_adapter`): a LoRA rank and `lora.merge` off,
+        so the replicas hold the adapter apart from the base weights."""
+        model = self.config.actor_rollout_ref.model
+        lora = model.get("lora") or {}
+        return (model.get("lora_rank", 0) > 0 or lora.get("rank", 0) > 0) and not lora.get("merge", False)
 
     def route_calls_to_adapter(self) -> list[str | None]:
         """On each vLLM replica's OpenAI server, the served model name → verl's LoRA request
