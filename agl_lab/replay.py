@@ -10,8 +10,11 @@ neither verl nor Ray (the batch is agl_lab's `BatchData`, the GRPO/RLOO estimato
 metrics are computed as verl does, `algorithms.estimators`), so it answers in seconds. What the
 engine computed (old logprobs, the actor update, KL-in-reward when it is on) is not recomputed.
 `what_if(run_dir, step, overrides)` replays the same step under other settings (aggregation
-level, loss divisor, drop order, advantage estimator, clip ratios, ...) and returns the
-differences as DataFrames and a plot.
+level, loss divisor, drop order, advantage estimator, ... : the keys in `REPLAYABLE`) and
+returns the differences as DataFrames and a plot. Any other key is refused with one line naming
+it: the model, sampling, the optimiser and the engine's loss acted on rollouts and weights the
+recording holds as they were, so a replay under them would answer "nothing moved" for a change
+that may matter a great deal.
 """
 
 from __future__ import annotations
@@ -43,6 +46,48 @@ from agl_lab.results import BatchResult, UpdateResult
 
 # not compared: wall-clock figures, the recording's own size, and the version the engine's sync made
 _EXACT_SKIP = ("timing", "perf/", "recording/", "training/policy_version")
+
+# The keys a replay re-runs: what `config.batch_options` and `config.update_options` read, less
+# `actor_rollout_ref.rollout.n` (how many rollouts were sampled per task). Anything else changes
+# sampling, the model, the optimiser or the engine's loss (temperature, model path, learning
+# rate, clip ratios, KL, seed): the recording holds their outcome, not a way to recompute it.
+REPLAYABLE = (
+    "agentlightning.trace_aggregator.level",
+    "agentlightning.trace_aggregator.multi_segment",
+    "agentlightning.trace_aggregator.trajectory_max_prompt_length",
+    "agentlightning.trace_aggregator.trajectory_max_response_length",
+    "data.max_prompt_length",
+    "data.max_response_length",
+    "agentlightning.reward_fillna_value",
+    "agentlightning.max_ppo_update_times",
+    "agl_lab.algorithm.exclude_failed_rollouts",
+    "agl_lab.algorithm.turn_credit",
+    "agl_lab.algorithm.turn_gamma",
+    "agl_lab.algorithm.small_batch",
+    "agl_lab.algorithm.normalize_by",
+    "agl_lab.parity.drop_order",
+    "agl_lab.parity.bf16_rewards",
+    "agl_lab.parity.grpo_float32",
+    "algorithm.adv_estimator",
+    "algorithm.gamma",
+    "algorithm.lam",
+    "algorithm.norm_adv_by_std_in_grpo",
+    "algorithm.enable_rollout_level_advantage",
+    "actor_rollout_ref.actor.ppo_mini_batch_size",
+    "actor_rollout_ref.actor.policy_loss.loss_mode",
+)
+
+
+def check_replayable(overrides: Sequence[str]) -> None:
+    """ValueError naming the override keys a replay cannot re-run (not in `REPLAYABLE`), and why."""
+    keys = [str(o).split("=", 1)[0].lstrip("+~").strip() for o in overrides]
+    refused = [k for k in dict.fromkeys(keys) if k not in REPLAYABLE]
+    if refused:
+        raise ValueError(
+            f"a replay cannot re-run {', '.join(refused)}: the recording holds the rollouts as sampled and "
+            "no model, so a change to sampling, the model, the optimiser or the engine's loss would show "
+            f"as 'nothing moved'; a replay re-runs {', '.join(REPLAYABLE)} (agl_lab.replay.REPLAYABLE)"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -112,7 +157,8 @@ def replay_step(
     """Rebuild step `step` of the run in `run_dir` from its recording (no engine, server or agent).
 
     `overrides` (`key=value`) change the run's config first: with none, the replay must
-    reproduce the recorded engine-independent metrics exactly; with some, it answers "what if".
+    reproduce the recorded engine-independent metrics exactly; with some, it answers "what if"
+    (keys in `REPLAYABLE` only: ValueError naming any other).
     `tokenizer` (default: the run's, decode-only — `engines.tiny.load_decoder`, no model weights and
     no transformers import) decodes the tokens around a merge break, which its classification
     needs (retokenization vs other), and `batch.rows`' text columns.
@@ -124,6 +170,7 @@ def replay_step(
     from agl_lab.config import batch_options, load_saved_config
     from agl_lab.update import run_update
 
+    check_replayable(overrides)
     rec = load_recording(run_dir, step)
     cfg = load_saved_config(Path(run_dir) / "config.yaml", overrides)
     if tokenizer is None:
@@ -325,6 +372,7 @@ class WhatIf:
 
 def what_if(run_dir: str | Path, step: int, overrides: Sequence[str]) -> WhatIf:
     """Replay `step` as run and under `overrides`; the differences as DataFrames (see `WhatIf`)."""
+    check_replayable(overrides)  # before the base replay: a refused key costs no seconds
     base = replay_step(run_dir, step)
     alt = replay_step(run_dir, step, overrides, tokenizer=base.batch.tokenizer)
     a = {**base.batch.metrics, **base.update.metrics}

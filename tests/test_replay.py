@@ -109,6 +109,47 @@ def test_what_if_under_the_agl_drop_order_drops_other_rollouts():
     assert not diff.metrics.empty  # AGL v1 aligns rows before the advantages: another selection
 
 
+CANNOT_REPLAY = [
+    "actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct",
+    "actor_rollout_ref.rollout.temperature=0.2",
+    "actor_rollout_ref.actor.optim.lr=1e-3",
+]
+
+
+def test_what_if_refuses_keys_a_replay_cannot_rerun_in_one_line(capsys):
+    """#53 item 10: a sampling, model or optimiser key printed "no metric moved", exit 0."""
+    with pytest.raises(ValueError, match=r"cannot re-run actor_rollout_ref\.actor\.clip_ratio:"):
+        what_if(CASSETTE, 1, ["agl_lab.parity.drop_order=agl", "actor_rollout_ref.actor.clip_ratio=0.1"])
+    with pytest.raises(ValueError, match=r"cannot re-run agl_lab\.seed:"):
+        replay_step(CASSETTE, 1, ["+agl_lab.seed=3"])
+    assert replay_main([str(CASSETTE), "--step", "1", *CANNOT_REPLAY]) == 2
+    out = capsys.readouterr().out
+    keys = ", ".join(o.split("=")[0] for o in CANNOT_REPLAY)
+    assert out.count("\n") == 1 and out.startswith(f"agl-lab replay: a replay cannot re-run {keys}: "), out
+    assert "agl_lab.algorithm.normalize_by" in out and "no metric moved" not in out
+
+
+def test_every_replayable_key_reaches_the_batch_or_the_update_options():
+    """`REPLAYABLE` cannot name a key the replay ignores: changing any one of them changes what
+    `batch_options` (at the run's level or at transition level) or `update_options` hand on."""
+    from omegaconf import OmegaConf
+
+    from agl_lab.config import batch_options, load_saved_config, update_options
+    from agl_lab.replay import REPLAYABLE
+
+    def options(cfg):
+        return [batch_options(cfg), batch_options(cfg, "transition"), update_options(cfg)]  # the level, or data.*
+
+    cfg = load_saved_config(CASSETTE / "config.yaml")
+    for key in REPLAYABLE:
+        value = OmegaConf.select(cfg, key, default="<missing>")
+        assert value != "<missing>", f"{key} is not a config key"
+        other = cfg.copy()
+        changed = not value if isinstance(value, bool) else "other" if isinstance(value, str) else (value or 0) + 1
+        OmegaConf.update(other, key, changed)
+        assert options(other) != options(cfg), f"{key} changes neither the batch nor the update options"
+
+
 # ---------------------------------------------------------------------------------------------
 # Recording during training, and the CLI
 # ---------------------------------------------------------------------------------------------
