@@ -4,10 +4,15 @@ directory named after its setting, then one `compare` table (issue 36)."""
 from __future__ import annotations
 
 import json
+import signal
+from pathlib import Path
 
 import pytest
 
-from agl_lab.sweep import grid_settings, parse_axes, setting_dir, sweep, sweep_main
+from agl_lab import runs
+from agl_lab.logger import read_metrics
+from agl_lab.sweep import _normalise, _plan, grid_settings, named_settings, parse_axes, setting_dir, sweep, sweep_main
+from tests.processes import spawn_cli, wait_for
 from tests.trainer_runs import SMALL
 
 
@@ -88,3 +93,101 @@ def test_a_sweep_runs_each_setting_and_seed_in_its_own_dir_and_compares_them(tmp
         "configs/cpu_tiny.yaml", run_dir, [*SMALL, "actor_rollout_ref.actor.optim.lr=1e-3", "agl_lab.seed=0"], 1
     )
     assert _finished(run_dir, same) and not _finished(run_dir, [*same, "trainer.test_freq=1"])
+
+
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        (["data.train_batch_size="], "data.train_batch_size= has no value: give data.train_batch_size=VALUE"),
+        (["actor_rollout_ref.rollout.n=4,"], "actor_rollout_ref.rollout.n=4,: an empty value in the axis"),
+        (["=4"], "'=4' names no key"),
+        (["actor_rollout_ref.rollout.n=4,8", "--seeds", "0,0"], "--seeds '0,0' repeats seed 0: give each seed once"),
+        (["--name", "n4"], "--name 'n4': give NAME:key=value"),
+        (["--name", "n4:rollout"], "--name 'n4:rollout': give NAME:key=value"),
+        (["a.b=1,2", "--name", "n4:a.b=4"], "give grid axes (a.b) or --name settings, not both"),
+    ],
+)
+def test_a_wrong_grid_is_one_line_naming_the_key_or_flag(tmp_path, capsys, args, line):
+    assert sweep_main(["configs/cpu_tiny.yaml", *args, "--out", str(tmp_path / "out")]) == 2
+    printed = capsys.readouterr().out.strip()
+    assert printed.startswith(f"agl-lab sweep: {line}") and "\n" not in printed, printed
+    assert not (tmp_path / "out").exists()  # nothing ran
+
+
+def test_named_settings_the_order_and_the_one_setting_name(tmp_path):
+    named = named_settings(["n4:actor_rollout_ref.rollout.n=4", "n8:actor_rollout_ref.rollout.n=8", "n8:data.x=4"])
+    assert named == {"n4": ["actor_rollout_ref.rollout.n=4"], "n8": ["actor_rollout_ref.rollout.n=8", "data.x=4"]}
+    seed_first = [(n, s) for n, s, _ in _plan("c.yaml", named, [0, 1], [], tmp_path)]
+    assert seed_first == [("n4", 0), ("n8", 0), ("n4", 1), ("n8", 1)]  # every arm of seed 0 first
+    by_setting = [(n, s) for n, s, _ in _plan("c.yaml", named, [0, 1], [], tmp_path, "setting-first")]
+    assert by_setting == [("n4", 0), ("n4", 1), ("n8", 0), ("n8", 1)]
+    assert _normalise(None, "configs/cpu_tiny.yaml") == {"cpu_tiny": []}  # named like the others, not default/
+
+
+def _train_processes(marker: str) -> list[int]:
+    """Pids of live `agl_lab.cli train` processes whose command line names `marker`."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+            state = (proc / "status").read_text()
+        except (OSError, ValueError):
+            continue
+        text = [part.decode(errors="replace") for part in cmdline]
+        if "train" in text and any(marker in part for part in text) and "\nState:\tZ" not in state:
+            found.append(int(proc.name))
+    return found
+
+
+@pytest.mark.timeout(900)
+def test_sigterm_stops_every_run_and_the_relaunch_logs_each_step_once(tmp_path):
+    """SIGTERM to a parallel sweep: every `agl-lab train` it started stops and none is left; the
+    same command again resumes the stopped runs, and each run's log holds every step once."""
+    out = tmp_path / "sweep"
+    argv = [
+        "sweep",
+        "configs/cpu_tiny.yaml",
+        "actor_rollout_ref.actor.optim.lr=1e-3,1e-4",
+        *SMALL,
+        "trainer.save_freq=1",
+        "--seeds",
+        "0",
+        "--parallel",
+        "2",
+        "--steps",
+        "10",
+        "--out",
+        str(out),
+        "--last",
+        "10",
+    ]
+    log = tmp_path / "sweep.log"
+    proc = spawn_cli(argv, log)
+    metrics = [out / d / "seed0" / "metrics.jsonl" for d in ("lr1e-3", "lr1e-4")]
+    wait_for(
+        lambda: all(m.exists() and m.read_text().strip() for m in metrics), 600, "a step of both runs", [proc], [log]
+    )
+    assert len(_train_processes(str(out))) == 2
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=300) == 143, log.read_text()[-3000:]
+    assert _train_processes(str(out)) == []  # nothing orphaned: the sweep waited for its runs
+    printed = log.read_text()
+    assert "sweep: SIGTERM: stopping 2 running run(s)" in printed and "run the same command again" in printed
+    stopped = [runs.run_state(m.parent) for m in metrics]
+    assert stopped == ["unfinished", "unfinished"], printed[-3000:]
+
+    assert sweep_main(argv[1:]) == 0  # the relaunch: resumed from each run's checkpoint
+    for m in metrics:
+        assert [r["step"] for r in read_metrics(m)] == list(range(1, 11)), m
+        assert runs.run_state(m.parent) == "finished" and "resumed from" in (m.parent / "train.log").read_text()
+    result = sweep(
+        "configs/cpu_tiny.yaml",
+        {"lr=1e-3": ["actor_rollout_ref.actor.optim.lr=1e-3"], "lr=1e-4": ["actor_rollout_ref.actor.optim.lr=1e-4"]},
+        seeds=[0],
+        overrides=[*SMALL, "trainer.save_freq=1"],
+        out=out,
+        steps=10,
+        last=10,
+    )
+    assert list(result.runs["log"]) == ["already done"] * 2
+    assert list(result.table["training/reward n"]) == [10, 10]  # seeds × steps in the window: no copy counted
