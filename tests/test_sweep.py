@@ -191,3 +191,21 @@ def test_sigterm_stops_every_run_and_the_relaunch_logs_each_step_once(tmp_path):
     )
     assert list(result.runs["log"]) == ["already done"] * 2
     assert list(result.table["training/reward n"]) == [10, 10]  # seeds × steps in the window: no copy counted
+
+
+@pytest.mark.timeout(900)
+def test_a_sweep_killed_with_sigkill_takes_its_run_along_and_the_relaunch_resumes_it(tmp_path):
+    """SIGKILL gives the sweep no chance to pass anything on: its run gets SIGTERM from the kernel
+    (PR_SET_PDEATHSIG) and stops; the relaunch resumes it and logs each step once."""
+    out = tmp_path / "sweep"
+    argv = ["sweep", "configs/cpu_tiny.yaml", *SMALL, "trainer.save_freq=1", "--steps", "8", "--out", str(out)]
+    log = tmp_path / "sweep.log"
+    proc = spawn_cli(argv, log)
+    metrics = out / "cpu_tiny" / "seed0" / "metrics.jsonl"
+    wait_for(lambda: metrics.exists() and metrics.read_text().strip(), 600, "the run's first step", [proc], [log])
+    proc.kill()
+    proc.wait()
+    wait_for(lambda: not _train_processes(str(out)), 300, "the run to stop with its sweep")
+    assert runs.run_state(metrics.parent) == "unfinished"
+    assert sweep_main([*argv[1:], "--last", "8"]) == 0
+    assert [r["step"] for r in read_metrics(metrics)] == list(range(1, 9))
