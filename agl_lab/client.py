@@ -18,9 +18,14 @@ wire protocol (`agl_lab.protocol`). Three choices differ from AGL v1's client, e
    their current states (`states_of`).
 
 4. **Fail-over across servers of one ledger.** `AglClient("http://s0:8080,http://s1:8080")` (or a
-   list) talks to the first server and, when one refuses the connection (`httpx.ConnectError`:
-   the request never reached it, so any call may be resent), moves on to the next at once,
-   counted in `failovers`; the retry policy's backoff starts only after every server refused.
+   list) talks to the first server and, when one is never reached (the connection refused, or not
+   made within `connect_timeout`: a host that drops packets), moves on to the next at once (any
+   call may be resent: the request never left), counted in `failovers`; the retry policy's
+   backoff starts only after every server failed. A call that reaches no server for
+   `unreachable_seconds` (30 s by default) fails with `AglConnectionError` instead of retrying on.
+5. **A wrong address says so, once.** A certificate the client cannot verify, an `http://` URL
+   on a TLS port (or `https://` on a plain one) and an answer that is not JSON (a web page) raise
+   `AglWrongServer` naming the URL and the cause, never retried.
 
 The request/response shapes live in small pure helpers (`_Call` builders and parsers) and the
 retry decisions in one `_RetryPolicy.outcome`, so there is one request/retry path.
@@ -85,6 +90,12 @@ class AglAuthError(AglHTTPError):
 
 class AglConnectionError(ConnectionError):
     """The server could not be reached (transport error or timeout on every attempt)."""
+
+
+class AglWrongServer(AglConnectionError):
+    """The address answers, but not as an agl server this client can use: a certificate it cannot
+    verify, the other scheme (http:// on a TLS port, https:// on a plain one), or an answer that
+    is not JSON. Never retried: the next attempt would meet the same server."""
 
 
 class RolloutWaitTimeout(TimeoutError):
@@ -207,10 +218,13 @@ def _page_is_full(page: TerminalPage) -> bool:
 
 
 class _RetryPolicy:
-    def __init__(self, max_retries: int, backoff_base: float, backoff_cap: float):
+    def __init__(self, max_retries: int, backoff_base: float, backoff_cap: float, unreachable_seconds: float):
         if max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+        if not unreachable_seconds > 0:
+            raise ValueError(f"unreachable_seconds must be > 0, got {unreachable_seconds}")
         self.max_retries, self.backoff_base, self.backoff_cap = max_retries, backoff_base, backoff_cap
+        self.unreachable_seconds = unreachable_seconds
 
     def attempts(self, call: _Call) -> int:
         return self.max_retries + 1 if call.retry else 1
@@ -229,25 +243,30 @@ class _RetryPolicy:
                 pass
         return delay
 
-    def outcome(self, base_url: str, call: _Call, attempt: int, answer: httpx.Response | Exception) -> tuple[bool, Any]:
-        """What to do after attempt `attempt` of `call` got `answer` (a response or a transport error).
+    def outcome(
+        self, base_url: str, call: _Call, attempt: int, answer: httpx.Response | Exception, elapsed: float = 0.0
+    ) -> tuple[bool, Any]:
+        """What to do after attempt `attempt` of `call` got `answer` (a response or a transport error),
+        `elapsed` seconds after the call's first attempt started.
 
         `(True, body)`: done, `body` is the decoded JSON (None if empty). `(False, delay)`: wait
         `delay` seconds and send again. Raises `AglAuthError` (401, never retried),
-        `AglHTTPError` (other errors, or the last attempt) or `AglConnectionError`.
+        `AglHTTPError` (other errors, or the last attempt), `AglWrongServer` (never retried) or
+        `AglConnectionError` (the last attempt, or no server reached for `unreachable_seconds`).
         """
         last = attempt + 1 >= self.attempts(call)
         if isinstance(answer, Exception):
-            refused = _certificate_refused(base_url, answer)
-            if refused is not None:
-                raise refused from answer
-            if last:
-                raise _unreachable(base_url, call, attempt + 1, answer) from answer
+            wrong = _certificate_refused(base_url, answer) or _scheme_mismatch(base_url, answer)
+            if wrong is not None:
+                raise wrong from answer
             delay = self.delay(attempt, None)
+            # Critical: a server never reached is given `unreachable_seconds`, not the whole retry budget.
+            if last or (never_reached(answer) and elapsed + delay > self.unreachable_seconds):
+                raise _unreachable(base_url, call, attempt + 1, answer, elapsed) from answer
             self._log_retry(call, attempt, repr(answer), delay)
             return False, delay
         if answer.is_success:
-            return True, answer.json() if answer.content else None
+            return True, _json_of(base_url, call, answer)
         if answer.status_code == 401:
             raise AglAuthError(call.method, call.path, _detail_of(answer))
         if not self.retryable(answer.status_code) or last:
@@ -268,9 +287,12 @@ class _RetryPolicy:
         )
 
 
-def _request_args(call: _Call) -> dict[str, Any]:
-    """Keyword arguments of `httpx.(Async)Client.request` for `call` (one place for both clients)."""
-    timeout = call.timeout if call.timeout is not None else httpx.USE_CLIENT_DEFAULT
+def _request_args(call: _Call, connect_timeout: float) -> dict[str, Any]:
+    """Keyword arguments of `httpx.Client.request` for `call`; a call's own (longer) timeout keeps
+    the client's connect timeout: waiting longer for a connection never helps a slow answer."""
+    timeout: Any = httpx.USE_CLIENT_DEFAULT
+    if call.timeout is not None:
+        timeout = httpx.Timeout(call.timeout, connect=min(connect_timeout, call.timeout))
     return {"method": call.method, "url": call.path, "params": call.params, "json": call.json, "timeout": timeout}
 
 
@@ -278,22 +300,89 @@ def _auth_headers(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
-def _certificate_refused(base_url: str, exc: Exception) -> AglConnectionError | None:
+def _certificate_refused(base_url: str, exc: Exception) -> AglWrongServer | None:
     """The error for a TLS certificate this client could not verify (never retried: the next
     attempt would meet the same certificate), or None for another transport error."""
     if "CERTIFICATE_VERIFY_FAILED" not in str(exc):
         return None
-    return AglConnectionError(
+    return AglWrongServer(
         f"the TLS certificate of {base_url} could not be verified ({exc}): point SSL_CERT_FILE at the "
         "CA file that signed it (agl-lab runner --ssl-ca-file PATH)"
     )
 
 
-def _unreachable(base_url: str, call: _Call, attempts: int, exc: Exception) -> AglConnectionError:
+def _unreachable(base_url: str, call: _Call, attempts: int, exc: Exception, elapsed: float) -> AglConnectionError:
     return AglConnectionError(
         f"cannot reach the agl server at {base_url} ({call.method} {call.path}) after "
-        f"{attempts} attempt(s): {type(exc).__name__}: {exc}"
+        f"{attempts} attempt(s) in {elapsed:.1f} s: {type(exc).__name__}: {exc}"
     )
+
+
+def never_reached(exc: Exception) -> bool:
+    """Whether the request never left: the connection was refused or not made within the connect
+    timeout (a host that drops packets). Any call may then be resent, to this server or another."""
+    return isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
+
+
+# OpenSSL's words when an https:// client meets a plain-HTTP answer to its hello (1.1 and 3.x)
+_PLAIN_ANSWER_TO_TLS = (
+    "WRONG_VERSION_NUMBER",
+    "wrong version number",
+    "record layer failure",
+    "packet length too long",
+)
+
+
+def _scheme_mismatch(base_url: str, exc: Exception) -> AglWrongServer | None:
+    """The error for a URL whose scheme the server does not speak, or None.
+
+    https:// to a plain port: OpenSSL reads the server's HTTP answer as a TLS record. http:// to a
+    TLS port: the server drops the connection without an answer; a TLS handshake then succeeds."""
+    host_port = base_url.split("://", 1)[-1]
+    if base_url.startswith("https://") and any(word in str(exc) for word in _PLAIN_ANSWER_TO_TLS):
+        return AglWrongServer(
+            f"{base_url} answered the TLS handshake in plain HTTP ({exc}): it is not a TLS port; "
+            f"use http://{host_port}, or start the server with --ssl-certfile/--ssl-keyfile"
+        )
+    if base_url.startswith("http://") and isinstance(exc, httpx.RemoteProtocolError) and _speaks_tls(base_url):
+        return AglWrongServer(
+            f"{base_url} is a TLS port (it completed a TLS handshake and dropped the plain HTTP request): "
+            f"use https://{host_port}"
+        )
+    return None
+
+
+def _speaks_tls(url: str, timeout: float = 3.0) -> bool:
+    """Whether the server at `url` completes a TLS handshake (certificate not checked: only the
+    protocol is asked)."""
+    import socket
+    import ssl
+
+    parsed = httpx.URL(url)
+    context = ssl.create_default_context()
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    try:
+        with socket.create_connection((parsed.host, parsed.port or 80), timeout=timeout) as sock:
+            with context.wrap_socket(sock, server_hostname=parsed.host):
+                return True
+    except (OSError, ValueError):  # ssl.SSLError is an OSError
+        return False
+
+
+def _json_of(base_url: str, call: _Call, answer: httpx.Response) -> Any:
+    """The JSON body of a 2xx answer (None if empty); `AglWrongServer` naming what answered when it
+    is not JSON (a web page, a proxy's login form): the URL is not an agl server's."""
+    if not answer.content:
+        return None
+    try:
+        return answer.json()
+    except ValueError:
+        raise AglWrongServer(
+            f"{base_url}{call.path} answered {answer.status_code} "
+            f"{answer.headers.get('content-type', 'without a content type')}, not JSON: "
+            f"{answer.content[:80]!r}: this is not an agl_lab / Agent Lightning server; check the URL "
+            "(agentlightning.agl_base_url, agl-lab runner --server)"
+        ) from None
 
 
 # =============================================================================================
@@ -335,13 +424,17 @@ class AglClient:
 
     Args:
         base_url: server root, e.g. `http://127.0.0.1:8080` (no `/api`); several servers of one
-            ledger comma-separated (or a list): on a refused connection the next one is used
-            (`base_url` is then the one in use, `failovers` counts the moves).
+            ledger comma-separated (or a list): when one is never reached (refused, or no
+            connection within `connect_timeout`) the next one is used (`base_url` is then the
+            one in use, `failovers` counts the moves).
         key: bearer key; empty sends no Authorization header.
-        timeout: per-request timeout in seconds.
+        timeout: per-request timeout in seconds (reading the answer: a slow server is waited for).
+        connect_timeout: seconds to make the connection (a host that drops packets is left after it).
         max_retries: extra attempts for idempotent calls (11 attempts in all by default).
         backoff_base, backoff_cap: wait `min(backoff_base * 2**attempt, backoff_cap)` seconds
             between attempts (tests pass a tiny base).
+        unreachable_seconds: a call that has reached no server for this long fails
+            (`AglConnectionError`) instead of retrying on; answers (5xx, 429) keep the retry budget.
         transport, event_hooks: passed to `httpx.Client` (tests count requests with them).
     """
 
@@ -354,16 +447,20 @@ class AglClient:
         backoff_base: float = 1.0,
         backoff_cap: float = 30.0,
         *,
+        connect_timeout: float = 5.0,
+        unreachable_seconds: float = 30.0,
         transport: httpx.BaseTransport | None = None,
         event_hooks: dict[str, list] | None = None,
     ):
         self._urls = server_urls(base_url)
         self.base_url = self._urls[0]
         self.failovers = 0
-        self._policy = _RetryPolicy(max_retries, backoff_base, backoff_cap)
+        self._policy = _RetryPolicy(max_retries, backoff_base, backoff_cap, unreachable_seconds)
+        self._connect_timeout = min(connect_timeout, timeout)
+        timeouts = httpx.Timeout(timeout, connect=self._connect_timeout)
         self._clients = [
             httpx.Client(
-                base_url=url, headers=_auth_headers(key), timeout=timeout, transport=transport, event_hooks=event_hooks
+                base_url=url, headers=_auth_headers(key), timeout=timeouts, transport=transport, event_hooks=event_hooks
             )
             for url in self._urls
         ]
@@ -374,16 +471,17 @@ class AglClient:
 
     def _send(self, call: _Call) -> Any:
         """Send `call` with the retry policy; return the decoded JSON body (None if empty)."""
+        started = time.monotonic()
         for attempt in itertools.count():
-            for _hop in range(len(self._urls)):  # a refused connection: the next server, at once
+            for _hop in range(len(self._urls)):  # a server never reached: the next one, at once
                 try:
-                    answer: httpx.Response | Exception = self.http.request(**_request_args(call))
+                    answer: httpx.Response | Exception = self.http.request(**_request_args(call, self._connect_timeout))
                 except httpx.TransportError as exc:
                     answer = exc
-                if not isinstance(answer, httpx.ConnectError) or len(self._urls) == 1:
+                if not isinstance(answer, Exception) or not never_reached(answer) or len(self._urls) == 1:
                     break
                 self._fail_over(answer)
-            done, value = self._policy.outcome(self.base_url, call, attempt, answer)
+            done, value = self._policy.outcome(self.base_url, call, attempt, answer, time.monotonic() - started)
             if done:
                 return value
             time.sleep(value)
@@ -395,12 +493,12 @@ class AglClient:
         return list(self._urls)
 
     def _fail_over(self, exc: Exception) -> None:
-        """Use the next server of `base_url`'s list (the connection to this one was refused)."""
+        """Use the next server of `base_url`'s list (this one was never reached)."""
         failed = self.base_url
         self._current = (self._current + 1) % len(self._urls)
         self.http, self.base_url = self._clients[self._current], self._urls[self._current]
         self.failovers += 1
-        logger.warning("server %s refused the connection (%r); failing over to %s", failed, exc, self.base_url)
+        logger.warning("server %s was not reached (%r); failing over to %s", failed, exc, self.base_url)
 
     def _best_effort(self, call: _Call) -> bool:
         try:

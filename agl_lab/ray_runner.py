@@ -37,9 +37,11 @@ import importlib
 import inspect
 import logging
 import os
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -91,6 +93,28 @@ def py_modules_for(agent: Any) -> list[str]:
     return modules + ([path] if path else [])
 
 
+def wait_for_head(address: str | None, timeout: float) -> None:
+    """Return once the Ray head at `address` ("HOST:PORT") accepts a TCP connection; ConnectionError
+    naming the address after `timeout` seconds of refusals or silence. Other addresses ("auto",
+    None, "ray://…") are left to `ray.init`, which fails on its own when it finds no cluster."""
+    host, sep, port = (address or "").rpartition(":")
+    if not sep or "://" in (address or "") or not port.isdigit():
+        return
+    host = host.strip("[]")  # an IPv6 address: [::1]:6379
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+                return
+        except OSError as exc:
+            if time.monotonic() + 1.0 >= deadline:
+                raise ConnectionError(
+                    f"no Ray head answers at {address} within {timeout:g} s ({exc}): check --ray ADDRESS "
+                    "(the address `ray start --head` prints), or wait longer with --ray-connect-timeout"
+                ) from None
+        time.sleep(1.0)
+
+
 def _die_with_parent() -> None:  # an agent subprocess's preexec_fn: SIGKILL when the Ray worker dies
     import ctypes
     import signal
@@ -138,6 +162,7 @@ class RayRunner(Runner):
     | address           | the cluster (`ray.init(address=...)`: "auto", "HOST:PORT", None)     |
     | cpus_per_agent    | Ray CPUs each agent task reserves (default 1; 0.25: four per CPU)    |
     | node_loss_retries | attempts a rollout may lose to dead nodes before it is failed        |
+    | connect_timeout   | seconds a HOST:PORT address may take to accept a connection (30)    |
     | runtime_env       | extra Ray runtime_env (its py_modules get agl_lab and the agent's)   |
     | **kwargs          | the `Runner`'s arguments                                            |
     """
@@ -150,9 +175,13 @@ class RayRunner(Runner):
         cpus_per_agent: float = 1.0,
         node_loss_retries: int = 2,
         runtime_env: dict[str, Any] | None = None,
+        connect_timeout: float = 30.0,
         **kwargs: Any,
     ):
         super().__init__(server_url, **kwargs)
+        if isinstance(connect_timeout, bool) or not isinstance(connect_timeout, (int, float)) or connect_timeout <= 0:
+            raise ValueError(f"RayRunner(connect_timeout=...) must be a number of seconds > 0, got {connect_timeout!r}")
+        self.connect_timeout = float(connect_timeout)
         if isinstance(cpus_per_agent, bool) or not isinstance(cpus_per_agent, (int, float)) or cpus_per_agent < 0:
             raise ValueError(f"RayRunner(cpus_per_agent=...) must be a number >= 0, got {cpus_per_agent!r}")
         if isinstance(node_loss_retries, bool) or not isinstance(node_loss_retries, int) or node_loss_retries < 0:
@@ -175,6 +204,7 @@ class RayRunner(Runner):
         import ray
 
         if not ray.is_initialized():
+            wait_for_head(self.address, self.connect_timeout)  # ray.init retries a dead address for ever
             if self.address is None:  # a local cluster: its agents at nice 0, not Ray's 15 (engine.init_ray)
                 os.environ.setdefault("RAY_worker_niceness", "0")
             ray.init(address=self.address, runtime_env=self.runtime_env, logging_level=logging.WARNING)

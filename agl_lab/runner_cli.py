@@ -27,7 +27,9 @@ https:// server (it sets SSL_CERT_FILE for the runner and its agents); `--metric
 the runner's counters as Prometheus text (`agl_runner_*`, docs/many-machines.md).
 
 `--ray [ADDRESS]` runs each agent as a Ray task spread over a cluster's nodes (`agl_lab.ray_runner`;
-Ray is imported only then); the claims, heartbeats and attempts stay in this process.
+Ray is imported only then); the claims, heartbeats and attempts stay in this process. A HOST:PORT
+where no Ray head accepts a connection within `--ray-connect-timeout` (30 s) is one line, exit 2;
+so is a `--server` that is no agl server (http:// on a TLS port, https:// on a plain one, a web page).
 
 The trainer whose rollouts these runners execute starts no runner of its own:
 `agl_lab.runner.enabled=false` (and, with an external server, `agl_lab.server.embedded=false`
@@ -142,6 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.0,
         metavar="N",
         help="Ray CPUs each agent task reserves with --ray (default 1; 0.25: four agents per CPU)",
+    )
+    p.add_argument(
+        "--ray-connect-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="with --ray HOST:PORT: give up (exit 2) when no Ray head accepts a connection there within S s (default 30)",
     )
     p.add_argument("--log-level", default="warning", help="log level of the runner's messages (default warning)")
     return p
@@ -314,8 +323,14 @@ def _build_runner(args: argparse.Namespace):
 
         if not args.ray_cpus_per_agent >= 0:
             raise ValueError(f"--ray-cpus-per-agent must be >= 0, got {args.ray_cpus_per_agent}")
+        if not args.ray_connect_timeout > 0:
+            raise ValueError(f"--ray-connect-timeout must be > 0 seconds, got {args.ray_connect_timeout}")
         address = args.ray or os.environ.get("RAY_ADDRESS") or "auto"
-        ray_args = {"address": address, "cpus_per_agent": args.ray_cpus_per_agent}
+        ray_args = {
+            "address": address,
+            "cpus_per_agent": args.ray_cpus_per_agent,
+            "connect_timeout": args.ray_connect_timeout,
+        }
     return runner_class(
         args.server,
         **ray_args,
@@ -330,8 +345,10 @@ def _build_runner(args: argparse.Namespace):
 
 
 def _check_server(runner) -> bool:
-    """Fail at once on a wrong key (401); a server not up yet is waited for (the runner retries)."""
-    from agl_lab.client import AglAuthError, AglClient
+    """Fail at once on a wrong key (401) and on an address that is no agl server this runner can use
+    (`AglWrongServer`: the certificate, http:// vs https://, a web page); a server not up yet is
+    waited for (the runner retries)."""
+    from agl_lab.client import AglAuthError, AglClient, AglWrongServer
 
     try:
         with AglClient(runner.server_url, key=runner.key, timeout=10, max_retries=0) as client:
@@ -343,9 +360,9 @@ def _check_server(runner) -> bool:
             file=sys.stderr,
         )
         return False
+    except AglWrongServer as exc:  # the next try would meet the same server
+        print(f"agl-lab runner: {exc}", file=sys.stderr)
+        return False
     except Exception as exc:  # not up yet, or a hiccup: the poll loop keeps trying
-        if "CERTIFICATE_VERIFY_FAILED" in str(exc):  # except this: the next try meets the same certificate
-            print(f"agl-lab runner: {exc}", file=sys.stderr)
-            return False
         print(f"agl-lab runner: {runner.server_url} is not reachable yet ({exc!r:.200}); retrying", flush=True)
     return True
