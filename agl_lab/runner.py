@@ -29,8 +29,9 @@ Design decisions
   is abandoned at its timeout (its later gateway calls for the terminal rollout are refused
   by the gateway) and can neither hold a pool slot nor block interpreter exit.
 - A subprocess agent runs in a new session; timeout, shutdown and completion kill its whole
-  process group, so tool servers it started do not outlive it. The last 2000 characters of
-  its stderr are quoted in the error message of a failed rollout.
+  process group and every process that carries its `AGL_LAB_ROLLOUT_MARK` (daemons that left
+  the group: `agl_lab.agent_procs`), so tool servers it started do not outlive it. The last
+  2000 characters of its stderr are quoted in the error message of a failed rollout.
 - The per-rollout timeout is `min(config.timeout_seconds, rollout_timeout_seconds)`.
 - A rollout this runner runs that the store reports terminal or deleted (e.g. failed by a
   trainer's bounded wait) is stopped and its slot freed (checked about once a second).
@@ -58,7 +59,6 @@ import logging
 import math
 import numbers
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -70,15 +70,14 @@ from typing import IO, Any
 
 from agl_lab._agent_bootstrap import _await, split_agent_class
 from agl_lab.agent import AgentContext, AgentSpec, agent_env, attempt_of
+from agl_lab.agent_procs import MARK_VARIABLE, kill_rollout_processes, new_mark, terminate_rollout_processes
 from agl_lab.client import AglAuthError, AglClient, AglHTTPError
 from agl_lab.protocol import DEFAULT_ATTEMPT_ID, Rollout, reward_problem
 
 log = logging.getLogger(__name__)
 
 STDERR_TAIL_CHARS = 2000
-KILL_WAIT_SECONDS = 5.0
 AUTH_FAILURES_TO_GIVE_UP = 5  # consecutive polls answered 401: the key is wrong, stop polling
-TERM_GRACE_SECONDS = 2.0  # stop(): agents' process groups get SIGTERM, then SIGKILL after this
 RECONCILE_INTERVAL_SECONDS = 1.0
 HEARTBEAT_MAX_INTERVAL_SECONDS = 10.0  # renew leases at least this often (a tenth of the server's lease if shorter)
 BEATS_PER_LEASE = 10  # heartbeats per lease: a lease survives a runner stalled for 9 beats (a loaded machine)
@@ -106,6 +105,7 @@ class _Execution:
     claimed_at: float  # time.monotonic() of the successful claim
     ctx: AgentContext | None = None
     proc: subprocess.Popen | None = None
+    mark: str | None = None  # the agent subprocess's AGL_LAB_ROLLOUT_MARK (agl_lab.agent_procs)
     thread: threading.Thread | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     wake: threading.Event = field(default_factory=threading.Event)  # set by the outcome decision
@@ -150,35 +150,6 @@ def _read_tail(fh: IO[bytes] | None, limit: int = STDERR_TAIL_CHARS) -> str:
 # this host's keys an agent never inherits (it gets its rollout's token as AGL_KEY instead): the
 # engine's key would let it call the engine past the gateway, the runner key claim other rollouts
 HOST_SECRETS = frozenset({"AGL_ENGINE_KEY", "AGL_RUNNER_KEY"})
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the agent's process group (it leads its own session) and reap the leader."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        proc.wait(timeout=KILL_WAIT_SECONDS)
-    except subprocess.TimeoutExpired:
-        log.error("agent subprocess %d did not die within %ss of SIGKILL", proc.pid, KILL_WAIT_SECONDS)
-
-
-def _terminate_groups(procs: list[subprocess.Popen], grace: float = TERM_GRACE_SECONDS) -> None:
-    """SIGTERM every live agent's process group at once, then wait up to `grace` seconds in
-    all for the leaders to exit (the SIGKILL of `_kill_group` follows for what remains)."""
-    alive = [p for p in procs if p.poll() is None]
-    for proc in alive:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except (ProcessLookupError, PermissionError):
-            pass
-    deadline = time.monotonic() + grace
-    for proc in alive:
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
 
 
 def _child_pythonpath() -> str:
@@ -276,7 +247,7 @@ class Runner:
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop claiming, terminate live agents (SIGTERM to each process group, SIGKILL after
-        TERM_GRACE_SECONDS) and release their rollouts back to the queue (another
+        agent_procs.TERM_GRACE_SECONDS) and release their rollouts back to the queue (another
         runner runs them as their next attempt); on an AGL server, which cannot release, fail
         them with "runner shutdown".
 
@@ -287,13 +258,13 @@ class Runner:
         self._stop.set()
         self._thread.join(timeout=max(0.0, deadline - time.monotonic()))
         live = self._live_snapshot()
-        procs = []
+        agents = []
         for ex in live:
             with ex.lock:
                 ex.stopping = True
                 if ex.proc is not None:
-                    procs.append(ex.proc)
-        _terminate_groups(procs)  # a chance to clean up; what is left is killed by _finish
+                    agents.append((ex.proc, ex.mark))
+        terminate_rollout_processes(agents)  # a chance to clean up; what is left is killed by _finish
         released = self._release(live)
         for ex in live:
             if ex.rollout_id in released:
@@ -578,6 +549,7 @@ class Runner:
             **{k: v for k, v in os.environ.items() if k not in HOST_SECRETS},
             "PYTHONPATH": _child_pythonpath(),
             **agent_env(ex.rollout, self.agent_server_url, self.key),
+            MARK_VARIABLE: ex.mark or "",  # inherited by whatever it starts: daemons are found by it
         }
         argv = [sys.executable, "-m", "agl_lab._agent_bootstrap", spec]
         return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stderr=stderr_file, start_new_session=True)
@@ -585,6 +557,7 @@ class Runner:
     def _supervise_subprocess(self, ex: _Execution) -> None:
         """Spawn the AGL agent class in its own session; wait, time out or report its exit."""
         with tempfile.TemporaryFile(prefix="agl-agent-stderr-") as stderr_file:
+            ex.mark = new_mark(ex.rollout_id)
             try:
                 proc = self._spawn(ex, stderr_file)
             except Exception as exc:
@@ -593,7 +566,7 @@ class Runner:
             with ex.lock:
                 ex.proc, decided = proc, ex.finished
             if decided:  # shutdown raced the spawn
-                _kill_group(proc)
+                kill_rollout_processes(proc, ex.mark)
                 return
             try:
                 rc = proc.wait(timeout=ex.timeout)
@@ -617,13 +590,13 @@ class Runner:
             if ex.finished:
                 return False
             ex.finished = True
-            proc = ex.proc
+            proc, mark = ex.proc, ex.mark
         if ex.ctx is not None:
             ex.ctx.cancelled.set()
         ex.wake.set()
         try:
             if proc is not None:
-                _kill_group(proc)  # the leader has exited or must; its tool processes go too
+                kill_rollout_processes(proc, mark)  # the leader has exited or must; its tools and daemons go too
             if state is not None:
                 self._patch_terminal(ex, state, message)
         finally:

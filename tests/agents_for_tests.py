@@ -89,6 +89,27 @@ class PidFileHangAgent:
         time.sleep(300)
 
 
+class DaemonAgent:
+    """Starts a daemon as a tool server daemonises (fork, `setsid`, fork again: a `sleep` in a
+    session of its own, re-parented to init), reports both pids, then hangs if `T_HANG` is set."""
+
+    def run(self) -> None:
+        read_end, write_end = os.pipe()
+        if os.fork() == 0:  # the first child: a new session, the daemon forked from it, then gone
+            os.setsid()
+            daemon = os.fork()
+            if daemon == 0:
+                os.execvp("sleep", ["sleep", "300"])
+            os.write(write_end, str(daemon).encode())
+            os._exit(0)
+        os.close(write_end)
+        daemon = int(os.read(read_end, 32))
+        os.wait()  # the first child exits at once: the daemon's parent is now init
+        _post_event("pids", {"agent": os.getpid(), "daemon": daemon})
+        if os.environ.get("T_HANG"):
+            time.sleep(300)
+
+
 class SleepAgent:
     """Sleeps `T_SLEEP` seconds (default 0.3), then posts reward 1.0."""
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
 import threading
 import time
 from typing import Any
@@ -12,6 +14,7 @@ import httpx
 import pytest
 
 from agl_lab.agent import AgentContext, agent_urls, resolve_env_map
+from agl_lab.agent_procs import MARK_VARIABLE, kill_rollout_processes, marked_pids, new_mark
 from agl_lab.protocol import Rollout, rollout_token
 from agl_lab.runner import Runner
 from agl_lab.server.embedded import EmbeddedServer
@@ -416,3 +419,42 @@ def test_rollout_ended_outside_the_runner_stops_its_agent(server, api):
         wait_until(lambda: process_gone(pids["agent"]) and process_gone(pids["tool"]), 10, "the agent to die")
         wait_until(lambda: runner.stats["abandoned"] == 1, 5, "the slot to be freed")
     assert status(api, ids[0])["error_message"] == "trainer gave up"  # the runner did not overwrite it
+
+
+def test_a_daemonised_tool_server_ends_with_its_rollout(server, api):
+    """A daemon (fork, setsid, fork) leaves the agent's process group; the runner still ends it:
+    when the agent finishes, and when stop() ends a running agent."""
+    done = create(api, subprocess_rollout("DaemonAgent"))
+    with Runner(server.url, key=KEY) as runner:
+        assert wait_terminal(api, done)[done[0]]["state"] == "succeeded"
+        wait_until(lambda: runner.stats["succeeded"] == 1, 5, "the runner to finish the rollout")
+        first = events(api, done[0], event_type="pids")[0]["data"]
+        daemon = first["daemon"]
+        assert process_gone(daemon) or os.getsid(daemon) != first["agent"]  # it left the agent's session
+        wait_until(lambda: process_gone(daemon), 10, "the finished rollout's daemon to die")
+        hung = create(api, subprocess_rollout("DaemonAgent", {"T_HANG": "1"}))
+        wait_until(lambda: events(api, hung[0], event_type="pids"), 20, "the hanging agent to start")
+    pids = events(api, hung[0], event_type="pids")[0]["data"]
+    assert status(api, hung[0])["state"] == "queuing"
+    wait_until(lambda: process_gone(pids["agent"]) and process_gone(pids["daemon"]), 10, "the stopped agent's daemon")
+
+
+def test_the_sweep_finds_a_mark_through_exec_and_not_past_a_cleared_environment():
+    """`marked_pids` matches the whole `AGL_LAB_ROLLOUT_MARK=...` entry of a process started with
+    it; a process that execs with a cleared environment is out of its reach (docs/robustness.md)."""
+    mark = new_mark("r1")
+    env = {**os.environ, MARK_VARIABLE: mark}
+    carried = subprocess.Popen(["sleep", "60"], env=env)
+    cleared = subprocess.Popen(["env", "-i", "sleep", "60"], env=env)
+    longer = subprocess.Popen(["sleep", "60"], env={**os.environ, MARK_VARIABLE: mark + "0"})
+    try:
+        wait_until(lambda: carried.pid in marked_pids(mark), 5, "the marked process to show")
+        found = marked_pids(mark)
+        assert cleared.pid not in found and longer.pid not in found
+        kill_rollout_processes(subprocess.Popen(["true"], start_new_session=True), mark)
+        assert carried.wait(timeout=5) == -9 and marked_pids(mark) == []
+        assert cleared.poll() is None and longer.poll() is None
+    finally:
+        for proc in (carried, cleared, longer):
+            proc.kill()
+            proc.wait()
