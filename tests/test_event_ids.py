@@ -5,10 +5,15 @@ On the store (every backend): a repeated id under one (rollout, attempt) stores 
 HTTP: `AgentContext.emit` through a connection that loses the server's answer after the server
 stored the event (a fault between the client and the server), and through a PostgreSQL store whose
 sessions were all dropped (its next call answers 503, nothing stored): exactly one event each.
+
+An id names one event (issue 53 item 3): the same id with other content (type or data) is refused
+— EventIdReused on the store, 409 naming the id over HTTP, also from a second server on the same
+PostgreSQL — never silently dropped. Stores made before ids carried a digest open and keep working.
 """
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Iterator
 
 import httpx
@@ -18,7 +23,7 @@ from agl_lab.agent import AgentContext
 from agl_lab.client import AglClient
 from agl_lab.protocol import RolloutCreate
 from agl_lab.server.backends import open_store
-from agl_lab.server.store import Store
+from agl_lab.server.store import EventIdReused, Store
 
 KEY = "events-key"
 
@@ -45,6 +50,93 @@ def test_a_repeated_event_id_is_stored_once(store):
     store.create_rollouts([RolloutCreate(rollout_id="a", input={})])
     store.append_event("a", "0", "reward", {"value": 5.0}, event_id="e1")
     assert [e.data["value"] for e in store.events("a")] == [5.0]
+
+
+def test_an_event_id_reused_with_other_content_is_refused_naming_the_id(store):
+    store.create_rollouts([RolloutCreate(rollout_id="a", input={})])
+    store.append_event("a", "0", "reward", {"value": 1.0, "why": "first"}, event_id="e1")
+    store.append_event("a", "0", "reward", {"why": "first", "value": 1.0}, event_id="e1")  # key order: the same
+    for event_type, data in (("reward", {"value": 2.0, "why": "first"}), ("step", {"value": 1.0, "why": "first"})):
+        with pytest.raises(EventIdReused, match=r"Rollout a, attempt 0: event id 'e1' is already stored with other"):
+            store.append_event("a", "0", event_type, data, event_id="e1")
+    store.append_event("a", "1", "reward", {"value": 9.0}, event_id="e1")  # another attempt: its own ids
+    assert [e.data for e in store.events("a", attempt_id="0")] == [{"value": 1.0, "why": "first"}]
+
+
+def test_a_sqlite_store_made_before_digests_opens_and_its_old_ids_stay_idempotent(tmp_path):
+    path = tmp_path / "old.db"
+    store = open_store(f"sqlite:///{path}")
+    store.create_rollouts([RolloutCreate(rollout_id="a", input={})])
+    store.append_event("a", "0", "reward", {"value": 1.0}, event_id="old")
+    store.close()
+    with sqlite3.connect(path) as db:  # the event_ids table as agl_lab wrote it before issue 53
+        db.execute("DROP TABLE event_ids")
+        db.execute(
+            "CREATE TABLE event_ids (rollout_id TEXT NOT NULL, attempt_id TEXT NOT NULL, event_id TEXT NOT NULL, "
+            "PRIMARY KEY (rollout_id, attempt_id, event_id))"
+        )
+        db.execute("INSERT INTO event_ids VALUES ('a', '0', 'old')")
+    store = open_store(f"sqlite:///{path}")
+    try:
+        store.append_event("a", "0", "reward", {"value": 1.0}, event_id="old")  # no digest kept: a resend
+        store.append_event("a", "0", "reward", {"value": 2.0}, event_id="new")
+        with pytest.raises(EventIdReused, match="'new'"):
+            store.append_event("a", "0", "reward", {"value": 3.0}, event_id="new")
+        assert [e.data["value"] for e in store.events("a")] == [1.0, 2.0]
+    finally:
+        store.close()
+
+
+def _post(server, event_id: str, data: dict) -> httpx.Response:
+    body = {"event_type": "reward", "data": data, "event_id": event_id}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    return httpx.post(f"{server.url}/api/rollouts/r/attempt/0/events", json=body, headers=headers, timeout=30)
+
+
+def test_an_event_id_reused_over_http_gets_409_naming_it(embedded_server, store_url):
+    server = embedded_server(key=KEY, store=store_url)
+    with AglClient(server.url, key=KEY) as client:
+        client.create_rollouts([RolloutCreate(rollout_id="r", input={})])
+        assert _post(server, "e1", {"value": 1.0}).status_code == 200
+        assert _post(server, "e1", {"value": 1.0}).status_code == 200  # a resend
+        refused = _post(server, "e1", {"value": 2.0})
+        assert refused.status_code == 409, refused.text
+        assert "event id 'e1' is already stored with other content" in refused.json()["detail"]
+        assert [e["data"] for e in client.get_events("r")] == [{"value": 1.0}]
+
+
+def test_two_servers_on_one_postgresql_refuse_an_id_the_other_stored_with_other_content(
+    embedded_server, postgres_database
+):
+    first = embedded_server(key=KEY, store=postgres_database)
+    second = embedded_server(key=KEY, store=postgres_database)
+    with AglClient(first.url, key=KEY) as client:
+        client.create_rollouts([RolloutCreate(rollout_id="r", input={})])
+        assert _post(first, "e1", {"value": 1.0}).status_code == 200
+        assert _post(second, "e1", {"value": 1.0}).status_code == 200  # a resend to the other server
+        refused = _post(second, "e1", {"value": 2.0})
+        assert refused.status_code == 409 and "'e1'" in refused.json()["detail"], refused.text
+        assert [e["data"] for e in client.get_events("r")] == [{"value": 1.0}]
+
+
+def test_a_postgresql_store_made_before_digests_gains_the_column(postgres_database):
+    import psycopg  # with the postgres fixture only (skipped where PostgreSQL is not installed)
+
+    store = open_store(postgres_database)
+    store.create_rollouts([RolloutCreate(rollout_id="a", input={})])
+    store.append_event("a", "0", "reward", {"value": 1.0}, event_id="old")
+    store.close()
+    with psycopg.connect(postgres_database, autocommit=True) as conn:  # agl_event_ids as made before issue 53
+        conn.execute("ALTER TABLE agl_event_ids DROP COLUMN digest")
+    store = open_store(postgres_database)
+    try:
+        store.append_event("a", "0", "reward", {"value": 5.0}, event_id="old")  # no digest kept: a resend
+        store.append_event("a", "0", "reward", {"value": 2.0}, event_id="new")
+        with pytest.raises(EventIdReused, match="'new'"):
+            store.append_event("a", "0", "reward", {"value": 3.0}, event_id="new")
+        assert [e.data["value"] for e in store.events("a")] == [1.0, 2.0]
+    finally:
+        store.close()
 
 
 class LoseFirstEventAnswer(httpx.HTTPTransport):

@@ -75,7 +75,7 @@ CORE_FILES = [
 PACKAGES = {  # package → the modules it holds (docs/architecture.md's module map)
     "engines/serving": {"__init__", "openai_server", "scheduler", "decode_batch", "fast_decode", "prefix_cache"},
     "engines/verl": {"__init__", "engine", "trainer", "api", "cpu", "cpu_rollout"},
-    "server/store": {"__init__", "base", "memory", "sqlite", "postgresql", "pg_schema", "pg_servers"},
+    "server/store": {"__init__", "base", "errors", "memory", "sqlite", "postgresql", "pg_schema", "pg_servers"},
 }
 # Rooms split by what they are (#37), each capped with headroom so it is split again before it sprawls
 ROOM_MAX_LINES = {

@@ -16,7 +16,7 @@ error texts are AGL's):
     POST   /api/rollouts/claim            {"limit", "runner_id"}  [Rollout] claimed (agl_lab; not in AGL)
     POST   /api/rollouts/release          {"attempts", "reason"}  {"released"}  (agl_lab; not in AGL)
     POST   /api/rollouts/heartbeat        {"rollout_ids"[, "attempt_ids"]}  renew leases (agl_lab; not in AGL)
-    POST   /api/rollouts/{id}/attempt/{aid}/events          Event | 404
+    POST   /api/rollouts/{id}/attempt/{aid}/events          Event | 404 | 409
     GET    /api/rollouts/{id}/events?event_type=&format=triplet
     POST   /api/models                    [Model]           201 echo (upsert)
     DELETE /api/models                                      {"status": "ok"}
@@ -94,7 +94,14 @@ from agl_lab.server.guard import DOCS_PATHS, RequestGuard
 from agl_lab.server.metrics import CONTENT_TYPE, QUEUE_DEPTH_CAP, ServerMetrics, TimedStore, render
 from agl_lab.server.seeding import SeededCallsRewriter
 from agl_lab.server.storable import INT64_MAX, INT64_MIN, NotStorable, check_storable
-from agl_lab.server.store import InvalidTransition, RolloutNotFound, StaleAttempt, Store, StoreUnavailable
+from agl_lab.server.store import (
+    EventIdReused,
+    InvalidTransition,
+    RolloutNotFound,
+    StaleAttempt,
+    Store,
+    StoreUnavailable,
+)
 from agl_lab.server.token_preserving import TokenPreservingRewriter
 from agl_lab.server.upstream import open_upstream_client
 
@@ -132,7 +139,8 @@ ERROR_TEXTS = {
     401: "missing or wrong key (checked before the body is read)",
     403: "a server without a key: the Host header names a host outside allowed_hosts",
     404: "no such rollout",
-    409: "transition not allowed from the rollout's state, or the attempt named is not running",
+    409: "transition not allowed from the rollout's state, the attempt named is not running, or an event id "
+    "already stored with other content",
     413: "body larger than max_body_bytes, or more items than max_batch_items",
     415: "body sent as text/plain or a form (cross-site content types): send application/json",
     422: "invalid field, or a value the store could not read back (named in detail)",
@@ -422,7 +430,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(InvalidTransition)
     @app.exception_handler(StaleAttempt)
-    async def conflict(_: Request, exc: InvalidTransition | StaleAttempt) -> JSONResponse:
+    @app.exception_handler(EventIdReused)
+    async def conflict(_: Request, exc: InvalidTransition | StaleAttempt | EventIdReused) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=409)
 
     @app.exception_handler(NotStorable)
@@ -633,7 +642,9 @@ def _event_router(store: Store) -> APIRouter:
     router = APIRouter(tags=["events"], responses=_errors(*COMMON_ERRORS))
 
     @router.post(
-        "/rollouts/{rollout_id}/attempt/{attempt_id}/events", response_model=Event, responses=_errors(400, 404, 422)
+        "/rollouts/{rollout_id}/attempt/{attempt_id}/events",
+        response_model=Event,
+        responses=_errors(400, 404, 409, 422),
     )
     async def post_event(rollout_id: str, attempt_id: str, body: EventCreate) -> Event:
         # strict (NaN, int64) on the API; the gateway's bodies are orjson's; NUL may stand in event data
@@ -644,7 +655,7 @@ def _event_router(store: Store) -> APIRouter:
             attempt_id,
             body.event_type,
             body.data,
-        )  # a repeated event_id stores nothing (a client's resend)
+        )  # a repeated event_id stores nothing (a client's resend); with other content: 409 naming the id
 
     @router.get("/rollouts/{rollout_id}/events", response_model=list[Event], responses=_errors(404))
     async def query_events(

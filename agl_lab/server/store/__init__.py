@@ -1,6 +1,7 @@
 """The rollout store: one `Store` interface (`base`), one module per backend.
 
-    base.py        the interface and its semantics (AGL v1's data model), the store's errors
+    base.py        the interface and its semantics (AGL v1's data model)
+    errors.py      the store's errors (the app maps each to an HTTP code)
     memory.py      MemoryStore    `store: memory` (default; lost when the process ends)
     sqlite.py      SqliteStore    `store: sqlite:///path/to/store.db` (one server process per file)
     postgresql.py  PostgresStore  `store: postgresql://...` (any number of server processes)
@@ -15,23 +16,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from agl_lab.server.store.base import (
-    DEFAULT_TERMINAL_LOG_LIMIT,
+from agl_lab.server.store.base import DEFAULT_TERMINAL_LOG_LIMIT, ReusedAttempt, StaleAttempt, Store, next_attempt_id
+from agl_lab.server.store.errors import (
+    EventIdReused,
     InvalidTransition,
-    ReusedAttempt,
     RolloutNotFound,
-    StaleAttempt,
-    Store,
     StoreError,
     StoreLocked,
     StoreUnavailable,
-    next_attempt_id,
 )
 from agl_lab.server.store.memory import MemoryStore
 from agl_lab.server.store.sqlite import SqliteStore
 
 __all__ = [
     "DEFAULT_TERMINAL_LOG_LIMIT",
+    "EventIdReused",
     "InvalidTransition",
     "MemoryStore",
     "PostgresStore",

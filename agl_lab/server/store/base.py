@@ -48,6 +48,7 @@ Design decisions:
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import threading
@@ -71,6 +72,14 @@ from agl_lab.protocol import (
     data_id_of,
 )
 from agl_lab.server.storable import check_rollout_id, check_storable, dump_storable
+from agl_lab.server.store.errors import (  # noqa: F401 (re-export: the store's errors, as before)
+    EventIdReused,
+    InvalidTransition,
+    RolloutNotFound,
+    StoreError,
+    StoreLocked,
+    StoreUnavailable,
+)
 
 try:  # orjson reads the event payloads the backends store ~5x faster (writes: dump_storable)
     import orjson
@@ -82,30 +91,6 @@ except ImportError:  # pragma: no cover - orjson is optional
 DEFAULT_TERMINAL_LOG_LIMIT = 100_000
 CLAIMER_WINDOW_SECONDS = 30.0  # a runner that claimed (or polled) this recently shares the queue
 log = logging.getLogger("agl_lab.server.store")
-
-
-class StoreError(Exception):
-    """Base class of the store's errors (mapped to HTTP codes by the app)."""
-
-
-class RolloutNotFound(StoreError, LookupError):
-    def __init__(self, rollout_id: str):
-        super().__init__(f"Rollout not found: {rollout_id}")
-        self.rollout_id = rollout_id
-
-
-class StoreLocked(StoreError, RuntimeError):
-    """Another process already serves this SQLite file (one server per store file)."""
-
-
-class StoreUnavailable(StoreError, ConnectionError):
-    """A database server store (PostgreSQL) cannot be reached: nothing was stored; retry (app: 503)."""
-
-
-class InvalidTransition(StoreError, ValueError):
-    def __init__(self, rollout_id: str, current: RolloutState, target: RolloutState | None):
-        super().__init__(f"Rollout {rollout_id}: cannot transition {current} -> {target}")
-        self.rollout_id, self.current, self.target = rollout_id, current, target
 
 
 class ReusedAttempt(InvalidTransition):
@@ -132,6 +117,13 @@ class StaleAttempt(StoreError, ValueError):
             f"{rollout.status.state.value}, attempt {live}); its lease expired or it was released"
         )
         self.rollout_id, self.attempt_id = rollout.rollout_id, attempt_id
+
+
+def event_digest(event_type: str, data: dict[str, Any] | None) -> str:
+    """What a client-made event id stands for: a hash of the type and data (key order ignored)."""
+    check_storable(data, "data", nul_ok=True)  # JSON that json.dumps encodes (and the stores accept)
+    text = json.dumps([event_type, data or {}], sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def next_attempt_id(last_attempt_id: str | None) -> str:
@@ -281,11 +273,13 @@ class Store(ABC):
         """Append one event (timestamped now) under (rollout, attempt); RolloutNotFound if unknown.
 
         `event_id` (client-made, str) makes it idempotent: an id already stored under (rollout, attempt)
-        stores nothing, so a resend after a lost answer or a 503 is recorded once (ids live as long as the rollout)."""
+        with the same type and data stores nothing, so a resend after a lost answer or a 503 is recorded
+        once; with other content, EventIdReused (409). Ids live as long as the rollout."""
         if data is not None and not isinstance(data, dict):
             raise TypeError(f"event data must be a dict, got {type(data).__name__}")
         check_storable([rollout_id, attempt_id, event_type, event_id or ""], "event ids")
         self._check_event_data(data)
+        digest = "" if event_id is None else event_digest(event_type, data)
         with self._session():
             event = Event.model_construct(
                 event_type=event_type,
@@ -294,8 +288,11 @@ class Store(ABC):
                 timestamp=self._clock(),
                 data={} if data is None else data,
             )
-            if not self._append_event(event, event_id):
+            stored = self._append_event(event, event_id, digest)
+            if stored is None:
                 raise RolloutNotFound(rollout_id)
+            if stored not in (digest, ""):  # "": an id stored before digests were kept (any content)
+                raise EventIdReused(rollout_id, attempt_id, event_id)
             rollout = self._load(rollout_id) if self.TOUCH_ON_EVENT else None  # an event of the running
             if rollout is not None and _runs_attempt(rollout, attempt_id):  # attempt renews its lease, a late
                 self._touch([rollout_id], event.timestamp)  # one of an old attempt does not
@@ -623,10 +620,11 @@ class Store(ABC):
         backend shared by several processes may answer from a plain read (PostgreSQL does)."""
 
     @abstractmethod
-    def _append_event(self, event: Event, event_id: str | None = None) -> bool:
-        """Append if the rollout exists (atomically); False if it does not. With `event_id`: append
-        and remember the id unless (rollout, attempt, id) is remembered already (then append
-        nothing and return True), atomically with respect to a concurrent append of the same id."""
+    def _append_event(self, event: Event, event_id: str | None = None, digest: str = "") -> str | None:
+        """Append if the rollout exists (atomically); None if it does not, else the digest stored
+        with `event_id`. With `event_id`: append and remember (id, digest) unless (rollout, attempt,
+        id) is remembered already (then append nothing and return the digest remembered),
+        atomically with respect to a concurrent append of the same id. Without: return `digest` ("")."""
 
     @abstractmethod
     def _events(self, rollout_id: str, attempt_id: str) -> list[Event]: ...

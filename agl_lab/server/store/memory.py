@@ -40,7 +40,7 @@ class MemoryStore(OneProcessStore):
         # 100k stored calls do not make each full collection (which stops the server's event loop)
         # walk millions of dicts; reads decode a fresh copy
         self._event_log: dict[str, dict[str, list[tuple[str, float, Any]]]] = {}
-        self._event_ids: dict[str, set[tuple[str, str]]] = {}  # rollout id -> {(attempt id, event id)}
+        self._event_ids: dict[str, dict[tuple[str, str], str]] = {}  # rollout id -> {(attempt, event id): digest}
         self._model_map: dict[str, dict[str, Model]] = {}
         self._terminal: collections.deque[str] = collections.deque(maxlen=self.terminal_log_limit)
         self._terminal_count = 0
@@ -80,17 +80,18 @@ class MemoryStore(OneProcessStore):
     def _check_event_data(self, data: dict[str, Any] | None) -> None:
         pass  # `_append_event` encodes with dump_storable (`_pack`), which is the check
 
-    def _append_event(self, event: Event, event_id: str | None = None) -> bool:
+    def _append_event(self, event: Event, event_id: str | None = None, digest: str = "") -> str | None:
         attempts = self._event_log.get(event.rollout_id)
         if attempts is None or event.rollout_id not in self._rollouts:
-            return False
+            return None
+        packed = _pack(event.data)  # the check first: data it cannot store leaves no id behind
         if event_id is not None:  # under the store's lock: one of two concurrent posts of an id appends
-            seen = self._event_ids.setdefault(event.rollout_id, set())
+            seen = self._event_ids.setdefault(event.rollout_id, {})
             if (event.attempt_id, event_id) in seen:
-                return True
-            seen.add((event.attempt_id, event_id))
-        attempts.setdefault(event.attempt_id, []).append((event.event_type, event.timestamp, _pack(event.data)))
-        return True
+                return seen[event.attempt_id, event_id]
+            seen[event.attempt_id, event_id] = digest
+        attempts.setdefault(event.attempt_id, []).append((event.event_type, event.timestamp, packed))
+        return digest
 
     def _events(self, rollout_id: str, attempt_id: str) -> list[Event]:
         return [

@@ -6,11 +6,12 @@
                        timestamp, data (JSON bytes)
     agl_models         (model, endpoint) -> version
     agl_terminal_log   idx (absolute), rollout_id;   agl_terminal_head: total
-    agl_event_ids      (rollout_id, attempt_id, event_id): client-made ids already stored
+    agl_event_ids      (rollout_id, attempt_id, event_id) -> digest: client-made ids already stored
     agl_claimers       runner_id -> when it last claimed (fair shares across servers)
 
 The last two came after schema version 1 was released: `_ADDED` creates them where missing, so a
-database of version 1 opens as it is.
+database of version 1 opens as it is; so does `agl_event_ids.digest` (base.event_digest of the
+event; '' in rows stored before it, which match any content).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ CREATE INDEX agl_terminal_log_rollout ON agl_terminal_log (rollout_id, idx);
 _ADDED = """
 CREATE TABLE IF NOT EXISTS agl_event_ids (  -- client-made event ids: a resent event is stored once
     rollout_id TEXT NOT NULL REFERENCES agl_rollouts (rollout_id) ON DELETE CASCADE,
-    attempt_id TEXT NOT NULL, event_id TEXT NOT NULL,
+    attempt_id TEXT NOT NULL, event_id TEXT NOT NULL, digest TEXT NOT NULL DEFAULT '',
     PRIMARY KEY (rollout_id, attempt_id, event_id)
 );
 CREATE TABLE IF NOT EXISTS agl_claimers (  -- runners that claimed lately, through any server (fair shares)
@@ -86,9 +87,21 @@ def create_or_check_schema(conn: psycopg.Connection[Any], where: str) -> None:
         version = None if row is None else row[0]
         if version == str(SCHEMA_VERSION):
             conn.execute(_ADDED)
+            _add_digest_column(conn)
     if version != str(SCHEMA_VERSION):
         raise SchemaMismatch(
             f"PostgreSQL store {where} holds agl_lab tables of schema version {version}, this agl_lab reads "
             f"version {SCHEMA_VERSION}: point the `store` setting at another database (or schema: "
             f"?options=-csearch_path%3Dname), or drop the agl_* tables of the old one"
         )
+
+
+def _add_digest_column(conn: psycopg.Connection[Any]) -> None:
+    """`agl_event_ids.digest` where a database made before it lacks it (the ALTER only then: it
+    locks the table, and other servers may be appending events)."""
+    (found,) = conn.execute(  # type: ignore[misc]
+        "SELECT count(*) FROM information_schema.columns WHERE table_schema = current_schema() "
+        "AND table_name = 'agl_event_ids' AND column_name = 'digest'"
+    ).fetchone()
+    if not found:
+        conn.execute("ALTER TABLE agl_event_ids ADD COLUMN digest TEXT NOT NULL DEFAULT ''")

@@ -17,10 +17,9 @@ process (`base.OneProcessStore`):
   rollout row, which `NO KEY UPDATE` lets through, so a PATCH never queues behind model calls.)
 - **Per-process memory.** `models_for` keeps a pool `models_ttl_seconds` (1 s; the base class's
   cache, kept until this process's next model write, would serve a stale pool after another process
-  registered endpoints for ever), and
-  lease activity is stored, not kept in memory: a heartbeat writes `active_at`, an event is its
-  own timestamp (the newest event row), so a server that never saw a runner's heartbeat still
-  knows its lease is alive (`_touch`, `_idle_running`).
+  registered endpoints for ever), and lease activity is stored, not kept in memory: a heartbeat
+  writes `active_at`, an event is its own timestamp (the newest event row), so a server that never
+  saw a runner's heartbeat still knows its lease is alive (`_touch`, `_idle_running`).
 
 How each primitive is done:
 
@@ -89,8 +88,7 @@ from agl_lab.server.store.pg_servers import ServersOfOneDatabase
 
 __all__ = ["PostgresStore", "SchemaMismatch", "redact"]
 
-# The newest activity of a running rollout: its last status change, heartbeat or event.
-# the newest event *of the running attempt* counts (a late event of an old attempt renews nothing)
+# A running rollout's newest activity: status change, heartbeat or event *of the running attempt* (not an old one's)
 _LAST_ACTIVITY = """GREATEST(r.updated_at, r.active_at, COALESCE(
     (SELECT e.timestamp FROM agl_events e WHERE e.rollout_id = r.rollout_id
        AND e.attempt_id = COALESCE(r.body::json->'status'->>'last_attempt_id', '0')
@@ -443,7 +441,7 @@ class PostgresStore(ServersOfOneDatabase, Store):
     def _check_event_data(self, data: dict[str, Any] | None) -> None:
         pass  # `_append_event` encodes with dump_storable, which is the check
 
-    def _append_event(self, event: Event, event_id: str | None = None) -> bool:
+    def _append_event(self, event: Event, event_id: str | None = None, digest: str = "") -> str | None:
         data = dump_storable(event.data, "data")
         row = (event.rollout_id, event.attempt_id, event.event_type, event.timestamp, data, event.rollout_id)
         try:
@@ -453,20 +451,25 @@ class PostgresStore(ServersOfOneDatabase, Store):
                     "SELECT %s, %s, %s, %s, %s WHERE EXISTS (SELECT 1 FROM agl_rollouts WHERE rollout_id = %s)",
                     row,
                 )
-                return cur.rowcount == 1
-            # one statement: the id row and the event row both or neither (a concurrent post of the
-            # same id waits on the key and then inserts nothing)
+                return digest if cur.rowcount == 1 else None
+            # one statement, the id row and the event row both or neither (a concurrent same-id post waits, adds none)
+            key = (event.rollout_id, event.attempt_id, event_id)
             cur = self._db.execute(
-                "WITH id AS (INSERT INTO agl_event_ids (rollout_id, attempt_id, event_id) "
-                "SELECT %s, %s, %s WHERE EXISTS (SELECT 1 FROM agl_rollouts WHERE rollout_id = %s) "
+                "WITH id AS (INSERT INTO agl_event_ids (rollout_id, attempt_id, event_id, digest) "
+                "SELECT %s, %s, %s, %s WHERE EXISTS (SELECT 1 FROM agl_rollouts WHERE rollout_id = %s) "
                 "ON CONFLICT DO NOTHING RETURNING 1) "
                 "INSERT INTO agl_events (rollout_id, attempt_id, event_type, timestamp, data) "
                 "SELECT %s, %s, %s, %s, %s WHERE EXISTS (SELECT 1 FROM id)",
-                (event.rollout_id, event.attempt_id, event_id, event.rollout_id, *row[:5]),
+                (*key, digest, event.rollout_id, *row[:5]),
             )
         except psycopg.errors.ForeignKeyViolation:  # deleted between the check and the insert
-            return False
-        return cur.rowcount == 1 or self._exists(event.rollout_id)  # 0 rows: a repeated id, or no rollout
+            return None
+        if cur.rowcount == 1:
+            return digest
+        # 0 rows: a repeated id (its row holds the first post's digest, from any server), or no rollout
+        sql = "SELECT digest FROM agl_event_ids WHERE rollout_id = %s AND attempt_id = %s AND event_id = %s"
+        stored = self._db.execute(sql, key).fetchone()
+        return None if stored is None else stored[0]
 
     def _events(self, rollout_id: str, attempt_id: str) -> list[Event]:
         if "\x00" in rollout_id + attempt_id:

@@ -44,6 +44,7 @@ CREATE TABLE IF NOT EXISTS events (
 CREATE INDEX IF NOT EXISTS events_rollout ON events (rollout_id, attempt_id, seq);
 CREATE TABLE IF NOT EXISTS event_ids (        -- client-made event ids (idempotent posts)
     rollout_id TEXT NOT NULL, attempt_id TEXT NOT NULL, event_id TEXT NOT NULL,
+    digest TEXT NOT NULL DEFAULT '',         -- base.event_digest of the event ('' in older files)
     PRIMARY KEY (rollout_id, attempt_id, event_id)
 );
 CREATE TABLE IF NOT EXISTS models (
@@ -103,6 +104,8 @@ class SqliteStore(OneProcessStore):
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")  # durable across process crashes
             self._db.executescript(_SCHEMA)
+            if "digest" not in {row[1] for row in self._db.execute("PRAGMA table_info(event_ids)")}:
+                self._db.execute("ALTER TABLE event_ids ADD COLUMN digest TEXT NOT NULL DEFAULT ''")  # older files
         except BaseException as exc:
             if self._lock_file is not None:
                 self._lock_file.close()
@@ -269,24 +272,27 @@ class SqliteStore(OneProcessStore):
     def _check_event_data(self, data: dict[str, Any] | None) -> None:
         pass  # `_append_event` encodes with dump_storable, which is the check
 
-    def _append_event(self, event: Event, event_id: str | None = None) -> bool:
+    def _append_event(self, event: Event, event_id: str | None = None, digest: str = "") -> str | None:
         # the hot path of every model call: one autocommitted INSERT (the rollout check hits the
         # cache); dump_storable is also the write-time check that the data can be read back
         if not self._exists(event.rollout_id):
-            return False
+            return None
         row = (event.rollout_id, event.attempt_id, event.event_type, event.timestamp, dump_storable(event.data, "data"))
         insert = "INSERT INTO events (rollout_id, attempt_id, event_type, timestamp, data) VALUES (?, ?, ?, ?, ?)"
         if event_id is None:
             self._db.execute(insert, row)  # a BLOB: no decode to str and re-encode by sqlite3
-            return True
+            return digest
+        key = (event.rollout_id, event.attempt_id, event_id)
         with self._transaction():  # the id and the event: both or neither
             seen = self._db.execute(
-                "INSERT OR IGNORE INTO event_ids (rollout_id, attempt_id, event_id) VALUES (?, ?, ?)",
-                (event.rollout_id, event.attempt_id, event_id),
+                "INSERT OR IGNORE INTO event_ids (rollout_id, attempt_id, event_id, digest) VALUES (?, ?, ?, ?)",
+                (*key, digest),
             )
             if seen.rowcount == 1:
                 self._db.execute(insert, row)
-        return True
+                return digest
+            sql = "SELECT digest FROM event_ids WHERE rollout_id=? AND attempt_id=? AND event_id=?"
+            return self._db.execute(sql, key).fetchone()[0]  # a resend: the digest stored first
 
     def _events(self, rollout_id: str, attempt_id: str) -> list[Event]:
         sql = "SELECT event_type, timestamp, data FROM events WHERE rollout_id=? AND attempt_id=? ORDER BY seq"
