@@ -105,6 +105,26 @@ def test_an_event_id_reused_over_http_gets_409_naming_it(embedded_server, store_
         assert [e["data"] for e in client.get_events("r")] == [{"value": 1.0}]
 
 
+def test_the_client_surfaces_the_409_naming_the_id_and_does_not_resend_it(embedded_server, monkeypatch):
+    """`AglClient` makes a fresh id per event; two events under one id (forced here: a uuid4
+    collision) get the server's line as AglHTTPError, sent once — a 409 is no transient failure."""
+    import uuid
+
+    from agl_lab.client import AglHTTPError
+
+    server = embedded_server(key=KEY)
+    monkeypatch.setattr(uuid, "uuid4", lambda: uuid.UUID(int=7))
+    with AglClient(server.url, key=KEY, backoff_base=0.01) as client:
+        client.create_rollouts([RolloutCreate(rollout_id="r", input={})])
+        client.add_event("r", "0", "reward", {"value": 1.0}, retry=True)
+        seen: list[int] = []
+        client.http.event_hooks["response"].append(lambda r: seen.append(r.status_code))
+        with pytest.raises(AglHTTPError, match=f"409: .*event id '{uuid.UUID(int=7).hex}' is already stored") as e:
+            client.add_event("r", "0", "reward", {"value": 2.0}, retry=True)
+        assert e.value.status_code == 409 and seen == [409]
+        assert [e["data"] for e in client.get_events("r")] == [{"value": 1.0}]
+
+
 def test_two_servers_on_one_postgresql_refuse_an_id_the_other_stored_with_other_content(
     embedded_server, postgres_database
 ):
