@@ -98,6 +98,7 @@ class Trainer:
         run_dir: str | os.PathLike | None = None,
         console: bool = True,
     ):
+        from agl_lab.algorithms.credit import unused_turn_credit_at_load
         from agl_lab.data import resolve_datasets
         from agl_lab.tasks import agent_and_task
 
@@ -117,6 +118,11 @@ class Trainer:
         self.agent, self.task = agent_and_task(
             cfg, agent, task, has_tasks=train_dataset is not None or train_files is not None
         )
+        self._task_name = self.task.name if self.task is not None else str(lab.task.name)
+        own_agent = self.task is not None and (self.agent is self.task.agent or self.agent in self.task.agents.values())
+        if message := unused_turn_credit_at_load(str(lab.algorithm.turn_credit), self._task_name, own_agent):
+            logger.warning(message)
+        self._turn_credit_warned = False  # the first step whose rollouts carry no turn reward warns once
         self.train_dataset, self.val_dataset = resolve_datasets(
             cfg, self.task, train_dataset, val_dataset, train_files, val_files
         )
@@ -268,6 +274,7 @@ class Trainer:
 
     def build_batch(self, rollout: RolloutResult | None = None, **options) -> BatchResult:
         """Triplets → rows → DataProto. `options` override `build_batch` arguments (e.g. level)."""
+        from agl_lab.algorithms.credit import unused_turn_credit_at_step
         from agl_lab.batch import build_batch
 
         rollout = rollout or self._require(self._last_rollout, "trainer.rollout()")
@@ -277,6 +284,11 @@ class Trainer:
             tokenizer=self.tokenizer,
         )
         built = build_batch(rollout.rollouts, **{**kwargs, **options})
+        n_without = int(built.metrics.get("training/turn_credit/n_rollouts_without_turn_rewards", 0))
+        if n_without and not self._turn_credit_warned:  # one line naming the task, at the first step that shows it
+            n_rollouts = sum(bool(r.triplets) for r in rollout.rollouts)  # the rollouts the count looked at
+            logger.warning(unused_turn_credit_at_step(self._task_name, self.global_step + 1, n_without, n_rollouts))
+            self._turn_credit_warned = True
         result = report_rollout_problems(BatchResult(built, step=rollout.step, tokenizer=self.tokenizer))
         if rollout is self._last_rollout:
             self._last_batch = result

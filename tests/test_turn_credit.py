@@ -6,6 +6,7 @@ transition rows → verl's own GRPO estimator (row level); the advantages are ch
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -13,9 +14,16 @@ import torch
 
 import agl_lab.algorithms as alg
 from agl_lab import config as config_mod
-from agl_lab.algorithms.credit import discounted_returns
+from agl_lab.algorithms.credit import (
+    discounted_returns,
+    task_emits_no_turn_rewards,
+    unused_turn_credit_at_load,
+    unused_turn_credit_at_step,
+)
 from agl_lab.batch import build_batch
 from agl_lab.records import CompletedRollout, triplets_from_events
+from agl_lab.trainer import Trainer
+from tests.trainer_runs import SMALL
 
 GAMMA = 0.5
 
@@ -126,3 +134,43 @@ def test_a_valid_turn_credit_config_reaches_the_batch_options():
     )
     options = config_mod.batch_options(cfg)
     assert options["turn_credit"] == "return" and options["turn_gamma"] == 0.9
+
+
+RETURN_CREDIT = [
+    "agl_lab.algorithm.turn_credit=return",
+    "agentlightning.trace_aggregator.level=transition",
+    "algorithm.enable_rollout_level_advantage=false",
+]
+
+
+def test_which_built_in_tasks_are_known_to_emit_no_turn_rewards():
+    assert task_emits_no_turn_rewards("lookup") and task_emits_no_turn_rewards("calc_chain")
+    assert task_emits_no_turn_rewards("reasoning_gym:chain_sum")
+    assert not task_emits_no_turn_rewards("gem:game:GuessTheNumber-v0-easy")
+    assert not task_emits_no_turn_rewards("my_tasks:echo")  # a task of yours: only the step can tell
+    assert unused_turn_credit_at_load("rollout", "lookup", own_agent=True) is None
+    assert unused_turn_credit_at_load("return", "lookup", own_agent=False) is None  # your agent may emit them
+    assert "task 'lookup'" in unused_turn_credit_at_load("return", "lookup", own_agent=True)
+    assert unused_turn_credit_at_step("lookup", 1, 0, 8) is None
+    assert "step 3: 2 of 8 rollouts of task 'x'" in unused_turn_credit_at_step("x", 3, 2, 8)
+
+
+def test_turn_credit_return_on_lookup_warns_at_load_and_once_at_the_first_step(tmp_path, caplog):
+    """The README demo's task emits no turn rewards: `return` would silently equal `rollout`."""
+    with caplog.at_level(logging.WARNING, logger="agl_lab.trainer"):
+        with Trainer.from_config(
+            "configs/cpu_tiny.yaml", overrides=[*SMALL, *RETURN_CREDIT], run_dir=tmp_path / "run", console=False
+        ) as trainer:
+            at_load = [r.getMessage() for r in caplog.records if "turn_credit=return" in r.getMessage()]
+            assert at_load == [
+                "agl_lab.algorithm.turn_credit=return does nothing on task 'lookup': its agent emits no "
+                "turn_reward event, so every row carries the rollout's reward, as under turn_credit=rollout "
+                "(docs/environments.md lists the tasks that emit turn rewards)"
+            ]
+            first = trainer.step()
+            second = trainer.step()
+    lines = [r.getMessage() for r in caplog.records if "turn_credit=return: step" in r.getMessage()]
+    assert len(lines) == 1  # once, at the first step that shows it
+    assert lines[0].startswith("agl_lab.algorithm.turn_credit=return: step 1: 8 of 8 rollouts of task 'lookup'")
+    for metrics in (first, second):
+        assert metrics["training/turn_credit/n_rollouts_without_turn_rewards"] == 8

@@ -14,7 +14,11 @@ estimator (GRPO) runs per row over the rows of a task's group
 over every transition of every rollout of group g. `turn_credit: rollout` (the default) keeps
 today's behaviour: every row of a rollout carries the rollout's reward.
 
-Pure: lists of floats in, lists of floats out.
+A task whose agent emits no turn reward makes `return` equal `rollout`: the Trainer says so at
+load time for the built-in tasks known to emit none (`unused_turn_credit_at_load`) and at the
+first step whose rollouts carry none (`unused_turn_credit_at_step`).
+
+Pure: lists of floats in, lists of floats out; strings in, warning lines out.
 """
 
 from __future__ import annotations
@@ -38,3 +42,42 @@ def transition_rewards(turn_rewards: Sequence[float | None], gamma: float) -> li
     if all(r is None for r in turn_rewards):
         return None
     return discounted_returns(turn_rewards, gamma)
+
+
+# ---------------------------------------------------------------------------------------------
+# Saying when `turn_credit: return` does nothing
+# ---------------------------------------------------------------------------------------------
+
+#: Built-in tasks whose agents emit no `turn_reward` event (docs/environments.md's table): under
+#: `turn_credit: return` each of their rows carries the rollout's reward, as under `rollout`.
+TASKS_WITHOUT_TURN_REWARDS = ("lookup", "calc", "calc_chain", "reasoning_gym:<dataset>")
+
+
+def task_emits_no_turn_rewards(task_name: str) -> bool:
+    """True for a built-in task whose own agents never emit a `turn_reward` event."""
+    return task_name in TASKS_WITHOUT_TURN_REWARDS or task_name.startswith("reasoning_gym:")
+
+
+def unused_turn_credit_at_load(turn_credit: str, task_name: str, own_agent: bool) -> str | None:
+    """The load-time warning: `turn_credit: return` on a built-in task whose own agent (`own_agent`:
+    the agent is one of the task's) emits no turn rewards; None when nothing is wrong."""
+    if turn_credit != "return" or not own_agent or not task_emits_no_turn_rewards(task_name):
+        return None
+    return (
+        f"agl_lab.algorithm.turn_credit=return does nothing on task {task_name!r}: its agent emits no "
+        "turn_reward event, so every row carries the rollout's reward, as under turn_credit=rollout "
+        "(docs/environments.md lists the tasks that emit turn rewards)"
+    )
+
+
+def unused_turn_credit_at_step(task_name: str, step: int, n_without: int, n_rollouts: int) -> str | None:
+    """The warning of the first step in which `n_without` of `n_rollouts` rollouts recorded no
+    turn reward (`training/turn_credit/n_rollouts_without_turn_rewards`); None when all did."""
+    if n_without <= 0:
+        return None
+    return (
+        f"agl_lab.algorithm.turn_credit=return: step {step}: {n_without} of {n_rollouts} rollouts of task "
+        f"{task_name!r} recorded no turn_reward event, so their rows carry the rollout's reward, as under "
+        "turn_credit=rollout; emit turn_reward events from the agent or pick a task that does "
+        "(docs/environments.md). Warned once; training/turn_credit/n_rollouts_without_turn_rewards counts them"
+    )
