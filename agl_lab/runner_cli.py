@@ -159,8 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
 def runner_key(args: argparse.Namespace, environ: Mapping[str, str]) -> str:
     """--key, else --key-file's content, else $AGL_KEY, else "" (the same rule as `agl-lab serve`)."""
     from agl_lab.client import server_key
+    from agl_lab.server.guard import checked_key, key_source
 
-    return server_key(args.key, args.key_file, environ, "agl-lab runner")
+    return checked_key(
+        server_key(args.key, args.key_file, environ, "agl-lab runner"), key_source(args), "agl-lab runner"
+    )
 
 
 def summary_line(stats: Mapping[str, int], wall: float, prefix: str = "agl-lab runner") -> str:
@@ -306,8 +309,7 @@ def _build_runner(args: argparse.Namespace):
     if not args.server.startswith(("http://", "https://")):
         raise ValueError(f"--server {args.server!r} must be an http:// or https:// URL")
     if args.ssl_ca_file is not None:
-        if not os.access(args.ssl_ca_file, os.R_OK):
-            raise ValueError(f"--ssl-ca-file {args.ssl_ca_file} is not a readable file")
+        _check_ca_file(args.ssl_ca_file)
         os.environ["SSL_CERT_FILE"] = args.ssl_ca_file  # httpx and the openai SDK (agents) read it
     if args.summary_every < 0:
         raise ValueError(f"--summary-every must be >= 0, got {args.summary_every}")
@@ -342,6 +344,21 @@ def _build_runner(args: argparse.Namespace):
         agent_server_url=args.agent_server_url,
         runner_id=args.runner_id,
     )
+
+
+def _check_ca_file(path: str) -> None:
+    """ValueError in one line when --ssl-ca-file `path` does not load as PEM certificates."""
+    import ssl
+
+    if os.path.isdir(path) or not os.access(path, os.R_OK):
+        raise ValueError(f"--ssl-ca-file {path} is not a readable file")
+    try:
+        ssl.create_default_context(cafile=path)
+    except ssl.SSLError as exc:
+        raise ValueError(
+            f"--ssl-ca-file {path} holds no PEM certificate ({exc.reason or exc}): give the certificate of the CA "
+            "that signed the server's, in PEM"
+        ) from None
 
 
 def _check_server(runner) -> bool:

@@ -1,12 +1,18 @@
-"""Who gets in: keyless servers answer only loopback Host names (DNS rebinding), and a rollout
-token opens its rollout's live attempt only — real servers on loopback."""
+"""Who gets in: keyless servers answer only loopback Host names (DNS rebinding), a rollout
+token opens its rollout's live attempt only — real servers on loopback — and a key no client
+could present (non-ASCII, surrounding spaces, two lines) stops `agl-lab serve`/`runner` at start
+in one line, while a key file others may read is warned about (real CLI processes)."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import httpx
 import pytest
 
 from agl_lab.protocol import rollout_token
+from tests.processes import ROOT, cli_env, free_port
 
 KEY = "access-key"
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
@@ -108,3 +114,84 @@ def test_a_rollout_token_dies_with_its_rollouts_live_attempt(keyed):
     assert _agent_moves(server.url, token, "r1") == [401, 401]
     assert admin.get("/api/rollouts/r1/events").json() == []
     assert _agent_moves(server.url, _token_of(admin, "r1"), "r1") == [200, 200]  # its own token works
+
+
+# ---------------------------------------------------------------------------------------------
+# keys at start-up: `agl-lab serve` and `agl-lab runner` in subprocesses
+# ---------------------------------------------------------------------------------------------
+
+
+def _cli_runs(cases: dict[str, tuple[list[str], dict[str, str]]]) -> dict[str, tuple[int, str]]:
+    """name -> (exit status, output) of `agl-lab *argv` with its environment, all started at once."""
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "agl_lab.cli", *argv],
+            cwd=ROOT,
+            env=cli_env(**env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for name, (argv, env) in cases.items()
+    }
+    out = {}
+    for name, proc in procs.items():
+        try:
+            text, _ = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            text = proc.communicate()[0] + "\n(still running after 120 s)"
+        out[name] = proc.returncode, text
+    return out
+
+
+def _key_file(folder, name: str, text: str, mode: int = 0o600):
+    path = folder / name
+    path.write_text(text, encoding="utf-8")
+    path.chmod(mode)
+    return path
+
+
+def test_a_key_no_client_could_present_stops_start_up_in_one_line(tmp_path):
+    two_lines = _key_file(tmp_path, "two.key", "first-half\nsecond-half\n")
+    non_ascii = _key_file(tmp_path, "runner.key", "ключ-runner\n")
+    serve = ["serve", "--port", str(free_port())]
+    # an unreachable server: a runner that passed the key check would wait for it, not exit
+    runner = ["runner", "--server", f"http://127.0.0.1:{free_port()}", "--agent", "tests.agents_for_tests:remote_agent"]
+    cases = {
+        "AGL_KEY": (serve, {"AGL_KEY": "ключ-1"}),
+        "AGL_KEY ": (serve, {"AGL_KEY": " spaced-key "}),
+        f"--key-file {two_lines}": ([*serve, "--key-file", str(two_lines)], {"AGL_KEY": ""}),
+        f"--runner-key-file {non_ascii}": ([*serve, "--runner-key-file", str(non_ascii)], {"AGL_KEY": "admin-key"}),
+        "runner: AGL_KEY": (runner, {"AGL_KEY": "ключ-1"}),
+        f"runner: --key-file {two_lines}": ([*runner, "--key-file", str(two_lines)], {"AGL_KEY": ""}),
+    }
+    runs = _cli_runs(cases)
+    for name, (status, out) in runs.items():
+        source = name.removeprefix("runner: ").strip()
+        assert status == 2, (name, out)
+        assert len(out.strip().splitlines()) == 1 and f"the key from {source} " in out, (name, out)
+        assert "ключ" not in out and "spaced-key" not in out and "half" not in out  # the key is never echoed
+    assert "non-ASCII" in runs["AGL_KEY"][1] and "remove it" in runs["AGL_KEY "][1]  # each names its fix
+    assert "keep the key on one line" in runs[f"--key-file {two_lines}"][1]
+
+
+def test_a_key_file_others_may_read_is_warned_about(tmp_path):
+    shared = _key_file(tmp_path, "shared.key", "admin-key\n", mode=0o644)
+    runner_key = _key_file(tmp_path, "runner.key", "runner-key\n", mode=0o666)
+    private = _key_file(tmp_path, "private.key", "admin-key\n")
+    # a store that does not open ends the server after its key checks: exit 2, no port held
+    bad_store = ["serve", "--port", str(free_port()), "--store", "nosuch://x"]
+    runs = _cli_runs(
+        {
+            "shared": ([*bad_store, "--key-file", str(shared), "--runner-key-file", str(runner_key)], {}),
+            "private": ([*bad_store, "--key-file", str(private)], {}),
+        }
+    )
+    status, out = runs["shared"]
+    warnings = [line for line in out.splitlines() if "warning" in line]
+    assert status == 2 and len(warnings) == 2, out
+    assert f"--key-file {shared} has group or other access (mode 0644)" in warnings[0]
+    assert f"chmod 600 {shared}" in warnings[0] and f"(mode 0666); it holds a secret: chmod 600 {runner_key}" in out
+    status, out = runs["private"]
+    assert status == 2 and "warning" not in out and "--store" in out, out

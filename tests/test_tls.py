@@ -4,7 +4,9 @@ A CA and a server certificate for 127.0.0.1 are made in the test (cryptography).
 serve` serves HTTPS on loopback; the trainer's `AglClient` (SSL_CERT_FILE) creates rollouts, a
 real `agl-lab runner --ssl-ca-file` runs them (its agents post events over HTTPS too), and a
 client or runner without the CA fails at once naming SSL_CERT_FILE / the certificate, not after
-retries.
+retries. Files that do not load (a key of another certificate, not PEM, empty, a directory) stop
+`serve` and `runner --ssl-ca-file` in one line naming the file, and a connection that never starts
+its handshake is closed after `--header-timeout`, not held for asyncio's 60 s.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ def _make_certificates(folder: Path) -> tuple[Path, Path, Path]:
     paths[2].write_bytes(
         key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     )
+    paths[2].chmod(0o600)  # a private key others may read is warned about
     return paths
 
 
@@ -169,3 +172,61 @@ def test_serve_refuses_half_a_tls_pair(tmp_path):
     proc = _agl_lab("serve", "--port", str(_free_port()), "--ssl-certfile", str(tmp_path / "x.pem"))
     out = _stop(proc) if proc.wait(timeout=120) is not None else ""
     assert proc.returncode != 0 and "--ssl-keyfile" in out, out
+
+
+def test_tls_files_that_do_not_load_stop_start_up_in_one_line(tmp_path):
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    _, cert, key = _make_certificates(tmp_path / "a")
+    _, _, other_key = _make_certificates(tmp_path / "b")  # a key of another certificate
+    garbage, empty = tmp_path / "garbage.pem", tmp_path / "empty.pem"
+    garbage.write_text("not a certificate\n")
+    empty.write_text("")
+    cases = {  # (certificate, key) -> what the line must say
+        (cert, other_key): f"--ssl-keyfile {other_key} is not the private key of --ssl-certfile {cert}",
+        (garbage, key): f"--ssl-certfile {garbage} holds no PEM certificate",
+        (cert, garbage): f"--ssl-keyfile {garbage} holds no private key that loads",
+        (empty, key): f"--ssl-certfile {empty} is empty",
+        (tmp_path / "a", key): f"--ssl-certfile {tmp_path / 'a'} is a directory",
+    }
+    procs = {
+        case: _agl_lab(
+            "serve", "--port", str(_free_port()), "--ssl-certfile", str(case[0]), "--ssl-keyfile", str(case[1])
+        )
+        for case in cases
+    }
+    procs["runner"] = _agl_lab("runner", "--server", f"https://127.0.0.1:{_free_port()}", "--ssl-ca-file", str(garbage))
+    cases["runner"] = f"--ssl-ca-file {garbage} holds no PEM certificate"
+    for case, proc in procs.items():
+        out = _stop(proc) if proc.wait(timeout=120) is not None else ""
+        assert proc.returncode == 2 and len(out.strip().splitlines()) == 1, (case, out)
+        assert cases[case] in out, (case, out)
+
+
+def test_a_connection_that_never_starts_its_tls_handshake_is_closed_after_the_header_timeout(tmp_path):
+    ca, cert, key = _make_certificates(tmp_path)
+    port = _free_port()
+    proc = _agl_lab(
+        "serve", "--port", str(port), "--header-timeout", "1", "--ssl-certfile", str(cert), "--ssl-keyfile", str(key)
+    )
+    url = f"https://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, _stop(proc)
+            try:
+                if httpx.get(url + "/healthz", verify=str(ca), timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "agl-lab serve --ssl-certfile did not answer /healthz"
+            time.sleep(0.2)
+        with socket.create_connection(("127.0.0.1", port)) as silent:  # connects, never says hello
+            silent.settimeout(20)  # asyncio's own bound is 60 s: held that long, recv times out here
+            try:
+                closed = silent.recv(1) == b""
+            except ConnectionResetError:
+                closed = True
+        assert closed
+        assert httpx.get(url + "/healthz", verify=str(ca), timeout=5).status_code == 200  # others still served
+    finally:
+        _stop(proc)

@@ -7,6 +7,7 @@
                            (uvicorn's own httptools protocol instead, with a warning, if the installed
                            uvicorn's internals moved)
     http_protocol(limits)  HTTP_PROTOCOL with a server's ReadLimits (header size, header/body timeouts)
+    HandshakeBoundServer   uvicorn's Server with each TLS handshake bounded (by header_timeout_seconds)
 
 Every LLM call of every agent is a POST to the proxy route, so its path through the server is
 the hot path. Through FastAPI's stack it passes ~10 layers (ServerErrorMiddleware, FastAPI's
@@ -31,11 +32,15 @@ idle, mid-head or mid-body, or send a 40 MiB header that is buffered whole. `HTT
 applies `ReadLimits`: a head larger than `max_header_bytes` answers 431 and closes; a head not
 complete within `header_timeout_seconds` of the connection (or of its first byte, on a reused
 connection) answers 408 and closes; a body with no data for `body_timeout_seconds` while the app
-waits for it answers 408 and closes. A request the app is still answering is never cut.
+waits for it answers 408 and closes. A request the app is still answering is never cut. With TLS
+the handshake comes first and has the same `header_timeout_seconds` (`HandshakeBoundServer`):
+one not done by then is closed without an answer.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import inspect
 import json
 import logging
@@ -44,6 +49,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -482,6 +488,42 @@ else:
             ", ".join(_CYCLE_FIELDS),
         )
         HTTP_PROTOCOL = "httptools"
+
+
+# ---------------------------------------------------------------------------------------------
+# TLS: the handshake bounded by header_timeout_seconds
+# ---------------------------------------------------------------------------------------------
+
+
+class HandshakeBoundServer(uvicorn.Server):
+    """uvicorn's Server whose TLS handshakes must finish within `handshake_timeout` seconds.
+
+    With TLS the protocol above (and its header timer) only meets a connection once its handshake
+    is done, and asyncio and uvloop give a handshake 60 s unless `create_server` is told otherwise —
+    which uvicorn does not do: a client that connects and sends nothing held a connection a minute.
+    uvicorn calls `loop.create_server` inside `startup`, so for that call the running loop's method
+    is given `ssl_handshake_timeout` (an attribute of the loop object, removed after). A handshake
+    not done in time is aborted: the connection closes without an answer (there is none to send
+    before TLS). Plain HTTP is served as uvicorn serves it.
+    """
+
+    def __init__(self, config: uvicorn.Config, handshake_timeout: float):
+        super().__init__(config)
+        self.handshake_timeout = handshake_timeout
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.config.ssl is None:
+            await super().startup(sockets=sockets)
+            return
+        loop = asyncio.get_running_loop()
+        # Critical: bound to this loop object only; every server it creates during startup gets it
+        loop.create_server = functools.partial(  # type: ignore[method-assign]
+            type(loop).create_server, loop, ssl_handshake_timeout=self.handshake_timeout
+        )
+        try:
+            await super().startup(sockets=sockets)
+        finally:
+            del loop.create_server
 
 
 def http_protocol(limits: ReadLimits) -> Any:

@@ -19,7 +19,9 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import os
 import socket
+import ssl
 import threading
 import time
 import typing
@@ -28,13 +30,15 @@ from typing import Any
 
 import httpx
 import uvicorn
+from uvicorn.config import STARTUP_FAILURE
 
 from agl_lab.addresses import ENGINE_KEY_ENV, advertised_host, is_loopback, url_host
 from agl_lab.client import server_key
 from agl_lab.server.app import create_app
-from agl_lab.server.asgi import HTTP_PROTOCOL, http_protocol, read_limits
+from agl_lab.server.asgi import HTTP_PROTOCOL, HandshakeBoundServer, http_protocol, read_limits
 from agl_lab.server.backends import open_store
 from agl_lab.server.config import LIMITS, ServerConfig, limit_help, load_server_config
+from agl_lab.server.guard import checked_key, key_source, warn_if_shared
 from agl_lab.server.store import Store, StoreError
 
 logger = logging.getLogger("agl_lab.server")
@@ -313,18 +317,49 @@ def _parser() -> argparse.ArgumentParser:
 
 def tls_files(args: argparse.Namespace) -> dict[str, str]:
     """uvicorn's `ssl_certfile`/`ssl_keyfile` from --ssl-certfile/--ssl-keyfile ({}: plain HTTP).
-    Both or neither; each must be a readable file (SystemExit naming the flag otherwise)."""
-    import os
-
+    Both or neither, and they must load as a certificate and its key: SystemExit with one line
+    naming the flag, the file and the problem otherwise (not uvicorn's traceback)."""
     cert, key = getattr(args, "ssl_certfile", None), getattr(args, "ssl_keyfile", None)
     if (cert is None) != (key is None):
         raise SystemExit("agl-lab serve: give --ssl-certfile and --ssl-keyfile together (the certificate and its key)")
     if cert is None:
         return {}
     for flag, path in (("--ssl-certfile", cert), ("--ssl-keyfile", key)):
-        if not os.access(path, os.R_OK):
-            raise SystemExit(f"agl-lab serve: {flag} {path} is not a readable file")
+        problem = _pem_file_problem(path)
+        if problem is not None:
+            raise SystemExit(f"agl-lab serve: {flag} {path} {problem}")
+    try:
+        ssl.create_default_context(cafile=cert)  # reads its certificates only
+    except ssl.SSLError as exc:
+        raise SystemExit(
+            f"agl-lab serve: --ssl-certfile {cert} holds no PEM certificate ({exc.reason or exc}): "
+            "give the server's certificate (chain) in PEM, '-----BEGIN CERTIFICATE-----' first"
+        ) from None
+    try:  # an encrypted key gets an empty password: refused here, never a prompt on the terminal
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key, password=lambda: b"")
+    except ssl.SSLError as exc:
+        if exc.reason == "KEY_VALUES_MISMATCH":
+            raise SystemExit(
+                f"agl-lab serve: --ssl-keyfile {key} is not the private key of --ssl-certfile {cert} "
+                "(key values mismatch): give the key the certificate was made for"
+            ) from None
+        raise SystemExit(
+            f"agl-lab serve: --ssl-keyfile {key} holds no private key that loads "
+            f"({exc.reason or 'no PEM private key found'}): give the certificate's private key in PEM, unencrypted"
+        ) from None
+    warn_if_shared(key, "--ssl-keyfile", "agl-lab serve")
     return {"ssl_certfile": cert, "ssl_keyfile": key}
+
+
+def _pem_file_problem(path: str) -> str | None:
+    """Why `path` cannot be a PEM file to load ("is a directory", ...), or None."""
+    if os.path.isdir(path):
+        return "is a directory: give the PEM file in it"
+    if not os.access(path, os.R_OK) or not os.path.isfile(path):
+        return "is not a readable file"
+    if os.path.getsize(path) == 0:
+        return "is empty: give a PEM file"
+    return None
 
 
 # `agl-lab serve` flags of the server's limits (server/config.py LIMITS), set only when given:
@@ -341,9 +376,8 @@ def serve_config(args: argparse.Namespace, environ: Mapping[str, str] | None = N
     Without a key (no --key, --key-file or AGL_KEY) only a loopback address may be bound:
     anyone who can reach the port could otherwise drive the store and the gateway.
     """
-    import os
-
-    key = server_key(args.key, args.key_file, os.environ if environ is None else environ, "agl-lab serve")
+    env = os.environ if environ is None else environ
+    key = checked_key(server_key(args.key, args.key_file, env, "agl-lab serve"), key_source(args), "agl-lab serve")
     if not key and not is_loopback(args.host):
         raise SystemExit(
             f"agl-lab serve: refusing to bind {args.host} without a key: set AGL_KEY (or --key-file "
@@ -356,13 +390,8 @@ def serve_config(args: argparse.Namespace, environ: Mapping[str, str] | None = N
         proxy["train"] = {"temperature": args.train_temperature}
     if args.val_temperature is not None:
         proxy["val"] = {"temperature": args.val_temperature}
-    env = os.environ if environ is None else environ
-    upstream_key = env.get(ENGINE_KEY_ENV, "")
-    if getattr(args, "engine_key_file", None):
-        upstream_key = _read_key_file(args.engine_key_file, "--engine-key-file")
-    runner_key = env.get(RUNNER_KEY_ENV, "")
-    if getattr(args, "runner_key_file", None):
-        runner_key = _read_key_file(args.runner_key_file, "--runner-key-file")
+    upstream_key = _other_key(env, ENGINE_KEY_ENV, getattr(args, "engine_key_file", None), "--engine-key-file")
+    runner_key = _other_key(env, RUNNER_KEY_ENV, getattr(args, "runner_key_file", None), "--runner-key-file")
     if runner_key and not key:
         raise SystemExit("agl-lab serve: a runner key needs the admin key too: set AGL_KEY (or --key-file)")
     raw: dict[str, Any] = {
@@ -382,14 +411,19 @@ def serve_config(args: argparse.Namespace, environ: Mapping[str, str] | None = N
     return load_server_config(raw)
 
 
-def _read_key_file(path: str, flag: str) -> str:
+def _other_key(env: Mapping[str, str], env_name: str, path: str | None, flag: str) -> str:
+    """The runner's or the engine's key: the content of `path` (`flag`), else $`env_name`; checked."""
+    if not path:
+        return checked_key(env.get(env_name, ""), env_name, "agl-lab serve")
     try:
         key = open(path, encoding="utf-8").read().strip()  # noqa: SIM115
     except OSError as exc:
         raise SystemExit(f"agl-lab serve: {flag} {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise SystemExit(f"agl-lab serve: {flag} {path} is not UTF-8 text: write the key (ASCII) into it") from None
     if not key:
         raise SystemExit(f"agl-lab serve: {flag} {path} is empty: write the key into it")
-    return key
+    return checked_key(key, f"{flag} {path}", "agl-lab serve")
 
 
 def serve_main(argv: list[str]) -> int:
@@ -427,7 +461,7 @@ def serve_main(argv: list[str]) -> int:
         # one access-log line per request only when asked (--access-log) or at debug: at "info"
         # a busy gateway would log every agent call; uvicorn formats a line before filtering it
         access_log = args.access_log or args.log_level.lower() in ("trace", "debug")
-        uvicorn.run(
+        uv_config = uvicorn.Config(
             app,
             host=config.host,
             port=config.port,
@@ -438,6 +472,11 @@ def serve_main(argv: list[str]) -> int:
             access_log=access_log,
             **tls,
         )
+        server = HandshakeBoundServer(uv_config, handshake_timeout=config.header_timeout_seconds)
+        try:  # what uvicorn.run does with one worker, with the server above
+            server.run()
+        except KeyboardInterrupt:
+            pass
     finally:
         store.close()
-    return 0
+    return 0 if server.started else STARTUP_FAILURE
