@@ -110,7 +110,10 @@ def train_main(argv: list[str]) -> int:
             history = trainer.fit(steps, progress=False)
             _summarise(trainer.run_dir, history, time.time() - t0)
         # Critical: written last, so a run stopped anywhere before this line reads as unfinished
-        runs.mark_finished(trainer.run_dir, {"step": trainer.global_step, "argv": argv, "wall_s": time.time() - t0})
+        runs.mark_finished(
+            trainer.run_dir,
+            {"step": trainer.global_step, "argv": runs.public_argv(argv), "wall_s": time.time() - t0},
+        )
     except KeyboardInterrupt as e:
         _interrupted(trainer, argv, args.resume, time.time() - t0, terminated=isinstance(e, Terminated))
         return 143 if isinstance(e, Terminated) else 130

@@ -6,7 +6,8 @@
 A run is finished exactly when `finished.json` is there: `agl-lab train` removes it before it
 trains into the directory again (`--resume`) and writes it after everything else, so a run
 stopped at any point — SIGTERM, SIGKILL, a crash — reads as unfinished. `agl-lab sweep` decides
-"done" from it and nothing else. Stdlib only: the sweep reads it without importing torch.
+"done" from it and nothing else. No torch here: the sweep reads it in a light process. The
+marker names the command (`argv`) with secret overrides redacted (`public_argv`).
 
 A step *repeats* when two records of one step share a metric (a second run appended to the
 first: steps `[1, 2, 3, 1, 2, 3]`); a validation logged before training beside that step's
@@ -44,6 +45,17 @@ def mark_finished(run_dir: str | os.PathLike, record: dict[str, Any]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(record))
     os.replace(tmp, path)
+
+
+def public_argv(argv: Sequence[str]) -> list[str]:
+    """`argv` with the value of each secret override (`agl_lab.config.SECRET_KEYS`) replaced by
+    `<redacted>`: what a run directory may keep of its command."""
+    from agl_lab.config import REDACTED, SECRET_KEYS
+
+    def secret(arg: str) -> bool:
+        return "=" in arg and arg.split("=", 1)[0].lstrip("+~") in SECRET_KEYS
+
+    return [f"{arg.split('=', 1)[0]}={REDACTED}" if secret(arg) else arg for arg in argv]
 
 
 def clear_finished(run_dir: str | os.PathLike) -> None:

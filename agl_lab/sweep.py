@@ -169,8 +169,8 @@ def _command(config: str, run_dir: Path, overrides: list[str], steps: int | None
 
 
 def _train_argv(cmd: list[str]) -> list[str]:
-    """What `agl-lab train` was given (its finished marker's `argv`), less `--resume`."""
-    return [a for a in cmd[4:] if a != "--resume"]
+    """What `agl-lab train` was given as its finished marker keeps it (secrets redacted), less `--resume`."""
+    return run_dirs.public_argv([a for a in cmd[4:] if a != "--resume"])
 
 
 def _finished(run_dir: Path, cmd: list[str]) -> bool:

@@ -43,6 +43,12 @@ def test_a_log_whose_steps_repeat_is_refused_or_kept_last_with_a_warning(tmp_pat
     assert table["training/reward n"].iloc[0] == 3 and table["training/reward mean"].iloc[0] == 2.0
     # a validation logged beside a training record of the same step shares no metric: no repeat
     assert runs.repeated_steps([{"step": 3, "training/reward": 1.0}, {"step": 3, "val/reward": 0.5}]) == []
+    # the finished marker names its command without the key (a run directory may be shared)
+    assert runs.public_argv(["c.yaml", "agentlightning.agl_key=s3cret", "a.b=1"]) == [
+        "c.yaml",
+        "agentlightning.agl_key=<redacted>",
+        "a.b=1",
+    ]
 
 
 def _args(tmp_path, run: str, *extra: str) -> list[str]:
