@@ -404,6 +404,10 @@ def server_key(key: str | None, key_file: str | None, environ: Mapping[str, str]
                 key = f.read().strip()
         except OSError as exc:
             raise SystemExit(f"{prog}: cannot read --key-file {key_file}: {exc}") from None
+        except UnicodeDecodeError:
+            raise SystemExit(
+                f"{prog}: --key-file {key_file} is not UTF-8 text: write the key (ASCII) into it"
+            ) from None
         if not key:
             raise SystemExit(f"{prog}: --key-file {key_file} is empty")
         return key

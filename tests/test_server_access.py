@@ -155,6 +155,9 @@ def _key_file(folder, name: str, text: str, mode: int = 0o600):
 def test_a_key_no_client_could_present_stops_start_up_in_one_line(tmp_path):
     two_lines = _key_file(tmp_path, "two.key", "first-half\nsecond-half\n")
     non_ascii = _key_file(tmp_path, "runner.key", "ключ-runner\n")
+    latin1 = tmp_path / "latin1.key"
+    latin1.write_bytes("clé\n".encode("latin-1"))
+    latin1.chmod(0o600)
     serve = ["serve", "--port", str(free_port())]
     # an unreachable server: a runner that passed the key check would wait for it, not exit
     runner = ["runner", "--server", f"http://127.0.0.1:{free_port()}", "--agent", "tests.agents_for_tests:remote_agent"]
@@ -166,7 +169,19 @@ def test_a_key_no_client_could_present_stops_start_up_in_one_line(tmp_path):
         "runner: AGL_KEY": (runner, {"AGL_KEY": "ключ-1"}),
         f"runner: --key-file {two_lines}": ([*runner, "--key-file", str(two_lines)], {"AGL_KEY": ""}),
     }
-    runs = _cli_runs(cases)
+    runs = _cli_runs(
+        {
+            **cases,
+            "--key-file latin1": ([*serve, "--key-file", str(latin1)], {}),
+            "--runner-key-file latin1": ([*serve, "--runner-key-file", str(latin1)], {"AGL_KEY": "admin-key"}),
+        }
+    )
+    for flag in ("--key-file", "--runner-key-file"):  # bytes that are not UTF-8: one line too
+        status, out = runs.pop(f"{flag} latin1")
+        assert (
+            status == 2
+            and out.strip() == f"agl-lab serve: {flag} {latin1} is not UTF-8 text: write the key (ASCII) into it"
+        ), out
     for name, (status, out) in runs.items():
         source = name.removeprefix("runner: ").strip()
         assert status == 2, (name, out)
