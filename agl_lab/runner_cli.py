@@ -159,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
 def runner_key(args: argparse.Namespace, environ: Mapping[str, str]) -> str:
     """--key, else --key-file's content, else $AGL_KEY, else "" (the same rule as `agl-lab serve`)."""
     from agl_lab.client import server_key
-    from agl_lab.server.guard import checked_key, key_source
+    from agl_lab.keys import checked_key, key_source
 
     return checked_key(
         server_key(args.key, args.key_file, environ, "agl-lab runner"), key_source(args), "agl-lab runner"

@@ -11,6 +11,7 @@ import sys
 import httpx
 import pytest
 
+from agl_lab.keys import key_problem, readable_by_others
 from agl_lab.protocol import rollout_token
 from tests.processes import ROOT, cli_env, free_port
 
@@ -150,6 +151,23 @@ def _key_file(folder, name: str, text: str, mode: int = 0o600):
     path.write_text(text, encoding="utf-8")
     path.chmod(mode)
     return path
+
+
+def test_which_keys_a_header_can_carry(tmp_path):
+    presentable = ["k", "tls-key", "a b", "Zx9_-.~!#$%&'*+/=?^`|", "token_urlsafe-AbC123"]
+    assert [key_problem(k) for k in presentable] == [None] * len(presentable)  # inner spaces travel
+    assert "non-ASCII character at character 1" in key_problem("ключ-1")
+    assert "non-ASCII character at character 3" in key_problem("clé")  # latin-1 is not ASCII either
+    assert "control character at character 2" in key_problem("a\x00b")
+    assert "line break at character 6" in key_problem("first\nsecond")
+    for spaced in (" k", "k ", "\tk", "k\n"):
+        assert "whitespace" in key_problem(spaced), repr(spaced)
+    private = _key_file(tmp_path, "private.key", "k")
+    assert readable_by_others(str(private)) is None
+    for mode in (0o640, 0o604, 0o660):  # group or other access, read or write
+        private.chmod(mode)
+        assert readable_by_others(str(private)) == f"{mode:04o}"
+    assert readable_by_others(str(tmp_path / "missing")) is None
 
 
 def test_a_key_no_client_could_present_stops_start_up_in_one_line(tmp_path):

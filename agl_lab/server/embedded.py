@@ -34,11 +34,11 @@ from uvicorn.config import STARTUP_FAILURE
 
 from agl_lab.addresses import ENGINE_KEY_ENV, advertised_host, is_loopback, url_host
 from agl_lab.client import server_key
+from agl_lab.keys import checked_key, key_source, warn_if_shared
 from agl_lab.server.app import create_app
 from agl_lab.server.asgi import HTTP_PROTOCOL, HandshakeBoundServer, http_protocol, read_limits
 from agl_lab.server.backends import open_store
 from agl_lab.server.config import LIMITS, ServerConfig, limit_help, load_server_config
-from agl_lab.server.guard import checked_key, key_source, warn_if_shared
 from agl_lab.server.store import Store, StoreError
 
 logger = logging.getLogger("agl_lab.server")

@@ -3,10 +3,6 @@
     RequestGuard(app, key=..., max_body_bytes=..., open_paths=..., token_check=..., allowed_hosts=...,
                  runner_key=...)
     await guard.admit(scope, receive, send)   the checks alone (the proxy's fast path calls them)
-    key_problem(key)                         why a key could never be presented (None: it can)
-    checked_key(key, source, prog)           the key, or SystemExit naming its source and the fix
-    key_source(args)                         where `agl-lab serve/runner` took the key from
-    readable_by_others(path)                 a key file's mode when others may read it (None: private)
 
 Per HTTP request, before any route (and so before FastAPI reads or parses the body):
 
@@ -33,20 +29,13 @@ Per HTTP request, before any route (and so before FastAPI reads or parses the bo
 4. **Size.** A `Content-Length` above `max_body_bytes` answers 413 at once; a body without
    one (chunked) is read up to the limit and refused past it.
 
-**Keys at start-up.** A key travels in a header, which carries visible ASCII and inner spaces only
-(surrounding whitespace is stripped on the way): a key outside that (`key_problem`) would start a
-server that answers 401 forever, so `agl-lab serve` and `agl-lab runner` refuse it naming its
-source. A key file others may read (`readable_by_others`) is warned about, as libpq does for
-`~/.pgpass`.
+The keys themselves are checked when a command starts (`agl_lab/keys.py`).
 """
 
 from __future__ import annotations
 
-import os
 import re
 import secrets
-import stat
-import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -69,65 +58,6 @@ RUNNER_SCOPE = (
 RUNNER_SCOPE_TEXT = (
     "claim, heartbeat and release rollouts, PATCH a rollout, post an attempt's events, read rollouts, mint agent tokens"
 )
-
-
-def key_problem(key: str) -> str | None:
-    """Why no client could present `key` in a header (None: it can be presented). The reasons are
-    phrased to follow "the key ..." and never quote the key (it would land in logs)."""
-    if key != key.strip(" \t\r\n\f\v"):
-        return "begins or ends with whitespace, which HTTP strips from a header: remove it"
-    for position, char in enumerate(key, 1):
-        if char in "\r\n":
-            return f"spans several lines (a line break at character {position}): keep the key on one line"
-        if not " " <= char <= "~":  # Critical: a header is ASCII; the guard compares bytes
-            kind = "a control character" if char.isascii() else "a non-ASCII character"
-            return (
-                f"holds {kind} at character {position}, which a header cannot carry: use ASCII letters, digits "
-                "and punctuation (e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')"
-            )
-    return None
-
-
-def readable_by_others(path: str) -> str | None:
-    """The octal mode of file `path` when its group or others may read or write it (None: private,
-    or not a file we can stat)."""
-    try:
-        mode = stat.S_IMODE(os.stat(path).st_mode)
-    except OSError:
-        return None
-    return f"{mode:04o}" if mode & 0o077 else None
-
-
-def key_source(args: Any, env_name: str = "AGL_KEY") -> str:
-    """Where `server_key` took the key of `args` (parsed --key/--key-file flags) from, as a user would name it."""
-    if getattr(args, "key", None) is not None:
-        return "--key"
-    key_file = getattr(args, "key_file", None)
-    return f"--key-file {key_file}" if key_file is not None else env_name
-
-
-def checked_key(key: str, source: str, prog: str) -> str:
-    """`key` when a client can present it (SystemExit naming `source` and the fix otherwise); a key
-    file others may read is warned about (the module docstring: keys at start-up)."""
-    problem = key_problem(key) if key else None
-    if problem is not None:
-        raise SystemExit(f"{prog}: the key from {source} {problem}")
-    path = source.partition(" ")[2]
-    if path:
-        warn_if_shared(path, source.partition(" ")[0], prog)
-    return key
-
-
-def warn_if_shared(path: str, flag: str, prog: str) -> None:
-    """One warning line when `path` (a key file) has group or other access, as libpq warns for ~/.pgpass."""
-    mode = readable_by_others(path)
-    if mode is not None:
-        print(
-            f"{prog}: warning: {flag} {path} has group or other access (mode {mode}); "
-            f"it holds a secret: chmod 600 {path}",
-            file=sys.stderr,
-            flush=True,
-        )
 
 
 def runner_may(method: str, path: str) -> bool:
