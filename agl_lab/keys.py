@@ -52,7 +52,7 @@ def readable_by_others(path: str) -> str | None:
 def key_source(args: Any, env_name: str = "AGL_KEY") -> str:
     """Where `server_key` took the key of `args` (parsed --key/--key-file flags) from, as a user would name it."""
     if getattr(args, "key", None) is not None:
-        return "--key"
+        return getattr(args, "key_named", "--key")  # a key a config file gave (agl-lab runner CONFIG)
     key_file = getattr(args, "key_file", None)
     return f"--key-file {key_file}" if key_file is not None else env_name
 

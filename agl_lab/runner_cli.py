@@ -286,7 +286,7 @@ def _from_config(args: argparse.Namespace) -> None:
     agl, lab = cfg.agentlightning, cfg.agl_lab
     args.server = args.server or (str(agl.agl_base_url) if agl.get("agl_base_url") else None)
     if args.key is None and args.key_file is None and agl.get("agl_key"):
-        args.key = str(agl.agl_key)
+        args.key, args.key_named = str(agl.agl_key), "agentlightning.agl_key"  # key_named: errors say where
     if args.agent is None:
         agent, _ = agent_and_task(cfg, None, None, has_tasks=True)
         args.agent_object = agent  # a function, a "module:Class" string, or None (config.local.agent_class)

@@ -186,6 +186,7 @@ def test_a_key_no_client_could_present_stops_start_up_in_one_line(tmp_path):
         f"--runner-key-file {non_ascii}": ([*serve, "--runner-key-file", str(non_ascii)], {"AGL_KEY": "admin-key"}),
         "runner: AGL_KEY": (runner, {"AGL_KEY": "ключ-1"}),
         f"runner: --key-file {two_lines}": ([*runner, "--key-file", str(two_lines)], {"AGL_KEY": ""}),
+        "runner: agentlightning.agl_key": ([*runner, "agentlightning.agl_key=ключ-1"], {"AGL_KEY": ""}),
     }
     runs = _cli_runs(
         {
