@@ -89,3 +89,16 @@ def test_checkpoints_and_runs_are_git_ignored():
     for path in ("checkpoints/agl_lab/run/global_step_1/trainer_state.pt", "runs/demo/metrics.jsonl"):
         out = subprocess.run(["git", "-C", str(ROOT), "check-ignore", "-q", path], timeout=30)
         assert out.returncode == 0, f"{path} is not git-ignored"
+
+
+def test_a_second_demo_starts_afresh_and_keeps_the_previous_run(tmp_path):
+    # agl-lab train refuses a directory that holds a run; ./lab demo moves the last demo aside
+    prior = tmp_path / "runs" / "demo"
+    prior.mkdir(parents=True)
+    (prior / "metrics.jsonl").write_text('{"step": 1}\n')
+    (prior / "finished.json").write_text("{}")
+    script = f'source <(sed -n "/^fresh_demo_dir() {{/,/^}}/p" {ROOT / "lab"}); fresh_demo_dir; fresh_demo_dir'
+    out = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert not prior.exists() and (tmp_path / "runs/demo.previous/metrics.jsonl").read_text() == '{"step": 1}\n'
+    assert out.stderr.count("runs/demo.previous") == 1  # the second call has nothing to move
