@@ -13,7 +13,9 @@ wire protocol (`agl_lab.protocol`). Three choices differ from AGL v1's client, e
 2. **Errors carry the server's words.** `AglHTTPError` holds method, path, status and the
    server's `detail`; a 401 is an `AglAuthError` that names the config key to fix.
 3. **One request per poll.** `poll_terminal` follows the append-only terminal log
-   (`GET /api/rollouts/terminal?after=cursor`) instead of one GET per rollout per second; the
+   (`GET /api/rollouts/terminal?after=cursor`) instead of one GET per rollout per second, and
+   with `wait_seconds` an agl_lab server holds an empty answer until a rollout changes state (a
+   long poll; an AGL server ignores the parameter and answers at once); the
    rollout managers' timeout error (`RolloutWaitTimeout`) names the unfinished rollouts with
    their current states (`states_of`).
 
@@ -195,8 +197,11 @@ def _add_event_call(rollout_id: str, attempt_id: str, event_type: str, data: dic
     return _Call("POST", f"/api/rollouts/{_q(rollout_id)}/attempt/{_q(attempt_id)}/events", json=body, retry=retry)
 
 
-def _terminal_call(after: int, limit: int) -> _Call:
-    return _Call("GET", "/api/rollouts/terminal", params={"after": after, "limit": limit}, retry=True)
+def _terminal_call(after: int, limit: int, wait_seconds: float = 0.0, timeout: float | None = None) -> _Call:
+    params: dict[str, Any] = {"after": after, "limit": limit}
+    if wait_seconds > 0:  # a plain call stays byte-for-byte AGL's
+        params["wait_seconds"] = float(wait_seconds)
+    return _Call("GET", "/api/rollouts/terminal", params=params, retry=True, timeout=timeout)
 
 
 def _pause_call(reason: str | None, retry_after_seconds: int, timeout: float) -> _Call:
@@ -461,6 +466,7 @@ class AglClient:
         self.failovers = 0
         self._policy = _RetryPolicy(max_retries, backoff_base, backoff_cap, unreachable_seconds)
         self._connect_timeout = min(connect_timeout, timeout)
+        self._timeout = float(timeout)
         timeouts = httpx.Timeout(timeout, connect=self._connect_timeout)
         self._clients = [
             httpx.Client(
@@ -608,17 +614,26 @@ class AglClient:
 
     # -- completion ----------------------------------------------------------------------
 
-    def terminal_page(self, after: int = 0, limit: int = TERMINAL_PAGE_LIMIT) -> TerminalPage:
-        return TerminalPage.model_validate(self._send(_terminal_call(after, limit)))
+    def terminal_page(
+        self, after: int = 0, limit: int = TERMINAL_PAGE_LIMIT, wait_seconds: float = 0.0
+    ) -> TerminalPage:
+        """One page of the terminal log from cursor `after`; with `wait_seconds` an agl_lab server
+        holds an empty page up to that long, answering at the first rollout state change."""
+        timeout = self._timeout + wait_seconds if wait_seconds > 0 else None
+        return TerminalPage.model_validate(self._send(_terminal_call(after, limit, wait_seconds, timeout)))
 
-    def poll_terminal(self, ids: Iterable[str], after: int) -> tuple[list[TerminalItem], int]:
+    def poll_terminal(
+        self, ids: Iterable[str], after: int, wait_seconds: float = 0.0
+    ) -> tuple[list[TerminalItem], int]:
         """Terminal items among `ids` logged at or after cursor `after`, and the new cursor.
 
-        One request, unless more than `TERMINAL_PAGE_LIMIT` rollouts finished since `after`.
+        One request, unless more than `TERMINAL_PAGE_LIMIT` rollouts finished since `after`;
+        `wait_seconds` makes the first a long poll (`terminal_page`).
         """
         wanted, found = set(ids), []
         while True:
-            page = self.terminal_page(after)
+            page = self.terminal_page(after, wait_seconds=wait_seconds)
+            wait_seconds = 0.0  # the rest of a full log is read at once
             found += _select_terminal(page, wanted)
             after = page.next_after
             if not _page_is_full(page):

@@ -46,6 +46,9 @@ if TYPE_CHECKING:
     from agl_lab.client import AglClient
 
 logger = logging.getLogger(__name__)
+# One completion check waits on the server this long at most (a long poll answered early at each
+# rollout state change); it also bounds how late the wait's own timeout is noticed.
+TERMINAL_WAIT_SECONDS = 5.0
 
 
 # =============================================================================================
@@ -163,6 +166,9 @@ class _Collector:
 
     One poll = one `GET /api/rollouts/terminal` (plus, while some pending rollout has not
     been seen running, one `GET /api/rollouts?state_in=running` for the running timestamp).
+    A poll is a long poll (`TERMINAL_WAIT_SECONDS`): an agl_lab server answers at the first
+    rollout state change (claimed, patched, expired), so polls follow changes, not a clock;
+    an AGL server answers at once and the loop keeps `poll_interval` between polls.
     """
 
     def __init__(
@@ -207,9 +213,9 @@ class _Collector:
 
     # -- polling ----------------------------------------------------------------------------
 
-    def poll(self) -> list[CompletedRollout]:
+    def poll(self, wait_seconds: float = 0.0) -> list[CompletedRollout]:
         """One poll: collect every pending rollout the terminal log reports since the cursor."""
-        items, self.cursor = self.client.poll_terminal(self.pending, self.cursor or 0)
+        items, self.cursor = self.client.poll_terminal(self.pending, self.cursor or 0, wait_seconds)
         if self.track_running and any(e.running_at is None for e in self.pending.values()):
             self._observe_running()
         collected = []
@@ -244,7 +250,9 @@ class _Collector:
         timeout, label = self.timeout, self.label
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            for completed in self.poll():
+            started = time.monotonic()
+            wait_s = TERMINAL_WAIT_SECONDS if deadline is None else min(TERMINAL_WAIT_SECONDS, deadline - started)
+            for completed in self.poll(max(0.0, wait_s)):
                 on_collected(completed)
             if done():
                 return {}
@@ -262,7 +270,7 @@ class _Collector:
                     self.pending.pop(rid, None)
                 return {rid: states.get(rid, "unknown") for rid in unfinished}
             logger.debug("%s: %d rollouts pending", label, len(self.pending))
-            time.sleep(self.poll_interval)
+            time.sleep(max(0.0, self.poll_interval - (time.monotonic() - started)))  # at most one poll per interval
 
     # -- collecting one rollout ------------------------------------------------------------
 

@@ -9,7 +9,8 @@ error texts are AGL's):
     GET    /healthz                                         open
     POST   /api/rollouts                  [RolloutCreate]   201 [Rollout]
     GET    /api/rollouts?state_in=..&limit=500              [Rollout] in creation order
-    GET    /api/rollouts/terminal?after=0&limit=1000        TerminalPage (completion cursor)
+    GET    /api/rollouts/terminal?after=0&limit=1000[&wait_seconds=W]  TerminalPage (completion cursor;
+                        agl_lab: with W, a long poll answered at the first state change)
     GET    /api/rollouts/{id}                               {"rollout", "attempts"}
     PATCH  /api/rollouts/{id}[?attempt_id=A]  {"status": {..}}  Rollout | 404 | 409 | 422
     DELETE /api/rollouts/{id}                               204 (idempotent)
@@ -112,6 +113,8 @@ NO_KEY_WARNING = "AGL_KEY not set — authentication disabled. Do not use in pro
 MAX_LIST_LIMIT = 10_000  # listings and terminal pages answer at most this many items per request
 MAX_CLAIM_WAIT_SECONDS = 30.0  # longest long poll of POST /api/rollouts/claim
 CLAIM_RECHECK_SECONDS = 0.5  # a waiting claim re-checks the queue this often (other server processes)
+MAX_TERMINAL_WAIT_SECONDS = 30.0  # longest long poll of GET /api/rollouts/terminal
+TERMINAL_RECHECK_SECONDS = 1.0  # a waiting terminal poll re-reads the log this often (other server processes)
 EMPTY_TRUST_SECONDS = 2.0  # with LISTEN/NOTIFY: a queue seen empty is taken as empty this long unless notified
 
 
@@ -165,7 +168,28 @@ class ClaimRequest(BaseModel):
     )
 
 
-class QueueSignal:
+class ChangeSignal:
+    """Wakes long polls: each waiter holds the generation it took before its look at the store,
+    and `notify` sets that generation. Used on the event loop only."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def notify(self) -> None:
+        self._event.set()  # every waiter holds this generation's event and wakes
+        self._event = asyncio.Event()
+
+    def generation(self) -> asyncio.Event:
+        """Take this before looking at the store: a notify after the look sets it."""
+        return self._event
+
+    @staticmethod
+    async def wait(generation: asyncio.Event, seconds: float) -> None:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(generation.wait(), seconds)
+
+
+class QueueSignal(ChangeSignal):
     """Wakes waiting claims when rollouts are queued (created, re-queued or released) in this
     server, and (PostgreSQL: `PostgresStore.listen_queued`, LISTEN/NOTIFY) through any other server
     of the store. The waiters also re-check every CLAIM_RECHECK_SECONDS (a notification lost while
@@ -178,14 +202,10 @@ class QueueSignal:
     transaction per poll each."""
 
     def __init__(self) -> None:
-        self._event = asyncio.Event()
+        super().__init__()
         self.reliable = False  # set by the app when the store's listener announces every queueing
         self._empty: tuple[asyncio.Event, float] | None = None  # (generation, loop time) seen empty
         self.skipped = 0  # claims answered without a store call (known empty)
-
-    def notify(self) -> None:
-        self._event.set()  # every waiter holds this generation's event and wakes
-        self._event = asyncio.Event()
 
     def mark_empty(self, generation: asyncio.Event, now: float) -> None:
         """A claim taken at `generation` found nothing: the queue is empty until the next notify."""
@@ -195,15 +215,6 @@ class QueueSignal:
     def known_empty(self, now: float) -> bool:
         empty = self._empty
         return empty is not None and empty[0] is self._event and now - empty[1] < EMPTY_TRUST_SECONDS
-
-    def generation(self) -> asyncio.Event:
-        """Take this before looking at the queue: a notify after the look sets it."""
-        return self._event
-
-    @staticmethod
-    async def wait(generation: asyncio.Event, seconds: float) -> None:
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(generation.wait(), seconds)
 
 
 class ReleaseRequest(BaseModel):
@@ -221,13 +232,17 @@ class HeartbeatAnswer(BaseModel):
     lease_seconds: float  # renew well within this (0: leases are off)
 
 
-async def _expire_leases_forever(store: Store, lease_seconds: float, max_attempts: int, queued: QueueSignal) -> None:
+async def _expire_leases_forever(
+    store: Store, lease_seconds: float, max_attempts: int, queued: QueueSignal, changed: ChangeSignal
+) -> None:
     """Re-queue (after max_attempts: fail) running rollouts whose lease ran out, every min(5 s, lease/4)."""
     while True:
         try:
             expired = await run_in_threadpool(store.expire_leases, lease_seconds, max_attempts)
             if "requeued" in expired.values():
                 queued.notify()
+            if expired:
+                changed.notify()
             for outcome in ("requeued", "failed"):
                 ids = [rid for rid, what in expired.items() if what == outcome]
                 if ids:
@@ -270,25 +285,25 @@ def create_app(
     metrics, raw_store = ServerMetrics(), store
     store = TimedStore(store, metrics)  # type: ignore[assignment]  # GET /metrics: store latency, claims, expiries
     gateway = Gateway(cfg, store, rewriters=rewriters)
-    queued = QueueSignal()
+    queued, changed = QueueSignal(), ChangeSignal()  # changed: a rollout was claimed, patched, expired or released
     if not cfg.key:
         logger.warning(NO_KEY_WARNING)
 
-    app = AglApp(title="Agent Lightning", version="1.0.0", lifespan=_lifespan(cfg, store, gateway, queued))
+    app = AglApp(title="Agent Lightning", version="1.0.0", lifespan=_lifespan(cfg, store, gateway, queued, changed))
     app.state.config, app.state.store, app.state.gateway = cfg, raw_store, gateway
     app.state.metrics = metrics
     _install_error_handlers(app)
     app.add_middleware(JsonServerErrors)
     _install_guard(app, cfg, store, gateway)
     _add_health_routes(app, store, gateway, metrics)
-    app.include_router(_rollout_router(store, cfg.max_batch_items, cfg.lease_seconds, queued), prefix="/api")
+    app.include_router(_rollout_router(store, cfg.max_batch_items, cfg.lease_seconds, queued, changed), prefix="/api")
     app.include_router(_event_router(store), prefix="/api")
     app.include_router(_model_router(store, cfg.max_batch_items), prefix="/api")
     app.include_router(gateway_router(gateway), prefix="/proxy")
     return app
 
 
-def _lifespan(cfg: ServerConfig, store: Store, gateway: Gateway, queued: QueueSignal) -> Any:
+def _lifespan(cfg: ServerConfig, store: Store, gateway: Gateway, queued: QueueSignal, changed: ChangeSignal) -> Any:
     """What runs while the app serves: the upstream client, the lease sweeper and (PostgreSQL)
     the listener for rollouts queued through other servers; each stopped when the app stops."""
 
@@ -298,7 +313,7 @@ def _lifespan(cfg: ServerConfig, store: Store, gateway: Gateway, queued: QueueSi
             cfg.upstream_client, cfg.upstream_timeout_seconds, cfg.max_upstream_answer_bytes, cfg.upstream_key
         )
         sweeper = (
-            asyncio.ensure_future(_expire_leases_forever(store, cfg.lease_seconds, cfg.max_attempts, queued))
+            asyncio.ensure_future(_expire_leases_forever(store, cfg.lease_seconds, cfg.max_attempts, queued, changed))
             if cfg.lease_seconds
             else None
         )
@@ -500,17 +515,24 @@ def _check_batch(items: Sequence[Any], limit: int) -> None:
 # stall /healthz and the gateway, which share the event loop. The store's lock serialises them.
 
 
-def _rollout_router(store: Store, max_batch_items: int, lease_seconds: float, queued: QueueSignal) -> APIRouter:
+def _rollout_router(
+    store: Store, max_batch_items: int, lease_seconds: float, queued: QueueSignal, changed: ChangeSignal
+) -> APIRouter:
     """The rollout routes: agl_lab's runner routes, then AGL v1's (in this order: the literal
     paths before `/rollouts/{rollout_id}`)."""
     router = APIRouter(tags=["rollouts"], responses=_errors(*COMMON_ERRORS))
-    _add_runner_routes(router, store, max_batch_items, lease_seconds, queued)
-    _add_agl_rollout_routes(router, store, max_batch_items, queued)
+    _add_runner_routes(router, store, max_batch_items, lease_seconds, queued, changed)
+    _add_agl_rollout_routes(router, store, max_batch_items, queued, changed)
     return router
 
 
 def _add_runner_routes(
-    router: APIRouter, store: Store, max_batch_items: int, lease_seconds: float, queued: QueueSignal
+    router: APIRouter,
+    store: Store,
+    max_batch_items: int,
+    lease_seconds: float,
+    queued: QueueSignal,
+    changed: ChangeSignal,
 ) -> None:
     """What runners call (agl_lab; AGL v1 has none of these): heartbeat, claim, release."""
 
@@ -546,6 +568,8 @@ def _add_runner_routes(
                 claimed = await run_in_threadpool(store.claim_rollouts, limit, body.runner_id)
                 if not claimed:
                     queued.mark_empty(generation, loop.time())
+            if claimed:
+                changed.notify()  # waiting terminal polls answer: these rollouts now run
             left = deadline - loop.time()
             if claimed or left <= 0:
                 return Response(_ROLLOUTS.dump_json(claimed), media_type="application/json")
@@ -558,10 +582,13 @@ def _add_runner_routes(
         released = await run_in_threadpool(store.release_rollouts, body.attempts, body.reason)
         if released:
             queued.notify()
+            changed.notify()
         return ReleaseAnswer(released=released)
 
 
-def _add_agl_rollout_routes(router: APIRouter, store: Store, max_batch_items: int, queued: QueueSignal) -> None:
+def _add_agl_rollout_routes(
+    router: APIRouter, store: Store, max_batch_items: int, queued: QueueSignal, changed: ChangeSignal
+) -> None:
     """AGL v1's rollout routes: create (a batch), list, the terminal log, get, patch, delete."""
 
     @router.post(
@@ -609,8 +636,29 @@ def _add_agl_rollout_routes(router: APIRouter, store: Store, max_batch_items: in
     async def terminal_rollouts(
         after: int = Query(0, ge=INT64_MIN, le=INT64_MAX),
         limit: int = Query(1000, ge=INT64_MIN, le=INT64_MAX, description=f"answers at most {MAX_LIST_LIMIT}"),
+        wait_seconds: float = Query(
+            0.0,
+            ge=0,
+            le=MAX_TERMINAL_WAIT_SECONDS,
+            description="agl_lab: with no entry after `after`, wait this long for a rollout state change (long poll)",
+        ),
     ) -> TerminalPage:
-        return await run_in_threadpool(store.terminal_page, after, min(limit, MAX_LIST_LIMIT))
+        """The terminal log from cursor `after`. With `wait_seconds` (agl_lab; AGL sends none and
+        gets the answer at once) an empty page is held until a rollout is claimed, patched,
+        released or expired here, a new entry shows on a re-read (other server processes), or
+        the wait ends: the trainer's completion check costs one request per change, not one per
+        poll interval. Answered early on any change, so a caller tracking `running` can look."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_seconds
+        while True:
+            generation = changed.generation()  # Critical: before the look, or a change in between is missed
+            page = await run_in_threadpool(store.terminal_page, after, min(limit, MAX_LIST_LIMIT))
+            left = deadline - loop.time()
+            if page.items or page.next_after > max(after, 0) or left <= 0:
+                return page
+            await changed.wait(generation, min(left, TERMINAL_RECHECK_SECONDS))
+            if generation.is_set():
+                return await run_in_threadpool(store.terminal_page, after, min(limit, MAX_LIST_LIMIT))
 
     @router.get("/rollouts/{rollout_id}", response_model=RolloutDetail, responses=_errors(404))
     async def get_rollout(rollout_id: str) -> RolloutDetail:
@@ -628,9 +676,11 @@ def _add_agl_rollout_routes(router: APIRouter, store: Store, max_batch_items: in
         body: RolloutPatch,
         attempt_id: str | None = Query(None, description="agl_lab: apply only while this attempt runs (409 else)"),
     ) -> Rollout:
-        return await run_in_threadpool(
+        rollout = await run_in_threadpool(
             lambda: store.patch_status(rollout_id, body.status or RolloutStatusPatch(), attempt_id=attempt_id)
         )
+        changed.notify()  # waiting terminal polls answer
+        return rollout
 
     @router.delete("/rollouts/{rollout_id}", status_code=204)
     async def delete_rollout(rollout_id: str) -> Response:
