@@ -184,11 +184,12 @@ def _import_task(spec: str) -> Task:
     return register_task(obj)
 
 
-FIELD_PREFIXES = ("reasoning_gym:", "gem:")
+FIELD_PREFIXES = ("reasoning_gym:", "gem:", "textarena:", "openenv:", "verifiers:")
 
 
 def _field_task(name: str, options: Any) -> Task:
-    """A task from reasoning-gym or GEM by name (agl_lab/tasks/rgym.py, gem_games.py)."""
+    """A task from a hub of the field by name (agl_lab/tasks/rgym.py, gem_games.py, textarena_games.py,
+    openenv_env.py; verifiers_env.py refuses verifiers with the reason)."""
     prefix, _, rest = name.partition(":")
     if not rest:
         raise KeyError(f"agl_lab.task.name={name!r} names no {prefix} environment: write {prefix}:<name>")
@@ -196,6 +197,18 @@ def _field_task(name: str, options: Any) -> Task:
         from agl_lab.tasks.rgym import reasoning_gym_task
 
         return reasoning_gym_task(rest, options)
+    if prefix == "textarena":
+        from agl_lab.tasks.textarena_games import textarena_task
+
+        return textarena_task(rest, options)
+    if prefix == "openenv":
+        from agl_lab.tasks.openenv_env import openenv_task
+
+        return openenv_task(rest, options)
+    if prefix == "verifiers":
+        from agl_lab.tasks.verifiers_env import verifiers_task
+
+        return verifiers_task(rest, options)
     from agl_lab.tasks.gem_games import gem_task
 
     return gem_task(rest, options)
@@ -203,7 +216,8 @@ def _field_task(name: str, options: Any) -> Task:
 
 def get_task(name: Any, options: Any = None) -> Task:
     """The task registered under `name` (or `name` itself when it is a `Task`, the task from the
-    field that `"reasoning_gym:<dataset>"` or `"gem:<env id>"` names, or the `Task` that
+    field that `"reasoning_gym:<dataset>"`, `"gem:<env id>"`, `"textarena:<game id>"` or
+    `"openenv:<module>:<Class>"` names, or the `Task` that
     `"module:attr"` names); KeyError naming the known tasks otherwise. `options` (`agl_lab.task`:
     size, seed, config, max_turns) shape the tasks from the field (docs/environments.md)."""
     if isinstance(name, Task):
