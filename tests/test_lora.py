@@ -6,6 +6,8 @@ What a user relies on:
   (the on-policy check the trainer reports as the logprob gap), through the fast decode path;
 - the checkpoint is a base model dir + a PEFT adapter that PEFT itself loads to the same logits,
   and an engine resumes from it exactly; `lora_adapter_path` starts from such an adapter;
+- each weight version is merged once, before serving resumes (at start and in sync_weights), never
+  again in the decode steps of a phase on unchanged weights (#51: the merge stalled the first phase);
 - bad LoRA keys fail naming the key.
 """
 
@@ -17,7 +19,7 @@ from omegaconf import OmegaConf
 
 from agl_lab.config import ConfigError
 from agl_lab.engines.local import LocalEngine
-from agl_lab.engines.lora import LoraSpec, effective_weight, merged_state_dict
+from agl_lab.engines.lora import LoraSpec, adapted_layers, effective_weight, merge_all, merge_count, merged_state_dict
 from agl_lab.engines.serving import fast_decode
 from tests.replica_probe import calls_to_batch, sample_calls
 
@@ -73,6 +75,20 @@ def test_the_server_samples_from_base_plus_adapter_after_an_update(engine):
     with _adapters_off(engine.model):
         base_only = engine.compute_log_probs(batch, 1.0)
     assert (base_only - recomputed).abs()[mask].max().item() > 10 * max(gap, 1e-6)
+
+
+def test_each_weight_version_is_merged_once_before_serving_resumes(engine):
+    layers = len(adapted_layers(engine.model))
+    assert layers == 7 * engine.model.config.num_hidden_layers
+    assert merge_all(engine.model) == 0  # the engine's start merged them: nothing left for a decode step
+    _update(engine)  # an optimizer step moves A and B; sync_weights merges the new version
+    assert merge_all(engine.model) == 0
+    merged = merge_count(engine.model)
+    sample_calls(engine, 1.0)  # two phases on unchanged weights, through the fast decode path
+    sample_calls(engine, 1.0)
+    assert merge_count(engine.model) == merged
+    _update(engine)
+    assert merge_count(engine.model) == merged + layers  # one merge per projection for the next version
 
 
 class _adapters_off:

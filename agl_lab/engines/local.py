@@ -128,6 +128,14 @@ class LocalEngine(Engine):
             max_batch_size=max_batch_size,
             weights_lock=self.weights_lock,
         )
+        self._warm()
+
+    def _warm(self) -> None:
+        """LoRA merged and decode weights packed before serving (fast_decode.warm), not in a decode step."""
+        from agl_lab.engines.serving.fast_decode import warm
+
+        with self.weights_lock:
+            warm(self.model)
 
     @property
     def vocab_size(self) -> int:
@@ -286,7 +294,9 @@ class LocalEngine(Engine):
                 self.model.eval()  # the scheduler serves in eval mode
 
     def sync_weights(self) -> None:
-        """The server serves this very module: nothing to copy, the version moves on."""
+        """The server serves this very module: nothing to copy, the version moves on; the new
+        weights are merged (LoRA) and packed here, before serving resumes."""
+        self._warm()
         self._policy_version += 1
 
     # --- checkpoints ----------------------------------------------------------------------
@@ -333,6 +343,7 @@ class LocalEngine(Engine):
                 load_adapter(self.model, src / ADAPTER_DIR)
             self.optimizer.load_state_dict(state["optimizer"])
             self._policy_version = int(state["policy_version"])
+            self._warm()
 
     def close(self) -> None:
         if not self._closed:

@@ -105,6 +105,14 @@ def _own_weight(proj: Any) -> torch.Tensor:
     return proj.weight
 
 
+def warm(model: Any) -> None:
+    """Merge LoRA (`lora.merge_all`) and pack the decode weights now — at engine start and weight
+    sync, under the weights lock — not inside the first decode step of the next phase (#51)."""
+    if supports(model):
+        with torch.inference_mode():
+            _linear_fn(model, _linear_weights(model, effective_weight if is_lora(model) else _own_weight))
+
+
 def _rms_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
     # HF's RMSNorm, float32 inside
     xf = x.float()
