@@ -17,6 +17,7 @@ Two kinds of agents
     agl_agent_class_spec(cls)       "module:Qualname" of an AGL agent class
     agent_urls(server, rid, ...)    (openai_base_url, event_url) of one rollout, as AGL v1
     agent_env(rollout, server, key) the AGL_* variables of one rollout plus its env_map
+    shared_openai_client(url, key)  an `openai.OpenAI` on one rollout's URL over the process's pool
 
 Everything here is pure but `AgentContext.emit` / `openai_client` (HTTP to the server), and
 light to import: no server stack, no numpy (`tests/test_runner_cli.py` checks the runner's).
@@ -216,12 +217,9 @@ class AgentContext:
         return event.model_dump(mode="json")
 
     def openai_client(self, max_retries: int = 6, timeout: float = 300.0, **kwargs: Any) -> Any:
-        """An `openai.OpenAI` client bound to this rollout's gateway URL."""
-        import openai
-
-        return openai.OpenAI(
-            base_url=self.base_url, api_key=self.api_key or "EMPTY", max_retries=max_retries, timeout=timeout, **kwargs
-        )
+        """An `openai.OpenAI` client bound to this rollout's gateway URL (`shared_openai_client`:
+        the process's connection pool, not a new one per rollout)."""
+        return shared_openai_client(self.base_url, self.api_key, max_retries=max_retries, timeout=timeout, **kwargs)
 
     def async_openai_client(self, max_retries: int = 6, timeout: float = 300.0, **kwargs: Any) -> Any:
         """An `openai.AsyncOpenAI` client bound to this rollout's gateway URL."""
@@ -230,3 +228,28 @@ class AgentContext:
         return openai.AsyncOpenAI(
             base_url=self.base_url, api_key=self.api_key or "EMPTY", max_retries=max_retries, timeout=timeout, **kwargs
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# One OpenAI connection pool per process
+# ---------------------------------------------------------------------------------------------
+
+_POOL_LOCK = threading.Lock()
+_POOL: list[Any] = []  # the process's root `openai.OpenAI` (made on first use)
+
+
+def shared_openai_client(base_url: str, api_key: str = "", **options: Any) -> Any:
+    """An `openai.OpenAI` on `base_url` with `api_key` whose HTTP pool is the process's.
+
+    Each rollout has its own URL and token, and the runner runs each callable agent in a thread
+    of its own, so neither a per-URL nor a per-thread cache would ever hit; what costs is
+    `openai.OpenAI()` itself (a new HTTP client and TLS context: ~0.1 s here, 0.6-0.9 s under
+    load, #51). So one root client is made per process and each call returns its
+    `with_options(...)` copy, which shares the root's thread-safe `httpx` pool (~0.1 ms).
+    `options` (max_retries, timeout, default_headers, ...) apply to the copy only."""
+    import openai
+
+    with _POOL_LOCK:
+        if not _POOL:
+            _POOL.append(openai.OpenAI(base_url=base_url, api_key=api_key or "EMPTY"))
+    return _POOL[0].with_options(base_url=base_url, api_key=api_key or "EMPTY", **options)

@@ -275,13 +275,14 @@ HistoryFn = Callable[[Messages, str, str], Messages]
 
 
 def openai_client(ctx: Any) -> Any:
-    """`ctx.openai_client()` when the context offers one, else an SDK client on `ctx.base_url`."""
+    """`ctx.openai_client()` when the context offers one, else a client on `ctx.base_url` over the
+    process's shared pool (`agent.shared_openai_client`)."""
     make = getattr(ctx, "openai_client", None)
     if callable(make):
         return make()
-    import openai
+    from agl_lab.agent import shared_openai_client
 
-    return openai.OpenAI(base_url=ctx.base_url, api_key=getattr(ctx, "api_key", None) or "EMPTY")
+    return shared_openai_client(ctx.base_url, getattr(ctx, "api_key", None) or "")
 
 
 def chat(client: Any, messages: Messages, max_tokens: int = MAX_TOKENS, model: str = MODEL_NAME) -> str:
