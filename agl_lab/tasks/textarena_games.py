@@ -37,7 +37,12 @@ MAX_TOKENS = 48
 MODEL_NAME = "auto"
 SYSTEM_PROMPT = "You are playing a game. Follow its instructions exactly and reply with your move."
 VAL_SEED_OFFSET = 1_000_003
-CHECKED_GAMES = ("GuessTheNumber-v0",)
+# Single-player games that make, reset and step as installed (tests/test_hubs.py plays each); 55
+# of the registry's non-variant ids are single-player and playable here (docs/environments.md).
+SINGLE_PLAYER_GAMES = (
+    "GuessTheNumber-v0", "Mastermind-v0", "TowerOfHanoi-v0", "Countdown-v0", "Minesweeper-v0-small", "FrozenLake-v0",
+    "Sudoku-v0-easy", "LightsOut-v0", "Bandit-v0", "2048-v0-easy", "Sokoban-v0", "FifteenPuzzle-v0", "Blackjack-v0",
+)  # fmt: skip
 
 
 def import_textarena() -> Any:
@@ -86,6 +91,15 @@ def _new_part(observation: str, before: str) -> str:
     return new.strip("\n") or observation
 
 
+def _game_reward(value: Any) -> float:
+    """The player's end reward as a float; 0.0 for a value that is no number (TextArena 0.7.4's
+    Countdown passes its invalid-move reason as the reward: the arguments of set_invalid_move swapped)."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return 0.0
+
+
 def play(task: dict[str, Any], ctx: Any) -> dict[str, Any]:
     """One episode through the gateway: `{rewards, turns, terminated, truncated, reward, messages}`."""
     from agl_lab.tasks.lookup import openai_client
@@ -107,7 +121,7 @@ def play(task: dict[str, Any], ctx: Any) -> dict[str, Any]:
         done, _ = env.step(action)
         if done:  # Critical: the game's reward exists only once it has ended (end-only)
             game_rewards, _ = env.close()
-            final = float((game_rewards or {}).get(0, 0.0))
+            final = _game_reward((game_rewards or {}).get(0, 0.0))
         rewards.append(final if done else 0.0)
         if callable(emit):
             truncated = not done and turn == max_turns - 1
@@ -200,10 +214,9 @@ def textarena_task(game_id: str, options: Any = None) -> Any:
     from agl_lab.tasks import Task
 
     if game_id not in game_ids():
-        some = [g for g in game_ids() if g.endswith("-v0") and not g.startswith(("Chess", "Nim"))][:12]
         raise KeyError(
-            f"TextArena has no game {game_id!r} (agl_lab.task.name={PREFIX}{game_id}); some: {', '.join(some)}, … "
-            "(agl_lab.tasks.textarena_games.game_ids() lists all)"
+            f"TextArena has no game {game_id!r} (agl_lab.task.name={PREFIX}{game_id}); single-player games "
+            f"agl_lab plays: {', '.join(SINGLE_PLAYER_GAMES)}, … (textarena_games.game_ids() lists every id)"
         )
     max_turns, config, fixed_seed = episode_options(options, "a TextArena game's keyword arguments")
     _refuse_unplayable(game_id, config)
