@@ -26,6 +26,7 @@ from typing import Any
 
 import pandas as pd
 
+from agl_lab import heap
 from agl_lab.algorithms import (
     marked_rows,
     prepare_update_batch,
@@ -76,6 +77,8 @@ def run_update(cfg, engine: Engine, batch: BatchResult, *, step: int) -> UpdateR
             metrics.update(engine.update(prepared))
         with _timed(metrics, "update_weights"):
             engine.sync_weights()
+        with _timed(metrics, "trim_heap"):  # the update's freed gigabytes back to the OS: flat RSS (heap.py)
+            metrics.update(heap.trim())
     metrics["training/policy_version"] = engine.policy_version
     if "attention_mask" in prepared.batch.keys():  # verl: tokens of the trained batch
         metrics["perf/total_num_tokens"] = int(prepared.batch["attention_mask"].sum())

@@ -182,3 +182,20 @@ def test_step_cost_work_comparison_prints_every_variant_and_its_exactness():
     assert rows["padded"][equal] == "True" and rows["+ zero-skip"][equal] == "True"
     assert int(rows["+ shared prefix"][body]) < int(rows["padded"][body])
     assert int(rows["both"][body]) < int(rows["+ zero-skip"][body]) < int(rows["padded"][body])
+
+
+@pytest.mark.slow
+def test_memory_benchmark_prints_both_cases_for_every_step():
+    out = _run(
+        "benchmarks/memory.py",
+        "--steps",
+        "2",
+        "data.train_batch_size=4",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "agl_lab.model.warm_start_steps=0",
+    )
+    rows = _rows(out, "case")
+    assert set(rows) == {f"{case}@{step}" for case in ("no-trim", "trim") for step in (1, 2)}
+    for cells in rows.values():
+        assert float(cells[2]) >= float(cells[3]) > 0  # the peak is never below the size after the trim
