@@ -407,16 +407,17 @@ class _ScriptedModel:
     """`client.chat.completions.create` replying from a script, as SDK objects (what calc_agent reads)."""
 
     def __init__(self, replies):
-        self.replies, self.seen = list(replies), []
+        self.replies, self.seen, self.options = list(replies), [], []
         self.chat = self.completions = self
 
     def openai_client(self):
         return self
 
-    def create(self, *, messages, **_):
+    def create(self, *, messages, **options):
         from openai.types.chat import ChatCompletion
 
         self.seen.append([dict(m) for m in messages])
+        self.options.append(options)
         content, calls = self.replies.pop(0)
         tool_calls = [
             {
@@ -497,3 +498,90 @@ def test_parallel_warm_starts_compute_once_and_the_others_load(tmp_path, tiny, m
     states = [_state(m) for m in models]
     assert all(torch.equal(states[0][k], s[k]) for s in states[1:] for k in s)
     assert len(list(tmp_path.glob("warmstart-lookup-*.pt.lock"))) == 1
+
+
+# =============================================================================================
+# calc's serial tail (#51 item 3): stop at </tool_call>, the answer call capped, the merge kept
+# =============================================================================================
+
+
+def _rendered_ids(tok, messages, tools=None) -> list[int]:
+    """The prompt ids the engine sends for `messages` (its template, then its tokenizer)."""
+    text = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    return list(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def test_calc_calls_stop_at_the_tool_call_and_cap_only_the_answer_call():
+    from agl_lab.tasks import calc
+
+    for spec_name, n_calls in (("calc", 1), ("calc_chain", 2)):
+        t = get_task(spec_name).train_tasks(3, 0)[1]
+        model = _ScriptedModel([*[(None, [step]) for step in t["steps"]], (str(t["value"]), [])])
+        assert calc.calc_agent(t, model) == 1.0
+        assert all(o["stop"] == ["</tool_call>"] for o in model.options)
+        assert all(o["extra_body"] == {"include_stop_str_in_output": True} for o in model.options)
+        caps = [o["max_tokens"] for o in model.options]
+        assert caps == [calc.MAX_TOKENS] * n_calls + [calc.ANSWER_MAX_TOKENS], spec_name
+
+
+def test_the_engine_keeps_the_stop_string_in_text_and_tokens_and_the_next_prompt_extends_them(server, tiny):
+    """A stop string met mid-answer: with `include_stop_str_in_output` the text ends with it and
+    the token ids decode to that text, so the next prompt (the reply as an assistant message, then
+    an observation) extends prompt + response: one merged row, no merge break."""
+    from agl_lab.batch import merge_triplets
+    from agl_lab.records import Triplet
+
+    _, tok = tiny
+    messages = [{"role": "user", "content": "get a"}]
+    base = {"model": "m", "messages": messages, "temperature": 0, "max_tokens": 24, "ignore_eos": True}
+    base["return_token_ids"] = True
+    with httpx.Client(base_url=server.base_url, timeout=60) as http:
+        full = http.post("/chat/completions", json=base).json()
+        text = full["choices"][0]["message"]["content"]
+        stop = text[6:9]
+        body = {**base, "stop": [stop], "include_stop_str_in_output": True}
+        answer = http.post("/chat/completions", json=body).json()
+        cut = http.post("/chat/completions", json={**base, "stop": [stop]}).json()["choices"][0]
+    choice = answer["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == stop
+    assert choice["message"]["content"] == text[: text.index(stop) + len(stop)]
+    assert cut["message"]["content"] == text[: text.index(stop)]  # vLLM's default: cut before it
+    assert choice["token_ids"] == cut["token_ids"]  # the tokens hold the stop string either way
+    assert tok.decode(choice["token_ids"], skip_special_tokens=True) == choice["message"]["content"]
+    follow = [
+        *messages,
+        {"role": "assistant", "content": choice["message"]["content"]},
+        {"role": "user", "content": "b"},
+    ]
+    second = _rendered_ids(tok, follow)
+    calls = [
+        Triplet(prompt_ids=answer["prompt_token_ids"], response_ids=choice["token_ids"]),
+        Triplet(prompt_ids=second, response_ids=[tok.eos_token_id]),
+    ]
+    segments, breaks = merge_triplets(calls)
+    assert len(segments) == 1 and breaks == []
+
+
+def test_a_stopped_tool_call_renders_back_as_a_prefix_of_the_next_prompt(tiny):
+    """calc's call 1 as the engine returns it with the stop (through `</tool_call>`, no end of turn):
+    parsed into `tool_calls`, sent back as the SDK's assistant message plus the tool result, the next
+    prompt starts with prompt + response ids."""
+    from agl_lab.chat_format import parse_tool_calls
+    from agl_lab.tasks import calc
+
+    _, tok = tiny
+    t = calc.train_tasks(2, 0)[0]
+    first = calc.first_messages(t)
+    prompt = _rendered_ids(tok, first, calc.TOOLS)
+    reply = '<tool_call>{"name": "calculator", "arguments": {"expression": "' + t["steps"][0] + '"}}</tool_call>'
+    assert reply.endswith(calc.TOOL_CALL_STOP[0])
+    response = tok(reply, add_special_tokens=False)["input_ids"]
+    content, tool_calls = parse_tool_calls(reply)
+    assert content is None and len(tool_calls) == 1
+    sent = [
+        *first,
+        {"role": "assistant", "content": content, "tool_calls": tool_calls},
+        {"role": "tool", "tool_call_id": tool_calls[0]["id"], "content": str(t["value"])},
+    ]
+    second = _rendered_ids(tok, sent, calc.TOOLS)
+    assert len(response) > 20 and second[: len(prompt) + len(response)] == prompt + response

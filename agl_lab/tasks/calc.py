@@ -22,6 +22,13 @@ Reward in [0, 1]: 0 without an answer, else 0.2 × [a calculator call parsed bef
 + 0.8 × [the answer's last number equals the value] ("6 * 7 is 42." counts: the conclusion
 comes last). Operands are 2…20, so the model is sometimes right without the tool and GRPO
 groups do not all tie at zero. At most `MAX_TURNS` calls.
+
+The serial tail (#51): a rollout's calls run in series, so the phase lasts as long as the slowest
+rollout's decode steps. Every call stops at `</tool_call>` (`TOOL_CALL_STOP`, kept in the text so
+the tool-call parser sees the block, and in the token ids so the next prompt extends the recorded
+response: the merge by token prefix holds; the `<|im_end|>` the model would add lands in the next
+prompt, an observation), and the answer call — every tool call the task needs made — is capped at
+`ANSWER_MAX_TOKENS` (a number), not `MAX_TOKENS`. `call_options` is the one place both are set.
 """
 
 from __future__ import annotations
@@ -32,7 +39,9 @@ import re
 from typing import Any
 
 MAX_TURNS = 4  # calc_chain: two calls and the answer, one spare
-MAX_TOKENS = 48
+MAX_TOKENS = 48  # a call that may be a tool call (~25 tokens in SmolLM2's rendering)
+ANSWER_MAX_TOKENS = 16  # the answer call: a number (SmolLM2: 1-4 tokens and <|im_end|>)
+TOOL_CALL_STOP = ["</tool_call>"]
 MODEL_NAME = "auto"
 SYSTEM_PROMPT = "You answer arithmetic questions. Call the calculator tool, then reply with the number only."
 TOOLS = [
@@ -162,19 +171,31 @@ def first_messages(task: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"role": "system", "content": SYSTEM_PROMPT}, *examples, {"role": "user", "content": task["question"]}]
 
 
+def call_options(task: dict[str, Any], n_tool_results: int) -> dict[str, Any]:
+    """The sampling options of the next call, after `n_tool_results` tool results: the stop at
+    `</tool_call>` (through it: vLLM's `include_stop_str_in_output`, honoured by the local engine)
+    and the cap — `ANSWER_MAX_TOKENS` once the task's `ops` calls are made, else `MAX_TOKENS`."""
+    answer_due = n_tool_results >= task.get("ops", 1)
+    return {
+        "max_tokens": ANSWER_MAX_TOKENS if answer_due else MAX_TOKENS,
+        "stop": TOOL_CALL_STOP,
+        "extra_body": {"include_stop_str_in_output": True},
+    }
+
+
 def calc_agent(task: dict[str, Any], ctx: Any) -> float | None:
     """Append-only tool loop: call, run each tool call, send the results back, until a text answer."""
     from agl_lab.tasks.lookup import openai_client
 
     client = openai_client(ctx)
     messages = first_messages(task)
-    called, answer = False, None
+    called, answer, n_results = False, None, 0
     cancelled = getattr(ctx, "cancelled", None)
     for _ in range(MAX_TURNS):
         if cancelled is not None and cancelled.is_set():
             return None
         resp = client.chat.completions.create(
-            model=MODEL_NAME, messages=messages, tools=TOOLS, max_tokens=MAX_TOKENS, temperature=1.0
+            model=MODEL_NAME, messages=messages, tools=TOOLS, temperature=1.0, **call_options(task, n_results)
         )
         msg = resp.choices[0].message
         if not msg.tool_calls:
@@ -187,6 +208,7 @@ def calc_agent(task: dict[str, Any], ctx: Any) -> float | None:
                 calculator(call.function.arguments) if call.function.name == "calculator" else "error: no such tool"
             )
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+            n_results += 1
     value = 0.0 if answer is None else TOOL_WEIGHT * called + ANSWER_WEIGHT * reward(task, answer)
     emit = getattr(ctx, "emit", None)
     if callable(emit):
