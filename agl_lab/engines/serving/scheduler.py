@@ -167,6 +167,7 @@ class BatchScheduler:
             "prefill_tokens": 0,
             "cached_tokens": 0,
             "shared_prefills": 0,  # common prefixes of an admitted batch computed once (`_share_prefix`)
+            "decode_rows": 0,  # rows over all decode steps: / steps = the mean decode batch (#51)
         }
         self._thread = threading.Thread(target=self._loop, name="agl-lab-scheduler", daemon=True)
         self._thread.start()
@@ -364,6 +365,7 @@ class BatchScheduler:
         self.stats["forward_s"] += time.perf_counter() - t0
         self._sample(logits, self._running, self._batch)
         self.stats["steps"] += 1
+        self.stats["decode_rows"] += len(self._running)
 
     # --- sampling and stopping ------------------------------------------------------------
 
