@@ -28,4 +28,8 @@ def __getattr__(name: str):
         from agl_lab import comparison as _comparison
 
         return getattr(_comparison, name)
+    if name == "evaluate":  # pass@k of a model, checkpoint or run (agl_lab.evaluation)
+        from agl_lab.evaluation import evaluate
+
+        return evaluate
     raise AttributeError(f"module 'agl_lab' has no attribute {name!r}")

@@ -24,6 +24,7 @@ SUBCOMMANDS = {
     "train": ("agl_lab.cli", "train_main", "train from a YAML config"),
     "replay": ("agl_lab.replay", "replay_main", "replay a recorded step (what-if with key=value)"),
     "sweep": ("agl_lab.sweep", "sweep_main", "train a grid × seeds, then one compare table"),
+    "eval": ("agl_lab.evaluation", "eval_main", "pass@k of a model, checkpoint or run on a task"),
 }
 
 

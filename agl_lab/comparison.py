@@ -9,6 +9,8 @@ Every run directory a Trainer writes holds `config.yaml` (what it was asked to d
                     last=10)   # named settings; the last 10 *steps*; n8 − n4 paired by seed
     table.attrs["runs"]   # one line per run: its differing keys, seed, steps and metrics
     plot_compare(run_dirs, path="compare.png")   # training (and validation) reward per setting
+    compare(["evals/base", "runs/x/checkpoints/global_step_20"])  # evaluations (agl_lab.evaluation),
+                                                                    # paired by task with the first
 
 A setting is a run's config minus what never defines one (`SEED_KEYS`, `IGNORED_KEYS`: the
 seed, run and checkpoint directories, names) — or the name you give it; runs that share a
@@ -193,6 +195,8 @@ def compare(
     A run whose `metrics.jsonl` logs a step twice (a second run appended to it) is refused with
     a ValueError naming it; `repeated="keep_last"` keeps each step's last copy, with a warning.
     """
+    if _all_evaluations(run_dirs):
+        return compare_evaluations(run_dirs)
     runs, differ = runs_table(run_dirs, metrics, last, first, repeated)
     by = _setting_columns(runs, differ)
     groups = list(runs.groupby(by, dropna=False, sort=False)) if by else [((), runs)]
@@ -258,6 +262,8 @@ def plot_compare(
     setting − the `baseline` setting (default the first), paired by seed, ± its s.e. — the
     curve of `compare`'s `<metric> diff`. Saves a PNG when `path` is given and returns its Path,
     else the Axes (a list of two with `diff`)."""
+    if _all_evaluations(run_dirs):
+        return _plot_evaluations(run_dirs, path)
     if val_metric == "auto":
         val_metric = "val/reward" if metric == "training/reward" else None
     import matplotlib
@@ -317,6 +323,77 @@ def plot_compare(
     ax.legend(fontsize=8)
     if path is None:
         return [ax, ax_diff] if diff else ax
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return Path(path)
+
+
+# ---------------------------------------------------------------- evaluations (agl_lab.evaluation)
+
+
+def _all_evaluations(paths: Any) -> bool:
+    """Whether `paths` (a list, not named settings) are all evaluations: `eval-*.json` files or
+    directories holding one (a checkpoint evaluated in place, an `--out` directory)."""
+    from agl_lab.evaluation import is_evaluation
+
+    return not isinstance(paths, Mapping) and bool(paths) and all(is_evaluation(p) for p in paths)
+
+
+def compare_evaluations(paths: Sequence[str | os.PathLike], baseline: int = 0) -> pd.DataFrame:
+    """One line per evaluation (`evaluation`, `model`, `kind`, `step`, `n_tasks`) and per score
+    (`pass@…`, `mean@…`, `maj@…`): `<m> mean` with its interval `<m> lo`/`<m> hi`, and `<m> diff`,
+    `<m> diff se`: this − the `baseline`-th evaluation, paired by task (the mean over the tasks
+    both evaluated, and its standard error), with `n_pairs` (0 on the baseline's line)."""
+    from agl_lab import eval_stats
+    from agl_lab.evaluation import load_evaluation
+
+    evaluations = [load_evaluation(p) for p in paths]
+    base = evaluations[baseline]
+    records = []
+    for i, ev in enumerate(evaluations):
+        s = ev.summary
+        record: dict[str, Any] = {"evaluation": str(ev.json), "model": s.get("model"), "kind": s.get("kind")}
+        record.update({"step": s.get("step"), "n_tasks": len(ev.tasks)})
+        pairs = 0
+        for column in eval_stats.score_columns(ev.tasks):
+            interval = s.get(f"{column} ci") or [math.nan, math.nan]
+            record.update({f"{column} mean": s.get(column), f"{column} lo": interval[0], f"{column} hi": interval[1]})
+            if len(evaluations) > 1 and column in base.tasks:
+                diff, se, n = (
+                    (math.nan, math.nan, 0)
+                    if i == baseline
+                    else eval_stats.paired_difference(base.tasks, ev.tasks, column)
+                )
+                record[f"{column} diff"], record[f"{column} diff se"] = diff, se
+                pairs = max(pairs, n)
+        if len(evaluations) > 1:
+            record["n_pairs"] = pairs
+        records.append(record)
+    return pd.DataFrame(records)
+
+
+def _plot_evaluations(paths: Sequence[str | os.PathLike], path: str | os.PathLike | None):
+    """Each evaluation's scores with their intervals, one group of points per evaluation."""
+    import matplotlib
+
+    if path is not None:
+        matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    table = compare_evaluations(paths)
+    scores = [c[: -len(" mean")] for c in table.columns if c.endswith(" mean") and not c.startswith("maj@")]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    labels = [f"{kind} {step}" for kind, step in zip(table["kind"], table["step"])]
+    for j, score in enumerate(scores):
+        x = [i + 0.15 * j for i in range(len(table))]
+        mean = table[f"{score} mean"].astype(float)
+        err = [mean - table[f"{score} lo"].astype(float), table[f"{score} hi"].astype(float) - mean]
+        ax.errorbar(x, mean, yerr=err, fmt="o", capsize=3, label=score)
+    ax.set_xticks(range(len(table)), labels)
+    ax.set_ylabel("score (95 % bootstrap interval over tasks)")
+    ax.legend(fontsize=8)
+    if path is None:
+        return ax
     fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
     return Path(path)
