@@ -322,7 +322,7 @@ def report_rollout_problems(batch: BatchResult) -> BatchResult:
             "their rows pull the policy away from what they sampled. First error (rollout %s): %s\n"
             "To leave failed rollouts out of training set %s=true (every error: RolloutResult.lifecycle"
             "[['rollout_id', 'state', 'error_message']]).",
-            batch.step,
+            batch.step + 1,  # the console's 1-based step
             len(failed),
             len(rollouts),
             reward[failed[0].rollout_id],
@@ -336,7 +336,7 @@ def report_rollout_problems(batch: BatchResult) -> BatchResult:
             "step %d: %d of %d rollouts ended without a reward (the agent returned None and emitted no reward "
             "event, e.g. rollout %s); they are trained with reward %s (%s). Return the reward from the agent, "
             "or post a reward event for the rollout before it returns.",
-            batch.step,
+            batch.step + 1,  # the console's 1-based step
             len(missing),
             len(rollouts),
             missing[0].rollout_id,

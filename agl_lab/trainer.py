@@ -226,7 +226,7 @@ class Trainer:
                 completed,
                 vocab_size=self.engine.vocab_size,
                 max_abs_reward=float(self.cfg.agl_lab.algorithm.max_abs_reward),
-                step=self.global_step,
+                step=self.global_step + 1 if is_train else self.global_step,  # as the console numbers it
                 is_train=is_train,
             )
         )

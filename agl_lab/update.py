@@ -69,7 +69,7 @@ def run_update(cfg, engine: Engine, batch: BatchResult, *, step: int) -> UpdateR
             prepared, records, adv_metrics = prepare_update_batch(data, seed=int(cfg.agl_lab.seed) + step, **opts)
         metrics.update(adv_metrics)
         metrics.update(
-            alignment_report(adv_metrics, opts["mini_batch_rows"], int(cfg.actor_rollout_ref.rollout.n), step)
+            alignment_report(adv_metrics, opts["mini_batch_rows"], int(cfg.actor_rollout_ref.rollout.n), step + 1)
         )
         # Critical: skip_reason decided on the same row counts, so selection keeps ≥ 1 row here.
         assert prepared is not None, "skip_reason and select_for_update disagree on this batch"
@@ -108,7 +108,8 @@ def alignment_report(metrics: dict[str, Any], mini_batch_rows: int, n: int, step
     Zero-advantage rows (`n_sample_dropped/same_reward`: whole groups with one reward) go first and
     carry no policy-gradient signal, so dropping them costs nothing; one warning, with the numbers
     and the fix, only when more than 20 % of the rows *with* signal (`n_sample_dropped/random`) went.
-    `UpdateResult.dropped` lists the same drops per rollout, its `rows` column in these units."""
+    `UpdateResult.dropped` lists the same drops per rollout, its `rows` column in these units.
+    `step` is the one the warning names: the console's 1-based step."""
     zero_adv = int(metrics.get("training/n_sample_dropped/same_reward", 0))
     signal = int(metrics.get("training/n_sample_dropped/random", 0))
     dropped = zero_adv + signal
@@ -145,7 +146,8 @@ def _timed(metrics: dict[str, Any], name: str) -> Iterator[None]:
 def _skipped(step: int, data: Any, reason: str, engine: Engine) -> UpdateResult:
     """The one report of a skipped step: drop records, `training/skipped_steps` = 1, one warning."""
     records, metrics = skipped_step(data)
-    logger.warning("step %d is skipped: %s (every dropped rollout is in UpdateResult.dropped)", step, reason)
+    # step + 1: the console's 1-based step (UpdateResult.step is the 0-based step the batch was built at)
+    logger.warning("step %d is skipped: %s (every dropped rollout is in UpdateResult.dropped)", step + 1, reason)
     return UpdateResult(
         step=step,
         metrics=metrics,

@@ -51,7 +51,7 @@ def test_failed_rollouts_that_train_are_said_every_step(tmp_path, caplog):
     assert metrics["training/n_failed_rollouts"] == 4 and metrics["training/n_failed_rollouts_trained"] == 4
     assert len(messages) == 1
     assert messages[0].startswith(
-        "step 0: 4 of 8 rollouts FAILED and are trained with reward 0 (agentlightning.reward_fillna_value"
+        "step 1: 4 of 8 rollouts FAILED and are trained with reward 0 (agentlightning.reward_fillna_value"
     )
     assert "the tool server went away" in messages[0]
     assert "agl_lab.algorithm.exclude_failed_rollouts=true" in messages[0]

@@ -137,6 +137,7 @@ def test_a_small_batch_skip_names_the_setting_that_made_it(overrides, setting, s
     assert result.skipped
     (line,) = [r.getMessage() for r in caplog.records if "is skipped" in r.getMessage()]
     assert setting in line and ("small_batch='skip'" in line) == ("small_batch" in setting)
+    assert line.startswith("step 3 is skipped")  # the batch of 0-based step 2 is the console's step 3
 
 
 @pytest.mark.parametrize("case", ["small_batch_skip", "all_marked"])
@@ -155,7 +156,7 @@ def test_a_skipped_step_makes_no_training_call_and_is_reported_once(case, select
     assert list(result.dropped.reason) == expected
     skip_lines = [r for r in caplog.records if "skipped" in r.getMessage() or "skipping" in r.getMessage()]
     assert len(skip_lines) == 1 and skip_lines[0].name == "agl_lab.update"
-    assert skip_lines[0].levelno == logging.WARNING and "step 5" in skip_lines[0].getMessage()
+    assert skip_lines[0].levelno == logging.WARNING and "step 6 is" in skip_lines[0].getMessage()  # console: 1-based
     assert capsys.readouterr().out == ""  # no print
 
 
