@@ -155,6 +155,8 @@ class Execution:
         after = engine.serving_counters() if before else {}
         # the engine's own server over this phase: rollout/prefill_tokens, cached_tokens, decode_steps
         metrics.update({f"rollout/{k}": after[k] - v for k, v in before.items() if k in after})
+        if metrics.get("rollout/decode_steps") and "rollout/decode_rows" in metrics:  # rows a decode step ran
+            metrics["rollout/mean_decode_batch"] = metrics["rollout/decode_rows"] / metrics["rollout/decode_steps"]
 
     def close(self) -> None:
         """Stop runner, client and server (reverse start order). Idempotent; never raises."""

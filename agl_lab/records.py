@@ -413,6 +413,25 @@ def lifecycle_metrics(completed: Sequence[CompletedRollout]) -> dict[str, float]
     return metrics
 
 
+def critical_path_metrics(completed: Sequence[CompletedRollout]) -> dict[str, float]:
+    """The phase's serial tail, from the recorded calls (#51): a rollout's calls run in series, one
+    decode step per completion token, so the phase lasts at least its slowest rollout's
+
+        rollout/critical_path_decode_steps = max over rollouts of Σ len(response_ids) of its calls
+
+    (`rollout/critical_path_calls`: that rollout's calls; `rollout/mean_decode_steps`: the mean over
+    rollouts). Rollouts without calls count 0; nothing without rollouts."""
+    if not completed:
+        return {}
+    steps = [sum(len(t.response_ids) for t in c.triplets) for c in completed]
+    slowest = max(range(len(completed)), key=steps.__getitem__)
+    return {
+        "rollout/critical_path_decode_steps": float(steps[slowest]),
+        "rollout/critical_path_calls": float(len(completed[slowest].triplets)),
+        "rollout/mean_decode_steps": float(np.mean(steps)),
+    }
+
+
 # =============================================================================================
 # Stage 4 — the rollout order
 # =============================================================================================

@@ -36,6 +36,7 @@ from agl_lab.records import (
     CompletedRollout,
     completed_rollout_from_dict,
     completed_rollout_to_dict,
+    critical_path_metrics,
     events_to_completed_rollout,
     lifecycle_metrics,
 )
@@ -720,12 +721,14 @@ def finish_collected(
 
     1. `fail_unlearnable_rollouts`: a rollout the policy cannot learn from fails alone, so the
        passes below count it failed;
-    2. training only: `records.lifecycle_metrics` (queue wait, run and total times);
+    2. training only: `records.lifecycle_metrics` (queue wait, run and total times) and
+       `records.critical_path_metrics` (the slowest rollout's decode steps);
     3. `report_failures`: the failed and re-run rollouts, counted and warned about.
     """
     metrics = fail_unlearnable_rollouts(completed, vocab_size, max_abs_reward, step, is_train)
     if is_train:
         metrics.update(lifecycle_metrics(completed))
+        metrics.update(critical_path_metrics(completed))
     metrics.update(report_failures(completed, step, is_train))
     return metrics
 

@@ -17,6 +17,7 @@ from agl_lab.records import (
     clean_logprobs,
     completed_rollout_from_dict,
     completed_rollout_to_dict,
+    critical_path_metrics,
     events_to_completed_rollout,
     extract_log_probs,
     final_reward_from_events,
@@ -217,6 +218,26 @@ def test_lifecycle_metrics_golden_numbers():
     assert m["timing/rollout_run_duration_s/max"] == 3.0 and m["timing/rollout_run_duration_s/p50"] == 2.0
     assert m["timing/rollout_total_s/mean"] == 4.0 and m["timing/rollout_total_s/p90"] == 4.0
     assert lifecycle_metrics([]) == {"timing/rollout_n_missing_running_ts": 0.0}
+
+
+def test_critical_path_is_the_slowest_rollouts_completion_tokens_in_series():
+    from tests.hand_built import R, T
+
+    # calc-shaped: call 1 (a tool call) then the answer; the slowest is r2: 29 + 48 = 77 decode steps
+    rollouts = [
+        R("r1", [T([1, 2], [5] * 25), T([1, 2, 5], [6] * 3)]),  # 28
+        R("r2", [T([1, 2], [5] * 29), T([1, 2, 5], [6] * 48)]),  # 77
+        R("r3", [T([1, 2], [7] * 4)]),  # answered at once: 4
+        R("r4", []),  # no call recorded: 0
+    ]
+    m = critical_path_metrics(rollouts)
+    assert m == {
+        "rollout/critical_path_decode_steps": 77.0,
+        "rollout/critical_path_calls": 2.0,
+        "rollout/mean_decode_steps": (28 + 77 + 4 + 0) / 4,
+    }
+    assert critical_path_metrics(list(reversed(rollouts))) == m  # the order of collection does not matter
+    assert critical_path_metrics([]) == {}
 
 
 # =============================================================================================

@@ -203,6 +203,7 @@ class LocalEngine(Engine):
             "cached_tokens": float(stats["cached_tokens"]),
             "decode_steps": float(stats["steps"]),
             "shared_prefills": float(stats["shared_prefills"]),
+            "decode_rows": float(stats["decode_rows"]),
         }
 
     def pause(self, timeout: float | None = 300.0) -> None:
