@@ -17,10 +17,10 @@ message is only its new part (it starts with the game's echo of the move, `[Play
 The default wrappers also put a move without `[...]` in brackets, so a reply is always a move.
 
 Rewards are **end-only**: a single-player game sets its reward once, when it ends (GuessTheNumber:
-1 for the number, a fraction of the way there at its own turn limit; an invalid move past the
-game's error allowance: -1). Each step is a `turn_reward` event `{turn, reward, terminated,
-truncated}` — 0.0 until the last — and the rollout's reward is the game's reward, 0.0 when
-`agl_lab.task.max_turns` calls end the episode before the game does (truncated).
+1 for the number; on its second invalid move or at its own turn limit, how close the last valid
+guess was, 1 - |guess - target| / 19, 0.0 with none). Each step is a `turn_reward` event `{turn,
+reward, terminated, truncated}` — 0.0 until the last — and the rollout's reward is the game's
+reward, 0.0 when `agl_lab.task.max_turns` calls end the episode before the game does (truncated).
 
 `reset(seed)` calls `random.seed(seed)` on Python's global RNG, so resets run under GEM's lock
 with the global RNG state put back afterwards (gem_games._global_rng_kept): one rule for both hubs.
