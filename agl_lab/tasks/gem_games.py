@@ -48,7 +48,11 @@ _RESET_LOCK = threading.Lock()
 
 
 def import_gem() -> Any:
-    """The `gem` module; ModuleNotFoundError naming the extra when gem-llm is not installed."""
+    """The `gem` module; ModuleNotFoundError naming the extra when gem-llm is not installed.
+
+    Use it outside a Trainer too (a script, a notebook cell): gem imports reasoning_gym, which
+    imports `pycosat` (no wheel for Python 3.11), so a bare `import gem` fails where pycosat is
+    missing; this puts agl_lab's placeholder in place first, and `import gem` works after it."""
     from agl_lab.tasks.rgym import import_reasoning_gym
 
     import_reasoning_gym()  # gem imports reasoning_gym (its rg: environments) at import
