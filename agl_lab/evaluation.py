@@ -178,13 +178,14 @@ def _build_trainer(target: _Target, overrides: list[str], work: Path):
     from agl_lab import config as config_mod
     from agl_lab.trainer import Trainer
 
-    if target.kind == "checkpoint":
-        return Trainer.load(target.path, overrides, run_dir=work, console=False)
-    if target.saved:
-        cfg = config_mod.load_saved_config(target.config, overrides)
-    else:
-        cfg = config_mod.load_config(target.config, overrides)
-    trainer = Trainer(cfg, run_dir=work, console=False)
+    try:
+        if target.kind == "checkpoint":
+            return Trainer.load(target.path, overrides, run_dir=work, console=False)
+        load = config_mod.load_saved_config if target.saved else config_mod.load_config
+        trainer = Trainer(load(target.config, overrides), run_dir=work, console=False)
+    except (config_mod.ConfigError, ValueError, KeyError, ModuleNotFoundError) as exc:  # what the config names
+        text = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
+        raise SystemExit(f"agl-lab eval: {' '.join(str(text).split())}") from None
     if target.kind == "adapter":
         _load_adapter(trainer, target.path)
     return trainer
@@ -404,7 +405,7 @@ def eval_main(argv: list[str]) -> int:
             args.model, task=args.task, k=args.k, n=args.n, temperature=args.temperature, seed=args.seed,
             split=args.split, threshold=args.threshold, config=args.config, out=args.out, overrides=args.overrides,
         )  # fmt: skip
-    except ConfigError as exc:
+    except ConfigError as exc:  # an override the config does not have
         raise SystemExit(f"agl-lab eval: {exc}") from None
     for ev in result.evaluations if isinstance(result, EvaluationCurve) else [result]:
         s = ev.summary

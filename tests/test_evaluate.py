@@ -157,12 +157,21 @@ def test_a_checkpoint_with_n_samples_is_deterministic_and_written_beside_it(tiny
         (["cpu_tiny", "--k", "4", "--n", "2"], "need 1 ≤ k ≤ n"),
         (["cpu_tiny", "--split", "test"], "--split 'test'"),
         (["cpu_tiny", "agl_lab.task.n_val=0"], "no val tasks"),
+        (["cpu_tiny", "--task", "nosuch"], "unknown task 'nosuch'"),
     ],
 )
 def test_cli_errors_are_one_line(argv, message, capsys, tmp_path):
     assert main(["eval", *argv, "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()  # progress lines of a model built before the error may precede it
     assert message in err.splitlines()[-1] and "Traceback" not in err, err
+
+
+def test_cli_refuses_a_lora_adapter_without_a_lora_model(capsys, tmp_path):
+    (tmp_path / "adapter_config.json").write_text("{}")
+    assert main(["eval", str(tmp_path)]) == 2  # no config to build its base from
+    assert "name the config of its base model with --config" in capsys.readouterr().err
+    assert main(["eval", str(tmp_path), "--config", "cpu_tiny"]) == 2  # cpu_tiny builds no LoRA layers
+    assert "set actor_rollout_ref.model.lora_rank" in capsys.readouterr().err.splitlines()[-1]
 
 
 def test_cli_names_a_run_without_checkpoints(capsys, tmp_path):
