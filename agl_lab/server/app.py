@@ -631,34 +631,7 @@ def _add_agl_rollout_routes(
 
         return Response(await run_in_threadpool(listing), media_type="application/json")
 
-    # declared before /rollouts/{rollout_id} so the literal path wins
-    @router.get("/rollouts/terminal", response_model=TerminalPage, responses=_errors(422))
-    async def terminal_rollouts(
-        after: int = Query(0, ge=INT64_MIN, le=INT64_MAX),
-        limit: int = Query(1000, ge=INT64_MIN, le=INT64_MAX, description=f"answers at most {MAX_LIST_LIMIT}"),
-        wait_seconds: float = Query(
-            0.0,
-            ge=0,
-            le=MAX_TERMINAL_WAIT_SECONDS,
-            description="agl_lab: with no entry after `after`, wait this long for a rollout state change (long poll)",
-        ),
-    ) -> TerminalPage:
-        """The terminal log from cursor `after`. With `wait_seconds` (agl_lab; AGL sends none and
-        gets the answer at once) an empty page is held until a rollout is claimed, patched,
-        released or expired here, a new entry shows on a re-read (other server processes), or
-        the wait ends: the trainer's completion check costs one request per change, not one per
-        poll interval. Answered early on any change, so a caller tracking `running` can look."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + wait_seconds
-        while True:
-            generation = changed.generation()  # Critical: before the look, or a change in between is missed
-            page = await run_in_threadpool(store.terminal_page, after, min(limit, MAX_LIST_LIMIT))
-            left = deadline - loop.time()
-            if page.items or page.next_after > max(after, 0) or left <= 0:
-                return page
-            await changed.wait(generation, min(left, TERMINAL_RECHECK_SECONDS))
-            if generation.is_set():
-                return await run_in_threadpool(store.terminal_page, after, min(limit, MAX_LIST_LIMIT))
+    _add_terminal_route(router, store, changed)  # before /rollouts/{rollout_id}: the literal path wins
 
     @router.get("/rollouts/{rollout_id}", response_model=RolloutDetail, responses=_errors(404))
     async def get_rollout(rollout_id: str) -> RolloutDetail:
@@ -686,6 +659,38 @@ def _add_agl_rollout_routes(
     async def delete_rollout(rollout_id: str) -> Response:
         await run_in_threadpool(store.delete_rollout, rollout_id)
         return Response(status_code=204)
+
+
+def _add_terminal_route(router: APIRouter, store: Store, changed: ChangeSignal) -> None:
+    """`GET /rollouts/terminal`: AGL's completion cursor, with agl_lab's long poll."""
+
+    @router.get("/rollouts/terminal", response_model=TerminalPage, responses=_errors(422))
+    async def terminal_rollouts(
+        after: int = Query(0, ge=INT64_MIN, le=INT64_MAX),
+        limit: int = Query(1000, ge=INT64_MIN, le=INT64_MAX, description=f"answers at most {MAX_LIST_LIMIT}"),
+        wait_seconds: float = Query(
+            0.0,
+            ge=0,
+            le=MAX_TERMINAL_WAIT_SECONDS,
+            description="agl_lab: with no entry after `after`, wait this long for a rollout state change (long poll)",
+        ),
+    ) -> TerminalPage:
+        """The terminal log from cursor `after`. With `wait_seconds` (agl_lab; AGL sends none and
+        gets the answer at once) an empty page is held until a rollout is claimed, patched,
+        released or expired here, a new entry shows on a re-read (other server processes), or
+        the wait ends: the trainer's completion check costs one request per change, not one per
+        poll interval. Answered early on any change, so a caller tracking `running` can look."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_seconds
+        while True:
+            generation = changed.generation()  # Critical: before the look, or a change in between is missed
+            page = await run_in_threadpool(store.terminal_page, after, min(limit, MAX_LIST_LIMIT))
+            left = deadline - loop.time()
+            if page.items or page.next_after > max(after, 0) or left <= 0:
+                return page
+            await changed.wait(generation, min(left, TERMINAL_RECHECK_SECONDS))
+            if generation.is_set():
+                return await run_in_threadpool(store.terminal_page, after, min(limit, MAX_LIST_LIMIT))
 
 
 def _event_router(store: Store) -> APIRouter:
