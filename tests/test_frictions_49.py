@@ -134,3 +134,35 @@ def test_import_gem_outside_a_trainer_plays_a_game():
 def test_a_bare_import_gem_fails_on_pycosat_as_the_docs_say():
     done = _python("import gem")
     assert done.returncode != 0 and "No module named 'pycosat'" in done.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# A run that waits for another's warm start says so
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_run_waiting_on_the_warm_start_lock_says_so(tmp_path, capsys):
+    import fcntl
+
+    from agl_lab.engines.warmstart import cache_lock
+
+    path = tmp_path / "warmstart-x.pt"
+    entered = threading.Event()
+    with open(tmp_path / "warmstart-x.pt.lock", "a") as other:  # "another process" holds the lock
+        fcntl.flock(other, fcntl.LOCK_EX)
+
+        def wait() -> None:
+            with cache_lock(path):
+                entered.set()
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        assert not entered.wait(1.0)  # it waits for the holder…
+        fcntl.flock(other, fcntl.LOCK_UN)
+    waiter.join(10)
+    assert entered.is_set()
+    err = capsys.readouterr().err  # …and said why, once
+    assert err.count("waiting for another process computing warmstart-x.pt") == 1
+    with cache_lock(path):  # a free lock: nothing said
+        pass
+    assert capsys.readouterr().err == ""
