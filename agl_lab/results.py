@@ -307,6 +307,8 @@ def report_rollout_problems(batch: BatchResult) -> BatchResult:
       them out. The console line shows `failed_trained N` on such steps.
     - Rollouts that ended without a reward (the agent returned None and emitted no reward event):
       `training/n_missing_reward_rollouts`, one warning per step; console `no_reward N`.
+    - Rows dropped for a prompt over the limit: `training/n_dropped_prompt_too_long`, one warning
+      per step naming the key to raise (`_report_prompt_too_long`).
     """
     reward = {row.rollout_id: row.reward for row in batch.built.rows if not row.skipped_empty}
     trained = set(reward)
@@ -343,4 +345,29 @@ def report_rollout_problems(batch: BatchResult) -> BatchResult:
             next((f"{reward[r.rollout_id]:g}" for r in missing if r.rollout_id in reward), "(none: no rows)"),
             FILLNA_KEY,
         )
+    _report_prompt_too_long(batch)
     return batch
+
+
+def _report_prompt_too_long(batch: BatchResult) -> None:
+    """One warning a step whose rows were dropped for a prompt over the limit (AGL drops them
+    without a word), naming the key to raise: a step can otherwise train nothing and say only
+    that no trainable row was left."""
+    dropped = [row for row in batch.built.rows if row.is_drop and not row.skipped_empty]
+    if not dropped:
+        return
+    key = (
+        "agentlightning.trace_aggregator.trajectory_max_prompt_length"
+        if str(batch.level).startswith("trajectory")
+        else "data.max_prompt_length"
+    )
+    n_rows = sum(not row.skipped_empty for row in batch.built.rows)
+    _problems_logger.warning(
+        "step %d: %d of %d rows dropped: their prompt is longer than %s=%d "
+        "(training/n_dropped_prompt_too_long); raise it to train on them",
+        batch.step + 1,  # the console's 1-based step
+        len(dropped),
+        n_rows,
+        key,
+        dropped[0].prompt_tokens,  # cut to the limit when marked (batch.py)
+    )

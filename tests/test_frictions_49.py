@@ -107,6 +107,24 @@ def test_the_first_steps_warnings_say_step_1(tmp_path, caplog):
     assert all(m.startswith("step 1") for m in numbered), numbered
 
 
+def test_rows_dropped_for_a_long_prompt_are_said_with_the_key_to_raise(tmp_path, caplog):
+    # met rerunning the #49 study: GuessTheNumber at transition level under cpu_tiny's 256-token
+    # prompts dropped every row, and the only line was "no trainable rows left after the marked drop"
+    overrides = [*SMALL, "agentlightning.trace_aggregator.trajectory_max_prompt_length=8"]
+    with caplog.at_level(logging.WARNING, logger="agl_lab.rollout_problems"):
+        with Trainer.from_config("configs/cpu_tiny.yaml", overrides=overrides, run_dir=tmp_path, console=False) as tr:
+            metrics = tr.step()
+    (line,) = [r.getMessage() for r in caplog.records if "prompt is longer" in r.getMessage()]
+    n = metrics["training/n_dropped_prompt_too_long"]
+    assert n == metrics["training/n_sample"] > 0  # every prompt of lookup is over 8 tokens
+    assert metrics["training/skipped_steps"] == 1
+    assert line == (
+        f"step 1: {n} of {n} rows dropped: their prompt is longer than "
+        "agentlightning.trace_aggregator.trajectory_max_prompt_length=8 (training/n_dropped_prompt_too_long); "
+        "raise it to train on them"
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # gem outside a Trainer
 # ---------------------------------------------------------------------------------------------
