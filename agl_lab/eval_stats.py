@@ -82,21 +82,23 @@ def task_table(
 ) -> pd.DataFrame:
     """One row per task from validation rollouts of `n` copies each (the task list repeated n times
     in a row, as `Trainer.validate` does): `task` (its index), `data_id`, `rewards` (the n, in copy
-    order), `c`, `pass@1` … `pass@k`, `mean@k`, `maj@k` (None where no answer was recorded) and
-    `failed` (rollouts that ended in an error: their reward is the fill value, counted here)."""
+    order), `c`, `pass@1` … `pass@k`, `mean@k`, `maj@k` (None where no answer was recorded),
+    `failed` (rollouts that ended in an error) and `missing` (copies the rollout phase dropped
+    unfinished, at its wait timeout). Failed and missing samples score the fill value: they count
+    as drawn and unsuccessful, so a slow or broken model is not scored on its lucky samples."""
     rows: dict[int, dict[str, Any]] = {}
     for r in sort_rollouts(rollouts):
         task = r.sample_idx // n  # Critical: the tasks were repeated n times in a row, so copy j of task i is i*n + j
-        row = rows.setdefault(task, {"task": task, "data_id": r.data_id, "rewards": [], "answers": [], "failed": 0})
-        row["rewards"].append(rollout_reward(r, reward_fillna_value))
-        row["answers"].append(final_answer(r))
+        row = rows.setdefault(task, {"task": task, "data_id": r.data_id, "samples": {}, "failed": 0})
+        row["samples"][r.sample_idx % n] = (rollout_reward(r, reward_fillna_value), final_answer(r))
         row["failed"] += r.state != "succeeded"
     records = []
     for task in sorted(rows):
         row = rows[task]
-        rewards, answers = row.pop("rewards"), row.pop("answers")
-        if len(rewards) != n:
-            raise ValueError(f"task {task} has {len(rewards)} rollouts, expected n={n}")
+        samples = row.pop("samples")
+        row["missing"] = n - len(samples)
+        rewards = [samples.get(j, (reward_fillna_value, None))[0] for j in range(n)]
+        answers = [samples.get(j, (reward_fillna_value, None))[1] for j in range(n)]
         successes = [reward >= threshold for reward in rewards]
         c = sum(successes)
         record = {**row, "rewards": rewards, "c": c}
@@ -131,6 +133,7 @@ def summarize(table: pd.DataFrame, *, seed: int) -> dict[str, Any]:
     summary: dict[str, Any] = {
         "n_tasks": len(table),
         "failed_rollouts": int(table["failed"].sum()) if len(table) else 0,
+        "missing_rollouts": int(table["missing"].sum()) if len(table) else 0,
     }
     notes = []
     for i, column in enumerate(score_columns(table)):
@@ -154,8 +157,8 @@ def summarize(table: pd.DataFrame, *, seed: int) -> dict[str, Any]:
 
 def paired_difference(a: pd.DataFrame, b: pd.DataFrame, column: str) -> tuple[float, float, int]:
     """Mean and standard error over tasks of b − a in `column`, paired by `task` (the tasks both hold)."""
-    joined = a.set_index("task")[[column]].join(b.set_index("task")[[column]], rsuffix=" b", how="inner").dropna()
-    diff = joined[f"{column} b"].astype(float) - joined[column].astype(float)
+    joined = a[["task", column]].merge(b[["task", column]], on="task", suffixes=(" a", " b")).dropna()
+    diff = joined[f"{column} b"].astype(float) - joined[f"{column} a"].astype(float)
     if not len(diff):
         return math.nan, math.nan, 0
     se = float(diff.std(ddof=1) / math.sqrt(len(diff))) if len(diff) > 1 else math.nan

@@ -87,6 +87,14 @@ def test_maj_at_k_is_omitted_with_a_note_when_no_answer_is_recorded():
     assert any("maj@3 omitted" in note for note in summary["notes"])
 
 
+def test_a_copy_dropped_unfinished_counts_as_missing_and_unsuccessful():
+    # copy 1 of task 0 never finished (the rollout phase's wait timed out): scored at the fill value
+    table = eval_stats.task_table([_rollout(0, 1.0), _rollout(2, 1.0)], n=3, k=1, reward_fillna_value=0.0)
+    assert table["rewards"].tolist() == [[1.0, 0.0, 1.0]] and table["missing"].tolist() == [1]
+    assert table["pass@1"].tolist() == pytest.approx([2 / 3])
+    assert eval_stats.summarize(table, seed=0)["missing_rollouts"] == 1
+
+
 def test_a_success_is_a_reward_at_the_threshold():
     rollouts = [_rollout(0, 0.8), _rollout(1, 0.5), _rollout(2, 0.2)]
     assert eval_stats.task_table(rollouts, n=3, k=1)["c"].tolist() == [0]  # default: reward ≥ 1.0
