@@ -121,6 +121,11 @@ class _NoEngine(Engine):
     def _none(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError("a replay has no engine: this needs the run's model")
 
+    def compute_log_probs_and_entropy(self, data: Any, temperature: float = 1.0) -> tuple[Any, Any]:
+        raise NotImplementedError(
+            "a replay has no engine, so no model to run (agl_lab.replay.replay_update recomputes the update on one)"
+        )
+
     endpoints = abort = compute_log_probs = save = load = _none  # type: ignore[assignment]
 
 
@@ -131,7 +136,12 @@ class Replay:
     `comparison`: one row per metric both have (engine-independent ones only: batch building and
     the algorithms; wall-clock figures are left out) with `recorded`, `replayed` and `equal`.
     `equal` is exact equality (NaN equals NaN). `weights_equal` / `dropped_equal` compare the
-    loss-weight and dropped tables the same way.
+    loss-weight and dropped tables the same way, on the columns the recording has (one written
+    before a column was added to `UpdateResult.weights` still replays as equal).
+    `rows`: `batch.rows` (one line per row, skipped ones included) with each row's own numbers
+    from the replayed update (`row_weights_table`): `trained`, `advantage` (NaN where not
+    trained) and `loss_weight` (0 where not trained). `update.tokens(i)` gives a row's tokens
+    without an engine (`new_logprob`, `ratio`, `entropy` NaN: they need the run's model).
     """
 
     recording: Recording
@@ -140,6 +150,7 @@ class Replay:
     comparison: pd.DataFrame
     weights_equal: bool
     dropped_equal: bool
+    rows: pd.DataFrame
 
     @property
     def equal(self) -> bool:
@@ -166,8 +177,9 @@ def replay_step(
     verl nor Ray (for GRPO and RLOO: any other estimator is verl's); `"verl"` builds the `DataProto`
     an engine trains on.
     """
+    from agl_lab.algorithms.loss import row_weights_table
     from agl_lab.batch import build_batch
-    from agl_lab.config import batch_options, load_saved_config
+    from agl_lab.config import batch_options, load_saved_config, update_options
     from agl_lab.update import run_update
 
     check_replayable(overrides)
@@ -185,6 +197,12 @@ def replay_step(
     with _quiet_update_log():  # the run already warned about this step (alignment, skips)
         update = run_update(cfg, _NoEngine(rec.policy_version), batch, step=rec.batch_step)
     replayed = {**batch.metrics, **update.metrics}
+    numbers = None
+    if update.trained is not None:  # a skipped step trained no row
+        opts = update_options(cfg)
+        numbers = row_weights_table(
+            update.trained, loss_mode=opts["loss_mode"], divisor=opts["divisor"], num_trained_rows=len(update.trained)
+        )
     return Replay(
         recording=rec,
         batch=batch,
@@ -192,7 +210,22 @@ def replay_step(
         comparison=_compare(rec.metrics, replayed),
         weights_equal=_frames_equal(rec.weights, update.weights),
         dropped_equal=_frames_equal(rec.dropped, update.dropped),
+        rows=_rows_with_numbers(batch.rows, numbers),
     )
+
+
+def _rows_with_numbers(rows: pd.DataFrame, numbers: pd.DataFrame | None) -> pd.DataFrame:
+    """`rows` (`BatchResult.rows`) + trained, advantage, loss_weight of each row, matched on
+    (rollout_id, first_call): selection reorders and drops rows, so batch_index cannot match them."""
+    keys = ["rollout_id", "first_call"]
+    if numbers is None:
+        return rows.assign(trained=False, advantage=np.nan, loss_weight=0.0)
+    picked = numbers[[*keys, "advantage", "loss_weight"]].assign(trained=True)
+    out = rows.merge(picked, on=keys, how="left", validate="one_to_one")
+    out["trained"] = out["trained"].eq(True)
+    out["advantage"] = out["advantage"].astype(float)
+    out["loss_weight"] = out["loss_weight"].astype(float).fillna(0.0)
+    return out
 
 
 @contextlib.contextmanager
@@ -230,7 +263,7 @@ def _frames_equal(recorded: pd.DataFrame, replayed: pd.DataFrame) -> bool:
     if recorded.empty or replayed.empty:
         return recorded.empty and replayed.empty
     again = pd.DataFrame(frame_records(replayed))  # through JSON, as the recording went
-    if list(again.columns) != list(recorded.columns) or len(again) != len(recorded):
+    if not set(recorded.columns) <= set(again.columns) or len(again) != len(recorded):
         return False
     return all(_same(a, b) for col in recorded.columns for a, b in zip(recorded[col], again[col]))
 
@@ -334,8 +367,11 @@ class WhatIf:
 
     `metrics`: metric, base, alt, delta for every metric whose value moved. `weights`: one row
     per rollout with its loss share under each (share = loss_weight / Σ loss_weight; 0 where the
-    rollout was dropped), `reward` and `advantage` under each. `dropped`: the rollouts dropped
-    under one setting and not the other, with the reason.
+    rollout was dropped), `reward`, `advantage` and `rows_advantages_differ` under each (where
+    its rows' advantages differ, `advantage` is NaN: see `rows`). `rows`: one line per row
+    (rollout_id, first_call) of either batch with its `advantage`, `loss_weight` and `trained`
+    under each (`_base`, `_alt`; NaN where the row is not in that batch, e.g. at another level).
+    `dropped`: the rollouts dropped under one setting and not the other, with the reason.
     """
 
     overrides: list[str]
@@ -344,6 +380,7 @@ class WhatIf:
     metrics: pd.DataFrame
     weights: pd.DataFrame
     dropped: pd.DataFrame
+    rows: pd.DataFrame
 
     def plot(self, path: str | Path | None = None):
         """Loss share per rollout, base vs alt (sorted by base share); a PNG at `path` if given."""
@@ -392,12 +429,19 @@ def what_if(run_dir: str | Path, step: int, overrides: Sequence[str]) -> WhatIf:
         metrics=pd.DataFrame(moved, columns=["metric", "base", "alt", "delta"]),
         weights=_weights_side_by_side(base.update.weights, alt.update.weights),
         dropped=_dropped_difference(base.update.dropped, alt.update.dropped),
+        rows=_rows_side_by_side(base.rows, alt.rows),
     )
+
+
+def _rows_side_by_side(base: pd.DataFrame, alt: pd.DataFrame) -> pd.DataFrame:
+    keys, numbers = ["rollout_id", "first_call"], ["advantage", "loss_weight", "trained"]
+    out = base[[*keys, *numbers]].merge(alt[[*keys, *numbers]], on=keys, how="outer", suffixes=("_base", "_alt"))
+    return out.sort_values(keys).reset_index(drop=True)
 
 
 def _shares(weights: pd.DataFrame) -> pd.DataFrame:
     if weights.empty:
-        return pd.DataFrame(columns=["rollout_id", "share", "reward", "advantage"])
+        return pd.DataFrame(columns=["rollout_id", "share", "reward", "advantage", "rows_advantages_differ"])
     total = float(weights["loss_weight"].sum()) or 1.0
     return pd.DataFrame(
         {
@@ -405,6 +449,7 @@ def _shares(weights: pd.DataFrame) -> pd.DataFrame:
             "share": weights["loss_weight"] / total,
             "reward": weights["reward"],
             "advantage": weights["advantage"],
+            "rows_advantages_differ": weights["rows_advantages_differ"],
         }
     )
 

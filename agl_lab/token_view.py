@@ -18,11 +18,13 @@ One line per response token of the row (padding cut off):
 | new_logprob       | log π_θ: the engine's weights *when `tokens` is called* — right after `update()`, the updated policy (version `u.policy_version`) |
 | ratio             | exp(new − old), the PPO ratio the next epoch would see; 1 on-policy                 |
 | entropy           | entropy of π_θ's next-token distribution at that position, at the sampling temperature |
-| advantage         | the rollout's GRPO advantage (`rollout_advantages`; constant over its loss tokens)  |
+| advantage         | the row's raw advantage (`rollout_advantages`; constant over its loss tokens; the rows of one rollout differ under `turn_credit: return`) |
 | loss_advantage    | what the loss multiplies: advantage / (loss tokens of the rollout × D), 0 off the mask |
 
 `new_logprob` and `entropy` are computed on request with one forward of the engine's model
-(`Engine.compute_log_probs_and_entropy`; the local engine has it, verl's raises). If the engine
+(`Engine.compute_log_probs_and_entropy`; the local engine has it). An engine without it (verl's,
+a replay's: `replay_step(...).update.tokens(i)`) leaves them and `ratio` NaN, its reason in
+`attrs["note"]`; every other column needs no engine. If the engine
 trained again after this update, they are of that later policy: `attrs["policy_version"]`
 says which, and a warning says so. Everything else comes from the batch the update trained.
 """
@@ -81,7 +83,6 @@ def tokens_frame(
     (old_log_probs, advantages, rollout_advantages present) or a built one (those columns NaN)."""
     one = data.select_idxs([i])
     b = one.batch
-    new_lp, ent = engine.compute_log_probs_and_entropy(one, temperature=temperature)  # [1, R] each
     prompt_width = b["prompts"].shape[-1]
     attended = b["attention_mask"][0, prompt_width:].bool().numpy()  # [R]: the row's response, padding cut
     n = int(attended.sum())
@@ -91,7 +92,8 @@ def tokens_frame(
     def col(key: str) -> np.ndarray:
         return b[key][0].float().numpy()[:n] if key in b.keys() else np.full(n, math.nan)
 
-    new, old = new_lp[0].numpy()[:n], col("old_log_probs")
+    new, ent, note = _current_policy(engine, one, n, temperature)
+    old = col("old_log_probs")
     frame = pd.DataFrame(
         {
             "position": np.arange(n),
@@ -104,7 +106,7 @@ def tokens_frame(
             ),  # the batch stores 0 off the mask
             "new_logprob": new,
             "ratio": np.exp(new - old),
-            "entropy": ent[0].numpy()[:n],
+            "entropy": ent,
             "advantage": col("rollout_advantages") * mask if "rollout_advantages" in b.keys() else col("advantages"),
             "loss_advantage": col("advantages") * mask if "rollout_advantages" in b.keys() else np.full(n, math.nan),
         },
@@ -117,10 +119,24 @@ def tokens_frame(
         policy_version=getattr(engine, "policy_version", None),
         temperature=temperature,
     )
-    if policy_version is not None and frame.attrs["policy_version"] != policy_version:
+    if note is not None:
+        frame.attrs["note"] = note
+        warnings.warn(note, stacklevel=3)
+    if note is None and policy_version is not None and frame.attrs["policy_version"] != policy_version:
         warnings.warn(
             f"new_logprob and entropy are of policy version {frame.attrs['policy_version']}, not of "
             f"the version this update produced ({policy_version}): the engine trained again since",
             stacklevel=3,
         )
     return frame
+
+
+def _current_policy(engine: Any, one: Any, n: int, temperature: float) -> tuple[np.ndarray, np.ndarray, str | None]:
+    """(new_logprob [n], entropy [n], note): one forward of `engine`'s model over the row; NaN and
+    the engine's reason as the note where it has no model to run (a replay, verl's engine)."""
+    try:
+        new_lp, ent = engine.compute_log_probs_and_entropy(one, temperature=temperature)  # [1, R] each
+    except NotImplementedError as e:
+        nan = np.full(n, math.nan)
+        return nan, nan.copy(), f"new_logprob, ratio and entropy are NaN: {e}"
+    return new_lp[0].numpy()[:n], ent[0].numpy()[:n], None

@@ -34,6 +34,7 @@ from agl_lab.algorithms import (
     skip_reason,
     skipped_step,
 )
+from agl_lab.algorithms.loss import row_weights_table
 from agl_lab.config import update_options
 from agl_lab.engines.base import Engine, check_batch, logprob_gap
 from agl_lab.phases import update_phase
@@ -86,6 +87,10 @@ def run_update(cfg, engine: Engine, batch: BatchResult, *, step: int) -> UpdateR
     weights = rollout_weights_table(
         prepared, loss_mode=opts["loss_mode"], divisor=opts["divisor"], num_trained_rows=len(prepared)
     )
+    rows = row_weights_table(
+        prepared, loss_mode=opts["loss_mode"], divisor=opts["divisor"], num_trained_rows=len(prepared)
+    )
+    weights = with_row_advantages(weights, rows)
     return UpdateResult(
         step=step,
         metrics=metrics,
@@ -97,6 +102,28 @@ def run_update(cfg, engine: Engine, batch: BatchResult, *, step: int) -> UpdateR
         engine=engine,
         temperature=data.meta_info["temperature"],
     )
+
+
+def with_row_advantages(weights: pd.DataFrame, rows: pd.DataFrame) -> pd.DataFrame:
+    """`weights` (one line per rollout) with its rows' advantages spelled out, from `rows`
+    (`row_weights_table`, one line per row): `advantage_min`, `advantage_max` and
+    `rows_advantages_differ`. Where a rollout's rows differ (`turn_credit: return`), its
+    `advantage` is NaN, not its first row's, and `signed_weight` is the sum over its rows."""
+    if weights.empty:
+        return weights
+    by_rollout = rows.groupby("rollout_id", sort=False)
+    low = weights["rollout_id"].map(by_rollout["advantage"].min())  # NaN rows (no loss token) left out
+    high = weights["rollout_id"].map(by_rollout["advantage"].max())
+    differ = (low != high) & low.notna()
+    out = weights.copy()
+    out.insert(out.columns.get_loc("advantage") + 1, "advantage_min", low.astype(float))
+    out.insert(out.columns.get_loc("advantage_min") + 1, "advantage_max", high.astype(float))
+    out.insert(out.columns.get_loc("advantage_max") + 1, "rows_advantages_differ", differ.astype(bool))
+    # Critical: only where rows differ — elsewhere A × Σw stays bit-equal to what recordings hold
+    out.loc[differ, "advantage"] = float("nan")
+    summed = weights["rollout_id"].map(by_rollout["signed_weight"].sum())
+    out.loc[differ, "signed_weight"] = summed[differ]
+    return out
 
 
 ALIGNMENT_WARN_FRACTION = 0.2  # warn when alignment drops more than this share of the rows that carry signal

@@ -279,3 +279,42 @@ def rollout_weights_table(
             }
         )
     return pd.DataFrame(out)
+
+
+def row_weights_table(
+    data: Any,
+    *,
+    loss_mode: str = LOSS_NAME,
+    divisor: str = "rollouts",
+    num_trained_rows: int | None = None,
+    loss_agg_mode: str = "token-mean",
+):
+    """One line per row of `data`: the numbers `rollout_weights_table` sums per rollout.
+
+    Columns: batch_index (the row of `data`), rollout_id, first_call, advantage (the row's raw
+    advantage, on its first loss token: under `turn_credit: return` the rows of one rollout
+    differ), loss_tokens, loss_weight, signed_weight (advantage × loss_weight). A rollout's
+    `loss_weight` in `rollout_weights_table` is the sum of its rows' here.
+    """
+    import pandas as pd
+
+    rollouts, pos = rollout_index(rollout_ids(data))
+    mask = data.batch["response_mask"].float()
+    tokens = mask.sum(-1).cpu().numpy()
+    d = _per_rollout_divisor(len(data), len(rollouts), divisor, num_trained_rows, None) if loss_mode == LOSS_NAME else 0
+    row_w = _token_weights(tokens, pos, len(rollouts), loss_mode, loss_agg_mode, d)
+    adv_key = "rollout_advantages" if "rollout_advantages" in data.batch.keys() else "advantages"
+    adv = data.batch[adv_key].float() if adv_key in data.batch.keys() else None
+    calls = data.non_tensor_batch.get("turn_index_list")
+    advantage = [_raw_advantage(adv, mask, np.array([i])) for i in range(len(data))]
+    return pd.DataFrame(
+        {
+            "batch_index": np.arange(len(data)),
+            "rollout_id": [rollouts[p] for p in pos],
+            "first_call": np.full(len(data), -1) if calls is None else np.asarray(calls).astype(int),
+            "advantage": advantage,
+            "loss_tokens": tokens.astype(int),
+            "loss_weight": row_w.astype(float),
+            "signed_weight": np.asarray(advantage) * row_w,
+        }
+    )
