@@ -62,9 +62,18 @@ class ServerConfig(_Strict):
     store_timeout_seconds: float = _limit(  # keep it well below lease_seconds
         2.0, "--store-timeout", "a store call waits this long for a PostgreSQL connection, then answers 503", gt=0
     )
+    # Sized for a loaded CPU (docs/robustness.md, #51): an attempt the engine reports queued or running
+    # waits another window instead of being sent again, so a busy engine gets up to 300 s × (1 + 3).
     upstream_timeout_seconds: float = _limit(300.0, "--upstream-timeout", "bound on each upstream attempt", gt=0)
+    upstream_timeout_extensions: int = _limit(
+        3,
+        "--upstream-timeout-extensions",
+        "times a timed-out attempt waits another --upstream-timeout while the engine reports the call queued "
+        "or running (never sent twice meanwhile); past it the engine's copy is aborted and the call fails; 0: off",
+        ge=0,
+    )
     upstream_call_deadline_seconds: float = _limit(
-        600.0, "--upstream-call-deadline", "bound on a whole call, retries included", gt=0
+        1200.0, "--upstream-call-deadline", "bound on a whole call, retries and extensions included", gt=0
     )
     upstream_max_attempts: int = _limit(
         6, "--upstream-max-attempts", "tries per call on timeouts, 408/409/429/5xx", ge=1

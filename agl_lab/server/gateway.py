@@ -10,7 +10,8 @@ Agent Lightning v1's `server/proxy.py`, in this order):
               then the pluggable request rewriters (e.g. the token-preserving mode)
     gate      paused -> 429 + Retry-After + X-Agl-Paused, nothing recorded ; else inflight += 1
     forward   stream:true -> 400 ; POST with retries on timeouts, transport errors, 408, 409,
-              429 and >= 500, backoff min(base*2^i, max)*U(0.75, 1.25)
+              429 and >= 500, backoff min(base*2^i, max)*U(0.75, 1.25); a timed-out attempt the
+              engine reports queued or running waits longer instead, never sent twice (`_attempt`)
     record    one `model_request` event (errors too), then answer with the upstream JSON
 
 Server choice is pinned per rollout: the pool of endpoints registered for the model, sorted
@@ -44,6 +45,7 @@ import logging
 import random
 import threading
 import time
+import uuid
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -61,6 +63,8 @@ from agl_lab.server.config import DefaultProxyConfig, ServerConfig
 from agl_lab.server.storable import NotStorable
 from agl_lab.server.store import RolloutNotFound, Store
 from agl_lab.server.upstream import (
+    ABORT_REQUEST_PATH,
+    REQUEST_STATE_PATH,
     UpstreamClient,
     UpstreamRefused,
     UpstreamResponse,
@@ -87,6 +91,10 @@ T = TypeVar("T")
 MODES = ("train", "val")
 UPSTREAM_PATHS = ("chat/completions", "completions")
 RETRYABLE_STATUS = frozenset({408, 409, 429})
+# what agl_lab's engine answers for a call it still works on; "unanswered": the engine's server did not
+# answer the question within ENGINE_ASK_SECONDS (too loaded to: sending the call again would not help)
+WORKING_STATES = frozenset({"queued", "running", "unanswered"})
+ENGINE_ASK_SECONDS = 30.0
 
 
 def proxy_base_url(server_url: str, rollout_id: str, attempt_id: str = "0", mode: str = "train") -> str:
@@ -283,6 +291,10 @@ class Gateway:
         self.client: UpstreamClient | None = None
         self._rng = random.Random()
         self._down_until: dict[str, float] = {}  # endpoint -> loop time its breaker closes again
+        # GET /proxy/upstream_stats: attempts extended while the engine worked on them, and calls
+        # failed past the cap (the engine's copy aborted); each call's own count is in its event
+        self.stats = {"timeout_extensions": 0, "aborted_past_cap": 0}
+        self._aborts: set[asyncio.Future[Any]] = set()  # engine aborts of calls the agent hung up on
         self._said_override = False  # the agent-temperature override is logged once per gateway
 
     async def handle(
@@ -395,7 +407,7 @@ class Gateway:
                 )
             url = call.server.endpoint.rstrip("/") + "/" + call.upstream_path
             body = call.request if call.upstream_request is None else call.upstream_request
-            upstream, retry_count = await self._send_with_retries(url, _dumps(body), call.server.endpoint)
+            upstream, retry_count = await self._send_with_retries(url, _dumps(body), call)
             latency_ms = (time.perf_counter() - started) * 1000.0
             content, payload = _json_of(upstream)
             if call.response_hooks:
@@ -420,24 +432,23 @@ class Gateway:
         finally:
             self.gate.leave()
 
-    async def _send_with_retries(self, url: str, payload: bytes, endpoint: str) -> tuple[UpstreamResponse, int]:
+    async def _send_with_retries(self, url: str, payload: bytes, call: ProxyCall) -> tuple[UpstreamResponse, int]:
         """POST until a non-retryable answer or the last attempt; returns (response, retry_count).
 
-        Bounds: each attempt `upstream_timeout_seconds` start to end, the whole call (attempts
-        and backoff) `upstream_call_deadline_seconds`. An upstream `Retry-After` lengthens the
-        backoff. An endpoint that refuses connections trips its breaker (`_check_breaker`).
+        Bounds: each attempt `upstream_timeout_seconds` start to end (extended while the engine
+        works on it: `_attempt`), the whole call (attempts, extensions and backoff)
+        `upstream_call_deadline_seconds`. An upstream `Retry-After` lengthens the backoff. An
+        endpoint that refuses connections trips its breaker (`_check_breaker`).
         Raises UpstreamFailure (502/503/504) when no answer came back.
         """
         assert self.client is not None
-        cfg, loop = self.config, asyncio.get_running_loop()
+        cfg, loop, endpoint = self.config, asyncio.get_running_loop(), call.server.endpoint
         attempts, deadline = cfg.upstream_max_attempts, loop.time() + cfg.upstream_call_deadline_seconds
         for attempt in range(attempts):
             last = attempt == attempts - 1
             self._check_breaker(endpoint, loop.time())
-            remaining = deadline - loop.time()
             try:
-                async with asyncio.timeout(min(cfg.upstream_timeout_seconds, remaining)):
-                    response = await self.client.post_json(url, payload)
+                response = await self._attempt(url, payload, call, deadline)
             except (UpstreamTimeout, TimeoutError) as exc:
                 if last or loop.time() >= deadline:
                     raise UpstreamFailure(
@@ -494,6 +505,88 @@ class Gateway:
             )
             await asyncio.sleep(delay)
         raise AssertionError("unreachable: the last attempt returns or raises")
+
+    async def _attempt(self, url: str, payload: bytes, call: ProxyCall, deadline: float) -> UpstreamResponse:
+        """One attempt: `upstream_timeout_seconds`, extended while the engine works on the call.
+
+        The POST carries a fresh request id. When a window passes with no answer, the engine is
+        asked about that id (`REQUEST_STATE_PATH`): queued or running → wait another window, at most
+        `upstream_timeout_extensions` times, each counted (the call's `timeout_extensions`, the
+        gateway's `stats`) — sending it again would queue the same generation a second time behind
+        the first (#51: under load that doubled the decode batch). Past the cap or the call deadline
+        the engine's copy is aborted (`ABORT_REQUEST_PATH`) and the call fails: UpstreamFailure 504,
+        no retry. An engine that does not know the id (never arrived, answer lost) has nothing to
+        abort, and an upstream without these routes (vLLM, SGLang abort a request whose client hung
+        up) sees its connection closed: both raise UpstreamTimeout, so the caller may retry. A call
+        cancelled meanwhile (the agent hung up) asks the engine to abort its copy on the way out.
+        """
+        assert self.client is not None
+        cfg, loop, endpoint = self.config, asyncio.get_running_loop(), call.server.endpoint
+        request_id = uuid.uuid4().hex
+        sent = asyncio.ensure_future(self.client.post_json(url, payload, request_id))
+        try:
+            while True:
+                window = min(cfg.upstream_timeout_seconds, deadline - loop.time())
+                if window > 0:
+                    done, _ = await asyncio.wait({sent}, timeout=window)
+                    if done:
+                        return sent.result()
+                answer = await self._ask_engine(endpoint, REQUEST_STATE_PATH, request_id)
+                state = answer.get("state") if answer else None
+                if state not in WORKING_STATES:
+                    known = "" if answer is None else f"; the engine reports it {state}, so it is sent again"
+                    raise UpstreamTimeout(f"no answer in {cfg.upstream_timeout_seconds:g} s{known}")
+                extended = call.annotations.get("timeout_extensions", 0)
+                if extended < cfg.upstream_timeout_extensions and deadline - loop.time() > 0:
+                    call.annotations["timeout_extensions"] = extended + 1
+                    self.stats["timeout_extensions"] += 1
+                    logger.warning(
+                        "Rollout %s: no answer from %s in %g s, but the engine reports the call %s: waiting "
+                        "another window, not sending it again (extension %d of upstream_timeout_extensions=%d)",
+                        call.rollout.rollout_id, endpoint, cfg.upstream_timeout_seconds, state, extended + 1,
+                        cfg.upstream_timeout_extensions,
+                    )  # fmt: skip
+                    continue
+                aborted = await self._ask_engine(endpoint, ABORT_REQUEST_PATH, request_id)
+                self.stats["aborted_past_cap"] += 1
+                raise UpstreamFailure(
+                    504,
+                    "Upstream model server timed out",
+                    f"the engine still had the call {state} after {extended} extension(s) of "
+                    f"upstream_timeout_seconds={cfg.upstream_timeout_seconds:g} (upstream_timeout_extensions="
+                    f"{cfg.upstream_timeout_extensions}, upstream_call_deadline_seconds="
+                    f"{cfg.upstream_call_deadline_seconds:g}); its generation was "
+                    f"{'aborted' if aborted and aborted.get('aborted') else 'asked to abort'}, not sent again: "
+                    "raise those limits or give the engine less work",
+                )
+        except asyncio.CancelledError:  # the agent hung up (or shutdown): stop the engine's copy too
+            if not sent.done():
+                abort = asyncio.ensure_future(self._ask_engine(endpoint, ABORT_REQUEST_PATH, request_id))
+                self._aborts.add(abort)  # held until done: asyncio keeps only weak references to tasks
+                abort.add_done_callback(self._aborts.discard)
+            raise
+        finally:
+            if not sent.done():
+                sent.cancel()  # closes the connection (vLLM aborts on that); agl_lab's engine was asked
+            sent.add_done_callback(_consume)
+
+    async def _ask_engine(self, endpoint: str, path: str, request_id: str) -> dict[str, Any] | None:
+        """agl_lab's engine's JSON answer about `request_id` at `path`; {"state": "unanswered"} when it
+        does not answer within ENGINE_ASK_SECONDS; None when the upstream has no such route."""
+        assert self.client is not None
+        url = endpoint.rstrip("/") + "/" + path
+        try:
+            async with asyncio.timeout(ENGINE_ASK_SECONDS):
+                answer = await self.client.post_json(url, _dumps({"request_id": request_id}))
+        except (UpstreamTimeout, TimeoutError):
+            return {"state": "unanswered", "aborted": False}
+        except (UpstreamTransportError, UpstreamTooLarge):
+            return None
+        try:
+            payload = _loads(answer.content) if answer.status_code == 200 else None
+        except ValueError:
+            return None
+        return payload if isinstance(payload, dict) else None
 
     def _check_breaker(self, endpoint: str, now: float) -> None:
         """Fail fast (503 + Retry-After) while `endpoint`'s breaker is open; it closes by itself
@@ -637,6 +730,12 @@ def _json_of(response: UpstreamResponse) -> tuple[bytes, Any]:
     return b"{}", {}
 
 
+def _consume(task: asyncio.Future[Any]) -> None:
+    """Retrieve a dropped attempt's outcome, so asyncio does not log it as never retrieved."""
+    if not task.cancelled():
+        task.exception()
+
+
 def _retry_after_seconds(response: UpstreamResponse | None) -> float:
     """The upstream's Retry-After in seconds (0 when absent or an HTTP date)."""
     value = response.retry_after if response is not None else None
@@ -691,7 +790,7 @@ def proxy_route(gateway: Gateway, check_key: Callable[[Request], None]) -> Route
 
 
 def gateway_router(gateway: Gateway) -> APIRouter:
-    """Management routes, mounted under /proxy with auth: pause, resume, state, config."""
+    """Management routes, mounted under /proxy with auth: pause, resume, state, upstream_stats, config."""
     errors = {
         code: {"description": text}
         for code, text in (
@@ -716,6 +815,12 @@ def gateway_router(gateway: Gateway) -> APIRouter:
     @router.get("/state", response_model=PauseState)
     async def state() -> PauseState:
         return gateway.gate.state()
+
+    @router.get("/upstream_stats")
+    async def upstream_stats() -> dict[str, int]:
+        """Timed-out attempts extended because the engine was working on them, and calls failed
+        past `upstream_timeout_extensions` (their generation aborted), since the server started."""
+        return dict(gateway.stats)
 
     @router.get("/config")
     async def config() -> dict[str, Any]:

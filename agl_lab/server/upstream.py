@@ -1,7 +1,7 @@
 """Upstream clients: how the gateway POSTs a call's JSON to the model server.
 
     open_upstream_client(kind, timeout_seconds, max_answer_bytes, key="") -> client   kind: "auto" | "raw" | "aiohttp" | "httpx"
-    await client.post_json(url, payload) -> UpstreamResponse   (status, content type, body, Retry-After)
+    await client.post_json(url, payload, request_id=None) -> UpstreamResponse   (status, content type, body, Retry-After)
     await client.aclose()
 
 One client (one connection pool) per app, opened in the lifespan. Failures are mapped to three
@@ -11,7 +11,10 @@ the wire), and UpstreamTooLarge: an answer body beyond `max_answer_bytes` (the s
 `max_upstream_answer_bytes`) is not read further, its connection is closed, and it is not
 retried (the same request would get the same answer). `key` (the server setting `upstream_key`)
 is sent as `Authorization: Bearer <key>` on every call: the engine's OpenAI server requires it
-when bound beyond loopback (`agl_lab.addresses.ENGINE_KEY_ENV`). "auto" is the raw client (asyncio + httptools, both dependencies of uvicorn's fast
+when bound beyond loopback (`agl_lab.addresses.ENGINE_KEY_ENV`). `request_id` goes out as
+`X-Agl-Request-Id`: agl_lab's engine files the generation under it, so the gateway can ask
+whether it is still queued or running, and abort it, before it ever sends the call again
+(`REQUEST_STATE_PATH`, `ABORT_REQUEST_PATH`, relative to the endpoint's `/v1`). "auto" is the raw client (asyncio + httptools, both dependencies of uvicorn's fast
 path): measured on this project's 2-core machine it costs the gateway the least CPU per call
 (benchmarks/gateway.py); aiohttp and httpx stay as choices.
 """
@@ -27,6 +30,9 @@ import httptools
 import httpx
 
 _JSON_HEADERS = {"content-type": "application/json"}
+REQUEST_ID_HEADER = "x-agl-request-id"
+REQUEST_STATE_PATH = "agl/request_state"  # POST {"request_id"} -> {"state": queued|running|unknown, ...}
+ABORT_REQUEST_PATH = "agl/abort_request"  # POST {"request_id"} -> {"aborted": bool, "state": ...}
 
 
 def _headers(key: str) -> dict[str, str]:
@@ -72,12 +78,16 @@ class HttpxUpstream:
 
     def __init__(self, timeout_seconds: float, max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES, key: str = ""):
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
-        self.client = httpx.AsyncClient(timeout=timeout_seconds, limits=limits, trust_env=False)
+        # the wait for the answer is bounded by the gateway's attempt (`Gateway._attempt`), which may
+        # extend it while the engine works on the call: no read timeout of the client's own
+        timeout = httpx.Timeout(timeout_seconds, read=None)
+        self.client = httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
         self.max_answer_bytes, self._headers = max_answer_bytes, _headers(key)
 
-    async def post_json(self, url: str, payload: bytes) -> UpstreamResponse:
+    async def post_json(self, url: str, payload: bytes, request_id: str | None = None) -> UpstreamResponse:
+        headers = {**self._headers, REQUEST_ID_HEADER: request_id} if request_id else self._headers
         try:
-            async with self.client.stream("POST", url, content=payload, headers=self._headers) as r:
+            async with self.client.stream("POST", url, content=payload, headers=headers) as r:
                 chunks, size = [], 0
                 async for chunk in r.aiter_bytes():
                     size += len(chunk)
@@ -112,13 +122,14 @@ class AiohttpUpstream:
         self.max_answer_bytes, self._headers = max_answer_bytes, _headers(key)
         self._aiohttp = aiohttp
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
-        # like httpx's timeout: a bound on connecting and on each wait for bytes, not on the total
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout_seconds, sock_read=timeout_seconds)
+        # a bound on connecting; the wait for the answer is the gateway's attempt's (`Gateway._attempt`)
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout_seconds, sock_read=None)
         self.session = aiohttp.ClientSession(connector=connector, trust_env=False, timeout=timeout)
 
-    async def post_json(self, url: str, payload: bytes) -> UpstreamResponse:
+    async def post_json(self, url: str, payload: bytes, request_id: str | None = None) -> UpstreamResponse:
+        headers = {**self._headers, REQUEST_ID_HEADER: request_id} if request_id else self._headers
         try:
-            async with self.session.post(url, data=payload, headers=self._headers) as r:
+            async with self.session.post(url, data=payload, headers=headers) as r:
                 content = await r.content.read(self.max_answer_bytes + 1)
                 while len(content) <= self.max_answer_bytes and not r.content.at_eof():
                     content += await r.content.read(self.max_answer_bytes + 1 - len(content))
@@ -262,9 +273,12 @@ class RawUpstream:
         self._targets: dict[str, tuple[tuple[str, str, int], bytes]] = {}
         self._ssl: ssl.SSLContext | None = None
 
-    async def post_json(self, url: str, payload: bytes) -> UpstreamResponse:
+    async def post_json(self, url: str, payload: bytes, request_id: str | None = None) -> UpstreamResponse:
         endpoint, head = self._target(url)
-        request = head + b"%d\r\n\r\n" % len(payload) + payload
+        tagged = b"X-Agl-Request-Id: %s\r\n" % request_id.encode("latin-1") if request_id else b""
+        request = (
+            head + tagged + b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(payload) + payload
+        )
         while True:
             exchange, reused = await self._connection(endpoint)
             self._busy.add(exchange)
@@ -289,7 +303,7 @@ class RawUpstream:
             return response
 
     def _target(self, url: str) -> tuple[tuple[str, str, int], bytes]:
-        """((scheme, host, port), the request head up to the Content-Length value) of `url`."""
+        """((scheme, host, port), the request head up to its Content-Type line) of `url`."""
         known = self._targets.get(url)
         if known is not None:
             return known
@@ -304,9 +318,7 @@ class RawUpstream:
             raise UpstreamTransportError(f"ValueError: {exc} in model server URL {url!r}") from None
         path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         host = parts.netloc.rpartition("@")[2]
-        head = (
-            f"POST {path} HTTP/1.1\r\nHost: {host}\r\n{self._auth}Content-Type: application/json\r\nContent-Length: "
-        ).encode("latin-1")
+        head = f"POST {path} HTTP/1.1\r\nHost: {host}\r\n{self._auth}".encode("latin-1")
         if len(self._targets) < 4096:
             self._targets[url] = ((parts.scheme, parts.hostname, port), head)
         return (parts.scheme, parts.hostname, port), head

@@ -9,6 +9,8 @@ vLLM server with `return_token_ids` returns, so this server speaks the same dial
   `prompt_token_ids` and `token_ids` per choice; `logprobs: k` (or `true` = 1) →
   `{tokens, token_logprobs, top_logprobs, text_offset}`;
 * `GET /v1/models`, `GET /health`;
+* `POST /v1/agl/request_state` / `POST /v1/agl/abort_request` `{"request_id"}`: whether a call the
+  gateway tagged (`X-Agl-Request-Id`) is queued or running here, and stopping it (`inflight.py`);
 * bound beyond loopback, every route but `/health` requires `Authorization: Bearer <key>`
   (`$AGL_ENGINE_KEY`, or one made at start: `agl_lab.addresses.engine_key`), else 401;
 * errors as `{"error": {"message", "type", "param", "code"}}`: 400 for bad requests (naming
@@ -44,9 +46,11 @@ from fastapi.responses import JSONResponse
 
 from agl_lab.addresses import ENGINE_KEY_ENV, advertised_host, engine_key, is_loopback, url_host
 from agl_lab.chat_format import parse_tool_calls
+from agl_lab.engines.serving.inflight import InflightCalls
 from agl_lab.engines.serving.scheduler import BatchScheduler, GenerationAborted, GenerationResult, SamplingParams
 from agl_lab.rules import BATCH_WINDOW_MS, MAX_BATCH_SIZE, MAX_MODEL_LEN
 from agl_lab.server.embedded import ThreadedUvicorn
+from agl_lab.server.upstream import ABORT_REQUEST_PATH, REQUEST_ID_HEADER, REQUEST_STATE_PATH
 
 PROMPT_WORKERS = 4  # threads that render and tokenize prompts, off the event loop
 DEFAULT_MAX_TOKENS = 256  # completion budget when the request names none (capped by the context)
@@ -313,15 +317,22 @@ class _Handler:
         # rendering and tokenizing run here, not on the event loop: one rollout's huge prompt must
         # not hold up every other rollout's call (tokenizers release the GIL while they encode)
         self.prompt_pool = ThreadPoolExecutor(PROMPT_WORKERS, thread_name_prefix="agl-engine-prompt")
+        self.calls = InflightCalls(scheduler)  # tagged requests: asked about and aborted by the gateway
 
     async def _off_loop(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.prompt_pool, fn, *args)
 
     async def _generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
+        future = self.scheduler.submit(prompt_ids, params)
+        self.calls.attach(future)
         try:
-            return await asyncio.wrap_future(self.scheduler.submit(prompt_ids, params))
+            return await asyncio.wrap_future(future)
         except GenerationAborted as exc:
             raise OpenAIError(str(exc), status=503, type="ServiceUnavailableError") from exc
+        except asyncio.CancelledError:
+            if not future.cancelled():
+                raise
+            raise OpenAIError("generation aborted", status=503, type="ServiceUnavailableError") from None
 
     def _chat_prompt(self, body: dict) -> tuple[list[int], SamplingParams, Any, bool]:
         """Validate, render and tokenize a chat request (in `prompt_pool`): prompt ids, sampling,
@@ -462,11 +473,15 @@ def create_app(
     # costs more than the generation of a short reply.
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> JSONResponse:
-        return JSONResponse(await handler.chat(await _body(request)))
+        with handler.calls.track(request.headers.get(REQUEST_ID_HEADER)):
+            return JSONResponse(await handler.chat(await _body(request)))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> JSONResponse:
-        return JSONResponse(await handler.completions(await _body(request)))
+        with handler.calls.track(request.headers.get(REQUEST_ID_HEADER)):
+            return JSONResponse(await handler.completions(await _body(request)))
+
+    _add_request_routes(app, handler.calls, _body)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -485,6 +500,24 @@ def create_app(
         return {"status": "ok"}
 
     return app
+
+
+def _add_request_routes(app: FastAPI, calls: InflightCalls, read_body: Any) -> None:
+    """`POST /v1/agl/request_state` and `/v1/agl/abort_request` `{"request_id"}` (inflight.py)."""
+
+    async def _request_id(request: Request) -> str:
+        request_id = (await read_body(request)).get("request_id")
+        if not isinstance(request_id, str) or not request_id:
+            raise OpenAIError("'request_id' must be the X-Agl-Request-Id of a call", param="request_id")
+        return request_id
+
+    @app.post(f"/v1/{REQUEST_STATE_PATH}")
+    async def request_state(request: Request) -> dict:
+        return calls.state(await _request_id(request))
+
+    @app.post(f"/v1/{ABORT_REQUEST_PATH}")
+    async def abort_request(request: Request) -> dict:
+        return calls.abort(await _request_id(request))
 
 
 # ---------------------------------------------------------------------------------------

@@ -32,6 +32,10 @@ Design decisions, each forced by what RL training needs from the engine:
   scheduler thread is per thread, so training keeps torch's default. `build_engine` sets
   `num_threads` to the engine's `agl_lab.torch_threads` (every core for a model ≥ 50 M
   parameters: SmolLM2's decode batch ran 1.5× faster on 2 threads than on 1).
+* **Batch-invariant numbers** (`batch_invariant`, off by default: it makes the engine 2-4×
+  slower; `agl_lab.engine_options.batch_invariant`; for the models `fast_decode` supports): a request's logits are bitwise the same alone, among any batch-mates, with any
+  padding and with its prompt cached or computed (`fast_decode._invariant_attention`), so a
+  seeded run samples the same tokens with the same logprobs on a quiet or a loaded machine.
 * **A weights lock.** The model module is shared with the trainer. Each scheduler step
   (forward + sampling) runs under `weights_lock`; the trainer holds the same lock around
   an update, so no forward ever sees half-updated weights.
@@ -103,6 +107,7 @@ class _Sequence:
         self.stop_reason: str | int | None = None
         self.stop_at: int | None = None  # char index where a stop string begins
         self.cache_generation = -1  # prefix-cache generation its K/V were computed in
+        self.cancelled = False  # `BatchScheduler.cancel`: retire at the end of the current step
 
     def next_uniform(self) -> float:
         """The next U[0, 1) draw of this request (drawn 64 at a time: one call per 64 tokens)."""
@@ -147,6 +152,8 @@ class BatchScheduler:
         self.prefix_cache = PrefixCache(int(prefix_cache_mb * 2**20)) if prefix_cache_mb > 0 else None
         self.fast_decode = True  # False: decode through the model's HF forward (benchmarks compare)
         self.share_prefix = True  # False: every admitted row computes its whole uncached prompt (benchmarks compare)
+        # True: a row's numbers independent of its batch-mates (`agl_lab.engine_options.batch_invariant`)
+        self.batch_invariant = False
         self._cond = threading.Condition()
         self._queue: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []  # rows of the batch, in order
@@ -215,6 +222,18 @@ class BatchScheduler:
         self.stats["aborted"] += len(victims)
         return len(victims)
 
+    def cancel(self, future: concurrent.futures.Future) -> bool:
+        """Stop one request: a queued one never starts, a running one retires at the end of the
+        current step (finish_reason "abort"). False when it had already finished."""
+        if future.cancel():
+            return True
+        with self._cond:
+            for s in self._running:
+                if s.future is future and s.finish_reason is None:
+                    s.cancelled = True
+                    return True
+        return False
+
     def close(self) -> None:
         with self._cond:
             self._closed = True
@@ -275,6 +294,9 @@ class BatchScheduler:
                     if not seq.future.done():
                         seq.future.set_exception(exc)
                 raise
+        for s in self._running:
+            if s.cancelled and s.finish_reason is None:
+                s.finish_reason = "abort"
         self._retire_finished()
 
     def _share_prefix(self, new: list[_Sequence]) -> None:
@@ -311,6 +333,7 @@ class BatchScheduler:
             pad_id=self.pad_id,
             prefixes=[entry],
             prefix_lens=[m],
+            invariant=self.batch_invariant,
         )
         cache.put(CachedPrefix(list(first[:usable]), *batch.row_kv(0)))
         dt = time.perf_counter() - t0
@@ -338,6 +361,7 @@ class BatchScheduler:
             pad_id=self.pad_id,
             prefixes=[e for _, e in matches],
             prefix_lens=lens,
+            invariant=self.batch_invariant,
         )
         dt = time.perf_counter() - t0
         self.stats["forward_s"] += dt
@@ -361,7 +385,7 @@ class BatchScheduler:
 
     def _decode(self) -> None:
         t0 = time.perf_counter()
-        logits = self._batch.decode(self.model, fast=self.fast_decode)
+        logits = self._batch.decode(self.model, fast=self.fast_decode, invariant=self.batch_invariant)
         self.stats["forward_s"] += time.perf_counter() - t0
         self._sample(logits, self._running, self._batch)
         self.stats["steps"] += 1
