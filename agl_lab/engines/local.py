@@ -83,6 +83,8 @@ class LocalEngine(Engine):
         bypass_mode: bool = False,
         algorithm: Any = None,
         lora: Any = None,
+        batch_invariant: bool = False,
+        overlap: bool = False,
     ):
         from agl_lab.engines.lora import LoraSpec, add_lora
 
@@ -114,10 +116,15 @@ class LocalEngine(Engine):
         self.log_prob_micro_batch_size = log_prob_micro_batch_size
         self.bypass_mode = bypass_mode  # old logprobs = the server's sampling logprobs
         self.weights_lock = threading.RLock()
-        self._policy_version = 0
+        self._policy_version = self._serving_version = 0
         self._closed = False
+        # Overlap (agl_lab.rollout.max_staleness > 0, docs/engines.md "Overlap"): the server holds a
+        # serving copy under its own lock, so generation goes on while `update` trains `self.model`;
+        # `publish()` copies the trained weights over at a step boundary. Without it: one module.
+        self.serving_model = self._serving_copy() if overlap else self.model
+        self.serving_lock = threading.RLock() if overlap else self.weights_lock
         self.server = OpenAIServer(
-            self.model,
+            self.serving_model,
             self.tokenizer,
             model_name=self.model_name,
             host=host,
@@ -126,16 +133,30 @@ class LocalEngine(Engine):
             max_model_len=max_model_len,
             batch_window_ms=batch_window_ms,
             max_batch_size=max_batch_size,
-            weights_lock=self.weights_lock,
+            weights_lock=self.serving_lock,
         )
+        self.server.scheduler.batch_invariant = batch_invariant  # a seed is one run on any load (serving/scheduler.py)
         self._warm()
 
     def _warm(self) -> None:
         """LoRA merged and decode weights packed before serving (fast_decode.warm), not in a decode step."""
         from agl_lab.engines.serving.fast_decode import warm
 
-        with self.weights_lock:
-            warm(self.model)
+        with self.serving_lock:
+            warm(self.serving_model)
+
+    @property
+    def overlaps(self) -> bool:
+        """True when the server serves a copy of the weights (generation overlaps the update)."""
+        return self.serving_model is not self.model
+
+    def _serving_copy(self) -> torch.nn.Module:
+        import copy
+
+        serving = copy.deepcopy(self.model).eval()
+        for p in serving.parameters():
+            p.requires_grad_(False)
+        return serving
 
     @property
     def vocab_size(self) -> int:
@@ -176,6 +197,8 @@ class LocalEngine(Engine):
             bypass_mode=uses_bypass(OmegaConf.select(cfg, "algorithm.rollout_correction", default=None)),
             algorithm=cfg.get("algorithm"),
             lora=cfg.actor_rollout_ref.get("model"),
+            batch_invariant=bool(opts.get("batch_invariant", False)),
+            overlap=int(lab.rollout.get("max_staleness", 0) or 0) > 0,
         )
 
     def _frozen_copy(self) -> torch.nn.Module:
@@ -190,7 +213,14 @@ class LocalEngine(Engine):
 
     @property
     def policy_version(self) -> int:
+        """The trained weights' version (+1 per `sync_weights`)."""
         return self._policy_version
+
+    @property
+    def serving_version(self) -> int:
+        """The version the server generates with (the gateway stamps it as `model_version`):
+        `policy_version` without overlap; with it, the version of the last `publish()`."""
+        return self._serving_version if self.overlaps else self._policy_version
 
     def endpoints(self) -> list[str]:
         return [self.server.base_url]
@@ -207,11 +237,34 @@ class LocalEngine(Engine):
         }
 
     def pause(self, timeout: float | None = 300.0) -> None:
-        """Admit no new generation and wait (at most `timeout` s) until the running ones have finished."""
-        self.server.pause(wait=True, timeout=timeout)
+        """Admit no new generation and wait (at most `timeout` s) until the running ones have finished.
+        Under overlap the update never touches the serving copy: the server goes on serving."""
+        if not self.overlaps:
+            self.server.pause(wait=True, timeout=timeout)
 
     def resume(self) -> None:
         self.server.resume()
+
+    def publish(self, timeout: float | None = 300.0) -> int:
+        """Overlap's step boundary: let the running generations finish on the old weights, copy the
+        trained weights into the serving copy, serve them as `policy_version`. Returns the version.
+        The caller drains the gateway first and registers the new version after (`Execution.publish`)."""
+        if self.overlaps and self._serving_version != self._policy_version:
+            self.server.pause(wait=True, timeout=timeout)
+            try:
+                self._copy_to_serving()
+            finally:
+                self.server.resume()
+        return self.serving_version
+
+    def _copy_to_serving(self) -> None:
+        with self.weights_lock, self.serving_lock, torch.no_grad():
+            for dst, src in zip(self.serving_model.parameters(), self.model.parameters(), strict=True):
+                dst.copy_(src)
+            for dst, src in zip(self.serving_model.buffers(), self.model.buffers(), strict=True):
+                dst.copy_(src)
+            self._serving_version = self._policy_version
+            self._warm()
 
     def abort(self) -> int:
         return self.server.abort()
@@ -296,8 +349,10 @@ class LocalEngine(Engine):
 
     def sync_weights(self) -> None:
         """The server serves this very module: nothing to copy, the version moves on; the new
-        weights are merged (LoRA) and packed here, before serving resumes."""
-        self._warm()
+        weights are merged (LoRA) and packed here, before serving resumes. Under overlap the
+        serving copy keeps the old weights until `publish()`."""
+        if not self.overlaps:
+            self._warm()
         self._policy_version += 1
 
     # --- checkpoints ----------------------------------------------------------------------
@@ -344,7 +399,10 @@ class LocalEngine(Engine):
                 load_adapter(self.model, src / ADAPTER_DIR)
             self.optimizer.load_state_dict(state["optimizer"])
             self._policy_version = int(state["policy_version"])
-            self._warm()
+            if self.overlaps:  # the restored weights are served at once
+                self._copy_to_serving()
+            else:
+                self._warm()
 
     def close(self) -> None:
         if not self._closed:

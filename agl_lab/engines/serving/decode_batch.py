@@ -200,6 +200,7 @@ class DecodeBatch:
         pad_id: int,
         prefixes: list[CachedPrefix | None] | None = None,
         prefix_lens: list[int] | None = None,
+        invariant: bool = False,
     ) -> tuple[DecodeBatch, torch.Tensor]:
         """One forward over the left-padded prompts → (batch with no pending tokens yet, logits [b, V]).
 
@@ -208,6 +209,10 @@ class DecodeBatch:
         slabs, right-aligned in the first Lp = max(prefix_lens) columns, and the suffixes
         follow, left-padded. Row i may thus hold masked columns *between* its prefix and its
         suffix — harmless, the mask and explicit positions make every row exact.
+
+        `invariant` (and `fast_decode.supports(model)`): the forward is `fast_decode.forward`'s
+        batch-invariant one — each row's logits and K/V bitwise what it would get alone, with
+        any prefix split (see the module docstring).
         """
         device = next(model.parameters()).device
         n = len(prompts)
@@ -216,23 +221,29 @@ class DecodeBatch:
         ids, mask = (t.to(device) for t in _left_pad([p[m:] for p, m in zip(prompts, lens)], pad_id))
         positions = (mask.cumsum(-1) - 1).clamp(min=0) + torch.tensor(lens, device=device)[:, None]
         if lp == 0:
-            cache = Cache(layer_class_to_replicate=SlabLayer)
+            layers = None
         else:
-            cache = Cache(layers=_prefix_slabs(prefixes, lens, lp, ids.shape[1] + _HEADROOM))
+            layers = _prefix_slabs(prefixes, lens, lp, ids.shape[1] + _HEADROOM)
             pre_mask = torch.zeros((n, lp), dtype=mask.dtype, device=device)
             for i, m in enumerate(lens):
                 pre_mask[i, lp - m :] = 1
             mask = torch.cat([pre_mask, mask], dim=1)
-        out = model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        if invariant and fast_decode.supports(model):
+            layers = layers or [SlabLayer() for _ in model.model.layers]
+            logits = fast_decode.forward(model, layers, ids, positions, mask, invariant=True)
+        else:
+            cache = Cache(layers=layers) if layers else Cache(layer_class_to_replicate=SlabLayer)
+            out = model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            layers, logits = list(cache.layers), out.logits[:, -1, :]
         batch = cls(
-            layers=list(cache.layers),
+            layers=layers,
             mask=mask,
             tokens=torch.zeros(n, dtype=torch.long, device=device),
             positions=torch.tensor([len(p) for p in prompts], device=device),
@@ -240,7 +251,7 @@ class DecodeBatch:
             top_p=torch.tensor(top_p, device=device),
             greedy=torch.tensor(greedy, device=device),
         )
-        return batch, out.logits[:, -1, :]
+        return batch, logits
 
     def row_kv(self, row: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Keys and values of the real (unmasked) columns of `row`, per layer [KV, n, D] (copies)."""
@@ -250,15 +261,16 @@ class DecodeBatch:
             [layer.vbuf[row, :, cols] for layer in self.layers],
         )
 
-    def decode(self, model: Any, fast: bool = True) -> torch.Tensor:
+    def decode(self, model: Any, fast: bool = True, invariant: bool = False) -> torch.Tensor:
         """Forward the pending tokens (they enter the cache) → next-token logits [B, V].
 
         `fast` uses `fast_decode.decode_step` when it supports the model (same function,
-        fewer copies); otherwise, or with fast=False, the model's own HF forward.
+        fewer copies); otherwise, or with fast=False, the model's own HF forward. `invariant`
+        (on a supported model, whatever `fast`): its batch-invariant step.
         """
         mask = torch.cat([self.mask, self.mask.new_ones((self.size, 1))], dim=1)
-        if fast and fast_decode.supports(model):
-            logits = fast_decode.decode_step(model, self.layers, self.tokens, self.positions, mask)
+        if (fast or invariant) and fast_decode.supports(model):
+            logits = fast_decode.decode_step(model, self.layers, self.tokens, self.positions, mask, invariant)
         else:
             out = model(
                 input_ids=self.tokens[:, None],

@@ -121,23 +121,94 @@ def _rms_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, heads, D]; cos/sin [B, 1, D] → x rotated (HF's rotate_half convention)."""
+    """x [B, T, heads, D]; cos/sin [B, T, 1, D] → x rotated (HF's rotate_half convention)."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
 
 
-def decode_step(
-    model: Any, layers: list, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
-) -> torch.Tensor:
-    """Forward one pending token per row through `model`, appending its K/V to the slabs.
+# ---------------------------------------------------------------------------------------
+# Batch-invariant attention: a row's numbers never depend on its batch-mates or padding
+# ---------------------------------------------------------------------------------------
 
-    tokens [B], positions [B] (position id of each token), mask [B, L+1] (1 = real column,
-    the last column is the new token), layers: one `SlabLayer` per decoder layer holding L
-    columns → next-token logits [B, V] in the model's dtype.
+_LANES = 16  # key columns padded to a multiple of this: every exp runs in the same SIMD code
+_CHUNK = 1 << 22  # floats of the [.., T, L, D] products computed at once (queries in chunks)
+
+
+def _invariant_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """softmax(q·kᵀ · scaling) @ v with every reduction in a fixed order, whatever the shapes.
+
+    q [B, KV, G, T, D], keys/values [B, KV, L, D], keep [B, 1, 1, T, L] bool → [B, KV, G, T, D].
+
+    BLAS's batched matmul and torch's softmax pick kernels and summation trees by L and by
+    where the padding lies (measured: a row's scores change with 1, 3 or 17 extra masked
+    columns). Here the dot products are inner sums over the fixed D; the softmax denominator
+    and the weighted sum of values are *sequential* scans (`cumsum`, accumulated in float64 on
+    CPU), read at the last column. A masked column adds an exact 0 (exp(−inf) = 0, 0 · v = 0 for
+    the finite zeros a slab holds), so padding anywhere — left, between a cached prefix and
+    its suffix, or the causal tail of a prefill chunk — leaves every sum's bits unchanged.
+    """
+    pad = -keys.shape[2] % _LANES
+    if pad:
+        keys, values = F.pad(keys, (0, 0, 0, pad)), F.pad(values, (0, 0, 0, pad))
+        keep = F.pad(keep, (0, pad))  # False: masked
+    b, kv, g, t, d = q.shape
+    step = max(1, _CHUNK // (b * kv * g * keys.shape[2] * d))
+    outs = []
+    for t0 in range(0, t, step):  # queries are independent: chunking changes no number
+        scores = (q[:, :, :, t0 : t0 + step, None, :] * keys[:, :, None, None]).sum(-1) * scaling
+        scores = scores.masked_fill(~keep[..., t0 : t0 + step, :], float("-inf"))  # [B, KV, G, t, L]
+        e = (scores - scores.amax(-1, keepdim=True)).exp()
+        probs = e / e.cumsum(-1)[..., -1:]  # Critical: a scan, not .sum(): its order is fixed
+        outs.append((probs[..., None] * values[:, :, None, None]).cumsum(-2)[..., -1, :])
+    return torch.cat(outs, dim=3)
+
+
+def _grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scaling: float):
+    """One query per row (T = 1): q [B, KV, G, 1, D], keys/values [B, KV, L, D], bias [B, 1, 1, 1, L] additive."""
+    # Critical: query heads grouped per KV head (HF's head order: head = kv · G + g)
+    scores = torch.matmul(q[:, :, :, 0], keys.transpose(2, 3)) * scaling  # [B, KV, G, L]
+    probs = torch.softmax(scores + bias[:, :, :, 0], dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, values)[:, :, :, None]  # [B, KV, G, 1, D]
+
+
+def _query_mask(mask: torch.Tensor, t: int) -> torch.Tensor:
+    """mask [B, L+T] (1 = real column; the last T columns are the new tokens) → keep [B, 1, 1, T, L+T].
+
+    Query j (column L + j) sees the real columns up to its own, and always itself: a padding
+    query of a prefill then attends to one finite column, never to none (NaN in its K/V)."""
+    n = mask.shape[1]
+    cols = torch.arange(n, device=mask.device)
+    own = (n - t + torch.arange(t, device=mask.device))[:, None]  # [T, 1]
+    keep = (mask.bool()[:, None, :] & (cols <= own)) | (cols == own)
+    return keep[:, None, None]
+
+
+def forward(
+    model: Any,
+    layers: list,
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    mask: torch.Tensor,
+    invariant: bool = False,
+) -> torch.Tensor:
+    """Forward T new tokens per row through `model`, appending their K/V to the slabs.
+
+    ids [B, T], positions [B, T] (position ids), mask [B, L+T] (1 = real column, the last T
+    columns are the new tokens), layers: one `SlabLayer` per decoder layer holding L columns
+    → next-token logits [B, V] of the last column, in the model's dtype.
+
+    `invariant`: each row's logits are bitwise independent of its batch-mates, of padding and
+    of how its prompt was split into prefill chunks (matrix products through oneDNN's packed
+    kernels, row-independent at any M; attention by `_invariant_attention`). Without it only
+    T = 1 is supported (the decode step), with BLAS attention.
     """
     inner, cfg = model.model, model.config
-    b = tokens.shape[0]
+    b, t = ids.shape
+    if t > 1 and not invariant:
+        raise ValueError("fast_decode.forward runs T > 1 tokens a row only with invariant=True")
     h_q, h_kv = cfg.num_attention_heads, cfg.num_key_value_heads
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // h_q
     groups = h_q // h_kv
@@ -145,24 +216,26 @@ def decode_step(
     # LoRA (agl_lab.engines.lora): each adapted projection applies W + scale·B@A, merged once per update
     w = effective_weight if is_lora(model) else _own_weight
     linear = _linear_fn(model, _linear_weights(model, w))
-    hidden = inner.embed_tokens(tokens)  # [B, d_model]
-    cos, sin = inner.rotary_emb(hidden[:, None], positions[:, None])  # [B, 1, D]
-    # additive mask [B, 1, 1, L+1] shared by every layer: 0 on real columns, -inf on padding
-    bias = torch.zeros(mask.shape, dtype=hidden.dtype, device=hidden.device)
-    bias = bias.masked_fill_(mask == 0, float("-inf"))[:, None, None, :]
+    hidden = inner.embed_tokens(ids)  # [B, T, d_model]
+    cos, sin = (c[:, :, None] for c in inner.rotary_emb(hidden, positions))  # [B, T, 1, D]
+    hidden = hidden.reshape(b * t, -1)
+    if invariant:
+        keep = _query_mask(mask, t)
+    else:  # additive mask [B, 1, 1, 1, L+1] shared by every layer: 0 on real columns, -inf on padding
+        keep = torch.zeros(mask.shape, dtype=hidden.dtype, device=hidden.device)
+        keep = keep.masked_fill_(mask == 0, float("-inf"))[:, None, None, None, :]
+    attention = _invariant_attention if invariant else _grouped_attention
 
     for layer, slab in zip(inner.layers, layers):
         attn = layer.self_attn
         x = _rms_norm(layer.input_layernorm, hidden)
-        q = linear(x, w(attn.q_proj), attn.q_proj.bias).view(b, h_q, d)
-        k = linear(x, w(attn.k_proj), attn.k_proj.bias).view(b, h_kv, d)
-        v = linear(x, w(attn.v_proj), attn.v_proj.bias).view(b, h_kv, d)
+        q = linear(x, w(attn.q_proj), attn.q_proj.bias).view(b, t, h_q, d)
+        k = linear(x, w(attn.k_proj), attn.k_proj.bias).view(b, t, h_kv, d)
+        v = linear(x, w(attn.v_proj), attn.v_proj.bias).view(b, t, h_kv, d)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        keys, values = slab.update(k[:, :, None], v[:, :, None])  # [B, KV, L+1, D] views, no copy
-        # Critical: query heads grouped per KV head (HF's head order: head = kv · G + g)
-        scores = torch.matmul(q.view(b, h_kv, groups, d), keys.transpose(2, 3)) * attn.scaling
-        probs = torch.softmax(scores + bias, dim=-1, dtype=torch.float32).to(q.dtype)  # [B, KV, G, L+1]
-        out = torch.matmul(probs, values).reshape(b, h_q * d)
+        keys, values = slab.update(k.transpose(1, 2), v.transpose(1, 2))  # [B, KV, L+T, D] views
+        q = q.view(b, t, h_kv, groups, d).permute(0, 2, 3, 1, 4)  # [B, KV, G, T, D]
+        out = attention(q, keys, values, keep, attn.scaling).permute(0, 3, 1, 2, 4).reshape(b * t, h_q * d)
         hidden = hidden + linear(out, w(attn.o_proj), attn.o_proj.bias)
 
         mlp = layer.mlp
@@ -170,4 +243,12 @@ def decode_step(
         gate_up = F.silu(linear(x, w(mlp.gate_proj))) * linear(x, w(mlp.up_proj))
         hidden = hidden + linear(gate_up, w(mlp.down_proj))
 
-    return linear(_rms_norm(inner.norm, hidden), w(model.lm_head))
+    last = hidden.view(b, t, -1)[:, -1]
+    return linear(_rms_norm(inner.norm, last), w(model.lm_head))
+
+
+def decode_step(
+    model: Any, layers: list, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, invariant: bool = False
+) -> torch.Tensor:
+    """One pending token per row: tokens [B], positions [B], mask [B, L+1] → logits [B, V] (`forward`)."""
+    return forward(model, layers, tokens[:, None], positions[:, None], mask, invariant)

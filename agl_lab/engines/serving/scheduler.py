@@ -32,6 +32,10 @@ Design decisions, each forced by what RL training needs from the engine:
   scheduler thread is per thread, so training keeps torch's default. `build_engine` sets
   `num_threads` to the engine's `agl_lab.torch_threads` (every core for a model ≥ 50 M
   parameters: SmolLM2's decode batch ran 1.5× faster on 2 threads than on 1).
+* **Batch-invariant numbers** (`batch_invariant`, off by default: it makes the engine 2-4×
+  slower; `agl_lab.engine_options.batch_invariant`; for the models `fast_decode` supports): a request's logits are bitwise the same alone, among any batch-mates, with any
+  padding and with its prompt cached or computed (`fast_decode._invariant_attention`), so a
+  seeded run samples the same tokens with the same logprobs on a quiet or a loaded machine.
 * **A weights lock.** The model module is shared with the trainer. Each scheduler step
   (forward + sampling) runs under `weights_lock`; the trainer holds the same lock around
   an update, so no forward ever sees half-updated weights.
@@ -148,6 +152,8 @@ class BatchScheduler:
         self.prefix_cache = PrefixCache(int(prefix_cache_mb * 2**20)) if prefix_cache_mb > 0 else None
         self.fast_decode = True  # False: decode through the model's HF forward (benchmarks compare)
         self.share_prefix = True  # False: every admitted row computes its whole uncached prompt (benchmarks compare)
+        # True: a row's numbers independent of its batch-mates (`agl_lab.engine_options.batch_invariant`)
+        self.batch_invariant = False
         self._cond = threading.Condition()
         self._queue: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []  # rows of the batch, in order
@@ -327,6 +333,7 @@ class BatchScheduler:
             pad_id=self.pad_id,
             prefixes=[entry],
             prefix_lens=[m],
+            invariant=self.batch_invariant,
         )
         cache.put(CachedPrefix(list(first[:usable]), *batch.row_kv(0)))
         dt = time.perf_counter() - t0
@@ -354,6 +361,7 @@ class BatchScheduler:
             pad_id=self.pad_id,
             prefixes=[e for _, e in matches],
             prefix_lens=lens,
+            invariant=self.batch_invariant,
         )
         dt = time.perf_counter() - t0
         self.stats["forward_s"] += dt
@@ -377,7 +385,7 @@ class BatchScheduler:
 
     def _decode(self) -> None:
         t0 = time.perf_counter()
-        logits = self._batch.decode(self.model, fast=self.fast_decode)
+        logits = self._batch.decode(self.model, fast=self.fast_decode, invariant=self.batch_invariant)
         self.stats["forward_s"] += time.perf_counter() - t0
         self._sample(logits, self._running, self._batch)
         self.stats["steps"] += 1
