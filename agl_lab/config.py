@@ -181,7 +181,13 @@ AGL_LAB_DEFAULTS: dict[str, Any] = {
             "grpo_float32": False,
             "drop_order": "after_advantage",  # agl: AGL's row-level alignment before advantages
         },
-        "engine_options": {"batch_window_ms": rules.BATCH_WINDOW_MS, "max_batch_size": rules.MAX_BATCH_SIZE},
+        # batch_invariant: a request's numbers independent of its batch-mates, so a seed is one run
+        # on any load (docs/engines.md#one-seed-one-run-on-any-load)
+        "engine_options": {
+            "batch_invariant": False,
+            "batch_window_ms": rules.BATCH_WINDOW_MS,
+            "max_batch_size": rules.MAX_BATCH_SIZE,
+        },
         # every step's rollouts and results → run_dir/recording/ (agl_lab.replay: replay any step);
         # max_steps: keep the newest N (null: all); events: false leaves the raw events out
         "record": {"enabled": True, "max_steps": None, "events": True},
