@@ -17,9 +17,14 @@ import numpy as np
 import pytest
 import torch
 
+import agl_lab.algorithms as alg
+from agl_lab.algorithms.loss import row_weights_table
+from agl_lab.batch import build_batch
 from agl_lab.recording import load_recording
+from agl_lab.records import CompletedRollout, triplets_from_events
 from agl_lab.replay import replay_step, what_if
 from agl_lab.trainer import Trainer
+from agl_lab.update import with_row_advantages
 from tests.trainer_runs import SMALL
 
 RETURN_CREDIT = [
@@ -29,6 +34,75 @@ RETURN_CREDIT = [
     "trainer.save_freq=0",
 ]
 TASKS = [{"key": k} for k in "abcd"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Golden numbers on a hand-built group: two two-turn rollouts
+# ---------------------------------------------------------------------------------------------
+
+
+def _call(prompt: list[int], response: list[int]) -> dict:
+    return {
+        "event_type": "model_request",
+        "data": {"prompt_token_ids": prompt, "response_token_ids": response, "response_log_probs": None},
+    }
+
+
+def _two_turn_rollout(rollout_id: str, copy_idx: int, r0: float, r1: float) -> CompletedRollout:
+    """prompt [1, 2, 3] → reply [7, 8] (2 loss tokens); obs [9] → reply [10] (1); a turn reward after each."""
+    turn = [{"event_type": "turn_reward", "data": {"turn": t, "reward": r}} for t, r in enumerate((r0, r1))]
+    events = [_call([1, 2, 3], [7, 8]), turn[0], _call([1, 2, 3, 7, 8, 9], [10]), turn[1]]
+    return CompletedRollout(
+        rollout_id,
+        "task-0",
+        0,
+        0,
+        copy_idx=copy_idx,
+        triplets=triplets_from_events(events),
+        final_reward=r0 + r1,
+        input={},
+    )
+
+
+def _data(turn_credit: str):
+    """The group's transition rows with GRPO advantages at row level (verl's estimator)."""
+    rollouts = [_two_turn_rollout("a", 0, 0.0, 1.0), _two_turn_rollout("b", 1, 0.5, 0.0)]
+    built = build_batch(
+        rollouts, "transition", max_prompt_length=8, max_response_length=4, turn_credit=turn_credit, turn_gamma=0.5
+    )
+    alg.fill_reward_defaults(built.data)
+    data, _ = alg.compute_advantages(built.data, rollout_level=False, adv_estimator="grpo", num_repeat=2)
+    return data
+
+
+def test_row_numbers_and_the_flag_on_a_hand_built_group():
+    rows = row_weights_table(_data("return"))
+    # G = (0.5, 1.0) and (0.5, 0.0) (γ = 0.5); GRPO over the group's 4 rows: mean 0.5, std √(1/6)
+    a = 0.5 / (math.sqrt(1 / 6) + 1e-6)
+    assert rows.rollout_id.tolist() == ["a", "a", "b", "b"] and rows.first_call.tolist() == [0, 1, 0, 1]
+    np.testing.assert_allclose(rows.advantage, [0.0, a, 0.0, -a], rtol=1e-6)
+    # per_rollout_mean over D = 2 rollouts: a row's weight = its loss tokens / (its rollout's 3 × 2)
+    np.testing.assert_allclose(rows.loss_weight, [2 / 6, 1 / 6, 2 / 6, 1 / 6], rtol=1e-12)
+    assert rows.loss_tokens.tolist() == [2, 1, 2, 1]
+    weights = with_row_advantages(alg.rollout_weights_table(_data("return")), rows)
+    assert weights.rows_advantages_differ.tolist() == [True, True] and weights.advantage.isna().all()
+    np.testing.assert_allclose(weights.advantage_min, [0.0, -a], rtol=1e-6)
+    np.testing.assert_allclose(weights.advantage_max, [a, 0.0], rtol=1e-6)
+    np.testing.assert_allclose(weights.signed_weight, [a / 6, -a / 6], rtol=1e-6)  # Σ rows, not 0 × ½
+
+
+def test_rows_that_agree_leave_the_rollouts_advantage_as_it_was():
+    data = _data("rollout")  # every row its rollout's reward (1.0 and 0.5): one advantage per rollout
+    plain = alg.rollout_weights_table(data)
+    weights = with_row_advantages(plain, row_weights_table(data))
+    assert not weights.rows_advantages_differ.any()
+    assert weights.advantage.equals(plain.advantage) and weights.signed_weight.equals(plain.signed_weight)
+    assert weights.advantage.equals(weights.advantage_min) and weights.advantage.equals(weights.advantage_max)
+
+
+# ---------------------------------------------------------------------------------------------
+# A recorded run
+# ---------------------------------------------------------------------------------------------
 
 
 def _two_turn_agent():
