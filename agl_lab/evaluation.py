@@ -394,7 +394,7 @@ def _parser():
 
 def eval_main(argv: list[str]) -> int:
     """`agl-lab eval MODEL_OR_RUN [...]`: the table and summary printed, the files' paths named."""
-    args = _parser().parse_args(argv)
+    args = _parser().parse_intermixed_args(argv)  # key=value overrides may follow the options
     bad = [o for o in args.overrides if "=" not in o]
     if bad:
         raise SystemExit(f"agl-lab eval: {bad[0]!r} is not key=value (one model per call)")

@@ -164,7 +164,7 @@ def test_a_checkpoint_with_n_samples_is_deterministic_and_written_beside_it(tiny
         (["/no/such/checkpoint"], "is not a checkpoint"),
         (["cpu_tiny", "--k", "4", "--n", "2"], "need 1 ≤ k ≤ n"),
         (["cpu_tiny", "--split", "test"], "--split 'test'"),
-        (["cpu_tiny", "agl_lab.task.n_val=0"], "no val tasks"),
+        (["cpu_tiny", "--k", "1", "agl_lab.task.n_val=0"], "no val tasks"),  # an override after an option
         (["cpu_tiny", "--task", "nosuch"], "unknown task 'nosuch'"),
     ],
 )
