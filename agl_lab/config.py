@@ -157,6 +157,11 @@ AGL_LAB_DEFAULTS: dict[str, Any] = {
             "poll_interval_seconds": 0.05,
             "drain_timeout_seconds": 60,
             "keep_repeated_prompts": False,
+            # max_staleness: policy versions a trained token may lag (0 = the synchronous loop; N > 0:
+            # generation overlaps the update, local engine; docs/engines.md "Overlap");
+            # stale_groups: drop | wait — a group that would exceed it (docs/configs.md)
+            "max_staleness": 0,
+            "stale_groups": "drop",
         },
         # (not named `update`: DictConfig attribute access would hit dict.update)
         "algorithm": {
@@ -518,6 +523,24 @@ def _check_learning_rules(cfg: DictConfig) -> None:
     )
     if cfg.agentlightning.async_rollout.enabled:
         check_async_sizes(cfg.data.train_batch_size, cfg.agentlightning.async_rollout.async_train_batch_size)
+    staleness = rules.check_overlap(
+        cfg.agl_lab.rollout.max_staleness,
+        str(cfg.agl_lab.rollout.stale_groups),
+        engine=str(cfg.agl_lab.engine),
+        async_enabled=bool(cfg.agentlightning.async_rollout.enabled),
+    )
+    rc = OmegaConf.select(cfg, "algorithm.rollout_correction", default=None)
+    if staleness and not rules.uses_bypass(rc) and not (rc or {}).get("rollout_is"):
+        import warnings
+
+        warnings.warn(
+            f"agl_lab.rollout.max_staleness={staleness}: stale tokens train against old logprobs recomputed "
+            "under the current weights, with no correction for the policy that sampled them; set "
+            "algorithm.rollout_correction.bypass_mode=true (the sampling logprobs are the behaviour policy) "
+            "or algorithm.rollout_correction.rollout_is=token (decoupled PPO)",
+            ConfigWarning,
+            stacklevel=2,
+        )
 
 
 def check_validation_tasks(cfg: DictConfig, n_val_tasks: int) -> None:

@@ -49,6 +49,10 @@ class Execution:
         self.timeout_seconds = config_mod.rollout_wait_timeout(cfg)
         self.poll_interval = float(lab.rollout.poll_interval_seconds)
         self.keep_repeated_prompts = bool(lab.rollout.keep_repeated_prompts)
+        # overlap (docs/engines.md "Overlap"): 0 = the synchronous loop, this class as it always was
+        self.max_staleness = int(lab.rollout.get("max_staleness", 0) or 0)
+        self.stale_groups = str(lab.rollout.get("stale_groups", "drop"))
+        self._published: int | None = None  # the version registered with the gateway under overlap
 
     def _start(self, cfg: Any, engine: Any, agent: Callable | str | None) -> None:
         lab, agl = cfg.agl_lab, cfg.agentlightning
@@ -133,6 +137,9 @@ class Execution:
         `rollout/cached_tokens`, `rollout/decode_steps`). A
         collection that raises still aborts or drains, and leaves the engine serving.
         """
+        if self.max_staleness:
+            yield from self._overlapped(engine)
+            return
         from agl_lab.protocol import Model
 
         # stale endpoints of this model (a previous engine, an earlier run) go first; other
@@ -157,6 +164,50 @@ class Execution:
         metrics.update({f"rollout/{k}": after[k] - v for k, v in before.items() if k in after})
         if metrics.get("rollout/decode_steps") and "rollout/decode_rows" in metrics:  # rows a decode step ran
             metrics["rollout/mean_decode_batch"] = metrics["rollout/decode_rows"] / metrics["rollout/decode_steps"]
+
+    def _overlapped(self, engine: Any) -> Iterator[dict[str, Any]]:
+        """A rollout phase under overlap: the engine's endpoints registered once (then at each
+        `publish`), and nothing ended at its end — carried-over and next-step groups keep
+        generating on the serving copy while the update trains."""
+        if self._published != engine.serving_version:
+            self._register(engine)
+        engine.resume()
+        self.client.resume()
+        before = engine.serving_counters()
+        metrics: dict[str, Any] = {}
+        yield metrics
+        after = engine.serving_counters()
+        metrics.update({f"rollout/{k}": after[k] - v for k, v in before.items() if k in after})
+
+    def _register(self, engine: Any) -> None:
+        from agl_lab.protocol import Model
+
+        self.client.delete_models(engine.model_name)
+        version = engine.serving_version
+        self.client.register_models(
+            [Model(model=engine.model_name, endpoint=ep, version=version) for ep in engine.endpoints()]
+        )
+        self._published = version
+
+    def publish(self, engine: Any, *, step: int) -> dict[str, float]:
+        """Overlap's step boundary: drain the gateway (calls in flight finish on the old weights and
+        keep the old `model_version`), copy the trained weights into the serving copy
+        (`LocalEngine.publish`), register the new version, open the gateway again. A call never
+        carries a version other than the weights that answered it."""
+        from agl_lab.phases import drain_gateway
+
+        timeout = float(self.cfg.agl_lab.rollout.drain_timeout_seconds)
+        metrics = drain_gateway(self.client, reason=f"publish step={step}", timeout=timeout)
+        try:
+            engine.publish(timeout)
+            self._register(engine)
+        finally:
+            self.client.resume()
+        return {
+            "training/overlap/publish_inflight_at_pause": metrics["training/async/proxy_inflight_at_pause"],
+            "training/overlap/publish_drain_seconds": metrics["training/async/proxy_drain_seconds"],
+            "training/overlap/serving_version": float(engine.serving_version),
+        }
 
     def close(self) -> None:
         """Stop runner, client and server (reverse start order). Idempotent; never raises."""

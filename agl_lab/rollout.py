@@ -566,9 +566,19 @@ class AsyncRolloutManager:
     # -- one step ---------------------------------------------------------------------------
 
     def run(
-        self, tasks: Sequence[Mapping[str, Any]], step: int, policy_version: int | None = None
+        self,
+        tasks: Sequence[Mapping[str, Any]],
+        step: int,
+        policy_version: int | None = None,
+        *,
+        max_staleness: int | None = None,
+        stale_groups: str = "drop",
     ) -> tuple[list[CompletedRollout], dict[str, float]]:
         """Enqueue `tasks` as new groups, wait for `train_batch_size` complete groups.
+
+        Under overlap (`max_staleness` N set, docs/engines.md "Overlap") a group enqueued more than N
+        versions before `policy_version` is dropped first; with `stale_groups="wait"` the wait also
+        holds until every group exactly N versions old is complete (it trains now, oldest first).
 
         Returns the completed rollouts of the oldest `train_batch_size` complete groups, in
         (step, sample_idx, copy) order, and the `training/async/*` metrics.
@@ -587,8 +597,10 @@ class AsyncRolloutManager:
             )
         carried = list(self._groups.values())
         self._enqueue(tasks, step, policy_version)
+        n_stale = self._drop_stale(policy_version, max_staleness)
+        must = self._last_chance(policy_version, max_staleness) if stale_groups == "wait" else []
         dropped = self._collector.wait(
-            lambda: self._n_complete() >= self.train_batch_size,
+            lambda: self._n_complete() >= self.train_batch_size and all(g.complete for g in must),
             self._on_collected,
             n_collected=lambda: sum(len(g.finished) for g in self._groups.values()),
             n_total=sum(len(g.rollout_ids) for g in self._groups.values()),
@@ -599,8 +611,39 @@ class AsyncRolloutManager:
             del self._groups[group.data_id]
         completed = [c for g in taken for c in g.members()]
         metrics = self._metrics(carried, completed, step, policy_version)
+        if max_staleness is not None:
+            metrics["training/overlap/n_stale_groups_dropped"] = float(n_stale)
         metrics.update(report_wait_timeout(self.label, dropped, len(completed), self.timeout_seconds))
         return completed, metrics
+
+    def prefetch(self, tasks: Sequence[Mapping[str, Any]], step: int, policy_version: int | None) -> None:
+        """Enqueue the next step's new groups now, so they generate while the update trains (overlap)."""
+        if tasks:
+            self._enqueue(tasks, step, policy_version)
+
+    def _drop_stale(self, version: int | None, max_staleness: int | None) -> int:
+        """Forget the groups enqueued more than `max_staleness` versions before `version`; their
+        rollouts still running are collected and ignored. Returns how many groups went."""
+        if max_staleness is None or version is None:
+            return 0
+        stale = [
+            d
+            for d, g in self._groups.items()
+            if g.policy_version is not None and version - g.policy_version > max_staleness
+        ]
+        for data_id in stale:
+            del self._groups[data_id]
+        return len(stale)
+
+    def _last_chance(self, version: int | None, max_staleness: int | None) -> list[_Group]:
+        """The groups exactly `max_staleness` versions old: trained now or never."""
+        if max_staleness is None or version is None:
+            return []
+        return [
+            g
+            for g in self._groups.values()
+            if g.policy_version is not None and version - g.policy_version >= max_staleness
+        ]
 
     def _drop_members(self, dropped: Mapping[str, str]) -> None:
         """A timed-out wait dropped these rollouts: their groups train on the members that
@@ -632,7 +675,10 @@ class AsyncRolloutManager:
         collector.submit(pairs)
 
     def _on_collected(self, completed: CompletedRollout) -> None:
-        self._groups[completed.data_id].finished[completed.rollout_id] = completed
+        group = self._groups.get(completed.data_id)
+        if group is None or completed.rollout_id not in group.rollout_ids:  # a stale group dropped (overlap)
+            return
+        group.finished[completed.rollout_id] = completed
         n_done = sum(len(g.finished) for g in self._groups.values())
         n_all = sum(len(g.rollout_ids) for g in self._groups.values())
         logger.info(

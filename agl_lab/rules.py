@@ -183,3 +183,32 @@ def uses_bypass(rollout_correction: Any) -> bool:
     """True when `algorithm.rollout_correction` asks for bypass mode: the sampling logprobs serve
     as the old logprobs, and the actor's recompute before the update is skipped."""
     return bool((rollout_correction or {}).get("bypass_mode"))
+
+
+#: what happens to a group older than `agl_lab.rollout.max_staleness` versions (docs/engines.md "Overlap")
+STALE_GROUPS = ("drop", "wait")
+
+
+def check_overlap(max_staleness: Any, stale_groups: str, *, engine: str, async_enabled: bool) -> int:
+    """The overlap rule: `agl_lab.rollout.max_staleness` counts policy versions (0 = the synchronous
+    loop, no overlap); N > 0 needs the local engine (its serving copy) and the carry-over manager.
+    Returns N."""
+    if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0:
+        raise ValueError(
+            f"agl_lab.rollout.max_staleness={max_staleness!r}: use an int >= 0 (policy versions a trained "
+            "token may lag; 0 = no overlap, 1 = one-step off-policy)"
+        )
+    if stale_groups not in STALE_GROUPS:
+        raise ValueError(f"agl_lab.rollout.stale_groups={stale_groups!r} is not one of {list(STALE_GROUPS)}")
+    if max_staleness and engine != "local":
+        raise ValueError(
+            f"agl_lab.rollout.max_staleness={max_staleness} overlaps generation with the update, which only "
+            f"the local engine does (a serving copy of its weights); agl_lab.engine={engine} does not yet "
+            "(#50 item 5): set agl_lab.rollout.max_staleness=0 or agl_lab.engine=local"
+        )
+    if max_staleness and not async_enabled:
+        raise ValueError(
+            f"agl_lab.rollout.max_staleness={max_staleness} needs the carry-over collection that runs while "
+            "the update trains: set agentlightning.async_rollout.enabled=true (and async_train_batch_size)"
+        )
+    return max_staleness

@@ -264,9 +264,22 @@ class Trainer:
         if tasks is None:
             n_new = self.async_manager.n_new_tasks_needed()
             tasks = self.feeder.take(n_new) if n_new > 0 else []
-        completed, async_metrics = self.async_manager.run(
-            list(tasks), step=self.global_step, policy_version=self.engine.policy_version
-        )
+        overlap = self.execution.max_staleness
+        if not overlap:  # the synchronous loop, as it always was
+            completed, async_metrics = self.async_manager.run(
+                list(tasks), step=self.global_step, policy_version=self.engine.policy_version
+            )
+        else:  # docs/engines.md "Overlap": stale groups go first; the next step's groups start now
+            version = self.engine.serving_version
+            completed, async_metrics = self.async_manager.run(
+                list(tasks),
+                step=self.global_step,
+                policy_version=version,
+                max_staleness=overlap,
+                stale_groups=self.execution.stale_groups,
+            )
+            n_next = self.async_manager.n_new_tasks_needed()
+            self.async_manager.prefetch(self.feeder.take(n_next) if n_next > 0 else [], self.global_step + 1, version)
         metrics.update(async_metrics)
         return completed, self.async_manager.carry_over_groups()
 
@@ -320,6 +333,8 @@ class Trainer:
         t0 = time.time()
         result = run_update(self.cfg, self.engine, batch, step=batch.step)
         result.metrics["timing_s/update"] = time.time() - t0
+        if self.execution.max_staleness:  # overlap: the trained weights reach the server now
+            result.metrics.update(self.execution.publish(self.engine, step=batch.step))
         if not result.skipped:
             batch.updated_to_version = result.policy_version
         self._last_update = result

@@ -1,0 +1,127 @@
+"""Overlap (#50 item 1, docs/engines.md "Overlap"): generation goes on while the update trains.
+
+- `agl_lab.rollout.max_staleness=0` is today's synchronous loop, bit for bit (learning metrics and
+  weights after 3 steps), with no serving copy built;
+- at 1 the server generates from its serving copy while `update()` trains: it decodes during the
+  update, those calls carry the old version, and the trained weights reach the server at the step
+  boundary (`publish`);
+- no trained rollout holds a call older than the bound;
+- a checkpoint taken mid-overlap resumes the run: versions, carry-over, serving copy.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from agl_lab.trainer import Trainer
+from tests.trainer_runs import SMALL
+
+OVERLAP = [
+    *SMALL,
+    "agentlightning.async_rollout.enabled=true",
+    "agentlightning.async_rollout.async_train_batch_size=6",
+    "agl_lab.rollout.max_staleness=1",
+    "algorithm.rollout_correction.bypass_mode=true",
+]
+LEARNING = ("actor/pg_loss", "actor/grad_norm", "critic/score/mean", "training/policy_version")
+
+
+def _run(tmp_path, name, overrides, steps=3):
+    with Trainer.from_config("configs/cpu_tiny.yaml", overrides=overrides, run_dir=tmp_path / name, console=False) as t:
+        logged = [t.step() for _ in range(steps)]
+        weights = {k: v.detach().clone() for k, v in t.engine.model.state_dict().items()}
+        assert t.engine.serving_model is t.engine.model  # no serving copy at staleness 0
+    return logged, weights
+
+
+def test_staleness_zero_is_the_synchronous_loop_bit_for_bit(tmp_path):
+    base, w_base = _run(tmp_path, "sync", SMALL)
+    zero, w_zero = _run(tmp_path, "zero", [*SMALL, "agl_lab.rollout.max_staleness=0"])
+    for a, b in zip(base, zero, strict=True):
+        keys = [k for k in a if k.startswith(("actor/", "critic/", "training/")) and isinstance(a[k], (int, float))]
+        assert keys and all(k in a for k in LEARNING if k != "actor/grad_norm")
+        assert {k: a[k] for k in keys} == {k: b.get(k) for k in keys}
+    assert w_base.keys() == w_zero.keys()
+    assert all(torch.equal(w_base[k], w_zero[k]) for k in w_base)
+
+
+@pytest.fixture
+def overlapped(tmp_path):
+    t = Trainer.from_config("configs/cpu_tiny.yaml", overrides=OVERLAP, run_dir=tmp_path / "run", console=False)
+    yield t
+    t.close()
+
+
+def _watch_updates(engine):
+    """Wrap engine.update: inside it, wait (bounded) until the server has run a decode step, and
+    note the versions then; a paused server would never decode, so a True is overlap observed."""
+    seen, update = [], engine.update
+
+    def watched(data):
+        start = engine.serving_counters()["decode_steps"]
+        deadline = time.time() + 60
+        while engine.serving_counters()["decode_steps"] == start and time.time() < deadline:
+            time.sleep(0.01)
+        seen.append(
+            {
+                "decoded": engine.serving_counters()["decode_steps"] > start,
+                "training": engine.policy_version,
+                "serving": engine.serving_version,
+            }
+        )
+        return update(data)
+
+    engine.update = watched
+    return seen
+
+
+def test_staleness_one_generates_while_the_update_trains_within_the_bound(overlapped):
+    t = overlapped
+    assert t.engine.overlaps and t.engine.serving_model is not t.engine.model
+    seen = _watch_updates(t.engine)
+    versions = []
+    for _ in range(3):
+        serving_before = t.engine.serving_version
+        logged = t.step()
+        ro = t._last_rollout
+        versions.append([r.policy_version for r in ro.rollouts if r.policy_version is not None])
+        # the bound: no trained rollout holds a call older than max_staleness versions
+        assert all(serving_before - v <= 1 for v in versions[-1]), (serving_before, versions[-1])
+        assert logged["training/overlap/serving_version"] == t.engine.policy_version == t.global_step
+    assert len(seen) == 3 and all(s["decoded"] for s in seen), seen  # the server decoded during every update
+    assert all(s["serving"] == s["training"] for s in seen)  # ... with the weights of the version before it
+    # step k+1 trains rollouts started under version k (sampled while update k ran): one-step off-policy
+    assert any(v == k - 1 for k in (1, 2) for v in versions[k]), versions
+    # the serving copy holds the trained weights after publish
+    served = dict(t.engine.serving_model.named_parameters())
+    assert all(torch.equal(served[k], p) for k, p in t.engine.model.named_parameters())
+
+
+def test_overlapped_run_resumes_from_a_checkpoint(overlapped, tmp_path):
+    t = overlapped
+    t.step()
+    t.step()
+    t.save(tmp_path / "ckpt")
+    carried = {g["data_id"]: g["policy_version"] for g in t.async_manager.carry_over_groups()}
+    assert carried  # next-step groups were in flight at the checkpoint
+    with Trainer.load(tmp_path / "ckpt", run_dir=tmp_path / "resumed", console=False) as resumed:
+        assert resumed.engine.overlaps and resumed.engine.serving_version == resumed.engine.policy_version == 2
+        # carried-over groups keep the versions they were enqueued under
+        back = {g["data_id"]: g["policy_version"] for g in resumed.async_manager.carry_over_groups()}
+        assert back == carried
+        logged = resumed.step()
+        assert resumed.global_step == 3 and logged["training/overlap/serving_version"] == 3
+
+
+def test_overlap_rules_name_the_key():
+    from agl_lab.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="agentlightning.async_rollout.enabled=true"):
+        load_config("configs/cpu_tiny.yaml", [*SMALL, "agl_lab.rollout.max_staleness=1"])
+    with pytest.raises(ConfigError, match="agl_lab.rollout.stale_groups"):
+        load_config("configs/cpu_tiny.yaml", [*OVERLAP, "agl_lab.rollout.stale_groups=later"])
+    with pytest.raises(ConfigError, match="max_staleness"):
+        load_config("configs/cpu_tiny.yaml", [*SMALL, "agl_lab.rollout.max_staleness=-1"])
