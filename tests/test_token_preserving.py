@@ -22,6 +22,7 @@ import pytest
 
 from agl_lab.engines.tiny import CHAT_TEMPLATE, load_tokenizer
 from agl_lab.server.token_preserving import (
+    FORWARDED_KEYS,
     ConversationMemory,
     Turn,
     chat_response,
@@ -222,6 +223,18 @@ def test_reply_cut_by_a_stop_string_falls_back(tok):
     body, turn = first_turn(tok, "get c", byte_ids(tok, "get c.") + [tok.eos_token_id], stop_reason=".", stop=["."])
     plan = plan_request(turn, next_body(body, "get c", OBS), tok)
     assert (plan.used, plan.kind) == (False, "stop_string") and "'.'" in plan.reason
+
+
+def test_a_reply_that_kept_its_stop_string_is_extended(tok):
+    """calc's call: stopped on a stop string asked with `include_stop_str_in_output`, so the text
+    holds it and equals the sampled ids; the next call extends them (the end of turn the model did
+    not write arrives as observation tokens)."""
+    sampled = byte_ids(tok, "get c.")
+    body, turn = first_turn(tok, "get c.", sampled, stop_reason=".", stop=["."], include_stop_str_in_output=True)
+    plan = plan_request(turn, next_body(body, "get c.", OBS), tok)
+    assert (plan.used, plan.kind) == (True, "extended"), plan.reason
+    assert plan.prompt_ids[: len(turn.prompt_ids) + len(sampled)] == turn.prompt_ids + sampled
+    assert "include_stop_str_in_output" in FORWARDED_KEYS
 
 
 def test_template_that_rewrites_earlier_turns_fails_the_prefix_check(tok):

@@ -35,7 +35,8 @@ sample it) and the check compares the reply's visible text. The prompt goes to t
 **When it does not apply** the request takes the normal chat path and the reason is
 recorded (`Plan.kind`, `Plan.reason`): first call of the attempt, history edited (an
 earlier message differs), the reply edited, the previous reply cut by a stop *string*
-(its text no longer equals its ids), a different render setup (tools, chat template and
+(its text no longer equals its ids; a reply asked with vLLM's `include_stop_str_in_output` keeps
+the stop string in its text and is extended: `calc`'s stop at `</tool_call>`), a different render setup (tools, chat template and
 its kwargs) or sampling setup (`SAMPLING_KEYS`: a row is one sample of one policy, so the
 turns it merges must share the sampling distribution), a parameter only the chat API
 honours (`tool_choice` forcing a call, `response_format`, `n > 1`, …), a key this module
@@ -90,6 +91,7 @@ FORWARDED_KEYS = SAMPLING_KEYS + (
     "seed",
     "stop",
     "stop_token_ids",
+    "include_stop_str_in_output",
     "ignore_eos",
     "min_tokens",
     "n",
@@ -144,6 +146,8 @@ class Turn:
     | stop_reason   | Any           | None (eos), int (stop token id) or str (stop string)      |
     | prompt_text   | str | None    | the template's text of the prompt when the mode built it  |
     |               |               | (None: decode(prompt_ids) is that text)                   |
+    | stop_kept     | bool          | asked with `include_stop_str_in_output`: a matched stop   |
+    |               |               | string stays in the text (the text still equals the ids)  |
     """
 
     messages: list[dict[str, Any]]
@@ -155,6 +159,7 @@ class Turn:
     finish_reason: str | None = None
     stop_reason: Any = None
     prompt_text: str | None = None
+    stop_kept: bool = False
 
 
 @dataclass
@@ -393,7 +398,7 @@ def plan_request(previous: Turn | None, body: Mapping[str, Any], tokenizer: Any)
     plan = _check_extension(previous, normalize(messages)) or _check_setup(previous, body)
     if plan is not None:
         return plan
-    if isinstance(previous.stop_reason, str):
+    if isinstance(previous.stop_reason, str) and not previous.stop_kept:
         return _fallback(
             "stop_string",
             f"the previous reply stopped on the stop string {previous.stop_reason!r}: "
@@ -519,6 +524,7 @@ def turn_from_exchange(body: Mapping[str, Any], response: Any, prompt_text: str 
         finish_reason=first.get("finish_reason"),
         stop_reason=first.get("stop_reason"),
         prompt_text=prompt_text,
+        stop_kept=body.get("include_stop_str_in_output") is True,
     )
 
 
