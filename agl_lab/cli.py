@@ -403,10 +403,12 @@ def _summarise(run_dir, history: list[dict], wall: float) -> None:
     png = run_dir / "reward_curve.png"  # written by fit()
     k = min(10, max(len(rewards) // 2, 1))
     first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+    skipped = sum(int(h.get("training/skipped_steps", 0)) for h in history)  # no update: each warned why
     print(
         f"\ndone: {len(rewards)} steps in {wall / 60:.1f} min · mean training reward "
-        f"first {k} steps {first:.3f} → last {k} steps {last:.3f} · curve {png} · "
-        f"metrics {run_dir / 'metrics.jsonl'}",
+        f"first {k} steps {first:.3f} → last {k} steps {last:.3f} · "
+        + (f"{skipped} of {len(rewards)} steps skipped (no update; see their warnings) · " if skipped else "")
+        + f"curve {png} · metrics {run_dir / 'metrics.jsonl'}",
         flush=True,
     )
 

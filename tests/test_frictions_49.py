@@ -184,3 +184,14 @@ def test_a_run_waiting_on_the_warm_start_lock_says_so(tmp_path, capsys):
     with cache_lock(path):  # a free lock: nothing said
         pass
     assert capsys.readouterr().err == ""
+
+
+def test_the_runs_last_line_says_how_many_steps_were_skipped(tmp_path, capsys):
+    # met rerunning the #49 study: four skipped steps ended in "done: 4 steps … reward 0.424 → 0.503"
+    from agl_lab.cli import _summarise
+
+    history = [{"training/reward": 0.5, "training/skipped_steps": int(s in (1, 2))} for s in range(4)]
+    _summarise(tmp_path, history, 60.0)
+    assert "· 2 of 4 steps skipped (no update; see their warnings) ·" in capsys.readouterr().out
+    _summarise(tmp_path, [{"training/reward": 0.5, "training/skipped_steps": 0}], 60.0)
+    assert "skipped" not in capsys.readouterr().out
