@@ -127,6 +127,7 @@ RANGES: tuple[tuple[str, float, bool], ...] = (
     ("agentlightning.rollout_timeout_seconds", 0, True),
     ("agl_lab.rollout.poll_interval_seconds", 0, True),
     ("agl_lab.rollout.drain_timeout_seconds", 0, True),
+    ("agl_lab.rollout.max_staleness", 0, False),
     ("agl_lab.runner.concurrency", 0, True),
     ("agl_lab.algorithm.max_abs_reward", 0, True),
     ("agl_lab.verl.placement_timeout_seconds", 0, True),

@@ -537,6 +537,7 @@ class AsyncRolloutManager:
             keep_repeated_prompts=keep_repeated_prompts,
         )
         self._groups: dict[str, _Group] = {}  # insertion order = enqueue order (oldest first)
+        self._n_stale_dropped = 0  # groups `drop_stale` forgot since the last `run` (overlap)
 
     @property
     def timeout_seconds(self) -> float | None:
@@ -597,7 +598,7 @@ class AsyncRolloutManager:
             )
         carried = list(self._groups.values())
         self._enqueue(tasks, step, policy_version)
-        n_stale = self._drop_stale(policy_version, max_staleness)
+        self.drop_stale(policy_version, max_staleness)
         must = self._last_chance(policy_version, max_staleness) if stale_groups == "wait" else []
         dropped = self._collector.wait(
             lambda: self._n_complete() >= self.train_batch_size and all(g.complete for g in must),
@@ -612,7 +613,8 @@ class AsyncRolloutManager:
         completed = [c for g in taken for c in g.members()]
         metrics = self._metrics(carried, completed, step, policy_version)
         if max_staleness is not None:
-            metrics["training/overlap/n_stale_groups_dropped"] = float(n_stale)
+            metrics["training/overlap/n_stale_groups_dropped"] = float(self._n_stale_dropped)
+            self._n_stale_dropped = 0
         metrics.update(report_wait_timeout(self.label, dropped, len(completed), self.timeout_seconds))
         return completed, metrics
 
@@ -621,9 +623,10 @@ class AsyncRolloutManager:
         if tasks:
             self._enqueue(tasks, step, policy_version)
 
-    def _drop_stale(self, version: int | None, max_staleness: int | None) -> int:
-        """Forget the groups enqueued more than `max_staleness` versions before `version`; their
-        rollouts still running are collected and ignored. Returns how many groups went."""
+    def drop_stale(self, version: int | None, max_staleness: int | None) -> int:
+        """Forget the groups enqueued more than `max_staleness` versions before `version` (overlap;
+        call it before `n_new_tasks_needed()` so the top-up replaces them); their rollouts still
+        running are collected and ignored. Returns how many groups went (counted into the next `run`)."""
         if max_staleness is None or version is None:
             return 0
         stale = [
@@ -633,6 +636,7 @@ class AsyncRolloutManager:
         ]
         for data_id in stale:
             del self._groups[data_id]
+        self._n_stale_dropped += len(stale)
         return len(stale)
 
     def _last_chance(self, version: int | None, max_staleness: int | None) -> list[_Group]:

@@ -261,6 +261,8 @@ class Trainer:
 
     def _collect_async(self, tasks: Sequence[dict] | None, metrics: dict[str, Any]) -> tuple[list, list]:
         """`train_batch_size` whole groups, the rest carried over to the next step."""
+        if self.execution.max_staleness:  # overlap: stale groups go before the top-up replaces them
+            self.async_manager.drop_stale(self.engine.serving_version, self.execution.max_staleness)
         if tasks is None:
             n_new = self.async_manager.n_new_tasks_needed()
             tasks = self.feeder.take(n_new) if n_new > 0 else []

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -26,24 +27,33 @@ OVERLAP = [
     "agl_lab.rollout.max_staleness=1",
     "algorithm.rollout_correction.bypass_mode=true",
 ]
-LEARNING = ("actor/pg_loss", "actor/grad_norm", "critic/score/mean", "training/policy_version")
+# warm-started (rewards that vary, so the update moves the weights) and batch-invariant (a call's
+# logprobs do not depend on its batch-mates: two runs log the same sampler numbers; docs/engines.md)
+EXACT = ["agl_lab.model.warm_start_steps=200", "agl_lab.engine_options.batch_invariant=true"]
+_TIMING = ("timing", "perf/", "rollout/", "recording/")
 
 
 def _run(tmp_path, name, overrides, steps=3):
-    with Trainer.from_config("configs/cpu_tiny.yaml", overrides=overrides, run_dir=tmp_path / name, console=False) as t:
-        logged = [t.step() for _ in range(steps)]
+    run_dir = tmp_path / name
+    with Trainer.from_config("configs/cpu_tiny.yaml", overrides=overrides, run_dir=run_dir, console=False) as t:
+        start = {k: v.detach().clone() for k, v in t.engine.model.state_dict().items()}
+        for _ in range(steps):
+            t.step()
         weights = {k: v.detach().clone() for k, v in t.engine.model.state_dict().items()}
         assert t.engine.serving_model is t.engine.model  # no serving copy at staleness 0
-    return logged, weights
+    assert any(not torch.equal(start[k], weights[k]) for k in start)  # the steps trained
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith(_TIMING)} for r in rows], weights
 
 
 def test_staleness_zero_is_the_synchronous_loop_bit_for_bit(tmp_path):
-    base, w_base = _run(tmp_path, "sync", SMALL)
-    zero, w_zero = _run(tmp_path, "zero", [*SMALL, "agl_lab.rollout.max_staleness=0"])
-    for a, b in zip(base, zero, strict=True):
-        keys = [k for k in a if k.startswith(("actor/", "critic/", "training/")) and isinstance(a[k], (int, float))]
-        assert keys and all(k in a for k in LEARNING if k != "actor/grad_norm")
-        assert {k: a[k] for k in keys} == {k: b.get(k) for k in keys}
+    base, w_base = _run(tmp_path, "sync", [*SMALL, *EXACT])
+    zero, w_zero = _run(tmp_path, "zero", [*SMALL, *EXACT, "agl_lab.rollout.max_staleness=0"])
+    assert len(base) == len(zero) == 3
+    for step, (a, b) in enumerate(zip(base, zero, strict=True), start=1):
+        assert "actor/pg_loss" in a and a.keys() == b.keys()
+        differ = {k: (a[k], b[k]) for k in a if a[k] != b[k]}
+        assert not differ, f"step {step}: {differ}"
     assert w_base.keys() == w_zero.keys()
     assert all(torch.equal(w_base[k], w_zero[k]) for k in w_base)
 
@@ -125,3 +135,66 @@ def test_overlap_rules_name_the_key():
         load_config("configs/cpu_tiny.yaml", [*OVERLAP, "agl_lab.rollout.stale_groups=later"])
     with pytest.raises(ConfigError, match="max_staleness"):
         load_config("configs/cpu_tiny.yaml", [*SMALL, "agl_lab.rollout.max_staleness=-1"])
+
+
+# ---------------------------------------------------------------------------------------------
+# The bound under a slow agent: the carry-over manager against a real server and FakeRunner
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def agl():
+    from agl_lab.client import AglClient
+    from agl_lab.server.embedded import EmbeddedServer
+    from tests.fake_runner import KEY
+
+    with EmbeddedServer(key=KEY, default_proxy={"model_name": "test-model"}) as srv:
+        with AglClient(srv.url, key=KEY, backoff_base=0.001) as client:
+            yield srv, client
+
+
+def _manager(client):
+    from agl_lab.rollout import AsyncRolloutManager
+
+    return AsyncRolloutManager(
+        client, n=2, train_batch_size=2, async_train_batch_size=3, rollout_config={}, poll_interval=0.01
+    )
+
+
+def _tasks(*names):
+    return [{"name": n, "x": int(n[1:])} for n in names]
+
+
+def test_a_slow_group_older_than_the_bound_is_dropped_never_trained(agl):
+    from tests.fake_runner import FakeRunner
+
+    server, client = agl
+    manager, hold, trained = _manager(client), {"t2"}, []  # t2's agent never finishes while held
+    with FakeRunner(server.url, hold=hold):
+        for version, new in ((1, ("t0", "t1", "t2")), (2, ("t3", "t4")), (3, ("t5", "t6")), (4, ("t7", "t8"))):
+            if version == 4:
+                hold.clear()  # the slow group finishes late: it is collected and ignored
+            manager.drop_stale(version, 1)  # as the Trainer does before topping up
+            done, metrics = manager.run(
+                _tasks(*new[: manager.n_new_tasks_needed()]), step=version, policy_version=version, max_staleness=1
+            )
+            trained += [(version, c) for c in done]
+            assert metrics["training/overlap/n_stale_groups_dropped"] == (1.0 if version == 3 else 0.0)
+    assert trained and all(v - c.enqueue_policy_version <= 1 for v, c in trained)
+    assert "t2" not in {c.input["name"] for _, c in trained}
+
+
+def test_wait_trains_the_group_at_the_bound_instead_of_dropping_it(agl):
+    import threading
+
+    from tests.fake_runner import FakeRunner
+
+    server, client = agl
+    manager, hold = _manager(client), {"t2"}
+    with FakeRunner(server.url, hold=hold):
+        done, _ = manager.run(_tasks("t0", "t1", "t2"), step=1, policy_version=1, max_staleness=1, stale_groups="wait")
+        assert "t2" not in {c.input["name"] for c in done}
+        threading.Timer(0.5, hold.clear).start()  # the slow agent ends; the phase waits for it
+        done, metrics = manager.run(_tasks("t3", "t4"), step=2, policy_version=2, max_staleness=1, stale_groups="wait")
+    assert [c.input["name"] for c in done][:2] == ["t2", "t2"]  # exactly one version old: trained now
+    assert metrics["training/overlap/n_stale_groups_dropped"] == 0.0
