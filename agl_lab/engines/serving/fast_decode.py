@@ -150,19 +150,22 @@ def _invariant_attention(
     the finite zeros a slab holds), so padding anywhere — left, between a cached prefix and
     its suffix, or the causal tail of a prefill chunk — leaves every sum's bits unchanged.
     """
-    pad = -keys.shape[2] % _LANES
-    if pad:
-        keys, values = F.pad(keys, (0, 0, 0, pad)), F.pad(values, (0, 0, 0, pad))
-        keep = F.pad(keep, (0, pad))  # False: masked
     b, kv, g, t, d = q.shape
-    step = max(1, _CHUNK // (b * kv * g * keys.shape[2] * d))
+    n = keys.shape[2]
+    step = max(1, _CHUNK // (b * kv * g * n * d))
     outs = []
     for t0 in range(0, t, step):  # queries are independent: chunking changes no number
-        scores = (q[:, :, :, t0 : t0 + step, None, :] * keys[:, :, None, None]).sum(-1) * scaling
-        scores = scores.masked_fill(~keep[..., t0 : t0 + step, :], float("-inf"))  # [B, KV, G, t, L]
+        # causal: no query of this chunk sees past its last one's column (dropped columns would add exact 0s)
+        end = n - t + min(t, t0 + step)
+        k, v, m = keys[:, :, :end], values[:, :, :end], keep[..., t0 : t0 + step, :end]
+        pad = -end % _LANES
+        if pad:
+            k, v, m = F.pad(k, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad)), F.pad(m, (0, pad))  # m: False, masked
+        scores = (q[:, :, :, t0 : t0 + step, None, :] * k[:, :, None, None]).sum(-1) * scaling
+        scores = scores.masked_fill(~m, float("-inf"))  # [B, KV, G, t, L]
         e = (scores - scores.amax(-1, keepdim=True)).exp()
         probs = e / e.cumsum(-1)[..., -1:]  # Critical: a scan, not .sum(): its order is fixed
-        outs.append((probs[..., None] * values[:, :, None, None]).cumsum(-2)[..., -1, :])
+        outs.append((probs[..., None] * v[:, :, None, None]).cumsum(-2)[..., -1, :])
     return torch.cat(outs, dim=3)
 
 
