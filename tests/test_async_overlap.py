@@ -110,12 +110,17 @@ def test_staleness_one_generates_while_the_update_trains_within_the_bound(overla
     assert all(torch.equal(served[k], p) for k, p in t.engine.model.named_parameters())
 
 
-def test_overlapped_run_resumes_from_a_checkpoint(overlapped, tmp_path):
-    t = overlapped
-    t.step()
-    t.step()
-    t.save(tmp_path / "ckpt")
-    carried = {g["data_id"]: g["policy_version"] for g in t.async_manager.carry_over_groups()}
+def test_overlapped_run_resumes_from_a_checkpoint(tmp_path):
+    # the carry-over's pending rollouts live in the ledger: a sqlite store outlives the first Trainer,
+    # and a short lease re-queues the ones its runner held when it closed
+    ledger = [f"agl_lab.server.store=sqlite:///{tmp_path}/ledger.db", "agl_lab.server.lease_seconds=2"]
+    with Trainer.from_config(
+        "configs/cpu_tiny.yaml", overrides=[*OVERLAP, *ledger], run_dir=tmp_path / "run", console=False
+    ) as t:
+        t.step()
+        t.step()
+        t.save(tmp_path / "ckpt")
+        carried = {g["data_id"]: g["policy_version"] for g in t.async_manager.carry_over_groups()}
     assert carried  # next-step groups were in flight at the checkpoint
     with Trainer.load(tmp_path / "ckpt", run_dir=tmp_path / "resumed", console=False) as resumed:
         assert resumed.engine.overlaps and resumed.engine.serving_version == resumed.engine.policy_version == 2
