@@ -189,7 +189,7 @@ def uses_bypass(rollout_correction: Any) -> bool:
 STALE_GROUPS = ("drop", "wait")
 
 
-def check_overlap(max_staleness: Any, stale_groups: str, *, engine: str, async_enabled: bool) -> int:
+def check_overlap(max_staleness: Any, stale_groups: str, engine: str = "local", async_enabled: bool = True) -> int:
     """The overlap rule: `agl_lab.rollout.max_staleness` counts policy versions (0 = the synchronous
     loop, no overlap); N > 0 needs the local engine (its serving copy) and the carry-over manager.
     Returns N."""

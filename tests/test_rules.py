@@ -48,6 +48,14 @@ RULES = [
         (4, 4),
         "agentlightning.async_rollout.async_train_batch_size ({async_train_batch_size!r}) must be an int > ",
     ),
+    ("check_overlap", (-1, "drop"), "agl_lab.rollout.max_staleness={max_staleness!r}: use an int >= 0 (policy "),
+    ("check_overlap", (1, "later"), "agl_lab.rollout.stale_groups={stale_groups!r} is not one of"),
+    ("check_overlap", (1, "drop", "verl"), "agl_lab.rollout.max_staleness={max_staleness} overlaps generation with "),
+    (
+        "check_overlap",
+        (1, "drop", "local", False),
+        "agl_lab.rollout.max_staleness={max_staleness} needs the carry-over ",
+    ),
     ("check_estimator", ("remax",), "algorithm.adv_estimator=remax is not supported (as in AGL v1)"),
     (
         "check_estimator",
