@@ -60,7 +60,9 @@ def test_staleness_zero_is_the_synchronous_loop_bit_for_bit(tmp_path):
 
 @pytest.fixture
 def overlapped(tmp_path):
-    t = Trainer.from_config("configs/cpu_tiny.yaml", overrides=OVERLAP, run_dir=tmp_path / "run", console=False)
+    # warm-started: the serving copy must hold the warm-started weights, not the ones before
+    overrides = [*OVERLAP, "agl_lab.model.warm_start_steps=50"]
+    t = Trainer.from_config("configs/cpu_tiny.yaml", overrides=overrides, run_dir=tmp_path / "run", console=False)
     yield t
     t.close()
 
@@ -91,6 +93,8 @@ def _watch_updates(engine):
 def test_staleness_one_generates_while_the_update_trains_within_the_bound(overlapped):
     t = overlapped
     assert t.engine.overlaps and t.engine.serving_model is not t.engine.model
+    served = dict(t.engine.serving_model.named_parameters())
+    assert all(torch.equal(served[k], p) for k, p in t.engine.model.named_parameters())
     seen = _watch_updates(t.engine)
     versions = []
     for _ in range(3):

@@ -77,6 +77,8 @@ def build_engine(
     if steps > 0 and lab.model.path is None and preset is None:
         try:
             _warm_start(engine, task, steps, int(lab.seed))
+            if engine.overlaps:  # the serving copy was taken before the warm start (docs/engines.md "Overlap")
+                engine.copy_to_serving()
         except BaseException:
             engine.close()
             raise

@@ -252,12 +252,14 @@ class LocalEngine(Engine):
         if self.overlaps and self._serving_version != self._policy_version:
             self.server.pause(wait=True, timeout=timeout)
             try:
-                self._copy_to_serving()
+                self.copy_to_serving()
             finally:
                 self.server.resume()
         return self.serving_version
 
-    def _copy_to_serving(self) -> None:
+    def copy_to_serving(self) -> None:
+        """Overlap: the serving copy takes `model`'s weights now, as `policy_version` (after a
+        warm start, a load, a publish)."""
         with self.weights_lock, self.serving_lock, torch.no_grad():
             for dst, src in zip(self.serving_model.parameters(), self.model.parameters(), strict=True):
                 dst.copy_(src)
@@ -400,7 +402,7 @@ class LocalEngine(Engine):
             self.optimizer.load_state_dict(state["optimizer"])
             self._policy_version = int(state["policy_version"])
             if self.overlaps:  # the restored weights are served at once
-                self._copy_to_serving()
+                self.copy_to_serving()
             else:
                 self._warm()
 
