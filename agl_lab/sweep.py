@@ -192,6 +192,7 @@ def sweep(
     last: int = 10,
     order: str = "seed-first",
     verbose: bool = True,
+    batch_invariant: bool = True,
 ) -> SweepResult:
     """Run every setting × seed (`agl-lab train` processes, `parallel` at a time) and compare them.
 
@@ -199,7 +200,10 @@ def sweep(
     None: one setting, named after the config. `overrides` hold for every run. `steps`: the step
     each run trains to (`--until`; default: `trainer.total_training_steps`). `last`: the step
     window of the summary `compare`. `order`: `seed-first` (every setting of a seed, then the next
-    seed) or `setting-first`. Returns a SweepResult; a run that failed is in `runs` with its
+    seed) or `setting-first`. `batch_invariant`: on the local engine every run gets
+    `agl_lab.engine_options.batch_invariant=true` (unless the overrides set it), so a seed is one
+    run on any load and runs pair by seed call for call (docs/engines.md, "Determinism"; it costs
+    generation speed). Returns a SweepResult; a run that failed is in `runs` with its
     return code and the last line of its log, and left out of `table`. SIGTERM or Ctrl-C stops
     every run and raises `SweepStopped` once they have stopped.
     """
@@ -207,6 +211,7 @@ def sweep(
         raise ValueError(f"parallel={parallel} must be >= 1")
     named = _normalise(settings, config)
     out = Path(out)
+    overrides = [*_invariance(str(config), named, overrides), *overrides] if batch_invariant else list(overrides)
     jobs = _plan(str(config), named, seeds, overrides, out, order)
     commands = {
         run_dir: _command(str(config), run_dir, [*overrides, *named[name], f"agl_lab.seed={seed}"], steps)
@@ -222,6 +227,25 @@ def sweep(
         table = compare({name: list(group["run_dir"]) for name, group in ok.groupby("setting", sort=False)}, last=last)
         _say(verbose, table.to_string())
     return SweepResult(table=table, runs=runs, out=out, settings=named)
+
+
+INVARIANT_KEY = "agl_lab.engine_options.batch_invariant"
+
+
+def _invariance(config: str, named: dict[str, list[str]], overrides: Sequence[str]) -> list[str]:
+    """`[INVARIANT_KEY=true]` when the runs use the local engine and no override sets the key."""
+    given = [*overrides, *(o for setting in named.values() for o in setting)]
+    if any(str(o).split("=", 1)[0].lstrip("+") == INVARIANT_KEY for o in given):
+        return []
+    from agl_lab import config as config_mod
+
+    try:
+        engine = str(config_mod.load_config(config, list(overrides)).agl_lab.engine)
+    except Exception:  # a config that does not load: each run says why, naming the key
+        return []
+    if engine != "local":
+        return []  # verl's replicas batch by their own rules: the key would only warn
+    return [f"{INVARIANT_KEY}=true"]
 
 
 _Job = tuple[str, int, Path]  # setting name, seed, run directory
@@ -495,6 +519,13 @@ def sweep_main(argv: list[str]) -> int:
         "--steps", type=int, default=None, help="the step each run trains to (default total_training_steps)"
     )
     parser.add_argument("--last", type=int, default=10, help="the summary's window: the last K steps")
+    parser.add_argument(
+        "--no-batch-invariant",
+        dest="batch_invariant",
+        action="store_false",
+        help="do not add agl_lab.engine_options.batch_invariant=true (faster generation; a seed may then "
+        "sample differently on a loaded machine)",
+    )
     args = parser.parse_intermixed_args(argv)
     try:
         axes, fixed = parse_axes(args.args)
@@ -521,6 +552,7 @@ def sweep_main(argv: list[str]) -> int:
             steps=args.steps,
             last=args.last,
             order=args.order,
+            batch_invariant=args.batch_invariant,
         )
     except SweepStopped as e:
         return 128 + e.signum

@@ -15,6 +15,8 @@ from agl_lab.sweep import _normalise, _plan, grid_settings, named_settings, pars
 from tests.processes import spawn_cli, wait_for
 from tests.trainer_runs import SMALL
 
+INVARIANT = "agl_lab.engine_options.batch_invariant=true"
+
 
 def test_axes_fixed_overrides_and_the_setting_names():
     axes, fixed = parse_axes(
@@ -88,9 +90,16 @@ def test_a_sweep_runs_each_setting_and_seed_in_its_own_dir_and_compares_them(tmp
     # a finished run counts as done only for the same command: other overrides in that dir run again
     from agl_lab.sweep import _command, _finished
 
-    run_dir = out / "lr1e-3" / "seed0"
+    assert (
+        json.loads((run_dir := out / "lr1e-3" / "seed0").joinpath("finished.json").read_text())["argv"].count(INVARIANT)
+        == 1
+    )  # the sweep made the runs batch-invariant (a seed is one run on any load)
+
     same = _command(
-        "configs/cpu_tiny.yaml", run_dir, [*SMALL, "actor_rollout_ref.actor.optim.lr=1e-3", "agl_lab.seed=0"], 1
+        "configs/cpu_tiny.yaml",
+        run_dir,
+        [INVARIANT, *SMALL, "actor_rollout_ref.actor.optim.lr=1e-3", "agl_lab.seed=0"],
+        1,
     )
     assert _finished(run_dir, same) and not _finished(run_dir, [*same, "trainer.test_freq=1"])
 
@@ -209,3 +218,15 @@ def test_a_sweep_killed_with_sigkill_takes_its_run_along_and_the_relaunch_resume
     assert runs.run_state(metrics.parent) == "unfinished"
     assert sweep_main([*argv[1:], "--last", "8"]) == 0
     assert [r["step"] for r in read_metrics(metrics)] == list(range(1, 9))
+
+
+def test_runs_are_made_batch_invariant_on_the_local_engine_unless_told_otherwise():
+    from agl_lab.sweep import _invariance
+
+    assert _invariance("configs/cpu_tiny.yaml", {"a": []}, SMALL) == [INVARIANT]
+    # set by the user (fixed or in a setting): left as given, never doubled
+    off = "agl_lab.engine_options.batch_invariant=false"
+    assert _invariance("configs/cpu_tiny.yaml", {"a": [off]}, SMALL) == []
+    assert _invariance("configs/cpu_tiny.yaml", {"a": []}, [*SMALL, off]) == []
+    # verl's replicas batch by their own rules: nothing added (the key would only warn there)
+    assert _invariance("configs/cpu_tiny.yaml", {"a": []}, [*SMALL, "agl_lab.engine=verl"]) == []
