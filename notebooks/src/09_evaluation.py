@@ -230,6 +230,44 @@ by_target.T
 (first_guess / first_guess.sum()).T
 
 # %% [markdown]
+# ## 5 · The same question with `agl-lab eval`
+#
+# The tables above reuse the runs' validations (one episode per game). `agl-lab eval` plays each
+# held-out game n times through the same gateway and agent, so pass@k is per game; here 20 games ×
+# 8 episodes, the base model against seed 0's step-10 checkpoint (kept outside the repository;
+# its evaluation files are recorded in `notebooks/recorded/tiny_guess/eval/`):
+#
+#     agl-lab eval configs/cpu_tiny_guess.yaml --k 4 --n 8 --seed 0 --out OUT agl_lab.task.n_val=20 \
+#         agl_lab.model.path=$BASE agl_lab.model.warm_start_steps=0
+#     agl-lab eval RUN_CKPT/global_step_10 --k 4 --n 8 --seed 0 --out OUT agl_lab.task.n_val=20
+#
+# `compare` pairs the two by game: the difference and its standard error.
+
+# %%
+from agl_lab.comparison import compare  # noqa: E402
+
+EVALS = ROOT / "notebooks" / "recorded" / "tiny_guess" / "eval"
+evaluations = [next((EVALS / name).glob("eval-*.json")) for name in ("base", "seed0_step10")]
+paired = compare(evaluations)
+paired[
+    [
+        "kind",
+        "step",
+        "n_tasks",
+        "pass@1 mean",
+        "pass@1 lo",
+        "pass@1 hi",
+        "pass@1 diff",
+        "pass@1 diff se",
+        "pass@4 mean",
+        "pass@4 lo",
+        "pass@4 hi",
+        "pass@4 diff",
+        "pass@4 diff se",
+    ]
+]
+
+# %% [markdown]
 # The claims, computed from the files (the numbers above are the recorded runs'; the prose
 # summary is in [docs/environments.md](../docs/environments.md#a-learning-result)):
 
@@ -242,6 +280,8 @@ print("seeds:", len(RUNS), "· validations each:", sorted({len(validated_steps(r
 print("every seed: base win rate at or below the hint-blind floor 0.4:", bool((base_win <= 0.4).all()))
 print("seeds whose last win rate is above 0.4 (95% Wilson low end above it):", list(final_low.index[final_low > 0.4]))
 print("every seed: win rate up from base:", bool((final_win > base_win).all()))
+diff, se = paired["pass@1 diff"].iloc[1], paired["pass@1 diff se"].iloc[1]
+print(f"agl-lab eval, seed 0 step 10 vs base, pass@1 difference within 2 standard errors of 0: {abs(diff) < 2 * se}")
 
 # %% [markdown]
 # What this evaluation says: the tiny model, warm-started on random legal moves, starts below the
