@@ -150,6 +150,13 @@ def agent_env(rollout: Rollout, server_url: str, key: str) -> dict[str, str]:
 # ---------------------------------------------------------------------------------------------
 
 
+# The agent's OpenAI client waits longer than the gateway's own bound on a call
+# (`upstream_call_deadline_seconds`, 1200 s by default): the gateway answers first (a 504 naming
+# its limits, the engine's copy aborted) and the agent never resends a call the engine is still
+# generating, which would double the work the phase waits for (issue #51: with 300 s it did).
+AGENT_CALL_TIMEOUT_SECONDS = 1260.0
+
+
 @dataclass
 class AgentContext:
     """Everything a callable agent needs to talk to the gateway and the store.
@@ -216,12 +223,14 @@ class AgentContext:
                 event = client.add_event(self.rollout_id, self.attempt_id, event_type, dict(data or {}), retry=True)
         return event.model_dump(mode="json")
 
-    def openai_client(self, max_retries: int = 6, timeout: float = 300.0, **kwargs: Any) -> Any:
+    def openai_client(self, max_retries: int = 6, timeout: float = AGENT_CALL_TIMEOUT_SECONDS, **kwargs: Any) -> Any:
         """An `openai.OpenAI` client bound to this rollout's gateway URL (`shared_openai_client`:
         the process's connection pool, not a new one per rollout)."""
         return shared_openai_client(self.base_url, self.api_key, max_retries=max_retries, timeout=timeout, **kwargs)
 
-    def async_openai_client(self, max_retries: int = 6, timeout: float = 300.0, **kwargs: Any) -> Any:
+    def async_openai_client(
+        self, max_retries: int = 6, timeout: float = AGENT_CALL_TIMEOUT_SECONDS, **kwargs: Any
+    ) -> Any:
         """An `openai.AsyncOpenAI` client bound to this rollout's gateway URL."""
         import openai
 

@@ -84,3 +84,16 @@ def test_a_context_without_its_own_factory_gets_the_shared_pool(upstream):
     client = openai_client(Bare())
     assert str(client.base_url) == upstream + "/v1/" and client.api_key == "EMPTY"
     assert client._client is shared_openai_client(upstream, "x")._client
+
+
+def test_the_agents_client_outwaits_the_gateways_bound_on_a_call():
+    # the gateway answers first (504 naming its limits); the agent never resends a call in progress
+    from agl_lab.agent import AGENT_CALL_TIMEOUT_SECONDS
+    from agl_lab.server.config import ServerConfig
+
+    assert AGENT_CALL_TIMEOUT_SECONDS > ServerConfig().upstream_call_deadline_seconds
+    import inspect
+
+    assert inspect.signature(AgentContext.openai_client).parameters["timeout"].default == AGENT_CALL_TIMEOUT_SECONDS
+    client = shared_openai_client("http://127.0.0.1:9/v1", "k", timeout=AGENT_CALL_TIMEOUT_SECONDS)
+    assert client.timeout == AGENT_CALL_TIMEOUT_SECONDS
