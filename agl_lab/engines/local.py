@@ -198,7 +198,7 @@ class LocalEngine(Engine):
             algorithm=cfg.get("algorithm"),
             lora=cfg.actor_rollout_ref.get("model"),
             batch_invariant=bool(opts.get("batch_invariant", False)),
-            overlap=int(lab.rollout.get("max_staleness", 0) or 0) > 0,
+            overlap=int(OmegaConf.select(lab, "rollout.max_staleness", default=0) or 0) > 0,
         )
 
     def _frozen_copy(self) -> torch.nn.Module:
