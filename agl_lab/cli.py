@@ -302,7 +302,11 @@ def _stop_on_sigterm():
     if threading.current_thread() is not threading.main_thread():
         return None
 
+    from agl_lab import runs
+
     def on_sigterm(signum, frame):
+        if runs.defer_stop(signum):  # a step's checkpoint, recording and log land together first
+            return
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise Terminated()
 

@@ -17,10 +17,12 @@ repeat, or with `repeated="keep_last"` keeps the last copy of each step and warn
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -130,3 +132,39 @@ def read_records(path: str | os.PathLike, repeated: str = "error") -> list[dict[
         )
     warnings.warn(f"{what}: kept each step's last copy", stacklevel=2)
     return keep_last(records)
+
+
+# ---------------------------------------------------------------------------------------------
+# A step's end lands whole: its checkpoint, recording and metrics line
+# ---------------------------------------------------------------------------------------------
+
+_depth = 0  # nesting of `step_end()` blocks (the main thread's: signal handlers run there)
+_deferred: list[int] = []  # stop signals that arrived inside one
+
+
+@contextlib.contextmanager
+def step_end() -> Iterator[None]:
+    """A block that a stop signal does not cut: `agl-lab train`'s SIGTERM handler (which asks
+    `defer_stop`) lets it finish, then the signal is raised again at its end.
+
+    The Trainer wraps a step's checkpoint, recording and metrics line in it. Cut between the
+    checkpoint of step N and its metrics line, a run resumed from that checkpoint at step N + 1
+    and its log lacked step N (a SIGTERMed sweep, relaunched, showed `[1, 3, 4, …]`)."""
+    global _depth
+    _depth += 1
+    try:
+        yield
+    finally:
+        _depth -= 1
+        if not _depth and _deferred:
+            signum = _deferred[0]
+            _deferred.clear()
+            signal.raise_signal(signum)  # the handler runs now, outside the block
+
+
+def defer_stop(signum: int) -> bool:
+    """For a stop handler: inside `step_end()`, keep the signal for the block's end and say True."""
+    if _depth:
+        _deferred.append(signum)
+        return True
+    return False

@@ -24,7 +24,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from agl_lab import checkpoints, watch
+from agl_lab import checkpoints, runs, watch
 from agl_lab import config as config_mod
 from agl_lab.data import TaskFeeder
 from agl_lab.logger import MetricsLogger, throughput_metrics
@@ -379,23 +379,24 @@ class Trainer:
         test_freq, save_freq = int(self.cfg.trainer.test_freq), int(self.cfg.trainer.save_freq)
         if test_freq > 0 and self.val_dataset and (last or step_no % test_freq == 0):
             metrics.update(self.validate(step=step_no))
-        if save_freq > 0 and (last or step_no % save_freq == 0):
-            t1 = time.time()
-            self.save_checkpoint()
-            metrics["timing_s/save_checkpoint"] = time.time() - t1
-        metrics["recording/bytes"] = self.recorder.record(
-            step_no,
-            batch_step=b.step,
-            rollouts=ro.rollouts,
-            metrics=metrics,
-            update=u,
-            policy_version=serving,
-            seed=int(self.cfg.agl_lab.seed),
-            rng=rng,
-            pad_token_id=self._pad_token_id(),
-        )
-        metrics["recording/failed"] = float(self.recorder.last_failed)  # a warning, never a dead run
-        self.metrics_logger.log(step_no, metrics)
+        with runs.step_end():  # a stop signal waits: a checkpoint never lands without its metrics line
+            if save_freq > 0 and (last or step_no % save_freq == 0):
+                t1 = time.time()
+                self.save_checkpoint()
+                metrics["timing_s/save_checkpoint"] = time.time() - t1
+            metrics["recording/bytes"] = self.recorder.record(
+                step_no,
+                batch_step=b.step,
+                rollouts=ro.rollouts,
+                metrics=metrics,
+                update=u,
+                policy_version=serving,
+                seed=int(self.cfg.agl_lab.seed),
+                rng=rng,
+                pad_token_id=self._pad_token_id(),
+            )
+            metrics["recording/failed"] = float(self.recorder.last_failed)  # a warning, never a dead run
+            self.metrics_logger.log(step_no, metrics)
         return metrics
 
     def _log_tables(self, step: int, result, split: str) -> None:

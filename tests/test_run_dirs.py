@@ -91,3 +91,36 @@ def test_train_refuses_a_directory_holding_a_run_and_resume_logs_each_step_once(
     assert train_main(_args(tmp_path, "b", "--resume", "--until", "1")) == 0  # nothing to resume: over from 0
     assert "no checkpoint to resume from" in capsys.readouterr().out
     assert _steps(stopped) == [1] and runs.run_state(stopped) == "finished"
+
+
+def test_a_stop_signal_inside_a_steps_end_waits_for_the_block_to_finish():
+    # agl-lab train's SIGTERM handler asks runs.defer_stop: a checkpoint never lands without its log line
+    import os
+    import signal
+
+    from agl_lab import runs
+
+    class Stopped(Exception):
+        pass
+
+    def handler(signum, frame):
+        if runs.defer_stop(signum):
+            return
+        raise Stopped
+
+    previous = signal.signal(signal.SIGUSR1, handler)
+    done = []
+    try:
+        with pytest.raises(Stopped):
+            with runs.step_end():
+                os.kill(os.getpid(), signal.SIGUSR1)
+                for _ in range(1000):  # the handler has run (deferred) by now: nothing raised here
+                    done.append(1)
+                done.append("logged")
+        assert done[-1] == "logged"  # the block finished before the stop
+        with pytest.raises(Stopped):  # outside a step's end, the stop is at once
+            os.kill(os.getpid(), signal.SIGUSR1)
+            for _ in range(10**6):
+                pass
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
