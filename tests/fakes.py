@@ -199,3 +199,46 @@ if __name__ == "__main__":  # python -m tests.fakes --port 9000 [--delay 0.02]: 
     fake = FakeOpenAI(delay_seconds=args.delay, delay_jitter=args.jitter)
     fake.requests = _Discard()  # a long-running fake keeps no request log
     uvicorn.run(fake.app, host=args.host, port=args.port, log_level="warning", access_log=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# An agent driven by hand: a scripted OpenAI-SDK-shaped client and a context around it
+# ---------------------------------------------------------------------------------------------
+
+
+class ScriptedClient:
+    """An OpenAI-SDK-shaped client that replies with the given texts in order (no model)."""
+
+    def __init__(self, replies):
+        self.replies, self.seen = list(replies), []
+        self.chat = self
+        self.completions = self
+
+    def create(self, *, messages, **kwargs):
+        self.seen.append([dict(m) for m in messages])
+        text = self.replies.pop(0)
+
+        class Msg:
+            content = text
+
+        class Choice:
+            message = Msg()
+
+        class Resp:
+            choices = [Choice()]
+
+        return Resp()
+
+
+class Ctx:
+    """An AgentContext stand-in for driving an agent function by hand: the client, and the events it emits."""
+
+    def __init__(self, client):
+        self.client, self.events = client, []
+
+    def openai_client(self):
+        return self.client
+
+    def emit(self, event_type, data=None):
+        self.events.append((event_type, data))
+        return {}

@@ -18,6 +18,7 @@ from agl_lab.cli import train_main
 from agl_lab.recording import load_recording
 from agl_lab.tasks import get_task, rgym
 from agl_lab.tasks.gem_games import gem_agent, play
+from tests.fakes import Ctx, ScriptedClient
 from tests.trainer_runs import SMALL
 
 if importlib.util.find_spec("reasoning_gym") is None or importlib.util.find_spec("gem") is None:
@@ -34,42 +35,6 @@ GEM_KEYS = [
     "data.train_batch_size=8",
     "actor_rollout_ref.actor.ppo_mini_batch_size=8",
 ]
-
-
-class ScriptedClient:
-    """An OpenAI-SDK-shaped client that replies with the given texts in order (no model)."""
-
-    def __init__(self, replies):
-        self.replies, self.seen = list(replies), []
-        self.chat = self
-        self.completions = self
-
-    def create(self, *, messages, **kwargs):
-        self.seen.append([dict(m) for m in messages])
-        text = self.replies.pop(0)
-
-        class Msg:
-            content = text
-
-        class Choice:
-            message = Msg()
-
-        class Resp:
-            choices = [Choice()]
-
-        return Resp()
-
-
-class Ctx:
-    def __init__(self, client):
-        self.client, self.events = client, []
-
-    def openai_client(self):
-        return self.client
-
-    def emit(self, event_type, data=None):
-        self.events.append((event_type, data))
-        return {}
 
 
 # ------------------------------------------------------------------------------ reasoning-gym

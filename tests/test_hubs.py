@@ -19,6 +19,7 @@ from agl_lab.recording import load_recording
 from agl_lab.tasks import get_task
 from agl_lab.tasks import openenv_env as oe
 from agl_lab.tasks import textarena_games as tg
+from tests.fakes import Ctx, ScriptedClient
 from tests.trainer_runs import SMALL
 
 HAS_TEXTARENA = importlib.util.find_spec("textarena") is not None
@@ -35,42 +36,6 @@ ONE_STEP = [
     "agentlightning.trace_aggregator.trajectory_max_prompt_length=1024",
     "agentlightning.trace_aggregator.trajectory_max_response_length=512",
 ]
-
-
-class ScriptedClient:
-    """An OpenAI-SDK-shaped client that replies with the given texts in order (no model)."""
-
-    def __init__(self, replies):
-        self.replies, self.seen = list(replies), []
-        self.chat = self
-        self.completions = self
-
-    def create(self, *, messages, **kwargs):
-        self.seen.append([dict(m) for m in messages])
-        text = self.replies.pop(0)
-
-        class Msg:
-            content = text
-
-        class Choice:
-            message = Msg()
-
-        class Resp:
-            choices = [Choice()]
-
-        return Resp()
-
-
-class Ctx:
-    def __init__(self, client):
-        self.client, self.events = client, []
-
-    def openai_client(self):
-        return self.client
-
-    def emit(self, event_type, data=None):
-        self.events.append((event_type, data))
-        return {}
 
 
 def _train_one_step(tmp_path, capsys, name):
