@@ -50,6 +50,7 @@ logger = logging.getLogger(__name__)
 # One completion check waits on the server this long at most (a long poll answered early at each
 # rollout state change); it also bounds how late the wait's own timeout is noticed.
 TERMINAL_WAIT_SECONDS = 5.0
+RUNNING_LOOK_SECONDS = 0.25  # the longest wait while a pending rollout has not been seen running
 
 
 # =============================================================================================
@@ -215,7 +216,13 @@ class _Collector:
     # -- polling ----------------------------------------------------------------------------
 
     def poll(self, wait_seconds: float = 0.0) -> list[CompletedRollout]:
-        """One poll: collect every pending rollout the terminal log reports since the cursor."""
+        """One poll: collect every pending rollout the terminal log reports since the cursor.
+
+        While a pending rollout has not been seen running, the wait is at most
+        `RUNNING_LOOK_SECONDS`: a rollout claimed between two polls wakes no wait, and a long one
+        would see it only once finished (its run time 0 in `ro.lifecycle`)."""
+        if self.track_running and any(e.running_at is None for e in self.pending.values()):
+            wait_seconds = min(wait_seconds, RUNNING_LOOK_SECONDS)
         items, self.cursor = self.client.poll_terminal(self.pending, self.cursor or 0, wait_seconds)
         if self.track_running and any(e.running_at is None for e in self.pending.values()):
             self._observe_running()
