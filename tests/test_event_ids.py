@@ -128,8 +128,9 @@ def test_the_client_surfaces_the_409_naming_the_id_and_does_not_resend_it(embedd
 def test_two_servers_on_one_postgresql_refuse_an_id_the_other_stored_with_other_content(
     embedded_server, postgres_database
 ):
-    first = embedded_server(key=KEY, store=postgres_database)
-    second = embedded_server(key=KEY, store=postgres_database)
+    # a loaded machine: the second server's store may wait on a pooled connection past the 2 s default
+    first = embedded_server(key=KEY, store=postgres_database, store_timeout_seconds=30)
+    second = embedded_server(key=KEY, store=postgres_database, store_timeout_seconds=30)
     with AglClient(first.url, key=KEY) as client:
         client.create_rollouts([RolloutCreate(rollout_id="r", input={})])
         assert _post(first, "e1", {"value": 1.0}).status_code == 200
