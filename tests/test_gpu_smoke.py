@@ -123,3 +123,18 @@ def test_a0_compares_the_driver_with_the_cuda_build(tmp_path, monkeypatch, found
         sys.path.remove(os.path.dirname(SCRIPT))
     line = gpu_smoke.check_driver()
     assert line.startswith(f"driver {found}") and expected in line, line
+
+
+def test_the_gpu_site_pins_this_environment_and_covers_what_a5_gates_on():
+    """scripts/gpu_site.py --list: what a bare GPU image is given to run A5 and the demo on `cuda`,
+    pinned to the versions installed here (CI's), covering A5's dependency gate (less httpx: the image has it)."""
+    from importlib.metadata import version
+
+    out = _run("--list", script=os.path.join(ROOT, "scripts", "gpu_site.py"), timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    pins = dict(line.split("==") for line in lines if "==" in line)
+    assert all(pins[name] == version(name) for name in pins)
+    gate = {"verl", "ray", "tensordict", "omegaconf", "fastapi", "uvicorn", "httptools", "orjson", "openai"}
+    assert gate | {"psycopg", "psycopg-binary", "psycopg-pool", "transformers"} <= set(pins)
+    assert lines[-1] == "antlr4-python3-runtime (copied)"  # omegaconf's parser: an sdist, no wheel to fetch
