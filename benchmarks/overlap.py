@@ -1,0 +1,126 @@
+r"""Synchronous steps vs generation overlapping the update (#50 item 4, docs/engines.md "Overlap").
+
+The SmolLM2 `calc` recipe of docs/real-model.md (`configs/cpu_smollm2_learn.yaml`, LoRA, bypass
+mode), same seed, `--steps` steps per case, each case in a fresh interpreter, all in one
+invocation so the machine's load is shared:
+
+    sync          the recipe as recorded: the engine paused for the whole update
+    stale1-drop   agl_lab.rollout.max_staleness=1, carry-over on (async_train_batch_size 2 × batch),
+                  a group older than one version dropped
+    stale1-wait   the same, the groups exactly one version old waited for and trained
+
+Columns (per case; medians over steps 2..N, step 1 pays the warm-up):
+
+    step_s      the step's wall seconds (`timing_s/step`)
+    rollout_s   the rollout phase (`timing_s/gen`): under overlap, what is left of it after the update
+    update_s    the update (`timing_s/update`), the weight publish included under overlap
+    busy        the engine's forward seconds over the step / the step's wall (the scheduler's
+                `forward_s`): the share of the step the engine computes
+    busy_gen    the same over the rollout phase only
+    fwd_upd_s   engine forward seconds inside the update (0 when synchronous: the overlap's work)
+    dropped     stale groups dropped over the run (`training/overlap/n_stale_groups_dropped`)
+    reward      mean training reward over steps 1..N
+    val         validation reward after the last step (`--no-val` skips it)
+
+    python benchmarks/overlap.py [--config configs/cpu_smollm2_learn.yaml] [--steps 4] [--cases sync,stale1-drop]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+OVERLAP = ["agentlightning.async_rollout.enabled=true", "agl_lab.rollout.max_staleness=1"]
+CASES = {
+    "sync": [],
+    "stale1-drop": [*OVERLAP, "agl_lab.rollout.stale_groups=drop"],
+    "stale1-wait": [*OVERLAP, "agl_lab.rollout.stale_groups=wait"],
+}
+
+CHILD = r"""
+import json, sys, tempfile, time
+from agl_lab.trainer import Trainer
+
+config, steps, val, overrides = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "on", sys.argv[4:]
+overrides = [f"trainer.total_training_steps={steps}", "trainer.val_before_train=false",
+             "trainer.test_freq=-1", "trainer.save_freq=-1", *overrides]
+with tempfile.TemporaryDirectory() as run_dir, \
+        Trainer.from_config(config, overrides=overrides, run_dir=run_dir, console=False) as trainer:
+    stats = trainer.engine.server.scheduler.stats  # the engine's running totals (forward_s)
+    for step in range(1, steps + 1):
+        t0, f0 = time.time(), stats["forward_s"]
+        ro = trainer.rollout()
+        f1 = stats["forward_s"]
+        b = trainer.build_batch(ro)
+        f2 = stats["forward_s"]
+        u = trainer.update(b)
+        m = {**ro.metrics, **u.metrics}
+        row = {"step_s": time.time() - t0, "rollout_s": m["timing_s/gen"], "update_s": m["timing_s/update"],
+               "fwd_s": stats["forward_s"] - f0, "fwd_gen_s": f1 - f0, "fwd_upd_s": stats["forward_s"] - f2,
+               "dropped": m.get("training/overlap/n_stale_groups_dropped", 0.0),
+               "reward": b.metrics.get("training/reward", float("nan"))}
+        print("ROW " + json.dumps(row), flush=True)
+    if val:
+        print("VAL " + json.dumps(trainer.validate().get("val/reward", float("nan"))), flush=True)
+"""
+
+
+def run_case(config: str, steps: int, val: bool, overrides: list[str]) -> tuple[list[dict], float]:
+    """Per-step rows and the validation reward (NaN without) of one case, in a fresh interpreter."""
+    cmd = [sys.executable, "-c", CHILD, config, str(steps), "on" if val else "off", *overrides]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"overlap benchmark case failed ({' '.join(overrides) or 'sync'}):\n{done.stderr[-3000:]}")
+    lines = done.stdout.splitlines()
+    rows = [json.loads(line[4:]) for line in lines if line.startswith("ROW ")]
+    vals = [json.loads(line[4:]) for line in lines if line.startswith("VAL ")]
+    return rows, (vals[0] if vals else float("nan"))
+
+
+def summary(rows: list[dict], val: float) -> dict[str, float]:
+    """Medians over steps 2..N (all steps when there is one) of a case's rows."""
+    tail = rows[1:] or rows
+    med = {k: statistics.median(r[k] for r in tail) for k in ("step_s", "rollout_s", "update_s", "fwd_upd_s")}
+    med["busy"] = statistics.median(r["fwd_s"] / r["step_s"] for r in tail)
+    med["busy_gen"] = statistics.median(r["fwd_gen_s"] / r["rollout_s"] for r in tail if r["rollout_s"] > 0)
+    med["dropped"] = rows[-1]["dropped"]
+    med["reward"] = statistics.mean(r["reward"] for r in rows)
+    med["val"] = val
+    return med
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="configs/cpu_smollm2_learn.yaml")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {list(CASES)}")
+    p.add_argument("--no-val", dest="val", action="store_false", help="skip the validation after the last step")
+    p.add_argument("overrides", nargs="*", help="config overrides (key=value) for every case")
+    args = p.parse_args(argv)
+    names = args.cases.split(",")
+    if unknown := [n for n in names if n not in CASES]:
+        raise SystemExit(f"--cases: unknown {unknown}; choose from {list(CASES)}")
+    print(f"# {args.config}, {args.steps} steps a case, overrides: {' '.join(args.overrides) or '-'}")
+    cols = ("step_s", "rollout_s", "update_s", "busy", "busy_gen", "fwd_upd_s", "dropped", "reward", "val")
+    print(f"{'case':<12} | " + " | ".join(f"{c:>9}" for c in cols), flush=True)
+    from agl_lab.config import load_config
+
+    batch = int(load_config(args.config, args.overrides).data.train_batch_size)
+    for name in names:
+        extra = [f"agentlightning.async_rollout.async_train_batch_size={2 * batch}"] if CASES[name] else []
+        rows, val = run_case(args.config, args.steps, args.val, [*CASES[name], *extra, *args.overrides])
+        for i, r in enumerate(rows, start=1):
+            print(f"#   {name} step {i}: " + json.dumps({k: round(v, 3) for k, v in r.items()}))
+        s = summary(rows, val)
+        print(f"{name:<12} | " + " | ".join(f"{s[c]:>9.3f}" for c in cols), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
