@@ -24,7 +24,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from agl_lab import rules
+from agl_lab import config_keys, rules
 from agl_lab.config_keys import ConfigWarning, check_values, user_keys, warn_ineffective  # noqa: F401 (re-export)
 from agl_lab.rules import (
     DIVISORS,
@@ -275,6 +275,8 @@ def check_unknown_keys(defaults: DictConfig, user: DictConfig, source: str) -> N
     bad = [p for p in _leaf_paths(user) if not _known(defaults, p)]
     if not bad:
         return
+    if refused := config_keys.refused_async_keys(bad, source):  # verl's async trainers' keys (#50 item 5)
+        raise ConfigError("\n".join(refused))
     lines = []
     for path in bad:
         close = difflib.get_close_matches(path, all_known, n=1, cutoff=0.75)
@@ -545,8 +547,6 @@ def _check_learning_rules(cfg: DictConfig) -> None:
 
 def check_validation_tasks(cfg: DictConfig, n_val_tasks: int) -> None:
     """`config_keys.check_validation_tasks` (the Trainer knows the tasks), failing as ConfigError."""
-    from agl_lab import config_keys
-
     try:
         config_keys.check_validation_tasks(cfg, n_val_tasks)
     except ValueError as e:

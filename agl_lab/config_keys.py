@@ -168,6 +168,47 @@ TYPED_POSITIVE = (
 )
 
 
+# verl 0.9.1's own async trainers (verl/experimental/fully_async_policy, one_step_off_policy) read
+# these keys; their trainers run the rollouter and the trainer as separate Ray actors on separate
+# GPU pools, syncing weights through a message queue and an NCCL checkpoint engine. Neither agl_lab
+# engine runs them (both run the one AGL loop), so each key is refused with its agl_lab counterpart.
+_OVERLAP_FIX = (
+    "agl_lab.rollout.max_staleness=N (policy versions a trained token may lag) with "
+    'agentlightning.async_rollout.enabled=true, on agl_lab.engine=local (docs/engines.md "Overlap")'
+)
+VERL_ASYNC_KEYS = {
+    "async_training.staleness_threshold": f"a share of extra samples, not versions: set {_OVERLAP_FIX}",
+    "async_training.partial_rollout": "carried-over groups keep generating across versions already: set "
+    "agentlightning.async_rollout.enabled=true",
+    "async_training.trigger_parameter_sync_step": "weights reach the server at every step boundary "
+    f"(one version a step): set {_OVERLAP_FIX}",
+    "async_training.require_batches": "a step trains data.train_batch_size groups: set that",
+    "async_training": f"set {_OVERLAP_FIX}",
+    "rollout": "the rollouter's own GPU pool: agl_lab's engine serves where it trains (agl_lab.engine, "
+    "actor_rollout_ref.rollout.tensor_model_parallel_size)",
+    "actor_rollout_ref.actor.use_rollout_log_probs": "set algorithm.rollout_correction.bypass_mode=true "
+    "(the sampling logprobs are the old ones)",
+    "actor_rollout_ref.rollout.standalone_gpu_memory_utilization": "there are no standalone rollout GPUs: set "
+    "actor_rollout_ref.rollout.gpu_memory_utilization",
+}
+
+
+def refused_async_keys(paths: Iterable[str], source: str) -> list[str]:
+    """One line per key of verl's separate async trainers among `paths` (a layer's leaf paths,
+    Hydra's `+` prefix allowed): the key, why agl_lab does not run it, and the fix."""
+    lines = []
+    for path in paths:
+        key = path.lstrip("+")
+        match = next((k for k in VERL_ASYNC_KEYS if key == k or key.startswith(k + ".")), None)
+        if match is not None:
+            lines.append(
+                f"{key} (from {source}) is a key of verl's fully-async / one-step-off trainer, which runs "
+                f"rollouter and trainer as separate Ray actors on their own GPUs; agl_lab does not: "
+                f"{VERL_ASYNC_KEYS[match]}"
+            )
+    return lines
+
+
 def user_keys(layer: Any, prefix: str = "") -> list[str]:
     """Leaf paths a user layer sets (a mapping's keys recursively; a set empty dict is a leaf)."""
     out: list[str] = []
