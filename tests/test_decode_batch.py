@@ -201,6 +201,7 @@ _SCHEDULE = [
     (11, 5, 3, 1.3, 0.95),
     (20, 60, 30, 0.0, 1.0),
     (21, 4, 50, 1.0, 0.98),
+    (52, 70, 12, 0.7, 0.9),  # after the 60-token row retired: widens the trimmed window in place
 ]
 # Every sampled row has top_p < 1: a batch with any top_p < 1 draws through the sorted (nucleus)
 # path for all its rows, a row with top_p = 1 alone through the unsorted one — the same

@@ -23,7 +23,7 @@ shorter cache with zero, masked columns — exact, because cached keys already c
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,42 +41,91 @@ _HEADROOM = 64  # spare cache columns allocated with a slab, so most steps write
 
 
 class SlabLayer(CacheLayerMixin):
-    """HF cache layer that writes new keys/values into a preallocated buffer.
+    """HF cache layer that writes new keys/values into a preallocated buffer, in place.
 
     HF's `DynamicLayer` `torch.cat`s the whole cache at every step (O(B·L) copies per
     token); this layer copies only the new column and doubles the buffer when it is full.
+
+    The buffer [row capacity, KV, column capacity, D] holds the batch's `rows` rows in its
+    first rows and their `length` cached columns in a window starting at `start`; `keys` /
+    `values` are views of that window. Arrivals (`append_rows`) and retirements (`keep_rows`)
+    edit the buffer in place: an arrival copies only its own rows in (a longer one widens the
+    window to the left), a retirement moves up only the rows after the first retired one and
+    narrows the window — the old re-pad + `torch.cat` copied every row at every arrival and
+    retirement (#51 item 2). The window is exactly the old left-padded slab, so every forward
+    sees the same numbers in the same shapes.
     """
 
     is_sliding = False
 
     def __init__(self, kbuf: torch.Tensor | None = None, vbuf: torch.Tensor | None = None, length: int = 0):
         super().__init__()
-        self.kbuf, self.vbuf, self.length = kbuf, vbuf, length
+        self.kbuf, self.vbuf, self.length, self.start = kbuf, vbuf, length, 0
+        self.rows = 0 if kbuf is None else kbuf.shape[0]
         if kbuf is not None:
             self._publish()
 
     def _publish(self) -> None:
         self.is_initialized = True
-        self.keys = self.kbuf[:, :, : self.length]
-        self.values = self.vbuf[:, :, : self.length]
+        window = slice(self.start, self.start + self.length)
+        self.keys = self.kbuf[: self.rows, :, window]
+        self.values = self.vbuf[: self.rows, :, window]
+
+    def _reallocate(self, row_capacity: int, column_capacity: int, end: int) -> None:
+        """New zero buffers; the current rows' window copied so that it ends at column `end`."""
+        for name in ("kbuf", "vbuf"):
+            old = getattr(self, name)
+            # zeros, not empty: masked columns must hold finite numbers (0 · NaN = NaN in attention)
+            buf = old.new_zeros((row_capacity, old.shape[1], column_capacity, old.shape[3]))
+            buf[: self.rows, :, end - self.length : end] = old[: self.rows, :, self.start : self.start + self.length]
+            setattr(self, name, buf)
+        self.start = end - self.length
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, n, _ = key_states.shape
-        # zeros, not empty: masked columns must hold finite numbers (0 · NaN = NaN in attention)
         self.kbuf = key_states.new_zeros((b, h, n + _HEADROOM, key_states.shape[-1]))
         self.vbuf = value_states.new_zeros((b, h, n + _HEADROOM, value_states.shape[-1]))
+        self.rows = b
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         if self.kbuf is None:
             self.lazy_initialization(key_states, value_states)
-        end = self.length + key_states.shape[-2]
-        if end > self.kbuf.shape[2]:
-            self.kbuf, self.vbuf = (_pad_slab(buf, self.length, self.length, 2 * end) for buf in (self.kbuf, self.vbuf))
-        self.kbuf[:, :, self.length : end] = key_states
-        self.vbuf[:, :, self.length : end] = value_states
-        self.length = end
+        at, n = self.start + self.length, key_states.shape[-2]
+        if at + n > self.kbuf.shape[2]:
+            self._reallocate(self.kbuf.shape[0], 2 * (self.length + n), self.length)
+            at = self.length
+        self.kbuf[: self.rows, :, at : at + n] = key_states
+        self.vbuf[: self.rows, :, at : at + n] = value_states
+        self.length += n
         self._publish()
         return self.keys, self.values
+
+    def append_rows(self, other: SlabLayer) -> None:
+        """Add `other`'s rows after these, the shorter window left-padded with zero columns."""
+        n, length = self.rows + other.rows, max(self.length, other.length)
+        end = self.start + self.length
+        if n > self.kbuf.shape[0] or end < length:  # no room: rows double, the window ends at `length`
+            rows = max(n, 2 * self.kbuf.shape[0]) if n > self.kbuf.shape[0] else self.kbuf.shape[0]
+            self._reallocate(rows, length + _HEADROOM, length)
+            end = length
+        elif length > self.length:  # the window widens left over columns retired rows or trims left behind
+            self.kbuf[: self.rows, :, end - length : self.start] = 0
+            self.vbuf[: self.rows, :, end - length : self.start] = 0
+        for buf, src in ((self.kbuf, other.keys), (self.vbuf, other.values)):
+            buf[self.rows : n, :, end - length : end - other.length] = 0
+            buf[self.rows : n, :, end - other.length : end] = src
+        self.rows, self.start, self.length = n, end - length, length
+        self._publish()
+
+    def keep_rows(self, keep: list[int], first: int) -> None:
+        """Only rows `keep` (ascending), moved up in place; the window's first `first` columns dropped."""
+        moved = next((i for i, row in enumerate(keep) if row != i), len(keep))
+        if moved < len(keep):
+            rows, window = keep[moved:], slice(self.start, self.start + self.length)
+            self.kbuf[moved : len(keep), :, window] = self.kbuf[rows, :, window]  # the gather copies first
+            self.vbuf[moved : len(keep), :, window] = self.vbuf[rows, :, window]
+        self.rows, self.start, self.length = len(keep), self.start + first, self.length - first
+        self._publish()
 
     def get_mask_sizes(self, query_length: int, *args: Any) -> tuple[int, int]:
         return self.length + query_length, 0
@@ -86,13 +135,6 @@ class SlabLayer(CacheLayerMixin):
 
     def get_max_cache_shape(self) -> int:
         return -1
-
-
-def _pad_slab(buf: torch.Tensor, length: int, target: int, capacity: int) -> torch.Tensor:
-    """[b, H, cap, D] holding `length` columns → [b, H, capacity, D] holding them so they end at `target`."""
-    out = buf.new_zeros((*buf.shape[:2], capacity, buf.shape[3]))
-    out[:, :, target - length : target] = buf[:, :, :length]
-    return out
 
 
 def _prefix_slabs(prefixes: list, lens: list[int], lp: int, spare: int) -> list[SlabLayer]:
@@ -256,10 +298,9 @@ class DecodeBatch:
     def row_kv(self, row: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Keys and values of the real (unmasked) columns of `row`, per layer [KV, n, D] (copies)."""
         cols = self.mask[row].nonzero()[:, 0]
-        return (
-            [layer.kbuf[row, :, cols] for layer in self.layers],
-            [layer.vbuf[row, :, cols] for layer in self.layers],
-        )
+        return [layer.keys[row, :, cols] for layer in self.layers], [
+            layer.values[row, :, cols] for layer in self.layers
+        ]
 
     def decode(self, model: Any, fast: bool = True, invariant: bool = False) -> torch.Tensor:
         """Forward the pending tokens (they enter the cache) → next-token logits [B, V].
@@ -285,34 +326,34 @@ class DecodeBatch:
         return logits
 
     def merge(self, other: DecodeBatch) -> DecodeBatch:
-        """Rows of `self` then rows of `other`, the shorter cache left-padded with masked zeros."""
+        """Rows of `self` then rows of `other`, the shorter cache left-padded with masked zeros.
+
+        In place: `self`'s slabs take `other`'s rows (`SlabLayer.append_rows`); returns `self`."""
         length = max(self.length, other.length)
-        capacity = length + _HEADROOM
-        layers = []
         for la, lb in zip(self.layers, other.layers):
-            k = torch.cat([_pad_slab(x.kbuf, x.length, length, capacity) for x in (la, lb)])
-            v = torch.cat([_pad_slab(x.vbuf, x.length, length, capacity) for x in (la, lb)])
-            layers.append(SlabLayer(k, v, length))
+            la.append_rows(lb)
 
         def left(m: torch.Tensor) -> torch.Tensor:
             return torch.cat([m.new_zeros((m.shape[0], length - m.shape[1])), m], dim=1)
 
-        return DecodeBatch(
-            layers=layers,
-            mask=torch.cat([left(self.mask), left(other.mask)]),
-            **{f: torch.cat([getattr(self, f), getattr(other, f)]) for f in _ROW_FIELDS},
-        )
+        self.mask = torch.cat([left(self.mask), left(other.mask)])
+        for f in _ROW_FIELDS:
+            setattr(self, f, torch.cat([getattr(self, f), getattr(other, f)]))
+        return self
 
     def select(self, keep: list[int]) -> DecodeBatch:
-        """Only rows `keep`; leading columns that are padding in every kept row are dropped."""
+        """Only rows `keep` (ascending); leading columns that are padding in every kept row are dropped.
+
+        In place (`SlabLayer.keep_rows`); returns `self`."""
         rows = torch.tensor(keep, device=self.mask.device)
         mask = self.mask[rows]
         first = int((mask.sum(0) > 0).nonzero()[0])
-        layers = [
-            SlabLayer(layer.kbuf[rows, :, first:], layer.vbuf[rows, :, first:], layer.length - first)
-            for layer in self.layers
-        ]
-        return replace(self, layers=layers, mask=mask[:, first:], **{f: getattr(self, f)[rows] for f in _ROW_FIELDS})
+        for layer in self.layers:
+            layer.keep_rows(keep, first)
+        self.mask = mask[:, first:]
+        for f in _ROW_FIELDS:
+            setattr(self, f, getattr(self, f)[rows])
+        return self
 
 
 _ROW_FIELDS = ("tokens", "positions", "temps", "top_p", "greedy")
