@@ -22,7 +22,7 @@ import pytest
 
 from tests.timescale import scale_timeouts
 
-RUN_DIRS = "agl-nb0*"  # the notebooks' tempfile.mkdtemp prefixes
+RUN_DIRS = "agl-nb[01]*"  # the notebooks' tempfile.mkdtemp prefixes
 _BEFORE = pytest.StashKey[set]()
 
 REAL_MODEL_NOTEBOOKS = {"04_real_model.ipynb", "06_real_model_learns.ipynb"}
