@@ -70,6 +70,20 @@ def test_a_textarena_game_rewards_at_its_end_only_and_each_user_turn_is_what_the
 
 
 @needs_textarena
+def test_a_game_end_reward_that_is_no_number_is_an_event_a_task_result_flag_and_a_warning(caplog):
+    # TextArena 0.7.4's Countdown hands its invalid-move reason over as the reward (arguments swapped)
+    task = get_task("textarena:Countdown-v0", {"max_turns": 3}).train_tasks(1, seed=0)[0]
+    ctx = Ctx(ScriptedClient(["no move", "no move", "no move"]))
+    with caplog.at_level("WARNING", logger="agl_lab.tasks.textarena_games"):
+        assert tg.textarena_agent(task, ctx) == 0.0
+    fallbacks = [d for kind, d in ctx.events if kind == "reward_fallback"]
+    assert len(fallbacks) == 1 and "Invalid action format" in fallbacks[0]["value"]
+    result = [d for kind, d in ctx.events if kind == "task_result"][-1]
+    assert result["reward_fallback"] is True and result["reward"] == 0.0
+    assert "is no number; counted 0.0" in caplog.text
+
+
+@needs_textarena
 @pytest.mark.parametrize("game", tg.SINGLE_PLAYER_GAMES)
 def test_each_single_player_game_the_docs_name_plays_a_scripted_turn(game):
     task = get_task(f"textarena:{game}", {"max_turns": 2}).train_tasks(1, seed=0)[0]

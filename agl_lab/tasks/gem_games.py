@@ -165,22 +165,41 @@ def demonstration(task: dict[str, Any]) -> list[dict[str, str]]:
 
 def gem_agent(task: dict[str, Any], ctx: Any) -> float | None:
     """One GEM episode; the rollout's reward is the sum of its turn rewards (None when cancelled first)."""
-    episode = play(task, ctx)
+    return finish_episode(play(task, ctx), ctx)
+
+
+def finish_episode(episode: dict[str, Any], ctx: Any, **extra: Any) -> float | None:
+    """The reward of a played episode, the sum of its turn rewards (None when cancelled before its first
+    turn), recorded as a `task_result` event `{reward, turns, terminated, truncated, **extra}`; the
+    agents of gem, textarena and openenv end with it."""
     if not episode["rewards"]:
         return None
     total = float(sum(episode["rewards"]))
     emit = getattr(ctx, "emit", None)
     if callable(emit):
-        emit(
-            "task_result",
-            {
-                "reward": total,
-                "turns": episode["turns"],
-                "terminated": episode["terminated"],
-                "truncated": episode["truncated"],
-            },
-        )
+        emit("task_result", {"reward": total, **{k: episode[k] for k in ("turns", "terminated", "truncated")}, **extra})
     return total
+
+
+def episode_tasks(
+    n: int, seed: int, split: str, *, prefix: str, env: dict[str, str], options: tuple[int, dict[str, Any], int | None]
+) -> list[dict[str, Any]]:
+    """`n` task dicts `{task_id, <env key>, seed, max_turns, env_config}` of one split ("train", "val",
+    "demo"), one game seed each; `options` is (max_turns, config, fixed seed or None) as checked by
+    `_options`/`episode_options`. Shared by gem, textarena and openenv."""
+    max_turns, config, fixed_seed = options
+    offset = {"train": 0, "val": VAL_SEED_OFFSET, "demo": 2 * VAL_SEED_OFFSET}[split]
+    base = (fixed_seed if fixed_seed is not None else seed) + offset
+    return [
+        {
+            "task_id": f"{prefix}-{split}-{base}-{i:05d}",
+            **env,
+            "seed": (base * 100_003 + i) % 2**31,  # numpy's seed range
+            "max_turns": max_turns,
+            "env_config": config,
+        }
+        for i in range(n)
+    ]
 
 
 def _options(options: Any) -> tuple[int, dict[str, Any], int | None]:
@@ -218,19 +237,10 @@ def gem_task(env_id: str, options: Any = None) -> Any:
     max_turns, config, fixed_seed = _options(options)
     json.dumps(config)  # the task dict travels as JSON
 
+    options = (max_turns, config, fixed_seed)
+
     def make(n: int, seed: int, split: str) -> list[dict[str, Any]]:
-        offset = {"train": 0, "val": VAL_SEED_OFFSET, "demo": 2 * VAL_SEED_OFFSET}[split]
-        base = (fixed_seed if fixed_seed is not None else seed) + offset
-        return [
-            {
-                "task_id": f"gem-{env_id}-{split}-{base}-{i:05d}",
-                "env_id": env_id,
-                "seed": (base * 100_003 + i) % 2**31,  # numpy's seed range
-                "max_turns": max_turns,
-                "env_config": config,
-            }
-            for i in range(n)
-        ]
+        return episode_tasks(n, seed, split, prefix=f"gem-{env_id}", env={"env_id": env_id}, options=options)
 
     def demonstrations(n: int, seed: int = 0) -> list[list[dict[str, str]]]:
         return [demonstration(t) for t in make(n, seed, "demo")]

@@ -31,7 +31,6 @@ PREFIX = "openenv:"
 MAX_TOKENS = 48
 MODEL_NAME = "auto"
 SYSTEM_PROMPT = "You are acting in an environment. Follow its instructions exactly and reply with your action."
-VAL_SEED_OFFSET = 1_000_003
 _NOT_TEXT = ("done", "reward", "metadata")
 
 
@@ -139,19 +138,15 @@ def play(task: dict[str, Any], ctx: Any) -> dict[str, Any]:
 
 def openenv_agent(task: dict[str, Any], ctx: Any) -> float | None:
     """One OpenEnv episode; the rollout's reward is the sum of its step rewards (None when cancelled first)."""
-    episode = play(task, ctx)
-    if not episode["rewards"]:
-        return None
-    total = float(sum(episode["rewards"]))
-    emit = getattr(ctx, "emit", None)
-    if callable(emit):
-        emit("task_result", {"reward": total, **{k: episode[k] for k in ("turns", "terminated", "truncated")}})
-    return total
+    from agl_lab.tasks.gem_games import finish_episode
+
+    return finish_episode(play(task, ctx), ctx)
 
 
 def openenv_task(ref: str, options: Any = None) -> Any:
     """The `Task` for the in-process OpenEnv environment `module:Class`: tasks are seeds, the agent `openenv_agent`."""
     from agl_lab.tasks import Task
+    from agl_lab.tasks.gem_games import episode_tasks
     from agl_lab.tasks.textarena_games import episode_options
 
     env_cls = environment_class(ref)
@@ -162,18 +157,12 @@ def openenv_task(ref: str, options: Any = None) -> Any:
     except TypeError as e:
         raise ValueError(f"agl_lab.task.config does not fit {env_cls.__name__}(): {e}") from e
 
+    options = (max_turns, config, fixed_seed)
+
     def make(n: int, seed: int, split: str) -> list[dict[str, Any]]:
-        base = (fixed_seed if fixed_seed is not None else seed) + (VAL_SEED_OFFSET if split == "val" else 0)
-        return [
-            {
-                "task_id": f"openenv-{env_cls.__name__}-{split}-{base}-{i:05d}",
-                "env_ref": ref,
-                "seed": (base * 100_003 + i) % 2**31,
-                "max_turns": max_turns,
-                "env_config": config,
-            }
-            for i in range(n)
-        ]
+        return episode_tasks(
+            n, seed, split, prefix=f"openenv-{env_cls.__name__}", env={"env_ref": ref}, options=options
+        )
 
     return Task(
         name=f"openenv.{ref.replace(':', '.')}",

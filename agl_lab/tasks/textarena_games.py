@@ -28,15 +28,17 @@ with the global RNG state put back afterwards (gem_games._global_rng_kept): one 
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
+
+_log = logging.getLogger(__name__)
 
 PREFIX = "textarena:"
 DEFAULT_MAX_TURNS = 8
 MAX_TOKENS = 48
 MODEL_NAME = "auto"
 SYSTEM_PROMPT = "You are playing a game. Follow its instructions exactly and reply with your move."
-VAL_SEED_OFFSET = 1_000_003
 # Single-player games that make, reset and step as installed (tests/test_hubs.py plays each); 55
 # of the registry's non-variant ids are single-player and playable here (docs/environments.md).
 SINGLE_PLAYER_GAMES = (
@@ -91,13 +93,14 @@ def _new_part(observation: str, before: str) -> str:
     return new.strip("\n") or observation
 
 
-def _game_reward(value: Any) -> float:
-    """The player's end reward as a float; 0.0 for a value that is no number (TextArena 0.7.4's
-    Countdown passes its invalid-move reason as the reward: the arguments of set_invalid_move swapped)."""
+def _game_reward(value: Any) -> tuple[float, str | None]:
+    """The player's end reward as a float, and None; (0.0, the value's repr) for a value that is no
+    number (TextArena 0.7.4's Countdown passes its invalid-move reason as the reward: the arguments of
+    set_invalid_move swapped). The caller records that fallback (an event, the task_result, a warning)."""
     try:
-        return float(value)
+        return float(value), None
     except (TypeError, ValueError):
-        return 0.0
+        return 0.0, repr(value)
 
 
 def play(task: dict[str, Any], ctx: Any) -> dict[str, Any]:
@@ -109,7 +112,7 @@ def play(task: dict[str, Any], ctx: Any) -> dict[str, Any]:
     messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": observation.strip("\n")}]
     emit, cancelled = getattr(ctx, "emit", None), getattr(ctx, "cancelled", None)
     rewards: list[float] = []
-    done, final = False, 0.0
+    done, final, fallback = False, 0.0, None
     max_turns = int(task.get("max_turns") or DEFAULT_MAX_TURNS)
     for turn in range(max_turns):
         if cancelled is not None and cancelled.is_set():
@@ -121,7 +124,11 @@ def play(task: dict[str, Any], ctx: Any) -> dict[str, Any]:
         done, _ = env.step(action)
         if done:  # Critical: the game's reward exists only once it has ended (end-only)
             game_rewards, _ = env.close()
-            final = _game_reward((game_rewards or {}).get(0, 0.0))
+            final, fallback = _game_reward((game_rewards or {}).get(0, 0.0))
+            if fallback is not None:
+                _log.warning("%s: the game's end reward %s is no number; counted 0.0", task.get("env_id"), fallback)
+                if callable(emit):
+                    emit("reward_fallback", {"turn": turn, "value": fallback, "reward": 0.0})
         rewards.append(final if done else 0.0)
         if callable(emit):
             truncated = not done and turn == max_turns - 1
@@ -135,18 +142,16 @@ def play(task: dict[str, Any], ctx: Any) -> dict[str, Any]:
         observation = now
     truncated = not done and len(rewards) == max_turns
     return {"rewards": rewards, "turns": len(rewards), "terminated": done, "truncated": truncated,
-            "reward": final, "messages": messages}  # fmt: skip
+            "reward": final, "reward_fallback": fallback, "messages": messages}  # fmt: skip
 
 
 def textarena_agent(task: dict[str, Any], ctx: Any) -> float | None:
-    """One TextArena episode; the rollout's reward is the game's (None when cancelled first)."""
+    """One TextArena episode; the rollout's reward is the game's end reward (None when cancelled first).
+    Its `task_result` says `reward_fallback`: whether that reward was no number and counted 0.0."""
+    from agl_lab.tasks.gem_games import finish_episode
+
     episode = play(task, ctx)
-    if not episode["rewards"]:
-        return None
-    emit = getattr(ctx, "emit", None)
-    if callable(emit):
-        emit("task_result", {key: episode[key] for key in ("reward", "turns", "terminated", "truncated")})
-    return episode["reward"]
+    return finish_episode(episode, ctx, reward_fallback=episode["reward_fallback"] is not None)
 
 
 def _reads_nltk(game_id: str) -> bool:
@@ -221,18 +226,12 @@ def textarena_task(game_id: str, options: Any = None) -> Any:
     max_turns, config, fixed_seed = episode_options(options, "a TextArena game's keyword arguments")
     _refuse_unplayable(game_id, config)
 
+    from agl_lab.tasks.gem_games import episode_tasks
+
+    options = (max_turns, config, fixed_seed)
+
     def make(n: int, seed: int, split: str) -> list[dict[str, Any]]:
-        base = (fixed_seed if fixed_seed is not None else seed) + (VAL_SEED_OFFSET if split == "val" else 0)
-        return [
-            {
-                "task_id": f"ta-{game_id}-{split}-{base}-{i:05d}",
-                "env_id": game_id,
-                "seed": (base * 100_003 + i) % 2**31,
-                "max_turns": max_turns,
-                "env_config": config,
-            }
-            for i in range(n)
-        ]
+        return episode_tasks(n, seed, split, prefix=f"ta-{game_id}", env={"env_id": game_id}, options=options)
 
     return Task(
         name=f"textarena.{game_id}",
