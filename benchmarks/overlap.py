@@ -13,7 +13,9 @@ Columns (per case; medians over steps 2..N, step 1 pays the warm-up):
 
     step_s      the step's wall seconds (`timing_s/step`)
     rollout_s   the rollout phase (`timing_s/gen`): under overlap, what is left of it after the update
-    update_s    the update (`timing_s/update`), the weight publish included under overlap
+    update_s    the update (`timing_s/update`: the weight publish is not in it)
+    rest_s      step_s − rollout_s − update_s: build_batch and, under overlap, the publish (the
+                server finishing its running generations on the old weights, the weight copy)
     busy        the engine's forward seconds over the step / the step's wall (the scheduler's
                 `forward_s`): the share of the step the engine computes
     busy_gen    the same over the rollout phase only
@@ -87,9 +89,10 @@ def summary(rows: list[dict], val: float) -> dict[str, float]:
     """Medians over steps 2..N (all steps when there is one) of a case's rows."""
     tail = rows[1:] or rows
     med = {k: statistics.median(r[k] for r in tail) for k in ("step_s", "rollout_s", "update_s", "fwd_upd_s")}
+    med["rest_s"] = statistics.median(r["step_s"] - r["rollout_s"] - r["update_s"] for r in tail)
     med["busy"] = statistics.median(r["fwd_s"] / r["step_s"] for r in tail)
     med["busy_gen"] = statistics.median(r["fwd_gen_s"] / r["rollout_s"] for r in tail if r["rollout_s"] > 0)
-    med["dropped"] = rows[-1]["dropped"]
+    med["dropped"] = sum(r["dropped"] for r in rows)  # the metric counts a step's drops
     med["reward"] = statistics.mean(r["reward"] for r in rows)
     med["val"] = val
     return med
@@ -107,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := [n for n in names if n not in CASES]:
         raise SystemExit(f"--cases: unknown {unknown}; choose from {list(CASES)}")
     print(f"# {args.config}, {args.steps} steps a case, overrides: {' '.join(args.overrides) or '-'}")
-    cols = ("step_s", "rollout_s", "update_s", "busy", "busy_gen", "fwd_upd_s", "dropped", "reward", "val")
+    cols = ("step_s", "rollout_s", "update_s", "rest_s", "busy", "busy_gen", "fwd_upd_s", "dropped", "reward", "val")
     print(f"{'case':<12} | " + " | ".join(f"{c:>9}" for c in cols), flush=True)
     from agl_lab.config import load_config
 
