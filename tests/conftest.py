@@ -6,6 +6,9 @@
 - `postgres`        one real PostgreSQL server for the session (tests/postgres.py), skipped where not installed
 - `embedded_server` factory: `embedded_server(**ServerConfig overrides) -> EmbeddedServer`, stopped at teardown
 - `fake_upstream`   a FakeOpenAI (tests/fakes.py) on a loopback port, reset before each test
+- `model`           the tiny model (tests/test_tiny.py builds it), loaded once per test module, on CPU
+- `one_thread`      torch at one intra-op thread for the test: small-model forwards are latency-bound,
+                    and the engine's decode loop runs the tiny model on one thread (scheduler.py)
 - `scaled(seconds)` a test's wait, lease or limit times AGL_LAB_TEST_TIME_SCALE (a float, default 1):
                     set it above 1 on a slow or busy machine (docs/setup.md)
 """
@@ -96,3 +99,20 @@ def fake_upstream(_fake_upstream_server: FakeOpenAI) -> Iterator[FakeOpenAI]:
     _fake_upstream_server.reset()
     yield _fake_upstream_server
     _fake_upstream_server.reset()
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    from agl_lab.engines.tiny import load_model_and_tokenizer
+
+    return load_model_and_tokenizer(device="cpu")[0]
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -14,27 +14,11 @@ import json
 import subprocess
 import sys
 
-import pytest
 import torch
 
 from agl_lab.engines.serving.decode_batch import DecodeBatch
 from agl_lab.engines.serving.prefix_cache import CachedPrefix
-from agl_lab.engines.tiny import load_model_and_tokenizer
 from tests.trainer_runs import SMALL
-
-
-@pytest.fixture(scope="module")
-def model():
-    return load_model_and_tokenizer(device="cpu")[0]
-
-
-@pytest.fixture
-def one_thread():
-    """The engine's decode loop runs one intra-op thread for the tiny model (scheduler.py)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _ids(gen: torch.Generator, k: int) -> list[int]:

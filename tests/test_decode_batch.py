@@ -2,25 +2,10 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from agl_lab.engines.serving.decode_batch import DecodeBatch, sample_tokens
 from agl_lab.engines.tiny import load_model_and_tokenizer
-
-
-@pytest.fixture(scope="module")
-def model():
-    return load_model_and_tokenizer(device="cpu")[0]
-
-
-@pytest.fixture
-def one_thread():
-    """Small-model forwards are latency-bound: one intra-op thread is faster on a busy 2-core box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _fresh_next_logits(model, ids: list[int]) -> torch.Tensor:

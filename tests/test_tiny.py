@@ -24,15 +24,6 @@ def tiny():
     return load_model_and_tokenizer(device="cpu")
 
 
-@pytest.fixture
-def one_thread():
-    """Small-model forwards are latency-bound: one intra-op thread is faster on a busy 2-core box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _digests(directory: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}
 
