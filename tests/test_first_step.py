@@ -28,6 +28,7 @@ from agl_lab.engines.serving.openai_server import OpenAIServer
 from agl_lab.engines.tiny import load_model_and_tokenizer
 from agl_lab.server.embedded import ThreadedUvicorn
 from tests.conftest import scaled
+from tests.prometheus import parse, value
 from tests.servers import wait_until
 
 KEY = "k"
@@ -145,6 +146,8 @@ def test_past_the_cap_the_engines_copy_is_aborted_and_the_call_fails_cleanly(slo
     data = _event(client)
     assert (data["http_status"], data["timeout_extensions"]) == (504, 2)
     assert client.get("/proxy/upstream_stats").json() == {"timeout_extensions": 2, "aborted_past_cap": 1}
+    scraped = parse(client.get("/metrics").text)  # the same counts, once each, in the Prometheus text
+    assert value(scraped, "agl_timeout_extensions_total") == 2 and value(scraped, "agl_aborted_past_cap_total") == 1
 
 
 # --- the engine's side: agl_lab's OpenAI server on the tiny model -------------------------------

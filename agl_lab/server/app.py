@@ -92,7 +92,14 @@ from agl_lab.server.backends import open_store
 from agl_lab.server.config import ServerConfig, load_server_config
 from agl_lab.server.gateway import Gateway, RequestRewriter, gateway_router, proxy_route, store_call
 from agl_lab.server.guard import DOCS_PATHS, RequestGuard
-from agl_lab.server.metrics import CONTENT_TYPE, QUEUE_DEPTH_CAP, ServerMetrics, TimedStore, render
+from agl_lab.server.metrics import (
+    CONTENT_TYPE,
+    QUEUE_DEPTH_CAP,
+    ServerMetrics,
+    TimedStore,
+    gateway_samples,
+    render,
+)
 from agl_lab.server.seeding import SeededCallsRewriter
 from agl_lab.server.storable import INT64_MAX, INT64_MIN, NotStorable, check_storable
 from agl_lab.server.store import (
@@ -366,7 +373,8 @@ def _add_health_routes(app: AglApp, store: Store, gateway: Gateway, metrics: Ser
     @app.get(METRICS_PATH, include_in_schema=False)
     async def prometheus() -> Response:
         """The Prometheus text format (agl_lab/server/metrics.py; needs a key like any route)."""
-        samples = metrics.samples() + [("agl_inflight_calls", {}, float(gateway.gate.inflight))]
+        samples = [*metrics.samples(), ("agl_inflight_calls", {}, float(gateway.gate.inflight))]
+        samples += gateway_samples(gateway.stats)
         try:
             queuing = await run_in_threadpool(store.list_rollouts, ["queuing"], QUEUE_DEPTH_CAP)
             samples.append(("agl_queue_depth", {}, float(len(queuing))))

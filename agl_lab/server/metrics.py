@@ -19,6 +19,8 @@ from the store at scrape time (capped at `QUEUE_DEPTH_CAP`: a scrape must stay c
 | `agl_store_errors_total{op}` | counter | store calls that raised |
 | `agl_queue_depth` | gauge | rollouts queuing now (at most `QUEUE_DEPTH_CAP`) |
 | `agl_inflight_calls` | gauge | proxied model calls in flight in this server's gateway |
+| `agl_timeout_extensions_total` | counter | timed-out upstream attempts waited on again because the engine was working on the call (`Gateway.stats`) |
+| `agl_aborted_past_cap_total` | counter | calls failed past `upstream_timeout_extensions`, their generation aborted |
 | `agl_runner_rollouts_total{outcome}` | counter | `agl-lab runner --metrics-port`: claimed, succeeded, failed, released, abandoned, conflicts |
 | `agl_runner_running` | gauge | the runner's agents running now |
 
@@ -48,6 +50,11 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "agl_store_errors_total": ("counter", "Store calls that raised, by store method."),
     "agl_queue_depth": ("gauge", "Rollouts queuing now (capped)."),
     "agl_inflight_calls": ("gauge", "Proxied model calls in flight in this server's gateway."),
+    "agl_timeout_extensions_total": (
+        "counter",
+        "Timed-out upstream attempts waited on again because the engine was still working on the call.",
+    ),
+    "agl_aborted_past_cap_total": ("counter", "Proxied calls failed past upstream_timeout_extensions (aborted)."),
     # agl-lab runner --metrics-port: one runner's `Runner.stats`
     "agl_runner_rollouts_total": ("counter", "Rollouts this runner handled, by outcome."),
     "agl_runner_running": ("gauge", "Agents this runner runs now."),
@@ -65,6 +72,14 @@ def runner_samples(stats: dict[str, int]) -> list[Sample]:
 
 
 Sample = tuple[str, dict[str, str], float]  # (name with suffix, labels, value)
+
+
+def gateway_samples(stats: dict[str, int]) -> list[Sample]:
+    """`Gateway.stats` as samples. The gateway counts each extension once, there; this only reads it."""
+    return [
+        ("agl_timeout_extensions_total", {}, float(stats.get("timeout_extensions", 0))),
+        ("agl_aborted_past_cap_total", {}, float(stats.get("aborted_past_cap", 0))),
+    ]
 
 
 class ServerMetrics:
