@@ -51,6 +51,7 @@ class Triplet:
     | reward       | float | None      | set on the last triplet of a rollout (final reward)  |
     | metadata     | dict              | `{"server": {"model", "version"}}` from the gateway  |
     | turn_reward  | float | None      | the `turn_reward` events after this call, summed     |
+    | timeout_extensions | int         | times the gateway waited past `upstream_timeout_seconds` on this call because the engine was still working on it (`upstream_timeout_extensions`) |
     """
 
     prompt_ids: list[int]
@@ -59,6 +60,7 @@ class Triplet:
     reward: float | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     turn_reward: float | None = None
+    timeout_extensions: int = 0
 
 
 @dataclass
@@ -205,7 +207,7 @@ def _trim_model_request(data: dict[str, Any]) -> dict[str, Any]:
         "response_log_probs": log_probs,
         "server": {"model": server.get("model"), "version": server.get("version")},
     }
-    out.update({k: data[k] for k in ("http_status", "status", "overridden") if k in data})
+    out.update({k: data[k] for k in ("http_status", "status", "overridden", "timeout_extensions") if k in data})
     if isinstance(response, dict) and "error" in response:
         out["error"] = response["error"]
     if bad:
@@ -276,6 +278,7 @@ def triplets_from_events(triplet_events: Sequence[Mapping[str, Any]]) -> list[Tr
                     "server": data.get("server"),
                     **({"overridden": data["overridden"]} if data.get("overridden") else {}),
                 },
+                timeout_extensions=int(extended) if is_number(extended := data.get("timeout_extensions")) else 0,
             )
         )
     return triplets

@@ -166,6 +166,14 @@ def test_parity_skips_error_and_empty_model_requests():
     assert completed.finished_at == 12.5 and completed.state == "succeeded"
 
 
+def test_the_gateways_timeout_extensions_reach_the_call_row():
+    events = triplet_events([mr([1], [2], timeout_extensions=2), mr([3], [4])])
+    assert [e.data.get("timeout_extensions") for e in events] == [2, None]  # the triplet view keeps the count
+    assert [t.timeout_extensions for t in triplets_from_events([e.model_dump() for e in events])] == [2, 0]
+    saved = completed_rollout_to_dict(_build([_mr([1], [2], timeout_extensions=1)]))  # a checkpoint keeps it
+    assert completed_rollout_from_dict(saved).triplets[0].timeout_extensions == 1
+
+
 def test_error_status_alone_or_http_status_alone_skips_the_call():
     events = [_mr([1], [2], status="error"), _mr([3], [4], http_status=502), _mr([5], [6], http_status=200)]
     assert [t.prompt_ids for t in triplets_from_events(events)] == [[5]]
