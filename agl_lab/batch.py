@@ -52,6 +52,7 @@ from agl_lab.algorithms.credit import transition_rewards
 from agl_lab.batch_data import BatchData
 from agl_lab.diagnose import KINDS, MergeBreak, common_prefix_len, decode_ids, diagnose_break
 from agl_lab.padding import pad_rows  # noqa: F401  (part of this module's API: rows -> arrays)
+from agl_lab.protocol import is_number
 from agl_lab.records import CompletedRollout, Triplet, sort_rollouts
 from agl_lab.rules import LEVELS, TURN_CREDITS, check_level, check_turn_credit  # noqa: F401 (re-export)
 
@@ -95,6 +96,7 @@ class Row:
     tokens_cut: int = 0
     skipped_empty: bool = False
     batch_index: int = -1  # position in the batch; -1 when skipped
+    span_versions: list[int] = field(default_factory=list, repr=False)  # policy version per span (-1: unknown)
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -238,6 +240,12 @@ def merge_triplets(
     return segments, breaks
 
 
+def call_version(t: Triplet) -> int:
+    """The policy version that served call `t` (the gateway's `server.version`), -1 when unknown."""
+    version = (t.metadata.get("server") or {}).get("version")
+    return int(version) if is_number(version) else -1
+
+
 def _limit_row(
     segment: _Segment,
     rollout: CompletedRollout,
@@ -268,6 +276,7 @@ def _limit_row(
         row.spans = [(s, min(n, max_response_length - s)) for s, n in segment.spans if s < max_response_length]
         if row.span_logprobs is not None:
             row.span_logprobs = row.span_logprobs[: len(row.spans)]
+    row.span_versions = [call_version(rollout.triplets[c]) for c in segment.calls][: len(row.spans)]
     row.skipped_empty = not any(n for _, n in row.spans)
     return row
 
@@ -385,6 +394,7 @@ def to_dataproto(rows: Sequence[Row], arrays: dict[str, np.ndarray], *, containe
         "is_drop_mask": np.fromiter((r.is_drop for r in rows), bool, n),
         "token_level_scores": scores,
     }
+    tensors["rollout_versions"] = padding.span_values([r.spans for r in rows], [r.span_versions for r in rows], n, r)
     n_without = sum(r.span_logprobs is None for r in rows)
     if n_without == 0:
         tensors["rollout_log_probs"] = arrays["rollout_log_probs"]

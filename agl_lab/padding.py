@@ -127,6 +127,23 @@ def span_arrays(
     return mask, values
 
 
+def span_values(
+    spans: Sequence[Sequence[tuple[int, int]]], values: Sequence[Sequence[int]], n: int, width: int
+) -> np.ndarray:
+    """[N, width] int64: every token of span j of row i holds values[i][j]; -1 elsewhere (and
+    where a row has fewer values than spans)."""
+    span_rows = np.repeat(np.arange(n), [len(s) for s in spans])
+    starts = np.fromiter((a for s in spans for a, _ in s), np.int64, len(span_rows))
+    counts = np.fromiter((b for s in spans for _, b in s), np.int64, len(span_rows))
+    row_index, col_index = span_scatter(span_rows, starts, counts)
+    flat_values = np.fromiter(
+        (vs[j] if j < len(vs) else -1 for s, vs in zip(spans, values) for j in range(len(s))), np.int64, len(span_rows)
+    )
+    out = np.full((n, width), -1, dtype=np.int64)
+    out[row_index, col_index] = np.repeat(flat_values, counts)
+    return out
+
+
 def spans_to_list(spans: Sequence[tuple[int, int]], fill: int, values: Sequence[Sequence] | None, total: int) -> list:
     """One row as a list of `total` items: `fill` (values=None; gaps 0) or values[j][:length]
     (gaps 0.0) on span j."""

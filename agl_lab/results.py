@@ -258,6 +258,21 @@ class UpdateResult:
         frame.attrs["trained"] = data is self.trained
         return frame
 
+    def staleness(self) -> pd.DataFrame:
+        """One line per trained loss token: batch_row, rollout_id, turn, position, version (that
+        sampled it), age (= the trained version − version), rollout/old logprob, lp_diff, is_weight
+        and is_clipped (`agl_lab.staleness.staleness_frame`). Group by `age` or `turn` for the
+        per-age / per-turn view; `attrs["trained_version"]` is the version the update started from."""
+        from agl_lab.staleness import staleness_frame
+
+        version = self.metrics.get("staleness/trained_version")
+        if self.trained is None or version is None:
+            raise RuntimeError(
+                "UpdateResult.staleness needs the trained batch and its rollout_versions: use the result "
+                "of Trainer.update() on a batch built by build_batch (a skipped update has none)"
+            )
+        return staleness_frame(self.trained, int(version))
+
     @property
     def dropped_rows(self) -> int:
         """Rows of the dropped rollouts (the unit of the console's `dropped_rows`)."""

@@ -40,6 +40,7 @@ from agl_lab.engines.base import Engine, check_batch, logprob_gap
 from agl_lab.phases import update_phase
 from agl_lab.results import BatchResult, UpdateResult
 from agl_lab.rules import small_batch_under
+from agl_lab.staleness import staleness_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ def run_update(cfg, engine: Engine, batch: BatchResult, *, step: int) -> UpdateR
         )
         # Critical: skip_reason decided on the same row counts, so selection keeps ≥ 1 row here.
         assert prepared is not None, "skip_reason and select_for_update disagree on this batch"
+        metrics.update(staleness_metrics(prepared, engine.policy_version))  # the trained tokens' ages, Δlogp by age
         with _timed(metrics, "update_actor"):
             metrics.update(engine.update(prepared))
         with _timed(metrics, "update_weights"):

@@ -177,6 +177,9 @@ BATCH_SCHEMA: dict[str, BatchKey] = {
         ("float32", "bfloat16"), "N, R", "batch.build_batch (reward on the last token)", required=True
     ),
     "rollout_log_probs": BatchKey(("float32",), "N, R", "batch.build_batch (when every call has logprobs)"),
+    "rollout_versions": BatchKey(
+        ("int64",), "N, R", "batch.build_batch (policy version that sampled each token; -1 unknown)"
+    ),
     "rollout_id_list": BatchKey(("object",), "N", "batch.build_batch", required=True),
     "data_id_list": BatchKey(("object",), "N", "batch.build_batch (the group)", required=True),
     "uid": BatchKey(("object",), "N", "batch.build_batch (= data_id_list, verl's group key)"),

@@ -1,0 +1,84 @@
+"""Staleness you can see (#50 items 2-3, docs/engines.md "Overlap"): every trained token carries
+the policy version that sampled it (`rollout_versions`), the update logs `staleness/*` (token ages,
+|Δlogp| by age) and `UpdateResult.staleness()` lists them per token.
+
+- at max_staleness=1 the ages are 0 or 1, never above the bound, and the age histogram counts every
+  trained response token once;
+- at staleness 0 every token has age 0 and the age-0 |Δlogp| is `training/rollout_logprobs_diff_*`
+  itself (split by age, not counted twice);
+- under rollout_is=token the view's IS weight of a row is min(exp(old − rollout), threshold) by hand.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from agl_lab.staleness import STALENESS_COLUMNS
+from agl_lab.trainer import Trainer
+from tests.trainer_runs import SMALL
+
+OVERLAP = [
+    *SMALL,
+    "agentlightning.async_rollout.enabled=true",
+    "agentlightning.async_rollout.async_train_batch_size=6",
+    "agl_lab.rollout.max_staleness=1",
+    "algorithm.rollout_correction.bypass_mode=true",
+    "agl_lab.model.warm_start_steps=50",
+]
+
+
+def _steps(tmp_path, overrides, steps):
+    """(batch, update) of each step of a tiny-model run."""
+    out = []
+    with Trainer.from_config("configs/cpu_tiny.yaml", overrides=overrides, run_dir=tmp_path, console=False) as t:
+        for _ in range(steps):
+            b = t.build_batch(t.rollout())
+            out.append((b, t.update(b)))
+    return out
+
+
+def _trained_tokens(u) -> int:
+    data = u.trained
+    known = data.batch["response_mask"].bool() & (data.batch["rollout_versions"] >= 0)
+    return int(known.sum())
+
+
+def test_staleness_one_ages_stay_within_the_bound_and_count_every_token(tmp_path):
+    ages_seen = set()
+    for _b, u in _steps(tmp_path, OVERLAP, 3):
+        m, frame = u.metrics, u.staleness()
+        assert m["staleness/tokens_unknown_version"] == 0  # the gateway stamps every call
+        histogram = {int(k.rsplit("_", 1)[1]): v for k, v in m.items() if k.startswith("staleness/tokens_age_")}
+        assert set(histogram) <= {0, 1} and m["staleness/token_age_max"] <= 1
+        assert sum(histogram.values()) == _trained_tokens(u) == len(frame)
+        assert list(frame.columns) == STALENESS_COLUMNS and frame.age.between(0, 1).all()
+        assert frame.groupby("age").size().to_dict() == {k: v for k, v in histogram.items() if v}
+        for age, group in frame.groupby("age"):
+            assert m[f"staleness/lp_diff_max_age_{age}"] == pytest.approx(group.lp_diff.max(), abs=1e-6)
+        ages_seen |= set(frame.age)
+    assert 1 in ages_seen  # the overlap trained tokens of the version before
+
+
+def test_staleness_zero_age_zero_is_the_rollout_logprob_gap(tmp_path):
+    (b, u), *_ = _steps(tmp_path, [*SMALL, "algorithm.rollout_correction.bypass_mode=false"], 1)
+    m = u.metrics
+    assert m["staleness/token_age_max"] == 0 and "staleness/tokens_age_1" not in m
+    assert m["staleness/lp_diff_mean_age_0"] == pytest.approx(m["training/rollout_logprobs_diff_mean"], rel=1e-5)
+    assert m["staleness/lp_diff_max_age_0"] == pytest.approx(m["training/rollout_logprobs_diff_max"], rel=1e-6)
+
+
+def test_is_weights_in_the_view_are_truncated_ratios_by_hand(tmp_path):
+    threshold = 1.5
+    overrides = [
+        *SMALL,
+        "algorithm.rollout_correction.bypass_mode=false",
+        "algorithm.rollout_correction.rollout_is=token",
+        f"algorithm.rollout_correction.rollout_is_threshold={threshold}",
+    ]
+    (b, u), *_ = _steps(tmp_path, overrides, 1)
+    frame = u.staleness()
+    row = frame[frame.batch_row == 0]
+    by_hand = np.minimum(np.exp(row.old_logprob - row.rollout_logprob), threshold)
+    np.testing.assert_allclose(row.is_weight, by_hand, rtol=1e-5)
+    assert (row.is_clipped == (np.exp(row.old_logprob - row.rollout_logprob) > threshold * (1 + 1e-5))).all()
