@@ -82,3 +82,18 @@ def test_is_weights_in_the_view_are_truncated_ratios_by_hand(tmp_path):
     by_hand = np.minimum(np.exp(row.old_logprob - row.rollout_logprob), threshold)
     np.testing.assert_allclose(row.is_weight, by_hand, rtol=1e-5)
     assert (row.is_clipped == (np.exp(row.old_logprob - row.rollout_logprob) > threshold * (1 + 1e-5))).all()
+
+
+def test_an_overlapped_step_replays_to_its_staleness_metrics(tmp_path):
+    from agl_lab.replay import replay_step
+
+    run = tmp_path / "run"
+    with Trainer.from_config("configs/cpu_tiny.yaml", overrides=OVERLAP, run_dir=run, console=False) as t:
+        logged = [t.step() for _ in range(3)]
+    assert any(m.get("staleness/tokens_age_1", 0) > 0 for m in logged)  # an overlapped step to replay
+    for step, m in enumerate(logged, start=1):
+        result = replay_step(run, step)
+        compared = result.comparison.set_index("metric")
+        ages = [k for k in m if k.startswith("staleness/") and "lp_diff" not in k]  # no model: no Δlogp
+        assert set(ages) <= set(compared.index), set(ages) - set(compared.index)
+        assert compared.loc[ages, "equal"].all(), compared.loc[ages]
