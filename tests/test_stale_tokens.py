@@ -4,6 +4,7 @@ version v, the engine then trains once (v + 1), and `prepare` runs on the stale 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from agl_lab.engines.local import LocalEngine
@@ -47,7 +48,9 @@ def stale_batch(eng: LocalEngine):
 
 
 def test_bypass_trains_against_the_sampling_versions_logprob():
-    with LocalEngine(device="cpu", actor=ACTOR, algorithm=correction(bypass=True), bypass_mode=True) as eng:
+    # the algorithm's rollout_correction.bypass_mode alone turns it on, as the config path does
+    with LocalEngine(device="cpu", actor=ACTOR, algorithm=correction(bypass=True)) as eng:
+        assert eng.bypass_mode
         stale, recorded, _ = stale_batch(eng)
         out, _ = eng.prepare(stale)
         now = eng.compute_log_probs(stale, 1.0)
@@ -68,3 +71,8 @@ def test_token_is_weights_are_truncated_exp_of_new_old_minus_sampling():
     assert torch.allclose(out.batch["rollout_is_weights"] * mask, golden, atol=1e-5)
     assert (golden[mask.bool()] != 1.0).any()
     assert any(k.startswith("rollout_corr/") for k in metrics)
+
+
+def test_a_bypass_mode_argument_that_disagrees_with_the_algorithm_is_refused():
+    with pytest.raises(ValueError, match="disagrees with algorithm.rollout_correction.bypass_mode=True"):
+        LocalEngine(device="cpu", actor=ACTOR, algorithm=correction(bypass=True), bypass_mode=False)

@@ -60,6 +60,20 @@ def actor_config(actor: Any = None, lr: float | None = None) -> Any:
     return cfg
 
 
+def _bypass_mode(bypass_mode: bool | None, algorithm: Any) -> bool:
+    """Bypass mode as `algorithm.rollout_correction.bypass_mode` says (the config path, `from_config`)
+    unless the `bypass_mode` argument says it; ValueError when the two disagree."""
+    correction = algorithm.get("rollout_correction") or {}
+    if bypass_mode is None:
+        return uses_bypass(correction)
+    if "bypass_mode" in correction and bool(correction["bypass_mode"]) != bool(bypass_mode):
+        raise ValueError(
+            f"LocalEngine(bypass_mode={bypass_mode}) disagrees with algorithm.rollout_correction.bypass_mode="
+            f"{correction['bypass_mode']}: pass one of them (the algorithm's alone is enough)"
+        )
+    return bool(bypass_mode)
+
+
 class LocalEngine(Engine):
     """A transformers model served by `OpenAIServer` and trained by `agl_lab.engines.local_ppo.ppo_update`."""
 
@@ -80,7 +94,7 @@ class LocalEngine(Engine):
         batch_window_ms: float = BATCH_WINDOW_MS,
         max_batch_size: int = MAX_BATCH_SIZE,
         log_prob_micro_batch_size: int | None = 16,
-        bypass_mode: bool = False,
+        bypass_mode: bool | None = None,
         algorithm: Any = None,
         lora: Any = None,
         batch_invariant: bool = False,
@@ -114,7 +128,7 @@ class LocalEngine(Engine):
 
         self.optimizer = build_optimizer(self.model, self.actor_cfg)  # over the trainable parameters only
         self.log_prob_micro_batch_size = log_prob_micro_batch_size
-        self.bypass_mode = bypass_mode  # old logprobs = the server's sampling logprobs
+        self.bypass_mode = _bypass_mode(bypass_mode, self.algorithm)  # old logprobs = the sampling logprobs
         self.weights_lock = threading.RLock()
         self._policy_version = self._serving_version = 0
         self._closed = False
