@@ -110,7 +110,19 @@ def format_console_line(step: int, metrics: Mapping[str, Any]) -> str:
             continue
         if key in metrics and metrics[key] is not None:
             parts.append(f"{label} {format_number(_jsonable(metrics[key]))}")
+        if label == "lp_diff_max" and OVERLAP_KEY in metrics:  # overlap: the same split by token age
+            parts += [f"{label}_age{k.rsplit('_', 1)[1]} {format_number(_jsonable(v))}" for k, v in _by_age(metrics)]
     return " | ".join(parts)
+
+
+#: logged only when generation overlaps the update (`agl_lab.rollout.max_staleness` > 0)
+OVERLAP_KEY = "training/overlap/serving_version"
+
+
+def _by_age(metrics: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """`staleness/lp_diff_max_age_k` items, by age k."""
+    items = [(k, v) for k, v in metrics.items() if k.startswith("staleness/lp_diff_max_age_") and v is not None]
+    return sorted(items, key=lambda kv: int(kv[0].rsplit("_", 1)[1]))
 
 
 class MetricsLogger:

@@ -97,3 +97,16 @@ def test_an_overlapped_step_replays_to_its_staleness_metrics(tmp_path):
         ages = [k for k in m if k.startswith("staleness/") and "lp_diff" not in k]  # no model: no Δlogp
         assert set(ages) <= set(compared.index), set(ages) - set(compared.index)
         assert compared.loc[ages, "equal"].all(), compared.loc[ages]
+
+
+def test_the_console_splits_lp_diff_max_by_age_only_under_overlap():
+    from agl_lab.logger import format_console_line
+
+    metrics = {
+        "training/rollout_logprobs_diff_max": 0.25,
+        "staleness/lp_diff_max_age_1": 0.25,
+        "staleness/lp_diff_max_age_0": 0.125,
+    }
+    assert format_console_line(3, metrics) == "step    3 | lp_diff_max 0.250"  # max_staleness 0: unchanged
+    overlapped = format_console_line(3, {**metrics, "training/overlap/serving_version": 3.0})
+    assert overlapped == "step    3 | lp_diff_max 0.250 | lp_diff_max_age0 0.125 | lp_diff_max_age1 0.250"
