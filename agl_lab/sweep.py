@@ -403,7 +403,10 @@ class _Pool:
         return self.total - sum(1 for r in self.records.values() if r["returncode"] == 0)
 
     def _progress(self) -> None:
-        """`sweep: 3/8 done · 2 running · 3 left · ETA ~6.0 min (1.5 min a run, 2 at a time)`."""
+        """`sweep: 3/8 done · 2 running · 3 left · ETA ~6.0 min (1.5 min a run, warm starts included, 2 at a time)`.
+
+        A run's wall time includes its warm start: the first run fits it (the others load it from
+        the shared cache), so early on the ETA leans long; the line says so."""
         done = len(self.records)
         running, left = len(self.running), len(self.pending)
         if not running + left:
@@ -411,7 +414,7 @@ class _Pool:
         elif self.walls:
             each = sum(self.walls) / len(self.walls)
             eta = f"ETA ~{each * (running + left) / self.parallel / 60:.1f} min ({each / 60:.1f} min a run, "
-            eta += f"{self.parallel} at a time)"
+            eta += f"warm starts included, {self.parallel} at a time)"
         else:
             eta = "ETA after the first run ends"
         _say(self.verbose, f"sweep: {done}/{self.total} done · {running} running · {left} left · {eta}")

@@ -11,7 +11,17 @@ import pytest
 
 from agl_lab import runs
 from agl_lab.logger import read_metrics
-from agl_lab.sweep import _normalise, _plan, grid_settings, named_settings, parse_axes, setting_dir, sweep, sweep_main
+from agl_lab.sweep import (
+    _normalise,
+    _plan,
+    _Pool,
+    grid_settings,
+    named_settings,
+    parse_axes,
+    setting_dir,
+    sweep,
+    sweep_main,
+)
 from tests.processes import spawn_cli, wait_for
 from tests.trainer_runs import SMALL
 
@@ -218,6 +228,16 @@ def test_a_sweep_killed_with_sigkill_takes_its_run_along_and_the_relaunch_resume
     assert runs.run_state(metrics.parent) == "unfinished"
     assert sweep_main([*argv[1:], "--last", "8"]) == 0
     assert [r["step"] for r in read_metrics(metrics)] == list(range(1, 9))
+
+
+def test_the_progress_lines_eta_says_the_run_walls_include_their_warm_starts(tmp_path, capsys):
+    jobs = [("a", seed, tmp_path / f"s{seed}") for seed in range(4)]
+    pool = _Pool(jobs, {}, parallel=2, verbose=True)
+    pool.pending = jobs[1:]
+    pool.walls = [60.0, 180.0]  # the first run fitted the warm start, the second loaded it
+    pool._progress()
+    line = capsys.readouterr().out.strip()
+    assert line.endswith("3 left · ETA ~3.0 min (2.0 min a run, warm starts included, 2 at a time)"), line
 
 
 def test_runs_are_made_batch_invariant_on_the_local_engine_unless_told_otherwise():
