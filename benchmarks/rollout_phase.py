@@ -20,10 +20,13 @@ differ a little between runs; the variants take turns for `--repeat` rounds and 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -37,6 +40,45 @@ VARIANTS = {  # name → (share_prefix, decode threads: None = torch's count in 
 }
 
 
+@contextlib.contextmanager
+def serving(preset: str, task: str, groups: int, n: int) -> Iterator[tuple[Any, Any, list[dict], Any]]:
+    """(server, task spec, tasks, scheduler): one LocalEngine on CPU behind the token-preserving
+    gateway, `groups` tasks × `n` rollouts of `task`; stopped on exit. benchmarks/serial_tail.py uses it too."""
+    from agl_lab.engines.local import LocalEngine
+    from agl_lab.models import preset_dir
+    from agl_lab.protocol import Model
+    from agl_lab.server.embedded import EmbeddedServer
+    from agl_lab.tasks import get_task
+
+    engine = LocalEngine(str(preset_dir(preset)), device="cpu", max_model_len=2048)
+    server = EmbeddedServer(default_proxy={"model_name": engine.model_name}, token_preserving=True)
+    spec = get_task(task)
+    try:
+        server.store.upsert_models([Model(model=engine.model_name, endpoint=engine.endpoints()[0])])
+        server.set_tokenizer(engine.model_name, engine.tokenizer)
+        yield server, spec, [t for t in spec.train_tasks(groups, 0) for _ in range(n)], engine.server.scheduler
+    finally:
+        server.stop()
+        engine.close()
+
+
+def timed_phase(server: Any, spec: Any, tasks: list[dict], sched: Any, r: int) -> tuple[list, float, dict]:
+    """One rollout phase from an empty prefix cache: (completed rollouts, wall seconds, the
+    scheduler's numeric stats it added)."""
+    from benchmarks.token_preserving import run_step
+
+    sched.prefix_cache.clear()  # as after a weight update
+    before = dict(sched.stats)
+    t0 = time.perf_counter()
+    completed = run_step(server, spec.agent, tasks, r)
+    wall = time.perf_counter() - t0
+    return (
+        completed,
+        wall,
+        {k: sched.stats[k] - before[k] for k in sched.stats if isinstance(sched.stats[k], (int, float))},
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="smollm2-135m")
@@ -48,32 +90,12 @@ def main(argv: list[str] | None = None) -> None:
 
     import pandas as pd
 
-    from agl_lab.engines.local import LocalEngine
-    from agl_lab.models import preset_dir
-    from agl_lab.protocol import Model
-    from agl_lab.server.embedded import EmbeddedServer
-    from agl_lab.tasks import get_task
-    from benchmarks.token_preserving import run_step
-
-    engine = LocalEngine(str(preset_dir(args.preset)), device="cpu", max_model_len=2048)
-    server = EmbeddedServer(default_proxy={"model_name": engine.model_name}, token_preserving=True)
-    spec = get_task(args.task)
-    tasks = [t for t in spec.train_tasks(args.groups, 0) for _ in range(args.n)]
-    sched = engine.server.scheduler
     runs: dict[str, list[dict]] = {name: [] for name in VARIANTS}
-    try:
-        server.store.upsert_models([Model(model=engine.model_name, endpoint=engine.endpoints()[0])])
-        server.set_tokenizer(engine.model_name, engine.tokenizer)
+    with serving(args.preset, args.task, args.groups, args.n) as (server, spec, tasks, sched):
         for r in range(args.repeat):
             for name, (share, threads) in VARIANTS.items():
                 sched.share_prefix, sched.num_threads = share, threads or torch.get_num_threads()
-                sched.prefix_cache.clear()  # as after a weight update
-                before = dict(sched.stats)
-                t0 = time.perf_counter()
-                completed = run_step(server, spec.agent, tasks, r)
-                wall = time.perf_counter() - t0
-                d = {k: sched.stats[k] - before[k] for k in sched.stats if isinstance(sched.stats[k], (int, float))}
-                calls = sum(len(c.triplets) for c in completed)
+                completed, wall, d = timed_phase(server, spec, tasks, sched, r)
                 runs[name].append(
                     {
                         "variant": name,
@@ -84,13 +106,10 @@ def main(argv: list[str] | None = None) -> None:
                         "shared prefills": int(d["shared_prefills"]),
                         "decode steps": int(d["steps"]),
                         "tokens generated": int(d["tokens"]),
-                        "model calls": calls,
+                        "model calls": sum(len(c.triplets) for c in completed),
                     }
                 )
                 print(f"round {r + 1}: {name}: {wall:.1f} s (load {os.getloadavg()[0]:.2f})", flush=True)
-    finally:
-        server.stop()
-        engine.close()
     best = [min(rs, key=lambda row: row["seconds"]) for rs in runs.values()]
     table = pd.DataFrame(best).set_index("variant")
     table["vs baseline"] = (table.loc["baseline", "seconds"] / table["seconds"]).round(2)

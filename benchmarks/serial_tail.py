@@ -63,34 +63,18 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     from agl_lab.batch import merge_triplets
-    from agl_lab.engines.local import LocalEngine
-    from agl_lab.models import preset_dir
-    from agl_lab.protocol import Model
     from agl_lab.records import critical_path_metrics
-    from agl_lab.server.embedded import EmbeddedServer
-    from agl_lab.tasks import calc, get_task, lookup
-    from benchmarks.token_preserving import run_step
+    from agl_lab.tasks import calc, lookup
+    from benchmarks.rollout_phase import serving, timed_phase
 
-    engine = LocalEngine(str(preset_dir(args.preset)), device="cpu", max_model_len=2048)
-    server = EmbeddedServer(default_proxy={"model_name": engine.model_name}, token_preserving=True)
-    spec = get_task("calc")
-    tasks = [t for t in spec.train_tasks(args.groups, 0) for _ in range(args.n)]
-    sched = engine.server.scheduler
-    sched.share_prefix, sched.num_threads = True, torch.get_num_threads()
     rows: list[dict] = []
-    try:
-        server.store.upsert_models([Model(model=engine.model_name, endpoint=engine.endpoints()[0])])
-        server.set_tokenizer(engine.model_name, engine.tokenizer)
+    with serving(args.preset, "calc", args.groups, args.n) as (server, spec, tasks, sched):
+        sched.share_prefix, sched.num_threads = True, torch.get_num_threads()
         for r in range(args.repeat):
             for name, (shared_pool, stop) in VARIANTS.items():
                 made: list[float] = []
                 lookup.openai_client, calc.call_options = _patched(shared_pool, stop, made)
-                sched.prefix_cache.clear()  # as after a weight update
-                before = dict(sched.stats)
-                t0 = time.perf_counter()
-                completed = run_step(server, spec.agent, tasks, r)
-                wall = time.perf_counter() - t0
-                d = {k: sched.stats[k] - before[k] for k in ("steps", "decode_rows", "tokens")}
+                completed, wall, d = timed_phase(server, spec, tasks, sched, r)
                 path = critical_path_metrics(completed)
                 breaks = sum(len(merge_triplets(c.triplets)[1]) for c in completed)
                 rows.append(
@@ -107,9 +91,6 @@ def main(argv: list[str] | None = None) -> None:
                     }
                 )
                 print(f"round {r + 1}: {name}: {wall:.1f} s (load {os.getloadavg()[0]:.2f})", flush=True)
-    finally:
-        server.stop()
-        engine.close()
     table = pd.DataFrame(rows).groupby("variant", sort=False).mean().round(3)
     print(f"\n{args.groups} tasks × {args.n} rollouts of `calc`, {args.preset}; mean of {args.repeat} rounds\n")
     print(table.to_string())
