@@ -108,17 +108,36 @@ pd.Series({k: v for k, v in {**ro2.metrics, **u2.metrics}.items()
            if k.startswith(("training/overlap/", "training/async/"))})
 
 # %% [markdown]
+# ### Token by token: `u.staleness()`
+#
+# One line per trained loss token: the version that sampled it, its `age` against the trained
+# version, its sampling logprob (`rollout_logprob`, the behaviour policy under bypass) and the old
+# logprob, and their gap `lp_diff`. Under `bypass_mode` the old logprobs *are* the sampling ones,
+# so the gap is 0 by construction; without it (`algorithm.rollout_correction.rollout_is=token`)
+# the old logprobs are recomputed by the trained version and the gap per age is how far the
+# sampling policy was from it, with the truncated IS weight in `is_weight`.
+
+# %%
+tokens = u2.staleness()
+print(f"trained version {tokens.attrs['trained_version']}; {len(tokens)} loss tokens")
+tokens.groupby("age").lp_diff.agg(["count", "mean", "max"])
+
+# %%
+{k: v for k, v in u2.metrics.items() if k.startswith("staleness/")}
+
+# %% [markdown]
 # ## 4 · A few whole steps, and the staleness metrics in the run's history
 #
 # `trainer.step()` runs the same three stages and logs one line a step: the overlap metrics
-# (groups dropped as too old, the serving version, the publish drain) sit beside the rest.
+# (groups dropped as too old, the serving version, the publish drain) and the token ages
+# (`staleness/*`) sit beside the rest.
 
 # %%
 for _ in range(3):
     trainer.step()
 history = trainer.metrics
-cols = ["training/policy_version", "training/overlap/serving_version", "training/async/carry_over_age_max_versions",
-        "training/overlap/n_stale_groups_dropped", "training/reward"]
+cols = ["training/policy_version", "training/overlap/serving_version", "staleness/token_age_mean",
+        "staleness/token_age_max", "training/overlap/n_stale_groups_dropped", "training/reward"]
 history[[c for c in cols if c in history]]
 
 # %% [markdown]
@@ -131,6 +150,7 @@ history[[c for c in cols if c in history]]
 staleness = pd.concat([v1, v2])["staleness"]
 assert staleness.max() <= 1 and staleness.min() >= 0, staleness.describe()
 assert (history["training/async/carry_over_age_max_versions"] <= 1).all()
+assert tokens.age.max() <= 1 and (history["staleness/token_age_max"] <= 1).all()
 assert engine.serving_version == engine.policy_version == 5
 trainer.close()
 print(f"max staleness {staleness.max()} ≤ 1 over {len(staleness)} rollouts; serving version {engine.serving_version}")
