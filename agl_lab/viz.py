@@ -257,6 +257,40 @@ def plot_architecture(
     return _finish(plt, ax, own, path)
 
 
+def plot_staleness(metrics, *, path: str | os.PathLike | None = None, title: str = "token staleness"):
+    """Two panels from a run's metrics frame (`Trainer.metrics`: indexed by step, the `staleness/*`
+    columns): the trained tokens per step stacked by age (`staleness/tokens_age_k`), and the mean
+    |Δlogp| (old − sampling logprob) per step for each age (`staleness/lp_diff_mean_age_k`).
+    Returns the two Axes, or the saved PNG's Path when `path` is given."""
+    ages = sorted(int(c.rsplit("_", 1)[1]) for c in metrics.columns if c.startswith("staleness/tokens_age_"))
+    if not ages:
+        raise ValueError("plot_staleness: no staleness/tokens_age_* columns (a run trained by this agl_lab version)")
+    plt = _pyplot()
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(6, 5), dpi=110, sharex=True)
+    steps, below = metrics.index.to_numpy(), np.zeros(len(metrics))
+    for age in ages:
+        counts = metrics[f"staleness/tokens_age_{age}"].fillna(0).to_numpy(float)
+        top.bar(steps, counts, bottom=below, label=f"age {age}")
+        below += counts
+        lp = f"staleness/lp_diff_mean_age_{age}"
+        if lp in metrics:
+            bottom.plot(steps, metrics[lp].to_numpy(float), marker="o", label=f"age {age}")
+    top.set_ylabel("trained tokens")
+    top.set_title(title)
+    bottom.set_ylabel("mean |Δlogp|")
+    bottom.set_xlabel("step")
+    bottom.set_xticks(steps)
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    if path is None:
+        return top, bottom
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return Path(path)
+
+
 def plot_advantages(
     advantages, *, ax=None, path: str | os.PathLike | None = None, bins: int = 21, title: str = "per-rollout advantage"
 ):

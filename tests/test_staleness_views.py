@@ -16,6 +16,7 @@ import pytest
 
 from agl_lab.staleness import STALENESS_COLUMNS
 from agl_lab.trainer import Trainer
+from agl_lab.viz import plot_staleness
 from tests.trainer_runs import SMALL
 
 OVERLAP = [
@@ -90,6 +91,8 @@ def test_an_overlapped_step_replays_to_its_staleness_metrics(tmp_path):
     run = tmp_path / "run"
     with Trainer.from_config("configs/cpu_tiny.yaml", overrides=OVERLAP, run_dir=run, console=False) as t:
         logged = [t.step() for _ in range(3)]
+        png = plot_staleness(t.metrics, path=tmp_path / "staleness.png")
+    assert png.stat().st_size > 10_000  # drawn (docs/inspect.md shows how it reads)
     assert any(m.get("staleness/tokens_age_1", 0) > 0 for m in logged)  # an overlapped step to replay
     for step, m in enumerate(logged, start=1):
         result = replay_step(run, step)
