@@ -186,7 +186,7 @@ def episode_tasks(
 ) -> list[dict[str, Any]]:
     """`n` task dicts `{task_id, <env key>, seed, max_turns, env_config}` of one split ("train", "val",
     "demo"), one game seed each; `options` is (max_turns, config, fixed seed or None) as checked by
-    `_options`/`episode_options`. Shared by gem, textarena and openenv."""
+    `episode_options`. Shared by gem, textarena and openenv."""
     max_turns, config, fixed_seed = options
     offset = {"train": 0, "val": VAL_SEED_OFFSET, "demo": 2 * VAL_SEED_OFFSET}[split]
     base = (fixed_seed if fixed_seed is not None else seed) + offset
@@ -202,25 +202,20 @@ def episode_tasks(
     ]
 
 
-def _options(options: Any) -> tuple[int, dict[str, Any], int | None]:
+def episode_options(options: Any, config_means: str) -> tuple[int, dict[str, Any], int | None]:
+    """(max_turns, config, seed) from `agl_lab.task` (a mapping or None), checked; gem, textarena and openenv read theirs with it."""
     get = (lambda key: options.get(key)) if options is not None else (lambda key: None)
     max_turns, config, seed = get("max_turns"), get("config"), get("seed")
-    if max_turns is None:
-        max_turns = DEFAULT_MAX_TURNS
+    max_turns = DEFAULT_MAX_TURNS if max_turns is None else max_turns
     if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
         raise ValueError(f"agl_lab.task.max_turns must be a positive integer, got {max_turns!r}")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ValueError(f"agl_lab.task.seed must be an integer or null, got {seed!r}")
-    if config is None:
-        config = {}
     from omegaconf import OmegaConf
 
-    if OmegaConf.is_config(config):
-        config = OmegaConf.to_container(config, resolve=True)
+    config = OmegaConf.to_container(config, resolve=True) if OmegaConf.is_config(config) else (config or {})
     if not isinstance(config, dict):
-        raise ValueError(
-            f"agl_lab.task.config for a GEM env must be a mapping of its keyword arguments, got {config!r}"
-        )
+        raise ValueError(f"agl_lab.task.config must be a mapping ({config_means}), got {config!r}")
     return max_turns, dict(config), seed
 
 
@@ -234,7 +229,7 @@ def gem_task(env_id: str, options: Any = None) -> Any:
         raise KeyError(
             f"GEM has no environment {env_id!r} (agl_lab.task.name={PREFIX}{env_id}); its games: {', '.join(games)}"
         )
-    max_turns, config, fixed_seed = _options(options)
+    max_turns, config, fixed_seed = episode_options(options, "a GEM env's keyword arguments")
     json.dumps(config)  # the task dict travels as JSON
 
     options = (max_turns, config, fixed_seed)

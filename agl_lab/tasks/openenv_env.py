@@ -146,8 +146,7 @@ def openenv_agent(task: dict[str, Any], ctx: Any) -> float | None:
 def openenv_task(ref: str, options: Any = None) -> Any:
     """The `Task` for the in-process OpenEnv environment `module:Class`: tasks are seeds, the agent `openenv_agent`."""
     from agl_lab.tasks import Task
-    from agl_lab.tasks.gem_games import episode_tasks
-    from agl_lab.tasks.textarena_games import episode_options
+    from agl_lab.tasks.gem_games import episode_options, episode_tasks
 
     env_cls = environment_class(ref)
     action_of(env_cls)  # refused now, not in the first rollout

@@ -197,23 +197,6 @@ def _refuse_unplayable(game_id: str, config: dict[str, Any]) -> None:
         raise ValueError(f"{name}: not a single-player game; agl_lab plays TextArena's single-player games")
 
 
-def episode_options(options: Any, config_means: str) -> tuple[int, dict[str, Any], int | None]:
-    """(max_turns, config, seed) from `agl_lab.task` (a mapping or None), checked; shared with openenv_env."""
-    get = (lambda key: options.get(key)) if options is not None else (lambda key: None)
-    max_turns, config, seed = get("max_turns"), get("config"), get("seed")
-    max_turns = DEFAULT_MAX_TURNS if max_turns is None else max_turns
-    if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
-        raise ValueError(f"agl_lab.task.max_turns must be a positive integer, got {max_turns!r}")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise ValueError(f"agl_lab.task.seed must be an integer or null, got {seed!r}")
-    from omegaconf import OmegaConf
-
-    config = OmegaConf.to_container(config, resolve=True) if OmegaConf.is_config(config) else (config or {})
-    if not isinstance(config, dict):
-        raise ValueError(f"agl_lab.task.config must be a mapping ({config_means}), got {config!r}")
-    return max_turns, dict(config), seed
-
-
 def textarena_task(game_id: str, options: Any = None) -> Any:
     """The `Task` for TextArena's `game_id`: tasks are seeds (one game each), the agent `textarena_agent`."""
     from agl_lab.tasks import Task
@@ -223,10 +206,10 @@ def textarena_task(game_id: str, options: Any = None) -> Any:
             f"TextArena has no game {game_id!r} (agl_lab.task.name={PREFIX}{game_id}); single-player games "
             f"agl_lab plays: {', '.join(SINGLE_PLAYER_GAMES)}, … (textarena_games.game_ids() lists every id)"
         )
+    from agl_lab.tasks.gem_games import episode_options, episode_tasks
+
     max_turns, config, fixed_seed = episode_options(options, "a TextArena game's keyword arguments")
     _refuse_unplayable(game_id, config)
-
-    from agl_lab.tasks.gem_games import episode_tasks
 
     options = (max_turns, config, fixed_seed)
 
