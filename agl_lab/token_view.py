@@ -20,6 +20,9 @@ One line per response token of the row (padding cut off):
 | entropy           | entropy of π_θ's next-token distribution at that position, at the sampling temperature |
 | advantage         | the row's raw advantage (`rollout_advantages`; constant over its loss tokens; the rows of one rollout differ under `turn_credit: return`) |
 | loss_advantage    | what the loss multiplies: advantage / (loss tokens of the rollout × D), 0 off the mask |
+| version           | the policy version that sampled it (`rollout_versions`; -1 off the loss mask or unknown) |
+| is_weight         | its rollout-correction IS weight (`rollout_is_weights`, NaN without `rollout_is`)     |
+| is_clipped        | the IS weight is below exp(old − rollout): truncated at the threshold                 |
 
 `new_logprob` and `entropy` are computed on request with one forward of the engine's model
 (`Engine.compute_log_probs_and_entropy`; the local engine has it). An engine without it (verl's,
@@ -50,6 +53,9 @@ TOKEN_COLUMNS = [
     "entropy",
     "advantage",
     "loss_advantage",
+    "version",
+    "is_weight",
+    "is_clipped",
 ]
 
 
@@ -109,6 +115,9 @@ def tokens_frame(
             "entropy": ent,
             "advantage": col("rollout_advantages") * mask if "rollout_advantages" in b.keys() else col("advantages"),
             "loss_advantage": col("advantages") * mask if "rollout_advantages" in b.keys() else np.full(n, math.nan),
+            "version": b["rollout_versions"][0].numpy()[:n] if "rollout_versions" in b.keys() else np.full(n, -1),
+            "is_weight": col("rollout_is_weights"),
+            "is_clipped": col("rollout_is_weights") < np.exp(old - col("rollout_log_probs")) * (1 - 1e-6),
         },
         columns=TOKEN_COLUMNS,
     )

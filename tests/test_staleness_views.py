@@ -77,7 +77,13 @@ def test_is_weights_in_the_view_are_truncated_ratios_by_hand(tmp_path):
         "algorithm.rollout_correction.rollout_is=token",
         f"algorithm.rollout_correction.rollout_is_threshold={threshold}",
     ]
-    (b, u), *_ = _steps(tmp_path, overrides, 1)
+    with Trainer.from_config("configs/cpu_tiny.yaml", overrides=overrides, run_dir=tmp_path, console=False) as t:
+        u = t.update(t.build_batch(t.rollout()))
+        tokens = u.tokens(0)  # u.tokens(row): the same weights, row 0 token by token
+    loss = tokens[tokens.loss_mask == 1]
+    by_hand = np.minimum(np.exp(loss.old_logprob - loss.rollout_logprob), threshold)
+    np.testing.assert_allclose(loss.is_weight, by_hand, rtol=1e-5)
+    assert (loss.version == u.metrics["staleness/trained_version"]).all()
     frame = u.staleness()
     row = frame[frame.batch_row == 0]
     by_hand = np.minimum(np.exp(row.old_logprob - row.rollout_logprob), threshold)
