@@ -141,6 +141,15 @@ cols = ["training/policy_version", "training/overlap/serving_version", "stalenes
 history[[c for c in cols if c in history]]
 
 # %% [markdown]
+# `viz.plot_staleness` draws the same history: trained tokens per step stacked by age, and the
+# mean |Δlogp| per age (0 here: bypass mode).
+
+# %%
+from agl_lab.viz import plot_staleness
+
+axes = plot_staleness(history)
+
+# %% [markdown]
 # ## 5 · What this showed
 #
 # The bound held: no rollout trained in these steps was sampled more than `max_staleness` versions
