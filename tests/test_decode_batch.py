@@ -54,6 +54,22 @@ def test_top_p_truncates_sampling_but_not_the_reported_logprobs():
     assert torch.equal(a, b)
 
 
+def test_a_seeded_top_p_1_row_draws_the_same_token_beside_a_nucleus_batch_mate():
+    """A row with top_p 1 draws from its unsorted distribution even when a batch-mate's top_p < 1
+    sends the batch through the sort (before: the sorted order's inverse CDF, another token)."""
+    gen = torch.Generator().manual_seed(3)
+    n, vocab = 4_000, 50
+    logits = torch.randn(n, vocab, generator=gen)  # unsorted: the sorted order differs from the ids
+    u = torch.rand(n, generator=gen, dtype=torch.float64)
+    ones, no = torch.ones(n), torch.zeros(n, dtype=torch.bool)
+    alone, _ = sample_tokens(logits, ones, ones, no, u, nucleus=False)
+    top_p = torch.where(torch.arange(n) % 2 == 0, 1.0, 0.6)  # every other row a nucleus batch-mate
+    mixed, _ = sample_tokens(logits, ones, top_p, no, u, nucleus=True)
+    assert torch.equal(mixed[0::2], alone[0::2])
+    nucleus_alone, _ = sample_tokens(logits[1::2], ones[1::2], top_p[1::2], no[1::2], u[1::2], nucleus=True)
+    assert torch.equal(mixed[1::2], nucleus_alone)  # the nucleus rows are untouched by their mates
+
+
 def test_greedy_rows_take_the_argmax():
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(2))
     greedy = torch.tensor([True, False] * 3)

@@ -183,23 +183,31 @@ def sample_tokens(
 
     Inverse-CDF sampling: a row keeps the smallest prefix of its sorted distribution whose
     mass reaches top_p and picks the first token whose cumulative kept mass exceeds
-    u · (kept mass). `nucleus=False` (every top_p is 1) skips the sort.
+    u · (kept mass). A row whose top_p is 1 draws from the unsorted distribution whatever its
+    batch-mates' top_p, so a seeded row's token does not depend on them; `nucleus=False`
+    (every top_p is 1) skips the sort.
     """
     logits = logits.float()
     # Critical: the reported logprobs are the un-truncated temperature-scaled distribution;
     # top-p only decides what may be drawn, it never renormalises these numbers.
     logp = torch.log_softmax(logits / temps[:, None], dim=-1)
     probs = logp.exp()
+    tokens = _inverse_cdf(probs, uniforms)
     if nucleus:
         probs, order = probs.sort(dim=-1, descending=True)
         before = probs.cumsum(-1) - probs  # mass strictly before each token
         probs = probs.masked_fill(before >= top_p[:, None], 0.0)  # the top token always stays
+        kept = order.gather(1, _inverse_cdf(probs, uniforms)[:, None])[:, 0]
+        tokens = torch.where(top_p < 1.0, kept, tokens)
+    return torch.where(greedy, logits.argmax(-1), tokens), logp
+
+
+def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """probs [b, V] (unnormalised), uniforms [b] → [b]: the first index whose cumulative mass
+    exceeds u · (row mass); right=True never picks a zero-mass token."""
     cdf = probs.cumsum(-1)
     target = (uniforms.to(cdf.dtype) * cdf[:, -1])[:, None]
-    # right=True: the first index whose CDF exceeds u — never a zero-mass token
-    idx = torch.searchsorted(cdf, target, right=True).clamp(max=probs.shape[-1] - 1)
-    tokens = (order.gather(1, idx) if nucleus else idx)[:, 0]
-    return torch.where(greedy, logits.argmax(-1), tokens), logp
+    return torch.searchsorted(cdf, target, right=True).clamp(max=probs.shape[-1] - 1)[:, 0]
 
 
 # ---------------------------------------------------------------------------------------
