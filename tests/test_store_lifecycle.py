@@ -136,7 +136,11 @@ def test_superseded_entries_in_a_bounded_log(embedded_server, store_url):
 
 
 class _ResetThenAnswer:
-    """A loopback HTTP server that resets the first `n_resets` connections, then answers 200 JSON."""
+    """A loopback HTTP server that resets the first `n_resets` requests, then answers 200 JSON.
+
+    It counts only the requests this test's client sends (`GET /healthz`, `PATCH …/rollouts/r1…`):
+    on a loaded machine a stale client of an earlier test's server, whose ephemeral port this
+    one reuses, can connect too (CI saw `requests == 2` after one PATCH, with no retry logged)."""
 
     def __init__(self, n_resets: int):
         import socket
@@ -161,6 +165,10 @@ class _ResetThenAnswer:
                     if not chunk:
                         break
                     data += chunk
+                line = data.split(b"\r\n", 1)[0]
+                if not (line.startswith(b"GET /healthz ") or (line.startswith(b"PATCH ") and b"/r1" in line)):
+                    conn.close()  # not this test's client
+                    continue
                 self.requests += 1
                 if self.requests <= n_resets:
                     conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST
