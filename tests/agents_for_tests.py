@@ -14,6 +14,8 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
+from pathlib import Path
 
 import httpx
 
@@ -285,9 +287,16 @@ class GsmCompletionAgent:
 
 def ray_hold_agent(task: dict, ctx) -> float:
     """The `--ray` runner tests' agent: holds its rollout while the file `task["hold_file"]`
-    (when given) does not exist yet (at most 300 s), then returns reward 1.0."""
-    path = task.get("hold_file")
+    (when given) does not exist yet, and, given `task["meet_dir"]`, leaves a file there and waits
+    until `task["meet_count"]` agents have (so that many ran at the same time); each wait at most
+    300 s. Returns reward 1.0."""
     end = time.monotonic() + 300
+    path = task.get("hold_file")
     while path and not os.path.exists(path) and time.monotonic() < end:
         time.sleep(0.2)
+    meet = task.get("meet_dir")
+    if meet:
+        Path(meet, uuid.uuid4().hex).touch()
+        while len(os.listdir(meet)) < task["meet_count"] and time.monotonic() < end:
+            time.sleep(0.1)
     return 1.0

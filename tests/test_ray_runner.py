@@ -70,9 +70,13 @@ def test_agents_run_on_both_nodes_and_a_killed_nodes_rollout_reruns_as_attempt_1
         proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
             with AglClient(server.url, key=KEY) as client:
-                # 1. quick rollouts: one Ray CPU per node and per agent, two at once -> both nodes run agents
+                # 1. quick rollouts: one Ray CPU per node and per agent; the first two wait for each other,
+                # so two ran at the same time -> on both nodes (without the meeting a fast node may run all four)
                 quick = [f"q{i}" for i in range(4)]
-                client.create_rollouts([RolloutCreate(rollout_id=r, input={}) for r in quick])
+                meet = tmp_path / "meet"
+                meet.mkdir()
+                task = {"meet_dir": str(meet), "meet_count": 2}
+                client.create_rollouts([RolloutCreate(rollout_id=r, input=task) for r in quick])
                 wait_for(lambda: all(client.get_rollout(r)[0].is_terminal for r in quick), 300, "the quick rollouts")
                 for r in quick:
                     rollout, attempts = client.get_rollout(r)
