@@ -13,7 +13,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import warnings
 
+import pytest
 import torch
 
 from agl_lab.engines.serving.decode_batch import DecodeBatch
@@ -84,6 +86,19 @@ def test_the_invariant_forward_is_the_models_function(model, one_thread):
             assert (la - lb).abs().max() < 1e-4
             a.tokens = b.tokens = la.argmax(-1)
             la, lb = a.decode(model, invariant=True), b.decode(model, fast=False)
+
+
+def test_the_engine_says_where_the_mode_cannot_hold():
+    """The promise rests on oneDNN's float32 CPU kernels: a bf16 (or GPU) model gets a ConfigWarning
+    naming the key and the reason, never a silent switch; float32 on the CPU gets none."""
+    from agl_lab.config_keys import ConfigWarning
+    from agl_lab.engines.local import LocalEngine
+
+    with pytest.warns(ConfigWarning, match=r"engine_options\.batch_invariant=true: .* the model is bfloat16"):
+        LocalEngine(dtype=torch.bfloat16, batch_invariant=True).close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConfigWarning)
+        LocalEngine(batch_invariant=True).close()
 
 
 # ---------------------------------------------------------------------------------------

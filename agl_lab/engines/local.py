@@ -19,6 +19,7 @@ Device: `device=None` → CUDA if available (bfloat16 weights), else CPU (float3
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Mapping
 from dataclasses import fields
 from pathlib import Path
@@ -72,6 +73,21 @@ def _bypass_mode(bypass_mode: bool | None, algorithm: Any) -> bool:
             f"{correction['bypass_mode']}: pass one of them (the algorithm's alone is enough)"
         )
     return bool(bypass_mode)
+
+
+def _warn_invariance_gap(model: Any) -> None:
+    from agl_lab.config_keys import ConfigWarning
+    from agl_lab.engines.serving.fast_decode import invariance_gap
+
+    gap = invariance_gap(model)
+    if gap:
+        warnings.warn(
+            f"agl_lab.engine_options.batch_invariant=true: a row's bits may still depend on its batch-mates: "
+            f"{gap} (the mode's matrix products are row-invariant only in float32 on the CPU, docs/engines.md "
+            f'"One seed, one run on any load"); a seed may not repeat exactly on another load',
+            ConfigWarning,
+            stacklevel=3,
+        )
 
 
 class LocalEngine(Engine):
@@ -150,6 +166,8 @@ class LocalEngine(Engine):
             weights_lock=self.serving_lock,
         )
         self.server.scheduler.batch_invariant = batch_invariant  # a seed is one run on any load (serving/scheduler.py)
+        if batch_invariant:
+            _warn_invariance_gap(self.serving_model)
         self._warm()
 
     def _warm(self) -> None:

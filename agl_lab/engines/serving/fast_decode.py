@@ -73,6 +73,22 @@ _PACK_HINT = 32  # batch-size hint of the packed layout: measured best for M = 1
 _packed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model → (versions, {id(w): packed})
 
 
+def invariance_gap(model: Any) -> str | None:
+    """Why batch-invariant mode cannot promise bitwise rows for `model` here (None: it can).
+
+    The promise rests on oneDNN's packed float32 kernels on the CPU (`_linear_fn`); elsewhere the
+    matrix products go through `F.linear`, whose result for a row may depend on the number of rows.
+    """
+    p = next(model.parameters())
+    if not _ONEDNN:
+        return "this torch build lacks oneDNN's packed linear kernels"
+    if p.device.type != "cpu":
+        return f"the model is on {p.device.type}, where matrix products go through F.linear"
+    if p.dtype != torch.float32:
+        return f"the model is {str(p.dtype).removeprefix('torch.')}, and only float32 uses oneDNN's packed kernels"
+    return None
+
+
 def _linear_fn(model: Any, weights: list[torch.Tensor]) -> Callable[..., torch.Tensor]:
     """`linear(x, weight, bias)` for this step: oneDNN on packed copies of `weights` when it can."""
     w0 = weights[0]
