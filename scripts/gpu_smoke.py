@@ -3,7 +3,7 @@
     scripts/gpu_smoke.sh --tier A            # a bare GPU machine: torch (CUDA build) + transformers
     scripts/gpu_smoke.sh --tier B            # the README's GPU environment (verl[vllm]==0.9.1 + agl_lab)
     python scripts/gpu_smoke.py --tier A --dry-run   # on any machine: says what each check would check
-    python scripts/gpu_smoke.py --cpu-rehearsal      # A1, A4, A5's gate, A6 on CPU: the script's code, not the GPU check
+    python scripts/gpu_smoke.py --cpu-rehearsal      # A1, A4–A8 (A5, A8: their gates) on CPU: the script's code, not the GPU check
 
 **Tier A** needs only torch with CUDA and transformers (Python 3.11 or 3.12; no verl, no vLLM, no
 network: the tiny Qwen2 model is built in code from a config). It checks what the GPU path relies
@@ -18,6 +18,8 @@ on below verl:
 | A4 fsdp2_offload | one FSDP2 (`fully_shard`) step, bf16 mixed precision, `CPUOffloadPolicy(pin_memory=True)`, AdamW | finite loss, every parameter moved, loss lower after the step |
 | A5 local_engine  | agl_lab's local engine: bf16 steps, served vs trained logprobs (needs the checkout + verl's learning core; SKIP without; with them, FAIL when requirements-gpu.txt's modules — psycopg, fastapi, … — are missing) | max |Δlogp| < 0.25, mean < 0.02 |
 | A6 torch_compile | one `torch.compile`d op on the device (Triton on CUDA), after checking for a C compiler and `Python.h`: verl's `use_torch_compile` and vLLM's compile step need both | compiled = eager to 1e-5 |
+| A7 batch_invariant | `engine_options.batch_invariant`'s forward (fp32 and bf16): one row alone vs among 7 companions, prefill + 3 decode steps (SKIP without the checkout) | bitwise equal, or the engine warns for that dtype/device (`fast_decode.invariance_gap`) |
+| A8 overlap | `agl_lab.rollout.max_staleness=1`: 3 bf16 local-engine steps with generation overlapping the update (SKIP as A5) | `staleness/token_age_max` <= 1 every step |
 
 **Tier B** needs the README's GPU environment (`pip install 'verl[vllm]==0.9.1'`, agl_lab with
 requirements-gpu.txt, pytest) and this checkout:
@@ -341,7 +343,78 @@ def check_torch_compile() -> str:
     return f"torch.compile (inductor, {backend}) of one op on {DEVICE}: compiled = eager to {diff:.2g}; cc {compiler}"
 
 
-def _local_trainer(device: str, dtype: Any, steps: int, warm_start: int, run_dir: Path) -> Any:
+def _row_alone_vs_batched(model: Any) -> float:
+    """Max |Δ| of one row's logits (prefill + 3 decode steps) alone vs among 7 companions, invariant mode."""
+    import torch
+
+    from agl_lab.engines.serving.decode_batch import DecodeBatch
+
+    target, *companions = (r.tolist() for r in _rows((37, 3, 50, 8, 120, 1, 64, 12)))
+
+    def logits(prompts: list) -> Any:
+        n, row = len(prompts), len(prompts) - 1
+        batch, first = DecodeBatch.prefill(model, prompts, [1.0] * n, [1.0] * n, [False] * n, 3, invariant=True)
+        out = [first[row].float().clone()]
+        for t in range(3):
+            batch.tokens = torch.full((n,), 7, device=DEVICE)
+            batch.tokens[row] = 100 + t
+            out.append(batch.decode(model, invariant=True)[row].float().clone())
+        return torch.stack(out)
+
+    with torch.inference_mode():
+        return (logits([target]) - logits([*companions, target])).abs().max().item()
+
+
+def check_batch_invariance() -> str:
+    sys.path.insert(0, str(ROOT))
+    if importlib.util.find_spec("agl_lab") is None:
+        raise Skip("needs the agl_lab checkout (agl_lab.engines.serving)")
+    import torch
+
+    from agl_lab.engines.serving.fast_decode import invariance_gap
+
+    found = []
+    for dtype in (torch.float32, torch.bfloat16):
+        model = tiny_qwen2("eager", dtype)
+        diff, gap = _row_alone_vs_batched(model), invariance_gap(model)
+        if diff > 0 and gap is None:
+            raise AssertionError(
+                f"{dtype}: a row alone vs batched differs by {diff:.3g}, yet the engine would not warn"
+            )
+        found.append(f"{str(dtype).removeprefix('torch.')} {'bitwise equal' if diff == 0 else f'max |Δ| {diff:.3g}'}")
+    return (
+        f"batch_invariant on {DEVICE}, a row alone vs among 7: {'; '.join(found)} (the engine warns where not promised)"
+    )
+
+
+def check_overlap() -> str:
+    sys.path.insert(0, str(ROOT))
+    missing = [m for m in ("agl_lab", "verl", "ray", "tensordict", "omegaconf") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise Skip(f"agl_lab's local engine imports verl's learning core: missing {missing}")
+    if DEVICE != "cuda":
+        return "the 3 overlapped bf16 steps need a GPU (not run)"
+    import torch
+
+    overrides = [  # benchmarks/overlap.py's stale1-wait case: carry-over collection on, two batches' worth
+        "agentlightning.async_rollout.enabled=true",
+        "agentlightning.async_rollout.async_train_batch_size=16",
+        "agl_lab.rollout.max_staleness=1",
+        "agl_lab.rollout.stale_groups=wait",
+    ]
+    with tempfile.TemporaryDirectory(prefix="agl_lab_gpu_smoke_") as tmp:
+        with _local_trainer("cuda", torch.bfloat16, 3, 150, Path(tmp), overrides) as trainer:
+            history = [trainer.step() for _ in range(3)]
+    ages = [m.get("staleness/token_age_max") for m in history]
+    if any(a is None for a in ages) or max(ages) > 1:
+        raise AssertionError(f"staleness/token_age_max per step {ages}: absent or above the bound 1")
+    worst = max(m["training/rollout_logprobs_diff_max"] for m in history)
+    return f"3 bf16 steps, staleness ≤ 1: token age max per step {ages}, served vs trained logprobs max {worst:.3g}"
+
+
+def _local_trainer(
+    device: str, dtype: Any, steps: int, warm_start: int, run_dir: Path, overrides: tuple | list = ()
+) -> Any:
     from agl_lab.config import load_config
     from agl_lab.trainer import Trainer
 
@@ -359,6 +432,7 @@ def _local_trainer(device: str, dtype: Any, steps: int, warm_start: int, run_dir
             f"agl_lab.model.device={device}",
             f"agl_lab.model.warm_start_steps={warm_start}",
             f"trainer.total_training_steps={steps}",
+            *overrides,
         ],
     )
     trainer = Trainer(cfg, run_dir=run_dir, console=False)
@@ -487,7 +561,7 @@ def check_two_steps() -> str:
 
 #: seconds a check may run (its subprocesses' timeouts; in-process checks: what they are given by
 #: the wrapper): a tier's sum stays under WRAPPER_TIMEOUT, which gpu_smoke.sh applies to the whole run
-TIMEOUTS = {"A0": 30, "A1": 60, "A2": 60, "A3": 120, "A4": 60, "A5": 120, "A6": 60}
+TIMEOUTS = {"A0": 30, "A1": 60, "A2": 40, "A3": 60, "A4": 60, "A5": 90, "A6": 60, "A7": 20, "A8": 90}
 TIMEOUTS |= {"B1": 120, "B2": 240, "B3": 420, "B4": 540}
 STARTUP_SECONDS = 60  # importing torch (and, in tier B, vLLM) before the first check
 WRAPPER_TIMEOUT = {"A": 590, "B": 1440}  # tier A: under 10 minutes (a 10-minute call)
@@ -538,6 +612,18 @@ TIERS: dict[str, list[Check]] = {
             check_torch_compile,
             "a C compiler and Python.h present; one torch.compile'd op on the device (Triton) = eager to 1e-5",
         ),
+        (
+            "A7 batch_invariant",
+            check_batch_invariance,
+            "engine_options.batch_invariant's forward, fp32 and bf16: a row alone vs among 7 companions; "
+            "where its bits differ the engine warns (fast_decode.invariance_gap) (SKIP without agl_lab)",
+        ),
+        (
+            "A8 overlap",
+            check_overlap,
+            "agl_lab.rollout.max_staleness=1 on the local engine, 3 bf16 steps: staleness/token_age_max <= 1 "
+            "(SKIP without agl_lab + verl)",
+        ),
     ],
     "B": [
         (
@@ -566,7 +652,7 @@ TIERS: dict[str, list[Check]] = {
 }
 
 
-REHEARSED = ("A1", "A4", "A5", "A6")  # --cpu-rehearsal: what runs on CPU (A5: its dependency gate only)
+REHEARSED = ("A1", "A4", "A5", "A6", "A7", "A8")  # --cpu-rehearsal: what runs on CPU (A5: its dependency gate only)
 
 
 def cuda_problem() -> str | None:

@@ -22,7 +22,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "gpu_smoke.py")
 CHECKS_A = ["A0 driver", "A1 attention", "A2 cuda_ipc", "A3 nccl", "A4 fsdp2_offload", "A5 local_engine"]
-CHECKS_A += ["A6 torch_compile"]
+CHECKS_A += ["A6 torch_compile", "A7 batch_invariant", "A8 overlap"]
 CHECKS_B = ["B1 startup_check", "B2 model_load", "B3 config_tests", "B4 two_steps"]
 
 
@@ -39,6 +39,7 @@ def test_the_dry_mode_says_what_each_check_of_both_tiers_would_check():
     assert all("would check" in line for line in lines[:-1]) and "none run" in lines[-1]
     assert "580" in lines[0] and "bf16" in lines[1] and "CPUOffloadPolicy" in lines[4] and "gpu_verl.yaml" in lines[-2]
     assert "one rank" in lines[3] and "psycopg" in lines[5] and "torch.compile" in lines[6]
+    assert "invariance_gap" in lines[7] and "max_staleness=1" in lines[8]
 
 
 def test_tier_a_carries_as_one_file_and_needs_a_gpu_to_run(tmp_path):
@@ -65,6 +66,8 @@ def test_the_cpu_rehearsal_runs_the_checks_a_cpu_can_run():
     assert any(line.startswith("PASS A4 fsdp2_offload:") and "parameters moved" in line for line in lines), out.stdout
     assert any(line.startswith("PASS A5 local_engine:") and "psycopg_pool" in line for line in lines), out.stdout
     assert any(line.startswith("PASS A6 torch_compile: torch.compile (inductor") for line in lines), out.stdout
+    assert any(line.startswith("PASS A7 batch_invariant: batch_invariant on cpu") for line in lines), out.stdout
+    assert any(line.startswith("PASS A8 overlap: the 3 overlapped bf16 steps need a GPU") for line in lines), out.stdout
     assert "not the GPU check" in lines[-1]
 
 
