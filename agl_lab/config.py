@@ -523,14 +523,19 @@ def _check_learning_rules(cfg: DictConfig) -> None:
         None if max_updates is None else int(max_updates),
         small_batch=str(cfg.agl_lab.algorithm.small_batch),
     )
-    if cfg.agentlightning.async_rollout.enabled:
-        check_async_sizes(cfg.data.train_batch_size, cfg.agentlightning.async_rollout.async_train_batch_size)
     staleness = rules.check_overlap(
         cfg.agl_lab.rollout.max_staleness,
         str(cfg.agl_lab.rollout.stale_groups),
         engine=str(cfg.agl_lab.engine),
         async_enabled=bool(cfg.agentlightning.async_rollout.enabled),
     )
+    if cfg.agentlightning.async_rollout.enabled:
+        buffer = cfg.agentlightning.async_rollout.async_train_batch_size
+        check_async_sizes(cfg.data.train_batch_size, buffer, staleness)
+        if excess := rules.overlap_buffer_excess(int(cfg.data.train_batch_size), int(buffer), staleness):
+            import warnings
+
+            warnings.warn(excess, ConfigWarning, stacklevel=2)
     rc = OmegaConf.select(cfg, "algorithm.rollout_correction", default=None)
     if staleness and not rules.uses_bypass(rc) and not (rc or {}).get("rollout_is"):
         import warnings

@@ -529,8 +529,9 @@ class AsyncRolloutManager:
         poll_interval: float = 0.2,
         track_running: bool = True,
         keep_repeated_prompts: bool = False,
+        max_staleness: int = 0,
     ):
-        check_async_sizes(train_batch_size, async_train_batch_size)
+        check_async_sizes(train_batch_size, async_train_batch_size, max_staleness)
         self.n = _check_n(n)
         self.train_batch_size, self.async_train_batch_size = train_batch_size, async_train_batch_size
         self.rollout_config = _as_rollout_config(rollout_config)

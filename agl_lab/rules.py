@@ -105,21 +105,48 @@ def check_drop_order(drop_order: str) -> str:
     return drop_order
 
 
-def check_async_sizes(train_batch_size: int, async_train_batch_size: int | None) -> None:
+def check_async_sizes(train_batch_size: int, async_train_batch_size: int | None, max_staleness: int = 0) -> None:
     """The async size rule (config validation and `rollout.AsyncRolloutManager` both call it):
-    more groups in flight than a step trains on, or nothing is ever carried over."""
+    more groups in flight than a step trains on, or nothing is ever carried over — under overlap
+    (`max_staleness` > 0) one batch is enough: the next batch generates while this one trains."""
     if not isinstance(train_batch_size, int) or train_batch_size < 1:
         raise ValueError(f"data.train_batch_size must be an int >= 1, got {train_batch_size!r}")
+    least = train_batch_size if max_staleness else train_batch_size + 1
     if (
         not isinstance(async_train_batch_size, int)
         or isinstance(async_train_batch_size, bool)
-        or async_train_batch_size <= train_batch_size
+        or async_train_batch_size < least
     ):
+        if max_staleness:
+            raise ValueError(
+                f"agentlightning.async_rollout.async_train_batch_size ({async_train_batch_size!r}) must be an int >= "
+                f"data.train_batch_size ({train_batch_size}) under overlap (agl_lab.rollout.max_staleness="
+                f"{max_staleness}); set it to {max_staleness * train_batch_size} (max_staleness × train_batch_size)"
+            )
         raise ValueError(
             f"agentlightning.async_rollout.async_train_batch_size ({async_train_batch_size!r}) must be an int > "
             f"data.train_batch_size ({train_batch_size}) when async rollout is on; set it to e.g. "
             f"{2 * train_batch_size} (2 × train_batch_size, as AGL recommends)"
         )
+
+
+def overlap_buffer_excess(train_batch_size: int, async_train_batch_size: int, max_staleness: int) -> str | None:
+    """Why a carry-over buffer too deep for the staleness bound wastes generation (None: it fits).
+
+    Groups leave the buffer oldest first, `train_batch_size` a step, so a group enqueued while an
+    update trains waits about async/train steps; past `max_staleness` steps it ages out. With
+    async ≤ max_staleness × train every group can train in time."""
+    fits = max_staleness * train_batch_size
+    if not max_staleness or async_train_batch_size <= fits:
+        return None
+    return (
+        f"agentlightning.async_rollout.async_train_batch_size={async_train_batch_size} with "
+        f"agl_lab.rollout.max_staleness={max_staleness} and data.train_batch_size={train_batch_size}: a group waits "
+        f"about {async_train_batch_size / train_batch_size:g} steps in the buffer but may be only {max_staleness} "
+        f"version(s) old, so groups age out every few steps and their generation is wasted (dropped, "
+        f"training/overlap/n_stale_groups_dropped; measured on SmolLM2 calc at 2 × batch, staleness 1: 8 groups "
+        f"dropped in 5 steps of 4); set it to {fits} (max_staleness × train_batch_size)"
+    )
 
 
 def check_estimator(adv_estimator: Any, *, rollout_level: bool = True) -> str:

@@ -162,6 +162,7 @@ class Trainer:
                 n=int(cfg.actor_rollout_ref.rollout.n),
                 train_batch_size=int(cfg.data.train_batch_size),
                 async_train_batch_size=cfg.agentlightning.async_rollout.async_train_batch_size,
+                max_staleness=int(cfg.agl_lab.rollout.max_staleness),
                 **self.execution.manager_args(),
             )
 

@@ -5,9 +5,11 @@ mode), same seed, `--steps` steps per case, each case in a fresh interpreter, al
 invocation so the machine's load is shared:
 
     sync          the recipe as recorded: the engine paused for the whole update
-    stale1-drop   agl_lab.rollout.max_staleness=1, carry-over on (async_train_batch_size 2 × batch),
-                  a group older than one version dropped
+    stale1-drop   agl_lab.rollout.max_staleness=1, carry-over on (async_train_batch_size = batch: one
+                  batch generates while the previous one trains), a group older than one version dropped
     stale1-wait   the same, the groups exactly one version old waited for and trained
+    stale1-wait-2x  stale1-wait with a buffer of two batches (async_train_batch_size 2 × batch): groups
+                  wait two steps but may be one version old, so half of them age out (dropped)
 
 Columns (per case; medians over steps 2..N, step 1 pays the warm-up):
 
@@ -43,7 +45,11 @@ CASES = {
     "sync": [],
     "stale1-drop": [*OVERLAP, "agl_lab.rollout.stale_groups=drop"],
     "stale1-wait": [*OVERLAP, "agl_lab.rollout.stale_groups=wait"],
+    # a carry-over buffer of two batches at staleness 1: a group waits two steps in it but may be
+    # one version old, so every other step a batch ages out (what the first table measured)
+    "stale1-wait-2x": [*OVERLAP, "agl_lab.rollout.stale_groups=wait"],
 }
+BUFFER_BATCHES = {"stale1-drop": 1, "stale1-wait": 1, "stale1-wait-2x": 2}  # async_train_batch_size / batch
 
 CHILD = r"""
 import json, sys, tempfile, time
@@ -116,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
 
     batch = int(load_config(args.config, args.overrides).data.train_batch_size)
     for name in names:
-        extra = [f"agentlightning.async_rollout.async_train_batch_size={2 * batch}"] if CASES[name] else []
+        buffer = BUFFER_BATCHES.get(name)
+        extra = [f"agentlightning.async_rollout.async_train_batch_size={buffer * batch}"] if buffer else []
         rows, val = run_case(args.config, args.steps, args.val, [*CASES[name], *extra, *args.overrides])
         for i, r in enumerate(rows, start=1):
             print(f"#   {name} step {i}: " + json.dumps({k: round(v, 3) for k, v in r.items()}))

@@ -16,6 +16,7 @@ import json
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,11 @@ RULES = [
         "check_async_sizes",
         (4, 4),
         "agentlightning.async_rollout.async_train_batch_size ({async_train_batch_size!r}) must be an int > ",
+    ),
+    (
+        "check_async_sizes",
+        (4, 3, 1),
+        "agentlightning.async_rollout.async_train_batch_size ({async_train_batch_size!r}) must be an int >= ",
     ),
     ("check_overlap", (-1, "drop"), "agl_lab.rollout.max_staleness={max_staleness!r}: use an int >= 0 (policy "),
     ("check_overlap", (1, "later"), "agl_lab.rollout.stale_groups={stale_groups!r} is not one of"),
@@ -85,6 +91,37 @@ def test_each_rule_message_is_written_once_in_rules_py(name, args, template):
 def test_each_rule_raises_its_message(name, args, template):
     with pytest.raises((ValueError, NotImplementedError), match=_pattern(template)):
         getattr(rules, name)(*args)
+
+
+def test_under_overlap_one_batch_in_flight_is_enough_and_a_deeper_buffer_is_named():
+    """At staleness N a group enqueued during an update waits ~buffer/batch steps; past N it ages out:
+    the buffer may be one batch (the next generates while this trains) up to N batches."""
+    rules.check_async_sizes(4, 4, 1)  # the pipeline: no error
+    with pytest.raises(ValueError, match=r"must be an int > data.train_batch_size \(4\) when async"):
+        rules.check_async_sizes(4, 4, 0)  # without overlap AGL's rule: something to carry over
+    assert rules.overlap_buffer_excess(4, 4, 1) is None and rules.overlap_buffer_excess(4, 8, 2) is None
+    assert rules.overlap_buffer_excess(4, 8, 0) is None  # no overlap, nothing ages out
+    excess = rules.overlap_buffer_excess(4, 8, 1)
+    assert excess.startswith(
+        "agentlightning.async_rollout.async_train_batch_size=8 with agl_lab.rollout.max_staleness=1"
+    )
+    assert excess.endswith("set it to 4 (max_staleness × train_batch_size)")
+
+
+def test_load_config_warns_for_a_buffer_deeper_than_the_staleness_bound():
+    from agl_lab.config import ConfigWarning, load_config
+
+    overlap = ["agentlightning.async_rollout.enabled=true", "agl_lab.rollout.max_staleness=1"]
+    overlap += [
+        "algorithm.rollout_correction.bypass_mode=true",
+        "data.train_batch_size=4",
+        "actor_rollout_ref.rollout.n=2",
+    ]
+    with pytest.warns(ConfigWarning, match=r"async_train_batch_size=8 with .* groups age out"):
+        load_config(None, [*overlap, "agentlightning.async_rollout.async_train_batch_size=8"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConfigWarning)
+        load_config(None, [*overlap, "agentlightning.async_rollout.async_train_batch_size=4"])
 
 
 def test_every_check_of_rules_py_has_its_messages_listed():
