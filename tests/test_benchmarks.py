@@ -199,3 +199,80 @@ def test_memory_benchmark_prints_both_cases_for_every_step():
     assert set(rows) == {f"{case}@{step}" for case in ("no-trim", "trim") for step in (1, 2)}
     for cells in rows.values():
         assert float(cells[2]) >= float(cells[3]) > 0  # the peak is never below the size after the trim
+
+
+def _trl_benchmark():
+    """benchmarks/trl_side_by_side.py as a module (benchmarks/ is no package); importing it needs no TRL."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("trl_side_by_side", ROOT / "benchmarks" / "trl_side_by_side.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_trl_side_by_side_builds_its_venv_with_the_pins_and_runs_each_case_in_its_own_python(tmp_path):
+    bench = _trl_benchmark()
+    make, install = bench.venv_commands(tmp_path / ".venv-trl", python="python3.11")
+    assert make == ["python3.11", "-m", "venv", str(tmp_path / ".venv-trl")]
+    assert install[:4] == [str(tmp_path / ".venv-trl" / "bin" / "python"), "-m", "pip", "install"]
+    assert {"trl==1.16.0", "torch==2.13.0"} <= set(install[4:])
+    agl = bench.case_command("agl_lab", "/models/smol", 3, 1)
+    assert agl[0] == sys.executable and agl[2:] == [
+        "--child",
+        "agl_lab",
+        "--model-dir",
+        "/models/smol",
+        "--steps=3",
+        "--seed=1",
+    ]
+    trl = bench.case_command("trl", "/models/smol", 2, 0)
+    assert trl[0] == str(ROOT / ".venv-trl" / "bin" / "python") and trl[3] == "trl"
+
+
+def test_trl_side_by_side_summarises_steps_after_the_first_and_prints_the_lead():
+    bench = _trl_benchmark()
+
+    def row(step_s, gen_s, gen_tokens, batch_tokens, rss_gb, reward):
+        return dict(
+            step_s=step_s, gen_s=gen_s, gen_tokens=gen_tokens, batch_tokens=batch_tokens, rss_gb=rss_gb, reward=reward
+        )
+
+    agl = bench.summary(
+        [row(100, 90, 10, 10, 3.0, 0.2), row(20, 10, 100, 500, 3.5, 0.4), row(30, 10, 50, 1000, 3.2, 0.6)]
+    )
+    # steps 2..3: step_s median(20, 30); gen_tok/s median(100/10, 50/10); upd_tok/s median(500/10, 1000/20)
+    assert agl == {
+        "step_s": 25,
+        "gen_s": 10,
+        "gen_tok/s": 7.5,
+        "upd_s": 15,
+        "upd_tok/s": 50,
+        "rss_gb": 3.5,
+        "reward": 0.4,
+    }
+    trl = bench.summary([row(250, 200, 100, 2000, 3.8, 0.5)])  # one step: step 1 itself
+    assert trl == {
+        "step_s": 250,
+        "gen_s": 200,
+        "gen_tok/s": 0.5,
+        "upd_s": 50,
+        "upd_tok/s": 40,
+        "rss_gb": 3.8,
+        "reward": 0.5,
+    }
+    lines = bench.table({"agl_lab": agl, "trl": trl}, steps=3)
+    assert lines[0].startswith("| case (median of steps 2..3) | step_s | gen_s | gen_tok/s |")
+    assert lines[2].startswith("| agl_lab | 25.00 | 10.00 | 7.50 |") and lines[3].startswith("| trl | 250.00 |")
+    # seconds and RSS: TRL's / agl_lab's; rates: agl_lab's / TRL's
+    assert lines[4] == "| agl_lab's lead (×) | 10.0 | 20.0 | 15.0 | 3.3 | 1.2 | 1.1 | |"
+    assert bench.table({"trl": trl}, steps=1)[0].startswith("| case (step 1 (warm-up included)) |")
+    assert len(bench.table({"trl": trl}, steps=1)) == 3  # no lead line without both cases
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"), [(["--steps", "0"], "--steps must be ≥ 1"), (["--cases", "agl_lab,vllm"], "unknown ['vllm']")]
+)
+def test_trl_side_by_side_refuses_bad_arguments_before_building_anything(argv, message):
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        _trl_benchmark().main(argv)
