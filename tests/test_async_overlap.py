@@ -207,3 +207,27 @@ def test_wait_trains_the_group_at_the_bound_instead_of_dropping_it(agl):
         done, metrics = manager.run(_tasks("t3", "t4"), step=2, policy_version=2, max_staleness=1, stale_groups="wait")
     assert [c.input["name"] for c in done][:2] == ["t2", "t2"]  # exactly one version old: trained now
     assert metrics["training/overlap/n_stale_groups_dropped"] == 0.0
+
+
+def test_with_lora_the_serving_copy_shares_the_frozen_base_and_takes_the_adapters_at_publish():
+    """The adapter swap's memory at the copy's exactness: the base tensors are the trained model's
+    own (same storage), the adapters the copy's, equal to the trained ones after copy_to_serving."""
+    from agl_lab.engines.local import LocalEngine
+
+    lora = {"lora_rank": 4, "lora_alpha": 8, "target_modules": "all-linear"}
+    with LocalEngine(lora=lora, overlap=True) as engine:
+        pairs = list(zip(engine.serving_model.parameters(), engine.model.parameters(), strict=True))
+        frozen = [(s, t) for s, t in pairs if not t.requires_grad]
+        adapters = [(s, t) for s, t in pairs if t.requires_grad]
+        assert frozen and adapters
+        assert all(s is t for s, t in frozen)  # shared, not copied
+        assert all(s.data_ptr() != t.data_ptr() for s, t in adapters)
+        assert engine.serving_copy_bytes == sum(t.numel() * t.element_size() for _, t in adapters)
+        with torch.no_grad():
+            for _, t in adapters:
+                t.add_(0.01)  # what an optimizer step does to the adapters
+        assert not all(torch.equal(s, t) for s, t in adapters)  # the server still has the old ones
+        engine.copy_to_serving()
+        assert all(torch.equal(s, t) for s, t in adapters)
+    with LocalEngine(overlap=True) as full:  # full fine-tuning: every parameter is the copy's own
+        assert full.serving_copy_bytes == sum(p.numel() * p.element_size() for p in full.model.parameters())

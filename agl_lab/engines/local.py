@@ -183,12 +183,23 @@ class LocalEngine(Engine):
         return self.serving_model is not self.model
 
     def _serving_copy(self) -> torch.nn.Module:
+        """The module the server decodes under overlap. With LoRA the frozen base is shared, not
+        copied (it never trains: the same tensors, so the same bits), and only the adapters and
+        buffers are the copy's own — the memory of an adapter swap with a copy's exactness."""
         import copy
 
-        serving = copy.deepcopy(self.model).eval()
+        memo = {id(p): p for p in self.model.parameters() if not p.requires_grad} if self.lora.enabled else {}
+        serving = copy.deepcopy(self.model, memo).eval()
         for p in serving.parameters():
             p.requires_grad_(False)
         return serving
+
+    @property
+    def serving_copy_bytes(self) -> int:
+        """Bytes of parameters the serving copy holds apart from the trained model (0 without overlap)."""
+        shared = {p.data_ptr() for p in self.model.parameters()}
+        own = {p.data_ptr(): p.numel() * p.element_size() for p in self.serving_model.parameters()}
+        return sum(n for ptr, n in own.items() if ptr not in shared)
 
     @property
     def vocab_size(self) -> int:
@@ -294,7 +305,8 @@ class LocalEngine(Engine):
         warm start, a load, a publish)."""
         with self.weights_lock, self.serving_lock, torch.no_grad():
             for dst, src in zip(self.serving_model.parameters(), self.model.parameters(), strict=True):
-                dst.copy_(src)
+                if dst is not src:  # a shared frozen base (LoRA) is already the trained one
+                    dst.copy_(src)
             for dst, src in zip(self.serving_model.buffers(), self.model.buffers(), strict=True):
                 dst.copy_(src)
             self._serving_version = self._policy_version
