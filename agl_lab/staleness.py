@@ -13,6 +13,7 @@ observations, padding and calls without a version). The update trains policy ver
 | staleness/tokens_age_{k}          | loss tokens of age k (sum = trained tokens with a version)|
 | staleness/tokens_unknown_version  | loss tokens whose call carried no version                |
 | staleness/lp_diff_mean_age_{k}, _max_age_{k} | |old_log_probs − rollout_log_probs| by age   |
+| staleness/lp_diff_mean_turn_{t}, _max_turn_{t} | the same by turn (the call's index in its rollout; turns past 7 as `turn_8plus`) |
 
 The Δlogp numbers are the same quantity as `training/rollout_logprobs_diff_*`
 (`engines.base.logprob_gap`), split by age, not a second count. The IS weights themselves
@@ -79,6 +80,24 @@ def staleness_metrics(data: Any, version: int | None) -> dict[str, float]:
         if diff is not None and at.any():
             metrics[f"staleness/lp_diff_mean_age_{age}"] = float(diff[at].mean())
             metrics[f"staleness/lp_diff_max_age_{age}"] = float(diff[at].max())
+    if diff is not None and "turn_index_list" in data.non_tensor_batch:
+        metrics.update(_lp_diff_by_turn(data, diff, loss))
+    return metrics
+
+
+TURN_KEYS = 8  # turns 0..7 get their own keys, later ones share `turn_8plus`
+
+
+def _lp_diff_by_turn(data: Any, diff: np.ndarray, loss: np.ndarray) -> dict[str, float]:
+    """|Δlogp| [N, R] over the loss tokens of each turn (`_turns`)."""
+    first = data.non_tensor_batch["turn_index_list"]
+    turns = np.stack([_turns(loss[i].astype(int), int(first[i])) for i in range(loss.shape[0])])
+    names = np.where(turns < TURN_KEYS, turns.astype(str), f"{TURN_KEYS}plus")
+    metrics: dict[str, float] = {}
+    for name in sorted(set(names[loss]), key=lambda n: (len(n), n)):
+        at = loss & (names == name)
+        metrics[f"staleness/lp_diff_mean_turn_{name}"] = float(diff[at].mean())
+        metrics[f"staleness/lp_diff_max_turn_{name}"] = float(diff[at].max())
     return metrics
 
 

@@ -67,6 +67,14 @@ def test_staleness_zero_age_zero_is_the_rollout_logprob_gap(tmp_path):
     assert m["staleness/token_age_max"] == 0 and "staleness/tokens_age_1" not in m
     assert m["staleness/lp_diff_mean_age_0"] == pytest.approx(m["training/rollout_logprobs_diff_mean"], rel=1e-5)
     assert m["staleness/lp_diff_max_age_0"] == pytest.approx(m["training/rollout_logprobs_diff_max"], rel=1e-6)
+    frame = u.staleness()  # the same gap by turn: the view's lines grouped by their `turn`
+    assert frame.turn.nunique() >= 2  # the demo's task is multi-turn
+    for turn, group in frame.groupby("turn"):
+        assert m[f"staleness/lp_diff_mean_turn_{turn}"] == pytest.approx(group.lp_diff.mean(), rel=1e-5)
+        assert m[f"staleness/lp_diff_max_turn_{turn}"] == pytest.approx(group.lp_diff.max(), abs=1e-7)
+    assert not any(
+        k.startswith("staleness/lp_diff_max_turn_") and k.rsplit("_", 1)[1] not in map(str, frame.turn) for k in m
+    )
 
 
 def test_is_weights_in_the_view_are_truncated_ratios_by_hand(tmp_path):
