@@ -94,15 +94,28 @@ def case_command(case: str, model_dir: str, steps: int, seed: int, python: str |
     ]
 
 
-def run_case(cmd: list[str]) -> list[dict]:
+def run_case(name: str, cmd: list[str]) -> list[dict]:
+    """One case's per-step rows, printed as they arrive (a TRL step takes minutes: a run cut short keeps them)."""
+    import tempfile
+
     env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "TOKENIZERS_PARALLELISM": "false"}
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
-    if done.returncode != 0:
-        raise SystemExit(f"case failed ({' '.join(cmd[2:5])}):\n{done.stdout[-1500:]}\n{done.stderr[-3000:]}")
-    for line in done.stdout.splitlines():
-        if line.startswith("NOTE "):
-            print("#   " + line[5:], flush=True)
-    return [json.loads(line[4:]) for line in done.stdout.splitlines() if line.startswith("ROW ")]
+    rows, tail = [], []
+    with tempfile.TemporaryFile("w+") as err:
+        child = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+        for line in child.stdout:
+            tail = [*tail[-20:], line]
+            if line.startswith("NOTE "):
+                print("#   " + line[5:].rstrip(), flush=True)
+            elif line.startswith("ROW "):
+                rows.append(json.loads(line[4:]))
+                print(
+                    f"#   {name} step {len(rows)}: " + json.dumps({k: round(v, 3) for k, v in rows[-1].items()}),
+                    flush=True,
+                )
+        if child.wait() != 0:
+            err.seek(0)
+            raise SystemExit(f"case {name} failed:\n{''.join(tail)}\n{err.read()[-3000:]}")
+    return rows
 
 
 def summary(rows: list[dict]) -> dict[str, float]:
@@ -149,13 +162,11 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = str(smollm2())
     trl_python = str(ensure_venv()) if "trl" in names else None
-    print(f"# {CONFIG}, {args.steps} steps a case, seed {args.seed}, {THREADS} threads; {os.getloadavg()=}")
+    print(f"# {CONFIG}, {args.steps} steps a case, seed {args.seed}, {THREADS} threads; load {os.getloadavg()}")
     summaries = {}
     for name in names:
-        rows = run_case(case_command(name, model_dir, args.steps, args.seed, trl_python if name == "trl" else None))
-        for i, r in enumerate(rows, start=1):
-            print(f"#   {name} step {i}: " + json.dumps({k: round(v, 3) for k, v in r.items()}), flush=True)
-        summaries[name] = summary(rows)
+        cmd = case_command(name, model_dir, args.steps, args.seed, trl_python if name == "trl" else None)
+        summaries[name] = summary(run_case(name, cmd))
     print(f"# load after: {os.getloadavg()}")
     print("\n".join(table(summaries, args.steps)))
     return 0

@@ -276,3 +276,16 @@ def test_trl_side_by_side_summarises_steps_after_the_first_and_prints_the_lead()
 def test_trl_side_by_side_refuses_bad_arguments_before_building_anything(argv, message):
     with pytest.raises(SystemExit, match=re.escape(message)):
         _trl_benchmark().main(argv)
+
+
+def test_trl_side_by_side_reads_a_case_s_rows_as_they_come_and_names_a_failed_case(capsys):
+    bench = _trl_benchmark()
+    child = "print('NOTE hello'); print('noise'); print('ROW {\"step_s\": 2.0}'); print('ROW {\"step_s\": 3.0}')"
+    assert bench.run_case("demo", [sys.executable, "-c", child]) == [{"step_s": 2.0}, {"step_s": 3.0}]
+    assert capsys.readouterr().out.splitlines() == [
+        "#   hello",
+        '#   demo step 1: {"step_s": 2.0}',
+        '#   demo step 2: {"step_s": 3.0}',
+    ]
+    with pytest.raises(SystemExit, match=r"case demo failed:[\s\S]*ValueError: no weights"):
+        bench.run_case("demo", [sys.executable, "-c", "raise ValueError('no weights')"])
