@@ -1,5 +1,5 @@
-"""agl_lab.compare (agl_lab.comparison): real runs of the tiny model (two learning rates × two seeds, 2 steps each),
-read back from their run directories."""
+"""agl_lab.compare (agl_lab.comparison): real runs of the tiny model (two learning rates × two seeds, 1 step each,
+validated at that step), read back from their run directories."""
 
 from __future__ import annotations
 
@@ -24,12 +24,12 @@ def run_dirs(tmp_path_factory):
                     *SMALL,
                     f"actor_rollout_ref.actor.optim.lr={lr}",
                     f"agl_lab.seed={seed}",
-                    "trainer.test_freq=2",
+                    "trainer.test_freq=1",
                 ],
                 run_dir=d,
                 console=False,
             ) as t:
-                t.fit(2, progress=False)
+                t.fit(1, progress=False)
             dirs.append(d)
     return dirs
 
@@ -38,14 +38,14 @@ def test_compare_has_one_line_per_setting_with_the_differing_key_and_mean_se_ove
     table = agl_lab.compare(run_dirs)
     assert list(table["actor_rollout_ref.actor.optim.lr"]) == [1e-3, 1e-4] and list(table.n_seeds) == [2, 2]
     runs = table.attrs["runs"]
-    assert len(runs) == 4 and sorted(runs.seed) == [0, 0, 1, 1] and (runs.steps == 2).all()
+    assert len(runs) == 4 and sorted(runs.seed) == [0, 0, 1, 1] and (runs.steps == 1).all()
     assert "agl_lab.seed" not in table and "agl_lab.run_dir" not in table  # seeds are replicates, not settings
     for lr in (1e-3, 1e-4):
         rewards = runs[runs["actor_rollout_ref.actor.optim.lr"] == lr]["training/reward"]
         line = table[table["actor_rollout_ref.actor.optim.lr"] == lr].iloc[0]
         assert line["training/reward mean"] == pytest.approx(rewards.mean())
         assert line["training/reward se"] == pytest.approx(rewards.std(ddof=1) / math.sqrt(2))
-    assert table["val/reward mean"].notna().all()  # validation ran at step 2
+    assert table["val/reward mean"].notna().all()  # validation ran at step 1
 
 
 def test_plot_compare_writes_a_png(run_dirs, tmp_path):
