@@ -27,6 +27,8 @@ loss is its default (`dapo`: token sum over the batch's tokens), agl_lab's is ve
 Columns (per case; the median over steps 2..N when N ≥ 2, else step 1 — the header says which):
 
     step_s     wall seconds of the step (rollouts, reward, update)
+    cpu_s      CPU seconds the case's process spent in the step (every thread: engine, gateway,
+               agents and update for agl_lab): on a shared machine the figure the load moves least
     gen_s      the rollout phase (agl_lab `timing_s/gen`; TRL `_generate_and_score_completions`)
     gen_tok/s  tokens the model generated in the phase (tool results not counted) / gen_s
     upd_s      step_s − gen_s
@@ -58,7 +60,7 @@ TRL_PINS = ("torch==2.13.0", "trl==1.16.0", "transformers==5.10.4", "peft==0.21.
 CASES = ("agl_lab", "trl")
 THREADS = 2
 BATCH, GROUP, MICRO, MAX_CALLS, MAX_COMPLETION = 4, 4, 2, 4, 256
-COLUMNS = ("step_s", "gen_s", "gen_tok/s", "upd_s", "upd_tok/s", "rss_gb", "reward")
+COLUMNS = ("step_s", "cpu_s", "gen_s", "gen_tok/s", "upd_s", "upd_tok/s", "rss_gb", "reward")
 
 
 # --- the parent: venv, cases, table ------------------------------------------------------------
@@ -121,7 +123,7 @@ def run_case(name: str, cmd: list[str]) -> list[dict]:
 def summary(rows: list[dict]) -> dict[str, float]:
     """Medians over steps 2..N (step 1 alone when N = 1); peak RSS and the mean reward over all steps."""
     tail = rows[1:] or rows
-    med = {k: statistics.median(r[k] for r in tail) for k in ("step_s", "gen_s")}
+    med = {k: statistics.median(r[k] for r in tail) for k in ("step_s", "cpu_s", "gen_s")}
     med["gen_tok/s"] = statistics.median(r["gen_tokens"] / r["gen_s"] for r in tail)
     med["upd_s"] = statistics.median(r["step_s"] - r["gen_s"] for r in tail)
     med["upd_tok/s"] = statistics.median(r["batch_tokens"] / (r["step_s"] - r["gen_s"]) for r in tail)
@@ -208,13 +210,14 @@ def agl_child(model_dir: str, steps: int, seed: int) -> None:
         Trainer.from_config(CONFIG, overrides=overrides, run_dir=run_dir, console=False) as trainer,
     ):
         for step in range(steps):
-            t0 = time.time()
+            t0, c0 = time.time(), time.process_time()
             ro = trainer.rollout(tasks[BATCH * step : BATCH * (step + 1)])
             b = trainer.build_batch(ro)
             trainer.update(b)
             rewards = [r.final_reward for r in ro.rollouts]
             row = {
                 "step_s": time.time() - t0,
+                "cpu_s": time.process_time() - c0,
                 "gen_s": ro.metrics["timing_s/gen"],
                 "gen_tokens": sum(len(t.response_ids) for r in ro.rollouts for t in (r.triplets or [])),
                 "batch_tokens": int(b.data.batch["attention_mask"].sum()),
@@ -386,12 +389,13 @@ def trl_child(model_dir: str, steps: int, seed: int) -> None:
     class StepRows(TrainerCallback):
         def on_step_begin(self, *_a, **_k):
             if "t0" not in phase:
-                phase["t0"] = time.time()
+                phase.update(t0=time.time(), c0=time.process_time())
 
         def on_step_end(self, *_a, **_k):
             n = BATCH * GROUP
             row = {
                 "step_s": time.time() - phase.pop("t0"),
+                "cpu_s": time.process_time() - phase.pop("c0"),
                 "gen_s": phase["gen_s"],
                 "gen_tokens": phase["gen_tokens"],
                 "batch_tokens": phase["batch_tokens"],

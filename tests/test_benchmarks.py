@@ -235,7 +235,13 @@ def test_trl_side_by_side_summarises_steps_after_the_first_and_prints_the_lead()
 
     def row(step_s, gen_s, gen_tokens, batch_tokens, rss_gb, reward):
         return dict(
-            step_s=step_s, gen_s=gen_s, gen_tokens=gen_tokens, batch_tokens=batch_tokens, rss_gb=rss_gb, reward=reward
+            step_s=step_s,
+            cpu_s=2 * step_s,
+            gen_s=gen_s,
+            gen_tokens=gen_tokens,
+            batch_tokens=batch_tokens,
+            rss_gb=rss_gb,
+            reward=reward,
         )
 
     agl = bench.summary(
@@ -244,6 +250,7 @@ def test_trl_side_by_side_summarises_steps_after_the_first_and_prints_the_lead()
     # steps 2..3: step_s median(20, 30); gen_tok/s median(100/10, 50/10); upd_tok/s median(500/10, 1000/20)
     assert agl == {
         "step_s": 25,
+        "cpu_s": 50,
         "gen_s": 10,
         "gen_tok/s": 7.5,
         "upd_s": 15,
@@ -254,6 +261,7 @@ def test_trl_side_by_side_summarises_steps_after_the_first_and_prints_the_lead()
     trl = bench.summary([row(250, 200, 100, 2000, 3.8, 0.5)])  # one step: step 1 itself
     assert trl == {
         "step_s": 250,
+        "cpu_s": 500,
         "gen_s": 200,
         "gen_tok/s": 0.5,
         "upd_s": 50,
@@ -262,10 +270,10 @@ def test_trl_side_by_side_summarises_steps_after_the_first_and_prints_the_lead()
         "reward": 0.5,
     }
     lines = bench.table({"agl_lab": agl, "trl": trl}, steps=3)
-    assert lines[0].startswith("| case (median of steps 2..3) | step_s | gen_s | gen_tok/s |")
-    assert lines[2].startswith("| agl_lab | 25.00 | 10.00 | 7.50 |") and lines[3].startswith("| trl | 250.00 |")
+    assert lines[0].startswith("| case (median of steps 2..3) | step_s | cpu_s | gen_s | gen_tok/s |")
+    assert lines[2].startswith("| agl_lab | 25.00 | 50.00 | 10.00 | 7.50 |") and lines[3].startswith("| trl | 250.00 |")
     # seconds and RSS: TRL's / agl_lab's; rates: agl_lab's / TRL's
-    assert lines[4] == "| agl_lab's lead (×) | 10.0 | 20.0 | 15.0 | 3.3 | 1.2 | 1.1 | |"
+    assert lines[4] == "| agl_lab's lead (×) | 10.0 | 10.0 | 20.0 | 15.0 | 3.3 | 1.2 | 1.1 | |"
     assert bench.table({"trl": trl}, steps=1)[0].startswith("| case (step 1 (warm-up included)) |")
     assert len(bench.table({"trl": trl}, steps=1)) == 3  # no lead line without both cases
 
