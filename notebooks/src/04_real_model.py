@@ -136,7 +136,7 @@ print("every call recorded its token ids and logprobs:", bool(ro.triplets.has_lo
 #
 # Without the token-preserving mode the engine renders each call's messages with the chat
 # template and tokenises them again; with it, the gateway sends the earlier turns as the
-# ids that were sampled. Each agent runs 8 rollouts through a fresh gateway in each mode, on
+# ids that were sampled. Each agent runs 4 rollouts through a fresh gateway in each mode, on
 # the engine the trainer owns: the append-only agents of `calc` and `lookup`, and the three
 # agents of `agl_lab.tasks.merge_breakers` that edit their history the ways real agents do
 # (drop old `<think>` reasoning, rewrite the system message to narrow the tools).
@@ -149,7 +149,7 @@ from benchmarks.token_preserving import compare
 logging.getLogger("agl_lab.server").setLevel(logging.ERROR)  # its loopback gateways run without a key
 RUNS = [("calc", None), ("lookup", "append_only"), ("lookup", "reasoning_dropping"),
         ("lookup", "history_editing")]
-table = compare(trainer.engine.server, trainer.tokenizer, RUNS, n=8, model_name=trainer.engine.model_name)
+table = compare(trainer.engine.server, trainer.tokenizer, RUNS, n=4, model_name=trainer.engine.model_name)
 table[["agent", "mode", "calls", "rows / rollout", "merge breaks / step", "break kinds (all steps)",
        "calls preserved"]]
 
