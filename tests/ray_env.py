@@ -60,8 +60,6 @@ def ray_nodes(
     import subprocess
     import sys
 
-    import psutil
-
     ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RAY_ADDRESS", "RAY_TMPDIR")}
     # workers at nice 0, not Ray's 15: beside two busy loops a niced worker gets ~3 % of a core
@@ -72,63 +70,81 @@ def ray_nodes(
     address = None
     try:
         for i, path in enumerate(dirs):
-            ports = [
-                "--node-manager-port",
-                "--object-manager-port",
-                "--dashboard-agent-grpc-port",
-                "--dashboard-agent-listen-port",
-                "--metrics-export-port",
-                "--runtime-env-agent-port",
-            ]
-            cmd = [
-                ray_cli,
-                "start",
-                "--temp-dir",
-                path,
-                f"--num-cpus={num_cpus}",
-                f"--num-gpus={num_gpus}",
-                f"--object-store-memory={object_store_mb * 2**20}",
-                "--disable-usage-stats",
-                *(arg for flag in ports for arg in (flag, str(free_port()))),
-            ]
-            if i == 0:
-                port = free_port()
-                cmd += [
-                    "--head",
-                    f"--port={port}",
-                    "--include-dashboard=false",
-                    f"--ray-client-server-port={free_port()}",
-                ]
-            else:
-                cmd += [f"--address={address}"]
-            subprocess.run(cmd, env=env, cwd=path, check=True, timeout=180, capture_output=True)
-            if i == 0:
-                import ray
-
-                address = f"{ray.util.get_node_ip_address()}:{port}"
+            for attempt in (1, 2):  # Ray gives a raylet 30 s (fixed) to register: at load 10+ it may not
+                cmd, head = _start_command(ray_cli, path, address, num_cpus, num_gpus, object_store_mb)
+                done = subprocess.run(cmd, env=env, cwd=path, timeout=180, capture_output=True, text=True)
+                if done.returncode == 0:
+                    break
+                _stop([path], head)  # this attempt's processes: a late raylet must not join the cluster
+                if attempt == 2:
+                    tail = (done.stderr or done.stdout).strip().splitlines()[-1:]
+                    raise RuntimeError(f"`ray start` of node {i} failed twice (exit {done.returncode}): {tail}")
+            address = address or head
         yield address
     finally:
-        # not `ray stop`: it stops every Ray process of this user on the machine, other people's too
-        left = {
-            p.pid: p
-            for p in psutil.process_iter(["cmdline"])
-            if any(d in " ".join(p.info["cmdline"] or []) for d in dirs)
-        }
-        for p in list(left.values()):
-            with contextlib.suppress(psutil.Error):
-                left.update({c.pid: c for c in p.children(recursive=True)})
-        left = list(left.values())
-        for p in left:
-            with contextlib.suppress(psutil.Error):
-                p.terminate()
-        _, alive = psutil.wait_procs(left, timeout=30)
-        for p in alive:
-            with contextlib.suppress(psutil.Error):
-                p.kill()
-        psutil.wait_procs(alive, timeout=10)
+        _stop(dirs, address)
         for path in dirs:
             if not os.environ.get("AGL_LAB_KEEP_RAY_DIRS"):  # debugging: keep the nodes' logs
                 shutil.rmtree(path, ignore_errors=True)
+
+
+def _start_command(
+    ray_cli: str, path: str, address: str | None, num_cpus: int, num_gpus: int, object_store_mb: int
+) -> tuple[list[str], str | None]:
+    """`ray start` of a node under `path` on fresh free ports: a head when `address` is None (then
+    also the head's `ip:port`), else a node joining `address`."""
+    ports = [
+        "--node-manager-port",
+        "--object-manager-port",
+        "--dashboard-agent-grpc-port",
+        "--dashboard-agent-listen-port",
+        "--metrics-export-port",
+        "--runtime-env-agent-port",
+    ]
+    cmd = [
+        ray_cli,
+        "start",
+        "--temp-dir",
+        path,
+        f"--num-cpus={num_cpus}",
+        f"--num-gpus={num_gpus}",
+        f"--object-store-memory={object_store_mb * 2**20}",
+        "--disable-usage-stats",
+        *(arg for flag in ports for arg in (flag, str(free_port()))),
+    ]
+    if address is not None:
+        return [*cmd, f"--address={address}"], None
+    import ray
+
+    port = free_port()
+    head = ["--head", f"--port={port}", "--include-dashboard=false", f"--ray-client-server-port={free_port()}"]
+    return [*cmd, *head], f"{ray.util.get_node_ip_address()}:{port}"
+
+
+def _stop(dirs: list[str], address: str | None) -> None:
+    """Terminate the processes of the nodes started under `dirs` (a dir in the command line, or the
+    head's address: the Ray client server names no dir) and their children; after a short grace,
+    kill. Not `ray stop`: it stops every Ray process of this user on the machine, other people's too."""
+    import psutil
+
+    def ours(cmdline: list[str]) -> bool:
+        return any(d in " ".join(cmdline) for d in dirs) or bool(address and f"--address={address}" in cmdline)
+
+    left = {p.pid: p for p in psutil.process_iter(["cmdline"]) if ours(p.info["cmdline"] or [])}
+    for p in list(left.values()):
+        with contextlib.suppress(psutil.Error):
+            left.update({c.pid: c for c in p.children(recursive=True)})
+    procs = list(left.values())
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.terminate()
+    # 5 s, then SIGKILL: some (the autoscaler monitor, workers whose GCS is gone) never exit on
+    # SIGTERM, and the old 30 s wait for them cost every cluster's teardown 30 s; nothing is kept
+    _, alive = psutil.wait_procs(procs, timeout=5)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(alive, timeout=10)
 
 
 def node_index(address: str, dirs: list[str]) -> dict[str, int]:
