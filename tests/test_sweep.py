@@ -174,11 +174,11 @@ def test_sigterm_stops_every_run_and_the_relaunch_logs_each_step_once(tmp_path):
         "--parallel",
         "2",
         "--steps",
-        "10",
+        "6",
         "--out",
         str(out),
         "--last",
-        "10",
+        "6",
     ]
     log = tmp_path / "sweep.log"
     proc = spawn_cli(argv, log)
@@ -197,7 +197,7 @@ def test_sigterm_stops_every_run_and_the_relaunch_logs_each_step_once(tmp_path):
 
     assert sweep_main(argv[1:]) == 0  # the relaunch: resumed from each run's checkpoint
     for m in metrics:
-        assert [r["step"] for r in read_metrics(m)] == list(range(1, 11)), m
+        assert [r["step"] for r in read_metrics(m)] == list(range(1, 7)), m
         assert runs.run_state(m.parent) == "finished" and "resumed from" in (m.parent / "train.log").read_text()
     result = sweep(
         "configs/cpu_tiny.yaml",
@@ -205,11 +205,11 @@ def test_sigterm_stops_every_run_and_the_relaunch_logs_each_step_once(tmp_path):
         seeds=[0],
         overrides=[*SMALL, "trainer.save_freq=1"],
         out=out,
-        steps=10,
-        last=10,
+        steps=6,
+        last=6,
     )
     assert list(result.runs["log"]) == ["already done"] * 2
-    assert list(result.table["training/reward n"]) == [10, 10]  # seeds × steps in the window: no copy counted
+    assert list(result.table["training/reward n"]) == [6, 6]  # seeds × steps in the window: no copy counted
 
 
 @pytest.mark.timeout(900)
@@ -217,7 +217,7 @@ def test_a_sweep_killed_with_sigkill_takes_its_run_along_and_the_relaunch_resume
     """SIGKILL gives the sweep no chance to pass anything on: its run gets SIGTERM from the kernel
     (PR_SET_PDEATHSIG) and stops; the relaunch resumes it and logs each step once."""
     out = tmp_path / "sweep"
-    argv = ["sweep", "configs/cpu_tiny.yaml", *SMALL, "trainer.save_freq=1", "--steps", "8", "--out", str(out)]
+    argv = ["sweep", "configs/cpu_tiny.yaml", *SMALL, "trainer.save_freq=1", "--steps", "4", "--out", str(out)]
     log = tmp_path / "sweep.log"
     proc = spawn_cli(argv, log)
     metrics = out / "cpu_tiny" / "seed0" / "metrics.jsonl"
@@ -226,8 +226,8 @@ def test_a_sweep_killed_with_sigkill_takes_its_run_along_and_the_relaunch_resume
     proc.wait()
     wait_for(lambda: not _train_processes(str(out)), 300, "the run to stop with its sweep")
     assert runs.run_state(metrics.parent) == "unfinished"
-    assert sweep_main([*argv[1:], "--last", "8"]) == 0
-    assert [r["step"] for r in read_metrics(metrics)] == list(range(1, 9))
+    assert sweep_main([*argv[1:], "--last", "4"]) == 0
+    assert [r["step"] for r in read_metrics(metrics)] == list(range(1, 5))
 
 
 def test_the_progress_lines_eta_says_the_run_walls_include_their_warm_starts(tmp_path, capsys):
