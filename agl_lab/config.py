@@ -505,6 +505,8 @@ def _check_server_overrides(cfg: DictConfig) -> None:
 def _check_learning_rules(cfg: DictConfig) -> None:
     """The rules of `agl_lab.rules`, which the modules that apply them call too (their ValueError
     names the config key)."""
+    import warnings
+
     check_level(cfg.agentlightning.trace_aggregator.level)
     check_drop_order(cfg.agl_lab.parity.drop_order)
     check_divisor(cfg.agl_lab.algorithm.normalize_by)
@@ -533,13 +535,9 @@ def _check_learning_rules(cfg: DictConfig) -> None:
         buffer = cfg.agentlightning.async_rollout.async_train_batch_size
         check_async_sizes(cfg.data.train_batch_size, buffer, staleness)
         if excess := rules.overlap_buffer_excess(int(cfg.data.train_batch_size), int(buffer), staleness):
-            import warnings
-
             warnings.warn(excess, ConfigWarning, stacklevel=2)
     rc = OmegaConf.select(cfg, "algorithm.rollout_correction", default=None)
     if staleness and not rules.uses_bypass(rc) and not (rc or {}).get("rollout_is"):
-        import warnings
-
         warnings.warn(
             f"agl_lab.rollout.max_staleness={staleness}: stale tokens train against old logprobs recomputed "
             "under the current weights, with no correction for the policy that sampled them; set "

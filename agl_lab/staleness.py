@@ -89,9 +89,8 @@ TURN_KEYS = 8  # turns 0..7 get their own keys, later ones share `turn_8plus`
 
 
 def _lp_diff_by_turn(data: Any, diff: np.ndarray, loss: np.ndarray) -> dict[str, float]:
-    """|Δlogp| [N, R] over the loss tokens of each turn (`_turns`)."""
-    first = data.non_tensor_batch["turn_index_list"]
-    turns = np.stack([_turns(loss[i].astype(int), int(first[i])) for i in range(loss.shape[0])])
+    """|Δlogp| [N, R] over the loss tokens of each turn (`token_turns`)."""
+    turns = token_turns(data)
     names = np.where(turns < TURN_KEYS, turns.astype(str), f"{TURN_KEYS}plus")
     metrics: dict[str, float] = {}
     for name in sorted(set(names[loss]), key=lambda n: (len(n), n)):
@@ -108,6 +107,15 @@ def _turns(mask_row: np.ndarray, first_call: int) -> np.ndarray:
     return first_call + np.cumsum(starts) - 1
 
 
+def token_turns(data: Any) -> np.ndarray:
+    """[N, R] int64: the turn of each response position of the prepared batch (`_turns` of each row,
+    from its `turn_index_list`); meaningful on loss tokens."""
+    mask = data.batch["response_mask"].bool().numpy().astype(int)
+    first = data.non_tensor_batch["turn_index_list"]
+    rows = [_turns(mask[i], int(first[i])) for i in range(mask.shape[0])]
+    return np.stack(rows) if rows else np.zeros(mask.shape, dtype=np.int64)
+
+
 def staleness_frame(data: Any, version: int) -> pd.DataFrame:
     """One line per loss token of the prepared batch `data` (columns `STALENESS_COLUMNS`):
     its row, rollout, turn, position in the response, sampling version and age, both logprobs,
@@ -117,10 +125,7 @@ def staleness_frame(data: Any, version: int) -> pd.DataFrame:
     mask = b["response_mask"].bool().numpy()
     rows, cols = np.nonzero(mask)
     versions = b["rollout_versions"].numpy()[rows, cols] if "rollout_versions" in b.keys() else np.full(len(rows), -1)
-    turns = np.concatenate(
-        [_turns(mask[i].astype(int), int(nt["turn_index_list"][i]))[mask[i]] for i in range(mask.shape[0])]
-        or [np.zeros(0, dtype=np.int64)]
-    )
+    turns = token_turns(data)[rows, cols]
 
     def col(key: str) -> np.ndarray:
         values = _np(b, key)
