@@ -439,6 +439,14 @@ def test_a_daemonised_tool_server_ends_with_its_rollout(server, api):
     wait_until(lambda: process_gone(pids["agent"]) and process_gone(pids["daemon"]), 10, "the stopped agent's daemon")
 
 
+def _runs_sleep(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read().split(b"\0")[0] == b"sleep"
+    except OSError:
+        return False
+
+
 def test_the_sweep_finds_a_mark_through_exec_and_not_past_a_cleared_environment():
     """`marked_pids` matches the whole `AGL_LAB_ROLLOUT_MARK=...` entry of a process started with
     it; a process that execs with a cleared environment is out of its reach (docs/robustness.md)."""
@@ -448,6 +456,8 @@ def test_the_sweep_finds_a_mark_through_exec_and_not_past_a_cleared_environment(
     cleared = subprocess.Popen(["env", "-i", "sleep", "60"], env=env)
     longer = subprocess.Popen(["sleep", "60"], env={**os.environ, MARK_VARIABLE: mark + "0"})
     try:
+        # Critical: `env -i` holds the mark until it execs sleep; look only once all three run sleep.
+        wait_until(lambda: all(_runs_sleep(p.pid) for p in (carried, cleared, longer)), 5, "the three to exec sleep")
         wait_until(lambda: carried.pid in marked_pids(mark), 5, "the marked process to show")
         found = marked_pids(mark)
         assert cleared.pid not in found and longer.pid not in found
