@@ -14,6 +14,7 @@ when it runs, so `agl-lab serve` never imports torch.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from typing import Any
 
@@ -86,6 +87,7 @@ def train_main(argv: list[str]) -> int:
     if (problem := _run_dir_problem(args.run_dir or cfg.agl_lab.run_dir, args.resume)) is not None:
         print(f"agl-lab train: {problem}")
         return 2
+    _checkpoints_in_run_dir(cfg, args.run_dir or cfg.agl_lab.run_dir)
     t0 = time.time()
     trainer = None
     previous = _stop_on_sigterm()
@@ -124,6 +126,24 @@ def train_main(argv: list[str]) -> int:
     finally:
         _restore_sigterm(previous)
     return 0
+
+
+VERL_CHECKPOINT_DIR = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"  # verl's default
+
+
+def _checkpoints_in_run_dir(cfg: Any, run_dir: Any) -> None:
+    """A run dir named by the user (`--run-dir`, `agl_lab.run_dir`) holds its own checkpoints:
+    `trainer.default_local_dir` left at verl's default becomes `<run_dir>/checkpoints`.
+
+    Critical: with verl's shared `checkpoints/{project}/{experiment}`, a second seed started in a
+    fresh run dir would auto-resume (`trainer.resume_mode: auto`) from the first seed's checkpoint.
+    Without a named run dir the verl layout stays, so a bare `--resume` finds the last run's."""
+    from omegaconf import OmegaConf
+
+    if run_dir is None:
+        return
+    if OmegaConf.to_container(cfg.trainer, resolve=False).get("default_local_dir") == VERL_CHECKPOINT_DIR:
+        cfg.trainer.default_local_dir = os.path.join(str(run_dir), "checkpoints")
 
 
 def _run_dir_problem(run_dir: Any, resume: str | None) -> str | None:
@@ -228,6 +248,8 @@ def _say_what_runs(trainer: Any, cfg: Any) -> None:
         f"model {trainer.engine.model_name} · {_what_runs(trainer, cfg)}",
         flush=True,
     )
+    if int(cfg.trainer.save_freq or 0) > 0:
+        print(f"agl-lab train: checkpoints {cfg.trainer.default_local_dir}", flush=True)
     if trainer.execution.server is not None:  # runners on other hosts: agl-lab runner --server URL
         print(f"agl-lab train: server {trainer.base_url}", flush=True)
 

@@ -148,3 +148,30 @@ def test_steps_and_until_are_exclusive_and_not_negative(tmp_path, capsys):
     assert "not allowed with argument" in capsys.readouterr().err
     assert train_main(_args(tmp_path, "x", "--until", "-1")) == 2
     assert "--until must be >= 0" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(600)
+def test_a_named_run_dir_holds_its_own_checkpoints_so_a_second_seed_starts_fresh(tmp_path, capsys):
+    """With `trainer.default_local_dir` left at verl's shared default, `--run-dir` puts the
+    checkpoints in `<run_dir>/checkpoints`: a second seed's fresh run dir does not auto-resume from
+    the first seed's checkpoint, and `--resume` into the first run dir finds its own."""
+
+    def args(run: str, *extra: str) -> list[str]:
+        return ["configs/cpu_tiny.yaml", "--run-dir", str(tmp_path / run), *SMALL, "trainer.save_freq=1", *extra]
+
+    assert train_main(args("seed0", "agl_lab.seed=0", "--until", "2")) == 0
+    out = capsys.readouterr().out
+    assert f"agl-lab train: checkpoints {tmp_path / 'seed0' / 'checkpoints'}" in out
+    assert (tmp_path / "seed0" / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    saved = (tmp_path / "seed0" / "config.yaml").read_text()
+    assert f"default_local_dir: {tmp_path / 'seed0' / 'checkpoints'}" in saved  # what `agl-lab eval RUN_DIR` reads
+
+    assert train_main(args("seed1", "agl_lab.seed=1", "--until", "1")) == 0
+    assert "resumed from" not in capsys.readouterr().out
+    assert _steps(tmp_path / "seed1" / "metrics.jsonl") == [1]
+    assert (tmp_path / "seed1" / "checkpoints" / "global_step_1").is_dir()
+
+    assert train_main(args("seed0", "agl_lab.seed=0", "--resume", "--until", "3")) == 0
+    out = capsys.readouterr().out
+    assert f"resumed from {tmp_path / 'seed0' / 'checkpoints' / 'global_step_2'}" in out
+    assert _steps(tmp_path / "seed0" / "metrics.jsonl") == [1, 2, 3]

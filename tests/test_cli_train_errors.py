@@ -32,7 +32,7 @@ def _train(tmp_path, capsys, *overrides: str, config: str = "configs/cpu_tiny.ya
         for line in out.splitlines()
         if line.startswith("agl-lab train: ")
         and "run dir" not in line
-        and not line.startswith("agl-lab train: server ")
+        and not line.startswith(("agl-lab train: server ", "agl-lab train: checkpoints "))
     ]
 
 
