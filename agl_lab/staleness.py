@@ -15,6 +15,9 @@ observations, padding and calls without a version). The update trains policy ver
 | staleness/lp_diff_mean_age_{k}, _max_age_{k} | |old_log_probs − rollout_log_probs| by age   |
 | staleness/lp_diff_mean_turn_{t}, _max_turn_{t} | the same by turn (the call's index in its rollout; turns past 7 as `turn_8plus`) |
 
+The Δlogp keys are not logged under `bypass_mode`: there the old logprobs are the sampling ones
+and the gap would be 0 by construction.
+
 The Δlogp numbers are the same quantity as `training/rollout_logprobs_diff_*`
 (`engines.base.logprob_gap`), split by age, not a second count. The IS weights themselves
 stay verl's (`rollout_is_weights`; its `rollout_corr/*` metrics): `staleness_frame` only shows
@@ -55,9 +58,13 @@ def token_ages(data: Any, version: int) -> np.ndarray:
     return np.where(loss, int(version) - versions, -1)
 
 
-def staleness_metrics(data: Any, version: int | None) -> dict[str, float]:
+def staleness_metrics(data: Any, version: int | None, bypass: bool = False) -> dict[str, float]:
     """The `staleness/*` metrics of a prepared batch trained from policy `version` (module
-    table); `{}` without `rollout_versions` or a version."""
+    table); `{}` without `rollout_versions` or a version.
+
+    `bypass` (`algorithm.rollout_correction.bypass_mode`): the old logprobs *are* the sampling
+    ones, so |Δlogp| is 0 by construction, not a measurement, and the `lp_diff_*` keys are left
+    out — a stale token's gap is seen where version v is recomputed (bypass off)."""
     b = data.batch
     if version is None or "rollout_versions" not in b.keys():
         return {}
@@ -73,7 +80,7 @@ def staleness_metrics(data: Any, version: int | None) -> dict[str, float]:
     metrics["staleness/token_age_mean"] = float(ages[known].mean())
     metrics["staleness/token_age_max"] = int(ages[known].max())
     old, rollout = _np(b, "old_log_probs"), _np(b, "rollout_log_probs")
-    diff = np.abs(old - rollout) if old is not None and rollout is not None else None
+    diff = np.abs(old - rollout) if old is not None and rollout is not None and not bypass else None
     for age in range(int(ages[known].max()) + 1):
         at = ages == age
         metrics[f"staleness/tokens_age_{age}"] = int(at.sum())

@@ -39,7 +39,7 @@ from agl_lab.config import update_options
 from agl_lab.engines.base import Engine, check_batch, logprob_gap
 from agl_lab.phases import update_phase
 from agl_lab.results import BatchResult, UpdateResult
-from agl_lab.rules import small_batch_under
+from agl_lab.rules import small_batch_under, uses_bypass
 from agl_lab.staleness import staleness_metrics
 
 logger = logging.getLogger(__name__)
@@ -75,7 +75,9 @@ def run_update(cfg, engine: Engine, batch: BatchResult, *, step: int) -> UpdateR
         )
         # Critical: skip_reason decided on the same row counts, so selection keeps ≥ 1 row here.
         assert prepared is not None, "skip_reason and select_for_update disagree on this batch"
-        metrics.update(staleness_metrics(prepared, engine.policy_version))  # the trained tokens' ages, Δlogp by age
+        # the trained tokens' ages; their Δlogp by age and turn unless bypass makes it 0 by construction
+        bypass = engine.bypass_mode or uses_bypass(cfg.algorithm.get("rollout_correction"))
+        metrics.update(staleness_metrics(prepared, engine.policy_version, bypass=bypass))
         with _timed(metrics, "update_actor"):
             metrics.update(engine.update(prepared))
         with _timed(metrics, "update_weights"):

@@ -260,7 +260,8 @@ def plot_architecture(
 def plot_staleness(metrics, *, path: str | os.PathLike | None = None, title: str = "token staleness"):
     """Two panels from a run's metrics frame (`Trainer.metrics`: indexed by step, the `staleness/*`
     columns): the trained tokens per step stacked by age (`staleness/tokens_age_k`), and the mean
-    |Δlogp| (old − sampling logprob) per step for each age (`staleness/lp_diff_mean_age_k`).
+    |Δlogp| (old − sampling logprob) per step for each age (`staleness/lp_diff_mean_age_k`; under
+    `bypass_mode` none is logged and the panel says so).
     Returns the two Axes, or the saved PNG's Path when `path` is given."""
     ages = sorted(int(c.rsplit("_", 1)[1]) for c in metrics.columns if c.startswith("staleness/tokens_age_"))
     if not ages:
@@ -280,9 +281,21 @@ def plot_staleness(metrics, *, path: str | os.PathLike | None = None, title: str
     bottom.set_ylabel("mean |Δlogp|")
     bottom.set_xlabel("step")
     bottom.set_xticks(steps)
+    if not bottom.lines:  # bypass_mode: the old logprobs are the sampling ones, no gap is measured
+        bottom.text(
+            0.5,
+            0.5,
+            "no |Δlogp| logged (bypass_mode:\nold logprobs = sampling logprobs)",
+            ha="center",
+            va="center",
+            transform=bottom.transAxes,
+            fontsize=8,
+            color="#555",
+        )
     for ax in (top, bottom):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.lines or ax.patches:
+            ax.legend(fontsize=8)
     if path is None:
         return top, bottom
     fig.tight_layout()

@@ -27,6 +27,13 @@ OVERLAP = [
     "algorithm.rollout_correction.bypass_mode=true",
     "agl_lab.model.warm_start_steps=50",
 ]
+# decoupled: old logprobs recomputed by the trained version, so a stale token's gap is measured
+DECOUPLED = [
+    *OVERLAP[:-2],
+    "algorithm.rollout_correction.bypass_mode=false",
+    "algorithm.rollout_correction.rollout_is=token",
+    "agl_lab.model.warm_start_steps=50",
+]
 
 
 def _steps(tmp_path, overrides, steps):
@@ -46,8 +53,8 @@ def _trained_tokens(u) -> int:
 
 
 def test_staleness_one_ages_stay_within_the_bound_and_count_every_token(tmp_path):
-    ages_seen = set()
-    for _b, u in _steps(tmp_path, OVERLAP, 3):
+    ages_seen, gaps = set(), {}
+    for _b, u in _steps(tmp_path, DECOUPLED, 3):
         m, frame = u.metrics, u.staleness()
         assert m["staleness/tokens_unknown_version"] == 0  # the gateway stamps every call
         histogram = {int(k.rsplit("_", 1)[1]): v for k, v in m.items() if k.startswith("staleness/tokens_age_")}
@@ -57,8 +64,23 @@ def test_staleness_one_ages_stay_within_the_bound_and_count_every_token(tmp_path
         assert frame.groupby("age").size().to_dict() == {k: v for k, v in histogram.items() if v}
         for age, group in frame.groupby("age"):
             assert m[f"staleness/lp_diff_max_age_{age}"] == pytest.approx(group.lp_diff.max(), abs=1e-6)
+            gaps.setdefault(int(age), []).append(m[f"staleness/lp_diff_mean_age_{age}"])
         ages_seen |= set(frame.age)
     assert 1 in ages_seen  # the overlap trained tokens of the version before
+    print("mean |Δlogp| by age", gaps)
+    assert min(gaps[1]) > 0  # sampled by the version before the trained one: a real gap
+
+
+def test_under_bypass_the_gap_is_not_logged_as_a_measured_zero(tmp_path):
+    """Bypass makes the old logprobs the sampling ones: |Δlogp| would be 0 by construction, so the
+    `staleness/lp_diff_*` keys (and the console's per-age split) are left out; ages are still logged."""
+    from agl_lab.logger import format_console_line
+
+    (_b, u), (_b2, u2) = _steps(tmp_path, OVERLAP, 2)
+    for m in (u.metrics, u2.metrics):
+        assert "staleness/token_age_max" in m and not [k for k in m if k.startswith("staleness/lp_diff")]
+    assert "lp_diff_max_age" not in format_console_line(2, u2.metrics)
+    assert (u2.staleness().lp_diff == 0).all()  # the view still shows both logprobs: equal
 
 
 def test_staleness_zero_age_zero_is_the_rollout_logprob_gap(tmp_path):
