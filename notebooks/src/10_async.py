@@ -11,6 +11,11 @@
 # how old a trained token may be; a group that would exceed it is dropped (or, with
 # `stale_groups=wait`, waited for at exactly N). docs/engines.md "Overlap" has the design.
 #
+# The carry-over buffer here is one batch (`async_train_batch_size = train_batch_size`): the next
+# batch generates while this one trains, so at N = 1 every trained token is exactly one version old
+# (a buffer deeper than N batches would hold groups past the bound and drop them; a load warning
+# says so).
+#
 # This notebook runs overlapped steps on the tiny model stage by stage and looks at the versions.
 
 # %%
@@ -30,17 +35,21 @@ RUN = Path(tempfile.mkdtemp(prefix="agl-nb10-")) / "run"
 # %% [markdown]
 # ## 1 · The configuration
 #
-# Overlap needs the carry-over manager (`agentlightning.async_rollout`: more groups in flight than
-# a step trains on) and a behaviour policy for stale tokens: with `bypass_mode` the sampling
-# logprobs the server recorded are PPO's old logprobs, so the ratio is π_θ / π_sampling.
+# Overlap needs the carry-over manager (`agentlightning.async_rollout`; under overlap one batch in
+# flight is enough) and a behaviour policy for stale tokens. Here the decoupled form: the old
+# logprobs are recomputed by the trained version (the proximal policy) and each token's
+# importance weight π_old / π_sampling, truncated at 2, corrects for the version that sampled it
+# (`rollout_is=token`). With `bypass_mode=true` instead, the sampling logprobs the server recorded
+# are PPO's old logprobs (the ratio is π_θ / π_sampling): one forward less, but no gap to show.
 
 # %%
 overrides = [
     "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
     "agl_lab.task.n_train=16", "agl_lab.task.n_val=0", "trainer.test_freq=0", "trainer.save_freq=0",
     "trainer.logger=[console]", "agl_lab.model.warm_start_steps=50",
-    "agentlightning.async_rollout.enabled=true", "agentlightning.async_rollout.async_train_batch_size=8",
-    "agl_lab.rollout.max_staleness=1", "algorithm.rollout_correction.bypass_mode=true",
+    "agentlightning.async_rollout.enabled=true", "agentlightning.async_rollout.async_train_batch_size=4",
+    "agl_lab.rollout.max_staleness=1", "algorithm.rollout_correction.bypass_mode=false",
+    "algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is_threshold=2.0",
 ]
 trainer = Trainer.from_config(ROOT / "configs/cpu_tiny.yaml", overrides=overrides, run_dir=RUN, console=False)
 engine = trainer.engine
@@ -53,7 +62,6 @@ print(f"serving copy: {engine.serving_model is not engine.model}; "
 # The first rollout phase starts from nothing, so it waits for its groups like the synchronous
 # loop. At its end the carry-over manager already enqueues step 2's groups (`prefetch`): they
 # generate on the serving copy while the update below trains.
-
 
 # %%
 def versions(result, trained_version):
@@ -111,16 +119,17 @@ pd.Series({k: v for k, v in {**ro2.metrics, **u2.metrics}.items()
 # ### Token by token: `u.staleness()`
 #
 # One line per trained loss token: the version that sampled it, its `age` against the trained
-# version, its sampling logprob (`rollout_logprob`, the behaviour policy under bypass) and the old
-# logprob, and their gap `lp_diff`. Under `bypass_mode` the old logprobs *are* the sampling ones,
-# so the gap is 0 by construction; without it (`algorithm.rollout_correction.rollout_is=token`)
-# the old logprobs are recomputed by the trained version and the gap per age is how far the
-# sampling policy was from it, with the truncated IS weight in `is_weight`.
+# version, its sampling logprob (`rollout_logprob`, the behaviour policy) and the old logprob
+# (recomputed by the trained version), their gap `lp_diff`, and the truncated IS weight in
+# `is_weight`. A token of age 1 was sampled by the weights before the update that produced the
+# trained version: its gap is the policy's move in one step. (Under `bypass_mode` the two logprobs
+# are the same by construction, and the `staleness/lp_diff_*` metrics are not logged.)
 
 # %%
 tokens = u2.staleness()
 print(f"trained version {tokens.attrs['trained_version']}; {len(tokens)} loss tokens")
-tokens.groupby("age").lp_diff.agg(["count", "mean", "max"])
+tokens.groupby("age").agg(tokens=("lp_diff", "size"), lp_diff_mean=("lp_diff", "mean"),
+                          lp_diff_max=("lp_diff", "max"), is_clipped=("is_clipped", "mean"))
 
 # %%
 {k: v for k, v in u2.metrics.items() if k.startswith("staleness/")}
@@ -142,7 +151,7 @@ history[[c for c in cols if c in history]]
 
 # %% [markdown]
 # `viz.plot_staleness` draws the same history: trained tokens per step stacked by age, and the
-# mean |Δlogp| per age (0 here: bypass mode).
+# mean |Δlogp| per age.
 
 # %%
 from agl_lab.viz import plot_staleness
