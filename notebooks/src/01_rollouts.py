@@ -34,7 +34,7 @@ pd.set_option("display.width", 160)
 pd.set_option("display.max_columns", 20)
 pd.set_option("display.precision", 3)
 ROOT = Path.cwd().parent if Path.cwd().name == "notebooks" else Path.cwd()
-viz.plot_architecture()
+viz.plot_architecture();
 
 # %%
 # A small batch so that the notebook runs in about a minute: 4 tasks × 4 rollouts per step.
@@ -84,7 +84,7 @@ print("rollouts:", len(ro.rollouts), "· groups:", ro.triplets.data_id.nunique()
 ro.lifecycle[["rollout_id", "data_id", "state", "queue_wait_s", "run_s", "total_s"]].head(8)
 
 # %%
-viz.plot_lifecycle(ro.lifecycle, title="rollout lifecycle (one bar per rollout, groups adjacent)")
+viz.plot_lifecycle(ro.lifecycle, title="rollout lifecycle (one bar per rollout, groups adjacent)");
 
 # %% [markdown]
 # ## 2 · `build_batch()`: triplets → rows
@@ -157,7 +157,7 @@ u.weights
 ro.groups[["data_id", "n_rollouts", "rewards", "reward_mean", "reward_std", "zero_adv", "n_rows"]]
 
 # %%
-viz.plot_advantages(u.weights)
+viz.plot_advantages(u.weights);
 
 # %% [markdown]
 # ## 4 · `step()`: the loop
@@ -172,7 +172,7 @@ rewards = [b.metrics["training/reward"]] + [h["training/reward"] for h in histor
 pd.DataFrame(history)[["training/reward", "training/n_sample", "actor/pg_loss", "training/policy_version"]]
 
 # %%
-viz.plot_reward_curve(rewards, window=3, title="mean training reward per step")
+viz.plot_reward_curve(rewards, window=3, title="mean training reward per step");
 
 # %% [markdown]
 # ## 5 · Asynchronous rollout: carry-over groups

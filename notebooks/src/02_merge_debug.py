@@ -211,7 +211,7 @@ weights.assign(agent=weights.rollout_id.map(agent_of)).sort_values("loss_tokens"
 # %%
 every_other = token_mean.sort_values("loss_tokens").iloc[::2]  # bars in order of length
 viz.plot_loss_weights({"token-mean": every_other, "per-rollout mean": per_rollout},
-                      title="share of the loss per rollout (every other rollout, by length)")
+                      title="share of the loss per rollout (every other rollout, by length)");
 
 # %% [markdown]
 # ## What this notebook claims, checked

@@ -131,7 +131,7 @@ trainer.metrics[["training/reward", "training/n_sample_trained", "training/n_fai
                  "actor/pg_loss", "training/policy_version"]]
 
 # %%
-trainer.plot_metrics()
+trainer.plot_metrics();
 
 # %% [markdown]
 # ## 5 · Inspect: triplets, rows, breaks, the events the agent emitted
