@@ -192,6 +192,9 @@ AGL_LAB_DEFAULTS: dict[str, Any] = {
             "batch_invariant": False,
             "batch_window_ms": rules.BATCH_WINDOW_MS,
             "max_batch_size": rules.MAX_BATCH_SIZE,
+            # the decode loop's intra-op threads; auto: torch_threads's count (also under overlap,
+            # where the decode and the update share the cores: half of them measured slower)
+            "decode_threads": "auto",
         },
         # every step's rollouts and results → run_dir/recording/ (agl_lab.replay: replay any step);
         # max_steps: keep the newest N (null: all); events: false leaves the raw events out

@@ -147,6 +147,7 @@ TYPED: dict[str, tuple[str, tuple[str, ...]]] = {
     "agentlightning.async_rollout.async_train_batch_size": ("int", ()),
     "agl_lab.runner.agent_timeout_seconds": ("float", ()),
     "agl_lab.torch_threads": ("int", ("auto",)),
+    "agl_lab.engine_options.decode_threads": ("int", ("auto",)),
     "agl_lab.record.max_steps": ("int", ()),  # null: keep every step's recording
     "trainer.max_actor_ckpt_to_keep": ("int", ()),  # null or 0: keep every checkpoint (verl)
     "agl_lab.task.size": ("int", ()),  # null: as many generator entries as tasks asked for
@@ -163,6 +164,7 @@ TYPED_POSITIVE = (
     "agentlightning.async_rollout.async_train_batch_size",
     "agl_lab.runner.agent_timeout_seconds",
     "agl_lab.torch_threads",
+    "agl_lab.engine_options.decode_threads",
     "agl_lab.record.max_steps",
     "agl_lab.task.size",
 )

@@ -10,6 +10,8 @@ invocation so the machine's load is shared:
     stale1-wait   the same, the groups exactly one version old waited for and trained
     stale1-wait-2x  stale1-wait with a buffer of two batches (async_train_batch_size 2 × batch): groups
                   wait two steps but may be one version old, so half of them age out (dropped)
+    stale1-wait-d1  stale1-wait with the decode loop on 1 thread beside the update's 2
+                  (`agl_lab.engine_options.decode_threads=1`; `auto` gives it the update's count)
 
 Columns (per case; medians over steps 2..N, step 1 pays the warm-up):
 
@@ -48,8 +50,15 @@ CASES = {
     # a carry-over buffer of two batches at staleness 1: a group waits two steps in it but may be
     # one version old, so every other step a batch ages out (what the first table measured)
     "stale1-wait-2x": [*OVERLAP, "agl_lab.rollout.stale_groups=wait"],
+    # the decode loop on one thread beside the update's (auto: as many as the update): the cores split
+    "stale1-wait-d1": [*OVERLAP, "agl_lab.rollout.stale_groups=wait", "agl_lab.engine_options.decode_threads=1"],
 }
-BUFFER_BATCHES = {"stale1-drop": 1, "stale1-wait": 1, "stale1-wait-2x": 2}  # async_train_batch_size / batch
+BUFFER_BATCHES = {
+    "stale1-drop": 1,
+    "stale1-wait": 1,
+    "stale1-wait-2x": 2,
+    "stale1-wait-d1": 1,
+}  # async_train_batch_size / batch
 
 CHILD = r"""
 import json, sys, tempfile, time

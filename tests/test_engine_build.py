@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from agl_lab.config import ConfigError, load_config
-from agl_lab.engines.build import torch_threads
+from agl_lab.engines.build import decode_threads, torch_threads
 from agl_lab.trainer import Trainer
 from tests.trainer_runs import SMALL
 
@@ -80,3 +80,35 @@ def test_a_lora_engine_loads_the_warm_started_base_from_disk(monkeypatch, lora):
     monkeypatch.setattr(LocalEngine, "from_config", classmethod(lambda cls, c: calls.append(("engine",)) or object()))
     build.build_engine(cfg, task=object())
     assert calls == [("dir", 5), ("engine",)]
+
+
+def test_decode_threads_auto_is_the_update_threads_and_an_int_is_taken_as_given():
+    assert decode_threads("auto", 2) == 2 and decode_threads("auto", 1) == 1
+    assert decode_threads(1, 2) == 1 and decode_threads(3, 2) == 3
+
+
+def test_bad_decode_threads_fail_at_load_naming_the_key():
+    with pytest.raises(ConfigError, match=r"agl_lab\.engine_options\.decode_threads must be > 0, got 0"):
+        load_config(None, ["agl_lab.engine_options.decode_threads=0"])
+
+
+@pytest.mark.parametrize("extra, expected", [([], 2), (["agl_lab.engine_options.decode_threads=1"], 1)])
+def test_under_overlap_the_decode_loop_takes_the_update_threads_unless_told(tmp_path, extra, expected):
+    overlap = [
+        "agentlightning.async_rollout.enabled=true",
+        "agentlightning.async_rollout.async_train_batch_size=4",
+        "agl_lab.rollout.max_staleness=1",
+        "algorithm.rollout_correction.bypass_mode=true",
+    ]
+    before = torch.get_num_threads()
+    try:
+        with Trainer.from_config(
+            "configs/cpu_tiny.yaml",
+            overrides=[*SMALL, "agl_lab.torch_threads=2", *overlap, *extra],
+            run_dir=tmp_path,
+            console=False,
+        ) as trainer:
+            assert torch.get_num_threads() == 2  # the update keeps its threads
+            assert trainer.engine.overlaps and trainer.engine.server.scheduler.num_threads == expected
+    finally:
+        torch.set_num_threads(before)

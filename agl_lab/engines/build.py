@@ -70,10 +70,10 @@ def build_engine(
         engine = LocalEngine.from_config(cfg)
     if lab.get("torch_threads", "auto") == "auto":  # now that the model's size is known
         threads = apply_torch_threads("auto", n_params=sum(p.numel() for p in engine.model.parameters()))
-    # The decode loop runs while no update does (they share the weights lock): it gets the same cores.
     scheduler = getattr(getattr(engine, "server", None), "scheduler", None)
     if scheduler is not None:
-        scheduler.num_threads = threads
+        decode = (lab.get("engine_options") or {}).get("decode_threads", "auto")
+        scheduler.num_threads = decode_threads(decode, threads)
     if steps > 0 and lab.model.path is None and preset is None:
         try:
             _warm_start(engine, task, steps, int(lab.seed))
@@ -111,6 +111,14 @@ def torch_threads(value: Any, cores: int | None = None, n_params: int | None = N
             return cores // 2
         return cores if n_params is not None and n_params >= AUTO_THREADS_BIG_MODEL else 1
     return int(value)
+
+
+def decode_threads(value: Any, threads: int) -> int:
+    """The decode loop's intra-op threads (`agl_lab.engine_options.decode_threads`): an int as given;
+    `auto`: `threads`, the update's count. Synchronously the loop runs only while no update does (they
+    share the weights lock); under overlap both run at once on the same cores, and giving the decode
+    half of them was measured slower on 2 cores (docs/benchmarks.md, the overlap's decode threads)."""
+    return threads if value == "auto" else int(value)
 
 
 def apply_torch_threads(value: Any, n_params: int | None = None) -> int:
