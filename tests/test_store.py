@@ -390,13 +390,15 @@ def test_heartbeats_and_events_of_the_running_attempt_renew_its_lease(store):
     store.expire_leases(1.0, max_attempts=2, now=LATER)  # all three re-queued
     store.claim_rollouts(3)  # attempt "1" for each
     time.sleep(0.4)
+    renewed_at = time.time()  # the heartbeat and events below come at or after this
     assert store.heartbeat(["hb", "ev", "old", "gone"], ["1", "1", "0", "0"]) == ["old", "gone"]
     store.append_event("ev", "1", "tick")
     store.append_event("old", "0", "tick")  # an old attempt's late event does not keep the new one alive
     with pytest.raises(ValueError, match="attempt_ids has 1 items for 2 rollout_ids"):
         store.heartbeat(["hb", "ev"], ["1"])
-    # idle for 0.3 s: only "old", last active at its claim 0.4 s ago
-    assert store.expire_leases(0.3, max_attempts=2) == {"old": "failed"}
+    # idle for 0.3 s: only "old", last active at its claim 0.4 s before `renewed_at`. Critical: the
+    # sweep's clock is pinned 0.2 s after `renewed_at`; the wall clock could pass the renewals' lease too
+    assert store.expire_leases(0.3, max_attempts=2, now=renewed_at + 0.2) == {"old": "failed"}
 
 
 def test_release_requeues_the_callers_attempt_only(store):
