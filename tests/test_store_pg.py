@@ -216,20 +216,19 @@ def test_lease_activity_seen_by_one_store_is_honoured_by_another(postgres_databa
             a.patch_status(rid, RUNNING)
         t0 = time.time()
         time.sleep(0.3)
+        t1 = time.time()  # Critical: taken before the renewals, so the sweep below is < 10 s after each of them
         assert a.heartbeat(["beat", "q", "nope"]) == ["q", "nope"]  # only running rollouts hold leases
         a.append_event("event", "0", "custom", {})
-        t1 = time.time()
-        # a lease of 10 s, checked 9.9 s after t1: 'idle' was last active at t0, the others at t1
+        # a lease of 10 s, checked 9.9 s after t1: 'idle' was last active before t0, the others after t1
         assert b.expire_leases(10.0, now=t1 + 9.9) == {"idle": "failed"}  # max_attempts=1
         assert b.get_rollout("idle").status.error_message.startswith(
             "attempt 0: lease expired (no heartbeat, event or status"
         )
         assert b.get_rollout("beat").status.state == "running" and b.get_rollout("event").status.state == "running"
         time.sleep(0.3)
+        t2 = time.time()  # before the heartbeat, as t1
         a.heartbeat(["beat"])
-        assert b.expire_leases(10.0, now=time.time() + 9.9) == {
-            "event": "failed"
-        }  # the heartbeat is newer than the event
+        assert b.expire_leases(10.0, now=t2 + 9.9) == {"event": "failed"}  # the heartbeat is newer than the event
         assert t0 < t1
     finally:
         a.close()
