@@ -18,6 +18,7 @@ from agl_lab.agent_procs import MARK_VARIABLE, kill_rollout_processes, marked_pi
 from agl_lab.protocol import Rollout, rollout_token
 from agl_lab.runner import Runner
 from agl_lab.server.embedded import EmbeddedServer
+from tests.conftest import scaled
 from tests.servers import status, wait_terminal, wait_until
 
 KEY = "runner-key"
@@ -398,7 +399,7 @@ def test_shutdown_kills_subprocess_agents(server, api):
     ids = create(api, subprocess_rollout("HangAgent"), subprocess_rollout("HangAgent"))
     runner = Runner(server.url, key=KEY).start()
     try:
-        wait_until(lambda: all(events(api, rid, event_type="pids") for rid in ids), 20, "agents to start")
+        wait_until(lambda: all(events(api, rid, event_type="pids") for rid in ids), scaled(60), "agents to start")
     finally:
         runner.stop()
     for rid in ids:
@@ -411,13 +412,13 @@ def test_shutdown_kills_subprocess_agents(server, api):
 def test_rollout_ended_outside_the_runner_stops_its_agent(server, api):
     ids = create(api, subprocess_rollout("HangAgent"))
     with Runner(server.url, key=KEY) as runner:
-        wait_until(lambda: events(api, ids[0], event_type="pids"), 20, "the agent to start")
+        wait_until(lambda: events(api, ids[0], event_type="pids"), scaled(60), "the agent to start")
         api.patch(
             f"/api/rollouts/{ids[0]}", json={"status": {"state": "failed", "error_message": "trainer gave up"}}
         ).raise_for_status()
         pids = events(api, ids[0], event_type="pids")[0]["data"]
         wait_until(lambda: process_gone(pids["agent"]) and process_gone(pids["tool"]), 10, "the agent to die")
-        wait_until(lambda: runner.stats["abandoned"] == 1, 5, "the slot to be freed")
+        wait_until(lambda: runner.stats["abandoned"] == 1, scaled(30), "the slot to be freed")
     assert status(api, ids[0])["error_message"] == "trainer gave up"  # the runner did not overwrite it
 
 
@@ -427,13 +428,13 @@ def test_a_daemonised_tool_server_ends_with_its_rollout(server, api):
     done = create(api, subprocess_rollout("DaemonAgent"))
     with Runner(server.url, key=KEY) as runner:
         assert wait_terminal(api, done)[done[0]]["state"] == "succeeded"
-        wait_until(lambda: runner.stats["succeeded"] == 1, 5, "the runner to finish the rollout")
+        wait_until(lambda: runner.stats["succeeded"] == 1, scaled(30), "the runner to finish the rollout")
         first = events(api, done[0], event_type="pids")[0]["data"]
         daemon = first["daemon"]
         assert process_gone(daemon) or os.getsid(daemon) != first["agent"]  # it left the agent's session
         wait_until(lambda: process_gone(daemon), 10, "the finished rollout's daemon to die")
         hung = create(api, subprocess_rollout("DaemonAgent", {"T_HANG": "1"}))
-        wait_until(lambda: events(api, hung[0], event_type="pids"), 20, "the hanging agent to start")
+        wait_until(lambda: events(api, hung[0], event_type="pids"), scaled(60), "the hanging agent to start")
     pids = events(api, hung[0], event_type="pids")[0]["data"]
     assert status(api, hung[0])["state"] == "queuing"
     wait_until(lambda: process_gone(pids["agent"]) and process_gone(pids["daemon"]), 10, "the stopped agent's daemon")
@@ -457,8 +458,10 @@ def test_the_sweep_finds_a_mark_through_exec_and_not_past_a_cleared_environment(
     longer = subprocess.Popen(["sleep", "60"], env={**os.environ, MARK_VARIABLE: mark + "0"})
     try:
         # Critical: `env -i` holds the mark until it execs sleep; look only once all three run sleep.
-        wait_until(lambda: all(_runs_sleep(p.pid) for p in (carried, cleared, longer)), 5, "the three to exec sleep")
-        wait_until(lambda: carried.pid in marked_pids(mark), 5, "the marked process to show")
+        wait_until(
+            lambda: all(_runs_sleep(p.pid) for p in (carried, cleared, longer)), scaled(30), "the three to exec sleep"
+        )
+        wait_until(lambda: carried.pid in marked_pids(mark), scaled(30), "the marked process to show")
         found = marked_pids(mark)
         assert cleared.pid not in found and longer.pid not in found
         kill_rollout_processes(subprocess.Popen(["true"], start_new_session=True), mark)
