@@ -80,6 +80,17 @@ def process_gone(pid: int) -> bool:
         return True
 
 
+def _session_of(pid: int) -> int | None:
+    """`pid`'s session id; None once it is gone (a zombie counts as gone). One read: the runner's
+    kill may end and reap the process between two looks, as between `process_gone` and `os.getsid`."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):  # gone before the open, or between it and the read
+        return None
+    return None if fields[0] == "Z" else int(fields[3])
+
+
 # ---------------------------------------------------------------------------------------------
 # what the agent receives (pure)
 # ---------------------------------------------------------------------------------------------
@@ -431,7 +442,7 @@ def test_a_daemonised_tool_server_ends_with_its_rollout(server, api):
         wait_until(lambda: runner.stats["succeeded"] == 1, scaled(30), "the runner to finish the rollout")
         first = events(api, done[0], event_type="pids")[0]["data"]
         daemon = first["daemon"]
-        assert process_gone(daemon) or os.getsid(daemon) != first["agent"]  # it left the agent's session
+        assert _session_of(daemon) != first["agent"]  # it left the agent's session (or is gone already)
         wait_until(lambda: process_gone(daemon), 10, "the finished rollout's daemon to die")
         hung = create(api, subprocess_rollout("DaemonAgent", {"T_HANG": "1"}))
         wait_until(lambda: events(api, hung[0], event_type="pids"), scaled(60), "the hanging agent to start")
