@@ -62,7 +62,9 @@ def test_kill_9_loses_no_acknowledged_write(tmp_path):
     lock, stop = threading.Lock(), threading.Event()
 
     def writer(w: int) -> None:
-        with httpx.Client(base_url=url, headers={"x-api-key": KEY}, trust_env=False, timeout=10) as c:
+        # a timeout ends the writer as "server gone", failing the check that all run until the kill:
+        # 60 s, not 10, for a write queued behind the others' fsyncs on a loaded disk
+        with httpx.Client(base_url=url, headers={"x-api-key": KEY}, trust_env=False, timeout=60) as c:
             for i in range(10**6):
                 rid = f"w{w}-{i}"
                 try:
