@@ -106,10 +106,11 @@ def test_listing_limits_are_capped(client):
 
 def test_store_work_does_not_block_the_event_loop(server, client):
     """A store call that cannot finish until /healthz answers: it must run off the event loop."""
-    store, healthz_answered = server.app.state.store, threading.Event()
+    store, working, healthz_answered = server.app.state.store, threading.Event(), threading.Event()
     real = store.create_rollouts
 
     def waits_for_healthz(creates):
+        working.set()
         assert healthz_answered.wait(timeout=20), "/healthz was not served while the store worked"
         return real(creates)
 
@@ -117,7 +118,8 @@ def test_store_work_does_not_block_the_event_loop(server, client):
     result: dict = {}
     worker = threading.Thread(target=lambda: result.update(r=client.post("/api/rollouts", json=[{"input": 1}])))
     worker.start()
-    with httpx.Client(base_url=server.url, trust_env=False) as other:
+    assert working.wait(timeout=30), "the POST never reached the store"  # Critical: ask /healthz only during it
+    with httpx.Client(base_url=server.url, trust_env=False, timeout=30) as other:
         assert other.get("/healthz").status_code == 200
     healthz_answered.set()
     worker.join(timeout=30)
