@@ -124,6 +124,7 @@ AGL_LAB_DEFAULTS: dict[str, Any] = {
             "seed": None,
             "config": {},
             "max_turns": 8,
+            "tools": [],  # reasoning_gym:<dataset> only: [calculator] offers calc's calculator tool
         },
         "agent": None,  # "module:function" agent(task, ctx) → overrides the task's agent (CLI)
         "server": {

@@ -14,6 +14,12 @@ keys, e.g. `{min_terms: 2, max_terms: 2}` for basic_arithmetic). A task dict car
 its arguments and the entry's index — JSON, as the store needs — and the agent regenerates the
 entry (`ds[i]` is deterministic in seed and index) so the verifier sees it whole, metadata included.
 
+`agl_lab.task.tools: [calculator]` gives the agent calc's calculator tool (agl_lab/tasks/calc.py: its
+`TOOLS`, worked examples, system prompt and call options, stop at `</tool_call>`): `tool_agent` runs
+calc's append-only tool loop (at most calc.MAX_TURNS calls) on the entry's question and extracts the
+final answer as above. The reward is still the dataset's verifier alone — no credit for calling the
+tool; its `task_result` says whether the calculator was called and whether the answer is its last result.
+
 reasoning-gym imports every generator at import time; one of them (zebra_puzzles) imports
 `pycosat`, which has no wheel for Python 3.11 and would compile. `import_reasoning_gym()` puts a
 placeholder module in its place when it is missing, so every other dataset works. A dataset that
@@ -39,6 +45,7 @@ SYSTEM_PROMPT = "Solve the problem. Reply with the final answer on the last line
 # every one of the ~100 imports, zebra_puzzles needs pycosat (see the module docstring).
 CHECKED_DATASETS = ("basic_arithmetic", "letter_counting", "count_primes", "word_sorting")
 NEEDS_PYCOSAT = ("zebra_puzzles",)
+KNOWN_TOOLS = ("calculator",)
 
 _ANSWER = re.compile(r"answer\s*:\s*(.+)", re.IGNORECASE)
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
@@ -145,6 +152,84 @@ def reasoning_gym_agent(task: dict[str, Any], ctx: Any) -> float | None:
     return value
 
 
+@functools.lru_cache(maxsize=1)
+def _tool_examples() -> tuple[dict[str, Any], ...]:
+    """calc's two worked examples, asked the way reasoning-gym's arithmetic asks ("Calculate 3 + 4."):
+    with calc's own "What is 3 + 4?" SmolLM2 called the tool in 0 of 32 rgym rollouts."""
+    from agl_lab.tasks import calc
+
+    return (
+        *calc._worked_example("Calculate 3 + 4.", ["3 + 4"], "call_0"),
+        *calc._worked_example("Calculate 6 * 9.", ["6 * 9"], "call_1"),
+    )
+
+
+def tool_agent(task: dict[str, Any], ctx: Any) -> float | None:
+    """calc's tool loop on the entry's question (calc's examples and calculator); the reward is the
+    dataset's verifier on the extracted final answer, nothing for the tool."""
+    from agl_lab.tasks import calc
+    from agl_lab.tasks.lookup import openai_client
+
+    client = openai_client(ctx)
+    messages = [{"role": "system", "content": calc.SYSTEM_PROMPT}, *_tool_examples(), messages_for(task)[1]]
+    called, last_result, reply, n_results = False, None, None, 0
+    cancelled = getattr(ctx, "cancelled", None)
+    for _ in range(calc.MAX_TURNS):
+        if cancelled is not None and cancelled.is_set():
+            return None
+        options = calc.call_options({"ops": 1}, n_results)
+        resp = client.chat.completions.create(
+            model=MODEL_NAME, messages=messages, tools=calc.TOOLS, temperature=1.0, **options
+        )
+        msg = resp.choices[0].message
+        if not msg.tool_calls:
+            reply = msg.content or ""
+            break
+        messages.append(msg.model_dump(include={"role", "content", "tool_calls"}))  # as the SDK returned it
+        for call in msg.tool_calls:
+            if call.function.name == "calculator":
+                called, result = True, calc.calculator(call.function.arguments)
+                last_result = result
+            else:
+                result = "error: no such tool"
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+            n_results += 1
+    answer = extract_answer(reply) if reply is not None else None
+    value = 0.0 if reply is None else score(task, reply)
+    emit = getattr(ctx, "emit", None)
+    if callable(emit):
+        emit(
+            "task_result",
+            {
+                "success": value,
+                "answer": answer,
+                "expected": task.get("answer"),
+                "reward": value,
+                "tool_called": called,
+                "answer_is_tool_result": last_result is not None and answer == last_result,
+            },
+        )
+    return value
+
+
+def _tools(tools: Any) -> tuple[str, ...]:
+    """`agl_lab.task.tools` checked: a list of KNOWN_TOOLS names (null or []: none)."""
+    try:
+        from omegaconf import OmegaConf
+
+        if OmegaConf.is_config(tools):
+            tools = OmegaConf.to_container(tools, resolve=True)
+    except ImportError:  # pragma: no cover - omegaconf is a dependency
+        pass
+    if tools is None:
+        return ()
+    if not isinstance(tools, (list, tuple)) or any(name not in KNOWN_TOOLS for name in tools):
+        raise ValueError(
+            f"agl_lab.task.tools must be a list of tool names from {list(KNOWN_TOOLS)} (or []), got {tools!r}"
+        )
+    return tuple(tools)
+
+
 def _options(options: Any) -> tuple[int | None, int | None, dict[str, Any]]:
     """(size, seed, config) from `agl_lab.task` (a mapping or None), checked."""
     get = (lambda key: options.get(key)) if options is not None else (lambda key: None)
@@ -192,6 +277,7 @@ def reasoning_gym_task(dataset: str, options: Any = None) -> Any:
             "(agl_lab.tasks.rgym.dataset_names() lists all)"
         )
     size, fixed_seed, config = _options(options)
+    tools = _tools(options.get("tools") if options is not None else None)
     _refuse_without_pycosat(dataset, config)
     try:
         _dataset(dataset, size or 1, 0, json.dumps(config, sort_keys=True))
@@ -220,11 +306,12 @@ def reasoning_gym_task(dataset: str, options: Any = None) -> Any:
             )
         return out
 
+    with_tools = f" with the {', '.join(tools)} tool" if tools else ""
     return Task(
         name=f"reasoning_gym.{dataset}",
-        description=f"reasoning-gym's {dataset!r}, one answer per question, scored by its own verifier "
-        "(agl_lab/tasks/rgym.py).",
-        agent=reasoning_gym_agent,
+        description=f"reasoning-gym's {dataset!r}{with_tools}, one answer per question, scored by its own "
+        "verifier (agl_lab/tasks/rgym.py).",
+        agent=tool_agent if tools else reasoning_gym_agent,
         train_tasks=lambda n, seed=0: make(n, seed, "train"),
         val_tasks=lambda n, seed=0: make(n, seed, "val"),
         reward=score,
