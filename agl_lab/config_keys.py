@@ -307,6 +307,17 @@ def _changed(cfg: DictConfig, defaults: DictConfig, path: str) -> bool:
     )
 
 
+def _task_tools_unused(cfg: DictConfig, keys: list[str]) -> list[str]:
+    """`agl_lab.task.tools` acts on reasoning-gym tasks only (agl_lab/tasks/rgym.py)."""
+    name = str(cfg.agl_lab.task.name)
+    if "agl_lab.task.tools" not in keys or not cfg.agl_lab.task.get("tools") or name.startswith("reasoning_gym:"):
+        return []
+    return [
+        f"agl_lab.task.tools has no effect on agl_lab.task.name={name}: only reasoning_gym:<dataset> tasks "
+        "offer a tool with it (calc's agent has its calculator already)"
+    ]
+
+
 def warn_ineffective(cfg: DictConfig, defaults: DictConfig, keys: Iterable[str]) -> list[str]:
     """One ConfigWarning per key without effect; returns the messages (for tests and logs)."""
     keys = list(keys)
@@ -353,6 +364,7 @@ def warn_ineffective(cfg: DictConfig, defaults: DictConfig, keys: Iterable[str])
             "trainer.max_actor_ckpt_to_keep=0 keeps every checkpoint (verl's rule: null or 0 is no "
             "limit); set N > 0 to keep the newest N"
         )
+    messages += _task_tools_unused(cfg, keys)
     messages += contradictions(cfg)
     messages += _zero_skip_inexact(cfg, keys)
     messages += mini_batch_clamped(cfg)

@@ -1,6 +1,7 @@
 """Config composition: AGL configs load unchanged; typos and contradictions fail clearly."""
 
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -345,3 +346,11 @@ def test_zero_advantage_skip_set_where_it_is_not_exact_warns():
     assert len(grouper) == 1 and "verl engine" in grouper[0] and "agl_lab.engine=local" in grouper[0]
     with pytest.raises(ConfigError, match="agl_lab.algorithm.skip_zero_advantage must be true or false"):
         load_config(None, ["agl_lab.algorithm.skip_zero_advantage=maybe"])
+
+
+def test_task_tools_outside_reasoning_gym_warns_that_it_has_no_effect():
+    with pytest.warns(ConfigWarning, match=r"agl_lab\.task\.tools has no effect on agl_lab\.task\.name=calc"):
+        load_config(None, ["agl_lab.task.name=calc", "agl_lab.task.tools=[calculator]"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConfigWarning)
+        load_config(None, ["agl_lab.task.name=calc", "actor_rollout_ref.rollout.n=4"])  # not set: nothing said
