@@ -183,14 +183,16 @@ def call_options(task: dict[str, Any], n_tool_results: int) -> dict[str, Any]:
     }
 
 
-def calc_agent(task: dict[str, Any], ctx: Any) -> float | None:
-    """Append-only tool loop: call, run each tool call, send the results back, until a text answer."""
-    from agl_lab.tasks.lookup import openai_client
+def tool_loop(
+    client: Any, messages: list[dict[str, Any]], task: dict[str, Any], cancelled: Any = None
+) -> tuple[str | None, list[str], bool] | None:
+    """The append-only tool loop on `messages` (extended in place): call, run each tool call, send the
+    results back, until a text reply or `MAX_TURNS` calls (`call_options(task, ...)` each call).
 
-    client = openai_client(ctx)
-    messages = first_messages(task)
-    called, answer, n_results = False, None, 0
-    cancelled = getattr(ctx, "cancelled", None)
+    Returns (the text reply, None when the calls ran out; the calculator's results in call order;
+    whether the calculator was called), or None once `cancelled` (a threading.Event) is set."""
+    results: list[str] = []
+    called, n_results = False, 0
     for _ in range(MAX_TURNS):
         if cancelled is not None and cancelled.is_set():
             return None
@@ -199,16 +201,28 @@ def calc_agent(task: dict[str, Any], ctx: Any) -> float | None:
         )
         msg = resp.choices[0].message
         if not msg.tool_calls:
-            answer = msg.content or ""
-            break
+            return msg.content or "", results, called
         messages.append(msg.model_dump(include={"role", "content", "tool_calls"}))  # as the SDK returned it
         for call in msg.tool_calls:
-            called = called or call.function.name == "calculator"
-            result = (
-                calculator(call.function.arguments) if call.function.name == "calculator" else "error: no such tool"
-            )
+            if call.function.name == "calculator":
+                called, result = True, calculator(call.function.arguments)
+                results.append(result)
+            else:
+                result = "error: no such tool"
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
             n_results += 1
+    return None, results, called
+
+
+def calc_agent(task: dict[str, Any], ctx: Any) -> float | None:
+    """`tool_loop` on the task's question, then the reward: TOOL_WEIGHT for calling the calculator,
+    ANSWER_WEIGHT for the right number."""
+    from agl_lab.tasks.lookup import openai_client
+
+    loop = tool_loop(openai_client(ctx), first_messages(task), task, getattr(ctx, "cancelled", None))
+    if loop is None:
+        return None
+    answer, _, called = loop
     value = 0.0 if answer is None else TOOL_WEIGHT * called + ANSWER_WEIGHT * reward(task, answer)
     emit = getattr(ctx, "emit", None)
     if callable(emit):

@@ -170,30 +170,12 @@ def tool_agent(task: dict[str, Any], ctx: Any) -> float | None:
     from agl_lab.tasks import calc
     from agl_lab.tasks.lookup import openai_client
 
-    client = openai_client(ctx)
     messages = [{"role": "system", "content": calc.SYSTEM_PROMPT}, *_tool_examples(), messages_for(task)[1]]
-    called, last_result, reply, n_results = False, None, None, 0
-    cancelled = getattr(ctx, "cancelled", None)
-    for _ in range(calc.MAX_TURNS):
-        if cancelled is not None and cancelled.is_set():
-            return None
-        options = calc.call_options({"ops": 1}, n_results)
-        resp = client.chat.completions.create(
-            model=MODEL_NAME, messages=messages, tools=calc.TOOLS, temperature=1.0, **options
-        )
-        msg = resp.choices[0].message
-        if not msg.tool_calls:
-            reply = msg.content or ""
-            break
-        messages.append(msg.model_dump(include={"role", "content", "tool_calls"}))  # as the SDK returned it
-        for call in msg.tool_calls:
-            if call.function.name == "calculator":
-                called, result = True, calc.calculator(call.function.arguments)
-                last_result = result
-            else:
-                result = "error: no such tool"
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
-            n_results += 1
+    loop = calc.tool_loop(openai_client(ctx), messages, {"ops": 1}, getattr(ctx, "cancelled", None))
+    if loop is None:
+        return None
+    reply, results, called = loop
+    last_result = results[-1] if results else None
     answer = extract_answer(reply) if reply is not None else None
     value = 0.0 if reply is None else score(task, reply)
     emit = getattr(ctx, "emit", None)
