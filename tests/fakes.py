@@ -242,3 +242,42 @@ class Ctx:
     def emit(self, event_type, data=None):
         self.events.append((event_type, data))
         return {}
+
+
+class ScriptedToolModel:
+    """An OpenAI SDK client and agent context in one, replying from a script of
+    (content, [calculator expressions to call]) as SDK objects — what calc's tool loop reads. Each
+    call's messages land in `seen` and its options in `options`; the agent's events in `events`.
+    Tool call ids are `c<call>_<k>` (`c1_0`: the first call's first tool call)."""
+
+    def __init__(self, replies):
+        self.replies, self.seen, self.options, self.events = list(replies), [], [], []
+        self.chat = self.completions = self
+
+    def openai_client(self):
+        return self
+
+    def emit(self, event_type, data=None):
+        self.events.append((event_type, data))
+
+    def create(self, *, messages, **options):
+        import json
+
+        from openai.types.chat import ChatCompletion
+
+        self.seen.append([dict(m) for m in messages])
+        self.options.append(options)
+        content, expressions = self.replies.pop(0)
+        calls = [
+            {
+                "id": f"c{len(self.seen)}_{k}",
+                "type": "function",
+                "function": {"name": "calculator", "arguments": json.dumps({"expression": e})},
+            }
+            for k, e in enumerate(expressions)
+        ]
+        message = {"role": "assistant", "content": content, "tool_calls": calls or None}
+        choice = {"index": 0, "finish_reason": "tool_calls" if calls else "stop", "message": message}
+        return ChatCompletion.model_validate(
+            {"id": "x", "object": "chat.completion", "created": 0, "model": "m", "choices": [choice]}
+        )

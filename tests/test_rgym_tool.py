@@ -14,6 +14,7 @@ import pytest
 from agl_lab.cli import train_main
 from agl_lab.recording import load_recording
 from agl_lab.tasks import calc, get_task, rgym
+from tests.fakes import ScriptedToolModel
 from tests.trainer_runs import SMALL
 
 if importlib.util.find_spec("reasoning_gym") is None:
@@ -21,41 +22,6 @@ if importlib.util.find_spec("reasoning_gym") is None:
 
 CONFIG = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2, "operators": ["+", "-", "*"]}
 OPTIONS = {"tools": ["calculator"], "size": 16, "seed": 5, "config": {**CONFIG, "allow_parentheses": False}}
-
-
-class ScriptedModel:
-    """`client.chat.completions.create` answering from a script of (content, [expressions to call])."""
-
-    def __init__(self, replies):
-        self.replies, self.seen, self.options = list(replies), [], []
-        self.chat = self.completions = self
-        self.events = []
-
-    def openai_client(self):
-        return self
-
-    def emit(self, event_type, data=None):
-        self.events.append((event_type, data))
-
-    def create(self, *, messages, **options):
-        from openai.types.chat import ChatCompletion
-
-        self.seen.append([dict(m) for m in messages])
-        self.options.append(options)
-        content, expressions = self.replies.pop(0)
-        calls = [
-            {
-                "id": f"c{len(self.seen)}_{k}",
-                "type": "function",
-                "function": {"name": "calculator", "arguments": json.dumps({"expression": e})},
-            }
-            for k, e in enumerate(expressions)
-        ]
-        message = {"role": "assistant", "content": content, "tool_calls": calls or None}
-        choice = {"index": 0, "finish_reason": "tool_calls" if calls else "stop", "message": message}
-        return ChatCompletion.model_validate(
-            {"id": "x", "object": "chat.completion", "created": 0, "model": "m", "choices": [choice]}
-        )
 
 
 def _task():
@@ -79,7 +45,7 @@ def test_a_tool_call_runs_its_result_reaches_the_next_call_and_the_reward_is_the
     task = _task()
     result = calc.calculator(json.dumps({"expression": _expression(task)}))
     assert result == task["answer"]  # the calculator gets this dataset's 2-term questions right
-    model = ScriptedModel([(None, [_expression(task)]), (result, [])])
+    model = ScriptedToolModel([(None, [_expression(task)]), (result, [])])
     assert rgym.tool_agent(task, model) == 1.0
     first, second = model.seen
     assert first[0] == {"role": "system", "content": calc.SYSTEM_PROMPT}
@@ -97,21 +63,21 @@ def test_a_tool_call_runs_its_result_reaches_the_next_call_and_the_reward_is_the
 def test_no_credit_for_calling_the_tool_the_verifier_decides():
     task = _task()
     wrong = str(int(task["answer"]) + 1000)
-    model = ScriptedModel([(None, [_expression(task)]), (f"Answer: {wrong}", [])])
+    model = ScriptedToolModel([(None, [_expression(task)]), (f"Answer: {wrong}", [])])
     value = rgym.tool_agent(task, model)
     verdict = rgym.dataset_for(task).score_answer(wrong, rgym.entry_for(task))
     assert value == pytest.approx(verdict) and value < 1.0
     data = model.events[0][1]
     assert data["tool_called"] and not data["answer_is_tool_result"] and data["answer"] == wrong
     # right without the tool: full reward, the calculator not called
-    model = ScriptedModel([(task["answer"], [])])
+    model = ScriptedToolModel([(task["answer"], [])])
     assert rgym.tool_agent(task, model) == 1.0
     assert model.events[0][1]["tool_called"] is False and model.events[0][1]["answer_is_tool_result"] is False
 
 
 def test_the_loop_stops_after_calcs_max_turns_without_an_answer():
     task = _task()
-    model = ScriptedModel([(None, ["1 + 1"])] * calc.MAX_TURNS)
+    model = ScriptedToolModel([(None, ["1 + 1"])] * calc.MAX_TURNS)
     assert rgym.tool_agent(task, model) == 0.0
     assert len(model.seen) == calc.MAX_TURNS and model.events[0][1]["answer"] is None
 

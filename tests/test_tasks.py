@@ -25,6 +25,7 @@ from agl_lab.engines.tiny import load_model_and_tokenizer
 from agl_lab.engines.warmstart import transcript_to_ids, warm_start
 from agl_lab.tasks import Task, get_task, lookup, merge_breakers, task_names
 from agl_lab.tasks.lookup import Action, LookupEnv, episode_reward, parse_action
+from tests.fakes import ScriptedToolModel
 
 TASK = {
     "task_id": "t0",
@@ -403,47 +404,6 @@ def test_calc_tasks_tool_and_reward():
     assert '<tool_call>{"name": "calculator", "arguments": {"expression": ' in text
 
 
-class _ScriptedModel:
-    """`client.chat.completions.create` replying from a script, as SDK objects (what calc_agent reads)."""
-
-    def __init__(self, replies):
-        self.replies, self.seen, self.options = list(replies), [], []
-        self.chat = self.completions = self
-
-    def openai_client(self):
-        return self
-
-    def create(self, *, messages, **options):
-        from openai.types.chat import ChatCompletion
-
-        self.seen.append([dict(m) for m in messages])
-        self.options.append(options)
-        content, calls = self.replies.pop(0)
-        tool_calls = [
-            {
-                "id": f"c{len(self.seen)}",
-                "type": "function",
-                "function": {"name": "calculator", "arguments": json.dumps({"expression": e})},
-            }
-            for e in calls
-        ]
-        return ChatCompletion.model_validate(
-            {
-                "id": "x",
-                "object": "chat.completion",
-                "created": 0,
-                "model": "m",
-                "choices": [
-                    {
-                        "index": 0,
-                        "finish_reason": "tool_calls" if calls else "stop",
-                        "message": {"role": "assistant", "content": content, "tool_calls": tool_calls or None},
-                    }
-                ],
-            }
-        )
-
-
 def test_calc_chain_needs_two_calls_the_second_on_the_first_result():
     from agl_lab.tasks import calc, get_task
 
@@ -461,13 +421,13 @@ def test_calc_chain_needs_two_calls_the_second_on_the_first_result():
     assert [m["role"] for m in demo[-6:]] == ["user", "assistant", "tool", "assistant", "tool", "assistant"]
     assert demo[-1]["content"] == str(train[0]["value"])
     # the agent's loop: two calls, each result sent back as a `tool` message, then the answer
-    model = _ScriptedModel([(None, [t["steps"][0]]), (None, [t["steps"][1]]), (str(t["value"]), [])])
+    model = ScriptedToolModel([(None, [t["steps"][0]]), (None, [t["steps"][1]]), (str(t["value"]), [])])
     assert calc.calc_agent(t, model) == 1.0
-    assert model.seen[1][-1] == {"role": "tool", "tool_call_id": "c1", "content": t["steps"][1].split(" ")[0]}
+    assert model.seen[1][-1] == {"role": "tool", "tool_call_id": "c1_0", "content": t["steps"][1].split(" ")[0]}
     assert model.seen[0][-1] == {"role": "user", "content": t["question"]}
     assert sum(1 for m in model.seen[0] if m.get("tool_calls")) == 4  # the examples: two calls each
     # one call on the whole expression gets an error back; a wrong answer after it keeps only the tool share
-    model = _ScriptedModel([(None, [t["expression"]]), ("12", [])])
+    model = ScriptedToolModel([(None, [t["expression"]]), ("12", [])])
     assert calc.calc_agent(t, model) == pytest.approx(calc.TOOL_WEIGHT)
     assert model.seen[1][-1]["content"].startswith("error")
 
@@ -516,7 +476,7 @@ def test_calc_calls_stop_at_the_tool_call_and_cap_only_the_answer_call():
 
     for spec_name, n_calls in (("calc", 1), ("calc_chain", 2)):
         t = get_task(spec_name).train_tasks(3, 0)[1]
-        model = _ScriptedModel([*[(None, [step]) for step in t["steps"]], (str(t["value"]), [])])
+        model = ScriptedToolModel([*[(None, [step]) for step in t["steps"]], (str(t["value"]), [])])
         assert calc.calc_agent(t, model) == 1.0
         assert all(o["stop"] == ["</tool_call>"] for o in model.options)
         assert all(o["extra_body"] == {"include_stop_str_in_output": True} for o in model.options)
