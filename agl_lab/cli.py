@@ -128,9 +128,6 @@ def train_main(argv: list[str]) -> int:
     return 0
 
 
-VERL_CHECKPOINT_DIR = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"  # verl's default
-
-
 def _checkpoints_in_run_dir(cfg: Any, run_dir: Any) -> None:
     """A run dir named by the user (`--run-dir`, `agl_lab.run_dir`) holds its own checkpoints:
     `trainer.default_local_dir` left at verl's default becomes `<run_dir>/checkpoints`.
@@ -140,9 +137,14 @@ def _checkpoints_in_run_dir(cfg: Any, run_dir: Any) -> None:
     Without a named run dir the verl layout stays, so a bare `--resume` finds the last run's."""
     from omegaconf import OmegaConf
 
+    from agl_lab.config import default_config
+
+    def unresolved(c: Any) -> Any:
+        return OmegaConf.to_container(c.trainer, resolve=False).get("default_local_dir")
+
     if run_dir is None:
         return
-    if OmegaConf.to_container(cfg.trainer, resolve=False).get("default_local_dir") == VERL_CHECKPOINT_DIR:
+    if unresolved(cfg) == unresolved(default_config()):  # verl's checkpoints/{project}/{experiment}
         cfg.trainer.default_local_dir = os.path.join(str(run_dir), "checkpoints")
 
 

@@ -196,13 +196,10 @@ def tool_agent(task: dict[str, Any], ctx: Any) -> float | None:
 
 def _tools(tools: Any) -> tuple[str, ...]:
     """`agl_lab.task.tools` checked: a list of KNOWN_TOOLS names (null or []: none)."""
-    try:
-        from omegaconf import OmegaConf
+    from omegaconf import OmegaConf
 
-        if OmegaConf.is_config(tools):
-            tools = OmegaConf.to_container(tools, resolve=True)
-    except ImportError:  # pragma: no cover - omegaconf is a dependency
-        pass
+    if OmegaConf.is_config(tools):
+        tools = OmegaConf.to_container(tools, resolve=True)
     if tools is None:
         return ()
     if not isinstance(tools, (list, tuple)) or any(name not in KNOWN_TOOLS for name in tools):
