@@ -108,6 +108,8 @@ VERL_IGNORED = {
     "agl_lab.model.max_model_len": "set actor_rollout_ref.rollout.max_model_len",
     "agl_lab.model.device": "verl places its workers on GPUs, or on CPU with agl_lab.verl.device=cpu",
     "agl_lab.algorithm.skip_zero_advantage": "verl's actor forwards every micro-batch (its loss loop is verl's own)",
+    "agl_lab.model.compute_dtype": "set actor_rollout_ref.actor.fsdp_config.mixed_precision and "
+    "actor_rollout_ref.rollout.dtype",
 }
 
 # (key, lower bound, strict?) for numbers; None values pass (the key's own check decides).
@@ -274,6 +276,11 @@ def check_values(cfg: DictConfig, defaults: DictConfig, keys: Iterable[str]) -> 
     if mode is not None and mode not in LOSS_AGG_MODES:
         problems.append(
             f"actor_rollout_ref.actor.loss_agg_mode={mode!r} is not one of verl's modes {list(LOSS_AGG_MODES)}"
+        )
+    dtype = OmegaConf.select(cfg, "agl_lab.model.compute_dtype", default=None)
+    if dtype is not None and str(dtype) not in ("float32", "bfloat16"):
+        problems.append(
+            f"agl_lab.model.compute_dtype={dtype!r} is not one of null, float32, bfloat16 (the matrix products' precision)"
         )
     for path, low, strict in RANGES:
         value = OmegaConf.select(cfg, path, default=None, throw_on_missing=False)

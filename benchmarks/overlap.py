@@ -12,6 +12,11 @@ invocation so the machine's load is shared:
                   wait two steps but may be one version old, so half of them age out (dropped)
     stale1-wait-d1  stale1-wait with the decode loop on 1 thread beside the update's 2
                   (`agl_lab.engine_options.decode_threads=1`; `auto` gives it the update's count)
+    sync-bf16     sync with `agl_lab.model.compute_dtype=bfloat16`: the matrix products of the decode
+                  loop and of the update in bfloat16 over float32 weights (agl_lab/engines/precision.py)
+    stale1-wait-bf16  stale1-wait, bfloat16 products
+    sync-bf16-gap sync-bf16 without bypass: the old logprobs recomputed, so the engine-vs-trainer gap
+                  that bfloat16 opens is measured (lp_gap), at the price of that forward
 
 Columns (per case; medians over steps 2..N, step 1 pays the warm-up):
 
@@ -25,6 +30,8 @@ Columns (per case; medians over steps 2..N, step 1 pays the warm-up):
     busy_gen    the same over the rollout phase only
     fwd_upd_s   engine forward seconds inside the update (0 when synchronous: the overlap's work)
     dropped     stale groups dropped over the run (`training/overlap/n_stale_groups_dropped`)
+    lp_gap      median of `training/rollout_logprobs_diff_max` (sampling vs recomputed logprobs; NaN
+                under bypass, where nothing is recomputed)
     reward      mean training reward over steps 1..N
     val         validation reward after the last step (`--no-val` skips it)
 
@@ -43,6 +50,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 OVERLAP = ["agentlightning.async_rollout.enabled=true", "agl_lab.rollout.max_staleness=1"]
+BF16 = "agl_lab.model.compute_dtype=bfloat16"
 CASES = {
     "sync": [],
     "stale1-drop": [*OVERLAP, "agl_lab.rollout.stale_groups=drop"],
@@ -52,12 +60,16 @@ CASES = {
     "stale1-wait-2x": [*OVERLAP, "agl_lab.rollout.stale_groups=wait"],
     # the decode loop on one thread beside the update's (auto: as many as the update): the cores split
     "stale1-wait-d1": [*OVERLAP, "agl_lab.rollout.stale_groups=wait", "agl_lab.engine_options.decode_threads=1"],
+    "sync-bf16": [BF16],
+    "stale1-wait-bf16": [*OVERLAP, "agl_lab.rollout.stale_groups=wait", BF16],
+    "sync-bf16-gap": [BF16, "algorithm.rollout_correction.bypass_mode=false"],
 }
 BUFFER_BATCHES = {
     "stale1-drop": 1,
     "stale1-wait": 1,
     "stale1-wait-2x": 2,
     "stale1-wait-d1": 1,
+    "stale1-wait-bf16": 1,
 }  # async_train_batch_size / batch
 
 CHILD = r"""
@@ -81,7 +93,8 @@ with tempfile.TemporaryDirectory() as run_dir, \
         row = {"step_s": time.time() - t0, "rollout_s": m["timing_s/gen"], "update_s": m["timing_s/update"],
                "fwd_s": stats["forward_s"] - f0, "fwd_gen_s": f1 - f0, "fwd_upd_s": stats["forward_s"] - f2,
                "dropped": m.get("training/overlap/n_stale_groups_dropped", 0.0),
-               "reward": b.metrics.get("training/reward", float("nan"))}
+               "reward": b.metrics.get("training/reward", float("nan")),
+               "lp_gap": m.get("training/rollout_logprobs_diff_max", float("nan"))}
         print("ROW " + json.dumps(row), flush=True)
     if val:
         print("VAL " + json.dumps(trainer.validate().get("val/reward", float("nan"))), flush=True)
@@ -109,6 +122,7 @@ def summary(rows: list[dict], val: float) -> dict[str, float]:
     med["busy_gen"] = statistics.median(r["fwd_gen_s"] / r["rollout_s"] for r in tail if r["rollout_s"] > 0)
     med["dropped"] = sum(r["dropped"] for r in rows)  # the metric counts a step's drops
     med["reward"] = statistics.mean(r["reward"] for r in rows)
+    med["lp_gap"] = statistics.median(r.get("lp_gap", float("nan")) for r in tail)
     med["val"] = val
     return med
 
@@ -126,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--cases: unknown {unknown}; choose from {list(CASES)}")
     print(f"# {args.config}, {args.steps} steps a case, overrides: {' '.join(args.overrides) or '-'}")
     cols = ("step_s", "rollout_s", "update_s", "rest_s", "busy", "busy_gen", "fwd_upd_s", "dropped", "reward", "val")
-    print(f"{'case':<12} | " + " | ".join(f"{c:>9}" for c in cols), flush=True)
+    cols += ("lp_gap",)
+    print(f"{'case':<16} | " + " | ".join(f"{c:>9}" for c in cols), flush=True)
     from agl_lab.config import load_config
 
     batch = int(load_config(args.config, args.overrides).data.train_batch_size)
@@ -137,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         for i, r in enumerate(rows, start=1):
             print(f"#   {name} step {i}: " + json.dumps({k: round(v, 3) for k, v in r.items()}))
         s = summary(rows, val)
-        print(f"{name:<12} | " + " | ".join(f"{s[c]:>9.3f}" for c in cols), flush=True)
+        print(f"{name:<16} | " + " | ".join(f"{s[c]:>9.3f}" for c in cols), flush=True)
     return 0
 
 

@@ -297,3 +297,31 @@ def test_trl_side_by_side_reads_a_case_s_rows_as_they_come_and_names_a_failed_ca
     ]
     with pytest.raises(SystemExit, match=r"case demo failed:[\s\S]*ValueError: no weights"):
         bench.run_case("demo", [sys.executable, "-c", "raise ValueError('no weights')"])
+
+
+@pytest.mark.slow
+def test_overlap_benchmark_prints_the_bfloat16_cases_and_the_gap_they_open():
+    """`overlap.py` on the tiny model, one step a case: the float32 step's engine-vs-trainer gap is
+    float32 noise, the bfloat16 one's is not (agl_lab.model.compute_dtype acts in both places)."""
+    small = [
+        "data.train_batch_size=4",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    ]
+    out = _run(
+        "benchmarks/overlap.py",
+        "--config=configs/cpu_tiny.yaml",
+        "--steps=1",
+        "--no-val",
+        "--cases=sync,sync-bf16-gap",
+        *small,
+        "agl_lab.model.warm_start_steps=0",
+        timeout=600,
+    )
+    lines = out.splitlines()
+    header = next(line for line in lines if line.startswith("case "))
+    columns = [c.strip() for c in header.split("|")]
+    gap = columns.index("lp_gap")
+    rows = {line.split("|")[0].strip(): [c.strip() for c in line.split("|")] for line in lines if " | " in line}
+    assert float(rows["sync"][gap]) < 1e-4
+    assert 1e-4 < float(rows["sync-bf16-gap"][gap]) < 1.0

@@ -90,6 +90,29 @@ def _warn_invariance_gap(model: Any) -> None:
         )
 
 
+def _set_compute_dtype(model: torch.nn.Module, value: Any) -> None:
+    """`agl_lab.model.compute_dtype` on `model` (agl_lab/engines/precision.py); warns where it does nothing."""
+    from agl_lab.config_keys import ConfigWarning
+    from agl_lab.engines import precision
+
+    try:
+        dtype = precision.parse(value)
+    except ValueError as err:
+        from agl_lab.config import ConfigError
+
+        raise ConfigError(str(err)) from None
+    p = next(model.parameters())
+    if dtype is not None and (p.device.type != "cpu" or p.dtype != torch.float32):
+        warnings.warn(
+            f"{precision.KEY}={value} has no effect: the model's weights are {str(p.dtype).removeprefix('torch.')} "
+            f"on {p.device.type}, and the key sets the products' precision over float32 CPU weights",
+            ConfigWarning,
+            stacklevel=3,
+        )
+        return
+    precision.set_compute_dtype(model, dtype)
+
+
 class LocalEngine(Engine):
     """A transformers model served by `OpenAIServer` and trained by `agl_lab.engines.local_ppo.ppo_update`."""
 
@@ -99,6 +122,7 @@ class LocalEngine(Engine):
         *,
         device: str | None = None,
         dtype: Any = None,
+        compute_dtype: Any = None,
         seed: int = 0,
         max_model_len: int = MAX_MODEL_LEN,
         actor: Any = None,
@@ -122,6 +146,7 @@ class LocalEngine(Engine):
         self.lora = lora if isinstance(lora, LoraSpec) else LoraSpec.from_model_config(lora)
         self.model, self.tokenizer = load_model_and_tokenizer(model_path, device=device, dtype=dtype, seed=seed)
         self.device = next(self.model.parameters()).device
+        _set_compute_dtype(self.model, compute_dtype)  # before the copies below: they inherit it
         self.model_name = model_name or (Path(model_path).resolve().name if model_path else DEFAULT_MODEL_NAME)
         # `algorithm.*` of a verl config: KL in reward and rollout correction (see `prepare`)
         self.algorithm = OmegaConf.create(
@@ -228,6 +253,7 @@ class LocalEngine(Engine):
         return cls(
             resolve_model_path(lab.model),
             device=lab.model.device,
+            compute_dtype=lab.model.get("compute_dtype"),
             seed=int(lab.seed),
             max_model_len=int(lab.model.max_model_len),
             actor=actor,

@@ -46,7 +46,7 @@ from verl import DataProto
 from verl.trainer.ppo.core_algos import agg_loss, get_policy_loss_fn, kl_penalty
 
 from agl_lab.algorithms.loss import register_loss
-from agl_lab.engines import zero_skip
+from agl_lab.engines import precision, zero_skip
 from agl_lab.engines.actor_config import ActorUpdateConfig, build_optimizer  # noqa: F401 (re-export)
 from agl_lab.engines.shared_prefix import (
     ForwardCost,
@@ -102,13 +102,14 @@ def _response_forward(
     entropy: none | grad | detached."""
     device = next(model.parameters()).device
     input_ids, attention_mask, position_ids, kept = _trim(input_ids, attention_mask, position_ids, response_length)
-    out = model(
-        input_ids=input_ids.to(device),
-        attention_mask=attention_mask.to(device),
-        position_ids=position_ids.to(device),
-        use_cache=False,
-        logits_to_keep=kept + 1,
-    )
+    with precision.autocast(model):  # agl_lab.model.compute_dtype=bfloat16: bfloat16 products
+        out = model(
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            position_ids=position_ids.to(device),
+            use_cache=False,
+            logits_to_keep=kept + 1,
+        )
     # Critical: position t predicts token t+1, so the R' logits before the last one score the
     # R' response tokens; the last position predicts past the end and is dropped.
     logits = out.logits[:, -(kept + 1) : -1, :].float() / temperature

@@ -37,6 +37,8 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
 
+from agl_lab.engines import precision
+
 MIN_SHARED = 8  # tokens: below this the prefix forward saves less than its own overhead
 
 
@@ -109,7 +111,8 @@ class SharedPrefix:
         """`prefix_ids` [P]: forwarded as [1, P] with the cache on, under the caller's grad mode."""
         device = next(model.parameters()).device
         self.model, self.length = model, int(prefix_ids.shape[0])
-        out = model(input_ids=prefix_ids.view(1, -1).to(device), use_cache=True, logits_to_keep=1)
+        with precision.autocast(model):  # as local_ppo._response_forward
+            out = model(input_ids=prefix_ids.view(1, -1).to(device), use_cache=True, logits_to_keep=1)
         self._kv = [t for layer in out.past_key_values.layers for t in (layer.keys, layer.values)]
         self._leaves = [t.detach().requires_grad_(t.requires_grad) for t in self._kv]
         self.body_tokens = self.length
@@ -148,14 +151,15 @@ class SharedPrefix:
         positions = (p + cols).expand(n, -1)
         # response token j of row i sits at suffix index prompt_len_i − P + j; its logit at one before
         first = int(prompt_len.min()) - p - 1
-        out = self.model(
-            input_ids=suffix.to(device),
-            attention_mask=full_mask.to(device),
-            position_ids=positions.to(device),
-            past_key_values=self._cache(n),
-            use_cache=True,
-            logits_to_keep=width_s - first,
-        )
+        with precision.autocast(self.model):
+            out = self.model(
+                input_ids=suffix.to(device),
+                attention_mask=full_mask.to(device),
+                position_ids=positions.to(device),
+                past_key_values=self._cache(n),
+                use_cache=True,
+                logits_to_keep=width_s - first,
+            )
         self.body_tokens += n * width_s
         kept = kept_response_width(attention_mask, response_length)
         j = torch.arange(kept).unsqueeze(0)

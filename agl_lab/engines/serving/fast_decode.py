@@ -24,7 +24,9 @@ LoRA (`agl_lab.engines.lora`): an adapted projection is served with W + scale·B
 or B changed and cached, so an adapter update is visible at the next step like a full one.
 
 Fidelity: the same float32 function with a different summation order — logprobs agree with
-a full HF forward to ~1e-6 (tests/test_decode_batch.py checks `decode_step` against it).
+a full HF forward to ~1e-6 (tests/test_decode_batch.py checks `decode_step` against it). With
+`agl_lab.model.compute_dtype=bfloat16` (`agl_lab.engines.precision`) the products take bfloat16
+inputs from packed bfloat16 copies: ~1e-2, ~1.7× faster a product.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from agl_lab.engines import precision
 from agl_lab.engines.lora import effective_weight, is_lora
 
 _SUPPORTED = {"LlamaForCausalLM", "Qwen2ForCausalLM"}
@@ -86,6 +89,8 @@ def invariance_gap(model: Any) -> str | None:
         return f"the model is on {p.device.type}, where matrix products go through F.linear"
     if p.dtype != torch.float32:
         return f"the model is {str(p.dtype).removeprefix('torch.')}, and only float32 uses oneDNN's packed kernels"
+    if precision.mixed(model):
+        return f"{precision.KEY}=bfloat16: the row invariance was measured for the float32 kernels only"
     return None
 
 
@@ -94,14 +99,24 @@ def _linear_fn(model: Any, weights: list[torch.Tensor]) -> Callable[..., torch.T
     w0 = weights[0]
     if not (_ONEDNN and w0.device.type == "cpu" and w0.dtype == torch.float32):
         return F.linear
-    versions = tuple((w.data_ptr(), w._version) for w in weights)
+    mixed = precision.mixed(model)  # agl_lab.model.compute_dtype=bfloat16: packed bfloat16 copies
+    versions = (mixed, *((w.data_ptr(), w._version) for w in weights))
     cached = _packed.get(model)
     if cached is None or cached[0] != versions:  # first call, or the weights were updated in place
+        dtype = torch.bfloat16 if mixed else torch.float32
         with torch.inference_mode():
-            packed = {id(w): torch.ops.mkldnn._reorder_linear_weight(w.detach(), _PACK_HINT) for w in weights}
+            packed = {id(w): torch.ops.mkldnn._reorder_linear_weight(w.detach().to(dtype), _PACK_HINT) for w in weights}
         cached = (versions, packed)
         _packed[model] = cached
     packed = cached[1]
+
+    if mixed:  # bfloat16 in, float32 out: the rest of the step (norms, RoPE, attention) stays float32
+
+        def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+            out = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), packed[id(weight)], None, "none", [], "")
+            return out.float() if bias is None else out.float() + bias
+
+        return linear
 
     def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, packed[id(weight)], bias, "none", [], "")

@@ -1,0 +1,108 @@
+"""`agl_lab.model.compute_dtype=bfloat16` (agl_lab/engines/precision.py): bfloat16 matrix products
+over float32 weights, in the decode loop and in the update — near the float32 numbers, not equal."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from agl_lab.config import ConfigError, load_config
+from agl_lab.config_keys import ConfigWarning
+from agl_lab.engines import precision
+from agl_lab.engines.local import _set_compute_dtype
+from agl_lab.engines.local_ppo import _response_forward
+from agl_lab.engines.serving import fast_decode
+from agl_lab.engines.serving.decode_batch import DecodeBatch
+from agl_lab.engines.tiny import load_model_and_tokenizer
+from agl_lab.trainer import Trainer
+from tests.trainer_runs import SMALL
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, tokenizer = load_model_and_tokenizer(None, device="cpu")
+    return model, tokenizer
+
+
+@pytest.mark.parametrize("value", ["float16", "bf16", "int8"])
+def test_a_bad_compute_dtype_fails_at_load_naming_the_key(value):
+    with pytest.raises(ConfigError, match=rf"agl_lab\.model\.compute_dtype='{value}' is not one of null, float32"):
+        load_config(None, [f"agl_lab.model.compute_dtype={value}"])
+
+
+def _decode_logprobs(model, prompt: list[int]) -> torch.Tensor:
+    """Three rows of `prompt`: prefill, then one decode step through `fast_decode` → logprobs [3, V]."""
+    batch, logits = DecodeBatch.prefill(model, [prompt] * 3, [1.0] * 3, [1.0] * 3, [False] * 3, pad_id=0)
+    batch.tokens = logits.argmax(-1)
+    with torch.inference_mode():
+        return batch.decode(model).log_softmax(-1)
+
+
+def _hf_logprobs(model, prompt: list[int], token: int) -> torch.Tensor:
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([[*prompt, token]])).logits[0, -1]
+    return logits.float().log_softmax(-1)
+
+
+def test_the_decode_step_in_bfloat16_is_near_the_float32_one_and_not_equal(tiny):
+    model, tokenizer = tiny
+    prompt = tokenizer("The capital of the tiny model's country is").input_ids
+    try:
+        precision.set_compute_dtype(model, None)
+        plain = _decode_logprobs(model, prompt)
+        reference = _hf_logprobs(model, prompt, int(plain[0].argmax()))  # float32 HF forward
+        precision.set_compute_dtype(model, torch.bfloat16)
+        assert precision.mixed(model) and fast_decode.invariance_gap(model).startswith(precision.KEY)
+        mixed = _decode_logprobs(model, prompt)  # the packed copies are rebuilt for the new setting
+    finally:
+        precision.set_compute_dtype(model, None)
+    assert (plain[0] - reference).abs().max() < 1e-4
+    gap = (mixed - plain).abs().max()
+    assert 1e-4 < gap < 0.1  # the products really ran in bfloat16, and stayed close
+    assert torch.equal(_decode_logprobs(model, prompt), plain)  # back to float32: the float32 bits again
+
+
+def test_the_trainer_forward_runs_its_products_in_bfloat16_and_keeps_float32_gradients(tiny):
+    model, tokenizer = tiny
+    ids = torch.tensor([tokenizer("a b c d e f g h").input_ids])
+    mask, positions = torch.ones_like(ids), torch.arange(ids.shape[1])[None]
+    seen: list[torch.dtype] = []
+    hook = model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, out: seen.append(out.dtype))
+    try:
+        for dtype in (None, torch.bfloat16):
+            precision.set_compute_dtype(model, dtype)
+            model.zero_grad()
+            logprobs, _ = _response_forward(model, ids, mask, positions, 4, 1.0, "none")
+            assert logprobs.dtype == torch.float32
+            logprobs.sum().backward()
+            grad = model.model.layers[0].mlp.down_proj.weight.grad
+            assert grad is not None and grad.dtype == torch.float32
+    finally:
+        hook.remove()
+        precision.set_compute_dtype(model, None)
+        model.zero_grad()
+    assert seen == [torch.float32, torch.bfloat16]
+
+
+def test_the_key_warns_where_the_weights_are_not_float32_on_the_cpu():
+    model, _ = load_model_and_tokenizer(None, device="cpu", dtype="bfloat16")
+    with pytest.warns(ConfigWarning, match=r"agl_lab\.model\.compute_dtype=bfloat16 has no effect: .* bfloat16 on cpu"):
+        _set_compute_dtype(model, "bfloat16")
+    assert not precision.mixed(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _set_compute_dtype(model, None)  # null: nothing to warn about
+
+
+def test_a_trainer_step_in_bfloat16_trains_and_shows_the_logprob_gap(tmp_path):
+    overrides = [*SMALL, "agl_lab.model.compute_dtype=bfloat16"]
+    with Trainer.from_config("configs/cpu_tiny.yaml", overrides=overrides, run_dir=tmp_path, console=False) as trainer:
+        assert precision.mixed(trainer.engine.model) and precision.mixed(trainer.engine.serving_model)
+        trainer.rollout()
+        trainer.build_batch()
+        update = trainer.update()
+    assert not update.skipped and update.policy_version == 1
+    # float32 on both sides gives < 1e-4 (tests/test_trainer.py); bfloat16 products do not
+    assert 1e-4 < update.metrics["training/rollout_logprobs_diff_max"] < 1.0
