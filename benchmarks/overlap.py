@@ -28,6 +28,7 @@ Columns (per case; medians over steps 2..N, step 1 pays the warm-up):
     busy        the engine's forward seconds over the step / the step's wall (the scheduler's
                 `forward_s`): the share of the step the engine computes
     busy_gen    the same over the rollout phase only
+    prefill_s   of the rollout phase's engine forwards, the prompts' prefills (the rest: decode steps)
     fwd_upd_s   engine forward seconds inside the update (0 when synchronous: the overlap's work)
     dropped     stale groups dropped over the run (`training/overlap/n_stale_groups_dropped`)
     lp_gap      median of `training/rollout_logprobs_diff_max` (sampling vs recomputed logprobs; NaN
@@ -83,15 +84,15 @@ with tempfile.TemporaryDirectory() as run_dir, \
         Trainer.from_config(config, overrides=overrides, run_dir=run_dir, console=False) as trainer:
     stats = trainer.engine.server.scheduler.stats  # the engine's running totals (forward_s)
     for step in range(1, steps + 1):
-        t0, f0 = time.time(), stats["forward_s"]
+        t0, f0, p0 = time.time(), stats["forward_s"], stats["prefill_s"]
         ro = trainer.rollout()
-        f1 = stats["forward_s"]
+        f1, p1 = stats["forward_s"], stats["prefill_s"]
         b = trainer.build_batch(ro)
         f2 = stats["forward_s"]
         u = trainer.update(b)
         m = {**ro.metrics, **u.metrics}
         row = {"step_s": time.time() - t0, "rollout_s": m["timing_s/gen"], "update_s": m["timing_s/update"],
-               "fwd_s": stats["forward_s"] - f0, "fwd_gen_s": f1 - f0, "fwd_upd_s": stats["forward_s"] - f2,
+               "fwd_s": stats["forward_s"] - f0, "fwd_gen_s": f1 - f0, "prefill_s": p1 - p0, "fwd_upd_s": stats["forward_s"] - f2,
                "dropped": m.get("training/overlap/n_stale_groups_dropped", 0.0),
                "reward": b.metrics.get("training/reward", float("nan")),
                "lp_gap": m.get("training/rollout_logprobs_diff_max", float("nan"))}
@@ -116,7 +117,8 @@ def run_case(config: str, steps: int, val: bool, overrides: list[str]) -> tuple[
 def summary(rows: list[dict], val: float) -> dict[str, float]:
     """Medians over steps 2..N (all steps when there is one) of a case's rows."""
     tail = rows[1:] or rows
-    med = {k: statistics.median(r[k] for r in tail) for k in ("step_s", "rollout_s", "update_s", "fwd_upd_s")}
+    keys = ("step_s", "rollout_s", "update_s", "fwd_upd_s", "prefill_s")
+    med = {k: statistics.median(r.get(k, float("nan")) for r in tail) for k in keys}
     med["rest_s"] = statistics.median(r["step_s"] - r["rollout_s"] - r["update_s"] for r in tail)
     med["busy"] = statistics.median(r["fwd_s"] / r["step_s"] for r in tail)
     med["busy_gen"] = statistics.median(r["fwd_gen_s"] / r["rollout_s"] for r in tail if r["rollout_s"] > 0)
@@ -140,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--cases: unknown {unknown}; choose from {list(CASES)}")
     print(f"# {args.config}, {args.steps} steps a case, overrides: {' '.join(args.overrides) or '-'}")
     cols = ("step_s", "rollout_s", "update_s", "rest_s", "busy", "busy_gen", "fwd_upd_s", "dropped", "reward", "val")
-    cols += ("lp_gap",)
+    cols += ("prefill_s", "lp_gap")
     print(f"{'case':<16} | " + " | ".join(f"{c:>9}" for c in cols), flush=True)
     from agl_lab.config import load_config
 
