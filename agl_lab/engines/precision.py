@@ -10,13 +10,13 @@ only the products drop to bfloat16 inputs (accumulating in float32):
 
 * the decode loop (`fast_decode`) packs a bfloat16 copy of each linear weight once per weight
   version (as it packs float32 ones) and casts each product's input to bfloat16, its output back;
-* the trainer's forward and backward (`local_ppo._response_forward`: the update, the old and
-  reference logprobs) run under `torch.autocast("cpu", bfloat16)`.
+* the prompts' prefill (HF's forward, `DecodeBatch.prefill`) and the trainer's forward and backward
+  (`local_ppo._response_forward`, `shared_prefix`: the update, the old and reference logprobs) run
+  under `torch.autocast("cpu", bfloat16)`; the prefill's K/V are cached in float32 for the decode.
 
 The price is exactness: the engine's sampling logprobs and the trainer's differ by ~1e-2 (float32:
 ~1e-6), as on a GPU in bf16. `training/rollout_logprobs_diff_*` shows the gap; the rollout
-correction keys (`algorithm.rollout_correction`) are the way to correct for it. The prompt's
-prefill keeps float32 (HF's forward; its K/V are cached in float32 for the decode).
+correction keys (`algorithm.rollout_correction`) are the way to correct for it.
 
 The setting travels with the module (`set_compute_dtype`: an attribute, so the engine's serving
 copy and reference copy — deep copies — keep it). On a GPU the weights themselves are bfloat16

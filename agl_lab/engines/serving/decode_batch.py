@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from agl_lab.engines import precision
 from agl_lab.engines.serving import fast_decode
 from agl_lab.engines.serving.prefix_cache import CachedPrefix
 
@@ -83,8 +84,11 @@ class SlabLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, n, _ = key_states.shape
-        self.kbuf = key_states.new_zeros((b, h, n + _HEADROOM, key_states.shape[-1]))
-        self.vbuf = value_states.new_zeros((b, h, n + _HEADROOM, value_states.shape[-1]))
+        # the wider of the two: under bfloat16 autocast V leaves its projection in bfloat16 while K,
+        # rotated with float32 cos/sin, is float32 — the slab keeps both in float32 for the decode
+        dtype = torch.promote_types(key_states.dtype, value_states.dtype)
+        self.kbuf = key_states.new_zeros((b, h, n + _HEADROOM, key_states.shape[-1]), dtype=dtype)
+        self.vbuf = value_states.new_zeros((b, h, n + _HEADROOM, value_states.shape[-1]), dtype=dtype)
         self.rows = b
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
@@ -283,15 +287,16 @@ class DecodeBatch:
             logits = fast_decode.forward(model, layers, ids, positions, mask, invariant=True)
         else:
             cache = Cache(layers=layers) if layers else Cache(layer_class_to_replicate=SlabLayer)
-            out = model(
-                input_ids=ids,
-                attention_mask=mask,
-                position_ids=positions,
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            layers, logits = list(cache.layers), out.logits[:, -1, :]
+            with precision.autocast(model):  # agl_lab.model.compute_dtype=bfloat16: as the decode's products
+                out = model(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    position_ids=positions,
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+            layers, logits = list(cache.layers), out.logits[:, -1, :].to(next(model.parameters()).dtype)
         batch = cls(
             layers=layers,
             mask=mask,
