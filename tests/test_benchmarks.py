@@ -325,3 +325,12 @@ def test_overlap_benchmark_prints_the_bfloat16_cases_and_the_gap_they_open():
     rows = {line.split("|")[0].strip(): [c.strip() for c in line.split("|")] for line in lines if " | " in line}
     assert float(rows["sync"][gap]) < 1e-4
     assert 1e-4 < float(rows["sync-bf16-gap"][gap]) < 1.0
+
+
+def test_precision_benchmark_prints_both_tables_with_a_gap_between_the_precisions():
+    out = _run("benchmarks/precision.py", "--preset=tiny", "--repeat=1", "--threads=1", "--rows=4", "--tokens=16")
+    assert re.search(r"^decode lm head, M=4 +\| +[\d.]+ \| +[\d.]+ \| +[\d.]+×$", out, flags=re.M)
+    assert re.search(r"^update mlp up, M=64 +\|", out, flags=re.M)
+    row = next(line for line in out.splitlines() if line.startswith("fwd+bwd 4×16 tokens"))
+    gap = float(row.split("|")[-1])
+    assert 1e-4 < gap < 0.5  # the autocast pass really ran in bfloat16
