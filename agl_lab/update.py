@@ -66,7 +66,9 @@ def run_update(cfg, engine: Engine, batch: BatchResult, *, step: int) -> UpdateR
         with _timed(metrics, "old_log_prob"):  # verl: old/ref logprobs, values, KL-in-reward, IS weights
             data, prep_metrics = engine.prepare(data)
         metrics.update(prep_metrics)
-        metrics.update(logprob_gap(data))  # how far the update starts from on-policy (both engines)
+        bypass = engine.bypass_mode or uses_bypass(cfg.algorithm.get("rollout_correction"))
+        if not bypass:  # under bypass the old logprobs *are* the sampling ones: the gap is 0 by construction
+            metrics.update(logprob_gap(data))  # how far the update starts from on-policy (both engines)
         with _timed(metrics, "adv"):
             prepared, records, adv_metrics = prepare_update_batch(data, seed=int(cfg.agl_lab.seed) + step, **opts)
         metrics.update(adv_metrics)
@@ -76,7 +78,6 @@ def run_update(cfg, engine: Engine, batch: BatchResult, *, step: int) -> UpdateR
         # Critical: skip_reason decided on the same row counts, so selection keeps ≥ 1 row here.
         assert prepared is not None, "skip_reason and select_for_update disagree on this batch"
         # the trained tokens' ages; their Δlogp by age and turn unless bypass makes it 0 by construction
-        bypass = engine.bypass_mode or uses_bypass(cfg.algorithm.get("rollout_correction"))
         metrics.update(staleness_metrics(prepared, engine.policy_version, bypass=bypass))
         with _timed(metrics, "update_actor"):
             metrics.update(engine.update(prepared))

@@ -73,13 +73,15 @@ def test_staleness_one_ages_stay_within_the_bound_and_count_every_token(tmp_path
 
 def test_under_bypass_the_gap_is_not_logged_as_a_measured_zero(tmp_path):
     """Bypass makes the old logprobs the sampling ones: |Δlogp| would be 0 by construction, so the
-    `staleness/lp_diff_*` keys (and the console's per-age split) are left out; ages are still logged."""
+    `staleness/lp_diff_*` keys, `training/rollout_logprobs_diff_*` and the console's `lp_diff_max`
+    are left out; ages are still logged."""
     from agl_lab.logger import format_console_line
 
     (_b, u), (_b2, u2) = _steps(tmp_path, OVERLAP, 2)
     for m in (u.metrics, u2.metrics):
         assert "staleness/token_age_max" in m and not [k for k in m if k.startswith("staleness/lp_diff")]
-    assert "lp_diff_max_age" not in format_console_line(2, u2.metrics)
+        assert not [k for k in m if k.startswith("training/rollout_logprobs_diff")]
+    assert "lp_diff_max" not in format_console_line(2, u2.metrics)
     assert (u2.staleness().lp_diff == 0).all()  # the view still shows both logprobs: equal
 
 
