@@ -8,7 +8,8 @@ Two tables, each variant side by side in one run (best of `--repeat` rounds, the
                `--tokens`, `F.linear` in float32 vs under CPU autocast)
     model      the model's forward + backward on `--rows` × `--tokens` tokens (the update's work for
                one micro-batch, LoRA-free: every weight frozen but one MLP), float32 vs autocast, and
-               the largest |Δ logprob| of the forward between the two
+               the largest |Δ logprob| of the tokens' logprobs between the two (random ids: a
+               harsher case than text)
 
 What the tables do not say is what a training step gains: the step has more than products (attention,
 norms, the optimizer, Python between the ops) — `benchmarks/overlap.py --cases sync,sync-bf16` times that.
@@ -77,10 +78,11 @@ def model_pass(model, ids: torch.Tensor, mixed: bool) -> tuple[float, torch.Tens
     t0 = time.perf_counter()
     with ctx:
         logits = model(input_ids=ids, use_cache=False).logits
-    logprobs = logits.float().log_softmax(-1)
-    logprobs.gather(-1, ids[..., None]).sum().backward()
+    # the logprob of each next token, as the loss reads them (not the whole vocabulary's tails)
+    picked = logits[:, :-1].float().log_softmax(-1).gather(-1, ids[:, 1:, None])
+    picked.sum().backward()
     model.zero_grad(set_to_none=True)
-    return time.perf_counter() - t0, logprobs.detach()
+    return time.perf_counter() - t0, picked.detach()
 
 
 def main(argv: list[str] | None = None) -> None:
