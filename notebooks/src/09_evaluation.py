@@ -254,23 +254,8 @@ from agl_lab.comparison import compare  # noqa: E402
 EVALS = ROOT / "notebooks" / "recorded" / "tiny_guess" / "eval"
 evaluations = [next((EVALS / name).glob("eval-*.json")) for name in ("base", "seed0_step10")]
 paired = compare(evaluations)
-paired[
-    [
-        "kind",
-        "step",
-        "n_tasks",
-        "pass@1 mean",
-        "pass@1 lo",
-        "pass@1 hi",
-        "pass@1 diff",
-        "pass@1 diff se",
-        "pass@4 mean",
-        "pass@4 lo",
-        "pass@4 hi",
-        "pass@4 diff",
-        "pass@4 diff se",
-    ]
-]
+PASS_COLUMNS = [f"pass@{k} {part}" for k in (1, 4) for part in ("mean", "lo", "hi", "diff", "diff se")]
+paired[["kind", "step", "n_tasks", *PASS_COLUMNS]]
 
 # %% [markdown]
 # The claims, computed from the files (the numbers above are the recorded runs'; the prose
@@ -393,21 +378,7 @@ FIELD_EVALS = FIELD / "eval"
 field_names = ["seed0/base", *(f"seed0/global_step_{s}" for s in (10, 20, 30)), "seed1_step30", "seed2_step30"]
 field_paired = compare([next((FIELD_EVALS / name).glob("eval-*.json")) for name in field_names])
 field_paired.index = field_names
-field_paired[
-    [
-        "step",
-        "n_tasks",
-        "pass@1 mean",
-        "pass@1 lo",
-        "pass@1 hi",
-        "pass@1 diff",
-        "pass@1 diff se",
-        "pass@4 mean",
-        "pass@4 lo",
-        "pass@4 hi",
-        "mean@4 mean",
-    ]
-]
+field_paired[["step", "n_tasks", *PASS_COLUMNS[:8], "mean@4 mean"]]
 
 # %% [markdown]
 # The claims, computed from the files:
