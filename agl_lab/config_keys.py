@@ -26,7 +26,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from agl_lab.rules import ZERO_SKIP_LOSSES
+from agl_lab.rules import ZERO_SKIP_LOSSES, check_compute_dtype
 
 
 class ConfigWarning(UserWarning):
@@ -277,11 +277,10 @@ def check_values(cfg: DictConfig, defaults: DictConfig, keys: Iterable[str]) -> 
         problems.append(
             f"actor_rollout_ref.actor.loss_agg_mode={mode!r} is not one of verl's modes {list(LOSS_AGG_MODES)}"
         )
-    dtype = OmegaConf.select(cfg, "agl_lab.model.compute_dtype", default=None)
-    if dtype is not None and str(dtype) not in ("float32", "bfloat16"):
-        problems.append(
-            f"agl_lab.model.compute_dtype={dtype!r} is not one of null, float32, bfloat16 (the matrix products' precision)"
-        )
+    try:
+        check_compute_dtype(OmegaConf.select(cfg, "agl_lab.model.compute_dtype", default=None))
+    except ValueError as err:
+        problems.append(str(err))
     for path, low, strict in RANGES:
         value = OmegaConf.select(cfg, path, default=None, throw_on_missing=False)
         if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -212,6 +212,22 @@ def uses_bypass(rollout_correction: Any) -> bool:
     return bool((rollout_correction or {}).get("bypass_mode"))
 
 
+#: the matrix products' precision over float32 CPU weights (`agl_lab.model.compute_dtype`, engines/precision.py)
+COMPUTE_DTYPES = ("float32", "bfloat16")
+
+
+def check_compute_dtype(value: Any) -> str | None:
+    """`agl_lab.model.compute_dtype` → the dtype's name (None for null); a ValueError naming the key."""
+    if value is None:
+        return None
+    if str(value) not in COMPUTE_DTYPES:
+        raise ValueError(
+            f"agl_lab.model.compute_dtype={value!r} is not one of null, {', '.join(COMPUTE_DTYPES)} "
+            "(the matrix products' precision)"
+        )
+    return str(value)
+
+
 #: what happens to a group older than `agl_lab.rollout.max_staleness` versions (docs/engines.md "Overlap")
 STALE_GROUPS = ("drop", "wait")
 

@@ -32,6 +32,13 @@ def test_a_bad_compute_dtype_fails_at_load_naming_the_key(value):
         load_config(None, [f"agl_lab.model.compute_dtype={value}"])
 
 
+def test_the_engine_reads_the_key_with_the_config_s_own_check():
+    assert precision.parse(None) is None and precision.parse("float32") is torch.float32
+    assert precision.parse("bfloat16") is torch.bfloat16 and precision.parse(torch.bfloat16) is torch.bfloat16
+    with pytest.raises(ValueError, match=r"agl_lab\.model\.compute_dtype='float16' is not one of null, float32"):
+        precision.parse("float16")
+
+
 def _prefill_and_decode(model, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Three rows of `prompt`: the prefill's and one `fast_decode` step's logprobs, [3, V] each.
     The cached K/V are float32 whatever the products' precision (the decode reads them as such)."""

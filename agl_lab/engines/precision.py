@@ -30,19 +30,19 @@ from typing import Any
 
 import torch
 
+from agl_lab.rules import check_compute_dtype
+
 KEY = "agl_lab.model.compute_dtype"
 _ATTR = "agl_compute_dtype"  # on the module: deep copies (serving, reference) inherit it
-_CHOICES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def parse(value: Any) -> torch.dtype | None:
-    """The key's value → torch dtype (None for null); a ValueError naming the key otherwise."""
-    if value is None:
-        return None
-    name = str(value).removeprefix("torch.")
-    if name not in _CHOICES:
-        raise ValueError(f"{KEY}={value!r} is not one of null, float32, bfloat16 (the matrix products' precision)")
-    return _CHOICES[name]
+    """The key's value (a name, or a torch dtype) → torch dtype (None for null); a ValueError
+    naming the key otherwise (`rules.check_compute_dtype`, the config's own check)."""
+    if isinstance(value, torch.dtype):
+        value = str(value).removeprefix("torch.")
+    name = check_compute_dtype(value)
+    return None if name is None else getattr(torch, name)
 
 
 def set_compute_dtype(model: torch.nn.Module, dtype: torch.dtype | None) -> None:
