@@ -44,12 +44,11 @@ def best_seconds(fn: Callable[[], object], repeat: int, inner: int) -> float:
     return best
 
 
-def packed(weight: torch.Tensor, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
-    """`fast_decode`'s product: oneDNN on a packed copy of `weight` in `dtype` (float32 out)."""
-    w = torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype), 32)
-    if dtype == torch.float32:
-        return lambda x: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-    return lambda x: torch.ops.mkldnn._linear_pointwise(x.to(dtype), w, None, "none", [], "").float()
+def packed(weight: torch.Tensor, mixed: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`fast_decode`'s own product on its own packed copy of `weight` (bfloat16 when `mixed`)."""
+    from agl_lab.engines.serving.fast_decode import pack, packed_product
+
+    return partial(packed_product, packed=pack(weight, mixed), mixed=mixed)
 
 
 def products(cfg, rows: int, tokens: int, repeat: int) -> list[tuple[str, float, float]]:
@@ -58,7 +57,7 @@ def products(cfg, rows: int, tokens: int, repeat: int) -> list[tuple[str, float,
     with torch.inference_mode():
         for name, (n_out, n_in) in {"mlp up": (ff, d), "mlp down": (d, ff), "lm head": (vocab, d)}.items():
             w, x = torch.randn(n_out, n_in), torch.randn(rows, n_in)
-            a, b = packed(w, torch.float32), packed(w, torch.bfloat16)
+            a, b = packed(w, mixed=False), packed(w, mixed=True)
             inner = max(1, int(2e8 // (rows * n_in * n_out)))
             out.append((f"decode {name}, M={rows}", best_seconds(partial(a, x), repeat, inner),
                         best_seconds(partial(b, x), repeat, inner)))  # fmt: skip

@@ -103,25 +103,32 @@ def _linear_fn(model: Any, weights: list[torch.Tensor]) -> Callable[..., torch.T
     versions = (mixed, *((w.data_ptr(), w._version) for w in weights))
     cached = _packed.get(model)
     if cached is None or cached[0] != versions:  # first call, or the weights were updated in place
-        dtype = torch.bfloat16 if mixed else torch.float32
         with torch.inference_mode():
-            packed = {id(w): torch.ops.mkldnn._reorder_linear_weight(w.detach().to(dtype), _PACK_HINT) for w in weights}
+            packed = {id(w): pack(w, mixed) for w in weights}
         cached = (versions, packed)
         _packed[model] = cached
     packed = cached[1]
 
-    if mixed:  # bfloat16 in, float32 out: the rest of the step (norms, RoPE, attention) stays float32
-
-        def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-            out = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), packed[id(weight)], None, "none", [], "")
-            return out.float() if bias is None else out.float() + bias
-
-        return linear
-
     def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, packed[id(weight)], bias, "none", [], "")
+        return packed_product(x, packed[id(weight)], bias, mixed)
 
     return linear
+
+
+def pack(weight: torch.Tensor, mixed: bool = False) -> torch.Tensor:
+    """oneDNN's blocked copy of a linear weight [out, in] (a bfloat16 copy when `mixed`)."""
+    return torch.ops.mkldnn._reorder_linear_weight(
+        weight.detach().to(torch.bfloat16 if mixed else torch.float32), _PACK_HINT
+    )
+
+
+def packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None, mixed: bool = False):
+    """x [M, in] @ the packed weight (`pack`) + bias → [M, out] float32. `mixed`: bfloat16 in, float32
+    out — the rest of the step (norms, RoPE, attention) stays float32."""
+    if not mixed:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    out = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), packed, None, "none", [], "").float()
+    return out if bias is None else out + bias
 
 
 def _linear_weights(model: Any, weight: Callable[[Any], torch.Tensor]) -> list[torch.Tensor]:
