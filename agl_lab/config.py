@@ -113,7 +113,7 @@ AGL_LAB_DEFAULTS: dict[str, Any] = {
             "max_model_len": rules.MAX_MODEL_LEN,
             "warm_start_steps": 0,  # supervised warm start on the task's transcripts (tiny model)
             # CPU: null/float32, or bfloat16 — the matrix products in bfloat16 over float32 weights
-            # (~2× faster products, logprob gaps ~1e-2: agl_lab/engines/precision.py)
+            # (~2× faster products, engine-vs-trainer logprob gaps up to ~0.3: agl_lab/engines/precision.py)
             "compute_dtype": None,
         },
         # name: built-in, registered, module:attr, reasoning_gym:<dataset> or gem:<env id>
