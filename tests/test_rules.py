@@ -62,6 +62,7 @@ RULES = [
         (1, "drop", "local", False),
         "agl_lab.rollout.max_staleness={max_staleness} needs the carry-over ",
     ),
+    ("check_compute_dtype", ("float16",), "agl_lab.model.compute_dtype={value!r} is not one of null, "),
     ("check_estimator", ("remax",), "algorithm.adv_estimator=remax is not supported (as in AGL v1)"),
     (
         "check_estimator",
