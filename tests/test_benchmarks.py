@@ -334,3 +334,28 @@ def test_precision_benchmark_prints_both_tables_with_a_gap_between_the_precision
     row = next(line for line in out.splitlines() if line.startswith("fwd+bwd 4×16 tokens"))
     gap = float(row.split("|")[-1])
     assert 1e-4 < gap < 0.5  # the autocast pass really ran in bfloat16
+
+
+def test_phase_profile_prints_both_prefill_cases_with_the_phase_split():
+    """`phase_profile.py` on the tiny model, two steps a case: both cases' rows, the phase's prefills,
+    decode steps and the engine thread's CPU share read from a real training run."""
+    out = _run(
+        "benchmarks/phase_profile.py",
+        "--config=configs/cpu_tiny.yaml",
+        "--steps=2",
+        "--repeat=1",
+        "data.train_batch_size=4",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "agl_lab.model.warm_start_steps=0",
+        timeout=600,
+    )
+    lines = out.splitlines()
+    header = [c.strip() for c in next(line for line in lines if line.startswith("case ")).split("|")]
+    rows = {line.split("|")[0].strip(): [c.strip() for c in line.split("|")] for line in lines if " | " in line}
+    for case in ("hf-prefill", "fast-prefill"):
+        cells = dict(zip(header, rows[case]))
+        assert float(cells["prefills"]) >= 1 and float(cells["steps"]) >= 1
+        assert float(cells["prefill_s"]) > 0 and float(cells["decode_ms"]) > 0
+        assert 0 < float(cells["engine_cpu"]) <= 2.5  # the engine thread's CPU over the phase's wall
+        assert float(cells["step_s"]) >= float(cells["rollout_s"])

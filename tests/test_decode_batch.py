@@ -277,3 +277,37 @@ def test_a_scripted_schedule_decodes_each_request_as_if_alone(model, one_thread)
                 k = next((i for i, (a, b) in enumerate(zip(tokens, solo[0])) if a != b), len(tokens))
                 assert k >= min(len(tokens), 8), r  # near-ties may split later; the first tokens agree
                 assert max(abs(a - b) for a, b in zip(logprobs[:k], solo[1][:k])) < 1e-4, r
+
+
+def test_the_fast_prefill_computes_what_the_hf_forward_does_with_a_lora_adapter_and_cached_prefixes(one_thread):
+    """The prefill through `fast_decode.forward` (merged, packed weights; one fused attention a
+    layer) against the HF module with PEFT's unmerged adapter: the same logits and the same K/V,
+    rows with and without cached prefixes, padding between prefix and suffix."""
+    from agl_lab.engines.lora import LoraSpec, add_lora
+    from agl_lab.engines.serving.prefix_cache import CachedPrefix
+
+    model = load_model_and_tokenizer(device="cpu")[0]
+    add_lora(model, LoraSpec(rank=4, alpha=8))
+    with torch.no_grad():  # a trained adapter: B moved off its zero init
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.05)
+    gen = torch.Generator().manual_seed(5)
+    shared = torch.randint(4, 1024, (48,), generator=gen).tolist()
+    prompts = [shared[:32] + [5, 6, 7], shared + [9] * 13, [11, 12, 13, 14]]
+    out = {}
+    with torch.inference_mode():
+        for fast in (True, False):
+            first, _ = DecodeBatch.prefill(model, [shared], [1.0], [1.0], [False], pad_id=3, fast=fast)
+            entry = CachedPrefix(shared, *first.row_kv(0))
+            batch, logits = DecodeBatch.prefill(
+                model, prompts, [1.0] * 3, [1.0] * 3, [False] * 3, pad_id=3,
+                prefixes=[entry, entry, None], prefix_lens=[32, 48, 0], fast=fast,
+            )  # fmt: skip
+            out[fast] = (logits.float(), [batch.row_kv(i) for i in range(3)])
+        for h, row in zip(prompts, out[True][0]):
+            assert (_fresh_next_logits(model, h) - row).abs().max() < 1e-4
+    assert (out[True][0] - out[False][0]).abs().max() < 1e-4
+    for (kf, vf), (kh, vh) in zip(out[True][1], out[False][1]):
+        for a, b in zip(kf + vf, kh + vh):
+            assert a.shape == b.shape and (a - b).abs().max() < 1e-4

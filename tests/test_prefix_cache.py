@@ -62,6 +62,10 @@ def test_weight_update_empties_the_cache():
         model.weight.add_(1.0)  # an optimizer step is an in-place update
     cache.check_weights(model)
     assert len(cache) == 0 and cache.generation > generation
+    cache.put(_entry(list(range(2 * BLOCK))))
+    model.weight.data = torch.zeros(2, 2)  # new storage, same parameter object: seen too
+    cache.check_weights(model)
+    assert len(cache) == 0
 
 
 def test_requests_admitted_together_compute_their_common_prefix_once():

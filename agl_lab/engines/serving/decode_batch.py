@@ -255,6 +255,7 @@ class DecodeBatch:
         prefixes: list[CachedPrefix | None] | None = None,
         prefix_lens: list[int] | None = None,
         invariant: bool = False,
+        fast: bool = True,
     ) -> tuple[DecodeBatch, torch.Tensor]:
         """One forward over the left-padded prompts → (batch with no pending tokens yet, logits [b, V]).
 
@@ -264,9 +265,11 @@ class DecodeBatch:
         follow, left-padded. Row i may thus hold masked columns *between* its prefix and its
         suffix — harmless, the mask and explicit positions make every row exact.
 
-        `invariant` (and `fast_decode.supports(model)`): the forward is `fast_decode.forward`'s
-        batch-invariant one — each row's logits and K/V bitwise what it would get alone, with
-        any prefix split (see the module docstring).
+        `fast` (and `fast_decode.supports(model)`): the forward is `fast_decode.forward` — the decode
+        loop's packed (LoRA-merged) weights and one fused attention a layer, not the HF module with
+        its unmerged adapters and per-head K/V copies; the same function to float32 rounding.
+        `invariant` (on a supported model, whatever `fast`): its batch-invariant forward — each row's
+        logits and K/V bitwise what it would get alone, with any prefix split (see the module docstring).
         """
         device = next(model.parameters()).device
         n = len(prompts)
@@ -282,9 +285,9 @@ class DecodeBatch:
             for i, m in enumerate(lens):
                 pre_mask[i, lp - m :] = 1
             mask = torch.cat([pre_mask, mask], dim=1)
-        if invariant and fast_decode.supports(model):
+        if (fast or invariant) and fast_decode.supports(model):
             layers = layers or [SlabLayer() for _ in model.model.layers]
-            logits = fast_decode.forward(model, layers, ids, positions, mask, invariant=True)
+            logits = fast_decode.forward(model, layers, ids, positions, mask, invariant=invariant)
         else:
             cache = Cache(layers=layers) if layers else Cache(layer_class_to_replicate=SlabLayer)
             with precision.autocast(model):  # agl_lab.model.compute_dtype=bfloat16: as the decode's products

@@ -1,7 +1,8 @@
 """One decode step of a Llama-family model written out in torch: the engine's hot loop.
 
 `DecodeBatch.decode` calls `decode_step` for the models it supports (Llama, Qwen2 with full
-attention — SmolLM2 and the tiny model are both) and HF's own forward otherwise. It reads the
+attention — SmolLM2 and the tiny model are both) and HF's own forward otherwise; `DecodeBatch.prefill`
+calls `forward` with the prompts' T new tokens a row (one fused causal attention a layer). It reads the
 *same* parameters as the HF module (no copies: an update is visible at the next step) and the
 same KV slabs, and computes the same function; what it removes is what made a batched decode
 step on CPU cost up to twice its matrix products (profiled on SmolLM2-135M, 1 thread):
@@ -216,6 +217,16 @@ def _grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     return torch.matmul(probs, values)[:, :, :, None]  # [B, KV, G, 1, D]
 
 
+def _causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor, scaling: float):
+    """T new queries per row (a prefill): q [B, KV, G, T, D], keys/values [B, KV, L, D], keep [B, 1, 1, T, L]
+    bool (`_query_mask`) → [B, KV, G, T, D]. One fused attention over the G·T queries of each KV head: the
+    cache is read in place, never repeated per query head."""
+    b, kv, g, t, d = q.shape
+    mask = keep.expand(b, 1, g, t, keep.shape[-1]).reshape(b, 1, g * t, -1)
+    out = F.scaled_dot_product_attention(q.reshape(b, kv, g * t, d), keys, values, attn_mask=mask, scale=scaling)
+    return out.view(b, kv, g, t, d)
+
+
 def _query_mask(mask: torch.Tensor, t: int) -> torch.Tensor:
     """mask [B, L+T] (1 = real column; the last T columns are the new tokens) → keep [B, 1, 1, T, L+T].
 
@@ -244,13 +255,12 @@ def forward(
 
     `invariant`: each row's logits are bitwise independent of its batch-mates, of padding and
     of how its prompt was split into prefill chunks (matrix products through oneDNN's packed
-    kernels, row-independent at any M; attention by `_invariant_attention`). Without it only
-    T = 1 is supported (the decode step), with BLAS attention.
+    kernels, row-independent at any M; attention by `_invariant_attention`). Without it a decode
+    step (T = 1) attends by two BLAS products (`_grouped_attention`) and a prefill (T > 1) by
+    torch's fused attention under the causal mask (`_causal_attention`).
     """
     inner, cfg = model.model, model.config
     b, t = ids.shape
-    if t > 1 and not invariant:
-        raise ValueError("fast_decode.forward runs T > 1 tokens a row only with invariant=True")
     h_q, h_kv = cfg.num_attention_heads, cfg.num_key_value_heads
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // h_q
     groups = h_q // h_kv
@@ -261,12 +271,12 @@ def forward(
     hidden = inner.embed_tokens(ids)  # [B, T, d_model]
     cos, sin = (c[:, :, None] for c in inner.rotary_emb(hidden, positions))  # [B, T, 1, D]
     hidden = hidden.reshape(b * t, -1)
-    if invariant:
+    if invariant or t > 1:
         keep = _query_mask(mask, t)
     else:  # additive mask [B, 1, 1, 1, L+1] shared by every layer: 0 on real columns, -inf on padding
         keep = torch.zeros(mask.shape, dtype=hidden.dtype, device=hidden.device)
         keep = keep.masked_fill_(mask == 0, float("-inf"))[:, None, None, None, :]
-    attention = _invariant_attention if invariant else _grouped_attention
+    attention = _invariant_attention if invariant else _causal_attention if t > 1 else _grouped_attention
 
     for layer, slab in zip(inner.layers, layers):
         attn = layer.self_attn

@@ -19,6 +19,7 @@ one dict lookup per block; the match is then verified token by token (no hash tr
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -60,6 +61,7 @@ class PrefixCache:
         self._next_id = 0
         self._bytes = 0
         self._weights_key: Any = None
+        self._params: tuple[weakref.ref, list] | None = None  # (model, its parameters) — `check_weights`
         self.generation = 0  # moves on at every clear: K/V computed under older weights must not be put
         self.stats = {"hits": 0, "lookups": 0, "reused_tokens": 0, "evictions": 0, "invalidations": 0}
 
@@ -73,8 +75,16 @@ class PrefixCache:
         self._bytes = 0
 
     def check_weights(self, model: Any) -> None:
-        """Empty the cache if any parameter of `model` was modified in place since the last call."""
-        key = tuple(p._version for p in model.parameters())
+        """Empty the cache if any parameter of `model` was modified in place since the last call.
+
+        Called before every scheduler step: the parameter list is collected once per model (walking
+        a LoRA model's ~1,000 modules took ~5 % of the engine thread), then each step reads only the
+        versions and storages. A parameter *replaced* by a new object is not seen: the engines
+        update weights in place (optimizer steps, `load_state_dict`); anything else calls `clear()`.
+        """
+        if self._params is None or self._params[0]() is not model:
+            self._params = (weakref.ref(model), list(model.parameters()))
+        key = tuple((p._version, p.data_ptr()) for p in self._params[1])
         if key != self._weights_key:
             if self._entries:
                 self.stats["invalidations"] += 1

@@ -5,7 +5,8 @@ calls; one scheduler thread runs every admitted request in a single left-padded 
 
     idle ──(first request; wait `batch_window_ms` for company)──▶ prefill new requests
     running ──▶ one decode forward for the whole batch ──▶ sample per request
-            ──▶ admit arrivals (their own prefill forward, then merged into the batch)
+            ──▶ admit arrivals (their own prefill forward — `fast_decode.forward` where it
+                applies — then merged into the batch)
             ──▶ finished requests leave the batch (their KV rows are dropped)
 
 Design decisions, each forced by what RL training needs from the engine:
@@ -151,6 +152,7 @@ class BatchScheduler:
         self.eos_ids = _eos_ids(model, tokenizer)
         self.prefix_cache = PrefixCache(int(prefix_cache_mb * 2**20)) if prefix_cache_mb > 0 else None
         self.fast_decode = True  # False: decode through the model's HF forward (benchmarks compare)
+        self.fast_prefill = True  # False: prefill through the model's HF forward (benchmarks compare)
         self.share_prefix = True  # False: every admitted row computes its whole uncached prompt (benchmarks compare)
         # True: a row's numbers independent of its batch-mates (`agl_lab.engine_options.batch_invariant`)
         self.batch_invariant = False
@@ -334,6 +336,7 @@ class BatchScheduler:
             prefixes=[entry],
             prefix_lens=[m],
             invariant=self.batch_invariant,
+            fast=self.fast_decode and self.fast_prefill,
         )
         cache.put(CachedPrefix(list(first[:usable]), *batch.row_kv(0)))
         dt = time.perf_counter() - t0
@@ -362,6 +365,7 @@ class BatchScheduler:
             prefixes=[e for _, e in matches],
             prefix_lens=lens,
             invariant=self.batch_invariant,
+            fast=self.fast_decode and self.fast_prefill,
         )
         dt = time.perf_counter() - t0
         self.stats["forward_s"] += dt
