@@ -190,6 +190,38 @@ def test_fast_decode_step_equals_the_hf_forward_and_follows_weight_updates(one_t
         assert (a.decode(model, fast=True) - b.decode(model, fast=False)).abs().max() < 1e-4
 
 
+def test_a_qwen2_model_with_attention_biases_prefills_and_decodes_as_its_hf_forward(one_thread):
+    """Qwen2's q/k/v biases ride in the fused q/k/v product (`fast_decode._Products`): prefill and
+    decode through `fast_decode` against the HF module, biases and grouped heads non-trivial."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from agl_lab.engines.serving import fast_decode
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(
+        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+    )  # fmt: skip
+    model = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    assert fast_decode.supports(model)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13]]
+    with torch.inference_mode():
+        runs = [
+            DecodeBatch.prefill(model, prompts, [1.0] * 2, [1.0] * 2, [False] * 2, pad_id=3, fast=f)
+            for f in (True, False)
+        ]
+        (a, la), (b, lb) = runs
+        assert (la - lb).abs().max() < 1e-4
+        for _ in range(4):
+            a.tokens = b.tokens = la.argmax(-1)
+            la, lb = a.decode(model, fast=True), b.decode(model, fast=False)
+            assert (la - lb).abs().max() < 1e-4
+
+
 # A scripted arrival schedule: (arrival step, prompt length, max tokens, temperature, top_p).
 # Arrivals mid-decode, one longer than the running rows' cache (the slab grows on the left),
 # retirements from the middle and the end of the batch, and >64 steps (the slab grows on the right).
