@@ -18,12 +18,12 @@ validation off; its metrics are the recipe's own.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks.children`, run as a script
+
+from benchmarks.children import run_child, tagged  # noqa: E402
 
 CHILD = r"""
 import gc, json, sys, time
@@ -51,11 +51,8 @@ with Trainer.from_config(config, overrides=overrides) as trainer:
 
 
 def run_case(config: str, steps: int, trim: bool, overrides: list[str]) -> list[list[float]]:
-    cmd = [sys.executable, "-c", CHILD, config, str(steps), "on" if trim else "off", *overrides]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"memory benchmark case trim={'on' if trim else 'off'} failed:\n{done.stderr[-3000:]}")
-    return [json.loads(line[4:]) for line in done.stdout.splitlines() if line.startswith("ROW ")]
+    args = [config, str(steps), "on" if trim else "off", *overrides]
+    return tagged(run_child(CHILD, args, f"memory benchmark case trim={'on' if trim else 'off'}"))
 
 
 def main(argv: list[str] | None = None) -> int:

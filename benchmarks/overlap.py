@@ -44,11 +44,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks.children`, run as a script
+
+from benchmarks.children import run_child, tagged  # noqa: E402
 
 OVERLAP = ["agentlightning.async_rollout.enabled=true", "agl_lab.rollout.max_staleness=1"]
 BF16 = "agl_lab.model.compute_dtype=bfloat16"
@@ -104,14 +105,10 @@ with tempfile.TemporaryDirectory() as run_dir, \
 
 def run_case(config: str, steps: int, val: bool, overrides: list[str]) -> tuple[list[dict], float]:
     """Per-step rows and the validation reward (NaN without) of one case, in a fresh interpreter."""
-    cmd = [sys.executable, "-c", CHILD, config, str(steps), "on" if val else "off", *overrides]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"overlap benchmark case failed ({' '.join(overrides) or 'sync'}):\n{done.stderr[-3000:]}")
-    lines = done.stdout.splitlines()
-    rows = [json.loads(line[4:]) for line in lines if line.startswith("ROW ")]
-    vals = [json.loads(line[4:]) for line in lines if line.startswith("VAL ")]
-    return rows, (vals[0] if vals else float("nan"))
+    args = [config, str(steps), "on" if val else "off", *overrides]
+    lines = run_child(CHILD, args, f"overlap benchmark case ({' '.join(overrides) or 'sync'})")
+    vals = tagged(lines, "VAL")
+    return tagged(lines), (vals[0] if vals else float("nan"))
 
 
 def summary(rows: list[dict], val: float) -> dict[str, float]:

@@ -29,11 +29,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks.children`, run as a script
+
+from benchmarks.children import run_child, tagged  # noqa: E402
+
 CASES = {"hf-prefill": False, "fast-prefill": True}  # name → scheduler.fast_prefill
 
 CHILD = r"""
@@ -75,11 +77,8 @@ COLS = ("step_s", "rollout_s", "prefill_s", "prefills", "decode_ms", "steps", "e
 
 def run_case(config: str, steps: int, fast_prefill: bool, overrides: list[str]) -> list[dict]:
     """Per-step rows of one case, in a fresh interpreter."""
-    cmd = [sys.executable, "-c", CHILD, config, str(steps), "1" if fast_prefill else "0", *overrides]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"phase_profile case failed:\n{done.stderr[-3000:]}")
-    return [json.loads(line[4:]) for line in done.stdout.splitlines() if line.startswith("ROW ")]
+    args = [config, str(steps), "1" if fast_prefill else "0", *overrides]
+    return tagged(run_child(CHILD, args, f"phase_profile case fast_prefill={fast_prefill}"))
 
 
 def main(argv: list[str] | None = None) -> int:

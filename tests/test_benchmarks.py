@@ -359,3 +359,12 @@ def test_phase_profile_prints_both_prefill_cases_with_the_phase_split():
         assert float(cells["prefill_s"]) > 0 and float(cells["decode_ms"]) > 0
         assert 0 < float(cells["engine_cpu"]) <= 2.5  # the engine thread's CPU over the phase's wall
         assert float(cells["step_s"]) >= float(cells["rollout_s"])
+
+
+def test_a_child_case_s_rows_come_back_by_tag_and_a_failed_case_is_named():
+    from benchmarks.children import run_child, tagged
+
+    lines = run_child("print('noise'); print('ROW [1, 2]'); print('VAL 0.5'); print('ROW {\"a\": 3}')", [], "demo")
+    assert tagged(lines) == [[1, 2], {"a": 3}] and tagged(lines, "VAL") == [0.5]
+    with pytest.raises(SystemExit, match=r"demo case failed:[\s\S]*ValueError: no weights"):
+        run_child("raise ValueError('no weights')", [], "demo case")

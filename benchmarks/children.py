@@ -1,0 +1,29 @@
+"""Benchmark cases in fresh interpreters: each case's measurements come back as tagged stdout lines.
+
+A case runs `python -c CODE ARGS...` in the checkout; its lines `ROW {json}` (or any other tag) are
+the measurements, its stderr the reason when it fails. `overlap.py`, `memory.py` and
+`phase_profile.py` run their cases this way, so one case's allocator, caches and threads never
+colour the next.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_child(code: str, args: list[str], what: str) -> list[str]:
+    """The stdout lines of `python -c code *args`; SystemExit naming `what` with the stderr's tail when it fails."""
+    done = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{what} failed:\n{done.stderr[-3000:]}")
+    return done.stdout.splitlines()
+
+
+def tagged(lines: list[str], tag: str = "ROW") -> list:
+    """The JSON values of the lines `f"{tag} {json}"`, in order."""
+    return [json.loads(line[len(tag) + 1 :]) for line in lines if line.startswith(f"{tag} ")]
