@@ -9,6 +9,7 @@ colour the next.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,9 +17,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_child(code: str, args: list[str], what: str) -> list[str]:
-    """The stdout lines of `python -c code *args`; SystemExit naming `what` with the stderr's tail when it fails."""
-    done = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True)
+def run_child(code: str, args: list[str], what: str, checkout: Path = ROOT) -> list[str]:
+    """The stdout lines of `python -c code *args`; SystemExit naming `what` with the stderr's tail when it fails.
+
+    `checkout`: the agl_lab checkout the child runs in and imports (another one: code before a change)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(checkout), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", code, *args], cwd=checkout, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{what} failed:\n{done.stderr[-3000:]}")
     return done.stdout.splitlines()

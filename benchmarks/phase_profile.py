@@ -8,6 +8,7 @@ rounds so a drifting load hits them alike:
     hf-prefill    a prompt's prefill through the HF module (PEFT's unmerged adapter, K/V repeated per
                   query head) — the engine before the prefill ran `fast_decode.forward`
     fast-prefill  the default: the prefill through the decode loop's forward (packed, merged weights)
+    before        with `--before PATH`: another checkout of agl_lab (the code before a change) as it is
 
 Columns (medians over steps 2..N of every round; step 1 pays the warm-up):
 
@@ -21,7 +22,7 @@ Columns (medians over steps 2..N of every round; step 1 pays the warm-up):
                  engine thread computes (the rest: waiting for requests)
     update_s     the update (`timing_s/update`)
 
-    python benchmarks/phase_profile.py [--steps 4] [--repeat 2] [--cases hf-prefill,fast-prefill]
+    python benchmarks/phase_profile.py [--steps 4] [--repeat 2] [--cases hf-prefill,fast-prefill] [--before PATH]
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks.children`, run as a script
 
-from benchmarks.children import run_child, tagged  # noqa: E402
+from benchmarks.children import ROOT, run_child, tagged  # noqa: E402
 
 CASES = {"hf-prefill": False, "fast-prefill": True}  # name → scheduler.fast_prefill
 
@@ -75,10 +76,11 @@ with tempfile.TemporaryDirectory() as run_dir, \
 COLS = ("step_s", "rollout_s", "prefill_s", "prefills", "decode_ms", "steps", "engine_cpu", "update_s")
 
 
-def run_case(config: str, steps: int, fast_prefill: bool, overrides: list[str]) -> list[dict]:
-    """Per-step rows of one case, in a fresh interpreter."""
+def run_case(config: str, steps: int, fast_prefill: bool, overrides: list[str], checkout: Path = ROOT) -> list[dict]:
+    """Per-step rows of one case, in a fresh interpreter running `checkout`."""
     args = [config, str(steps), "1" if fast_prefill else "0", *overrides]
-    return tagged(run_child(CHILD, args, f"phase_profile case fast_prefill={fast_prefill}"))
+    what = f"phase_profile case fast_prefill={fast_prefill} in {checkout}"
+    return tagged(run_child(CHILD, args, what, checkout))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,18 +89,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--repeat", type=int, default=2, help="rounds; the cases take turns in each")
     p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {list(CASES)}")
+    p.add_argument("--before", type=Path, help="another agl_lab checkout, run as it is as the case 'before'")
     p.add_argument("overrides", nargs="*", help="config overrides (key=value) for every case")
     args = p.parse_args(argv)
     names = args.cases.split(",")
     if unknown := [n for n in names if n not in CASES]:
         raise SystemExit(f"--cases: unknown {unknown}; choose from {list(CASES)}")
+    if args.before is not None:
+        if not (args.before / "agl_lab" / "__init__.py").is_file():
+            raise SystemExit(f"--before {args.before}: not an agl_lab checkout (no agl_lab/__init__.py)")
+        names = ["before", *names]
     print(
         f"# {args.config}, {args.steps} steps a case × {args.repeat} rounds, overrides: {' '.join(args.overrides) or '-'}"
     )
     tails: dict[str, list[dict]] = {n: [] for n in names}
     for round_ in range(1, args.repeat + 1):
         for name in names:
-            rows = run_case(args.config, args.steps, CASES[name], args.overrides)
+            if name == "before":  # its own code decides the prefill (a scheduler without the switch ignores it)
+                rows = run_case(args.config, args.steps, True, args.overrides, args.before.resolve())
+            else:
+                rows = run_case(args.config, args.steps, CASES[name], args.overrides)
             for i, r in enumerate(rows, start=1):
                 print(
                     f"#   round {round_} {name} step {i}: " + json.dumps({k: round(v, 3) for k, v in r.items()}),

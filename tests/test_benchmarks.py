@@ -337,13 +337,15 @@ def test_precision_benchmark_prints_both_tables_with_a_gap_between_the_precision
 
 
 def test_phase_profile_prints_both_prefill_cases_with_the_phase_split():
-    """`phase_profile.py` on the tiny model, two steps a case: both cases' rows, the phase's prefills,
-    decode steps and the engine thread's CPU share read from a real training run."""
+    """`phase_profile.py` on the tiny model, two steps a case: both cases' rows (and `--before`'s, this
+    checkout again), the phase's prefills, decode steps and the engine thread's CPU share read from a
+    real training run."""
     out = _run(
         "benchmarks/phase_profile.py",
         "--config=configs/cpu_tiny.yaml",
         "--steps=2",
         "--repeat=1",
+        f"--before={ROOT}",
         "data.train_batch_size=4",
         "actor_rollout_ref.rollout.n=2",
         "actor_rollout_ref.actor.ppo_mini_batch_size=4",
@@ -353,7 +355,7 @@ def test_phase_profile_prints_both_prefill_cases_with_the_phase_split():
     lines = out.splitlines()
     header = [c.strip() for c in next(line for line in lines if line.startswith("case ")).split("|")]
     rows = {line.split("|")[0].strip(): [c.strip() for c in line.split("|")] for line in lines if " | " in line}
-    for case in ("hf-prefill", "fast-prefill"):
+    for case in ("before", "hf-prefill", "fast-prefill"):
         cells = dict(zip(header, rows[case]))
         assert float(cells["prefills"]) >= 1 and float(cells["steps"]) >= 1
         assert float(cells["prefill_s"]) > 0 and float(cells["decode_ms"]) > 0
@@ -368,3 +370,13 @@ def test_a_child_case_s_rows_come_back_by_tag_and_a_failed_case_is_named():
     assert tagged(lines) == [[1, 2], {"a": 3}] and tagged(lines, "VAL") == [0.5]
     with pytest.raises(SystemExit, match=r"demo case failed:[\s\S]*ValueError: no weights"):
         run_child("raise ValueError('no weights')", [], "demo case")
+
+
+def test_phase_profile_refuses_a_before_that_is_not_a_checkout(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "benchmarks/phase_profile.py", f"--before={tmp_path}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode != 0 and f"--before {tmp_path}: not an agl_lab checkout" in done.stderr
