@@ -295,8 +295,12 @@ def run_schedule(model, only: int | None = None, invariant: bool = False, fast: 
 
 def test_a_scripted_schedule_decodes_each_request_as_if_alone(model, one_thread):
     """Arrivals mid-decode and retirements: batch-invariant rows are bitwise their solo decode;
-    plain rows agree with it to float noise; a retired row's cached keys are its whole history."""
-    for invariant in (True, False):
+    plain rows agree with it to float noise; a retired row's cached keys are its whole history.
+    Without oneDNN's packed kernels (`AGL_LAB_DECODE_ONEDNN=0`) the engine warns that it cannot promise
+    bitwise rows (`fast_decode.invariance_gap`), and only the plain half applies."""
+    from agl_lab.engines.serving import fast_decode
+
+    for invariant in (True, False) if fast_decode.invariance_gap(model) is None else (False,):
         together = run_schedule(model, invariant=invariant)
         for r, (tokens, logprobs, keys) in enumerate(together):
             solo = run_schedule(model, only=r, invariant=invariant)[0]
