@@ -220,6 +220,11 @@ def test_a_qwen2_model_with_attention_biases_prefills_and_decodes_as_its_hf_forw
             a.tokens = b.tokens = la.argmax(-1)
             la, lb = a.decode(model, fast=True), b.decode(model, fast=False)
             assert (la - lb).abs().max() < 1e-4
+    with torch.no_grad():  # a bias alone updated in place: the fused bias must follow
+        model.model.layers[0].self_attn.k_proj.bias.add_(1.0)
+    with torch.inference_mode():
+        a.tokens = b.tokens = la.argmax(-1)
+        assert (a.decode(model, fast=True) - b.decode(model, fast=False)).abs().max() < 1e-4
 
 
 # A scripted arrival schedule: (arrival step, prompt length, max tokens, temperature, top_p).

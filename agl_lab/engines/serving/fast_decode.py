@@ -144,12 +144,19 @@ class _Products:
 
 
 def _products(model: Any, weights: list[torch.Tensor]) -> _Products:
-    """The `_Products` of `weights` (`_linear_weights`), cached per model and rebuilt when any of them
-    changed in place (version counter) or was replaced (storage)."""
+    """The `_Products` of `weights` (`_linear_weights`), cached per model and rebuilt when any of them,
+    or a q/k/v bias (copied into the fused bias), changed in place (version counter) or was replaced
+    (storage)."""
     w0 = weights[0]
     packed = _ONEDNN and w0.device.type == "cpu" and w0.dtype == torch.float32
     mixed = precision.mixed(model)  # agl_lab.model.compute_dtype=bfloat16: packed bfloat16 copies
-    versions = (packed, mixed, *((w.data_ptr(), w._version) for w in weights))
+    biases = [
+        p
+        for layer in model.model.layers
+        for p in (layer.self_attn.q_proj.bias, layer.self_attn.k_proj.bias, layer.self_attn.v_proj.bias)
+        if p is not None
+    ]
+    versions = (packed, mixed, *((w.data_ptr(), w._version) for w in (*weights, *biases)))
     cached = _packed.get(model)
     if cached is None or cached[0] != versions:  # first call, or the weights were updated in place
         with torch.inference_mode():
@@ -318,7 +325,6 @@ def forward(
         keep = torch.zeros(mask.shape, dtype=hidden.dtype, device=hidden.device)
         keep = keep.masked_fill_(mask == 0, float("-inf"))[:, None, None, None, :]
     attention = _invariant_attention if invariant else _causal_attention if t > 1 else _grouped_attention
-    inter = None
 
     for layer, slab, (qkv_w, qkv_b, o_w, o_b, gate_up_w, down_w) in zip(inner.layers, layers, products.layers):
         attn = layer.self_attn
@@ -332,9 +338,8 @@ def forward(
         hidden = hidden + products(out, o_w, o_b)
 
         x = _rms_norm(layer.post_attention_layernorm, hidden)
-        gate_up = products(x, gate_up_w)  # [B·T, 2·I]: gate then up
-        inter = inter or gate_up.shape[-1] // 2
-        hidden = hidden + products(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], down_w)
+        gate, up = products(x, gate_up_w).chunk(2, dim=-1)  # [B·T, 2·I]: gate then up
+        hidden = hidden + products(F.silu(gate) * up, down_w)
 
     last = hidden.view(b, t, -1)[:, -1]
     return products(_rms_norm(inner.norm, last), products.head)
