@@ -324,7 +324,10 @@ def test_the_fast_prefill_computes_what_the_hf_forward_does_with_a_lora_adapter_
     """The prefill through `fast_decode.forward` (merged, packed weights; one fused attention a
     layer) against the HF module with PEFT's unmerged adapter: the same logits and the same K/V,
     rows with and without cached prefixes, padding between prefix and suffix."""
+    from unittest import mock
+
     from agl_lab.engines.lora import LoraSpec, add_lora
+    from agl_lab.engines.serving import fast_decode
     from agl_lab.engines.serving.prefix_cache import CachedPrefix
 
     model = load_model_and_tokenizer(device="cpu")[0]
@@ -339,12 +342,14 @@ def test_the_fast_prefill_computes_what_the_hf_forward_does_with_a_lora_adapter_
     out = {}
     with torch.inference_mode():
         for fast in (True, False):
-            first, _ = DecodeBatch.prefill(model, [shared], [1.0], [1.0], [False], pad_id=3, fast=fast)
-            entry = CachedPrefix(shared, *first.row_kv(0))
-            batch, logits = DecodeBatch.prefill(
-                model, prompts, [1.0] * 3, [1.0] * 3, [False] * 3, pad_id=3,
-                prefixes=[entry, entry, None], prefix_lens=[32, 48, 0], fast=fast,
-            )  # fmt: skip
+            with mock.patch.object(fast_decode, "forward", wraps=fast_decode.forward) as forward:
+                first, _ = DecodeBatch.prefill(model, [shared], [1.0], [1.0], [False], pad_id=3, fast=fast)
+                entry = CachedPrefix(shared, *first.row_kv(0))
+                batch, logits = DecodeBatch.prefill(
+                    model, prompts, [1.0] * 3, [1.0] * 3, [False] * 3, pad_id=3,
+                    prefixes=[entry, entry, None], prefix_lens=[32, 48, 0], fast=fast,
+                )  # fmt: skip
+            assert forward.call_count == (2 if fast else 0)  # the path compared is the one named
             out[fast] = (logits.float(), [batch.row_kv(i) for i in range(3)])
         for h, row in zip(prompts, out[True][0]):
             assert (_fresh_next_logits(model, h) - row).abs().max() < 1e-4
