@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 
 from agl_lab.config import ConfigError
 from agl_lab.engines.local import LocalEngine
+from agl_lab.engines import lora
 from agl_lab.engines.lora import LoraSpec, adapted_layers, effective_weight, merge_all, merge_count, merged_state_dict
 from agl_lab.engines.serving import fast_decode
 from tests.replica_probe import calls_to_batch, sample_calls
@@ -104,6 +105,48 @@ class _adapters_off:
     def __exit__(self, *exc):
         for m in self.layers:
             m.enable_adapters(True)
+
+
+def _loss_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    logits = model(input_ids=ids).logits
+    (torch.log_softmax(logits.float(), -1)[..., 7].mean() * 1000).backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["llama", "with-bias"])
+def test_the_training_forward_is_peft_s_function_through_the_merged_weight(engine, bias):
+    """The update's forward reads the merged W + s·B@A the engine decodes with (one product, #51);
+    its logits and its gradients for every A and B equal PEFT's unmerged layer's, to float32 rounding."""
+    import copy
+
+    model = copy.deepcopy(engine.model)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for proj in adapted_layers(model):  # a trained adapter: B non-zero, so both gradients matter
+            proj.lora_B["default"].weight.normal_(0, 0.05)
+            if bias and proj.base_layer.bias is None:
+                proj.base_layer.bias = torch.nn.Parameter(torch.randn(proj.out_features) * 0.1, requires_grad=False)
+    ids = torch.randint(0, model.config.vocab_size, (3, 21))
+    peft = copy.deepcopy(model)
+    for proj in adapted_layers(peft):
+        del proj.forward  # PEFT's own layer: W x + s · B(A(x)), as verl's FSDP engine runs it
+    calls = []
+    real = lora._MergedProduct.apply
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(lora._MergedProduct, "apply", lambda *a: calls.append(1) or real(*a))
+        merged_logits, merged_grads = _loss_and_grads(model, ids)
+        assert len(calls) == len(adapted_layers(model))  # every adapted projection ran the merged product
+        peft_logits, peft_grads = _loss_and_grads(peft, ids)
+        assert len(calls) == len(adapted_layers(model))
+    assert (merged_logits - peft_logits).abs().max() < 1e-4
+    for name, g in peft_grads.items():
+        assert g.abs().max() > 0, name
+        assert torch.allclose(merged_grads[name], g, rtol=1e-4, atol=1e-5 * g.abs().max().item()), name
+    # …and PEFT's forward still runs where the merged product does not hold: adapters switched off
+    with _adapters_off(model), torch.no_grad():
+        base_only = model(input_ids=ids).logits
+    assert (base_only - peft_logits).abs().max() > 1e-3
 
 
 def test_checkpoint_is_a_base_dir_plus_a_peft_adapter_and_resumes_exactly(tmp_path):

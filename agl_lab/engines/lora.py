@@ -14,10 +14,14 @@ fast decode path keep serving the *same* object the update trains. The frozen ba
 to `<proj>.base_layer.weight`; only `lora_A` / `lora_B` require grad, so the optimizer (built over
 trainable parameters) holds 2·r·(d_in + d_out) numbers per projection instead of d_in·d_out.
 
-Serving: HF's forward (prefill, logprobs, the update) runs PEFT's layers, which add
-`scale · B(A(x))`; `agl_lab.engines.serving.fast_decode` reads `effective_weight(proj)` =
-W + scale · B @ A, recomputed only when W, A or B changed (their in-place version counters):
-one merge per adapted projection per weight version, counted (`merge_count`). Measured on
+Serving and training read one merged weight: `effective_weight(proj)` = W + scale · B @ A,
+recomputed only when W, A or B changed (their in-place version counters): one merge per adapted
+projection per weight version, counted (`merge_count`). `agl_lab.engines.serving.fast_decode`
+decodes with it; HF's forward (the logprobs, the update) applies it too (`_MergedProduct`: one
+product instead of PEFT's three plus a scale and an add, and A's and B's gradients from two
+rank-r products), so the trainer's logprobs are the engine's function, not a re-association of it.
+PEFT's own forward runs wherever that path does not hold (adapters disabled or merged, autocast,
+dtypes that differ, a trainable base weight). Measured on
 SmolLM2-135M, r=8 (#51): the 210 merges cost 1.8 s of CPU and the oneDNN re-pack of the merged
 weights 2.2 s more — once per version, but done lazily they landed in the first decode step after
 each update, where under load they stalled every running generation. `merge_all` does them ahead:
@@ -34,6 +38,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MethodType
 from typing import Any
 
 import torch
@@ -128,6 +133,8 @@ def add_lora(model: torch.nn.Module, spec: LoraSpec) -> dict[str, int]:
             f"this model ({exc}); its linear layers are named {names}, or use 'all-linear'"
         ) from None
     model._agl_lora = True
+    for proj in adapted_layers(model):
+        proj.forward = MethodType(_forward, proj)  # an instance attribute: deep copies keep it
     if spec.adapter_path is not None:
         load_adapter(model, spec.adapter_path)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -179,6 +186,51 @@ def effective_weight(proj: torch.nn.Module) -> torch.Tensor:
         proj._agl_merged = cached
         proj._agl_merges = getattr(proj, "_agl_merges", 0) + 1
     return cached[1]
+
+
+class _MergedProduct(torch.autograd.Function):
+    """y = x @ Wₑᵀ + bias for Wₑ = W + s · B @ A (`effective_weight`), with PEFT's gradients.
+
+    x [..., in], merged [out, in], a [r, in], b [out, r] → y [..., out]. Backward, for dy [N, out]
+    and x [N, in]: dx = dy @ Wₑ (what PEFT's dy @ W + s · (dy @ B) @ A sums to), dB = s · dyᵀ @ (x @ Aᵀ)
+    [out, r] and dA = s · (dy @ B)ᵀ @ x [r, in]; W and the bias are frozen (no gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, merged, a, b, bias, scale):
+        ctx.save_for_backward(x, merged, a, b)
+        ctx.scale = scale
+        return torch.nn.functional.linear(x, merged, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, merged, a, b = ctx.saved_tensors
+        dx = dy @ merged if ctx.needs_input_grad[0] else None
+        x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+        db = (dy2.t() @ (x2 @ a.t())).mul_(ctx.scale)  # [out, r]
+        da = ((dy2 @ b).t() @ x2).mul_(ctx.scale)  # [r, in]
+        return dx, None, da, db, None, None
+
+
+def _forward(self: torch.nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """An adapted projection's forward (bound per layer by `add_lora`): the merged product where
+    it equals PEFT's layer, PEFT's own forward otherwise."""
+    base = self.base_layer
+    if (
+        args
+        or kwargs
+        or self.disable_adapters
+        or self.merged
+        or self.active_adapters != [_ADAPTER]
+        or _ADAPTER in self.lora_variant
+        or not isinstance(self.lora_dropout[_ADAPTER], torch.nn.Identity)
+        or base.weight.requires_grad
+        or (base.bias is not None and base.bias.requires_grad)
+        or x.dtype != base.weight.dtype
+        or torch.is_autocast_enabled(x.device.type)
+    ):
+        return type(self).forward(self, x, *args, **kwargs)
+    a, b = self.lora_A[_ADAPTER].weight, self.lora_B[_ADAPTER].weight
+    return _MergedProduct.apply(x, effective_weight(self), a, b, base.bias, float(self.scaling[_ADAPTER]))
 
 
 def adapted_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
