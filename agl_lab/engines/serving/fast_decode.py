@@ -78,7 +78,7 @@ def _onednn_ok() -> bool:
 
 _ONEDNN = _onednn_ok()
 _PACK_HINT = 32  # batch-size hint of the packed layout: measured best for M = 1 … 64
-_packed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model → (versions, _Products)
+_packed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model → [lora, sources, versions, _Products]
 
 
 def invariance_gap(model: Any) -> str | None:
@@ -143,26 +143,44 @@ class _Products:
         return out if bias is None else out + bias
 
 
-def _products(model: Any, weights: list[torch.Tensor]) -> _Products:
-    """The `_Products` of `weights` (`_linear_weights`), cached per model and rebuilt when any of them,
-    or a q/k/v bias (copied into the fused bias), changed in place (version counter) or was replaced
-    (storage)."""
-    w0 = weights[0]
+def _products(model: Any) -> _Products:
+    """The model's `_Products`, cached per model and rebuilt when a tensor it is made from changed in
+    place (version counter) or was given new storage: a projection's weight (a LoRA layer's W, A and
+    B), a q/k/v or o bias (the q/k/v ones are copied into the fused bias), the head.
+
+    The list of those tensors is collected once per model (walking the modules and merging took
+    ~2 ms of a SmolLM2 step); a parameter *replaced* by a new object is not seen — the engines update
+    weights in place (optimizer steps, `load_state_dict`), as `PrefixCache.check_weights` assumes."""
+    lora = is_lora(model)
+    cached = _packed.get(model)
+    if cached is None or cached[0] != lora:  # first call, or an adapter injected since
+        cached = _packed[model] = [lora, _sources(model), None, None]
+    _, sources, key, products = cached
+    w0 = sources[0]
     packed = _ONEDNN and w0.device.type == "cpu" and w0.dtype == torch.float32
     mixed = precision.mixed(model)  # agl_lab.model.compute_dtype=bfloat16: packed bfloat16 copies
-    biases = [
-        p
-        for layer in model.model.layers
-        for p in (layer.self_attn.q_proj.bias, layer.self_attn.k_proj.bias, layer.self_attn.v_proj.bias)
-        if p is not None
-    ]
-    versions = (packed, mixed, *((w.data_ptr(), w._version) for w in (*weights, *biases)))
-    cached = _packed.get(model)
-    if cached is None or cached[0] != versions:  # first call, or the weights were updated in place
+    now = (packed, mixed, *((t.data_ptr(), t._version) for t in sources))
+    if now != key:  # first call, or the weights were updated in place
+        weights = _linear_weights(model, effective_weight if lora else _own_weight)
         with torch.inference_mode():
-            cached = (versions, _Products(model, weights, packed, packed and mixed))
-        _packed[model] = cached
-    return cached[1]
+            cached[3] = products = _Products(model, weights, packed, packed and mixed)
+        cached[2] = now
+    return products
+
+
+def _sources(model: Any) -> list[torch.Tensor]:
+    out = []
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        for proj in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj):
+            adapted = is_lora(model) and hasattr(proj, "base_layer")
+            base = proj.base_layer if adapted else proj
+            out.append(base.weight)
+            if adapted and "default" in proj.lora_A:
+                out += [proj.lora_A["default"].weight, proj.lora_B["default"].weight]
+            if base.bias is not None:
+                out.append(base.bias)
+    return out + [model.lm_head.weight]
 
 
 def pack(weight: torch.Tensor, mixed: bool = False) -> torch.Tensor:
@@ -198,7 +216,7 @@ def warm(model: Any) -> None:
     sync, under the weights lock — not inside the first decode step of the next phase (#51)."""
     if supports(model):
         with torch.inference_mode():
-            _products(model, _linear_weights(model, effective_weight if is_lora(model) else _own_weight))
+            _products(model)
 
 
 def _rms_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
@@ -313,9 +331,7 @@ def forward(
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // h_q
     groups = h_q // h_kv
 
-    # LoRA (agl_lab.engines.lora): each adapted projection applies W + scale·B@A, merged once per update
-    w = effective_weight if is_lora(model) else _own_weight
-    products = _products(model, _linear_weights(model, w))
+    products = _products(model)  # LoRA (agl_lab.engines.lora): W + scale·B@A, merged once per update
     hidden = inner.embed_tokens(ids)  # [B, T, d_model]
     cos, sin = (c[:, :, None] for c in inner.rotary_emb(hidden, positions))  # [B, T, 1, D]
     hidden = hidden.reshape(b * t, -1)
