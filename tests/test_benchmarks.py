@@ -380,3 +380,48 @@ def test_phase_profile_refuses_a_before_that_is_not_a_checkout(tmp_path):
         text=True,
     )
     assert done.returncode != 0 and f"--before {tmp_path}: not an agl_lab checkout" in done.stderr
+
+
+def test_decode_step_benchmark_compares_a_revision_s_module_row_by_row():
+    """`decode_step.py` on the tiny model against this very revision: every row size, and the same
+    module gives the same logits (|Δ| 0), so the two decodes really ran side by side on one batch."""
+    from agl_lab.engines.tiny import tiny_model_dir
+
+    out = _run(
+        "benchmarks/decode_step.py", "--before=HEAD", "--rows=1,3", "--steps=5", f"--model-path={tiny_model_dir()}"
+    )
+    rows = {
+        line.split("|")[0].strip(): [c.strip() for c in line.split("|")] for line in out.splitlines() if " | " in line
+    }
+    assert set(rows) == {"rows", "1", "3"}
+    for n in ("1", "3"):
+        _, before_ms, now_ms, _, dlogit = rows[n]
+        assert float(before_ms) > 0 and float(now_ms) > 0 and float(dlogit) == 0
+
+
+def test_decode_step_benchmark_names_a_revision_git_does_not_know():
+    done = subprocess.run(
+        [sys.executable, "benchmarks/decode_step.py", "--before=no-such-rev"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert done.returncode != 0 and "--before no-such-rev" in done.stderr
+
+
+def test_lora_update_benchmark_times_both_forwards_and_the_merged_one_runs_fewer_products():
+    """`lora_update.py` on the tiny recipe with LoRA: both rows, and PEFT's forward makes more
+    `aten::mm` calls than the merged product (three products a projection against one)."""
+    out = _run(
+        "benchmarks/lora_update.py",
+        "--config=configs/cpu_tiny.yaml",
+        "--repeat=1",
+        "actor_rollout_ref.model.lora_rank=4",
+        "data.train_batch_size=2",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "agl_lab.model.warm_start_steps=0",
+        timeout=600,
+    )
+    rows = {
+        line.split("|")[0].strip(): [c.strip() for c in line.split("|")] for line in out.splitlines() if " | " in line
+    }
+    assert float(rows["merged"][1]) > 0 and float(rows["peft"][1]) > 0
+    assert int(rows["peft"][3]) > int(rows["merged"][3]) > 0

@@ -18,8 +18,8 @@ import torch
 from omegaconf import OmegaConf
 
 from agl_lab.config import ConfigError
-from agl_lab.engines.local import LocalEngine
 from agl_lab.engines import lora
+from agl_lab.engines.local import LocalEngine
 from agl_lab.engines.lora import LoraSpec, adapted_layers, effective_weight, merge_all, merge_count, merged_state_dict
 from agl_lab.engines.serving import fast_decode
 from tests.replica_probe import calls_to_batch, sample_calls

@@ -1,0 +1,84 @@
+r"""The LoRA update through the merged product beside PEFT's own layer, on one SmolLM2 `calc` batch (#51).
+
+`configs/cpu_smollm2_learn.yaml` (LoRA r16 on every linear, shared prefix, bypass), seed 0: one
+rollout phase, one batch, then `trainer.update(batch, allow_reuse=True)` with the two forwards
+taking turns for `--repeat` rounds (each update moves the adapter, so the rounds see slightly
+different weights — alike for both):
+
+    merged   this checkout: each adapted projection runs `lora._MergedProduct` (x @ (W + s·B@A)ᵀ,
+             the weight the engine decodes with; A's and B's gradients from rank-r products)
+    peft     PEFT's `lora.Linear.forward`: W x + s · B(A(x)), three products, a scale and an add
+
+Columns: update seconds (median and best of the rounds) and `aten::mm` calls of the last round's
+update (torch.profiler, that round untimed).
+
+    python benchmarks/lora_update.py [--repeat 3] [--config PATH] [key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from agl_lab.engines import lora  # noqa: E402
+from agl_lab.trainer import Trainer  # noqa: E402
+
+OVERRIDES = ["trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1"]
+
+
+def use(model, case: str) -> None:
+    """Bind the case's forward on every adapted projection (`add_lora` binds the merged one)."""
+    for proj in lora.adapted_layers(model):
+        if case == "peft":
+            proj.forward = type(proj).forward.__get__(proj)
+        else:
+            proj.forward = lora._forward.__get__(proj)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="configs/cpu_smollm2_learn.yaml")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("overrides", nargs="*", help="config overrides (key=value)")
+    args = p.parse_args(argv)
+    from torch.profiler import profile
+
+    cases = ("merged", "peft")
+    seconds: dict[str, list[float]] = {c: [] for c in cases}
+    mm: dict[str, int] = {}
+    with (
+        tempfile.TemporaryDirectory() as run_dir,
+        Trainer.from_config(
+            args.config, overrides=[*OVERRIDES, *args.overrides], run_dir=run_dir, console=False
+        ) as trainer,
+    ):
+        batch = trainer.build_batch(trainer.rollout())
+        model = trainer.engine.model
+        trainer.update(batch, allow_reuse=True)  # warm: allocator, oneDNN, the merge of this version
+        for round_ in range(args.repeat + 1):
+            for case in cases:
+                use(model, case)
+                if round_ == args.repeat:
+                    with profile() as prof:
+                        trainer.update(batch, allow_reuse=True)
+                    mm[case] = sum(e.count for e in prof.key_averages() if e.key == "aten::mm")
+                    continue
+                t0 = time.perf_counter()
+                trainer.update(batch, allow_reuse=True)
+                seconds[case].append(time.perf_counter() - t0)
+                print(f"#   round {round_ + 1} {case}: {seconds[case][-1]:.2f} s", flush=True)
+        use(model, "merged")
+    print(f"{'forward':<8} | {'median s':>9} | {'best s':>7} | {'aten::mm':>8}")
+    for case in cases:
+        print(f"{case:<8} | {statistics.median(seconds[case]):>9.2f} | {min(seconds[case]):>7.2f} | {mm[case]:>8}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
