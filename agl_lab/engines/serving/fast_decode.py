@@ -21,7 +21,7 @@ step on CPU cost up to twice its matrix products (profiled on SmolLM2-135M, 1 th
   a layer (a SmolLM2 step of 4–16 rows 6–14 % faster).
 * **Matrix products through oneDNN with pre-packed weights** (CPU, float32, when torch has
   oneDNN): for the small-M products of a decode step (M = batch rows) the default MKL path
-  streamed the weights at 3–5 GB/s on this machine's AMD CPUs; oneDNN with weights
+  streamed the weights at 3–5 GB/s on an AMD host of this machine kind; oneDNN with weights
   reordered once into its blocked layout ran the same products 1.5–2.4× faster (the LM
   head — a 49k × 576 matrix — most). The packed copies are rebuilt whenever a parameter's
   in-place version counter moves (an optimizer step, `load_state_dict`), so the served
