@@ -20,6 +20,8 @@ Columns (medians over steps 2..N of every round; step 1 pays the warm-up):
     steps        decode steps in the phase (the critical path sets most of them)
     engine_cpu   the scheduler thread's CPU seconds / the phase's wall: how much of the phase the
                  engine thread computes (the rest: waiting for requests)
+    forward      the engine's forward seconds (prefills and decode steps) / the phase's wall: the
+                 share of the phase the engine spends in the model (the issue's "≥ 70 % in forward")
     update_s     the update (`timing_s/update`)
 
     python benchmarks/phase_profile.py [--steps 4] [--repeat 2] [--cases hf-prefill,fast-prefill] [--before PATH]
@@ -69,11 +71,11 @@ with tempfile.TemporaryDirectory() as run_dir, \
             "step_s": time.time() - t0, "rollout_s": ro.metrics["timing_s/gen"], "update_s": u.metrics["timing_s/update"],
             "prefill_s": d["prefill_s"], "prefills": d["prefills"], "steps": d["steps"],
             "decode_ms": 1000 * (d["forward_s"] - d["prefill_s"]) / max(d["steps"], 1),
-            "engine_cpu": (c1 - c0) / (t1 - t0),
+            "engine_cpu": (c1 - c0) / (t1 - t0), "forward": d["forward_s"] / (t1 - t0),
         }), flush=True)
 """
 
-COLS = ("step_s", "rollout_s", "prefill_s", "prefills", "decode_ms", "steps", "engine_cpu", "update_s")
+COLS = ("step_s", "rollout_s", "prefill_s", "prefills", "decode_ms", "steps", "engine_cpu", "forward", "update_s")
 
 
 def run_case(config: str, steps: int, fast_prefill: bool, overrides: list[str], checkout: Path = ROOT) -> list[dict]:

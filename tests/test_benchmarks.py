@@ -360,6 +360,7 @@ def test_phase_profile_prints_both_prefill_cases_with_the_phase_split():
         assert float(cells["prefills"]) >= 1 and float(cells["steps"]) >= 1
         assert float(cells["prefill_s"]) > 0 and float(cells["decode_ms"]) > 0
         assert 0 < float(cells["engine_cpu"]) <= 2.5  # the engine thread's CPU over the phase's wall
+        assert 0 < float(cells["forward"]) < 1  # the engine's forward seconds over the phase's wall
         assert float(cells["step_s"]) >= float(cells["rollout_s"])
 
 

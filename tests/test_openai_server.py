@@ -310,6 +310,35 @@ def test_stop_string_is_cut_from_the_text(http):
     assert cut["token_ids"] == full["token_ids"][: len(cut["token_ids"])]  # tokens through the stop string
 
 
+def test_a_stop_string_late_in_a_long_reply_is_found_by_decoding_only_the_reply_s_tail(server, http, monkeypatch):
+    """Each step looks for stop strings in the last few tokens only (the whole reply once, on a hit):
+    the cut is where a whole-text search puts it, multi-byte stops included, and no step decodes
+    more than the window until the hit."""
+    base = {
+        "prompt": "lookup key value answer",
+        "temperature": 0,
+        "max_tokens": 120,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    full = _post(http, "/completions", base)["choices"][0]
+    tokenizer = server.scheduler.tokenizer
+    decoded: list[int] = []
+    real = tokenizer.decode
+    monkeypatch.setattr(tokenizer, "decode", lambda ids, **kw: decoded.append(len(ids)) or real(ids, **kw))
+    text = full["text"]
+    # a 4-character stop string whose first occurrence comes late (the tiny model repeats itself)
+    first, stop = max((text.index(text[i : i + 4]), text[i : i + 4]) for i in range(len(text) - 4))
+    cut = _post(http, "/completions", {**base, "stop": [stop, "\u00e9t\u00e9 never"]})["choices"][0]
+    assert cut["text"] == full["text"][:first]
+    assert cut["finish_reason"] == "stop" and cut["stop_reason"] == stop
+    n = len(cut["token_ids"])
+    window = len("\u00e9t\u00e9 never".encode()) + 8  # the longest stop in bytes + the slack
+    assert n > 2 * window and cut["token_ids"] == full["token_ids"][:n]
+    assert max(decoded[:n]) <= window  # one decode a step, of the reply's tail only
+    assert decoded[n] == n  # the hit: the whole reply once, to place the cut (then the reply's text)
+
+
 def test_stop_token_ids(http):
     base = {"prompt": "the value", "temperature": 0, "max_tokens": 10, "ignore_eos": True, "return_token_ids": True}
     full = _post(http, "/completions", base)["choices"][0]["token_ids"]

@@ -94,6 +94,9 @@ class GenerationResult:
 # ---------------------------------------------------------------------------------------
 
 
+_STOP_SLACK = 8  # tokens decoded beyond a stop string's length in bytes (`BatchScheduler._find_stop`)
+
+
 class _Sequence:
     def __init__(self, prompt_ids: list[int], params: SamplingParams, future: concurrent.futures.Future):
         self.prompt_ids, self.params, self.future = prompt_ids, params, future
@@ -429,8 +432,19 @@ class BatchScheduler:
             s.finish_reason = "length"
 
     def _find_stop(self, s: _Sequence) -> bool:
+        """Whether a stop string now appears in the reply; on a hit, where the text is cut.
+
+        Checked after every token, so a new hit ends in the newest token: each step decodes only the
+        last tokens that can hold the longest stop string (every token but a special one is ≥ 1 byte;
+        `_STOP_SLACK` more for those), not the whole reply — a long reply cost a quadratic number of
+        decoded tokens. Only on a hit is the whole reply decoded, to find the earliest stop."""
+        stops = [stop for stop in s.params.stop if stop]
+        window = max(len(stop.encode("utf-8")) for stop in stops) + _STOP_SLACK
+        tail = self.tokenizer.decode(s.out_ids[-window:], skip_special_tokens=True)
+        if not any(stop in tail for stop in stops):
+            return False
         text = self.tokenizer.decode(s.out_ids, skip_special_tokens=True)
-        hits = [(text.find(stop), stop) for stop in s.params.stop if stop and stop in text]
+        hits = [(text.find(stop), stop) for stop in stops if stop in text]
         if not hits:
             return False
         s.stop_at, s.stop_reason = min(hits)
