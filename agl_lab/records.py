@@ -417,16 +417,19 @@ def lifecycle_metrics(completed: Sequence[CompletedRollout]) -> dict[str, float]
 
 
 def critical_path_metrics(completed: Sequence[CompletedRollout]) -> dict[str, float]:
-    """The phase's serial tail, from the recorded calls (#51): a rollout's calls run in series, one
-    decode step per completion token, so the phase lasts at least its slowest rollout's
+    """The phase's serial tail, from the recorded calls (#51): a rollout's calls run in series, each
+    a prefill (which samples its first token) then one decode step per further completion token, so
+    the phase lasts at least its slowest rollout's
 
-        rollout/critical_path_decode_steps = max over rollouts of Σ len(response_ids) of its calls
+        rollout/critical_path_decode_steps = max over rollouts of Σ (len(response_ids) − 1) of its calls
 
-    (`rollout/critical_path_calls`: that rollout's calls; `rollout/mean_decode_steps`: the mean over
-    rollouts). Rollouts without calls count 0; nothing without rollouts."""
+    decode steps, plus `rollout/critical_path_calls` prefills (that rollout's calls);
+    `rollout/mean_decode_steps` is the mean over rollouts. Comparable with the engine's own
+    `rollout/decode_steps`, which the critical path never exceeds. Rollouts without calls count 0;
+    nothing without rollouts."""
     if not completed:
         return {}
-    steps = [sum(len(t.response_ids) for t in c.triplets) for c in completed]
+    steps = [sum(max(len(t.response_ids) - 1, 0) for t in c.triplets) for c in completed]
     slowest = max(range(len(completed)), key=steps.__getitem__)
     return {
         "rollout/critical_path_decode_steps": float(steps[slowest]),

@@ -9,7 +9,8 @@ its fastest engine settings (shared prefix, every core), in three variants takin
     + stop & cap    `calc.call_options`: calls stop at `</tool_call>`, the answer call capped at 16
 
 Columns: wall seconds of the phase, decode steps, tokens generated, the critical path (the
-slowest rollout's completion tokens in series: `records.critical_path_metrics`), the mean decode
+slowest rollout's decode steps in series: `records.critical_path_metrics`; before 2026-12-05 its
+completion tokens, one more per call), the mean decode
 batch (decode rows / steps: `BatchScheduler.stats["decode_rows"]`), seconds spent making clients,
 model calls, and merge breaks. Agent calls are unseeded (#51 item 5), so
 completions differ between runs: the variants take turns for `--repeat` rounds, means shown.
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
                         "seconds": wall,
                         "decode steps": d["steps"],
                         "tokens generated": d["tokens"],
-                        "critical path (tokens)": path["rollout/critical_path_decode_steps"],
+                        "critical path (decode steps)": path["rollout/critical_path_decode_steps"],
                         "mean decode batch": d["decode_rows"] / max(d["steps"], 1),
                         "client s / rollout": sum(made) / max(len(made), 1),
                         "calls": sum(len(c.triplets) for c in completed),

@@ -228,21 +228,22 @@ def test_lifecycle_metrics_golden_numbers():
     assert lifecycle_metrics([]) == {"timing/rollout_n_missing_running_ts": 0.0}
 
 
-def test_critical_path_is_the_slowest_rollouts_completion_tokens_in_series():
+def test_critical_path_is_the_slowest_rollouts_decode_steps_in_series():
     from tests.hand_built import R, T
 
-    # calc-shaped: call 1 (a tool call) then the answer; the slowest is r2: 29 + 48 = 77 decode steps
+    # calc-shaped: call 1 (a tool call) then the answer. A call's first token comes from its prefill,
+    # each further one from a decode step: the slowest is r2, (29 - 1) + (48 - 1) = 75 decode steps
     rollouts = [
-        R("r1", [T([1, 2], [5] * 25), T([1, 2, 5], [6] * 3)]),  # 28
-        R("r2", [T([1, 2], [5] * 29), T([1, 2, 5], [6] * 48)]),  # 77
-        R("r3", [T([1, 2], [7] * 4)]),  # answered at once: 4
+        R("r1", [T([1, 2], [5] * 25), T([1, 2, 5], [6] * 3)]),  # 24 + 2 = 26
+        R("r2", [T([1, 2], [5] * 29), T([1, 2, 5], [6] * 48)]),  # 28 + 47 = 75
+        R("r3", [T([1, 2], [7] * 4), T([1, 2, 7], [7])]),  # 3 + 0: a one-token call is its prefill alone
         R("r4", []),  # no call recorded: 0
     ]
     m = critical_path_metrics(rollouts)
     assert m == {
-        "rollout/critical_path_decode_steps": 77.0,
+        "rollout/critical_path_decode_steps": 75.0,
         "rollout/critical_path_calls": 2.0,
-        "rollout/mean_decode_steps": (28 + 77 + 4 + 0) / 4,
+        "rollout/mean_decode_steps": (26 + 75 + 3 + 0) / 4,
     }
     assert critical_path_metrics(list(reversed(rollouts))) == m  # the order of collection does not matter
     assert critical_path_metrics([]) == {}

@@ -33,6 +33,8 @@ def test_one_step_changes_weights_and_bumps_policy_version(trainer):
     m = ro.metrics
     assert m["rollout/prefill_tokens"] + m["rollout/cached_tokens"] == ro.triplets["prompt_tokens"].sum()
     assert m["rollout/prefill_tokens"] > 0 and m["rollout/decode_steps"] > 0
+    # the slowest rollout's calls in series: each a prefill, then its decode steps — all of them engine steps
+    assert 0 < m["rollout/critical_path_decode_steps"] <= m["rollout/decode_steps"]
     b = trainer.build_batch()
     assert b.metrics["training/n_rollouts"] == 8
     assert set(b.rows["rollout_id"]) <= {r.rollout_id for r in ro.rollouts}
