@@ -39,6 +39,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     scale_timeouts(config, items)
 
 
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Name the threads a test left running: a thread still inside torch while the interpreter
+    exits can crash it after every test passed (./lab test runs with PYTHONFAULTHANDLER=1, so such a
+    crash prints every thread's stack)."""
+    import sys
+    import threading
+
+    left = [t for t in threading.enumerate() if t is not threading.main_thread()]
+    if left:
+        names = ", ".join(f"{t.name}{' (daemon)' if t.daemon else ''}" for t in left)
+        print(f"[conftest] {len(left)} thread(s) still running at exit: {names}", file=sys.stderr)
+
+
 # the backends of `store_url` (AGL_LAB_TEST_STORES=memory,sqlite,postgresql runs the server, gateway
 # and runner tests on PostgreSQL too: they pass there, ~1.5 min more)
 STORE_BACKENDS = os.environ.get("AGL_LAB_TEST_STORES", "memory,sqlite").split(",")

@@ -182,6 +182,9 @@ class _ResetThenAnswer:
         threading.Thread(target=serve, daemon=True).start()
 
     def close(self) -> None:
+        import socket
+
+        self.sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept() (close alone does not, on Linux)
         self.sock.close()
 
 

@@ -45,6 +45,7 @@ class ScriptedServer:
 
     def close(self) -> None:
         self._stop = True
+        self.sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept() (close alone does not, on Linux)
         self.sock.close()
 
     def _accept(self) -> None:
