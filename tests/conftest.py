@@ -41,7 +41,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     """Name the threads a test left running: a thread still inside torch while the interpreter
-    exits can crash it after every test passed (./lab test runs with PYTHONFAULTHANDLER=1, so such a
+    exits can crash it after every test passed (./lab test runs pytest under -X faulthandler, so such a
     crash prints every thread's stack)."""
     import sys
     import threading
