@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from agl_lab.engines.lora import LoraSpec, adapted_layers, add_lora  # noqa: E402
+from benchmarks.host import describe  # noqa: E402
 from agl_lab.engines.serving import fast_decode  # noqa: E402
 from agl_lab.engines.serving.decode_batch import DecodeBatch  # noqa: E402
 
@@ -88,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             proj.lora_B["default"].weight.normal_(0, 0.01)
     modules = {"before": module_at(args.before), "now": fast_decode}
     print(f"# {Path(path).name} + LoRA r16, {args.steps} steps a case, before = {args.before}")
+    print(describe(), flush=True)
     print(f"{'rows':>5} | {'before ms':>10} | {'now ms':>10} | {'now/before':>10} | {'max |dlogit|':>12}")
     for rows in (int(r) for r in args.rows.split(",")):
         r = measure(model, modules, rows, args.steps)
@@ -96,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['now_ms'] / r['before_ms']:>10.3f} | {r['max_dlogit']:>12.2e}",
             flush=True,
         )
+    print(describe())
     return 0
 
 

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from agl_lab.engines import lora  # noqa: E402
 from agl_lab.trainer import Trainer  # noqa: E402
+from benchmarks.host import describe  # noqa: E402
 
 OVERRIDES = ["trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1"]
 
@@ -50,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.profiler import profile
 
     cases = ("merged", "peft")
+    print(describe(), flush=True)  # before the cases and after them: a shared host's speed drifts
     seconds: dict[str, list[float]] = {c: [] for c in cases}
     mm: dict[str, int] = {}
     with (
@@ -77,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'forward':<8} | {'median s':>9} | {'best s':>7} | {'aten::mm':>8}")
     for case in cases:
         print(f"{case:<8} | {statistics.median(seconds[case]):>9.2f} | {min(seconds[case]):>7.2f} | {mm[case]:>8}")
+    print(describe())
     return 0
 
 

@@ -38,6 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks.children`, run as a script
 
 from benchmarks.children import ROOT, run_child, tagged  # noqa: E402
+from benchmarks.host import describe  # noqa: E402
 
 CASES = {"hf-prefill": False, "fast-prefill": True}  # name → scheduler.fast_prefill
 
@@ -104,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"# {args.config}, {args.steps} steps a case × {args.repeat} rounds, overrides: {' '.join(args.overrides) or '-'}"
     )
+    print(describe(), flush=True)  # before the cases and after them: a shared host's speed drifts
     tails: dict[str, list[dict]] = {n: [] for n in names}
     for round_ in range(1, args.repeat + 1):
         for name in names:
@@ -121,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         med = {c: statistics.median(r[c] for r in tails[name]) for c in COLS}
         print(f"{name:<13} | " + " | ".join(f"{med[c]:>10.3f}" for c in COLS), flush=True)
+    print(describe())
     return 0
 
 

@@ -362,6 +362,7 @@ def test_phase_profile_prints_both_prefill_cases_with_the_phase_split():
         assert 0 < float(cells["engine_cpu"]) <= 2.5  # the engine thread's CPU over the phase's wall
         assert 0 < float(cells["forward"]) < 1  # the engine's forward seconds over the phase's wall
         assert float(cells["step_s"]) >= float(cells["rollout_s"])
+    _assert_host_lines(out)
 
 
 def test_a_child_case_s_rows_come_back_by_tag_and_a_failed_case_is_named():
@@ -398,6 +399,7 @@ def test_decode_step_benchmark_compares_a_revision_s_module_row_by_row():
     for n in ("1", "3"):
         _, before_ms, now_ms, _, dlogit = rows[n]
         assert float(before_ms) > 0 and float(now_ms) > 0 and float(dlogit) == 0
+    _assert_host_lines(out)
 
 
 def test_decode_step_benchmark_names_a_revision_git_does_not_know():
@@ -426,3 +428,16 @@ def test_lora_update_benchmark_times_both_forwards_and_the_merged_one_runs_fewer
     }
     assert float(rows["merged"][1]) > 0 and float(rows["peft"][1]) > 0
     assert int(rows["peft"][3]) > int(rows["merged"][3]) > 0
+    _assert_host_lines(out)
+
+
+def _assert_host_lines(out: str) -> None:
+    """A timed benchmark names its host before its cases and after them (`benchmarks/host.py`): the CPU
+    model and the float32 and bfloat16 matmul rates measured then."""
+    import re
+
+    hosts = [line for line in out.splitlines() if line.startswith("# host: ")]
+    assert len(hosts) == 2, out
+    for line in hosts:
+        rates = re.search(r"float32 matmul (\d+) GFLOP/s, bfloat16 (\d+) GFLOP/s", line)
+        assert rates and int(rates[1]) > 0 and int(rates[2]) > 0, line
