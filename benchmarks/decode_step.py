@@ -25,9 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from agl_lab.engines.lora import LoraSpec, adapted_layers, add_lora  # noqa: E402
-from benchmarks.host import describe  # noqa: E402
 from agl_lab.engines.serving import fast_decode  # noqa: E402
 from agl_lab.engines.serving.decode_batch import DecodeBatch  # noqa: E402
+from benchmarks.host import describe  # noqa: E402
 
 
 def module_at(rev: str) -> types.ModuleType:
