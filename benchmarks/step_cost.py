@@ -49,7 +49,10 @@ import torch
 from agl_lab.engines.base import logprob_gap
 from agl_lab.engines.local import LocalEngine
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks.update`, run as a script
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks.host`, `benchmarks.update`, run as a script
+
+from benchmarks.host import matmul_rate  # noqa: E402
+
 VARIANTS = ("full", "lora", "lora + bypass")
 WORK_VARIANTS = {  # name → (skip_zero_advantage, use_prefix_grouper)
     "padded": (False, False),
@@ -57,17 +60,6 @@ WORK_VARIANTS = {  # name → (skip_zero_advantage, use_prefix_grouper)
     "+ shared prefix": (False, True),
     "both": (True, True),
 }
-
-
-def matmul_flops(n: int = 1024, repeat: int = 10) -> float:
-    """FLOP/s of a float32 [n, n] @ [n, n] with torch's current threads (best of `repeat`)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
 
 
 class Variant:
@@ -205,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     peaks = []
     try:
         for r in range(args.repeat):  # round-robin: each round runs every variant once
-            peaks.append(matmul_flops())
+            peaks.append(matmul_rate("float32", torch.get_num_threads()))
             for v in variants:
                 v.run(data)
                 print(
@@ -213,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
                     f"(load {os.getloadavg()[0]:.2f})",
                     flush=True,
                 )
-        peaks.append(matmul_flops())
+        peaks.append(matmul_rate("float32", torch.get_num_threads()))
         tokens = int(data.batch["attention_mask"].sum())
         if args.compare == "work":
             rows = [v.work_row(variants[0]) for v in variants]
@@ -223,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         for v in variants:
             v.engine.close()
-    peak = max(peaks) / 1e9  # the best matmul of the run, measured between the rounds
+    peak = max(peaks)  # GFLOP/s: the best matmul of the run, measured between the rounds
     rate = "GFLOP/s" if args.compare == "work" else "update GFLOP/s"
     table["vs matmul"] = (table[rate] / peak).round(2)
     print(f"\nplain float32 matmul (1024², {torch.get_num_threads()} threads, best of the run): {peak:.1f} GFLOP/s\n")
