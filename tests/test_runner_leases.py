@@ -152,7 +152,10 @@ def test_async_carry_over_and_hooks_see_a_requeued_rollout_finish_once(embedded_
     )
     hooks = Hooks()
 
+    ran: list[tuple[str, str]] = []  # (rollout, attempt) as the live runner ran them
+
     def agent(task, ctx):
+        ran.append((ctx.rollout_id, ctx.attempt_id))
         ctx.emit("ran", {"attempt": ctx.attempt_id})
         return 1.0
 
@@ -201,5 +204,10 @@ def test_async_carry_over_and_hooks_see_a_requeued_rollout_finish_once(embedded_
     assert len(hooks.seen) == len(ids) + carried_finished  # hooks: the trained and the carried finished ones
     assert sorted(rid for rid, _ in hooks.seen) == sorted(set(rid for rid, _ in hooks.seen))  # once each
     assert dict(hooks.seen)[victims[0]] == ("1",)  # the victim: its attempt 1 only
-    assert sum(attempts == ("1",) for _, attempts in hooks.seen) == 1
+    # the ones that ran twice: the victim, and on a loaded machine perhaps a live claim whose beat came
+    # late (CI once saw the sweep re-queue two); each hook read its rollout's last attempt only
+    seen = {rid for rid, _ in hooks.seen}
+    assert {rid for rid, attempts in hooks.seen if attempts == ("1",)} == {
+        rid for rid, attempt in ran if attempt == "1" and rid in seen
+    }
     assert all(attempts in {("0",), ("1",)} for _, attempts in hooks.seen)
