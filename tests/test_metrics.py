@@ -27,7 +27,8 @@ KEY, RUNNER_KEY = "metrics-key", "metrics-runner-key"
 
 
 def test_server_metrics_count_claims_expiries_reruns_releases_and_store_calls(embedded_server):
-    server = embedded_server(key=KEY, runner_key=RUNNER_KEY, lease_seconds=1.0, max_attempts=3)
+    # a 3 s lease: the scrape right after the claim must come before the sweep re-queues it (a loaded host stalls)
+    server = embedded_server(key=KEY, runner_key=RUNNER_KEY, lease_seconds=3.0, max_attempts=3)
     with httpx.Client(base_url=server.url, headers=server.headers, timeout=30) as api:
 
         def scrape() -> dict:
