@@ -5,6 +5,7 @@
     fake.fail_next(2, status=503)                            # the next 2 calls answer 503
     fake.delay_seconds = 0.5                                 # every call sleeps first
     fake.delay_jitter = 0.5                                  # ... 0.25 to 0.75 s
+    fake.gate.clear(); ...; fake.gate.set()                  # calls wait in flight until the gate opens
 
 Answers (any path prefix works, so several "replicas" are `/{name}/v1`):
 - POST .../chat/completions: top-level `prompt_token_ids`, `choices[0].token_ids`, and
@@ -58,6 +59,8 @@ class FakeOpenAI:
         self.reply = reply
         self.delay_seconds = delay_seconds
         self.delay_jitter = delay_jitter  # each delay is delay_seconds * U(1 - jitter, 1 + jitter)
+        self.gate = threading.Event()  # cleared: calls stay in flight until it is set (no race with a delay)
+        self.gate.set()
         self.requests: list[dict[str, Any]] = []
         self._script: collections.deque[tuple[int, Any]] = collections.deque()
         self._lock = threading.Lock()
@@ -78,6 +81,7 @@ class FakeOpenAI:
             self._script.clear()
             self.requests.clear()
         self.reply, self.delay_seconds, self.delay_jitter = "ok", 0.0, 0.0
+        self.gate.set()
 
     def serve(self, host: str = "127.0.0.1", port: int = 0) -> ThreadedUvicorn:
         self.server = ThreadedUvicorn(self.app, host, port)
@@ -118,6 +122,8 @@ class FakeOpenAI:
             scripted = self._script.popleft() if self._script else None
         if self.delay_seconds:
             await asyncio.sleep(self.delay_seconds * random.uniform(1 - self.delay_jitter, 1 + self.delay_jitter))
+        while not self.gate.is_set():
+            await asyncio.sleep(0.01)
         if scripted is not None:
             status, payload = scripted
             if isinstance(payload, bytes):  # a non-JSON answer (e.g. a proxy's HTML error page)

@@ -386,7 +386,7 @@ def wait_for(predicate, timeout=10.0):
 
 def test_pause_gate_under_concurrent_calls(make_gateway, fake_upstream):
     server, client = make_gateway()
-    fake_upstream.delay_seconds = 0.5
+    fake_upstream.gate.clear()  # the six calls stay in flight until the pause has been checked
     results: dict[str, int] = {}
     rids = [f"c{i}" for i in range(6)]
     for rid in rids:
@@ -406,20 +406,20 @@ def test_pause_gate_under_concurrent_calls(make_gateway, fake_upstream):
     refused = chat(client, rid="late")
     assert refused.status_code == 429 and refused.json() == {"error": "gateway paused", "reason": "update"}
     assert refused.headers["retry-after"] == "3" and refused.headers["x-agl-paused"] == "true"
+    fake_upstream.gate.set()
     wait_for(lambda: client.get("/proxy/state").json()["inflight"] == 0)  # in-flight calls drain
     for t in threads:
         t.join()
     assert results == {rid: 200 for rid in rids}
     assert all(len(events(client, rid=rid)) == 1 for rid in rids) and events(client, rid="late") == []
     client.post("/proxy/resume")
-    fake_upstream.delay_seconds = 0.0
     assert chat(client, rid="late").status_code == 200
 
 
 def test_rollout_deleted_during_call_still_answers(make_gateway, fake_upstream, caplog):
     server, client = make_gateway()
     new_rollout(client)
-    fake_upstream.delay_seconds = 0.4
+    fake_upstream.gate.clear()  # the call stays in flight until the rollout is gone
     result = {}
     agent = threading.Thread(
         target=lambda: result.update(
@@ -430,6 +430,7 @@ def test_rollout_deleted_during_call_still_answers(make_gateway, fake_upstream, 
         agent.start()
         wait_for(lambda: client.get("/proxy/state").json()["inflight"] == 1)
         assert client.delete("/api/rollouts/r1").status_code == 204
+        fake_upstream.gate.set()
         agent.join()
     assert result["r"].status_code == 200 and result["r"].json()["choices"][0]["message"]["content"] == "ok"
     assert "was deleted while its model call was in flight" in caplog.text
