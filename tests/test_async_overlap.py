@@ -116,8 +116,9 @@ def test_staleness_one_generates_while_the_update_trains_within_the_bound(overla
 
 def test_overlapped_run_resumes_from_a_checkpoint(tmp_path):
     # the carry-over's pending rollouts live in the ledger: a sqlite store outlives the first Trainer,
-    # and a short lease re-queues the ones its runner held when it closed
-    ledger = [f"agl_lab.server.store=sqlite:///{tmp_path}/ledger.db", "agl_lab.server.lease_seconds=2"]
+    # and a short lease re-queues the ones its runner held when it closed (5 s: the runner beats beside
+    # a training update on 2 cores, and a live claim must not expire)
+    ledger = [f"agl_lab.server.store=sqlite:///{tmp_path}/ledger.db", "agl_lab.server.lease_seconds=5"]
     with Trainer.from_config(
         "configs/cpu_tiny.yaml", overrides=[*OVERLAP, *ledger], run_dir=tmp_path / "run", console=False
     ) as t:

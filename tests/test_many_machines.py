@@ -28,7 +28,8 @@ from tests.trainer_runs import SMALL, read_recording
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "many-machines-key"
 STEPS = 3
-LEASE_SECONDS = scaled(3)  # short, so the killed runner's rollouts run again within the step (runners beat every 0.3 s)
+LEASE_SECONDS = scaled(8)  # the killed runner's rollouts run again within the step; long enough that a survivor
+# stalled on this crowded host (trainer, 2 servers, PostgreSQL, 3 runners on 2 cores) keeps its claims (a tenth of it a beat)
 ROLLOUTS_PER_STEP = 4 * 2  # data.train_batch_size=4 × actor_rollout_ref.rollout.n=2 (SMALL)
 
 

@@ -163,9 +163,10 @@ def test_sigkilled_runner_loses_nothing_its_rollouts_rerun_as_attempt_1_and_fini
     embedded_server, tmp_path, store_kind
 ):
     store = "memory" if store_kind == "memory" else f"sqlite:///{tmp_path}/store.db"
-    # the runners beat every tenth of the lease: a 2 s lease (scaled) survives a loaded machine's stalls
+    # the runners beat every tenth of the lease: a 4 s lease (scaled) survives a loaded machine's stalls
+    # (the rescuer's claims must not expire: the counts below are exact)
     server = embedded_server(
-        key=KEY, default_proxy={"model_name": "m"}, store=store, lease_seconds=scaled(2.0), max_attempts=2
+        key=KEY, default_proxy={"model_name": "m"}, store=store, lease_seconds=scaled(4.0), max_attempts=2
     )
     doomed = start_runner(server.url, "--concurrency", "4")
     rescuer: list[subprocess.Popen] = []

@@ -51,14 +51,15 @@ def test_running_rollout_without_a_runner_is_requeued_then_fails_after_max_attem
 
 
 def test_heartbeats_and_events_keep_a_rollout_alive(embedded_server, store_url):
-    # a lease 15 times the beat (scaled): a loaded CI machine once stalled this loop past a 0.6 s lease
-    lease = scaled(1.5)
+    # a lease 15 times the beat (scaled): a loaded CI machine once stalled this loop past a 0.6 s lease,
+    # and a 1 s lease's beats elsewhere (3 s now: a stall under load can reach 1–2 s)
+    lease = scaled(3.0)
     server = embedded_server(key=KEY, default_proxy={"model_name": "m"}, store=store_url, lease_seconds=lease)
     with AglClient(server.url, key=KEY) as client:
         client.create_rollouts([RolloutCreate(input={}, rollout_id=r) for r in ("hb", "ev")])
         for rid in ("hb", "ev"):
             client.patch_status(rid, state="running", last_attempt_id="0")
-        end = time.monotonic() + 3.1 * lease  # > 3 leases
+        end = time.monotonic() + 2.1 * lease  # > 2 leases
         while time.monotonic() < end:
             answer = client.heartbeat(["hb", "nope"])
             assert answer == {"not_running": ["nope"], "lease_seconds": lease}
@@ -68,13 +69,13 @@ def test_heartbeats_and_events_keep_a_rollout_alive(embedded_server, store_url):
 
 
 def test_runner_heartbeats_keep_long_quiet_agents_running(embedded_server):
-    # 2 s leases, scaled (the runner beats every tenth of a lease): at 0.5 s leases beaten every third
+    # 3 s leases, scaled (the runner beats every tenth of a lease): at 0.5 s leases beaten every third
     # a loaded CI machine once missed three beats in a row
-    lease = scaled(2.0)
+    lease = scaled(3.0)
     server = embedded_server(key=KEY, default_proxy={"model_name": "m"}, lease_seconds=lease)
 
     def quiet_agent(task, ctx):
-        time.sleep(3.3 * lease)  # over three leases without an event or a model call
+        time.sleep(2.2 * lease)  # over two leases without an event or a model call
         return 1.0
 
     with AglClient(server.url, key=KEY) as client, Runner(server.url, key=KEY, agent=quiet_agent, poll_interval=0.02):
@@ -147,9 +148,9 @@ def test_async_carry_over_and_hooks_see_a_requeued_rollout_finish_once(embedded_
         def on_succeeded(self, rollout, events_by_attempt, writer):
             self.seen.append((rollout.rollout_id, tuple(sorted(events_by_attempt))))
 
-    server = embedded_server(  # the live runner beats every tenth of the lease: it keeps its claims
-        key=KEY, default_proxy={"model_name": "m"}, store=store_url, lease_seconds=scaled(1.0), max_attempts=2
-    )
+    server = embedded_server(  # the live runner beats every tenth of the lease: it keeps its claims (3 s: under
+        key=KEY, default_proxy={"model_name": "m"}, store=store_url, lease_seconds=scaled(3.0), max_attempts=2
+    )  # load a 1 s lease once expired a live claim too)
     hooks = Hooks()
 
     ran: list[tuple[str, str]] = []  # (rollout, attempt) as the live runner ran them
