@@ -34,14 +34,21 @@ def test_two_runners_on_two_servers_each_get_a_share(two_servers):
     got: dict[str, list[str]] = {"runner-a": [], "runner-b": []}
     both_polled = threading.Barrier(3, timeout=60)
     queued = threading.Event()
+    # each runner's first claim lands before either makes a second: without it a runner whose first
+    # claim a loaded host delays could find the other one's four claims (48 + 24 + 12 + 6) done
+    first_claimed = threading.Barrier(2, timeout=60)
 
     def runner(name: str, server: Serve) -> None:
         with AglClient(server.url, key=KEY) as client:
             assert client.claim_rollouts(N, runner_id=name) == []  # an idle poll: this runner now claims
             both_polled.wait()
             queued.wait(60)
+            first = True
             while True:  # as a runner does: claim with all its free slots until the queue is empty
                 claimed = client.claim_rollouts(N, runner_id=name, wait_seconds=1.0)
+                if first:
+                    first_claimed.wait()
+                    first = False
                 if not claimed:
                     return
                 got[name] += [r.rollout_id for r in claimed]

@@ -16,6 +16,7 @@ from agl_lab.client import AglClient
 from agl_lab.protocol import RolloutCreate
 from agl_lab.rollout import TERMINAL_WAIT_SECONDS, SyncRolloutManager
 from agl_lab.server.app import MAX_TERMINAL_WAIT_SECONDS
+from tests.conftest import scaled
 from tests.fake_runner import KEY, FakeRunner, scripted_agent
 
 
@@ -55,11 +56,15 @@ def test_a_waiting_terminal_poll_answers_when_a_rollout_finishes(server):
 def test_a_claim_answers_a_waiting_terminal_poll_with_an_empty_page(server):
     """Any state change answers (a caller tracking `running` looks again), cursor unchanged."""
     with AglClient(server.url, key=KEY) as waiter, AglClient(server.url, key=KEY) as runner:
-        runner.create_rollouts([RolloutCreate(rollout_id="r1", input={})])
+        runner.create_rollouts([RolloutCreate(rollout_id=f"r{i}", input={}) for i in range(3)])
         thread, got = _in_thread(lambda: waiter.terminal_page(after=0, wait_seconds=20))
         time.sleep(0.2)
-        claimed_at = time.monotonic()
-        assert len(runner.claim_rollouts(1)) == 1
+        for _ in range(3):  # a claim made before the poll has parked answers nothing: claim again
+            claimed_at = time.monotonic()
+            assert len(runner.claim_rollouts(1)) == 1
+            thread.join(scaled(2))
+            if not thread.is_alive():
+                break
         thread.join(20)
         assert got[0].items == [] and got[0].next_after == 0
         assert time.monotonic() - claimed_at < 10

@@ -18,6 +18,7 @@ from agl_lab.protocol import Rollout
 from agl_lab.records import CompletedRollout, lifecycle_metrics
 from agl_lab.rollout import AsyncRolloutManager, SyncRolloutManager
 from agl_lab.server.embedded import EmbeddedServer
+from tests.conftest import scaled
 from tests.fake_runner import KEY, FakeRunner, post_call, reward_of
 
 FAST = dict(poll_interval=0.01, timeout_seconds=30)
@@ -335,7 +336,7 @@ def test_async_timeout_trains_the_members_that_finished_and_hooks_run_once(serve
         rollout_config={},
         hooks=hooks,
         poll_interval=0.01,
-        timeout_seconds=0.5,
+        timeout_seconds=scaled(5.0),  # t0 twice and t1's first copy must finish inside it on a loaded host
     )
     with FakeRunner(server.url, hold={("t1", 1), "t2"}), pytest.warns(RuntimeWarning, match="dropping 3 unfinished"):
         done, metrics = manager.run(tasks("t0", "t1", "t2"), step=1, policy_version=1)

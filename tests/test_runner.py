@@ -398,10 +398,11 @@ def test_subprocess_failures_fail_with_a_message(server, api):
 
 
 def test_subprocess_timeout_kills_the_process_group(server, api):
-    ids = create(api, subprocess_rollout("HangAgent", timeout_seconds=2))
+    # 6 s: the agent's start (Python, imports, its tool child, the "pids" event) must fit in it on a loaded host
+    ids = create(api, subprocess_rollout("HangAgent", timeout_seconds=6))
     with Runner(server.url, key=KEY):
         final = wait_terminal(api, ids)
-    assert final[ids[0]]["error_message"] == "local subprocess timed out after 2 s"
+    assert final[ids[0]]["error_message"] == "local subprocess timed out after 6 s"
     pids = events(api, ids[0], event_type="pids")[0]["data"]
     wait_until(lambda: process_gone(pids["agent"]) and process_gone(pids["tool"]), 10, "the agent's group to die")
 

@@ -102,11 +102,11 @@ def test_a_head_at_the_limit_passes_and_one_past_it_does_not(strict):
 
 
 def test_timeouts_never_cut_a_request_being_answered(embedded_server):
-    slow = FakeOpenAI(delay_seconds=2.0)
-    slow.serve()
+    slow = FakeOpenAI(delay_seconds=3.0)  # 3 × the read timeouts, which a client stalled between its
+    slow.serve()  # connect and its send must not hit (1 s: a loaded host stalls a thread for 0.3 s)
     try:
         server = embedded_server(
-            key=KEY, default_proxy={"model_name": "m"}, header_timeout_seconds=0.3, body_timeout_seconds=0.3
+            key=KEY, default_proxy={"model_name": "m"}, header_timeout_seconds=1.0, body_timeout_seconds=1.0
         )
         with httpx.Client(base_url=server.url, headers=server.headers, trust_env=False, timeout=SAFETY_NET) as c:
             c.post("/api/models", json=[{"model": "m", "endpoint": slow.base_url}]).raise_for_status()
@@ -168,7 +168,7 @@ def _stall_loop_after_connect(server, seconds: float) -> None:
 def test_a_stalled_server_reads_what_arrived_before_it_times_a_head_out(embedded_server):
     """The head's bytes arrive while the loop is blocked past header_timeout_seconds: when it runs
     again its timer is due and the bytes unread; the server reads them first and answers."""
-    header_timeout = scaled(0.5)
+    header_timeout = scaled(1.0)  # the send below must come within the loop's stall (3 of it)
     server = embedded_server(key=KEY, header_timeout_seconds=header_timeout)
     with _connect(server) as sock:
         _stall_loop_after_connect(server, 3 * header_timeout)
@@ -178,7 +178,7 @@ def test_a_stalled_server_reads_what_arrived_before_it_times_a_head_out(embedded
 
 
 def test_a_stalled_server_still_times_out_a_head_the_waiting_bytes_leave_incomplete(embedded_server):
-    header_timeout = scaled(0.5)
+    header_timeout = scaled(1.0)  # the send below must come within the loop's stall (3 of it)
     server = embedded_server(key=KEY, header_timeout_seconds=header_timeout)
     with _connect(server) as sock:
         _stall_loop_after_connect(server, 3 * header_timeout)
