@@ -111,8 +111,8 @@ def test_idle_claims_skip_the_database_until_rollouts_are_queued(embedded_server
     EMPTY_TRUST_SECONDS): idle polls cost no claim transaction each; a rollout queued through
     another store instance (another server) is still claimed at once."""
     store, other = CountingStore(postgres_database), PostgresStore(postgres_database)
+    server = embedded_server(key=KEY, store=store)
     try:
-        server = embedded_server(key=KEY, store=store)
         with AglClient(server.url, key=KEY) as client:
             CountingStore.claims = 0
             for _ in range(40):
@@ -128,3 +128,5 @@ def test_idle_claims_skip_the_database_until_rollouts_are_queued(embedded_server
             assert got == ["new"]
     finally:
         other.close()
+        server.stop()  # a store handed to the server is the caller's to close, after the server is done with it
+        store.close()
