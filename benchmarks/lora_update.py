@@ -5,14 +5,18 @@ rollout phase, one batch, then `trainer.update(batch, allow_reuse=True)` with th
 taking turns for `--repeat` rounds (each update moves the adapter, so the rounds see slightly
 different weights — alike for both):
 
-    merged   this checkout: each adapted projection runs `lora._MergedProduct` (x @ (W + s·B@A)ᵀ,
-             the weight the engine decodes with; A's and B's gradients from rank-r products)
-    peft     PEFT's `lora.Linear.forward`: W x + s · B(A(x)), three products, a scale and an add
+    merged         this checkout: each adapted projection runs `lora._MergedProduct` (x @ (W + s·B@A)ᵀ,
+                   the weight the engine decodes with; A's and B's gradients from rank-r products)
+    peft           PEFT's `lora.Linear.forward`: W x + s · B(A(x)), three products, a scale and an add
+    merged-bf16    `agl_lab.model.compute_dtype=bfloat16` as this checkout runs it: the merged product
+                   and every frozen linear (the LM head) from bfloat16 weight copies, the rest float32
+    autocast-bf16  the same key under `torch.autocast("cpu", bfloat16)` (PEFT's layer; every
+                   weight cast at each use, bfloat16 attention) — how it ran before the copies
 
 Columns: update seconds (median and best of the rounds) and `aten::mm` calls of the last round's
 update (torch.profiler, that round untimed).
 
-    python benchmarks/lora_update.py [--repeat 3] [--config PATH] [key=value ...]
+    python benchmarks/lora_update.py [--repeat 3] [--cases merged,peft,...] [--config PATH] [key=value ...]
 """
 
 from __future__ import annotations
@@ -26,31 +30,46 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agl_lab.engines import lora  # noqa: E402
+import torch  # noqa: E402
+
+from agl_lab.engines import lora, precision  # noqa: E402
 from agl_lab.trainer import Trainer  # noqa: E402
 from benchmarks.host import describe  # noqa: E402
 
 OVERRIDES = ["trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1"]
 
 
+CASES = ("merged", "peft", "merged-bf16", "autocast-bf16")
+_COPIES = precision._bf16_copies
+
+
 def use(model, case: str) -> None:
-    """Bind the case's forward on every adapted projection (`add_lora` binds the merged one)."""
+    """Bind the case's forward on every adapted projection (`add_lora` binds the merged one) and
+    set its precision."""
     for proj in lora.adapted_layers(model):
         if case == "peft":
             proj.forward = type(proj).forward.__get__(proj)
         else:
             proj.forward = lora._forward.__get__(proj)
+    precision.set_compute_dtype(model, torch.bfloat16 if case.endswith("bf16") else None)
+    if case == "autocast-bf16":
+        precision._bf16_copies = lambda model: torch.autocast("cpu", dtype=torch.bfloat16)
+    else:
+        precision._bf16_copies = _COPIES
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="configs/cpu_smollm2_learn.yaml")
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--cases", default="merged,peft", help=f"comma-separated, of {', '.join(CASES)}")
     p.add_argument("overrides", nargs="*", help="config overrides (key=value)")
     args = p.parse_args(argv)
     from torch.profiler import profile
 
-    cases = ("merged", "peft")
+    cases = args.cases.split(",")
+    if unknown := set(cases) - set(CASES):
+        p.error(f"--cases: unknown {sorted(unknown)}; choose from {', '.join(CASES)}")
     print(describe(), flush=True)  # before the cases and after them: a shared host's speed drifts
     seconds: dict[str, list[float]] = {c: [] for c in cases}
     mm: dict[str, int] = {}
@@ -76,9 +95,9 @@ def main(argv: list[str] | None = None) -> int:
                 seconds[case].append(time.perf_counter() - t0)
                 print(f"#   round {round_ + 1} {case}: {seconds[case][-1]:.2f} s", flush=True)
         use(model, "merged")
-    print(f"{'forward':<8} | {'median s':>9} | {'best s':>7} | {'aten::mm':>8}")
+    print(f"{'forward':<13} | {'median s':>9} | {'best s':>7} | {'aten::mm':>8}")
     for case in cases:
-        print(f"{case:<8} | {statistics.median(seconds[case]):>9.2f} | {min(seconds[case]):>7.2f} | {mm[case]:>8}")
+        print(f"{case:<13} | {statistics.median(seconds[case]):>9.2f} | {min(seconds[case]):>7.2f} | {mm[case]:>8}")
     print(describe())
     return 0
 

@@ -3,6 +3,7 @@ over float32 weights, in the decode loop and in the update — near the float32 
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -13,6 +14,7 @@ from agl_lab.config_keys import ConfigWarning
 from agl_lab.engines import precision
 from agl_lab.engines.local import _set_compute_dtype
 from agl_lab.engines.local_ppo import _response_forward
+from agl_lab.engines.lora import LoraSpec, add_lora, effective_weight
 from agl_lab.engines.serving import fast_decode
 from agl_lab.engines.serving.decode_batch import DecodeBatch
 from agl_lab.engines.tiny import load_model_and_tokenizer
@@ -99,6 +101,75 @@ def test_the_trainer_forward_runs_its_products_in_bfloat16_and_keeps_float32_gra
         precision.set_compute_dtype(model, None)
         model.zero_grad()
     assert seen == [torch.float32, torch.bfloat16]
+
+
+def _lora_model(rank: int = 8):
+    model, tokenizer = load_model_and_tokenizer(None, device="cpu")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        add_lora(model, LoraSpec(rank=rank, alpha=2 * rank))
+        for p in model.parameters():
+            if p.requires_grad:  # B is zero at init: give the adapter something to say
+                p.data.normal_(0, 0.05)
+    return model, tokenizer
+
+
+def test_a_lora_model_in_bfloat16_reads_bfloat16_copies_of_its_merged_weights_once_per_version():
+    model, tokenizer = _lora_model()
+    ids = torch.tensor([tokenizer("a b c d e f g h i j").input_ids])
+    mask, positions = torch.ones_like(ids), torch.arange(ids.shape[1])[None]
+    q_proj = model.model.layers[0].self_attn.q_proj
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    hook = q_proj.register_forward_hook(lambda m, i, out: seen.append((i[0].detach(), out.detach())))
+    grads = {}
+    try:
+        for name, dtype in (("float32", None), ("bfloat16", torch.bfloat16)):
+            precision.set_compute_dtype(model, dtype)
+            model.zero_grad()
+            logprobs, _ = _response_forward(model, ids, mask, positions, 5, 1.0, "none")
+            logprobs.sum().backward()
+            grads[name] = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+        copy = q_proj._agl_bf16[2]
+        merged = effective_weight(q_proj).detach().clone()
+        assert torch.equal(copy, merged.to(torch.bfloat16))
+        _response_forward(model, ids, mask, positions, 5, 1.0, "none")  # same weights: the same copy
+        assert q_proj._agl_bf16[2] is copy
+        with torch.no_grad():
+            q_proj.lora_B["default"].weight.add_(0.01)  # an optimizer step's in-place change
+        _response_forward(model, ids, mask, positions, 5, 1.0, "none")
+        assert q_proj._agl_bf16[2] is not copy
+    finally:
+        hook.remove()
+        precision.set_compute_dtype(model, None)
+    (x32, y32), (x16, y16) = seen[:2]
+    assert y16.dtype == torch.float32  # attention, norms and RoPE stay float32 (no autocast)
+    # the bfloat16 product of the bfloat16 merged weight, bit for bit, and not the float32 one
+    assert torch.equal(y16, torch.nn.functional.linear(x16.to(torch.bfloat16), copy).float())
+    assert 1e-4 < (y16 - torch.nn.functional.linear(x16, merged)).abs().max() < 0.1
+    assert torch.allclose(y32, torch.nn.functional.linear(x32, merged), atol=1e-5)  # float32: float32's
+    # the frozen LM head read its own copy; the adapter's gradients: float32, near float32's
+    assert model.lm_head._agl_bf16[2].dtype == torch.bfloat16
+    for g32, g16 in zip(grads["float32"], grads["bfloat16"], strict=True):
+        assert g16.dtype == torch.float32
+        assert 0 < (g16 - g32).norm() / g32.norm() < 0.1
+
+
+def test_a_frozen_reference_copy_reads_copies_and_a_full_fine_tune_keeps_autocast(tiny):
+    model, tokenizer = tiny
+    ids = torch.tensor([tokenizer("a b c d e f g h").input_ids])
+    mask, positions = torch.ones_like(ids), torch.arange(ids.shape[1])[None]
+    reference = copy.deepcopy(model).requires_grad_(False)
+    try:
+        for m in (model, reference):
+            precision.set_compute_dtype(m, torch.bfloat16)
+        with torch.no_grad():
+            _response_forward(reference, ids, mask, positions, 4, 1.0, "none")
+            _response_forward(model, ids, mask, positions, 4, 1.0, "none")
+    finally:
+        precision.set_compute_dtype(model, None)
+    assert reference.lm_head._agl_bf16[2].dtype == torch.bfloat16  # the reference: copies
+    assert not hasattr(model.lm_head, "_agl_bf16")  # trainable weights: autocast, no copy
+    assert not precision.copies()  # the thread left the copies behind
 
 
 def test_the_key_warns_where_the_weights_are_not_float32_on_the_cpu():

@@ -43,6 +43,8 @@ from typing import Any
 
 import torch
 
+from agl_lab.engines import precision
+
 ADAPTER_DIR = "lora_adapter"
 _ADAPTER = "default"  # PEFT's adapter name; one adapter per model here
 _PEFT_PREFIX = "base_model.model."  # key prefix of PeftModel.save_pretrained's files
@@ -191,7 +193,8 @@ def effective_weight(proj: torch.nn.Module) -> torch.Tensor:
 class _MergedProduct(torch.autograd.Function):
     """y = x @ Wₑᵀ + bias for Wₑ = W + s · B @ A (`effective_weight`), with PEFT's gradients.
 
-    x [..., in], merged [out, in], a [r, in], b [out, r] → y [..., out]. Backward, for dy [N, out]
+    x [..., in], merged [out, in], a [r, in], b [out, r] → y [..., out]; `merged` may be Wₑ's
+    bfloat16 copy (`precision.copies`): then y and dx as `precision.Bf16Product` computes them. Backward, for dy [N, out]
     and x [N, in]: dx = dy @ Wₑ (what PEFT's dy @ W + s · (dy @ B) @ A sums to), dB = s · dyᵀ @ (x @ Aᵀ)
     [out, r] and dA = s · (dy @ B)ᵀ @ x [r, in]; W and the bias are frozen (no gradient)."""
 
@@ -199,12 +202,16 @@ class _MergedProduct(torch.autograd.Function):
     def forward(ctx, x, merged, a, b, bias, scale):
         ctx.save_for_backward(x, merged, a, b)
         ctx.scale = scale
+        if merged.dtype != x.dtype:  # the bfloat16 copy (`precision.copies`)
+            return precision.bf16_linear(x, merged, bias)
         return torch.nn.functional.linear(x, merged, bias)
 
     @staticmethod
     def backward(ctx, dy):
         x, merged, a, b = ctx.saved_tensors
-        dx = dy @ merged if ctx.needs_input_grad[0] else None
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = dy @ merged if merged.dtype == dy.dtype else (dy.to(merged.dtype) @ merged).float()
         x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
         db = (dy2.t() @ (x2 @ a.t())).mul_(ctx.scale)  # [out, r]
         da = ((dy2 @ b).t() @ x2).mul_(ctx.scale)  # [r, in]
@@ -230,7 +237,10 @@ def _forward(self: torch.nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) 
     ):
         return type(self).forward(self, x, *args, **kwargs)
     a, b = self.lora_A[_ADAPTER].weight, self.lora_B[_ADAPTER].weight
-    return _MergedProduct.apply(x, effective_weight(self), a, b, base.bias, float(self.scaling[_ADAPTER]))
+    merged = effective_weight(self)
+    if precision.copies():  # agl_lab.model.compute_dtype=bfloat16: the decode loop's bfloat16 weight
+        merged = precision.bf16_copy(self, merged)
+    return _MergedProduct.apply(x, merged, a, b, base.bias, float(self.scaling[_ADAPTER]))
 
 
 def adapted_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
