@@ -21,10 +21,10 @@ only the products drop to bfloat16 inputs (accumulating in float32):
   K/V are float32 either way.
 
 The price is exactness: the engine's sampling logprobs and the trainer's are no longer the same
-bits. With the bfloat16 copies the two sides run the same bfloat16 functions on different kernels
-(oneDNN's packed product against `F.linear`), so they differ where a float32 sum rounds to another
-bfloat16 — measured in docs/benchmarks.md ("bfloat16 products"); under autocast (a full fine-tune:
-bfloat16 attention too) by up to 0.2–0.3 a step on SmolLM2 `calc` (float32: ~3e-5).
+bits. With the bfloat16 copies the two sides round each product's output to bfloat16 after sums in
+different orders (oneDNN's packed product against `F.linear`), and a rounding that falls the other
+way carries through the later layers: up to 0.18–0.25 a step on SmolLM2 `calc` with LoRA (under
+autocast 0.18–0.31; float32: ~3e-5; docs/benchmarks.md).
 `training/rollout_logprobs_diff_*` shows the gap (with `bypass_mode` off: under bypass nothing is
 recomputed); the rollout correction keys (`algorithm.rollout_correction`) correct for it.
 
