@@ -134,6 +134,10 @@ def test_a_lora_model_in_bfloat16_reads_bfloat16_copies_of_its_merged_weights_on
         assert torch.equal(copy, merged.to(torch.bfloat16))
         _response_forward(model, ids, mask, positions, 5, 1.0, "none")  # same weights: the same copy
         assert q_proj._agl_bf16[2] is copy
+        with torch.inference_mode(), precision.autocast(model):  # the engine's HF prefill: inference tensors
+            served = model(input_ids=ids).logits
+        with torch.no_grad(), precision.autocast(model):
+            assert torch.equal(served, model(input_ids=ids).logits)
         with torch.no_grad():
             q_proj.lora_B["default"].weight.add_(0.01)  # an optimizer step's in-place change
         _response_forward(model, ids, mask, positions, 5, 1.0, "none")

@@ -134,11 +134,12 @@ def bf16_linear(x: torch.Tensor, low: torch.Tensor, bias: torch.Tensor | None = 
 def _low_input(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`x` in `dtype`, the last cast kept for the next product of the same input (q, k and v of
     one layer read one normed input, gate and up another: one cast each, not three and two)."""
+    version = None if x.is_inference() else x._version  # inference tensors keep no version
     last = getattr(_local, "cast", None)
-    if last is not None and last[0] is x and last[1] == x._version and last[2].dtype == dtype:
+    if last is not None and last[0] is x and last[1] == version and last[2].dtype == dtype:
         return last[2]
     low = x.to(dtype)
-    _local.cast = (x, x._version, low)
+    _local.cast = (x, version, low)
     return low
 
 
