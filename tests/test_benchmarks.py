@@ -409,13 +409,15 @@ def test_decode_step_benchmark_names_a_revision_git_does_not_know():
     assert done.returncode != 0 and "--before no-such-rev" in done.stderr
 
 
-def test_lora_update_benchmark_times_both_forwards_and_the_merged_one_runs_fewer_products():
-    """`lora_update.py` on the tiny recipe with LoRA: both rows, and PEFT's forward makes more
-    `aten::mm` calls than the merged product (three products a projection against one)."""
+def test_lora_update_benchmark_times_the_forwards_and_the_merged_ones_run_fewer_products():
+    """`lora_update.py` on the tiny recipe with LoRA: a row per case, and PEFT's forward makes more
+    `aten::mm` calls than the merged product (three products a projection against one) — in float32
+    and under bfloat16 (autocast runs PEFT's layer; the copies the merged product)."""
     out = _run(
         "benchmarks/lora_update.py",
         "--config=configs/cpu_tiny.yaml",
         "--repeat=1",
+        "--cases=merged,peft,merged-bf16,autocast-bf16",
         "actor_rollout_ref.model.lora_rank=4",
         "data.train_batch_size=2",
         "actor_rollout_ref.rollout.n=2",
@@ -426,9 +428,17 @@ def test_lora_update_benchmark_times_both_forwards_and_the_merged_one_runs_fewer
     rows = {
         line.split("|")[0].strip(): [c.strip() for c in line.split("|")] for line in out.splitlines() if " | " in line
     }
-    assert float(rows["merged"][1]) > 0 and float(rows["peft"][1]) > 0
+    assert all(float(rows[case][1]) > 0 for case in ("merged", "peft", "merged-bf16", "autocast-bf16"))
     assert int(rows["peft"][3]) > int(rows["merged"][3]) > 0
+    assert int(rows["autocast-bf16"][3]) > int(rows["merged-bf16"][3]) > 0
     _assert_host_lines(out)
+
+
+def test_lora_update_benchmark_names_an_unknown_case():
+    done = subprocess.run(
+        [sys.executable, "benchmarks/lora_update.py", "--cases=merged,fp8"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert done.returncode != 0 and "--cases: unknown ['fp8']" in done.stderr
 
 
 def _assert_host_lines(out: str) -> None:
