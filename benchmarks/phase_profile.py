@@ -8,6 +8,8 @@ rounds so a drifting load hits them alike:
     hf-prefill    a prompt's prefill through the HF module (PEFT's unmerged adapter, K/V repeated per
                   query head) — the engine before the prefill ran `fast_decode.forward`
     fast-prefill  the default: the prefill through the decode loop's forward (packed, merged weights)
+    fast-prefill-bf16  fast-prefill with `agl_lab.model.compute_dtype=bfloat16`: the decode loop's
+                  products from packed bfloat16 copies, the update's from bfloat16 weight copies
     before        with `--before PATH`: another checkout of agl_lab (the code before a change) as it is
 
 Columns (medians over steps 2..N of every round; step 1 pays the warm-up):
@@ -25,6 +27,7 @@ Columns (medians over steps 2..N of every round; step 1 pays the warm-up):
     update_s     the update (`timing_s/update`)
 
     python benchmarks/phase_profile.py [--steps 4] [--repeat 2] [--cases hf-prefill,fast-prefill] [--before PATH]
+                                       [key=value ...]
 """
 
 from __future__ import annotations
@@ -40,7 +43,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks.chil
 from benchmarks.children import ROOT, run_child, tagged  # noqa: E402
 from benchmarks.host import describe  # noqa: E402
 
-CASES = {"hf-prefill": False, "fast-prefill": True}  # name → scheduler.fast_prefill
+BF16 = "agl_lab.model.compute_dtype=bfloat16"
+# name → (scheduler.fast_prefill, the case's own overrides)
+CASES = {"hf-prefill": (False, []), "fast-prefill": (True, []), "fast-prefill-bf16": (True, [BF16])}
+DEFAULT_CASES = "hf-prefill,fast-prefill"
 
 CHILD = r"""
 import json, os, sys, tempfile, threading, time
@@ -91,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default="configs/cpu_smollm2_learn.yaml")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--repeat", type=int, default=2, help="rounds; the cases take turns in each")
-    p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {list(CASES)}")
+    p.add_argument("--cases", default=DEFAULT_CASES, help=f"comma-separated, of {list(CASES)}")
     p.add_argument("--before", type=Path, help="another agl_lab checkout, run as it is as the case 'before'")
     p.add_argument("overrides", nargs="*", help="config overrides (key=value) for every case")
     args = p.parse_args(argv)
@@ -112,17 +118,18 @@ def main(argv: list[str] | None = None) -> int:
             if name == "before":  # its own code decides the prefill (a scheduler without the switch ignores it)
                 rows = run_case(args.config, args.steps, True, args.overrides, args.before.resolve())
             else:
-                rows = run_case(args.config, args.steps, CASES[name], args.overrides)
+                fast_prefill, own = CASES[name]
+                rows = run_case(args.config, args.steps, fast_prefill, [*own, *args.overrides])
             for i, r in enumerate(rows, start=1):
                 print(
                     f"#   round {round_} {name} step {i}: " + json.dumps({k: round(v, 3) for k, v in r.items()}),
                     flush=True,
                 )
             tails[name] += rows[1:] or rows
-    print(f"{'case':<13} | " + " | ".join(f"{c:>10}" for c in COLS))
+    print(f"{'case':<17} | " + " | ".join(f"{c:>10}" for c in COLS))
     for name in names:
         med = {c: statistics.median(r[c] for r in tails[name]) for c in COLS}
-        print(f"{name:<13} | " + " | ".join(f"{med[c]:>10.3f}" for c in COLS), flush=True)
+        print(f"{name:<17} | " + " | ".join(f"{med[c]:>10.3f}" for c in COLS), flush=True)
     print(describe())
     return 0
 

@@ -336,8 +336,8 @@ def test_precision_benchmark_prints_both_tables_with_a_gap_between_the_precision
     assert 1e-4 < gap < 0.5  # the autocast pass really ran in bfloat16
 
 
-def test_phase_profile_prints_both_prefill_cases_with_the_phase_split():
-    """`phase_profile.py` on the tiny model, two steps a case: both cases' rows (and `--before`'s, this
+def test_phase_profile_prints_its_cases_with_the_phase_split():
+    """`phase_profile.py` on the tiny model, two steps a case: each case's rows (and `--before`'s, this
     checkout again), the phase's prefills, decode steps and the engine thread's CPU share read from a
     real training run."""
     out = _run(
@@ -345,6 +345,7 @@ def test_phase_profile_prints_both_prefill_cases_with_the_phase_split():
         "--config=configs/cpu_tiny.yaml",
         "--steps=2",
         "--repeat=1",
+        "--cases=hf-prefill,fast-prefill,fast-prefill-bf16",
         f"--before={ROOT}",
         "data.train_batch_size=4",
         "actor_rollout_ref.rollout.n=2",
@@ -355,7 +356,7 @@ def test_phase_profile_prints_both_prefill_cases_with_the_phase_split():
     lines = out.splitlines()
     header = [c.strip() for c in next(line for line in lines if line.startswith("case ")).split("|")]
     rows = {line.split("|")[0].strip(): [c.strip() for c in line.split("|")] for line in lines if " | " in line}
-    for case in ("before", "hf-prefill", "fast-prefill"):
+    for case in ("before", "hf-prefill", "fast-prefill", "fast-prefill-bf16"):
         cells = dict(zip(header, rows[case]))
         assert float(cells["prefills"]) >= 1 and float(cells["steps"]) >= 1
         assert float(cells["prefill_s"]) > 0 and float(cells["decode_ms"]) > 0
