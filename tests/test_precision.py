@@ -158,6 +158,27 @@ def test_a_lora_model_in_bfloat16_reads_bfloat16_copies_of_its_merged_weights_on
         assert 0 < (g16 - g32).norm() / g32.norm() < 0.1
 
 
+def test_the_trainer_s_copies_score_a_prompt_as_the_engine_s_packed_bfloat16_products_do():
+    """The engine's prefill and decode step (`fast_decode`, packed bfloat16 copies) against HF's forward
+    in the trainer's context: with the copies nearer than autocast (on this tiny LoRA model, equal)."""
+    model, tokenizer = _lora_model()
+    prompt = tokenizer("The capital of the tiny model's country is a place where").input_ids
+    try:
+        precision.set_compute_dtype(model, torch.bfloat16)
+        engine_prefill, engine_decode = _prefill_and_decode(model, prompt)
+        token = int(engine_prefill[0].argmax())
+        ids = torch.tensor([[*prompt, token]])
+        with torch.no_grad(), precision.autocast(model):
+            copies = model(input_ids=ids).logits[0, -2:].float().log_softmax(-1)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            autocast = model(input_ids=ids).logits[0, -2:].float().log_softmax(-1)
+    finally:
+        precision.set_compute_dtype(model, None)
+    engine = torch.stack([engine_prefill[0], engine_decode[0]])
+    assert (autocast - engine).abs().max() > 1e-4  # autocast: bfloat16 attention, per-use weight casts
+    assert (copies - engine).abs().max() <= (autocast - engine).abs().max() / 4
+
+
 def test_a_frozen_reference_copy_reads_copies_and_a_full_fine_tune_keeps_autocast(tiny):
     model, tokenizer = tiny
     ids = torch.tensor([tokenizer("a b c d e f g h").input_ids])

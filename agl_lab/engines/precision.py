@@ -21,10 +21,10 @@ only the products drop to bfloat16 inputs (accumulating in float32):
   K/V are float32 either way.
 
 The price is exactness: the engine's sampling logprobs and the trainer's are no longer the same
-bits. With the bfloat16 copies the two sides round each product's output to bfloat16 after sums in
-different orders (oneDNN's packed product against `F.linear`), and a rounding that falls the other
-way carries through the later layers: up to 0.18–0.25 a step on SmolLM2 `calc` with LoRA (under
-autocast 0.18–0.31; float32: ~3e-5; docs/benchmarks.md).
+bits. The copies make the products the engine's (equal on the tiny model), but the float32 ops
+between them are other kernels, and a last-bit difference that rounds an input to the other
+bfloat16 grows layer by layer on a trained model's activations: up to 0.18–0.25 a step on SmolLM2
+`calc` with LoRA, as under autocast (float32: ~3e-5; docs/benchmarks.md).
 `training/rollout_logprobs_diff_*` shows the gap (with `bypass_mode` off: under bypass nothing is
 recomputed); the rollout correction keys (`algorithm.rollout_correction`) correct for it.
 
