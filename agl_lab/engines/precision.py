@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from types import MethodType
 from typing import Any
 
@@ -113,12 +114,12 @@ def _linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 def bf16_copy(owner: Any, weight: torch.Tensor) -> torch.Tensor:
     """`weight` in bfloat16, cached on `owner` until `weight` is another tensor or changed in place
-    (its version counter). The cache holds `weight` itself, so its storage cannot be reused by
-    another tensor while the copy stands for it."""
+    (its version counter). The cache refers to `weight` weakly: a LoRA layer's merged weight of the
+    last version is freed when the layer merges the next one, not kept alive by its copy."""
     cached = getattr(owner, "_agl_bf16", None)
-    if cached is None or cached[0] is not weight or cached[1] != weight._version:
+    if cached is None or cached[0]() is not weight or cached[1] != weight._version:
         with torch.inference_mode(False), torch.no_grad():
-            cached = (weight, weight._version, weight.detach().to(torch.bfloat16))
+            cached = (weakref.ref(weight), weight._version, weight.detach().to(torch.bfloat16))
         owner._agl_bf16 = cached
     return cached[2]
 
