@@ -193,10 +193,11 @@ def effective_weight(proj: torch.nn.Module) -> torch.Tensor:
 class _MergedProduct(torch.autograd.Function):
     """y = x @ Wₑᵀ + bias for Wₑ = W + s · B @ A (`effective_weight`), with PEFT's gradients.
 
-    x [..., in], merged [out, in], a [r, in], b [out, r] → y [..., out]; `merged` may be Wₑ's
-    bfloat16 copy (`precision.copies`): then y and dx as `precision.Bf16Product` computes them. Backward, for dy [N, out]
+    x [..., in], merged [out, in], a [r, in], b [out, r] → y [..., out]. Backward, for dy [N, out]
     and x [N, in]: dx = dy @ Wₑ (what PEFT's dy @ W + s · (dy @ B) @ A sums to), dB = s · dyᵀ @ (x @ Aᵀ)
-    [out, r] and dA = s · (dy @ B)ᵀ @ x [r, in]; W and the bias are frozen (no gradient)."""
+    [out, r] and dA = s · (dy @ B)ᵀ @ x [r, in]; W and the bias are frozen (no gradient). `merged`
+    may be Wₑ's bfloat16 copy (`precision.copies`): then y and dx as `precision.Bf16Product` makes
+    them, dA and dB still float32."""
 
     @staticmethod
     def forward(ctx, x, merged, a, b, bias, scale):
