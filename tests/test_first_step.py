@@ -39,17 +39,28 @@ class SlowEngine:
     """An engine on loopback HTTP whose every generation takes `seconds` and keeps going when the
     gateway stops waiting; it answers agl_lab's request-state and abort routes like the real one."""
 
-    def __init__(self, seconds: float):
+    def __init__(self, seconds: float, in_transit: int = 0):
         self.seconds = seconds
+        self.in_transit = in_transit  # this many first requests arrive only once the gateway gave up on them
         self.generations: list[str] = []  # request ids of the chat calls that reached it
         self.aborted: set[str] = set()
         self.working: set[str] = set()
+        self.answered: set[str] = set()
+        self.refused: list[str] = []  # arrived after their abort: barred, never generated
         app = FastAPI()
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request) -> JSONResponse:
             await request.body()
             rid = request.headers.get("x-agl-request-id", "")
+            if self.in_transit > 0:  # "unknown" to the gateway's question until it aborts the id
+                self.in_transit -= 1
+                end = time.monotonic() + scaled(30)
+                while time.monotonic() < end and rid not in self.aborted:
+                    await asyncio.sleep(0.01)
+            if rid in self.aborted:
+                self.refused.append(rid)
+                return JSONResponse({"error": {"message": "generation aborted"}}, status_code=503)
             self.generations.append(rid)
             self.working.add(rid)
             try:
@@ -58,6 +69,7 @@ class SlowEngine:
                     await asyncio.sleep(0.01)
             finally:
                 self.working.discard(rid)
+                self.answered.add(rid)
             if rid in self.aborted:
                 return JSONResponse({"error": {"message": "generation aborted"}}, status_code=503)
             return JSONResponse(OK)
@@ -65,14 +77,16 @@ class SlowEngine:
         @app.post("/v1/agl/request_state")
         async def state(request: Request) -> dict:
             rid = (await request.json())["request_id"]
-            return {"request_id": rid, "state": "running" if rid in self.working else "unknown"}
+            state = "running" if rid in self.working else "answered" if rid in self.answered else "unknown"
+            return {"request_id": rid, "state": state}
 
         @app.post("/v1/agl/abort_request")
         async def abort(request: Request) -> dict:
             rid = (await request.json())["request_id"]
-            was = rid in self.working
+            was, known = rid in self.working, rid in self.working | self.answered
             self.aborted.add(rid)
-            return {"request_id": rid, "aborted": was, "state": "running" if was else "unknown"}
+            state = "running" if was else "answered" if known else "unknown"
+            return {"request_id": rid, "aborted": was, "state": state, "barred": not known}
 
         self.server = ThreadedUvicorn(app)
 
@@ -85,8 +99,8 @@ class SlowEngine:
 def slow_gateway(embedded_server):
     engines: list[SlowEngine] = []
 
-    def make(seconds: float, **settings):
-        engine = SlowEngine(seconds)
+    def make(seconds: float, in_transit: int = 0, **settings):
+        engine = SlowEngine(seconds, in_transit)
         engines.append(engine)
         server = embedded_server(key=KEY, default_proxy={"model_name": "m"}, **settings)
         client = httpx.Client(base_url=server.url, headers=server.headers, trust_env=False, timeout=60)
@@ -131,6 +145,7 @@ def test_a_call_the_engine_still_works_on_is_waited_for_not_sent_twice(slow_gate
     assert client.get("/proxy/upstream_stats").json() == {  # …and by the gateway
         "timeout_extensions": data["timeout_extensions"],
         "aborted_past_cap": 0,
+        "resent_unknown": 0,
     }
 
 
@@ -147,9 +162,30 @@ def test_past_the_cap_the_engines_copy_is_aborted_and_the_call_fails_cleanly(slo
     wait_until(lambda: not engine.working, 10, "the aborted generation to end")
     data = _event(client)
     assert (data["http_status"], data["timeout_extensions"]) == (504, 2)
-    assert client.get("/proxy/upstream_stats").json() == {"timeout_extensions": 2, "aborted_past_cap": 1}
+    assert client.get("/proxy/upstream_stats").json() == {
+        "timeout_extensions": 2,
+        "aborted_past_cap": 1,
+        "resent_unknown": 0,
+    }
     scraped = parse(client.get("/metrics").text)  # the same counts, once each, in the Prometheus text
     assert value(scraped, "agl_timeout_extensions_total") == 2 and value(scraped, "agl_aborted_past_cap_total") == 1
+
+
+def test_a_call_still_in_transit_is_barred_before_it_is_sent_again(slow_gateway):
+    # the engine reads the first POST only after the gateway asked about it ("unknown") and gave up:
+    # the gateway bars that id first, so the late copy is refused there and the resend is the one generation
+    engine, client = slow_gateway(
+        0.0, in_transit=1, upstream_timeout_seconds=scaled(1), upstream_max_attempts=3, upstream_backoff_base_seconds=0
+    )
+    r = _chat(client)
+    assert r.status_code == 200, r.text
+    wait_until(lambda: engine.refused, 10, "the late copy to arrive")
+    assert len(engine.generations) == 1 and engine.refused != engine.generations
+    assert engine.aborted == set(engine.refused)  # the late copy was barred before the resend went out
+    data = _event(client)
+    assert (data["status"], data["retry_count"]) == ("ok", 1)
+    assert client.get("/proxy/upstream_stats").json()["resent_unknown"] == 1
+    assert value(parse(client.get("/metrics").text), "agl_resent_unknown_total") == 1
 
 
 # --- the engine's side: agl_lab's OpenAI server on the tiny model -------------------------------
@@ -188,10 +224,37 @@ def test_a_request_aborted_while_its_prompt_renders_never_reaches_the_batch():
         future = concurrent.futures.Future()
         calls.attach(future)  # the future arrives after the abort: cancelled at once
         assert future.cancelled() and scheduler.cancelled == [future]
-    assert calls.state("p1")["state"] == "unknown"
+    assert calls.state("p1")["state"] == "answered"  # done here, its answer on the way back
     with calls.track(None):  # an untagged request is not tracked
         calls.attach(concurrent.futures.Future())
     assert scheduler.cancelled == [future]
+
+
+def test_an_id_aborted_before_it_arrives_is_cancelled_when_it_does(monkeypatch):
+    import concurrent.futures
+
+    import agl_lab.engines.serving.inflight as inflight
+
+    monkeypatch.setattr(inflight, "REMEMBERED_IDS", 2)
+    scheduler = _Scheduler()
+    calls = InflightCalls(scheduler)
+    assert calls.abort("late") == {"request_id": "late", "aborted": False, "state": "unknown", "barred": True}
+    with calls.track("late"):
+        future = concurrent.futures.Future()
+        calls.attach(future)
+    assert future.cancelled() and scheduler.cancelled == [future]
+    assert calls.state("late")["state"] == "answered"  # its 503 on the way back: not barred again
+    assert calls.abort("late") == {"request_id": "late", "aborted": False, "state": "answered", "barred": False}
+    with calls.track("late"):  # barred once: a second request with that id (none is ever sent) runs
+        calls.attach(concurrent.futures.Future())
+    assert len(scheduler.cancelled) == 1
+    for rid in ("a", "b", "c"):  # the oldest barred ids are forgotten past REMEMBERED_IDS
+        calls.abort(rid)
+    for rid, cancelled in (("a", False), ("b", True), ("c", True)):
+        with calls.track(rid):
+            future = concurrent.futures.Future()
+            calls.attach(future)
+        assert future.cancelled() is cancelled, rid
 
 
 def _generate_in_thread(url: str, request_id: str, answers: list) -> threading.Thread:
@@ -211,27 +274,39 @@ def test_the_engine_reports_a_tagged_request_and_aborts_it_queued_or_running(eng
     url = engine_server.base_url
     ask = lambda path, rid: httpx.post(f"{url}/agl/{path}", json={"request_id": rid}, timeout=30).json()  # noqa: E731
     assert ask("request_state", "nobody")["state"] == "unknown"
-    assert ask("abort_request", "nobody")["aborted"] is False
+    assert ask("abort_request", "nobody") == {
+        "request_id": "nobody",
+        "aborted": False,
+        "state": "unknown",
+        "barred": True,
+    }
+
+    # barred: an id aborted before it arrives is refused when it does — even while nothing is admitted
+    engine_server.pause(wait=False)
+    answers: list[httpx.Response] = []
+    _generate_in_thread(url, "nobody", answers).join(60)
+    assert answers[0].status_code == 503 and "aborted" in answers[0].text
+    engine_server.resume()
 
     # queued: the scheduler admits nothing while paused; the abort means it never starts
     engine_server.pause(wait=False)
-    answers: list[httpx.Response] = []
+    answers.clear()
     thread = _generate_in_thread(url, "q1", answers)
     wait_until(lambda: ask("request_state", "q1")["state"] == "queued", 30, "q1 queued")
-    assert ask("abort_request", "q1") == {"request_id": "q1", "aborted": True, "state": "queued"}
+    assert ask("abort_request", "q1") == {"request_id": "q1", "aborted": True, "state": "queued", "barred": False}
     engine_server.resume()
     thread.join(60)
     assert answers[0].status_code == 503 and "aborted" in answers[0].text
-    assert ask("request_state", "q1")["state"] == "unknown"
+    assert ask("request_state", "q1")["state"] == "answered"
 
     # running: held between two steps by the weights lock, aborted, it retires with what it has
     answers.clear()
     thread = _generate_in_thread(url, "r1", answers)
     wait_until(lambda: ask("request_state", "r1")["state"] == "running", 30, "r1 running")
     with engine_server.weights_lock:
-        assert ask("abort_request", "r1") == {"request_id": "r1", "aborted": True, "state": "running"}
+        assert ask("abort_request", "r1") == {"request_id": "r1", "aborted": True, "state": "running", "barred": False}
     thread.join(60)
     choice = answers[0].json()["choices"][0]
     assert answers[0].status_code == 200 and choice["finish_reason"] == "abort"
     assert 0 < len(choice["token_ids"]) < 600
-    assert ask("request_state", "r1")["state"] == "unknown"
+    assert ask("request_state", "r1")["state"] == "answered"

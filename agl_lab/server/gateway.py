@@ -91,9 +91,10 @@ T = TypeVar("T")
 MODES = ("train", "val")
 UPSTREAM_PATHS = ("chat/completions", "completions")
 RETRYABLE_STATUS = frozenset({408, 409, 429})
-# what agl_lab's engine answers for a call it still works on; "unanswered": the engine's server did not
-# answer the question within ENGINE_ASK_SECONDS (too loaded to: sending the call again would not help)
-WORKING_STATES = frozenset({"queued", "running", "unanswered"})
+# what agl_lab's engine answers for a call it still works on ("answered": done, its answer on the way
+# back); "no_reply": the engine's server did not answer the question within ENGINE_ASK_SECONDS (too
+# loaded to: sending the call again would not help)
+WORKING_STATES = frozenset({"queued", "running", "answered", "no_reply"})
 ENGINE_ASK_SECONDS = 30.0
 
 
@@ -291,9 +292,10 @@ class Gateway:
         self.client: UpstreamClient | None = None
         self._rng = random.Random()
         self._down_until: dict[str, float] = {}  # endpoint -> loop time its breaker closes again
-        # GET /proxy/upstream_stats: attempts extended while the engine worked on them, and calls
-        # failed past the cap (the engine's copy aborted); each call's own count is in its event
-        self.stats = {"timeout_extensions": 0, "aborted_past_cap": 0}
+        # GET /proxy/upstream_stats: attempts extended while the engine worked on them, calls failed
+        # past the cap (the engine's copy aborted), attempts the engine did not know (barred, sent
+        # again: the call's event counts them in retry_count); each extension is in the call's event
+        self.stats = {"timeout_extensions": 0, "aborted_past_cap": 0, "resent_unknown": 0}
         self._aborts: set[asyncio.Future[Any]] = set()  # engine aborts of calls the agent hung up on
         self._said_override = False  # the agent-temperature override is logged once per gateway
 
@@ -510,15 +512,18 @@ class Gateway:
         """One attempt: `upstream_timeout_seconds`, extended while the engine works on the call.
 
         The POST carries a fresh request id. When a window passes with no answer, the engine is
-        asked about that id (`REQUEST_STATE_PATH`): queued or running → wait another window, at most
-        `upstream_timeout_extensions` times, each counted (the call's `timeout_extensions`, the
-        gateway's `stats`) — sending it again would queue the same generation a second time behind
-        the first (#51: under load that doubled the decode batch). Past the cap or the call deadline
-        the engine's copy is aborted (`ABORT_REQUEST_PATH`) and the call fails: UpstreamFailure 504,
-        no retry. An engine that does not know the id (never arrived, answer lost) has nothing to
-        abort, and an upstream without these routes (vLLM, SGLang abort a request whose client hung
-        up) sees its connection closed: both raise UpstreamTimeout, so the caller may retry. A call
-        cancelled meanwhile (the agent hung up) asks the engine to abort its copy on the way out.
+        asked about that id (`REQUEST_STATE_PATH`): queued, running or answered (its answer on the
+        way) → wait another window, at most `upstream_timeout_extensions` times, each counted (the
+        call's `timeout_extensions`, the gateway's `stats`) — sending it again would queue the same
+        generation a second time behind the first (#51: under load that doubled the decode batch).
+        Past the cap or the call deadline the engine's copy is aborted (`ABORT_REQUEST_PATH`) and the
+        call fails: UpstreamFailure 504, no retry. An engine that does not know the id (never
+        arrived, answered long ago, or still in transit: on a loaded host the POST can trail the
+        question) is told to abort it all the same — agl_lab's engine bars the id, so a copy
+        arriving late never runs beside the resend (counted, `resent_unknown`); an upstream without
+        these routes (vLLM, SGLang abort a request whose client hung up) sees its connection closed:
+        both raise UpstreamTimeout, so the caller may retry. A call cancelled meanwhile (the agent
+        hung up) asks the engine to abort its copy on the way out.
         """
         assert self.client is not None
         cfg, loop, endpoint = self.config, asyncio.get_running_loop(), call.server.endpoint
@@ -534,7 +539,11 @@ class Gateway:
                 answer = await self._ask_engine(endpoint, REQUEST_STATE_PATH, request_id)
                 state = answer.get("state") if answer else None
                 if state not in WORKING_STATES:
-                    known = "" if answer is None else f"; the engine reports it {state}, so it is sent again"
+                    known = ""
+                    if answer is not None:  # "unknown": done, lost, or still in transit → bar it first
+                        await self._ask_engine(endpoint, ABORT_REQUEST_PATH, request_id)
+                        self.stats["resent_unknown"] += 1
+                        known = f"; the engine reports it {state}, so it is barred there and sent again"
                     raise UpstreamTimeout(f"no answer in {cfg.upstream_timeout_seconds:g} s{known}")
                 extended = call.annotations.get("timeout_extensions", 0)
                 if extended < cfg.upstream_timeout_extensions and deadline - loop.time() > 0:
@@ -571,7 +580,7 @@ class Gateway:
             sent.add_done_callback(_consume)
 
     async def _ask_engine(self, endpoint: str, path: str, request_id: str) -> dict[str, Any] | None:
-        """agl_lab's engine's JSON answer about `request_id` at `path`; {"state": "unanswered"} when it
+        """agl_lab's engine's JSON answer about `request_id` at `path`; {"state": "no_reply"} when it
         does not answer within ENGINE_ASK_SECONDS; None when the upstream has no such route."""
         assert self.client is not None
         url = endpoint.rstrip("/") + "/" + path
@@ -579,7 +588,7 @@ class Gateway:
             async with asyncio.timeout(ENGINE_ASK_SECONDS):
                 answer = await self.client.post_json(url, _dumps({"request_id": request_id}))
         except (UpstreamTimeout, TimeoutError):
-            return {"state": "unanswered", "aborted": False}
+            return {"state": "no_reply", "aborted": False}
         except (UpstreamTransportError, UpstreamTooLarge):
             return None
         try:

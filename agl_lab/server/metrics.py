@@ -21,6 +21,7 @@ from the store at scrape time (capped at `QUEUE_DEPTH_CAP`: a scrape must stay c
 | `agl_inflight_calls` | gauge | proxied model calls in flight in this server's gateway |
 | `agl_timeout_extensions_total` | counter | timed-out upstream attempts waited on again because the engine was working on the call (`Gateway.stats`) |
 | `agl_aborted_past_cap_total` | counter | calls failed past `upstream_timeout_extensions`, their generation aborted |
+| `agl_resent_unknown_total` | counter | timed-out attempts the engine did not know (answered, lost, in transit): barred there, then sent again |
 | `agl_runner_rollouts_total{outcome}` | counter | `agl-lab runner --metrics-port`: claimed, succeeded, failed, released, abandoned, conflicts |
 | `agl_runner_running` | gauge | the runner's agents running now |
 
@@ -55,6 +56,10 @@ FAMILIES: dict[str, tuple[str, str]] = {
         "Timed-out upstream attempts waited on again because the engine was still working on the call.",
     ),
     "agl_aborted_past_cap_total": ("counter", "Proxied calls failed past upstream_timeout_extensions (aborted)."),
+    "agl_resent_unknown_total": (
+        "counter",
+        "Timed-out upstream attempts the engine did not know: barred there, then sent again.",
+    ),
     # agl-lab runner --metrics-port: one runner's `Runner.stats`
     "agl_runner_rollouts_total": ("counter", "Rollouts this runner handled, by outcome."),
     "agl_runner_running": ("gauge", "Agents this runner runs now."),
@@ -79,6 +84,7 @@ def gateway_samples(stats: dict[str, int]) -> list[Sample]:
     return [
         ("agl_timeout_extensions_total", {}, float(stats.get("timeout_extensions", 0))),
         ("agl_aborted_past_cap_total", {}, float(stats.get("aborted_past_cap", 0))),
+        ("agl_resent_unknown_total", {}, float(stats.get("resent_unknown", 0))),
     ]
 
 
