@@ -40,7 +40,6 @@ OVERRIDES = ["trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.
 
 
 CASES = ("merged", "peft", "merged-bf16", "autocast-bf16")
-_COPIES = precision._bf16_copies
 
 
 def use(model, case: str) -> None:
@@ -52,10 +51,7 @@ def use(model, case: str) -> None:
         else:
             proj.forward = lora._forward.__get__(proj)
     precision.set_compute_dtype(model, torch.bfloat16 if case.endswith("bf16") else None)
-    if case == "autocast-bf16":
-        precision._bf16_copies = lambda model: torch.autocast("cpu", dtype=torch.bfloat16)
-    else:
-        precision._bf16_copies = _COPIES
+    precision.use_weight_copies(model, case != "autocast-bf16")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -170,10 +170,12 @@ def test_the_trainer_s_copies_score_a_prompt_as_the_engine_s_packed_bfloat16_pro
         ids = torch.tensor([[*prompt, token]])
         with torch.no_grad(), precision.autocast(model):
             copies = model(input_ids=ids).logits[0, -2:].float().log_softmax(-1)
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        precision.use_weight_copies(model, False)  # torch.autocast, as before the copies
+        with torch.no_grad(), precision.autocast(model):
             autocast = model(input_ids=ids).logits[0, -2:].float().log_softmax(-1)
     finally:
         precision.set_compute_dtype(model, None)
+        precision.use_weight_copies(model, True)
     engine = torch.stack([engine_prefill[0], engine_decode[0]])
     assert (autocast - engine).abs().max() > 1e-4  # autocast: bfloat16 attention, per-use weight casts
     assert (copies - engine).abs().max() <= (autocast - engine).abs().max() / 4

@@ -212,7 +212,7 @@ class _MergedProduct(torch.autograd.Function):
         x, merged, a, b = ctx.saved_tensors
         dx = None
         if ctx.needs_input_grad[0]:
-            dx = dy @ merged if merged.dtype == dy.dtype else (dy.to(merged.dtype) @ merged).float()
+            dx = dy @ merged if merged.dtype == dy.dtype else precision.bf16_input_grad(dy, merged)
         x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
         db = (dy2.t() @ (x2 @ a.t())).mul_(ctx.scale)  # [out, r]
         da = ((dy2 @ b).t() @ x2).mul_(ctx.scale)  # [r, in]

@@ -76,12 +76,19 @@ def mixed(model: Any) -> bool:
     return p.device.type == "cpu" and p.dtype == torch.float32 and compute_dtype(model) == torch.bfloat16
 
 
+def use_weight_copies(model: torch.nn.Module, on: bool) -> None:
+    """Whether `autocast(model)` may read bfloat16 weight copies (the default) or always runs
+    `torch.autocast` — the comparison `benchmarks/lora_update.py` draws."""
+    model._agl_no_bf16_copies = not on
+
+
 def autocast(model: Any) -> contextlib.AbstractContextManager:
     """The context a forward of `model` runs in (its backward follows the forward's choices): when
     `mixed`, the bfloat16 copies for a model whose base weights are frozen, else bfloat16 autocast."""
     if not mixed(model):
         return contextlib.nullcontext()
-    if getattr(model, "_agl_lora", False) or not any(p.requires_grad for p in model.parameters()):
+    frozen = getattr(model, "_agl_lora", False) or not any(p.requires_grad for p in model.parameters())
+    if frozen and not getattr(model, "_agl_no_bf16_copies", False):
         return _bf16_copies(model)
     return torch.autocast("cpu", dtype=torch.bfloat16)
 
@@ -132,6 +139,12 @@ def bf16_linear(x: torch.Tensor, low: torch.Tensor, bias: torch.Tensor | None = 
     return out if bias is None else out + bias
 
 
+def bf16_input_grad(dy: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """The input's gradient of `bf16_linear`: dy [..., out] float32 rounded to bfloat16, @ `low`
+    ([out, in] bfloat16) → dx [..., in] float32."""
+    return (dy.to(low.dtype) @ low).float()
+
+
 def _low_input(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`x` in `dtype`, the last cast kept for the next product of the same input (q, k and v of
     one layer read one normed input, gate and up another: one cast each, not three and two)."""
@@ -157,4 +170,4 @@ class Bf16Product(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         (low,) = ctx.saved_tensors
-        return (dy.to(low.dtype) @ low).float(), None, None
+        return bf16_input_grad(dy, low), None, None
