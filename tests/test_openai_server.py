@@ -61,7 +61,7 @@ def _fresh_logprobs(model, prompt_ids: list[int], response_ids: list[int], tempe
     return logp.gather(1, torch.tensor(response_ids)[:, None])[:, 0]
 
 
-def _wait_until(predicate, timeout: float = 10.0) -> None:
+def _wait_until(predicate, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached"
@@ -225,7 +225,7 @@ def test_prefix_cache_serves_the_next_turn_and_logprobs_stay_exact(server, http,
 def test_arrivals_merge_into_a_running_batch(server, http, tiny):
     """Requests admitted while others decode join the batch; their logprobs stay exact."""
     model, _ = tiny
-    # long enough that they are still decoding when the late ones queue, even on a loaded machine
+    # admitted together (queued while paused) with one length, they decode side by side to the end
     long = [
         {
             "prompt": "lookup " * (3 + i),
@@ -251,7 +251,12 @@ def test_arrivals_merge_into_a_running_batch(server, http, tiny):
     ]
     before = server.scheduler.stats["merges"]
     with ThreadPoolExecutor(6) as pool:
-        first = [pool.submit(_post, http, "/completions", b) for b in long]
+        server.pause()
+        try:
+            first = [pool.submit(_post, http, "/completions", b) for b in long]
+            _wait_until(lambda: server.scheduler.num_pending() == (3, 0))
+        finally:
+            server.resume()
         _wait_until(lambda: server.scheduler.num_pending() == (0, 3))
         with server.weights_lock:  # hold the decode loop while the late requests queue
             second = [pool.submit(_post, http, "/completions", b) for b in late]
