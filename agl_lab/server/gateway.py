@@ -540,7 +540,7 @@ class Gateway:
                 state = answer.get("state") if answer else None
                 if state not in WORKING_STATES:
                     known = ""
-                    if answer is not None:  # "unknown": done, lost, or still in transit → bar it first
+                    if answer is not None:  # never arrived, answered long ago, or still in transit: bar it first
                         await self._ask_engine(endpoint, ABORT_REQUEST_PATH, request_id)
                         self.stats["resent_unknown"] += 1
                         known = f"; the engine reports it {state}, so it is barred there and sent again"
