@@ -39,8 +39,9 @@ class SlowEngine:
     """An engine on loopback HTTP whose every generation takes `seconds` and keeps going when the
     gateway stops waiting; it answers agl_lab's request-state and abort routes like the real one."""
 
-    def __init__(self, seconds: float, in_transit: int = 0):
+    def __init__(self, seconds: float, in_transit: int = 0, answer_delay: float = 0.0):
         self.seconds = seconds
+        self.answer_delay = answer_delay  # between "answered" and the answer reaching the gateway
         self.in_transit = in_transit  # this many first requests arrive only once the gateway gave up on them
         self.generations: list[str] = []  # request ids of the chat calls that reached it
         self.aborted: set[str] = set()
@@ -70,6 +71,7 @@ class SlowEngine:
             finally:
                 self.working.discard(rid)
                 self.answered.add(rid)
+            await asyncio.sleep(self.answer_delay)
             if rid in self.aborted:
                 return JSONResponse({"error": {"message": "generation aborted"}}, status_code=503)
             return JSONResponse(OK)
@@ -99,8 +101,8 @@ class SlowEngine:
 def slow_gateway(embedded_server):
     engines: list[SlowEngine] = []
 
-    def make(seconds: float, in_transit: int = 0, **settings):
-        engine = SlowEngine(seconds, in_transit)
+    def make(seconds: float, in_transit: int = 0, answer_delay: float = 0.0, **settings):
+        engine = SlowEngine(seconds, in_transit, answer_delay)
         engines.append(engine)
         server = embedded_server(key=KEY, default_proxy={"model_name": "m"}, **settings)
         client = httpx.Client(base_url=server.url, headers=server.headers, trust_env=False, timeout=60)
@@ -169,6 +171,17 @@ def test_past_the_cap_the_engines_copy_is_aborted_and_the_call_fails_cleanly(slo
     }
     scraped = parse(client.get("/metrics").text)  # the same counts, once each, in the Prometheus text
     assert value(scraped, "agl_timeout_extensions_total") == 2 and value(scraped, "agl_aborted_past_cap_total") == 1
+
+
+def test_an_answer_on_its_way_back_is_waited_for_not_sent_again(slow_gateway):
+    # the engine is done when the gateway's window passes, its answer not yet through: "answered"
+    engine, client = slow_gateway(0.0, answer_delay=scaled(2.5), upstream_timeout_seconds=scaled(1))
+    r = _chat(client)
+    assert r.status_code == 200, r.text
+    assert len(engine.generations) == 1 and not engine.aborted
+    data = _event(client)
+    assert (data["status"], data["retry_count"]) == ("ok", 0) and data["timeout_extensions"] >= 1
+    assert client.get("/proxy/upstream_stats").json()["resent_unknown"] == 0
 
 
 def test_a_call_still_in_transit_is_barred_before_it_is_sent_again(slow_gateway):
