@@ -107,7 +107,7 @@ class InflightCalls:
             future = self._calls.get(request_id)
             if known and future is None:
                 self._aborted_early.add(request_id)
-            barred = before == "unknown"
+            barred = not known and request_id not in self._answered  # decided under the lock
             if barred:
                 _remember(self._barred, request_id)
         aborted = known and (future is None or self.scheduler.cancel(future))
