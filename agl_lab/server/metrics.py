@@ -21,7 +21,7 @@ from the store at scrape time (capped at `QUEUE_DEPTH_CAP`: a scrape must stay c
 | `agl_inflight_calls` | gauge | proxied model calls in flight in this server's gateway |
 | `agl_timeout_extensions_total` | counter | timed-out upstream attempts waited on again because the engine was working on the call (`Gateway.stats`) |
 | `agl_aborted_past_cap_total` | counter | calls failed past `upstream_timeout_extensions`, their generation aborted |
-| `agl_resent_unknown_total` | counter | timed-out attempts the engine did not know (answered, lost, in transit): barred there, then sent again |
+| `agl_resent_unknown_total` | counter | timed-out attempts the engine did not know (never arrived, answered long ago, or still in transit): barred there, then sent again |
 | `agl_runner_rollouts_total{outcome}` | counter | `agl-lab runner --metrics-port`: claimed, succeeded, failed, released, abandoned, conflicts |
 | `agl_runner_running` | gauge | the runner's agents running now |
 
