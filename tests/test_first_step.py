@@ -201,6 +201,16 @@ def test_a_call_still_in_transit_is_barred_before_it_is_sent_again(slow_gateway)
     assert value(parse(client.get("/metrics").text), "agl_resent_unknown_total") == 1
 
 
+def test_a_last_attempt_the_engine_does_not_know_is_barred_and_not_counted_as_resent(slow_gateway):
+    engine, client = slow_gateway(0.0, in_transit=1, upstream_timeout_seconds=scaled(1), upstream_max_attempts=1)
+    r = _chat(client)
+    assert r.status_code == 504 and "barred there" in r.json()["cause"]
+    wait_until(lambda: engine.refused, 10, "the late copy to arrive")
+    assert engine.generations == [] and engine.aborted == set(engine.refused)  # barred: it never ran
+    assert client.get("/proxy/upstream_stats").json()["resent_unknown"] == 0  # nothing was sent again
+    assert value(parse(client.get("/metrics").text), "agl_resent_unknown_total") == 0
+
+
 # --- the engine's side: agl_lab's OpenAI server on the tiny model -------------------------------
 
 

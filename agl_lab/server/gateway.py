@@ -98,6 +98,11 @@ WORKING_STATES = frozenset({"queued", "running", "answered", "no_reply"})
 ENGINE_ASK_SECONDS = 30.0
 
 
+class _BarredTimeout(UpstreamTimeout):
+    """An attempt agl_lab's engine did not know (never arrived, answered long ago, or still in
+    transit), its id barred there: a retry is the only generation (`Gateway._attempt`)."""
+
+
 def proxy_base_url(server_url: str, rollout_id: str, attempt_id: str = "0", mode: str = "train") -> str:
     """The OpenAI `base_url` an agent uses for one rollout attempt (AGL_OPENAI_BASE_URL)."""
     rid, aid = quote(rollout_id, safe=""), quote(attempt_id, safe="")
@@ -447,11 +452,12 @@ class Gateway:
         cfg, loop, endpoint = self.config, asyncio.get_running_loop(), call.server.endpoint
         attempts, deadline = cfg.upstream_max_attempts, loop.time() + cfg.upstream_call_deadline_seconds
         for attempt in range(attempts):
-            last = attempt == attempts - 1
+            last, barred = attempt == attempts - 1, False
             self._check_breaker(endpoint, loop.time())
             try:
                 response = await self._attempt(url, payload, call, deadline)
             except (UpstreamTimeout, TimeoutError) as exc:
+                barred = isinstance(exc, _BarredTimeout)
                 if last or loop.time() >= deadline:
                     raise UpstreamFailure(
                         504,
@@ -497,6 +503,8 @@ class Gateway:
                     f"the call deadline (upstream_call_deadline_seconds="
                     f"{cfg.upstream_call_deadline_seconds:g}) leaves no time to retry after {reason}",
                 )
+            if barred:  # counted where it is sent again, not where it was barred
+                self.stats["resent_unknown"] += 1
             logger.warning(
                 "Retrying upstream request to %s after %s (attempt %d/%d, sleeping %.2fs)",
                 url,
@@ -520,10 +528,10 @@ class Gateway:
         call fails: UpstreamFailure 504, no retry. An engine that does not know the id (never
         arrived, answered long ago, or still in transit: on a loaded host the POST can trail the
         question) is told to abort it all the same — agl_lab's engine bars the id, so a copy
-        arriving late never runs beside the resend (counted, `resent_unknown`); an upstream without
-        these routes (vLLM, SGLang abort a request whose client hung up) sees its connection closed:
-        both raise UpstreamTimeout, so the caller may retry. A call cancelled meanwhile (the agent
-        hung up) asks the engine to abort its copy on the way out.
+        arriving late never runs beside the resend (`_BarredTimeout`; `resent_unknown` counts the
+        resends); an upstream without these routes (vLLM, SGLang abort a request whose client hung
+        up) sees its connection closed: both raise UpstreamTimeout, so the caller may retry. A call
+        cancelled meanwhile (the agent hung up) asks the engine to abort its copy on the way out.
         """
         assert self.client is not None
         cfg, loop, endpoint = self.config, asyncio.get_running_loop(), call.server.endpoint
@@ -539,12 +547,12 @@ class Gateway:
                 answer = await self._ask_engine(endpoint, REQUEST_STATE_PATH, request_id)
                 state = answer.get("state") if answer else None
                 if state not in WORKING_STATES:
-                    known = ""
-                    if answer is not None:  # never arrived, answered long ago, or still in transit: bar it first
-                        await self._ask_engine(endpoint, ABORT_REQUEST_PATH, request_id)
-                        self.stats["resent_unknown"] += 1
-                        known = f"; the engine reports it {state}, so it is barred there and sent again"
-                    raise UpstreamTimeout(f"no answer in {cfg.upstream_timeout_seconds:g} s{known}")
+                    timed_out = f"no answer in {cfg.upstream_timeout_seconds:g} s"
+                    if answer is None:
+                        raise UpstreamTimeout(timed_out)
+                    # never arrived, answered long ago, or still in transit: barred before any retry
+                    await self._ask_engine(endpoint, ABORT_REQUEST_PATH, request_id)
+                    raise _BarredTimeout(f"{timed_out}; the engine reports it {state}, so it is barred there")
                 extended = call.annotations.get("timeout_extensions", 0)
                 if extended < cfg.upstream_timeout_extensions and deadline - loop.time() > 0:
                     call.annotations["timeout_extensions"] = extended + 1
