@@ -12,6 +12,9 @@ different weights — alike for both):
                    and every frozen linear (the LM head) from bfloat16 weight copies, the rest float32
     autocast-bf16  the same key under `torch.autocast("cpu", bfloat16)` (PEFT's layer; every
                    weight cast at each use, bfloat16 attention) — how it ran before the copies
+    logits-picked  `merged`, with the shared-prefix suffix's response positions picked from the
+                   V-wide logits after HF's forward and the logits divided by the temperature even
+                   at 1.0 — how it ran before `shared_prefix._head_apart` and `at_temperature`
 
 Columns: update seconds (median and best of the rounds) and `aten::mm` calls of the last round's
 update (torch.profiler, that round untimed).
@@ -32,14 +35,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from agl_lab.engines import lora, precision  # noqa: E402
+from agl_lab.engines import local_ppo, lora, precision, shared_prefix  # noqa: E402
 from agl_lab.trainer import Trainer  # noqa: E402
 from benchmarks.host import describe  # noqa: E402
 
+PLAIN_HEAD, at_temperature = shared_prefix._PLAIN_HEAD, shared_prefix.at_temperature
 OVERRIDES = ["trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1"]
 
 
-CASES = ("merged", "peft", "merged-bf16", "autocast-bf16")
+CASES = ("merged", "peft", "merged-bf16", "autocast-bf16", "logits-picked")
 
 
 def use(model, case: str) -> None:
@@ -52,6 +56,13 @@ def use(model, case: str) -> None:
             proj.forward = lora._forward.__get__(proj)
     precision.set_compute_dtype(model, torch.bfloat16 if case.endswith("bf16") else None)
     precision.use_weight_copies(model, case != "autocast-bf16")
+    before = case == "logits-picked"
+    shared_prefix._PLAIN_HEAD = frozenset() if before else PLAIN_HEAD
+    local_ppo.at_temperature = shared_prefix.at_temperature = _always_divide if before else at_temperature
+
+
+def _always_divide(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return logits / temperature
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,6 +16,7 @@ import pytest
 import torch
 from verl import DataProto
 
+from agl_lab.engines import shared_prefix
 from agl_lab.engines.local_ppo import ActorUpdateConfig, _response_forward, ppo_update
 from agl_lab.engines.lora import LoraSpec, add_lora
 from agl_lab.engines.shared_prefix import (
@@ -104,6 +105,32 @@ def test_logprobs_match_the_padded_path(lora):
     assert (shared - padded).abs().max() < 1e-5 and (ent_s - ent_p).abs().max() < 1e-5
     # the suffix: each row's tail + response, padded to the longest (10 tokens)
     assert prefix.body_tokens == SHARED + N * max(t + r for t, r in zip(TAILS, RESPONSES))
+
+
+@pytest.mark.parametrize("temperature", [T, 1.0])
+def test_picking_hidden_states_before_the_head_scores_as_the_full_forward(monkeypatch, temperature):
+    """The suffix's response positions picked H wide before the LM head (`_head_apart`, Qwen2 here)
+    give the logprobs, entropy and gradients of HF's forward with the V-wide logits picked after
+    it (the path of models outside `_PLAIN_HEAD`); at temperature 1 the logits go undivided."""
+    model = lora_model()
+    b = shared_batch().batch
+    start = int(b["attention_mask"][0].argmax())
+    results = []
+    for plain in (shared_prefix._PLAIN_HEAD, frozenset()):
+        monkeypatch.setattr(shared_prefix, "_PLAIN_HEAD", plain)
+        model.zero_grad()
+        prefix = SharedPrefix(model, b["input_ids"][0, start : start + SHARED])
+        logp, ent = prefix.response_forward(b["input_ids"], b["attention_mask"], R, temperature, "grad")
+        (logp.sum() + ent.sum()).backward()
+        prefix.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results.append((shared_prefix._head_apart(model), logp.detach(), ent.detach(), grads))
+    (apart, logp_a, ent_a, grads_a), (whole, logp_w, ent_w, grads_w) = results
+    assert apart and not whole
+    assert (logp_a - logp_w).abs().max() < 1e-5 and (ent_a - ent_w).abs().max() < 1e-5
+    assert grads_a.keys() == grads_w.keys() and len(grads_a) > 0
+    for name, g in grads_a.items():
+        assert (g - grads_w[name]).abs().max() <= 1e-5 * max(g.abs().max(), 1e-6), name
 
 
 @pytest.mark.parametrize("lora,entropy_coeff", [(False, 0.0), (False, 0.01), (True, 0.0)])

@@ -52,6 +52,7 @@ from agl_lab.engines.shared_prefix import (
     ForwardCost,
     PrefixPlan,
     SharedPrefix,
+    at_temperature,
     kept_response_width,
     micro_batches,
     plan_prefixes,
@@ -112,7 +113,7 @@ def _response_forward(
         )
     # Critical: position t predicts token t+1, so the R' logits before the last one score the
     # R' response tokens; the last position predicts past the end and is dropped.
-    logits = out.logits[:, -(kept + 1) : -1, :].float() / temperature
+    logits = at_temperature(out.logits[:, -(kept + 1) : -1, :].float(), temperature)
     return score_responses(logits, input_ids[:, -kept:], attention_mask[:, -kept:], response_length, entropy)
 
 

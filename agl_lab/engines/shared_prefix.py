@@ -12,6 +12,8 @@ once per row. Here:
     K, V detached into leaves                (their gradients accumulate over the micro-batches)
     for micro-batch:                         suffix [n, S] = each row's tokens after P, right-padded,
         forward(suffix, past=K,V expanded)   positions P.., mask [n, P + S]; loss.backward()
+        (rows' response positions differ)    hidden [n, S, H] → the R' response positions of each
+                                             row picked [n, R', H] → LM head [n, R', V] (`_head_apart`)
     prefix backward once                     autograd.backward(K, V ← the leaves' summed gradients)
 
 `micro_batches` runs that lifecycle for the PPO step (`local_ppo.ppo_step`), one prefix per
@@ -62,6 +64,27 @@ def score_responses(
     if entropy == "none":
         return logprobs, None
     return logprobs, widen(entropy_from_logits(logits if entropy == "grad" else logits.detach()))
+
+
+def at_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / temperature; at 1.0 the logits themselves (the same numbers: no [n, R', V] division
+    forward and backward)."""
+    return logits if temperature == 1.0 else logits / temperature
+
+
+# Causal LMs whose forward is exactly lm_head(model(...).last_hidden_state[:, -k:]) — no logit
+# soft-capping or scaling after the head (Gemma 2, Granite, … keep HF's forward).
+_PLAIN_HEAD = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+
+def _head_apart(model: torch.nn.Module) -> bool:
+    """Whether the suffix's response positions can be picked from the hidden states before the LM
+    head: [n, R', H] gathered instead of [n, R', V] logits, the head over R' positions only."""
+    return (
+        getattr(model.config, "model_type", None) in _PLAIN_HEAD
+        and isinstance(getattr(model, "model", None), torch.nn.Module)
+        and isinstance(getattr(model, "lm_head", None), torch.nn.Module)
+    )
 
 
 def _runs(attention_mask: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -151,26 +174,30 @@ class SharedPrefix:
         positions = (p + cols).expand(n, -1)
         # response token j of row i sits at suffix index prompt_len_i − P + j; its logit at one before
         first = int(prompt_len.min()) - p - 1
-        with precision.autocast(self.model):
-            out = self.model(
-                input_ids=suffix.to(device),
-                attention_mask=full_mask.to(device),
-                position_ids=positions.to(device),
-                past_key_values=self._cache(n),
-                use_cache=True,
-                logits_to_keep=width_s - first,
-            )
-        self.body_tokens += n * width_s
         kept = kept_response_width(attention_mask, response_length)
         j = torch.arange(kept).unsqueeze(0)
-        at = (prompt_len - p - 1 - first).unsqueeze(1) + j  # [n, R'] into the kept logits
-        logits = out.logits.float()
-        picked = logits.gather(
-            1, at.clamp(max=logits.shape[1] - 1).to(device).unsqueeze(-1).expand(-1, -1, logits.shape[-1])
+        at = (prompt_len - p - 1 - first).unsqueeze(1) + j  # [n, R'] into the last width_s − first positions
+        inputs = dict(
+            input_ids=suffix.to(device),
+            attention_mask=full_mask.to(device),
+            position_ids=positions.to(device),
+            past_key_values=self._cache(n),
+            use_cache=True,
         )
+        with precision.autocast(self.model):
+            if _head_apart(self.model):  # pick the R' hidden states, then the head: H wide, not V
+                hidden = self.model.model(**inputs).last_hidden_state[:, first:]
+                index = at.clamp(max=hidden.shape[1] - 1).to(device).unsqueeze(-1)
+                logits = self.model.lm_head(hidden.gather(1, index.expand(-1, -1, hidden.shape[-1]))).float()
+            else:
+                out = self.model(**inputs, logits_to_keep=width_s - first)
+                logits = out.logits.float()
+                index = at.clamp(max=logits.shape[1] - 1).to(device).unsqueeze(-1)
+                logits = logits.gather(1, index.expand(-1, -1, logits.shape[-1]))
+        self.body_tokens += n * width_s
         cols = slice(prompt_width, prompt_width + kept)
         return score_responses(
-            picked / temperature, input_ids[:, cols], attention_mask[:, cols], response_length, entropy
+            at_temperature(logits, temperature), input_ids[:, cols], attention_mask[:, cols], response_length, entropy
         )
 
     def backward(self) -> None:
