@@ -72,19 +72,16 @@ def at_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return logits if temperature == 1.0 else logits / temperature
 
 
-# Causal LMs whose forward is exactly lm_head(model(...).last_hidden_state[:, -k:]) — no logit
-# soft-capping or scaling after the head (Gemma 2, Granite, … keep HF's forward).
-_PLAIN_HEAD = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+# Causal LMs whose forward is exactly lm_head(self.model(...).last_hidden_state[:, -k:]): no logit
+# soft-capping or scaling after the head (Gemma 2, Granite, … keep HF's forward). By class, as
+# `fast_decode._SUPPORTED`: the class is what names the forward.
+_PLAIN_HEAD = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
 
 
 def _head_apart(model: torch.nn.Module) -> bool:
     """Whether the suffix's response positions can be picked from the hidden states before the LM
     head: [n, R', H] gathered instead of [n, R', V] logits, the head over R' positions only."""
-    return (
-        getattr(model.config, "model_type", None) in _PLAIN_HEAD
-        and isinstance(getattr(model, "model", None), torch.nn.Module)
-        and isinstance(getattr(model, "lm_head", None), torch.nn.Module)
-    )
+    return type(model).__name__ in _PLAIN_HEAD
 
 
 def _runs(attention_mask: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -184,16 +181,16 @@ class SharedPrefix:
             past_key_values=self._cache(n),
             use_cache=True,
         )
+
+        def pick(t: torch.Tensor) -> torch.Tensor:  # each row's R' positions: [n, width_s − first, D] → [n, R', D]
+            index = at.clamp(max=t.shape[1] - 1).to(device).unsqueeze(-1)
+            return t.gather(1, index.expand(-1, -1, t.shape[-1]))
+
         with precision.autocast(self.model):
             if _head_apart(self.model):  # pick the R' hidden states, then the head: H wide, not V
-                hidden = self.model.model(**inputs).last_hidden_state[:, first:]
-                index = at.clamp(max=hidden.shape[1] - 1).to(device).unsqueeze(-1)
-                logits = self.model.lm_head(hidden.gather(1, index.expand(-1, -1, hidden.shape[-1]))).float()
+                logits = self.model.lm_head(pick(self.model.model(**inputs).last_hidden_state[:, first:])).float()
             else:
-                out = self.model(**inputs, logits_to_keep=width_s - first)
-                logits = out.logits.float()
-                index = at.clamp(max=logits.shape[1] - 1).to(device).unsqueeze(-1)
-                logits = logits.gather(1, index.expand(-1, -1, logits.shape[-1]))
+                logits = pick(self.model(**inputs, logits_to_keep=width_s - first).logits.float())
         self.body_tokens += n * width_s
         cols = slice(prompt_width, prompt_width + kept)
         return score_responses(
