@@ -14,9 +14,10 @@ from a model hub), the tasks (`calc.train_tasks(256, seed)`, step k takes tasks 
 sides), the prompt ids (the TRL child renders every prompt through TRL's own path and refuses to
 run unless the ids equal the template's rendering with calc's `TOOLS`), the tool, the reward (0.8
 right number + 0.2 calculator called; 0 without an answer), group 4, batch 4 prompts, one
-optimiser step a step, micro-batch 2, LoRA r16/α32 all-linear (dropout 0), AdamW lr 5e-5 (β 0.9/
-0.999, weight decay 0.01, constant), clip 0.2/0.28, no KL, temperature 1, at most 4 calls
-(TRL: `max_tool_calling_iterations=3`), 256 completion tokens a rollout.
+optimiser step a step, micro-batch 4 (2 in the run docs/benchmarks.md records), LoRA r16/α32
+all-linear (dropout 0), AdamW lr 5e-5 (β 0.9/0.999, weight decay 0.01, constant), clip 0.2/0.28, no
+KL, temperature 1, at most 4 calls (TRL: `max_tool_calling_iterations=3`), 256 completion tokens a
+rollout.
 
 What differs (TRL's shape, the closest it supports): TRL has no per-call stop or cap — a call ends
 at `<|im_end|>` or the rollout's 256-token budget, where agl_lab's calls stop at `</tool_call>` and
@@ -59,7 +60,7 @@ VENV = ROOT / ".venv-trl"
 TRL_PINS = ("torch==2.13.0", "trl==1.16.0", "transformers==5.10.4", "peft==0.21.2", "jmespath==1.1.0")
 CASES = ("agl_lab", "trl")
 THREADS = 2
-BATCH, GROUP, MICRO, MAX_CALLS, MAX_COMPLETION = 4, 4, 2, 4, 256
+BATCH, GROUP, MICRO, MAX_CALLS, MAX_COMPLETION = 4, 4, 4, 4, 256  # MICRO: the config's ppo_micro_batch_size_per_gpu
 COLUMNS = ("step_s", "cpu_s", "gen_s", "gen_tok/s", "upd_s", "upd_tok/s", "rss_gb", "reward")
 
 

@@ -442,6 +442,41 @@ def test_lora_update_benchmark_names_an_unknown_case():
     assert done.returncode != 0 and "--cases: unknown ['fp8']" in done.stderr
 
 
+def test_micro_batches_benchmark_times_each_case_and_the_chosen_order_pads_no_more():
+    """`micro_batches.py` on the tiny recipe: a row per ROWS:ORDER case with seconds, body tokens and
+    peak RSS; the order `local_ppo._forward_plan` chooses sends no more tokens than the batch's."""
+    out = _run(
+        "benchmarks/micro_batches.py",
+        "--config=configs/cpu_tiny.yaml",
+        "--repeat=1",
+        "--cases=2:batch,2:chosen",
+        "data.train_batch_size=4",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "agl_lab.model.warm_start_steps=0",
+        "agl_lab.algorithm.skip_zero_advantage=false",  # every micro-batch forwarded, zero rewards or not
+        timeout=600,
+    )
+    rows = {
+        line.split("|")[0].strip(): [c.strip() for c in line.split("|")] for line in out.splitlines() if " | " in line
+    }
+    assert set(rows) == {"case", "2:batch", "2:chosen"}
+    batch, chosen = rows["2:batch"], rows["2:chosen"]
+    assert float(batch[1]) > 0 and float(chosen[1]) > 0 and float(batch[5]) > 0
+    assert batch[4] == "0" and 0 < float(chosen[3]) <= float(batch[3])
+    _assert_host_lines(out)
+
+
+def test_micro_batches_benchmark_names_a_malformed_case():
+    done = subprocess.run(
+        [sys.executable, "benchmarks/micro_batches.py", "--cases=2:batch,four:chosen"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode != 0 and "--cases: 'four:chosen' is not ROWS:ORDER" in done.stderr
+
+
 def _assert_host_lines(out: str) -> None:
     """A timed benchmark names its host before its cases and after them (`benchmarks/host.py`): the CPU
     model and the float32 and bfloat16 matmul rates measured then."""

@@ -269,6 +269,7 @@ def test_zero_advantage_skip_is_exact(base, order, mini, micro, skipped, skipped
     assert torch.equal(g_on, g_off) and torch.equal(p_on, p_off)
     assert not torch.equal(p_on, params(base[0]))
     assert m_on["actor/pg_loss"] == m_off["actor/pg_loss"] and m_on["actor/grad_norm"] == m_off["actor/grad_norm"]
+    assert m_on["actor/rows_by_length"] == m_off["actor/rows_by_length"]  # one row order, skip on or off
     assert m_on["actor/skipped_zero_adv_rows"] == skipped and m_off["actor/skipped_zero_adv_rows"] == 0
     assert m_on["actor/diagnostic_rows"] == 16 - skipped and m_off["actor/diagnostic_rows"] == 16
     assert m_on["actor/skipped_zero_adv_micro_batches"] == skipped_micro
@@ -343,6 +344,13 @@ def test_plan_forwards_puts_zero_rows_last_and_skips_only_their_micro_batches():
     assert ordered["input_ids"].flatten().tolist() == [1, 3, 0, 2, 4, 5] and starts == [0, 2, 4]
     ordered, starts = zero_skip.plan_forwards(mb, 6, skip=True)  # one micro-batch: the order is kept
     assert ordered["input_ids"].flatten().tolist() == list(range(6)) and starts == [0]
+    # by attended length, shortest first within each part: signal rows 3 (2 tokens), 1 (4); zero rows 4 (1),
+    # 5 (2), 0 (3), 2 (3: after 0, stable)
+    mb["attention_mask"] = torch.tensor(
+        [[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 0, 0]]
+    )
+    ordered, starts = zero_skip.plan_forwards(mb, 2, skip=True, by_length=True)
+    assert ordered["input_ids"].flatten().tolist() == [3, 1, 4, 5, 0, 2] and starts == [0]
 
 
 # ---------------------------------------------------------------------------------------------

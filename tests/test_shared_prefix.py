@@ -27,6 +27,7 @@ from agl_lab.engines.shared_prefix import (
     micro_batches,
     padded_body_tokens,
     plan_prefixes,
+    planned_body_tokens,
 )
 from tests.hand_built import tiny_qwen2
 
@@ -219,6 +220,31 @@ def test_groups_that_differ_early_share_their_own_prompt_per_group():
     assert m_sh["actor/body_tokens"] < m_pad["actor/body_tokens"] / 2
     assert (g_sh - g_pad).abs().max() <= 1e-5 * g_pad.abs().max()
     assert m_sh["actor/pg_loss"] == pytest.approx(m_pad["actor/pg_loss"], rel=1e-6)
+    assert m_sh["actor/rows_by_length"] == 0  # by length the groups would mix: each prefix only the header
+
+
+def test_rows_of_like_length_share_a_micro_batch_when_that_pads_less():
+    """One shared prompt, suffixes (own prompt tokens + response) of 9, 8, 7, 9, 10, 9, 8, 7 tokens,
+    micro-batches of 2: in the batch's order the widest of each pair costs 9 + 9 + 10 + 8, by length
+    7 + 8 + 9 + 10 — 2 × 34 + the prefix's 20 = 88 tokens, not 92. The update takes the length
+    order, and its gradients and loss are still the padded path's."""
+    data = shared_batch()
+    suffix = [t + r for t, r in zip(TAILS, RESPONSES)]
+    runs = {}
+    for on in (False, True):
+        model = tiny_qwen2()
+        cfg = ActorUpdateConfig(
+            ppo_mini_batch_size=N, ppo_micro_batch_size_per_gpu=2, grad_clip=None, use_prefix_grouper=on
+        )
+        metrics = ppo_update(model, torch.optim.SGD(model.parameters(), lr=0.0), data, cfg)
+        runs[on] = (torch.cat([p.grad.flatten() for p in model.parameters()]), metrics)
+    (g_pad, m_pad), (g_sh, m_sh) = runs[False], runs[True]
+    batch_order = SHARED + 2 * sum(max(suffix[s : s + 2]) for s in range(0, N, 2))
+    by_length = SHARED + 2 * sum(sorted(suffix)[s + 1] for s in range(0, N, 2))
+    assert (batch_order, by_length) == (92, 88)
+    assert m_sh["actor/rows_by_length"] == 1 and m_sh["actor/body_tokens"] == by_length
+    assert (g_sh - g_pad).abs().max() <= 1e-5 * g_pad.abs().max()
+    assert m_sh["actor/pg_loss"] == pytest.approx(m_pad["actor/pg_loss"], rel=1e-6)
 
 
 def test_micro_batches_forward_each_cluster_prefix_once():
@@ -241,6 +267,7 @@ def test_micro_batches_forward_each_cluster_prefix_once():
     assert prefixes[0] is prefixes[1] and prefixes[2] is prefixes[3] and prefixes[1] is not prefixes[2]
     assert cost.prefixed_tokens == N * 19
     assert cost.body_tokens == 2 * 19 + sum(2 * (1 + max(RESPONSES[s : s + 2])) for s in starts)
+    assert planned_body_tokens(mb, plan, 2) == cost.body_tokens  # what `_forward_plan` compares orders by
     logp, _ = _response_forward(padded, b["input_ids"], b["attention_mask"], b["position_ids"], R, T, "none")
     logp.sum().backward()
     g_sh = torch.cat([p.grad.flatten() for p in model.parameters()])
@@ -251,3 +278,4 @@ def test_micro_batches_forward_each_cluster_prefix_once():
     assert [prefix for _, prefix in micro_batches(model, mb, PrefixPlan.padded(starts), 2, cost)] == [None] * 4
     assert cost.prefixed_tokens == 0
     assert cost.body_tokens == sum(padded_body_tokens(mb["attention_mask"][s : s + 2], R) for s in starts)
+    assert planned_body_tokens(mb, PrefixPlan.padded(starts), 2) == cost.body_tokens

@@ -56,6 +56,7 @@ from agl_lab.engines.shared_prefix import (
     kept_response_width,
     micro_batches,
     plan_prefixes,
+    planned_body_tokens,
     score_responses,
 )
 
@@ -347,8 +348,7 @@ def ppo_step(
         global_batch_size=rows,
         loss_scale_factor=cfg.loss_scale_factor,
     )
-    mb, starts = zero_skip.plan_forwards(mb, cfg.micro_batch_rows, cfg.zero_skip_active)
-    plan = plan_prefixes(mb, starts, cfg.micro_batch_rows) if cfg.use_prefix_grouper else PrefixPlan.padded(starts)
+    mb, starts, plan, by_length = _forward_plan(mb, cfg)
     entropy = "grad" if cfg.entropy_coeff != 0 else "detached"
     tally, cost = _Tally(rows), ForwardCost()
     optimizer.zero_grad(set_to_none=True)
@@ -375,12 +375,40 @@ def ppo_step(
     else:
         logger.warning("skipping an optimiser step: gradient norm is %s", grad_norm)
         optimizer.zero_grad(set_to_none=True)
-    return step_metrics(tally, cost, plan, grad_norm, cfg)
+    metrics = step_metrics(tally, cost, plan, grad_norm, cfg)
+    metrics["actor/rows_by_length"] = float(by_length)
+    return metrics
 
 
 # =============================================================================================
 # The step's parts
 # =============================================================================================
+
+
+def _forward_plan(
+    mb: dict[str, torch.Tensor], cfg: ActorUpdateConfig
+) -> tuple[dict[str, torch.Tensor], list[int], PrefixPlan, bool]:
+    """The mini-batch's rows in forward order, the micro-batches to forward, their prefix plan, and
+    whether the rows go by attended length.
+
+    Zero-advantage rows go last either way (`zero_skip.plan_forwards`); of the two orders within
+    each part — as the batch came, or by attended length (rows of like length share a micro-batch:
+    less padding) — the one with fewer tokens through the body (`planned_body_tokens`) wins, the
+    batch's order on a tie. The length order loses where it splits the groups that share a prompt
+    (`plan_prefixes`). The choice counts every micro-batch, forwarded or skipped, so it is the same
+    with the zero-advantage skip on or off (the gradients stay bit-identical)."""
+    rows = cfg.micro_batch_rows
+
+    def prefix_plan(ordered: dict[str, torch.Tensor], starts: list[int]) -> PrefixPlan:
+        return plan_prefixes(ordered, starts, rows) if cfg.use_prefix_grouper else PrefixPlan.padded(starts)
+
+    tokens = {}
+    for by_length in (False, True):
+        ordered, every = zero_skip.plan_forwards(mb, rows, skip=False, by_length=by_length)
+        tokens[by_length] = planned_body_tokens(ordered, prefix_plan(ordered, every), rows)
+    by_length = tokens[True] < tokens[False]
+    mb, starts = zero_skip.plan_forwards(mb, rows, cfg.zero_skip_active, by_length)
+    return mb, starts, prefix_plan(mb, starts), by_length
 
 
 def _log_probs(

@@ -303,6 +303,20 @@ def micro_batches(
             cost.body_tokens += prefix.body_tokens
 
 
+def planned_body_tokens(mb: dict[str, torch.Tensor], plan: PrefixPlan, micro_rows: int) -> int:
+    """The tokens `micro_batches` will send through the body for `plan` (its `ForwardCost.body_tokens`),
+    before any forward: a shared cluster costs its prefix P once plus, per micro-batch, rows × the
+    longest suffix (attended − P); a padded one `padded_body_tokens` per micro-batch."""
+    response_length, total = mb["responses"].shape[-1], 0
+    for cluster, length in zip(plan.clusters, plan.lengths):
+        masks = [mb["attention_mask"][s : s + micro_rows] for s in cluster]
+        if length >= MIN_SHARED:
+            total += length + sum(m.shape[0] * (int(m.sum(-1).max()) - length) for m in masks)
+        else:
+            total += sum(padded_body_tokens(m, response_length) for m in masks)
+    return total
+
+
 def padded_body_tokens(attention_mask: torch.Tensor, response_length: int) -> int:
     """Tokens the padded path sends through the body for rows [n, L]: n × the trimmed width."""
     attended = attention_mask.bool().any(0).nonzero()

@@ -5,7 +5,8 @@ has no other term for it (no entropy bonus, no KL loss) and is row-separable (`p
 verl's `vanilla`: `EXACT_LOSSES`). The local update's step (`local_ppo.ppo_step`):
 
     plan_forwards(mini-batch)      the two lines below, in one call
-      zero_rows_last(mini-batch)   rows with a signal first, zero rows last (stable; skip on or off)
+      zero_rows_last(mini-batch)   rows with a signal first, zero rows last (stable; skip on or off),
+                                   each part by attended length when asked (`local_ppo._forward_plan`)
       forwarded_starts(signal)     the micro-batches with at least one signal row (skip on; else all)
     zero_fill_grads(params)        when none is forwarded: the optimiser step still runs
 
@@ -45,13 +46,21 @@ def trained_row_mask(advantages: torch.Tensor, response_mask: torch.Tensor) -> t
     return ((advantages != 0) & response_mask.bool()).any(-1)
 
 
-def zero_rows_last(mb: dict[str, torch.Tensor], micro_rows: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def zero_rows_last(
+    mb: dict[str, torch.Tensor], micro_rows: int, by_length: bool = False
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """The mini-batch with its signal rows first, zero-advantage rows last (stable), and the
-    signal mask [n] in that order. Unchanged with one micro-batch per mini-batch."""
+    signal mask [n] in that order; `by_length`: each part ordered by attended tokens, shortest
+    first (stable), so rows of like length share a micro-batch and pad less. Unchanged with one
+    micro-batch per mini-batch."""
     signal = trained_row_mask(mb["advantages"], mb["response_mask"])
     if mb["input_ids"].shape[0] <= micro_rows:
         return mb, signal
-    order = torch.cat([torch.nonzero(signal).flatten(), torch.nonzero(~signal).flatten()])
+    key = (~signal).long()
+    if by_length:
+        attended = mb["attention_mask"].sum(-1).long()
+        key = key * (int(attended.max()) + 1) + attended
+    order = torch.sort(key, stable=True).indices
     return {k: v[order] for k, v in mb.items()}, signal[order]
 
 
@@ -61,11 +70,12 @@ def forwarded_starts(signal: torch.Tensor, micro_rows: int) -> list[int]:
 
 
 def plan_forwards(
-    mb: dict[str, torch.Tensor], micro_rows: int, skip: bool
+    mb: dict[str, torch.Tensor], micro_rows: int, skip: bool, by_length: bool = False
 ) -> tuple[dict[str, torch.Tensor], list[int]]:
-    """The mini-batch with its zero-advantage rows last (`zero_rows_last`, skip on or off) and the
-    first rows of the micro-batches to forward: those holding a signal row when `skip`, else all."""
-    mb, signal = zero_rows_last(mb, micro_rows)
+    """The mini-batch with its zero-advantage rows last (`zero_rows_last`, skip on or off; by
+    attended length within each part when `by_length`) and the first rows of the micro-batches to
+    forward: those holding a signal row when `skip`, else all."""
+    mb, signal = zero_rows_last(mb, micro_rows, by_length)
     if not skip:
         return mb, list(range(0, signal.shape[0], micro_rows))
     return mb, forwarded_starts(signal, micro_rows)
