@@ -15,6 +15,12 @@ different weights — alike for both):
     logits-picked  `merged`, with the shared-prefix suffix's response positions picked from the
                    V-wide logits after HF's forward and the logits divided by the temperature even
                    at 1.0 — how it ran before `shared_prefix._head_apart` and `at_temperature`
+    verl-scores    `merged`, the response tokens scored by verl's `logprobs_from_logits` and
+                   `entropy_from_logits` (autograd's V-wide backward; the entropy's own softmax and
+                   log-sum-exp) instead of `shared_prefix._TokenLogprobs` — how it ran before
+    sdpa           `merged`, with HF's own `sdpa` attention (each KV head's keys and values copied for
+                   its query heads, summed back in the backward) instead of the grouped one
+                   (`engines.grouped_attention`) — how it ran before
 
 Columns: update seconds (median and best of the rounds) and `aten::mm` calls of the last round's
 update (torch.profiler, that round untimed).
@@ -36,17 +42,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from agl_lab.engines import local_ppo, lora, precision, shared_prefix  # noqa: E402
+from agl_lab.engines.grouped_attention import GROUPED_SDPA  # noqa: E402
 from agl_lab.trainer import Trainer  # noqa: E402
 from benchmarks.host import describe  # noqa: E402
 
 PLAIN_HEAD, at_temperature = shared_prefix._PLAIN_HEAD, shared_prefix.at_temperature
+SCORES = shared_prefix.score_responses
 OVERRIDES = ["trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1"]
 
 
-CASES = ("merged", "peft", "merged-bf16", "autocast-bf16", "logits-picked")
+CASES = ("merged", "peft", "merged-bf16", "autocast-bf16", "logits-picked", "verl-scores", "sdpa")
 
 
-def use(model, case: str) -> None:
+def use(model, case: str, grouped: bool) -> None:
     """Bind the case's forward on every adapted projection (`add_lora` binds the merged one) and
     set its precision."""
     for proj in lora.adapted_layers(model):
@@ -56,9 +64,24 @@ def use(model, case: str) -> None:
             proj.forward = lora._forward.__get__(proj)
     precision.set_compute_dtype(model, torch.bfloat16 if case.endswith("bf16") else None)
     precision.use_weight_copies(model, case != "autocast-bf16")
+    if grouped:  # the model runs the grouped attention unless the case is HF's own
+        model.set_attn_implementation("sdpa" if case == "sdpa" else GROUPED_SDPA)
+    local_ppo.score_responses = shared_prefix.score_responses = _verl_scores if case == "verl-scores" else SCORES
     before = case == "logits-picked"
     shared_prefix._PLAIN_HEAD = frozenset() if before else PLAIN_HEAD
     local_ppo.at_temperature = shared_prefix.at_temperature = _always_divide if before else at_temperature
+
+
+def _verl_scores(logits, responses, attended, response_length, entropy):
+    """`shared_prefix.score_responses` as it was: verl's functions, autograd's backward."""
+    from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
+
+    attended = attended.to(logits.device, logits.dtype)
+    widen = lambda t: torch.nn.functional.pad(t * attended, (0, response_length - t.shape[1]))  # noqa: E731
+    logprobs = widen(logprobs_from_logits(logits, responses.to(logits.device)))
+    if entropy == "none":
+        return logprobs, None
+    return logprobs, widen(entropy_from_logits(logits if entropy == "grad" else logits.detach()))
 
 
 def _always_divide(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -88,10 +111,13 @@ def main(argv: list[str] | None = None) -> int:
     ):
         batch = trainer.build_batch(trainer.rollout())
         model = trainer.engine.model
+        grouped = model.config._attn_implementation == GROUPED_SDPA  # a GQA model on the CPU
+        if "sdpa" in cases and not grouped:
+            print(f"# case sdpa: this model runs {model.config._attn_implementation!r}, not the grouped attention")
         trainer.update(batch, allow_reuse=True)  # warm: allocator, oneDNN, the merge of this version
         for round_ in range(args.repeat + 1):
             for case in cases:
-                use(model, case)
+                use(model, case, grouped)
                 if round_ == args.repeat:
                     with profile() as prof:
                         trainer.update(batch, allow_reuse=True)
@@ -101,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                 trainer.update(batch, allow_reuse=True)
                 seconds[case].append(time.perf_counter() - t0)
                 print(f"#   round {round_ + 1} {case}: {seconds[case][-1]:.2f} s", flush=True)
-        use(model, "merged")
+        use(model, "merged", grouped)
     print(f"{'forward':<13} | {'median s':>9} | {'best s':>7} | {'aten::mm':>8}")
     for case in cases:
         print(f"{case:<13} | {statistics.median(seconds[case]):>9.2f} | {min(seconds[case]):>7.2f} | {mm[case]:>8}")

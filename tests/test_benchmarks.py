@@ -418,7 +418,7 @@ def test_lora_update_benchmark_times_the_forwards_and_the_merged_ones_run_fewer_
         "benchmarks/lora_update.py",
         "--config=configs/cpu_tiny.yaml",
         "--repeat=1",
-        "--cases=merged,peft,merged-bf16,autocast-bf16",
+        "--cases=merged,peft,merged-bf16,autocast-bf16,verl-scores,sdpa",
         "actor_rollout_ref.model.lora_rank=4",
         "data.train_batch_size=2",
         "actor_rollout_ref.rollout.n=2",
@@ -429,9 +429,13 @@ def test_lora_update_benchmark_times_the_forwards_and_the_merged_ones_run_fewer_
     rows = {
         line.split("|")[0].strip(): [c.strip() for c in line.split("|")] for line in out.splitlines() if " | " in line
     }
-    assert all(float(rows[case][1]) > 0 for case in ("merged", "peft", "merged-bf16", "autocast-bf16"))
+    assert all(
+        float(rows[case][1]) > 0 for case in ("merged", "peft", "merged-bf16", "autocast-bf16", "verl-scores", "sdpa")
+    )
     assert int(rows["peft"][3]) > int(rows["merged"][3]) > 0
     assert int(rows["autocast-bf16"][3]) > int(rows["merged-bf16"][3]) > 0
+    # the tiny model has as many KV heads as query heads: no grouped attention, and the case says so
+    assert "# case sdpa: this model runs 'sdpa', not the grouped attention" in out
     _assert_host_lines(out)
 
 

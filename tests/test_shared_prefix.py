@@ -17,6 +17,7 @@ import torch
 from verl import DataProto
 
 from agl_lab.engines import shared_prefix
+from agl_lab.engines.grouped_attention import use_grouped_attention
 from agl_lab.engines.local_ppo import ActorUpdateConfig, _response_forward, ppo_update
 from agl_lab.engines.lora import LoraSpec, add_lora
 from agl_lab.engines.shared_prefix import (
@@ -245,6 +246,63 @@ def test_rows_of_like_length_share_a_micro_batch_when_that_pads_less():
     assert m_sh["actor/rows_by_length"] == 1 and m_sh["actor/body_tokens"] == by_length
     assert (g_sh - g_pad).abs().max() <= 1e-5 * g_pad.abs().max()
     assert m_sh["actor/pg_loss"] == pytest.approx(m_pad["actor/pg_loss"], rel=1e-6)
+
+
+def test_the_grouped_attention_gives_the_update_s_gradient_and_loss(monkeypatch):
+    """The update's suffix forward over a prefix cache (a mask over P + S keys) both ways; the grouped
+    model folds there (every masked SDPA call sees 2 KV heads; the prefix's own causal forward has no
+    mask and runs as HF runs it)."""
+    folded = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):
+        if kw.get("attn_mask") is not None:
+            folded.append(q.shape[1] == k.shape[1] == 2 and k.shape[2] > q.shape[2] // 2)
+        return sdpa(q, k, v, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    data = shared_batch()
+    cfg = ActorUpdateConfig(
+        ppo_mini_batch_size=N, ppo_micro_batch_size_per_gpu=3, grad_clip=None, use_prefix_grouper=True
+    )
+    runs = {}
+    hf = tiny_qwen2()
+    grouped = copy.deepcopy(hf)
+    assert use_grouped_attention(grouped)
+    for name, model in (("hf", hf), ("grouped", grouped)):
+        folded.clear()
+        metrics = ppo_update(model, torch.optim.SGD(model.parameters(), lr=0.0), data, cfg)
+        runs[name] = (torch.cat([p.grad.flatten() for p in model.parameters()]), metrics["actor/pg_loss"])
+    (g_hf, loss_hf), (g_gr, loss_gr) = runs["hf"], runs["grouped"]
+    assert g_hf.abs().max() > 0
+    assert (g_gr - g_hf).abs().max() <= 1e-5 * g_hf.abs().max()
+    assert abs(loss_gr - loss_hf) <= 1e-6 * abs(loss_hf)
+    assert folded and all(folded)  # 2 layers × 3 micro-batches, each folded
+
+
+def test_token_logprobs_give_verl_s_numbers_with_one_backward_pass():
+    """`score_responses`' log-probabilities (`_TokenLogprobs`) against verl's `logprobs_from_logits`
+    with autograd's gradient, and the detached entropy from their log-sum-exp against verl's
+    `entropy_from_logits`; the hand-written backward against finite differences (float64)."""
+    from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
+
+    g = torch.Generator().manual_seed(2)
+    logits = (3 * torch.randn(3, 5, 400, generator=g)).requires_grad_()
+    labels = torch.randint(0, 400, (3, 5), generator=g)
+    weights = torch.randn(3, 5, generator=g)
+    ours, lse = shared_prefix._TokenLogprobs.apply(logits, labels)
+    (ours * weights).sum().backward()
+    grad_ours, logits.grad = logits.grad.clone(), None
+    theirs = logprobs_from_logits(logits, labels)
+    (theirs * weights).sum().backward()
+    assert (ours - theirs).abs().max() < 1e-6
+    assert (grad_ours - logits.grad).abs().max() < 1e-6
+    entropy = shared_prefix._entropy_given_lse(logits.detach(), lse)
+    assert (entropy - entropy_from_logits(logits.detach())).abs().max() <= 1e-5 * entropy.abs().max()
+    small = torch.randn(2, 3, 7, dtype=torch.float64, generator=g).requires_grad_()
+    assert torch.autograd.gradcheck(
+        lambda x: shared_prefix._TokenLogprobs.apply(x, torch.tensor([[0, 6, 3], [2, 2, 5]]))[0], (small,)
+    )
 
 
 def test_micro_batches_forward_each_cluster_prefix_once():

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
-from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
+from verl.utils.torch_functional import entropy_from_logits
 
 from agl_lab.engines import precision
 
@@ -57,13 +57,51 @@ def score_responses(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logits [n, R', V] (already divided by the temperature) scoring responses [n, R'] →
     (logprobs [n, R], entropy [n, R] | None), zero where `attended` [n, R'] is 0 and past R';
-    entropy: none | grad | detached. Both forward paths (padded and shared-prefix) end here."""
+    entropy: none | grad (verl's `entropy_from_logits`, differentiable) | detached (from the
+    logprobs' own log-sum-exp, `_entropy_given_lse`). Both forward paths (padded and shared-prefix)
+    end here."""
     attended = attended.to(logits.device, logits.dtype)
     widen = lambda t: F.pad(t * attended, (0, response_length - t.shape[1]))  # noqa: E731  [n, R'] → [n, R]
-    logprobs = widen(logprobs_from_logits(logits, responses.to(logits.device)))
+    logprobs, lse = _TokenLogprobs.apply(logits, responses.to(logits.device))
     if entropy == "none":
-        return logprobs, None
-    return logprobs, widen(entropy_from_logits(logits if entropy == "grad" else logits.detach()))
+        return widen(logprobs), None
+    if entropy == "grad":
+        return widen(logprobs), widen(entropy_from_logits(logits))
+    return widen(logprobs), widen(_entropy_given_lse(logits.detach(), lse.detach()))
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """log softmax(logits)[label] = logits[label] − logsumexp(logits), and that log-sum-exp:
+    logits [..., V] float, labels [...] → (logprobs [...], lse [...]; lse without gradient).
+
+    The numbers of verl's `logprobs_from_logits` on the CPU (`logprobs_from_logits_v2`: a gather
+    minus a log-sum-exp), with one V-wide pass backward where autograd makes four: the gradient
+    −g·softmax + g at the label, written into one tensor — autograd zero-fills a V-wide tensor for
+    the gather's gradient, scatters into it, and adds the log-sum-exp's."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        lse = torch.logsumexp(logits, -1)
+        logprobs = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse
+        ctx.save_for_backward(logits, labels, lse)
+        ctx.mark_non_differentiable(lse)
+        return logprobs, lse
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor, _lse_grad: torch.Tensor | None) -> tuple[torch.Tensor, None]:
+        logits, labels, lse = ctx.saved_tensors
+        out = torch.sub(logits, lse.unsqueeze(-1)).exp_()  # softmax [..., V]
+        out.mul_(-grad.unsqueeze(-1))
+        out.scatter_add_(-1, labels.unsqueeze(-1), grad.unsqueeze(-1))
+        return out, None
+
+
+def _entropy_given_lse(logits: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """H = lse − Σ softmax · logits, [..., V] and [...] → [...], reusing the logprobs' log-sum-exp
+    (verl's `entropy_from_logits` computes its own and a softmax: the same value to ~1e-5 relative,
+    float32 sums over V in another order)."""
+    probs = torch.sub(logits, lse.unsqueeze(-1)).exp_()
+    return lse - torch.linalg.vecdot(probs, logits)
 
 
 def at_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:

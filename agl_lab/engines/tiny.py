@@ -294,6 +294,8 @@ def load_model_and_tokenizer(
     import torch
     from transformers import AutoModelForCausalLM
 
+    from agl_lab.engines.grouped_attention import use_grouped_attention
+
     if model_path is None:
         path = tiny_model_dir(seed=seed, cache_dir=cache_dir)
     else:
@@ -310,4 +312,6 @@ def load_model_and_tokenizer(
         dtype = getattr(torch, dtype)
     with quiet_hf():  # no "Loading weights" bar in `agl-lab engine`, the benchmarks or a notebook
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
-    return model.to(device).eval(), load_tokenizer(model_path=path)
+    model = model.to(device).eval()
+    use_grouped_attention(model)  # GQA on the CPU: no K/V copies per layer (engines/grouped_attention.py)
+    return model, load_tokenizer(model_path=path)
