@@ -15,15 +15,18 @@ def _entry(tokens: list[int], layers: int = 2) -> CachedPrefix:
     return CachedPrefix(list(tokens), kv, [t.clone() for t in kv])
 
 
-def test_longest_prefix_to_a_block_and_never_the_whole_prompt():
+def test_longest_prefix_past_the_last_block_and_never_the_whole_prompt():
     cache = PrefixCache()
     base = list(range(100, 100 + 3 * BLOCK + 5))
     cache.put(_entry(base))
+    # two whole blocks found by hash, then the 3 tokens after them that the entry shares
     m, e = cache.match(base[: 2 * BLOCK + 3] + [1, 2, 3])
-    assert m == 2 * BLOCK and e.tokens == base
+    assert m == 2 * BLOCK + 3 and e.tokens == base
     # a prompt equal to the cached tokens keeps at least one token to run
     m, _ = cache.match(base[: 3 * BLOCK])
-    assert m == 2 * BLOCK
+    assert m == 3 * BLOCK - 1
+    m, _ = cache.match(base + [7, 8])  # longer than the entry: all of the entry
+    assert m == len(base)
     assert cache.match([7] * 40) == (0, None)
     assert cache.match(base[:BLOCK]) == (0, None)  # the last token must run: no full block before it
 
@@ -87,8 +90,9 @@ def test_requests_admitted_together_compute_their_common_prefix_once():
         sched.close()
     stats = sched.stats
     assert stats["prefills"] == 1 and stats["shared_prefills"] == 1
-    # the shared blocks once, then each row only its own tail: 7 common tokens + its suffix
-    assert stats["prefill_tokens"] == 3 * BLOCK + sum(len(p) - 3 * BLOCK for p in prompts)
+    # the common prefix once (3 whole blocks + 7 tokens), then each row only its own tokens
+    common = len(shared)
+    assert stats["prefill_tokens"] == common + sum(len(p) - common for p in prompts)
     # what was computed or served adds up to the prompts (the shared blocks count once as computed)
     assert stats["prefill_tokens"] + stats["cached_tokens"] == sum(len(p) for p in prompts)
     for prompt, res in zip(prompts, results):  # logprobs as one fresh forward computes them

@@ -14,7 +14,10 @@ parameter's in-place version counter moves: an optimizer step, `load_state_dict`
 
 Lookup is vLLM's idea at small scale: sequences are cut into blocks of `BLOCK` tokens and
 every block is indexed by the hash of the chain of blocks up to it, so matching a prompt is
-one dict lookup per block; the match is then verified token by token (no hash trust).
+one dict lookup per block; the match is then verified token by token (no hash trust) and
+extended token by token past the last whole block, as far as the entry agrees (an entry holds
+the K/V of all its tokens: a call that extends the last one's reply mid-block recomputes only
+its own new tokens).
 """
 
 from __future__ import annotations
@@ -92,7 +95,8 @@ class PrefixCache:
             self._weights_key = key
 
     def match(self, tokens: list[int]) -> tuple[int, CachedPrefix | None]:
-        """(m, entry): entry's first m tokens equal `tokens[:m]`, m maximal to a block, m < len(tokens).
+        """(m, entry): entry's first m tokens equal `tokens[:m]`, m < len(tokens) — at least one whole
+        block found by its hash chain, then as many more tokens as the entry and `tokens` share.
 
         m stays below len(tokens) so a prefill always has at least one token to run (it needs
         the logits of the last prompt position).
@@ -109,6 +113,9 @@ class PrefixCache:
         entry = self._entries[entry_id]
         if entry.tokens[:best] != tokens[:best]:  # a hash collision: never trust a hash alone
             return 0, None
+        limit = min(len(entry.tokens), entry.keys[0].shape[1], len(tokens) - 1)
+        while best < limit and entry.tokens[best] == tokens[best]:  # past the last whole block
+            best += 1
         self._entries.move_to_end(entry_id)
         self.stats["hits"] += 1
         self.stats["reused_tokens"] += best

@@ -310,8 +310,9 @@ class BatchScheduler:
         Cache matches are looked up before a prefill runs, so the requests admitted together —
         a GRPO group's n identical prompts, every task's shared system prompt and tool list —
         would otherwise each compute the same columns. One single-row forward over the common
-        prefix (whole blocks, from whatever the cache already holds of it) puts it in the
-        cache; each row's prefill then starts after it. Worth it from two rows on.
+        prefix (from whatever the cache already holds of it; the last token of the shortest prompt
+        stays with its row) puts it in the cache; each row's prefill then starts after it. Worth
+        it from two rows and a whole block of new columns on.
         """
         cache = self.prefix_cache
         if cache is None or len(new) < 2 or not self.share_prefix:
@@ -322,7 +323,7 @@ class BatchScheduler:
         for p in prompts[1:]:
             common = next((i for i in range(common) if p[i] != first[i]), common)
         # a match stays below its prompt's length (the last token runs in the row's own prefill)
-        usable = min(common, shortest - 1) // BLOCK * BLOCK
+        usable = min(common, shortest - 1)
         if usable < BLOCK:
             return
         m, entry = cache.match(first[: usable + 1])
