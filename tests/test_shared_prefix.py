@@ -201,17 +201,23 @@ def grouped_batch(header: int = 3, own: int = 17) -> DataProto:
     return DataProto.from_dict(tensors=tensors, meta_info={"temperature": T})
 
 
-def test_groups_that_differ_early_share_their_own_prompt_per_group():
-    data = grouped_batch()
+def padded_and_shared(data: DataProto, micro_rows: int):
+    """((gradient, metrics) with `use_prefix_grouper` off, the same on) of one update of a fresh tiny
+    Qwen2 on `data` (SGD at lr 0: the gradients kept, the weights not moved)."""
     runs = {}
     for on in (False, True):
         model = tiny_qwen2()
         cfg = ActorUpdateConfig(
-            ppo_mini_batch_size=N, ppo_micro_batch_size_per_gpu=2, grad_clip=None, use_prefix_grouper=on
+            ppo_mini_batch_size=N, ppo_micro_batch_size_per_gpu=micro_rows, grad_clip=None, use_prefix_grouper=on
         )
         metrics = ppo_update(model, torch.optim.SGD(model.parameters(), lr=0.0), data, cfg)
         runs[on] = (torch.cat([p.grad.flatten() for p in model.parameters()]), metrics)
-    (g_pad, m_pad), (g_sh, m_sh) = runs[False], runs[True]
+    return runs[False], runs[True]
+
+
+def test_groups_that_differ_early_share_their_own_prompt_per_group():
+    data = grouped_batch()
+    (g_pad, m_pad), (g_sh, m_sh) = padded_and_shared(data, micro_rows=2)
     # the 3-token header alone is under MIN_SHARED; each group's 20-token prompt (to one before its end)
     assert m_sh["actor/shared_prefixes"] == 2 and m_sh["actor/shared_prefix_fallbacks"] == 0
     assert m_sh["actor/shared_prefix_tokens"] == 19
@@ -231,15 +237,7 @@ def test_rows_of_like_length_share_a_micro_batch_when_that_pads_less():
     order, and its gradients and loss are still the padded path's."""
     data = shared_batch()
     suffix = [t + r for t, r in zip(TAILS, RESPONSES)]
-    runs = {}
-    for on in (False, True):
-        model = tiny_qwen2()
-        cfg = ActorUpdateConfig(
-            ppo_mini_batch_size=N, ppo_micro_batch_size_per_gpu=2, grad_clip=None, use_prefix_grouper=on
-        )
-        metrics = ppo_update(model, torch.optim.SGD(model.parameters(), lr=0.0), data, cfg)
-        runs[on] = (torch.cat([p.grad.flatten() for p in model.parameters()]), metrics)
-    (g_pad, m_pad), (g_sh, m_sh) = runs[False], runs[True]
+    (g_pad, m_pad), (g_sh, m_sh) = padded_and_shared(data, micro_rows=2)
     batch_order = SHARED + 2 * sum(max(suffix[s : s + 2]) for s in range(0, N, 2))
     by_length = SHARED + 2 * sum(sorted(suffix)[s + 1] for s in range(0, N, 2))
     assert (batch_order, by_length) == (92, 88)
