@@ -164,6 +164,8 @@ class Execution:
         metrics.update({f"rollout/{k}": after[k] - v for k, v in before.items() if k in after})
         if metrics.get("rollout/decode_steps") and "rollout/decode_rows" in metrics:  # rows a decode step ran
             metrics["rollout/mean_decode_batch"] = metrics["rollout/decode_rows"] / metrics["rollout/decode_steps"]
+        if metrics.get("rollout/decode_steps") and "rollout/shared_columns" in metrics:  # the block a step read once
+            metrics["rollout/mean_shared_columns"] = metrics["rollout/shared_columns"] / metrics["rollout/decode_steps"]
 
     def _overlapped(self, engine: Any) -> Iterator[dict[str, Any]]:
         """A rollout phase under overlap: the engine's endpoints registered once (then at each

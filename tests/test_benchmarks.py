@@ -403,6 +403,25 @@ def test_decode_step_benchmark_compares_a_revision_s_module_row_by_row():
     _assert_host_lines(out)
 
 
+def test_shared_block_benchmark_runs_both_layouts_on_the_same_tokens():
+    """`shared_block.py` on the tiny model: every row size, both layouts timed, and the block's logits
+    equal the copied prefix's to float32 rounding (the two decoded the same tokens)."""
+    from agl_lab.engines.tiny import tiny_model_dir
+
+    out = _run(
+        "benchmarks/shared_block.py", "--rows=1,3", "--prefix=40", "--suffix=3", "--steps=5",
+        f"--model-path={tiny_model_dir()}",
+    )  # fmt: skip
+    rows = {
+        line.split("|")[0].strip(): [c.strip() for c in line.split("|")] for line in out.splitlines() if " | " in line
+    }
+    assert set(rows) == {"rows", "1", "3"}
+    for n in ("1", "3"):
+        _, *ms, ratio, dlogit = rows[n]
+        assert all(float(m) > 0 for m in ms) and float(ratio) > 0 and float(dlogit) < 1e-4
+    _assert_host_lines(out)
+
+
 def test_decode_step_benchmark_names_a_revision_git_does_not_know():
     done = subprocess.run(
         [sys.executable, "benchmarks/decode_step.py", "--before=no-such-rev"], cwd=ROOT, capture_output=True, text=True

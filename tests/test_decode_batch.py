@@ -170,6 +170,85 @@ def test_prefill_with_cached_prefixes_equals_fresh_forwards(model, one_thread):
         assert batch.row_kv(0)[0][0].shape[1] == len(histories[0])
 
 
+def test_a_shared_prefix_block_computes_what_the_rows_own_columns_do(model, one_thread):
+    """Rows whose prompts share cached columns hold them once (`SharedPrefix`); through decode steps, a
+    merge with a batch of a partly different block (cut to the common columns, the rest copied into the
+    rows), a merge with a batch of none, a select and the HF path, every row computes what a fresh
+    forward of its history does, and `row_kv` returns its whole history."""
+    from agl_lab.engines.serving.decode_batch import SHARED_MIN
+    from agl_lab.engines.serving.prefix_cache import CachedPrefix
+
+    gen = torch.Generator().manual_seed(6)
+
+    def rand_ids(k: int) -> list[int]:
+        return torch.randint(4, 1024, (k,), generator=gen).tolist()
+
+    def cached(tokens):
+        first, _ = DecodeBatch.prefill(model, [tokens], [1.0], [1.0], [False], pad_id=3)
+        return CachedPrefix(tokens, *first.row_kv(0))
+
+    def prefill(prompts, entry=None, n=0):
+        k = len(prompts)
+        entries = None if entry is None else [entry] * k
+        return DecodeBatch.prefill(
+            model, prompts, [1.0] * k, [1.0] * k, [False] * k, pad_id=3, prefixes=entries, prefix_lens=[n] * k
+        )
+
+    def check(histories, logits):
+        for h, row in zip(histories, logits):
+            assert (_fresh_next_logits(model, h) - row.float()).abs().max() < 1e-4
+
+    def step(batch, histories, logits, **kw):
+        forced = rand_ids(batch.size)
+        for h, t in zip(histories, forced):
+            h.append(t)
+        batch.tokens = torch.tensor(forced)
+        logits = batch.decode(model, **kw)
+        check(histories, logits)
+        return logits
+
+    system = rand_ids(SHARED_MIN + 16)
+    with torch.inference_mode():
+        histories = [system + rand_ids(k) for k in (3, 11, 6)]
+        batch, logits = prefill([list(h) for h in histories], cached(system), len(system))
+        assert batch.shared is not None and batch.shared.tokens == system
+        assert batch.length == 11  # the slabs hold only each row's own columns
+        check(histories, logits)
+        for _ in range(3):
+            logits = step(batch, histories, logits)
+
+        other = system[: SHARED_MIN + 4] + rand_ids(20)  # the first SHARED_MIN + 4 columns in common
+        late = [other + rand_ids(5)]
+        fresh, late_logits = prefill([list(h) for h in late], cached(other), len(other))
+        check(late, late_logits)
+        assert len(fresh.shared) == len(other)
+        assert batch.align_shared(fresh) == 3 * 12 + 1 * 20  # rows × the columns each block gave back
+        assert len(batch.shared) == len(fresh.shared) == SHARED_MIN + 4
+        histories += late
+        batch.tokens = torch.cat([logits.argmax(-1), late_logits.argmax(-1)])
+        for h, t in zip(histories, batch.tokens.tolist()):
+            h.append(t)
+        batch.tokens = batch.tokens[:3]
+        fresh.tokens = torch.tensor(histories[3][-1:])
+        logits = batch.merge(fresh).decode(model)
+        check(histories, logits)
+
+        alone, alone_logits = prefill([rand_ids(9)])  # no block: the merged batch gives all of its columns back
+        assert alone.shared is None
+        assert batch.align_shared(alone) == 4 * (SHARED_MIN + 4) and batch.shared is None
+        logits = step(batch, histories, logits)
+
+        batch, logits = prefill([list(h) for h in histories[:2]], cached(system), len(system))
+        histories = histories[:2]
+        kept = batch.select([1])
+        histories = histories[1:]
+        logits = step(kept, histories, logits[1:])
+        assert kept.shared is not None
+        assert kept.row_kv(0)[0][0].shape[1] == len(histories[0])  # the block's columns, then the row's
+        logits = step(kept, histories, logits, fast=False)  # HF's forward: the block goes back to the row first
+        assert kept.shared is None and kept.row_kv(0)[0][0].shape[1] == len(histories[0])
+
+
 def test_fast_decode_step_equals_the_hf_forward_and_follows_weight_updates(one_thread):
     from agl_lab.engines.serving import fast_decode
 

@@ -95,6 +95,8 @@ def test_requests_admitted_together_compute_their_common_prefix_once():
     assert stats["prefill_tokens"] == common + sum(len(p) - common for p in prompts)
     # what was computed or served adds up to the prompts (the shared blocks count once as computed)
     assert stats["prefill_tokens"] + stats["cached_tokens"] == sum(len(p) for p in prompts)
+    # the decode steps read the common prefix once for the four rows (`decode_batch.SharedPrefix`)
+    assert stats["shared_columns"] == common * stats["steps"] > 0 and stats["spilled_columns"] == 0
     for prompt, res in zip(prompts, results):  # logprobs as one fresh forward computes them
         ids = torch.tensor([prompt + res.token_ids])
         with torch.no_grad():

@@ -303,6 +303,8 @@ class LocalEngine(Engine):
             "decode_steps": float(stats["steps"]),
             "shared_prefills": float(stats["shared_prefills"]),
             "decode_rows": float(stats["decode_rows"]),
+            "shared_columns": float(stats["shared_columns"]),
+            "spilled_columns": float(stats["spilled_columns"]),
         }
 
     def pause(self, timeout: float | None = 300.0) -> None:

@@ -121,6 +121,17 @@ class SlabLayer(CacheLayerMixin):
         self.rows, self.start, self.length = n, end - length, length
         self._publish()
 
+    def prepend(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Columns every row holds — keys/values [KV, n, D] — put before the window's first column, in
+        all rows (a shared prefix block given back to the rows: `DecodeBatch.align_shared`)."""
+        n = keys.shape[1]
+        if self.start < n:  # no room on the left: the window moves right, ending at length + n
+            self._reallocate(self.kbuf.shape[0], self.length + n + _HEADROOM, self.length + n)
+        self.start, self.length = self.start - n, self.length + n
+        self.kbuf[: self.rows, :, self.start : self.start + n] = keys
+        self.vbuf[: self.rows, :, self.start : self.start + n] = values
+        self._publish()
+
     def keep_rows(self, keep: list[int], first: int) -> None:
         """Only rows `keep` (ascending), moved up in place; the window's first `first` columns dropped."""
         moved = next((i for i, row in enumerate(keep) if row != i), len(keep))
@@ -141,8 +152,9 @@ class SlabLayer(CacheLayerMixin):
         return -1
 
 
-def _prefix_slabs(prefixes: list, lens: list[int], lp: int, spare: int) -> list[SlabLayer]:
-    """Per layer, a [b, KV, lp + spare, D] slab holding row i's cached prefix in columns [lp − m_i, lp)."""
+def _prefix_slabs(prefixes: list, lens: list[int], lp: int, spare: int, skip: int = 0) -> list[SlabLayer]:
+    """Per layer, a [b, KV, lp + spare, D] slab holding row i's cached columns [skip, skip + m_i) in its
+    columns [lp − m_i, lp) (the first `skip` are a shared block's)."""
     ref = next(p for p, m in zip(prefixes, lens) if m > 0)
     layers = []
     for layer, (k0, v0) in enumerate(zip(ref.keys, ref.values)):
@@ -150,10 +162,51 @@ def _prefix_slabs(prefixes: list, lens: list[int], lp: int, spare: int) -> list[
         vbuf = v0.new_zeros((len(lens), v0.shape[0], lp + spare, v0.shape[-1]))
         for i, (p, m) in enumerate(zip(prefixes, lens)):
             if m:
-                kbuf[i, :, lp - m : lp] = p.keys[layer][:, :m]
-                vbuf[i, :, lp - m : lp] = p.values[layer][:, :m]
+                kbuf[i, :, lp - m : lp] = p.keys[layer][:, skip : skip + m]
+                vbuf[i, :, lp - m : lp] = p.values[layer][:, skip : skip + m]
         layers.append(SlabLayer(kbuf, vbuf, lp))
     return layers
+
+
+SHARED_MIN = 32  # columns a prefix block needs before every row's queries read it as one (`SharedPrefix`)
+
+
+@dataclass
+class SharedPrefix:
+    """The first P columns of every row of a batch, held once: their token ids and, per layer,
+    keys/values [KV, P, D] (views of a `CachedPrefix`'s tensors: no copy).
+
+    A decode step reads them once for all rows (`fast_decode._cascade_attention`) instead of once per
+    row from the slabs — in a GRPO phase every call begins with the same system prompt and tool
+    list. The rows' slabs and `DecodeBatch.mask` hold only the columns after them."""
+
+    tokens: list[int]
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+    @classmethod
+    def of(cls, entry: CachedPrefix | SharedPrefix, n: int) -> SharedPrefix:
+        """The first `n` columns of a cached sequence (or of a larger block)."""
+        return cls(entry.tokens[:n], [k[:, :n] for k in entry.keys], [v[:, :n] for v in entry.values])
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def common(self, other: SharedPrefix | None) -> int:
+        """How many leading columns the two blocks share (equal tokens: equal K/V up to rounding)."""
+        if other is None:
+            return 0
+        n = min(len(self), len(other))
+        return next((i for i in range(n) if self.tokens[i] != other.tokens[i]), n)
+
+
+def _common_prefix(prompts: list[list[int]], most: int) -> int:
+    """How many leading tokens all prompts share, at most `most`."""
+    first = prompts[0][:most]
+    for p in prompts[1:]:
+        if p[: len(first)] != first:
+            first = first[: next((i for i, (a, b) in enumerate(zip(first, p)) if a != b), len(p))]
+    return len(first)
 
 
 def _left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -230,6 +283,7 @@ class DecodeBatch:
     temps: torch.Tensor
     top_p: torch.Tensor
     greedy: torch.Tensor
+    shared: SharedPrefix | None = None  # columns before every row's slab columns, held once
 
     @property
     def size(self) -> int:
@@ -270,24 +324,36 @@ class DecodeBatch:
         its unmerged adapters and per-head K/V copies; the same function to float32 rounding.
         `invariant` (on a supported model, whatever `fast`): its batch-invariant forward — each row's
         logits and K/V bitwise what it would get alone, with any prefix split (see the module docstring).
+
+        On that fast path (not `invariant`, on the CPU) the cached columns every row shares — their common
+        prompt prefix, from `SHARED_MIN` columns on — stay in one `SharedPrefix` (row 0's entry's views),
+        not copied into each row's slab, and every forward reads them once for the batch.
         """
         device = next(model.parameters()).device
         n = len(prompts)
         lens = list(prefix_lens) if prefixes is not None else [0] * n
-        lp = max(lens)
+        fast = (fast or invariant) and fast_decode.supports(model)
+        shared = None
+        if fast and not invariant and min(lens) >= SHARED_MIN and fast_decode.cascade_ok(device):
+            p = _common_prefix(prompts, min(lens))
+            shared = SharedPrefix.of(prefixes[0], p) if p >= SHARED_MIN else None
+        skip = len(shared) if shared else 0
+        own = [m - skip for m in lens]  # cached columns in each row's own slab
+        lp = max(own)
         ids, mask = (t.to(device) for t in _left_pad([p[m:] for p, m in zip(prompts, lens)], pad_id))
         positions = (mask.cumsum(-1) - 1).clamp(min=0) + torch.tensor(lens, device=device)[:, None]
         if lp == 0:
             layers = None
         else:
-            layers = _prefix_slabs(prefixes, lens, lp, ids.shape[1] + _HEADROOM)
+            layers = _prefix_slabs(prefixes, own, lp, ids.shape[1] + _HEADROOM, skip)
             pre_mask = torch.zeros((n, lp), dtype=mask.dtype, device=device)
-            for i, m in enumerate(lens):
+            for i, m in enumerate(own):
                 pre_mask[i, lp - m :] = 1
             mask = torch.cat([pre_mask, mask], dim=1)
-        if (fast or invariant) and fast_decode.supports(model):
+        if fast:
             layers = layers or [SlabLayer() for _ in model.model.layers]
-            logits = fast_decode.forward(model, layers, ids, positions, mask, invariant=invariant)
+            kv = (shared.keys, shared.values) if shared else None
+            logits = fast_decode.forward(model, layers, ids, positions, mask, invariant=invariant, shared=kv)
         else:
             cache = Cache(layers=layers) if layers else Cache(layer_class_to_replicate=SlabLayer)
             with precision.autocast(model):  # agl_lab.model.compute_dtype=bfloat16: as the decode's products
@@ -308,26 +374,55 @@ class DecodeBatch:
             temps=torch.tensor(temps, device=device),
             top_p=torch.tensor(top_p, device=device),
             greedy=torch.tensor(greedy, device=device),
+            shared=shared,
         )
         return batch, logits
 
     def row_kv(self, row: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Keys and values of the real (unmasked) columns of `row`, per layer [KV, n, D] (copies)."""
+        """Keys and values of the real (unmasked) columns of `row`, the shared block's first, per layer
+        [KV, n, D] (copies)."""
         cols = self.mask[row].nonzero()[:, 0]
-        return [layer.keys[row, :, cols] for layer in self.layers], [
-            layer.values[row, :, cols] for layer in self.layers
-        ]
+        keys = [layer.keys[row, :, cols] for layer in self.layers]
+        values = [layer.values[row, :, cols] for layer in self.layers]
+        if self.shared:
+            keys = [torch.cat([s, k], dim=1) for s, k in zip(self.shared.keys, keys)]
+            values = [torch.cat([s, v], dim=1) for s, v in zip(self.shared.values, values)]
+        return keys, values
+
+    def keep_shared(self, n: int) -> int:
+        """Keep only the first `n` columns of the shared block (none below `SHARED_MIN`); the rest go
+        into every row's slab, before its own columns. Returns the columns copied (rows × columns)."""
+        if not self.shared or len(self.shared) <= n:
+            return 0
+        n = n if n >= SHARED_MIN else 0
+        for layer, k, v in zip(self.layers, self.shared.keys, self.shared.values):
+            layer.prepend(k[:, n:], v[:, n:])
+        moved = len(self.shared) - n
+        self.mask = torch.cat([self.mask.new_ones((self.size, moved)), self.mask], dim=1)
+        self.shared = SharedPrefix.of(self.shared, n) if n else None
+        return moved * self.size
+
+    def align_shared(self, other: DecodeBatch) -> int:
+        """Cut both batches' shared blocks to the columns they have in common (`keep_shared`), so that
+        they can merge. Returns the columns copied into row slabs (the counted fallback, #51)."""
+        n = self.shared.common(other.shared) if self.shared else 0
+        return self.keep_shared(n) + other.keep_shared(n)
 
     def decode(self, model: Any, fast: bool = True, invariant: bool = False) -> torch.Tensor:
         """Forward the pending tokens (they enter the cache) → next-token logits [B, V].
 
         `fast` uses `fast_decode.decode_step` when it supports the model (same function,
         fewer copies); otherwise, or with fast=False, the model's own HF forward. `invariant`
-        (on a supported model, whatever `fast`): its batch-invariant step.
+        (on a supported model, whatever `fast`): its batch-invariant step. A shared block is read by
+        the plain fast step only; the others first give its columns back to the rows (`keep_shared`).
         """
+        fast = (fast or invariant) and fast_decode.supports(model)
+        if self.shared and (invariant or not fast):
+            self.keep_shared(0)
         mask = torch.cat([self.mask, self.mask.new_ones((self.size, 1))], dim=1)
-        if (fast or invariant) and fast_decode.supports(model):
-            logits = fast_decode.decode_step(model, self.layers, self.tokens, self.positions, mask, invariant)
+        if fast:
+            kv = (self.shared.keys, self.shared.values) if self.shared else None
+            logits = fast_decode.decode_step(model, self.layers, self.tokens, self.positions, mask, invariant, kv)
         else:
             out = model(
                 input_ids=self.tokens[:, None],
@@ -344,7 +439,9 @@ class DecodeBatch:
     def merge(self, other: DecodeBatch) -> DecodeBatch:
         """Rows of `self` then rows of `other`, the shorter cache left-padded with masked zeros.
 
-        In place: `self`'s slabs take `other`'s rows (`SlabLayer.append_rows`); returns `self`."""
+        In place: `self`'s slabs take `other`'s rows (`SlabLayer.append_rows`); returns `self`. The shared
+        blocks are first cut to their common columns (`align_shared`)."""
+        self.align_shared(other)
         length = max(self.length, other.length)
         for la, lb in zip(self.layers, other.layers):
             la.append_rows(lb)

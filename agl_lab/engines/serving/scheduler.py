@@ -180,6 +180,11 @@ class BatchScheduler:
             "cached_tokens": 0,
             "shared_prefills": 0,  # common prefixes of an admitted batch computed once (`_share_prefix`)
             "decode_rows": 0,  # rows over all decode steps: / steps = the mean decode batch (#51)
+            # a decode step's shared prefix block (`decode_batch.SharedPrefix`, read once for all rows), its
+            # columns summed over the steps; and the columns copied back into row slabs when batches of
+            # different blocks merged (rows × columns: the fallback, counted)
+            "shared_columns": 0,
+            "spilled_columns": 0,
         }
         self._thread = threading.Thread(target=self._loop, name="agl-lab-scheduler", daemon=True)
         self._thread.start()
@@ -384,6 +389,7 @@ class BatchScheduler:
         self._sample(logits, new, batch)
         if self._batch is not None:
             self.stats["merges"] += 1
+            self.stats["spilled_columns"] += self._batch.align_shared(batch)
             batch = self._batch.merge(batch)
         self._batch = batch
         with self._cond:
@@ -398,6 +404,7 @@ class BatchScheduler:
         self._sample(logits, self._running, self._batch)
         self.stats["steps"] += 1
         self.stats["decode_rows"] += len(self._running)
+        self.stats["shared_columns"] += len(self._batch.shared) if self._batch.shared else 0
 
     # --- sampling and stopping ------------------------------------------------------------
 
