@@ -422,6 +422,22 @@ def test_shared_block_benchmark_runs_both_layouts_on_the_same_tokens():
     _assert_host_lines(out)
 
 
+def test_openmp_pools_benchmark_times_both_cases_for_every_row_size():
+    from agl_lab.engines.tiny import tiny_model_dir
+
+    out = _run(
+        "benchmarks/openmp_pools.py", "--rows=1,3", "--steps=5", "--repeat=1", f"--model-path={tiny_model_dir()}"
+    )
+    rows = {
+        line.split("|")[0].strip(): [c.strip() for c in line.split("|")] for line in out.splitlines() if " | " in line
+    }
+    assert set(rows) == {"rows", "1", "3"}
+    for n in ("1", "3"):
+        _, kept, released, ratio = rows[n]
+        assert float(kept) > 0 and float(released) > 0 and float(ratio) > 0
+    _assert_host_lines(out)
+
+
 def test_decode_step_benchmark_names_a_revision_git_does_not_know():
     done = subprocess.run(
         [sys.executable, "benchmarks/decode_step.py", "--before=no-such-rev"], cwd=ROOT, capture_output=True, text=True

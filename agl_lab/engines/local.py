@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
+from agl_lab.engines import openmp
 from agl_lab.engines.base import Engine
 from agl_lab.engines.serving.openai_server import OpenAIServer
 from agl_lab.engines.tiny import DEFAULT_MODEL_NAME, load_model_and_tokenizer
@@ -314,6 +315,9 @@ class LocalEngine(Engine):
             self.server.pause(wait=True, timeout=timeout)
 
     def resume(self) -> None:
+        """Serve again. The calling thread (the trainer's) is done computing until the phase ends: its
+        OpenMP pool goes, so the decode loop's is the only one (`agl_lab.engines.openmp`)."""
+        openmp.release_threads()
         self.server.resume()
 
     def publish(self, timeout: float | None = 300.0) -> int:

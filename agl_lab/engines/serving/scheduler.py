@@ -54,6 +54,7 @@ from typing import Any
 
 import torch
 
+from agl_lab.engines import openmp
 from agl_lab.engines.serving.decode_batch import DecodeBatch, sample_tokens
 from agl_lab.engines.serving.prefix_cache import BLOCK, CachedPrefix, PrefixCache
 from agl_lab.rules import BATCH_WINDOW_MS, MAX_BATCH_SIZE
@@ -185,6 +186,7 @@ class BatchScheduler:
             # different blocks merged (rows × columns: the fallback, counted)
             "shared_columns": 0,
             "spilled_columns": 0,
+            "thread_releases": 0,  # the loop's OpenMP pool given back when it ran out of work (`openmp`)
         }
         self._thread = threading.Thread(target=self._loop, name="agl-lab-scheduler", daemon=True)
         self._thread.start()
@@ -278,6 +280,10 @@ class BatchScheduler:
                     self.stats["step_s"] += time.perf_counter() - t0
             except Exception as exc:  # a model error must not kill the server: fail the batch
                 self._fail_all(exc)
+            if not self._running and (self._paused or not self._queue):
+                # out of work: the next computing thread (the trainer's update) gets the cores' only
+                # OpenMP pool, unthrottled (`agl_lab.engines.openmp`)
+                self.stats["thread_releases"] += openmp.release_threads()
             # Critical: yield the GIL between steps. Locks are not fair: a thread waiting for
             # `weights_lock` (the trainer's update, a weight sync) would otherwise watch this
             # loop re-take it step after step until every running request has finished.
