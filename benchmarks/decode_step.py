@@ -24,9 +24,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from agl_lab.engines.lora import LoraSpec, adapted_layers, add_lora  # noqa: E402
 from agl_lab.engines.serving import fast_decode  # noqa: E402
 from agl_lab.engines.serving.decode_batch import DecodeBatch  # noqa: E402
+from benchmarks.adapted import adapted_model  # noqa: E402
 from benchmarks.host import describe  # noqa: E402
 
 
@@ -75,18 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--model-path", help="an HF model directory (default: SmolLM2-135M, the preset)")
     args = p.parse_args(argv)
-    from transformers import AutoModelForCausalLM
-
-    from agl_lab.models import smollm2
-
-    torch.set_num_threads(2)
-    torch.manual_seed(0)
-    path = args.model_path or str(smollm2())
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    add_lora(model, LoraSpec(rank=16, alpha=32, target_modules="all-linear"))
-    with torch.no_grad():
-        for proj in adapted_layers(model):
-            proj.lora_B["default"].weight.normal_(0, 0.01)
+    model, path = adapted_model(args.model_path)
     modules = {"before": module_at(args.before), "now": fast_decode}
     print(f"# {Path(path).name} + LoRA r16, {args.steps} steps a case, before = {args.before}")
     print(describe(), flush=True)

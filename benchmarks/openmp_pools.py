@@ -29,8 +29,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from agl_lab.engines import openmp  # noqa: E402
-from agl_lab.engines.lora import LoraSpec, adapted_layers, add_lora  # noqa: E402
 from agl_lab.engines.serving.decode_batch import DecodeBatch  # noqa: E402
+from benchmarks.adapted import adapted_model  # noqa: E402
 from benchmarks.host import describe  # noqa: E402
 
 CASES = ("kept", "released")
@@ -89,17 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not openmp.available():
         print("# torch here does not run on GNU OpenMP: nothing to release (both cases are the same)")
-    from transformers import AutoModelForCausalLM
-
-    from agl_lab.models import smollm2
-
-    torch.set_num_threads(2)
-    path = args.model_path or str(smollm2())
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    add_lora(model, LoraSpec(rank=16, alpha=32, target_modules="all-linear"))
-    with torch.no_grad():
-        for proj in adapted_layers(model):
-            proj.lora_B["default"].weight.normal_(0, 0.01)
+    model, path = adapted_model(args.model_path)
     rows = [int(r) for r in args.rows.split(",")]
     helper = Helper()
     times = {(case, n): [] for case in CASES for n in rows}

@@ -27,10 +27,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agl_lab.engines.lora import LoraSpec, adapted_layers, add_lora  # noqa: E402
 from agl_lab.engines.serving import decode_batch  # noqa: E402
 from agl_lab.engines.serving.decode_batch import DecodeBatch  # noqa: E402
 from agl_lab.engines.serving.prefix_cache import CachedPrefix  # noqa: E402
+from benchmarks.adapted import adapted_model  # noqa: E402
 from benchmarks.host import describe  # noqa: E402
 
 LAYOUTS = ("rows", "block")
@@ -85,18 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=25)
     p.add_argument("--model-path", help="an HF model directory (default: SmolLM2-135M, the preset)")
     args = p.parse_args(argv)
-    from transformers import AutoModelForCausalLM
-
-    from agl_lab.models import smollm2
-
-    torch.set_num_threads(2)
-    torch.manual_seed(0)
-    path = args.model_path or str(smollm2())
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    add_lora(model, LoraSpec(rank=16, alpha=32, target_modules="all-linear"))
+    model, path = adapted_model(args.model_path)
     with torch.inference_mode():
-        for proj in adapted_layers(model):
-            proj.lora_B["default"].weight.normal_(0, 0.01)  # a trained adapter: merged weights differ
         vocab = min(40000, model.config.vocab_size)
         shared = torch.randint(1, vocab, (args.prefix,), generator=torch.Generator().manual_seed(0)).tolist()
         first, _ = DecodeBatch.prefill(model, [shared], [1.0], [1.0], [True], pad_id=0)

@@ -25,6 +25,13 @@ def _run(*args: str, timeout: float = 240) -> str:
     return done.stdout
 
 
+def _rows_by_first_cell(out: str) -> dict[str, list[str]]:
+    """Every ` | `-separated line of `out` (header included): {first cell: cells}."""
+    return {
+        line.split("|")[0].strip(): [c.strip() for c in line.split("|")] for line in out.splitlines() if " | " in line
+    }
+
+
 def _rows(out: str, first_column: str) -> dict[str, list[str]]:
     """The table whose header starts with `first_column`: {first cell: cells} per data row."""
     lines = out.splitlines()
@@ -393,9 +400,7 @@ def test_decode_step_benchmark_compares_a_revision_s_module_row_by_row():
     out = _run(
         "benchmarks/decode_step.py", "--before=HEAD", "--rows=1,3", "--steps=5", f"--model-path={tiny_model_dir()}"
     )
-    rows = {
-        line.split("|")[0].strip(): [c.strip() for c in line.split("|")] for line in out.splitlines() if " | " in line
-    }
+    rows = _rows_by_first_cell(out)
     assert set(rows) == {"rows", "1", "3"}
     for n in ("1", "3"):
         _, before_ms, now_ms, _, dlogit = rows[n]
@@ -412,9 +417,7 @@ def test_shared_block_benchmark_runs_both_layouts_on_the_same_tokens():
         "benchmarks/shared_block.py", "--rows=1,3", "--prefix=40", "--suffix=3", "--steps=5",
         f"--model-path={tiny_model_dir()}",
     )  # fmt: skip
-    rows = {
-        line.split("|")[0].strip(): [c.strip() for c in line.split("|")] for line in out.splitlines() if " | " in line
-    }
+    rows = _rows_by_first_cell(out)
     assert set(rows) == {"rows", "1", "3"}
     for n in ("1", "3"):
         _, *ms, ratio, dlogit = rows[n]
@@ -428,9 +431,7 @@ def test_openmp_pools_benchmark_times_both_cases_for_every_row_size():
     out = _run(
         "benchmarks/openmp_pools.py", "--rows=1,3", "--steps=5", "--repeat=1", f"--model-path={tiny_model_dir()}"
     )
-    rows = {
-        line.split("|")[0].strip(): [c.strip() for c in line.split("|")] for line in out.splitlines() if " | " in line
-    }
+    rows = _rows_by_first_cell(out)
     assert set(rows) == {"rows", "1", "3"}
     for n in ("1", "3"):
         _, kept, released, ratio = rows[n]
@@ -461,9 +462,7 @@ def test_lora_update_benchmark_times_the_forwards_and_the_merged_ones_run_fewer_
         "agl_lab.model.warm_start_steps=0",
         timeout=600,
     )
-    rows = {
-        line.split("|")[0].strip(): [c.strip() for c in line.split("|")] for line in out.splitlines() if " | " in line
-    }
+    rows = _rows_by_first_cell(out)
     assert all(
         float(rows[case][1]) > 0 for case in ("merged", "peft", "merged-bf16", "autocast-bf16", "verl-scores", "sdpa")
     )
@@ -496,9 +495,7 @@ def test_micro_batches_benchmark_times_each_case_and_the_chosen_order_pads_no_mo
         "agl_lab.algorithm.skip_zero_advantage=false",  # every micro-batch forwarded, zero rewards or not
         timeout=600,
     )
-    rows = {
-        line.split("|")[0].strip(): [c.strip() for c in line.split("|")] for line in out.splitlines() if " | " in line
-    }
+    rows = _rows_by_first_cell(out)
     assert set(rows) == {"case", "2:batch", "2:chosen"}
     batch, chosen = rows["2:batch"], rows["2:chosen"]
     assert float(batch[1]) > 0 and float(chosen[1]) > 0 and float(batch[5]) > 0
