@@ -200,7 +200,7 @@ class SharedPrefix:
         return next((i for i in range(n) if self.tokens[i] != other.tokens[i]), n)
 
 
-def _common_prefix(prompts: list[list[int]], most: int) -> int:
+def common_token_prefix(prompts: list[list[int]], most: int) -> int:
     """How many leading tokens all prompts share, at most `most`."""
     first = prompts[0][:most]
     for p in prompts[1:]:
@@ -335,7 +335,7 @@ class DecodeBatch:
         fast = (fast or invariant) and fast_decode.supports(model)
         shared = None
         if fast and not invariant and min(lens) >= SHARED_MIN and fast_decode.cascade_ok(device):
-            p = _common_prefix(prompts, min(lens))
+            p = common_token_prefix(prompts, min(lens))
             shared = SharedPrefix.of(prefixes[0], p) if p >= SHARED_MIN else None
         skip = len(shared) if shared else 0
         own = [m - skip for m in lens]  # cached columns in each row's own slab

@@ -55,7 +55,7 @@ from typing import Any
 import torch
 
 from agl_lab.engines import openmp
-from agl_lab.engines.serving.decode_batch import DecodeBatch, sample_tokens
+from agl_lab.engines.serving.decode_batch import DecodeBatch, common_token_prefix, sample_tokens
 from agl_lab.engines.serving.prefix_cache import BLOCK, CachedPrefix, PrefixCache
 from agl_lab.rules import BATCH_WINDOW_MS, MAX_BATCH_SIZE
 
@@ -330,9 +330,7 @@ class BatchScheduler:
             return
         prompts = [s.prompt_ids for s in new]
         first, shortest = prompts[0], min(len(p) for p in prompts)
-        common = shortest
-        for p in prompts[1:]:
-            common = next((i for i in range(common) if p[i] != first[i]), common)
+        common = common_token_prefix(prompts, shortest)
         # a match stays below its prompt's length (the last token runs in the row's own prefill)
         usable = min(common, shortest - 1)
         if usable < BLOCK:
