@@ -197,7 +197,9 @@ class SharedPrefix:
         if other is None:
             return 0
         n = min(len(self), len(other))
-        return next((i for i in range(n) if self.tokens[i] != other.tokens[i]), n)
+        if self.tokens[:n] == other.tokens[:n]:  # the usual case (aligned blocks): one C-level compare
+            return n
+        return next(i for i in range(n) if self.tokens[i] != other.tokens[i])
 
 
 def common_token_prefix(prompts: list[list[int]], most: int) -> int:
