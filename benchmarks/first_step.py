@@ -11,17 +11,18 @@ beside `--busy` busy loops (separate processes: the load of the issue's measurem
 wall seconds, failed rollouts (an agent that raised or a model call the gateway answered with an
 error), model calls, calls that reached the engine (`generations`: > calls means a call was sent
 twice), decode steps, LoRA merges during the phase (0: none on the decode path), timeout
-extensions (`GET /proxy/upstream_stats`), and the load average. Goal: first ≤ 2× later, 0 failed.
+extensions (`GET /proxy/upstream_stats`), and the runnable threads during the phase (the machine's
+load: `RunnableSampler`). Goal: first ≤ 2× later, 0 failed.
 
-    python benchmarks/first_step.py [--groups 4] [--n 4] [--busy 2] [--upstream-timeout 300]
+    python benchmarks/first_step.py [--groups 4] [--n 4] [--busy 2] [--upstream-timeout 300] [--model-path DIR]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -53,7 +54,7 @@ def play_phase(server, engine, agent, tasks: list[dict]) -> dict:
             print(f"  rollout {rollout.rollout_id[:8]} failed: {type(exc).__name__}: {exc}", flush=True)
             return False
 
-    t0 = time.perf_counter()
+    load, t0 = RunnableSampler(), time.perf_counter()
     with ThreadPoolExecutor(len(rollouts)) as pool:
         ok = list(pool.map(play, rollouts))
     wall = time.perf_counter() - t0
@@ -68,9 +69,36 @@ def play_phase(server, engine, agent, tasks: list[dict]) -> dict:
         "decode steps": int(sched.stats["steps"] - before_stats["steps"]),
         "LoRA merges in phase": merge_count(engine.model) - merges,
         "timeout extensions": server.gateway.stats["timeout_extensions"] - extensions,
-        "load": round(os.getloadavg()[0], 1),
+        "runnable": load.mean(),
     }
 
+
+class RunnableSampler:
+    """The machine's runnable threads during a phase: /proc/loadavg's running count, sampled every
+    `period` s by a thread (the sampler itself not counted). A phase of seconds ends before the
+    1-minute load average sees the busy loops; this is the load the phase ran under."""
+
+    def __init__(self, period: float = 0.25):
+        self.period, self.samples = period, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="runnable-sampler", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:  # a sample at the start, then one every `period` s until `mean`
+            with open("/proc/loadavg") as f:
+                self.samples.append(int(f.read().split()[3].split("/")[0]) - 1)
+            if self._stop.wait(self.period):
+                return
+
+    def mean(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return round(sum(self.samples) / len(self.samples), 1)
+
+
+# a busy loop that ends with this process, however it ends (killed too: the `finally` below does not run)
+BUSY_LOOP = "import os\nparent = os.getppid()\nwhile os.getppid() == parent: pass"
 
 _SUBMITS = {"n": 0}  # requests the engine's scheduler received (a call sent twice counts twice)
 
@@ -100,6 +128,8 @@ def simulated_update(engine, seed: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="smollm2-135m")
+    parser.add_argument("--model-path", help="an HF model directory instead of the preset")
+    parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--groups", type=int, default=4)
     parser.add_argument("--n", type=int, default=4, help="rollouts per task (a GRPO group)")
     parser.add_argument("--busy", type=int, default=2, help="busy-loop processes beside the engine")
@@ -115,12 +145,13 @@ def main(argv: list[str] | None = None) -> None:
     from agl_lab.server.embedded import EmbeddedServer
     from agl_lab.tasks import get_task
 
-    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
+    loops = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(args.busy)]
+    print(f"busy loops (pids): {' '.join(str(p.pid) for p in loops) or '-'}", flush=True)
     t0 = time.perf_counter()
     engine = LocalEngine(
-        str(preset_dir(args.preset)),
+        args.model_path or str(preset_dir(args.preset)),
         device="cpu",
-        max_model_len=2048,
+        max_model_len=args.max_model_len,
         lora={"lora_rank": args.lora_rank, "lora_alpha": 2 * args.lora_rank},
     )
     built = time.perf_counter() - t0
@@ -148,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     table = pd.DataFrame(rows).set_index("phase")
     ratio = table.loc["first", "seconds"] / table.loc["later", "seconds"]
     print(
-        f"\n{args.groups} tasks × {args.n} rollouts of `calc`, {args.preset} + LoRA r={args.lora_rank}, "
+        f"\n{args.groups} tasks × {args.n} rollouts of `calc`, {args.model_path or args.preset} + LoRA r={args.lora_rank}, "
         f"beside {args.busy} busy loops; engine built (and warmed) in {built:.1f} s\n"
     )
     print(table.to_string())

@@ -7,11 +7,13 @@ the next benchmarking session.
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -437,6 +439,52 @@ def test_openmp_pools_benchmark_times_both_cases_for_every_row_size():
         _, kept, released, ratio = rows[n]
         assert float(kept) > 0 and float(released) > 0 and float(ratio) > 0
     _assert_host_lines(out)
+
+
+def test_first_step_benchmark_plays_both_phases_and_sends_each_call_once():
+    """`first_step.py` on the tiny model beside one busy loop: both phases' rows, every call the
+    gateway recorded reached the engine once, no LoRA merge on the decode path, the runnable
+    threads sampled during each phase."""
+    from agl_lab.engines.tiny import tiny_model_dir
+
+    out = _run(
+        "benchmarks/first_step.py",
+        "--groups=1",
+        "--n=2",
+        "--busy=1",
+        "--max-model-len=1024",
+        f"--model-path={tiny_model_dir()}",
+    )
+    rows = {row["phase"]: row for row in map(ast.literal_eval, re.findall(r"^\{'phase'.*\}$", out, re.M))}
+    assert set(rows) == {"first", "later"}
+    for row in rows.values():
+        assert row["failed rollouts"] == 0 and row["model calls"] >= 2, row
+        assert row["generations"] == row["model calls"], row  # each call reached the engine once
+        assert row["LoRA merges in phase"] == 0 and row["timeout extensions"] == 0, row
+        assert row["runnable"] >= 1, row  # the busy loop at least
+    assert re.search(r"^ +seconds +failed rollouts .* runnable$", out, re.M)  # the table's header
+    assert "first / later:" in out
+
+
+def test_first_step_benchmark_s_busy_loops_end_with_it():
+    """A benchmark that dies (here: an unknown preset, raised after the busy loops started) takes its
+    busy loops with it: they watch their parent."""
+    done = subprocess.run(
+        [sys.executable, "benchmarks/first_step.py", "--preset=no-such-model", "--busy=1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0 and "unknown model preset 'no-such-model'" in done.stderr
+    pids = [int(p) for p in re.search(r"busy loops \(pids\): (.*)", done.stdout).group(1).split()]
+    assert len(pids) == 1
+    for _ in range(100):  # give an orphan a moment to notice it was reparented
+        left = [p for p in pids if Path(f"/proc/{p}").exists()]
+        if not left:
+            break
+        time.sleep(0.1)
+    assert not left, f"busy loops left running: {left}"
 
 
 def test_decode_step_benchmark_names_a_revision_git_does_not_know():
