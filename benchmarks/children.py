@@ -8,13 +8,35 @@ colour the next.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# a busy loop that ends with the process that started it (its pid: argv[1]), however that one ends (a
+# kill runs no `finally`); given the pid, not reading it at start, since the parent may die first
+BUSY_LOOP = "import os, sys\nparent = int(sys.argv[1])\nwhile os.getppid() == parent: pass"
+
+
+@contextlib.contextmanager
+def busy_loops(k: int, settle: float = 1.0) -> Iterator[list[subprocess.Popen]]:
+    """`k` busy-looping competitor processes (the rest of a shared machine) for the `with` block: started,
+    given `settle` s to get going (when k > 0), killed at the end. Each also ends by itself when this
+    process dies."""
+    loops = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP, str(os.getpid())]) for _ in range(k)]
+    try:
+        time.sleep(settle if k else 0.0)
+        yield loops
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
 
 
 def run_child(code: str, args: list[str], what: str, checkout: Path = ROOT) -> list[str]:

@@ -20,7 +20,6 @@ load: `RunnableSampler`). Goal: first ≤ 2× later, 0 failed.
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import threading
 import time
@@ -31,7 +30,9 @@ from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks.children`, run as a script
+
+from benchmarks.children import busy_loops  # noqa: E402
 
 
 def play_phase(server, engine, agent, tasks: list[dict]) -> dict:
@@ -97,9 +98,6 @@ class RunnableSampler:
         return round(sum(self.samples) / len(self.samples), 1)
 
 
-# a busy loop that ends with this process, however it ends (killed too: the `finally` below does not run)
-BUSY_LOOP = "import os\nparent = os.getppid()\nwhile os.getppid() == parent: pass"
-
 _SUBMITS = {"n": 0}  # requests the engine's scheduler received (a call sent twice counts twice)
 
 
@@ -125,28 +123,14 @@ def simulated_update(engine, seed: int) -> None:
     engine.sync_weights()
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--preset", default="smollm2-135m")
-    parser.add_argument("--model-path", help="an HF model directory instead of the preset")
-    parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--groups", type=int, default=4)
-    parser.add_argument("--n", type=int, default=4, help="rollouts per task (a GRPO group)")
-    parser.add_argument("--busy", type=int, default=2, help="busy-loop processes beside the engine")
-    parser.add_argument("--upstream-timeout", type=float, default=None, help="the gateway's (default: its own)")
-    parser.add_argument("--lora-rank", type=int, default=8)
-    args = parser.parse_args(argv)
-
-    import pandas as pd
-
+def play_both_phases(args: argparse.Namespace) -> tuple[list[dict], float]:
+    """A fresh engine's first phase, then a later one after a simulated update → (rows, build seconds)."""
     from agl_lab.engines.local import LocalEngine
     from agl_lab.models import preset_dir
     from agl_lab.protocol import Model
     from agl_lab.server.embedded import EmbeddedServer
     from agl_lab.tasks import get_task
 
-    loops = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(args.busy)]
-    print(f"busy loops (pids): {' '.join(str(p.pid) for p in loops) or '-'}", flush=True)
     t0 = time.perf_counter()
     engine = LocalEngine(
         args.model_path or str(preset_dir(args.preset)),
@@ -173,9 +157,26 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         server.stop()
         engine.close()
-        for loop in loops:
-            loop.kill()
-            loop.wait()
+    return rows, built
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", default="smollm2-135m")
+    parser.add_argument("--model-path", help="an HF model directory instead of the preset")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--groups", type=int, default=4)
+    parser.add_argument("--n", type=int, default=4, help="rollouts per task (a GRPO group)")
+    parser.add_argument("--busy", type=int, default=2, help="busy-loop processes beside the engine")
+    parser.add_argument("--upstream-timeout", type=float, default=None, help="the gateway's (default: its own)")
+    parser.add_argument("--lora-rank", type=int, default=8)
+    args = parser.parse_args(argv)
+
+    import pandas as pd
+
+    with busy_loops(args.busy, settle=0) as loops:  # beside the engine's build and warm-up too
+        print(f"busy loops (pids): {' '.join(str(p.pid) for p in loops) or '-'}", flush=True)
+        rows, built = play_both_phases(args)
     table = pd.DataFrame(rows).set_index("phase")
     ratio = table.loc["first", "seconds"] / table.loc["later", "seconds"]
     print(

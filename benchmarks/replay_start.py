@@ -33,6 +33,10 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks.children`, run as a script
+
+from benchmarks.children import busy_loops  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 CASSETTE = ROOT / "tests" / "fixtures" / "cassette"
 OLD_IMPORTS = ("verl", "verl.trainer.ppo.ray_trainer", "verl.trainer.ppo.metric_utils")
@@ -107,9 +111,7 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     for load in args.load:
-        hogs = [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(load)]
-        try:
-            time.sleep(1.0 if load else 0.0)
+        with busy_loops(load):
             for name, root, preload, replay_args in cases(args.before):
                 runs = [_once(root, preload, replay_args) for _ in range(args.repeats)]
                 firsts, exits = [r[0] for r in runs], [r[1] for r in runs]
@@ -118,10 +120,6 @@ def main() -> None:
                     f"{min(firsts):>6.2f} | {statistics.median(exits):>7.2f} | {min(exits):>6.2f} | {runs[-1][2]:>3}",
                     flush=True,
                 )
-        finally:
-            for hog in hogs:
-                hog.kill()
-                hog.wait()
     print(
         f"\n{os.cpu_count()} CPUs; python {sys.version.split()[0]}; each case a fresh interpreter; "
         f"replayed: {CASSETTE.relative_to(ROOT)} step 2 (ray: loaded at the process's end)"

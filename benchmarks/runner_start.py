@@ -14,7 +14,7 @@ asserts it); this script times what that buys, beside what the two would cost:
 
 Every case runs `--repeats` times; the columns are the median and the fastest wall seconds, the
 number of modules the process had loaded at its end and how many of them are the server stack or
-numpy. `--load K` adds K busy-looping competitor processes (`python -c 'while 1: pass'`) standing
+numpy. `--load K` adds K busy-looping competitor processes (`benchmarks.children.busy_loops`) standing
 in for the rest of a shared machine (the issue measured ~2.7 s of imports under load). The server
 the runners claim from is an in-process `EmbeddedServer` on loopback.
 
@@ -33,6 +33,10 @@ import sys
 import time
 import uuid
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks.children`, run as a script
+
+from benchmarks.children import busy_loops  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "runner-start-bench-key"
@@ -160,9 +164,7 @@ def main() -> None:
     try:
         with AglClient(server.url, key=KEY) as client:
             for load in args.load:
-                hogs = [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(load)]
-                try:
-                    time.sleep(1.0 if load else 0.0)
+                with busy_loops(load):
                     for case in CASES:
                         walls, out = measure(case, args.repeats, server, client)
                         n_modules, n_heavy = _modules(out)
@@ -171,10 +173,6 @@ def main() -> None:
                             f"{min(walls):>6.3f} | {n_modules:>7} | {n_heavy:>21}",
                             flush=True,
                         )
-                finally:
-                    for hog in hogs:
-                        hog.kill()
-                        hog.wait()
     finally:
         server.stop()
     print(

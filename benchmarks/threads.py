@@ -1,8 +1,8 @@
 """Torch threads on a shared CPU: the tiny model's warm start and a GRPO step, 1 vs N threads.
 
 Each setting runs in its own process (torch's intra-op pool is sized once per process), on a
-quiet machine and with `--load K` busy-looping competitor processes (`python -c 'while 1:
-pass'`) standing in for the other work of a shared machine:
+quiet machine and with `--load K` busy-looping competitor processes (`benchmarks.children.busy_loops`)
+standing in for the other work of a shared machine:
 
     warm start   `fit_transcripts` on the `lookup` demonstrations (no cache), seconds per step
     grpo step    `Trainer.step()` of configs/cpu_tiny.yaml (warm-started model cached), seconds
@@ -16,7 +16,11 @@ import argparse
 import json
 import subprocess
 import sys
-import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks.children`, run as a script
+
+from benchmarks.children import busy_loops  # noqa: E402
 
 CHILD = r"""
 import json, sys, time, warnings
@@ -54,9 +58,7 @@ def main() -> None:
     args = ap.parse_args()
     print(f"{'load':>4} {'threads':>7} {'warm s/step':>11} {'grpo step s':>11}")
     for load in args.load:
-        hogs = [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(load)]
-        try:
-            time.sleep(1.0 if load else 0.0)
+        with busy_loops(load):
             for threads in args.threads:
                 out = subprocess.run(
                     [sys.executable, "-c", CHILD, str(threads), str(args.warm_steps), str(args.steps)],
@@ -66,10 +68,6 @@ def main() -> None:
                 )
                 r = json.loads(out.stdout.strip().splitlines()[-1])
                 print(f"{load:>4} {threads:>7} {r['warm_s_per_step']:>11.3f} {r['grpo_step_s']:>11.2f}", flush=True)
-        finally:
-            for p in hogs:
-                p.kill()
-                p.wait()
 
 
 if __name__ == "__main__":
