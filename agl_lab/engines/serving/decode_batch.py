@@ -196,10 +196,7 @@ class SharedPrefix:
         """How many leading columns the two blocks share (equal tokens: equal K/V up to rounding)."""
         if other is None:
             return 0
-        n = min(len(self), len(other))
-        if self.tokens[:n] == other.tokens[:n]:  # the usual case (aligned blocks): one C-level compare
-            return n
-        return next(i for i in range(n) if self.tokens[i] != other.tokens[i])
+        return common_token_prefix([self.tokens, other.tokens], min(len(self), len(other)))
 
 
 def common_token_prefix(prompts: list[list[int]], most: int) -> int:
